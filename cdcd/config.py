@@ -1,0 +1,59 @@
+"""Loading msgspec config Structs from TOML files and keyword overrides, with one-line errors."""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """Bad configuration: the message names the file (or source) and the key."""
+
+
+_PATH_RE = re.compile(r" - at `\$\.?([^`]*)`$")
+
+
+def _describe(exc: msgspec.ValidationError) -> str:
+    msg = str(exc)
+    m = _PATH_RE.search(msg)
+    where = m.group(1) if m else ""
+    msg = _PATH_RE.sub("", msg)
+    unknown = re.match(r"Object contains unknown field `([^`]*)`", msg)
+    if unknown:
+        key = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
+        return f"unknown key '{key}'"
+    return f"key '{where}': {msg}" if where else msg
+
+
+def convert(data: Mapping[str, Any], cls: type[T], source: str) -> T:
+    """Build ``cls`` from a plain mapping; errors become ``ConfigError`` naming source and key."""
+    try:
+        return msgspec.convert(data, cls, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {_describe(exc)}") from None
+
+
+def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: config file not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: invalid TOML: {exc}") from None
+
+
+def load_toml(path: str | os.PathLike[str], cls: type[T], overrides: Mapping[str, Any] | None = None) -> T:
+    data = read_toml(path)
+    if overrides:
+        data.update(overrides)
+    return convert(data, cls, str(path))

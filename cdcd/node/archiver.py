@@ -1,0 +1,114 @@
+"""Moving closed segments to the archive, linking them for CDC, and archive retention."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+
+from cdcd import metrics
+from cdcd.wal.segment import list_segments, segment_path
+
+log = structlog.get_logger("cdcd.node.archiver")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_same_filesystem(archive_dir: Path, cdc_dir: Path) -> None:
+    a, c = os.stat(archive_dir).st_dev, os.stat(cdc_dir).st_dev
+    if a != c:
+        raise OSError(
+            f"cdc_dir {cdc_dir} is on another filesystem than wal_archive_dir {archive_dir}: "
+            "CDC needs hard links, put both on one filesystem"
+        )
+
+
+def dir_bytes(path: Path) -> int:
+    total = 0
+    for entry in os.scandir(path):
+        if entry.is_file(follow_symlinks=False):
+            total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
+class Archiver:
+    """Link (CDC) first, then rename into the archive: a crash between the two is finished on open."""
+
+    def __init__(
+        self,
+        archive_dir: Path,
+        cdc_dir: Path,
+        *,
+        cdc_enabled: bool,
+        cdc_dir_max_bytes: int,
+        archive_max_bytes: int,
+        min_kept_segment: Callable[[], int],
+        fsync: bool = True,
+    ) -> None:
+        self.archive_dir = archive_dir
+        self.cdc_dir = cdc_dir
+        self.cdc_enabled = cdc_enabled
+        self.cdc_dir_max_bytes = cdc_dir_max_bytes
+        self.archive_max_bytes = archive_max_bytes
+        self.min_kept_segment = min_kept_segment
+        self.fsync = fsync
+        self.last_archived = -1
+
+    def archive(self, segment: int, work_path: Path) -> None:
+        if self.cdc_enabled:
+            self._link(segment, work_path)
+        os.replace(work_path, segment_path(self.archive_dir, segment))
+        if self.fsync:
+            fsync_dir(self.archive_dir)
+            fsync_dir(work_path.parent)
+        self.last_archived = segment
+        metrics.SEGMENTS_ARCHIVED.inc()
+        metrics.WAL_SEGMENT.set(segment + 1)
+        if self.archive_max_bytes:
+            self.apply_retention()
+
+    def _link(self, segment: int, work_path: Path) -> None:
+        link = segment_path(self.cdc_dir, segment)
+        if link.exists() and os.path.samefile(link, work_path):
+            return  # linked before a crash, rename still to do
+        size = work_path.stat().st_size
+        if self.cdc_dir_max_bytes:
+            used = dir_bytes(self.cdc_dir)
+            if used + size > self.cdc_dir_max_bytes:
+                metrics.CDC_LINKS_SKIPPED.inc()
+                log.error(
+                    "cdc_link_skipped",
+                    segment=segment,
+                    cdc_dir=str(self.cdc_dir),
+                    cdc_dir_bytes=used,
+                    cdc_dir_max_bytes=self.cdc_dir_max_bytes,
+                    hint="the CDC consumer is behind; this segment is lost to CDC "
+                    "(cdcd control delete-lost-segment-links, then resend)",
+                )
+                return
+        os.link(work_path, link)
+        if self.fsync:
+            fsync_dir(self.cdc_dir)
+        metrics.CDC_LINKS.inc()
+
+    def apply_retention(self) -> None:
+        """Delete the oldest archived segments over ``archive_max_bytes``; never the checkpoint's or later."""
+        segs, _ = list_segments(self.archive_dir)
+        sizes = {idx: p.stat().st_size for idx, p in segs.items()}
+        total = sum(sizes.values())
+        keep_from = self.min_kept_segment()
+        for idx in sorted(segs):
+            if total <= self.archive_max_bytes or idx >= keep_from:
+                break
+            segs[idx].unlink()
+            total -= sizes[idx]
+            metrics.ARCHIVE_DELETED.inc()
+            log.info("archive_segment_deleted", segment=idx, archive_bytes=total)

@@ -1,0 +1,89 @@
+"""Node configuration (``config/node.toml``); every size and duration carries its unit in its name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+MiB = 1 << 20
+
+
+class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    node_dir: str
+    """Root of the node; the paths below default to sub-directories of it."""
+    wal_dir: str = ""
+    """Work dir holding the active segment (default ``<node_dir>/wal``)."""
+    wal_archive_dir: str = ""
+    """Archived segments (default ``<wal_dir>/archive``)."""
+    cdc_dir: str = ""
+    """Hard links to archived segments for the CDC daemon (default ``<node_dir>/cdc``)."""
+    db_dir: str = ""
+    """LMDB page store and metastorage (default ``<node_dir>/db``)."""
+
+    wal_mode: Literal["fsync", "background"] = "fsync"
+    """``fsync``: a commit returns once its record is fsynced (group commit). ``background``: at once."""
+    wal_segment_size_bytes: int = 64 * MiB
+    wal_buffer_bytes: int = 4 * MiB
+    """Append buffer; writers wait for the flusher when it is full."""
+    wal_flush_interval_ms: int = 10
+    """The flusher writes and fsyncs at least this often when there is data."""
+    wal_force_archive_timeout_ms: int = 1000
+    """Roll a segment that holds records after this long, so CDC sees them (0: only when full)."""
+
+    cdc_enabled: bool = True
+    """Hard-link archived segments into ``cdc_dir``."""
+    cdc_dir_max_bytes: int = 0
+    """Stop linking (error logged, counted) while the CDC dir holds more than this (0: no limit)."""
+    archive_max_bytes: int = 1024 * MiB
+    """Delete the oldest archived segments beyond this size (0: keep all); links are never deleted."""
+
+    checkpoint_interval_ms: int = 5000
+    checkpoint_dirty_max_entries: int = 200_000
+    """Changed keys kept in memory before a checkpoint writes them to LMDB; writers wait beyond 2x."""
+    lmdb_map_size_bytes: int = 16 * 1024 * MiB
+
+    partitions: int = 1024
+    """Default partition count of new caches."""
+    cluster_id: int = 1
+    node_order: int = 1
+    topology_version: int = 1
+
+    def __post_init__(self) -> None:
+        checks = {
+            "wal_segment_size_bytes": self.wal_segment_size_bytes >= 4096,
+            "wal_buffer_bytes": self.wal_buffer_bytes >= 4096,
+            "wal_flush_interval_ms": self.wal_flush_interval_ms >= 1,
+            "wal_force_archive_timeout_ms": self.wal_force_archive_timeout_ms >= 0,
+            "cdc_dir_max_bytes": self.cdc_dir_max_bytes >= 0,
+            "archive_max_bytes": self.archive_max_bytes >= 0,
+            "checkpoint_interval_ms": self.checkpoint_interval_ms >= 1,
+            "checkpoint_dirty_max_entries": self.checkpoint_dirty_max_entries >= 1,
+            "partitions": 1 <= self.partitions <= 65536,
+            "cluster_id": 0 <= self.cluster_id <= 31,
+            "node_order": self.node_order >= 0,
+        }
+        for key, ok in checks.items():
+            if not ok:
+                raise msgspec.ValidationError(f"out of range: {getattr(self, key)} - at `$.{key}`")
+
+    @property
+    def wal_path(self) -> Path:
+        return Path(self.wal_dir or Path(self.node_dir) / "wal")
+
+    @property
+    def archive_path(self) -> Path:
+        return Path(self.wal_archive_dir or self.wal_path / "archive")
+
+    @property
+    def cdc_path(self) -> Path:
+        return Path(self.cdc_dir or Path(self.node_dir) / "cdc")
+
+    @property
+    def db_path(self) -> Path:
+        return Path(self.db_dir or Path(self.node_dir) / "db")
+
+    @property
+    def lock_path(self) -> Path:
+        return Path(self.node_dir) / "node.lock"

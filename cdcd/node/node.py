@@ -1,0 +1,404 @@
+"""The storage node: caches over LMDB, every change written ahead to a segmented WAL."""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import msgspec
+import structlog
+
+from cdcd import metrics
+from cdcd.config import ConfigError, convert, load_toml
+from cdcd.lock import DirLock, LockHeld
+from cdcd.node.archiver import Archiver, check_same_filesystem
+from cdcd.node.cache import REMOVE, Cache
+from cdcd.node.config import NodeConfig
+from cdcd.node.recovery import recover
+from cdcd.node.store import CacheInfo, CheckpointMeta, PageStore, cache_prefix
+from cdcd.node.transaction import Transaction
+from cdcd.node.wal_log import WalLog
+from cdcd.wal.frame import encode_frame
+from cdcd.wal.pointer import WalPointer
+from cdcd.wal.records import NIL, CacheConfig, CacheOp, CacheRecord, CacheVersion, Checkpoint, DataEntry, DataRecord, Op
+
+log = structlog.get_logger("cdcd.node")
+
+# Keys are encoded with a deterministic map order so that equal keys have equal bytes.
+_key_encoder = msgspec.msgpack.Encoder(order="deterministic")
+_value_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder()
+
+_OP_LABELS = {Op.CREATE: "create", Op.UPDATE: "update", Op.DELETE: "delete"}
+
+
+class NodeLocked(LockHeld):
+    pass
+
+
+class Node:
+    """An embedded, persistent key-value node. Open with ``Node.open``; all methods are thread-safe.
+
+    Writes append a DataRecord to the WAL and update an in-memory dirty map; a checkpointer thread
+    moves the dirty map into LMDB (one synced transaction, together with the WAL pointer the
+    checkpoint covers), so LMDB always holds a consistent state and recovery replays the WAL
+    from that pointer.
+    """
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self._closed = False
+        self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # writers wait here while the dirty map is full
+        self._checkpoint_lock = threading.Lock()
+        self._checkpoint_wake = threading.Event()
+        self._stop = threading.Event()
+        self._dirty: dict[bytes, DataEntry] = {}
+        self._snapshot: dict[bytes, DataEntry] | None = None  # being written by a checkpoint
+        self._checkpoint_segment = 0
+        self._last_cp_end: WalPointer | None = None
+        self._failure: BaseException | None = None
+
+        for d in (config.wal_path, config.archive_path, config.db_path, Path(config.node_dir)):
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if config.cdc_enabled:
+            config.cdc_path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            check_same_filesystem(config.archive_path, config.cdc_path)
+
+        self._dir_lock = DirLock(config.lock_path)
+        try:
+            self._dir_lock.acquire(0)
+        except LockHeld as exc:
+            raise NodeLocked(exc.path, exc.pid) from None
+        try:
+            self._open()
+        except BaseException:
+            self._dir_lock.release()
+            raise
+
+    def _open(self) -> None:
+        config = self.config
+        self._store = PageStore(config.db_path, config.lmdb_map_size_bytes)
+        self.node_id = self._store.node_id()
+        cp = self._store.checkpoint()
+        t0 = time.perf_counter()
+        state = recover(
+            work_dir=config.wal_path,
+            archive_dir=config.archive_path,
+            checkpoint=cp,
+            caches=self._store.caches(),
+            purge_cache=lambda info: self._store.purge_cache(info.cache_id, info.name),
+        )
+        self._dirty = state.dirty
+        self._caches: dict[str, CacheInfo] = state.caches
+        self._order = state.next_order - 1
+        self._checkpoint_segment = cp.pointer.segment if cp is not None else 0
+        self._last_cp_end = state.position
+        metrics.RECOVERY_RECORDS.set(state.records)
+        archiver = Archiver(
+            config.archive_path,
+            config.cdc_path,
+            cdc_enabled=config.cdc_enabled,
+            cdc_dir_max_bytes=config.cdc_dir_max_bytes,
+            archive_max_bytes=config.archive_max_bytes,
+            min_kept_segment=lambda: self._checkpoint_segment,
+        )
+        for idx, path in state.closed_segments:
+            log.info("finishing_interrupted_archive", segment=idx)
+            archiver.archive(idx, path)
+        self._wal = WalLog(
+            work_dir=config.wal_path,
+            node_id=self.node_id,
+            position=state.position,
+            segment_size_bytes=config.wal_segment_size_bytes,
+            buffer_bytes=config.wal_buffer_bytes,
+            flush_interval_ms=config.wal_flush_interval_ms,
+            force_archive_timeout_ms=config.wal_force_archive_timeout_ms,
+            archiver=archiver,
+        )
+        self._wal.start()
+        self._fsync_commits = config.wal_mode == "fsync"
+        self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="cdcd-checkpointer", daemon=True)
+        self._checkpointer.start()
+        log.info(
+            "node_opened",
+            node_dir=config.node_dir,
+            node_id=str(self.node_id),
+            wal_position=str(state.position),
+            checkpoint=str(cp.pointer) if cp else None,
+            records_replayed=state.records,
+            replay_ms=round((time.perf_counter() - t0) * 1000, 1),
+            wal_mode=config.wal_mode,
+        )
+
+    # --- opening and closing ---------------------------------------------------------------------
+    @classmethod
+    def open(cls, node_dir: str | Path, **settings: Any) -> Node:
+        """Open (creating if needed) the node at ``node_dir``; ``settings`` are NodeConfig fields."""
+        config = convert({"node_dir": str(node_dir), **settings}, NodeConfig, "Node.open()")
+        return cls(config)
+
+    @classmethod
+    def from_config_file(cls, path: str | Path, **overrides: Any) -> Node:
+        return cls(load_toml(path, NodeConfig, overrides))
+
+    def close(self) -> None:
+        """Flush, checkpoint and release the node dir (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._checkpoint_wake.set()
+        self._checkpointer.join()
+        try:
+            if self._failure is None:
+                self.checkpoint()
+        finally:
+            self._wal.close()
+            self._store.close()
+            self._dir_lock.release()
+            log.info("node_closed", node_dir=self.config.node_dir)
+
+    def __enter__(self) -> Node:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # --- caches ----------------------------------------------------------------------------------
+    def cache(self, name: str, *, partitions: int | None = None, cdc_enabled: bool = True) -> Cache:
+        """The cache called ``name``, created (and recorded in the WAL) on first use."""
+        info = self._caches.get(name)
+        if info is not None:
+            return Cache(self, info)
+        if not name or len(name) > 255 or "/" in name or "=" in name:
+            raise ValueError(f"bad cache name {name!r}: 1-255 characters, no '/' or '='")
+        with self._lock:
+            self._check_open()
+            info = self._caches.get(name)
+            if info is None:
+                cache_id = zlib.crc32(name.encode()) & 0x7FFFFFFF
+                for other in self._caches.values():
+                    if other.cache_id == cache_id:
+                        raise ValueError(f"cache name {name!r} hashes to the id of cache {other.name!r}; pick another")
+                config = CacheConfig(partitions=partitions or self.config.partitions, cdc_enabled=cdc_enabled)
+                info = CacheInfo(cache_id, name, config)
+                rec = CacheRecord(cache_id, name, CacheOp.CREATE, config, time.time_ns())
+                _ptr, end = self._wal.append(encode_frame(rec))
+                self._caches[name] = info
+                log.info("cache_created", cache=name, cache_id=cache_id, partitions=config.partitions)
+            else:
+                end = None
+        if end is not None and self._fsync_commits:
+            self._wal.wait_durable(end)
+        return Cache(self, info)
+
+    def caches(self) -> list[str]:
+        return sorted(self._caches)
+
+    def destroy_cache(self, name: str) -> bool:
+        """Destroy a cache and all its data (a CacheRecord DESTROY in the WAL). False if absent."""
+        with self._checkpoint_lock, self._lock:
+            self._check_open()
+            info = self._caches.get(name)
+            if info is None:
+                return False
+            rec = CacheRecord(info.cache_id, name, CacheOp.DESTROY, info.config, time.time_ns())
+            _ptr, end = self._wal.append(encode_frame(rec))
+            del self._caches[name]
+            prefix = cache_prefix(info.cache_id)
+            for key in [k for k in self._dirty if k.startswith(prefix)]:
+                del self._dirty[key]
+            # WAL before data: the purge may only reach LMDB once the DESTROY record is durable.
+            # Holding the lock keeps readers from seeing purged rows meanwhile.
+            self._wal.wait_durable(end)
+            self._store.purge_cache(info.cache_id, name)
+        log.info("cache_destroyed", cache=name, cache_id=info.cache_id)
+        return True
+
+    def transaction(self) -> Transaction:
+        return Transaction(self)
+
+    # --- WAL -------------------------------------------------------------------------------------
+    def force_archive(self) -> int | None:
+        """Roll the active segment now (if it holds records); returns the archived segment index."""
+        self._check_open()
+        return self._wal.force_archive()
+
+    def flush(self) -> None:
+        """Make every write so far durable (useful in background mode)."""
+        self._wal.flush()
+
+    @property
+    def wal_position(self) -> WalPointer:
+        return self._wal.position
+
+    @property
+    def wal(self) -> WalLog:
+        return self._wal
+
+    # --- reads and writes ------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"node {self.config.node_dir} is closed")
+        if self._failure is not None:
+            raise RuntimeError(f"node {self.config.node_dir} failed: {self._failure}") from self._failure
+
+    def _exists_locked(self, full_key: bytes) -> bool:
+        e = self._dirty.get(full_key)
+        if e is None and self._snapshot is not None:
+            e = self._snapshot.get(full_key)
+        if e is not None:
+            return e.op != Op.DELETE
+        return self._store.exists(full_key)
+
+    def _get(self, info: CacheInfo, key: Any, default: Any) -> Any:
+        full_key = cache_prefix(info.cache_id) + _key_encoder.encode(key)
+        with self._lock:
+            e = self._dirty.get(full_key)
+            if e is None and self._snapshot is not None:
+                e = self._snapshot.get(full_key)
+        if e is not None:
+            return default if e.op == Op.DELETE else _decoder.decode(e.value)
+        stored = self._store.get(full_key)
+        return default if stored is None else _decoder.decode(stored.value)
+
+    def _items(self, info: CacheInfo, decode: bool = True) -> Iterator[tuple[Any, Any]]:
+        prefix = cache_prefix(info.cache_id)
+        plen = len(prefix)
+        with self._lock:
+            overlay: dict[bytes, DataEntry] = {}
+            if self._snapshot is not None:
+                overlay.update((k[plen:], e) for k, e in self._snapshot.items() if k.startswith(prefix))
+            overlay.update((k[plen:], e) for k, e in self._dirty.items() if k.startswith(prefix))
+            stored = list(self._store.items(info.cache_id))
+        merged: dict[bytes, bytes] = {k: bytes(v.value) for k, v in stored}
+        for k, e in overlay.items():
+            if e.op == Op.DELETE:
+                merged.pop(k, None)
+            else:
+                merged[k] = bytes(e.value)
+        for k in sorted(merged):
+            if decode:
+                yield _decoder.decode(k), _decoder.decode(merged[k])
+            else:
+                yield k, merged[k]
+
+    def _commit(self, writes: Sequence[tuple[CacheInfo, Any, Any]]) -> int:
+        """Write one DataRecord of puts/removes; returns the number of entries written."""
+        encoded = []
+        for info, key, value in writes:
+            if value is None:
+                raise ValueError(f"cache {info.name!r}: value must not be None (use remove)")
+            key_raw = _key_encoder.encode(key)
+            value_raw = NIL if value is REMOVE else msgspec.Raw(_value_encoder.encode(value))
+            encoded.append((info, key_raw, value_raw))
+        if not encoded:
+            return 0
+        config = self.config
+        with self._lock:
+            self._check_open()
+            while len(self._dirty) >= 2 * config.checkpoint_dirty_max_entries:
+                self._checkpoint_wake.set()
+                self._room.wait()
+                self._check_open()
+            seen: dict[bytes, bool] = {}
+            entries: list[DataEntry] = []
+            keys: list[bytes] = []
+            for info, key_raw, value_raw in encoded:
+                if self._caches.get(info.name) is not info:
+                    raise ValueError(f"cache {info.name!r} was destroyed")
+                full_key = cache_prefix(info.cache_id) + key_raw
+                exists = seen[full_key] if full_key in seen else self._exists_locked(full_key)
+                if value_raw is NIL:
+                    if not exists:
+                        continue
+                    op = Op.DELETE
+                else:
+                    op = Op.UPDATE if exists else Op.CREATE
+                seen[full_key] = op != Op.DELETE
+                self._order += 1
+                version = CacheVersion(self._order, config.node_order, config.cluster_id, config.topology_version)
+                entries.append(
+                    DataEntry(
+                        info.cache_id,
+                        op,
+                        msgspec.Raw(key_raw),
+                        value_raw,
+                        zlib.crc32(key_raw) % info.config.partitions,
+                        version,
+                    )
+                )
+                keys.append(full_key)
+            if not entries:
+                return 0
+            _ptr, end = self._wal.append(encode_frame(DataRecord(entries, time.time_ns())))
+            dirty = self._dirty
+            for full_key, entry in zip(keys, entries):
+                dirty[full_key] = entry
+            if len(dirty) >= config.checkpoint_dirty_max_entries:
+                self._checkpoint_wake.set()
+        if self._fsync_commits:
+            self._wal.wait_durable(end)
+        metrics.NODE_TRANSACTIONS.inc()
+        for entry in entries:
+            metrics.NODE_ENTRIES.labels(_OP_LABELS[entry.op]).inc()
+        return len(entries)
+
+    # --- checkpoints -----------------------------------------------------------------------------
+    def checkpoint(self) -> WalPointer | None:
+        """Move the dirty map into LMDB; returns the Checkpoint record's pointer (None if nothing changed)."""
+        with self._checkpoint_lock:
+            with self._lock:
+                if not self._dirty and self._wal.position == self._last_cp_end:
+                    return None
+                snapshot, self._dirty = self._dirty, {}
+                self._snapshot = snapshot
+                caches = dict(self._caches)
+                next_order = self._order + 1
+                ts = time.time_ns()
+                ptr, end = self._wal.append(encode_frame(Checkpoint(ts, next_order)))
+                self._room.notify_all()
+            t0 = time.perf_counter()
+            try:
+                self._wal.wait_durable(end)  # WAL before data
+                self._store.write_checkpoint(snapshot, caches, CheckpointMeta(ptr, next_order, ts))
+            finally:
+                with self._lock:
+                    self._snapshot = None
+            self._checkpoint_segment = ptr.segment
+            self._last_cp_end = end
+            metrics.CHECKPOINTS.inc()
+            metrics.CHECKPOINT_SECONDS.observe(time.perf_counter() - t0)
+            log.debug("checkpoint", pointer=str(ptr), entries=len(snapshot))
+            return ptr
+
+    def _checkpoint_loop(self) -> None:
+        interval_s = self.config.checkpoint_interval_ms / 1000
+        while not self._stop.is_set():
+            self._checkpoint_wake.wait(interval_s)
+            self._checkpoint_wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.checkpoint()
+            except Exception as exc:
+                self._failure = exc
+                log.error("checkpoint_failed", error=f"{type(exc).__name__}: {exc}", node_dir=self.config.node_dir)
+                with self._lock:
+                    self._room.notify_all()
+                return
+
+
+def open_node(node_dir: str | Path, **settings: Any) -> Node:
+    return Node.open(node_dir, **settings)
+
+
+__all__ = ["Cache", "ConfigError", "Node", "NodeConfig", "NodeLocked", "Transaction", "open_node"]

@@ -1,0 +1,155 @@
+"""The node's page store and metastorage in LMDB.
+
+LMDB only ever holds the state as of the last checkpoint: everything newer lives in the node's
+dirty map and in the WAL, so a crash at any moment leaves a consistent store plus a WAL to replay.
+"""
+
+from __future__ import annotations
+
+import struct
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+
+import lmdb
+import msgspec
+
+from cdcd.wal.pointer import WalPointer
+from cdcd.wal.records import CacheConfig, CacheVersion, DataEntry, Op
+
+_CACHE_PREFIX = struct.Struct(">I")
+
+
+def cache_prefix(cache_id: int) -> bytes:
+    return _CACHE_PREFIX.pack(cache_id)
+
+
+class StoredValue(msgspec.Struct, frozen=True, array_like=True):
+    version: CacheVersion
+    value: msgspec.Raw
+    expire_time_ms: int = 0
+
+
+class CacheInfo(msgspec.Struct, frozen=True, array_like=True):
+    cache_id: int
+    name: str
+    config: CacheConfig
+
+
+class CheckpointMeta(msgspec.Struct, frozen=True, array_like=True):
+    pointer: WalPointer
+    next_order: int
+    ts_ns: int = 0
+
+
+_enc = msgspec.msgpack.Encoder()
+_stored_dec = msgspec.msgpack.Decoder(StoredValue)
+_cache_dec = msgspec.msgpack.Decoder(CacheInfo)
+_cp_dec = msgspec.msgpack.Decoder(CheckpointMeta)
+
+
+class PageStore:
+    """LMDB environment with ``data`` (cache prefix + key -> StoredValue), ``caches`` and ``meta``."""
+
+    def __init__(self, path: Path, map_size_bytes: int) -> None:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.path = path
+        self.env = lmdb.open(str(path), map_size=map_size_bytes, max_dbs=4, mode=0o600, sync=True, metasync=True)
+        self._data = self.env.open_db(b"data")
+        self._caches = self.env.open_db(b"caches")
+        self._meta = self.env.open_db(b"meta")
+
+    def close(self) -> None:
+        self.env.close()
+
+    # --- meta ------------------------------------------------------------------------------------
+    def node_id(self) -> uuid.UUID:
+        """This node's id, created on first open."""
+        with self.env.begin(db=self._meta, write=True) as txn:
+            raw = txn.get(b"node_id")
+            if raw is None:
+                raw = uuid.uuid4().bytes
+                txn.put(b"node_id", raw)
+        return uuid.UUID(bytes=bytes(raw))
+
+    def checkpoint(self) -> CheckpointMeta | None:
+        with self.env.begin(db=self._meta) as txn:
+            raw = txn.get(b"checkpoint")
+        return _cp_dec.decode(raw) if raw is not None else None
+
+    def meta_get(self, key: bytes) -> bytes | None:
+        with self.env.begin(db=self._meta) as txn:
+            raw = txn.get(key)
+        return bytes(raw) if raw is not None else None
+
+    def meta_put(self, key: bytes, value: bytes) -> None:
+        with self.env.begin(db=self._meta, write=True) as txn:
+            txn.put(key, value)
+
+    # --- data ------------------------------------------------------------------------------------
+    def get(self, full_key: bytes) -> StoredValue | None:
+        with self.env.begin(db=self._data, buffers=True) as txn:
+            raw = txn.get(full_key)
+            return _stored_dec.decode(raw) if raw is not None else None
+
+    def exists(self, full_key: bytes) -> bool:
+        with self.env.begin(db=self._data, buffers=True) as txn:
+            return txn.get(full_key) is not None
+
+    def items(self, cache_id: int) -> Iterator[tuple[bytes, StoredValue]]:
+        """All stored (key raw, value) of one cache, in key-byte order."""
+        prefix = cache_prefix(cache_id)
+        with self.env.begin(db=self._data) as txn:
+            cur = txn.cursor()
+            if not cur.set_range(prefix):
+                return
+            for k, v in cur:
+                if not k.startswith(prefix):
+                    break
+                yield k[len(prefix) :], _stored_dec.decode(v)
+
+    def caches(self) -> dict[str, CacheInfo]:
+        with self.env.begin(db=self._caches) as txn:
+            return {bytes(k).decode(): _cache_dec.decode(v) for k, v in txn.cursor()}
+
+    # --- writes ----------------------------------------------------------------------------------
+    def write_checkpoint(
+        self,
+        entries: Mapping[bytes, DataEntry],
+        caches: Mapping[str, CacheInfo],
+        meta: CheckpointMeta,
+        purge_cache_ids: Iterable[int] = (),
+    ) -> None:
+        """Apply a dirty-map snapshot, the cache registry and the checkpoint pointer in one synced txn."""
+        with self.env.begin(write=True) as txn:
+            for cid in purge_cache_ids:
+                self._purge(txn, cid)
+            data = self._data
+            delete = Op.DELETE
+            put = txn.put
+            for key, e in entries.items():
+                if e.op == delete:
+                    txn.delete(key, db=data)
+                else:
+                    put(key, _enc.encode(StoredValue(e.version, e.value, e.expire_time_ms)), db=data)
+            cur = txn.cursor(db=self._caches)
+            existing = {bytes(k).decode() for k in cur.iternext(keys=True, values=False)}
+            for name in existing - set(caches):
+                txn.delete(name.encode(), db=self._caches)
+            for name, info in caches.items():
+                txn.put(name.encode(), _enc.encode(info), db=self._caches)
+            txn.put(b"checkpoint", _enc.encode(meta), db=self._meta)
+
+    def purge_cache(self, cache_id: int, name: str) -> None:
+        """Delete every stored entry of a destroyed cache and its registry row, synced."""
+        with self.env.begin(write=True) as txn:
+            self._purge(txn, cache_id)
+            txn.delete(name.encode(), db=self._caches)
+
+    def _purge(self, txn: lmdb.Transaction, cache_id: int) -> None:
+        prefix = cache_prefix(cache_id)
+        cur = txn.cursor(db=self._data)
+        if cur.set_range(prefix):
+            while cur.key().startswith(prefix):
+                if not cur.delete():
+                    break

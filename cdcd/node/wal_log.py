@@ -1,0 +1,194 @@
+"""The node's WAL: append buffer, flusher thread (group commit), rollover and archiving."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+
+from cdcd import metrics
+from cdcd.node.archiver import Archiver
+from cdcd.wal.pointer import WalPointer
+from cdcd.wal.writer import Chunk, SegmentFiles, WalWriter
+
+log = structlog.get_logger("cdcd.node.wal")
+
+FlushListener = Callable[[list[Chunk]], None]
+
+
+class WalFailed(RuntimeError):
+    """The flusher could not write the WAL; the node accepts no more writes."""
+
+
+class WalLog:
+    """Thread-safe WAL appends; one flusher thread writes, fsyncs, rolls and archives.
+
+    ``append`` returns the record's pointer and the end pointer a caller waits on with
+    ``wait_durable`` (group commit: every waiter whose record is in one flush shares its fsync).
+    """
+
+    def __init__(
+        self,
+        *,
+        work_dir: Path,
+        node_id: uuid.UUID,
+        position: WalPointer,
+        segment_size_bytes: int,
+        buffer_bytes: int,
+        flush_interval_ms: int,
+        force_archive_timeout_ms: int,
+        archiver: Archiver,
+    ) -> None:
+        self._writer = WalWriter(node_id, segment_size_bytes, buffer_bytes, position)
+        self._files = SegmentFiles(work_dir, self._segment_closed)
+        self._archiver = archiver
+        self._flush_interval_s = flush_interval_ms / 1000
+        self._force_archive_timeout_s = force_archive_timeout_ms / 1000
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)  # flusher waits here
+        self._durable_cv = threading.Condition(self._lock)  # committers and back-pressure wait here
+        self._durable = position
+        self._flush_requested = False
+        self._roll_requested = False
+        self._closing = False
+        self._failure: BaseException | None = None
+        self._segment_data_since: float | None = None
+        self._listeners: list[FlushListener] = []
+        self._thread = threading.Thread(target=self._run, name="cdcd-wal-flusher", daemon=True)
+        metrics.WAL_SEGMENT.set(position.segment)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def position(self) -> WalPointer:
+        with self._lock:
+            return self._writer.position
+
+    @property
+    def durable(self) -> WalPointer:
+        with self._lock:
+            return self._durable
+
+    @property
+    def last_archived(self) -> int:
+        return self._archiver.last_archived
+
+    def add_flush_listener(self, listener: FlushListener) -> None:
+        """Called on the flusher thread with every flushed chunk, after its fsync, in WAL order."""
+        self._listeners.append(listener)
+
+    def append(self, frame: bytes) -> tuple[WalPointer, WalPointer]:
+        """Buffer one framed record; returns (its pointer, the pointer to wait on for durability)."""
+        with self._lock:
+            self._check_failed()
+            writer = self._writer
+            while writer.buffered_bytes >= writer.buffer_bytes:
+                self._flush_requested = True
+                self._wake.notify()
+                self._durable_cv.wait()
+                self._check_failed()
+            seg = writer.segment
+            fresh = not writer.segment_has_records
+            ptr = writer.append(frame)
+            if fresh or ptr.segment != seg:
+                self._segment_data_since = time.monotonic()
+            return ptr, writer.position
+
+    def wait_durable(self, end: WalPointer, timeout_s: float | None = None) -> bool:
+        with self._lock:
+            if self._durable >= end:
+                return True
+            self._flush_requested = True
+            self._wake.notify()
+            ok = self._durable_cv.wait_for(lambda: self._durable >= end or self._failure is not None, timeout_s)
+            self._check_failed()
+            return ok
+
+    def flush(self) -> None:
+        """Make everything appended so far durable."""
+        with self._lock:
+            end = self._writer.position
+        self.wait_durable(end)
+
+    def force_archive(self, timeout_s: float | None = None) -> int | None:
+        """Roll the active segment now if it holds records and wait until it is archived."""
+        with self._lock:
+            self._check_failed()
+            if not self._writer.segment_has_records:
+                return None
+            closed = self._writer.roll()
+            self._segment_data_since = None
+            end = self._writer.position
+        self.wait_durable(end, timeout_s)
+        return closed
+
+    def _check_failed(self) -> None:
+        if self._failure is not None:
+            raise WalFailed(f"WAL writes failed: {self._failure}") from self._failure
+
+    def _segment_closed(self, segment: int, path: Path) -> None:
+        self._archiver.archive(segment, path)
+        log.info("segment_archived", segment=segment)
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a dead flusher must not leave committers waiting forever
+            log.error("wal_flusher_failed", error=f"{type(exc).__name__}: {exc}")
+            with self._lock:
+                self._failure = exc
+                self._durable_cv.notify_all()
+            raise
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                if not (self._flush_requested or self._closing):
+                    self._wake.wait(self._flush_interval_s)
+                writer = self._writer
+                due = self._segment_data_since
+                if (
+                    self._force_archive_timeout_s
+                    and due is not None
+                    and writer.segment_has_records
+                    and time.monotonic() - due >= self._force_archive_timeout_s
+                ):
+                    writer.roll()
+                    self._segment_data_since = None
+                self._flush_requested = False
+                chunks = writer.take()
+                end = writer.position
+                closing = self._closing
+            if chunks:
+                t0 = time.perf_counter()
+                before_bytes, before_syncs = self._files.bytes_written, self._files.fsyncs
+                self._files.write(chunks)
+                metrics.WAL_FLUSH_SECONDS.observe(time.perf_counter() - t0)
+                metrics.WAL_BYTES.inc(self._files.bytes_written - before_bytes)
+                metrics.WAL_FSYNCS.inc(self._files.fsyncs - before_syncs)
+            with self._lock:
+                self._durable = end
+                self._durable_cv.notify_all()
+            if chunks:
+                for listener in self._listeners:
+                    listener(chunks)
+            if closing:
+                self._files.close()
+                return
+
+    def close(self) -> None:
+        """Flush everything and stop the flusher (idempotent)."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+        else:
+            self._files.close()

@@ -1,0 +1,45 @@
+"""Typed WAL errors: each names the file, the offset and what was expected."""
+
+from __future__ import annotations
+
+import os
+
+
+class WalError(Exception):
+    """Base of every WAL read/format error."""
+
+    def __init__(self, path: str | os.PathLike[str] | None, offset: int | None, message: str) -> None:
+        self.path = os.fspath(path) if path is not None else None
+        self.offset = offset
+        self.message = message
+        where = self.path or "<wal>"
+        if offset is not None:
+            where = f"{where} at offset {offset}"
+        super().__init__(f"{where}: {message}")
+
+
+class BadSegmentName(WalError):
+    """A file name that is not ``%016d.wal``."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(path, None, "not a WAL segment name (expected 16 digits + '.wal', e.g. 0000000000000042.wal)")
+
+
+class BadSegmentHeader(WalError):
+    """The fixed segment header is missing, has the wrong magic/version, or names another segment."""
+
+
+class CorruptRecord(WalError):
+    """A frame whose CRC, type or payload does not check out."""
+
+
+class TruncatedSegment(WalError):
+    """An archived segment that ends before its SegmentEnd record."""
+
+
+class MissingSegment(WalError):
+    """A gap in the segment sequence."""
+
+    def __init__(self, directory: str | os.PathLike[str], segment: int) -> None:
+        self.segment = segment
+        super().__init__(directory, None, f"missing segment {segment}")

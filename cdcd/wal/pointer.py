@@ -1,0 +1,47 @@
+"""Positions in the WAL."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class WalPointer(msgspec.Struct, frozen=True, order=True, array_like=True):
+    """Offset of a record's first byte inside a numbered segment; ordered (segment, offset)."""
+
+    segment: int
+    offset: int
+
+    def __str__(self) -> str:
+        return f"{self.segment}:{self.offset}"
+
+    @classmethod
+    def parse(cls, text: str) -> WalPointer:
+        """Parse ``SEG:OFF`` (the form ``str()`` prints); a bare ``SEG`` means its first record."""
+        seg, sep, off = text.partition(":")
+        try:
+            segment = int(seg)
+            offset = int(off) if sep else 0
+        except ValueError:
+            raise ValueError(f"bad WAL pointer {text!r}: expected SEGMENT:OFFSET, e.g. 42:1048576") from None
+        if segment < 0 or offset < 0:
+            raise ValueError(f"bad WAL pointer {text!r}: segment and offset must be >= 0")
+        return cls(segment, offset)
+
+
+class WalPosition(msgspec.Struct, frozen=True, order=True, array_like=True):
+    """A consumer position: one entry of one record, ``(segment, offset, entry_index)``.
+
+    One DataRecord carries many entries, so a pointer alone cannot say how far a consumer got
+    inside it; ``entry_index`` is the number of entries of that record already delivered.
+    """
+
+    segment: int
+    offset: int
+    entry_index: int = 0
+
+    @property
+    def pointer(self) -> WalPointer:
+        return WalPointer(self.segment, self.offset)
+
+    def __str__(self) -> str:
+        return f"{self.segment}:{self.offset}#{self.entry_index}"

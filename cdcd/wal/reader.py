@@ -1,0 +1,178 @@
+"""Reading records from segment files, one segment or a whole directory from any pointer."""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import msgspec
+
+from cdcd.wal.errors import CorruptRecord, MissingSegment, TruncatedSegment
+from cdcd.wal.frame import DECODERS, FRAME_HEADER, FRAME_HEADER_SIZE
+from cdcd.wal.pointer import WalPointer
+from cdcd.wal.records import Record, SegmentEnd
+from cdcd.wal.segment import HEADER_SIZE, SegmentHeader, decode_header, list_segments, parse_segment_name
+
+DEFAULT_READ_BUFFER_BYTES = 1 << 20
+_SEGMENT_END = SegmentEnd.TYPE
+
+
+class SegmentReader:
+    """Iterates ``(WalPointer, record)`` over one segment file.
+
+    ``archived=True``: the segment must end with a SegmentEnd record exactly at end of file;
+    anything short of that is ``TruncatedSegment``. ``archived=False`` (the active segment): a
+    short or all-zero frame at the tail is "no more data yet", and a frame with a bad CRC that
+    reaches end of file is a torn write (``torn_tail`` is set; nothing past it is returned).
+    Any other bad frame raises ``CorruptRecord``. Memory use is bounded by ``read_buffer_bytes``
+    plus the largest record; a length field that points past end of file allocates nothing.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        start_offset: int = 0,
+        archived: bool = True,
+        read_buffer_bytes: int = DEFAULT_READ_BUFFER_BYTES,
+        skip_types: frozenset[int] = frozenset(),
+    ) -> None:
+        self.path = Path(path)
+        self.segment = parse_segment_name(self.path)
+        self.start_offset = start_offset
+        self.archived = archived
+        self.read_buffer_bytes = max(read_buffer_bytes, FRAME_HEADER_SIZE)
+        self.skip_types = skip_types
+        self.header: SegmentHeader | None = None
+        self.end_offset = 0
+        """Offset just past the last good record (where an active segment's next record goes)."""
+        self.ended = False
+        """True once SegmentEnd was read."""
+        self.torn_tail = False
+
+    def __iter__(self) -> Iterator[tuple[WalPointer, Record]]:
+        path, segment = self.path, self.segment
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            self.header = decode_header(f.read(HEADER_SIZE), path, segment)
+            pos = max(self.start_offset, HEADER_SIZE)
+            if pos > size:
+                raise CorruptRecord(path, pos, f"start offset is past end of file ({size} bytes)")
+            f.seek(pos)
+            self.end_offset = pos
+            buf = b""
+            bpos = 0
+            base = pos  # file offset of buf[0]
+            read_size = self.read_buffer_bytes
+            decoders = DECODERS
+            skip = self.skip_types
+            unpack = FRAME_HEADER.unpack_from
+            crc32 = zlib.crc32
+            while True:
+                off = base + bpos
+                if len(buf) - bpos < FRAME_HEADER_SIZE:
+                    buf = buf[bpos:] + f.read(read_size)
+                    base, bpos = off, 0
+                    if len(buf) < FRAME_HEADER_SIZE:
+                        if self.archived:
+                            raise TruncatedSegment(
+                                path, off, f"segment ends after {size} bytes without a SegmentEnd record"
+                            )
+                        return
+                length, rtype, crc = unpack(buf, bpos)
+                frame_end = off + FRAME_HEADER_SIZE + length
+                if length == 0 and rtype == 0 and not self.archived:
+                    return  # zero-filled tail of the active segment
+                if frame_end > size:
+                    if self.archived:
+                        raise TruncatedSegment(
+                            path,
+                            off,
+                            f"record of {length} bytes runs past end of file ({size} bytes); expected SegmentEnd",
+                        )
+                    return
+                start = bpos + FRAME_HEADER_SIZE
+                if start + length > len(buf):
+                    buf = buf[bpos:] + f.read(max(read_size, FRAME_HEADER_SIZE + length - (len(buf) - bpos)))
+                    base, bpos = off, 0
+                    start = FRAME_HEADER_SIZE
+                payload = buf[start : start + length]
+                actual = crc32(payload)
+                if actual != crc:
+                    if not self.archived and frame_end == size:
+                        self.torn_tail = True
+                        return
+                    raise CorruptRecord(
+                        path, off, f"CRC mismatch in segment {segment}: expected {crc:#010x}, actual {actual:#010x}"
+                    )
+                decoder = decoders.get(rtype)
+                if decoder is None:
+                    raise CorruptRecord(path, off, f"unknown record type {rtype} (known: {sorted(decoders)})")
+                bpos = start + length
+                self.end_offset = frame_end
+                if rtype in skip:
+                    continue
+                try:
+                    record = decoder.decode(payload)
+                except msgspec.DecodeError as exc:
+                    raise CorruptRecord(path, off, f"undecodable record of type {rtype}: {exc}") from None
+                yield WalPointer(segment, off), record
+                if rtype == _SEGMENT_END:
+                    self.ended = True
+                    if frame_end != size:
+                        raise CorruptRecord(path, frame_end, f"{size - frame_end} bytes after SegmentEnd")
+                    return
+
+
+class WalReader:
+    """Iterates records from ``start`` across the segments found in ``dirs``, in index order.
+
+    Every segment but ``active_segment`` must be complete (archived). A gap in the numbering
+    raises ``MissingSegment``. Iteration ends at the end of the last segment present.
+    """
+
+    def __init__(
+        self,
+        dirs: Iterable[str | os.PathLike[str]],
+        start: WalPointer | None = None,
+        *,
+        active_segment: int | None = None,
+        read_buffer_bytes: int = DEFAULT_READ_BUFFER_BYTES,
+    ) -> None:
+        self.dirs = [Path(d) for d in dirs]
+        self.start = start
+        self.active_segment = active_segment
+        self.read_buffer_bytes = read_buffer_bytes
+        self.last_reader: SegmentReader | None = None
+
+    def segments(self) -> dict[int, Path]:
+        found: dict[int, Path] = {}
+        for d in self.dirs:
+            segs, _refused = list_segments(d)
+            for idx, p in segs.items():
+                found.setdefault(idx, p)
+        return found
+
+    def __iter__(self) -> Iterator[tuple[WalPointer, Record]]:
+        found = self.segments()
+        if not found:
+            return
+        first = min(found) if self.start is None else self.start.segment
+        if self.start is not None and first not in found:
+            raise MissingSegment(self.dirs[0], first)
+        last = max(found)
+        for seg in range(first, last + 1):
+            path = found.get(seg)
+            if path is None:
+                raise MissingSegment(self.dirs[0], seg)
+            offset = self.start.offset if self.start is not None and seg == self.start.segment else 0
+            reader = SegmentReader(
+                path,
+                start_offset=offset,
+                archived=seg != self.active_segment,
+                read_buffer_bytes=self.read_buffer_bytes,
+            )
+            self.last_reader = reader
+            yield from reader

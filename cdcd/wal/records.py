@@ -1,0 +1,154 @@
+"""WAL record types (DESIGN §3).
+
+Every record is a tagged, frozen, array-like ``msgspec.Struct``; the tag is also the frame's
+type byte. Schema rule: fields are only ever appended, with defaults, so older segments decode.
+
+Keys and values travel as ``msgspec.Raw`` MessagePack: the node encodes them once (keys with a
+deterministic map order, so equal keys have equal bytes) and the same bytes go to the WAL and to
+LMDB. Readers decode only the record structure; a key or value becomes a Python object only when
+a consumer asks for it.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, ClassVar, Union
+
+import msgspec
+
+from cdcd.wal.pointer import WalPosition
+
+NIL = msgspec.Raw(b"\xc0")
+"""MessagePack ``nil``: the value of a DELETE entry."""
+
+_any_decoder = msgspec.msgpack.Decoder()
+
+
+class Op(enum.IntEnum):
+    CREATE = 0
+    UPDATE = 1
+    DELETE = 2
+
+
+class CacheOp(enum.IntEnum):
+    CREATE = 0
+    DESTROY = 1
+
+
+class CacheVersion(msgspec.Struct, frozen=True, order=True, array_like=True):
+    """Entry version, compared field by field in this order (Ignite's GridCacheVersion)."""
+
+    order: int
+    node_order: int
+    cluster_id: int
+    topology_version: int
+    other_cluster_version: CacheVersion | None = None
+
+
+class DataEntry(msgspec.Struct, frozen=True, array_like=True):
+    """One changed key inside a DataRecord."""
+
+    cache_id: int
+    op: Op
+    key: msgspec.Raw
+    value: msgspec.Raw
+    partition: int
+    version: CacheVersion
+    primary: bool = True
+    expire_time_ms: int = 0
+
+    def decoded_key(self) -> Any:
+        return _any_decoder.decode(self.key)
+
+    def decoded_value(self) -> Any:
+        return _any_decoder.decode(self.value)
+
+
+class CacheConfig(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """Per-cache settings recorded with the cache."""
+
+    partitions: int = 1024
+    cdc_enabled: bool = True
+
+
+class _Record(msgspec.Struct, frozen=True, array_like=True, tag_field="t"):
+    TYPE: ClassVar[int]
+
+
+class DataRecord(_Record, tag=1):
+    """A committed transaction: all its entries, atomic on recovery."""
+
+    TYPE: ClassVar[int] = 1
+    entries: list[DataEntry]
+    commit_ts_ns: int
+
+
+class CacheRecord(_Record, tag=2):
+    """A cache created or destroyed."""
+
+    TYPE: ClassVar[int] = 2
+    cache_id: int
+    name: str
+    op: CacheOp
+    config: CacheConfig = CacheConfig()
+    ts_ns: int = 0
+
+
+class RealtimeCdcRecord(_Record, tag=3):
+    """The node's realtime worker committed up to ``last`` (IEP-104)."""
+
+    TYPE: ClassVar[int] = 3
+    last: WalPosition
+
+
+class StopRealtimeCdcRecord(_Record, tag=4):
+    """Realtime capture stopped; the daemon delivers from ``last`` (None: from its own state)."""
+
+    TYPE: ClassVar[int] = 4
+    last: WalPosition | None = None
+    reason: str = ""
+
+
+class TryStartRealtimeCdcRecord(_Record, tag=5):
+    """The node wants to capture again from this record on, once the daemon has passed it."""
+
+    TYPE: ClassVar[int] = 5
+    ts_ns: int = 0
+
+
+class SegmentEnd(_Record, tag=6):
+    """Last record of every archived segment; its absence marks a truncated segment."""
+
+    TYPE: ClassVar[int] = 6
+
+
+class Checkpoint(_Record, tag=7):
+    """Every entry before this record is in the node's page store; recovery replays from here."""
+
+    TYPE: ClassVar[int] = 7
+    ts_ns: int = 0
+    next_order: int = 0
+
+
+Record = Union[
+    DataRecord,
+    CacheRecord,
+    RealtimeCdcRecord,
+    StopRealtimeCdcRecord,
+    TryStartRealtimeCdcRecord,
+    SegmentEnd,
+    Checkpoint,
+]
+
+RECORD_TYPES: dict[int, type[_Record]] = {
+    cls.TYPE: cls
+    for cls in (
+        DataRecord,
+        CacheRecord,
+        RealtimeCdcRecord,
+        StopRealtimeCdcRecord,
+        TryStartRealtimeCdcRecord,
+        SegmentEnd,
+        Checkpoint,
+    )
+}
