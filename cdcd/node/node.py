@@ -341,7 +341,7 @@ class Node:
                 return 0
             _ptr, end = self._wal.append(encode_frame(DataRecord(entries, time.time_ns())))
             dirty = self._dirty
-            for full_key, entry in zip(keys, entries):
+            for full_key, entry in zip(keys, entries, strict=True):
                 dirty[full_key] = entry
             if len(dirty) >= config.checkpoint_dirty_max_entries:
                 self._checkpoint_wake.set()

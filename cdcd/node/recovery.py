@@ -66,8 +66,7 @@ def recover(
                 if info is None:
                     continue  # cache destroyed later in the log; its DESTROY purges anyway
                 dirty[cache_prefix(e.cache_id) + e.key] = e
-                if e.version.order > order:
-                    order = e.version.order
+                order = max(order, e.version.order)
         elif type(record) is CacheRecord:
             if record.op == CacheOp.CREATE:
                 info = CacheInfo(record.cache_id, record.name, record.config)

@@ -150,6 +150,6 @@ class PageStore:
         prefix = cache_prefix(cache_id)
         cur = txn.cursor(db=self._data)
         if cur.set_range(prefix):
-            while cur.key().startswith(prefix):
+            while bytes(cur.key()).startswith(prefix):
                 if not cur.delete():
                     break

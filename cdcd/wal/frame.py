@@ -14,7 +14,8 @@ FRAME_HEADER_SIZE = FRAME_HEADER.size
 
 _encoder = msgspec.msgpack.Encoder()
 DECODERS: dict[int, msgspec.msgpack.Decoder[Record]] = {
-    t: msgspec.msgpack.Decoder(cls) for t, cls in RECORD_TYPES.items()  # type: ignore[misc]
+    t: msgspec.msgpack.Decoder(cls)
+    for t, cls in RECORD_TYPES.items()  # type: ignore[misc]
 }
 
 

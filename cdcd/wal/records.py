@@ -12,7 +12,7 @@ a consumer asks for it.
 from __future__ import annotations
 
 import enum
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -75,7 +75,7 @@ class _Record(msgspec.Struct, frozen=True, array_like=True, tag_field="t"):
     TYPE: ClassVar[int]
 
 
-class DataRecord(_Record, tag=1):
+class DataRecord(_Record, frozen=True, tag=1):
     """A committed transaction: all its entries, atomic on recovery."""
 
     TYPE: ClassVar[int] = 1
@@ -83,7 +83,7 @@ class DataRecord(_Record, tag=1):
     commit_ts_ns: int
 
 
-class CacheRecord(_Record, tag=2):
+class CacheRecord(_Record, frozen=True, tag=2):
     """A cache created or destroyed."""
 
     TYPE: ClassVar[int] = 2
@@ -94,14 +94,14 @@ class CacheRecord(_Record, tag=2):
     ts_ns: int = 0
 
 
-class RealtimeCdcRecord(_Record, tag=3):
+class RealtimeCdcRecord(_Record, frozen=True, tag=3):
     """The node's realtime worker committed up to ``last`` (IEP-104)."""
 
     TYPE: ClassVar[int] = 3
     last: WalPosition
 
 
-class StopRealtimeCdcRecord(_Record, tag=4):
+class StopRealtimeCdcRecord(_Record, frozen=True, tag=4):
     """Realtime capture stopped; the daemon delivers from ``last`` (None: from its own state)."""
 
     TYPE: ClassVar[int] = 4
@@ -109,20 +109,20 @@ class StopRealtimeCdcRecord(_Record, tag=4):
     reason: str = ""
 
 
-class TryStartRealtimeCdcRecord(_Record, tag=5):
+class TryStartRealtimeCdcRecord(_Record, frozen=True, tag=5):
     """The node wants to capture again from this record on, once the daemon has passed it."""
 
     TYPE: ClassVar[int] = 5
     ts_ns: int = 0
 
 
-class SegmentEnd(_Record, tag=6):
+class SegmentEnd(_Record, frozen=True, tag=6):
     """Last record of every archived segment; its absence marks a truncated segment."""
 
     TYPE: ClassVar[int] = 6
 
 
-class Checkpoint(_Record, tag=7):
+class Checkpoint(_Record, frozen=True, tag=7):
     """Every entry before this record is in the node's page store; recovery replays from here."""
 
     TYPE: ClassVar[int] = 7
@@ -130,15 +130,15 @@ class Checkpoint(_Record, tag=7):
     next_order: int = 0
 
 
-Record = Union[
-    DataRecord,
-    CacheRecord,
-    RealtimeCdcRecord,
-    StopRealtimeCdcRecord,
-    TryStartRealtimeCdcRecord,
-    SegmentEnd,
-    Checkpoint,
-]
+Record = (
+    DataRecord
+    | CacheRecord
+    | RealtimeCdcRecord
+    | StopRealtimeCdcRecord
+    | TryStartRealtimeCdcRecord
+    | SegmentEnd
+    | Checkpoint
+)
 
 RECORD_TYPES: dict[int, type[_Record]] = {
     cls.TYPE: cls

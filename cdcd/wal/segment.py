@@ -49,7 +49,7 @@ def encode_header(segment: int, node_id: uuid.UUID) -> bytes:
 
 
 class SegmentHeader:
-    __slots__ = ("segment", "node_id", "format_version")
+    __slots__ = ("format_version", "node_id", "segment")
 
     def __init__(self, segment: int, node_id: uuid.UUID, format_version: int) -> None:
         self.segment = segment

@@ -30,7 +30,7 @@ class RecordTooLarge(ValueError):
 class Chunk:
     """Contiguous bytes of one segment, starting at ``offset``; ``ends_segment`` if they close it."""
 
-    __slots__ = ("segment", "offset", "data", "ends_segment")
+    __slots__ = ("data", "ends_segment", "offset", "segment")
 
     def __init__(self, segment: int, offset: int, data: bytearray) -> None:
         self.segment = segment

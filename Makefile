@@ -1,0 +1,32 @@
+# cdcd — every target installs what it needs first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: install test lint bench run clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@bash scripts/ensure-java.sh
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+test: install
+	$(BIN)/pytest -q
+
+lint: install
+	$(BIN)/ruff check cdcd tests
+	$(BIN)/mypy
+
+bench: install
+	$(BIN)/python -m tests.bench.run
+
+run: install
+	$(BIN)/cdcd node run --config config/node.toml --load-rate 1000
+
+clean:
+	rm -rf var .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,63 @@
+"""Records as plain JSON-able dicts, for ``cdcd wal dump`` and debugging."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from cdcd.wal.pointer import WalPointer
+from cdcd.wal.records import CacheOp, DataEntry, DataRecord, Op, Record
+
+_decoder = msgspec.msgpack.Decoder()
+_OPS = {Op.CREATE: "create", Op.UPDATE: "update", Op.DELETE: "delete"}
+
+
+def _jsonable(obj: Any) -> Any:
+    """Map keys that JSON cannot hold (ints, lists) become strings; bytes stay (base64 in JSON)."""
+    if isinstance(obj, dict):
+        return {
+            k if isinstance(k, str) else msgspec.json.encode(_jsonable(k)).decode(): _jsonable(v)
+            for k, v in obj.items()
+        }
+    if isinstance(obj, list):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def entry_to_dict(e: DataEntry) -> dict[str, Any]:
+    return {
+        "cache_id": e.cache_id,
+        "op": _OPS[e.op],
+        "key": _jsonable(_decoder.decode(e.key)),
+        "value": _jsonable(_decoder.decode(e.value)),
+        "partition": e.partition,
+        "version": _struct_dict(e.version),
+        "primary": e.primary,
+        "expire_time_ms": e.expire_time_ms,
+    }
+
+
+def record_to_dict(ptr: WalPointer, record: Record) -> dict[str, Any]:
+    out: dict[str, Any] = {"pos": str(ptr), "segment": ptr.segment, "offset": ptr.offset, "type": type(record).__name__}
+    if isinstance(record, DataRecord):
+        out["commit_ts_ns"] = record.commit_ts_ns
+        out["entries"] = [entry_to_dict(e) for e in record.entries]
+    else:
+        fields = {f: getattr(record, f) for f in record.__struct_fields__}
+        for name, value in fields.items():
+            if isinstance(value, CacheOp):
+                fields[name] = value.name.lower()
+            elif isinstance(value, msgspec.Struct):
+                fields[name] = _struct_dict(value)
+        out.update(fields)
+    return out
+
+
+def _struct_dict(s: msgspec.Struct) -> dict[str, Any]:
+    """Field names even for array-like Structs (which msgspec encodes as arrays)."""
+    out: dict[str, Any] = {}
+    for name in s.__struct_fields__:
+        value = getattr(s, name)
+        out[name] = _struct_dict(value) if isinstance(value, msgspec.Struct) else value
+    return out

@@ -1,0 +1,113 @@
+"""The command line, run as real subprocesses: `cdcd wal dump` and `cdcd node run`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cdcd.node import Node
+from cdcd.wal.segment import segment_name
+
+CDCD = [sys.executable, "-m", "cdcd"]
+
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CDCD, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def make_node(node_dir: Path) -> None:
+    with Node.open(node_dir, wal_segment_size_bytes=4096, wal_force_archive_timeout_ms=0) as n:
+        c = n.cache("orders")
+        for i in range(400):
+            c.put(i, {"n": i, "pad": "x" * 20})
+        c.remove(7)
+
+
+def test_wal_dump_node_dir_and_from(tmp_path: Path) -> None:
+    """`wal dump` of a node's work dir prints every record as JSON with its pointer; --from starts there."""
+    make_node(tmp_path)
+    res = run("wal", "dump", str(tmp_path / "wal"))
+    assert res.returncode == 0, res.stderr
+    lines = [json.loads(x) for x in res.stdout.splitlines()]
+    data = [e for rec in lines if rec["type"] == "DataRecord" for e in rec["entries"]]
+    assert [e["key"] for e in data] == [*range(400), 7]
+    assert data[-1]["op"] == "delete" and data[-1]["value"] is None
+    assert data[0] == {
+        "cache_id": data[0]["cache_id"],
+        "op": "create",
+        "key": 0,
+        "value": {"n": 0, "pad": "x" * 20},
+        "partition": data[0]["partition"],
+        "version": {"order": 1, "node_order": 1, "cluster_id": 1, "topology_version": 1, "other_cluster_version": None},
+        "primary": True,
+        "expire_time_ms": 0,
+    }
+    mid = lines[len(lines) // 2]
+    res2 = run("wal", "dump", str(tmp_path / "wal"), "--from", mid["pos"])
+    assert [json.loads(x) for x in res2.stdout.splitlines()] == lines[len(lines) // 2 :]
+
+
+def test_wal_dump_corrupt_segment_names_file_and_offset(tmp_path: Path) -> None:
+    """A corrupt record stops `wal dump` with exit 2 and one line naming file and offset, after the good records."""
+    make_node(tmp_path)
+    seg = tmp_path / "cdc" / segment_name(1)
+    good = run("wal", "dump", str(seg))
+    recs = [json.loads(x) for x in good.stdout.splitlines()]
+    bad_off = recs[3]["offset"]
+    data = bytearray(seg.read_bytes())
+    data[bad_off + 15] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    res = run("wal", "dump", str(seg))
+    assert res.returncode == 2
+    assert len(res.stdout.splitlines()) == 3
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith(f"cdcd: error: {seg} at offset {bad_off}: CRC mismatch in segment 1")
+
+
+def test_wal_dump_gap_exit_3(tmp_path: Path) -> None:
+    """A missing segment in a directory dump exits 3 with `missing segment N`."""
+    make_node(tmp_path)
+    os.unlink(tmp_path / "cdc" / segment_name(2))
+    res = run("wal", "dump", str(tmp_path / "cdc"))
+    assert res.returncode == 3
+    assert "missing segment 2" in res.stderr
+
+
+def test_node_run_with_load_and_clean_stop(tmp_path: Path) -> None:
+    """`node run --load-rate` writes data, stops cleanly on SIGTERM (exit 0) and the data reopens."""
+    cfg = tmp_path / "node.toml"
+    cfg.write_text(f'node_dir = "{tmp_path / "n"}"\nwal_force_archive_timeout_ms = 200\n')
+    proc = subprocess.Popen(
+        [*CDCD, "node", "run", "--config", str(cfg), "--load-rate", "2000", "--log-format", "json"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(2.0)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    events = [json.loads(line)["event"] for line in err.splitlines()]
+    assert events[0] == "node_opened" and events[-1] == "node_closed"
+    assert "segment_archived" in events
+    with Node.open(tmp_path / "n") as n:
+        assert len(n.cache("load")) > 500
+
+
+def test_node_run_bad_config_and_second_instance(tmp_path: Path) -> None:
+    """A bad config key exits 2 naming it; a second `node run` on a held dir exits 1 naming the pid."""
+    cfg = tmp_path / "node.toml"
+    cfg.write_text(f'node_dir = "{tmp_path / "n"}"\nwal_mod = "fsync"\n')
+    res = run("node", "run", "--config", str(cfg))
+    assert res.returncode == 2
+    assert res.stderr.strip() == f"cdcd: error: {cfg}: unknown key 'wal_mod'"
+    cfg.write_text(f'node_dir = "{tmp_path / "n"}"\n')
+    with Node.open(tmp_path / "n"):
+        res = run("node", "run", "--config", str(cfg))
+    assert res.returncode == 1
+    assert f"locked by pid {os.getpid()}" in res.stderr
