@@ -73,7 +73,7 @@ def write_log(directory: Path, records: list, segment_size: int = 4096, first_se
     closed: list[int] = []
     writer = WalWriter(NODE_ID, segment_size, 8192, WalPointer(first_segment, 0))
     files = SegmentFiles(directory, lambda seg, path: closed.append(seg), fsync=False)
-    ptrs = [writer.append(encode_frame(r)) for r in records]
+    ptrs = [writer.append_record(r) for r in records]
     writer.roll()
     chunks = writer.take()
     files.write(chunks[:-1])  # the last chunk is the next segment's header: leave no empty segment

@@ -23,7 +23,6 @@ from cdcd.node.recovery import recover
 from cdcd.node.store import CacheInfo, CheckpointMeta, PageStore, cache_prefix
 from cdcd.node.transaction import Transaction
 from cdcd.node.wal_log import WalLog
-from cdcd.wal.frame import encode_frame
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import NIL, CacheConfig, CacheOp, CacheRecord, CacheVersion, Checkpoint, DataEntry, DataRecord, Op
 
@@ -34,7 +33,6 @@ _key_encoder = msgspec.msgpack.Encoder(order="deterministic")
 _value_encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
 
-_OP_LABELS = {Op.CREATE: "create", Op.UPDATE: "update", Op.DELETE: "delete"}
 
 
 class NodeLocked(LockHeld):
@@ -63,6 +61,8 @@ class Node:
         self._checkpoint_segment = 0
         self._last_cp_end: WalPointer | None = None
         self._failure: BaseException | None = None
+        self._dirty_hard_limit = 2 * config.checkpoint_dirty_max_entries
+        self.stats = metrics.NodeStats()
 
         for d in (config.wal_path, config.archive_path, config.db_path, Path(config.node_dir)):
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -99,7 +99,8 @@ class Node:
         self._order = state.next_order - 1
         self._checkpoint_segment = cp.pointer.segment if cp is not None else 0
         self._last_cp_end = state.position
-        metrics.RECOVERY_RECORDS.set(state.records)
+        self.stats.recovery_records = state.records
+        metrics.register_node(self.stats)
         archiver = Archiver(
             config.archive_path,
             config.cdc_path,
@@ -162,6 +163,7 @@ class Node:
             self._wal.close()
             self._store.close()
             self._dir_lock.release()
+            metrics.unregister_node(self.stats)
             log.info("node_closed", node_dir=self.config.node_dir)
 
     def __enter__(self) -> Node:
@@ -191,7 +193,7 @@ class Node:
                 config = CacheConfig(partitions=partitions or self.config.partitions, cdc_enabled=cdc_enabled)
                 info = CacheInfo(cache_id, name, config)
                 rec = CacheRecord(cache_id, name, CacheOp.CREATE, config, time.time_ns())
-                _ptr, end = self._wal.append(encode_frame(rec))
+                _ptr, end = self._wal.append(rec)
                 self._caches[name] = info
                 log.info("cache_created", cache=name, cache_id=cache_id, partitions=config.partitions)
             else:
@@ -211,7 +213,7 @@ class Node:
             if info is None:
                 return False
             rec = CacheRecord(info.cache_id, name, CacheOp.DESTROY, info.config, time.time_ns())
-            _ptr, end = self._wal.append(encode_frame(rec))
+            _ptr, end = self._wal.append(rec)
             del self._caches[name]
             prefix = cache_prefix(info.cache_id)
             for key in [k for k in self._dirty if k.startswith(prefix)]:
@@ -220,6 +222,7 @@ class Node:
             # Holding the lock keeps readers from seeing purged rows meanwhile.
             self._wal.wait_durable(end)
             self._store.purge_cache(info.cache_id, name)
+            self._store.renew_reader()
         log.info("cache_destroyed", cache=name, cache_id=info.cache_id)
         return True
 
@@ -257,7 +260,7 @@ class Node:
             e = self._snapshot.get(full_key)
         if e is not None:
             return e.op != Op.DELETE
-        return self._store.exists(full_key)
+        return self._store.exists_locked(full_key)
 
     def _get(self, info: CacheInfo, key: Any, default: Any) -> Any:
         full_key = cache_prefix(info.cache_id) + _key_encoder.encode(key)
@@ -293,29 +296,37 @@ class Node:
 
     def _commit(self, writes: Sequence[tuple[CacheInfo, Any, Any]]) -> int:
         """Write one DataRecord of puts/removes; returns the number of entries written."""
-        encoded = []
+        # Encoding, keys and partitions need no lock: prepare them before taking it.
+        prepared = []
         for info, key, value in writes:
             if value is None:
                 raise ValueError(f"cache {info.name!r}: value must not be None (use remove)")
             key_raw = _key_encoder.encode(key)
             value_raw = NIL if value is REMOVE else msgspec.Raw(_value_encoder.encode(value))
-            encoded.append((info, key_raw, value_raw))
-        if not encoded:
+            prepared.append(
+                (info, cache_prefix(info.cache_id) + key_raw, key_raw, value_raw, zlib.crc32(key_raw) % info.config.partitions)
+            )
+        if not prepared:
             return 0
         config = self.config
+        stats = self.stats
         with self._lock:
             self._check_open()
-            while len(self._dirty) >= 2 * config.checkpoint_dirty_max_entries:
+            dirty = self._dirty
+            while len(dirty) >= self._dirty_hard_limit:
                 self._checkpoint_wake.set()
                 self._room.wait()
                 self._check_open()
+                dirty = self._dirty
+            caches = self._caches
             seen: dict[bytes, bool] = {}
             entries: list[DataEntry] = []
             keys: list[bytes] = []
-            for info, key_raw, value_raw in encoded:
-                if self._caches.get(info.name) is not info:
+            order = self._order
+            node_order, cluster_id, topology_version = config.node_order, config.cluster_id, config.topology_version
+            for info, full_key, key_raw, value_raw, partition in prepared:
+                if caches.get(info.name) is not info:
                     raise ValueError(f"cache {info.name!r} was destroyed")
-                full_key = cache_prefix(info.cache_id) + key_raw
                 exists = seen[full_key] if full_key in seen else self._exists_locked(full_key)
                 if value_raw is NIL:
                     if not exists:
@@ -323,33 +334,32 @@ class Node:
                     op = Op.DELETE
                 else:
                     op = Op.UPDATE if exists else Op.CREATE
-                seen[full_key] = op != Op.DELETE
-                self._order += 1
-                version = CacheVersion(self._order, config.node_order, config.cluster_id, config.topology_version)
+                seen[full_key] = op is not Op.DELETE
+                order += 1
                 entries.append(
                     DataEntry(
                         info.cache_id,
                         op,
                         msgspec.Raw(key_raw),
                         value_raw,
-                        zlib.crc32(key_raw) % info.config.partitions,
-                        version,
+                        partition,
+                        CacheVersion(order, node_order, cluster_id, topology_version),
                     )
                 )
                 keys.append(full_key)
             if not entries:
                 return 0
-            _ptr, end = self._wal.append(encode_frame(DataRecord(entries, time.time_ns())))
-            dirty = self._dirty
+            _ptr, end = self._wal.append(DataRecord(entries, time.time_ns()))
+            self._order = order
+            stats.transactions += 1
+            counts = stats.entries
             for full_key, entry in zip(keys, entries, strict=True):
                 dirty[full_key] = entry
+                counts[entry.op] += 1
             if len(dirty) >= config.checkpoint_dirty_max_entries:
                 self._checkpoint_wake.set()
         if self._fsync_commits:
             self._wal.wait_durable(end)
-        metrics.NODE_TRANSACTIONS.inc()
-        for entry in entries:
-            metrics.NODE_ENTRIES.labels(_OP_LABELS[entry.op]).inc()
         return len(entries)
 
     # --- checkpoints -----------------------------------------------------------------------------
@@ -364,7 +374,7 @@ class Node:
                 caches = dict(self._caches)
                 next_order = self._order + 1
                 ts = time.time_ns()
-                ptr, end = self._wal.append(encode_frame(Checkpoint(ts, next_order)))
+                ptr, end = self._wal.append(Checkpoint(ts, next_order))
                 self._room.notify_all()
             t0 = time.perf_counter()
             try:
@@ -373,6 +383,7 @@ class Node:
             finally:
                 with self._lock:
                     self._snapshot = None
+                    self._store.renew_reader()
             self._checkpoint_segment = ptr.segment
             self._last_cp_end = end
             metrics.CHECKPOINTS.inc()

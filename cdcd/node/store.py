@@ -59,7 +59,12 @@ class PageStore:
         self._caches = self.env.open_db(b"caches")
         self._meta = self.env.open_db(b"meta")
 
+        self._reader: lmdb.Transaction | None = None
+
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.abort()
+            self._reader = None
         self.env.close()
 
     # --- meta ------------------------------------------------------------------------------------
@@ -95,6 +100,19 @@ class PageStore:
     def exists(self, full_key: bytes) -> bool:
         with self.env.begin(db=self._data, buffers=True) as txn:
             return txn.get(full_key) is not None
+
+    def exists_locked(self, full_key: bytes) -> bool:
+        """Like ``exists`` through one long-lived read txn; the caller serialises calls and
+        ``renew_reader`` after every write, so the txn never shows a stale state."""
+        reader = self._reader
+        if reader is None:
+            reader = self._reader = self.env.begin(db=self._data, buffers=True)
+        return reader.get(full_key) is not None
+
+    def renew_reader(self) -> None:
+        if self._reader is not None:
+            self._reader.abort()
+            self._reader = None
 
     def items(self, cache_id: int) -> Iterator[tuple[bytes, StoredValue]]:
         """All stored (key raw, value) of one cache, in key-byte order."""

@@ -13,6 +13,7 @@ import structlog
 from cdcd import metrics
 from cdcd.node.archiver import Archiver
 from cdcd.wal.pointer import WalPointer
+from cdcd.wal.records import Record
 from cdcd.wal.writer import Chunk, SegmentFiles, WalWriter
 
 log = structlog.get_logger("cdcd.node.wal")
@@ -82,8 +83,8 @@ class WalLog:
         """Called on the flusher thread with every flushed chunk, after its fsync, in WAL order."""
         self._listeners.append(listener)
 
-    def append(self, frame: bytes) -> tuple[WalPointer, WalPointer]:
-        """Buffer one framed record; returns (its pointer, the pointer to wait on for durability)."""
+    def append(self, record: Record) -> tuple[WalPointer, WalPointer]:
+        """Buffer one record; returns (its pointer, the pointer to wait on for durability)."""
         with self._lock:
             self._check_failed()
             writer = self._writer
@@ -94,7 +95,7 @@ class WalLog:
                 self._check_failed()
             seg = writer.segment
             fresh = not writer.segment_has_records
-            ptr = writer.append(frame)
+            ptr = writer.append_record(record)
             if fresh or ptr.segment != seg:
                 self._segment_data_since = time.monotonic()
             return ptr, writer.position

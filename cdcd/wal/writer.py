@@ -12,11 +12,19 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from cdcd.wal.frame import SEGMENT_END_FRAME
+import zlib
+
+import msgspec
+
+from cdcd.wal.frame import FRAME_HEADER, FRAME_HEADER_SIZE, SEGMENT_END_FRAME
 from cdcd.wal.pointer import WalPointer
+from cdcd.wal.records import Record
 from cdcd.wal.segment import HEADER_SIZE, encode_header, segment_path
 
 PAGE_SIZE = mmap.PAGESIZE
+_END_SIZE = len(SEGMENT_END_FRAME)
+_HEADER_PLACEHOLDER = bytes(FRAME_HEADER_SIZE)
+_encoder = msgspec.msgpack.Encoder()
 
 
 def page_round_up(n: int) -> int:
@@ -104,18 +112,33 @@ class WalWriter:
         self._offset += len(data)
         self._buffered += len(data)
 
-    def append(self, frame: bytes) -> WalPointer:
-        """Buffer one framed record; returns its pointer."""
-        need = len(frame) + len(SEGMENT_END_FRAME)
-        if HEADER_SIZE + need > self.segment_size_bytes:
-            raise RecordTooLarge(
-                f"record of {len(frame)} bytes does not fit in a segment of wal_segment_size_bytes="
-                f"{self.segment_size_bytes}"
-            )
-        if self._offset + need > self.segment_size_bytes:
+    def append_record(self, record: Record) -> WalPointer:
+        """Encode and frame ``record`` straight into the buffer (no intermediate copies)."""
+        cur = self._current
+        if cur is None or cur.segment != self._segment:
+            cur = Chunk(self._segment, self._offset, bytearray())
+            self._chunks.append(cur)
+            self._current = cur
+        data = cur.data
+        start = len(data)
+        data += _HEADER_PLACEHOLDER
+        _encoder.encode_into(record, data, -1)
+        size = len(data) - start
+        if self._offset + size + _END_SIZE > self.segment_size_bytes:
+            del data[start:]
+            if HEADER_SIZE + size + _END_SIZE > self.segment_size_bytes:
+                raise RecordTooLarge(
+                    f"record of {size} bytes does not fit in a segment of wal_segment_size_bytes="
+                    f"{self.segment_size_bytes}"
+                )
             self.roll()
+            return self.append_record(record)
+        with memoryview(data) as view:
+            crc = zlib.crc32(view[start + FRAME_HEADER_SIZE :])
+        FRAME_HEADER.pack_into(data, start, size - FRAME_HEADER_SIZE, record.TYPE, crc)
         ptr = WalPointer(self._segment, self._offset)
-        self._write(frame)
+        self._offset += size
+        self._buffered += size
         return ptr
 
     def roll(self) -> int:
