@@ -34,7 +34,6 @@ _value_encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
 
 
-
 class NodeLocked(LockHeld):
     pass
 
@@ -304,7 +303,13 @@ class Node:
             key_raw = _key_encoder.encode(key)
             value_raw = NIL if value is REMOVE else msgspec.Raw(_value_encoder.encode(value))
             prepared.append(
-                (info, cache_prefix(info.cache_id) + key_raw, key_raw, value_raw, zlib.crc32(key_raw) % info.config.partitions)
+                (
+                    info,
+                    cache_prefix(info.cache_id) + key_raw,
+                    key_raw,
+                    value_raw,
+                    zlib.crc32(key_raw) % info.config.partitions,
+                )
             )
         if not prepared:
             return 0

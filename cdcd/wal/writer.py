@@ -9,10 +9,9 @@ from __future__ import annotations
 import mmap
 import os
 import uuid
+import zlib
 from collections.abc import Callable
 from pathlib import Path
-
-import zlib
 
 import msgspec
 
