@@ -83,3 +83,29 @@ CDC_LINKS_SKIPPED = Counter(
 ARCHIVE_DELETED = Counter("cdcd_node_archive_segments_deleted_total", "Archived segments deleted by retention")
 CHECKPOINTS = Counter("cdcd_node_checkpoints_total", "Checkpoints written to the page store")
 CHECKPOINT_SECONDS = Histogram("cdcd_node_checkpoint_seconds", "Time to write one checkpoint to LMDB")
+
+# --- daemon ---------------------------------------------------------------------------------------
+DAEMON_EVENTS = Counter("cdcd_daemon_events_total", "Events confirmed by the consumer", ["cache", "op"])
+DAEMON_BATCHES = Counter("cdcd_daemon_batches_total", "Batches handed to the consumer", ["result"])
+DAEMON_BATCH_EVENTS = Histogram(
+    "cdcd_daemon_batch_events",
+    "Events per batch",
+    buckets=(1, 10, 100, 1000, 10_000, 50_000, 100_000, 500_000),
+)
+DAEMON_CONSUMER_SECONDS = Histogram(
+    "cdcd_daemon_consumer_call_seconds",
+    "Time spent in one consumer on_events call",
+    buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+)
+DAEMON_COMMIT_SECONDS = Histogram("cdcd_daemon_commit_seconds", "Time to persist the state (synced LMDB txn)")
+DAEMON_COMMITTED_SEGMENT = Gauge("cdcd_daemon_committed_segment", "Segment of the committed position")
+DAEMON_COMMITTED_OFFSET = Gauge("cdcd_daemon_committed_offset", "Offset of the committed position")
+DAEMON_CURRENT_SEGMENT = Gauge("cdcd_daemon_current_segment", "Segment the reader is in")
+DAEMON_SEGMENTS_PENDING = Gauge("cdcd_daemon_segments_pending", "Links in the CDC dir not yet fully consumed")
+DAEMON_LAG_SECONDS = Gauge(
+    "cdcd_daemon_lag_seconds", "now - commit time of the last delivered event (0 when the clock went back)"
+)
+DAEMON_LAST_COMMIT = Gauge("cdcd_daemon_last_commit_timestamp_seconds", "Wall time of the last state commit")
+DAEMON_MODE = Gauge("cdcd_daemon_mode", "1 for the daemon's current mode", ["mode"])
+DAEMON_MODE_SWITCHES = Counter("cdcd_daemon_mode_switches_total", "Mode switches", ["direction"])
+DAEMON_LINKS_DELETED = Counter("cdcd_daemon_links_deleted_total", "Consumed segment links deleted")

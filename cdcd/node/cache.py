@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from cdcd.node.store import CacheInfo
+from cdcd.wal.records import CacheInfo
 
 if TYPE_CHECKING:
     from cdcd.node.node import Node

@@ -20,11 +20,22 @@ from cdcd.node.archiver import Archiver, check_same_filesystem
 from cdcd.node.cache import REMOVE, Cache
 from cdcd.node.config import NodeConfig
 from cdcd.node.recovery import recover
-from cdcd.node.store import CacheInfo, CheckpointMeta, PageStore, cache_prefix
+from cdcd.node.store import CheckpointMeta, PageStore, cache_prefix
 from cdcd.node.transaction import Transaction
 from cdcd.node.wal_log import WalLog
 from cdcd.wal.pointer import WalPointer
-from cdcd.wal.records import NIL, CacheConfig, CacheOp, CacheRecord, CacheVersion, Checkpoint, DataEntry, DataRecord, Op
+from cdcd.wal.records import (
+    NIL,
+    CacheConfig,
+    CacheInfo,
+    CacheOp,
+    CacheRecord,
+    CacheVersion,
+    Checkpoint,
+    DataEntry,
+    DataRecord,
+    Op,
+)
 
 log = structlog.get_logger("cdcd.node")
 

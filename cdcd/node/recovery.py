@@ -13,10 +13,10 @@ from pathlib import Path
 
 import structlog
 
-from cdcd.node.store import CacheInfo, CheckpointMeta, cache_prefix
+from cdcd.node.store import CheckpointMeta, cache_prefix
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.reader import WalReader
-from cdcd.wal.records import CacheOp, CacheRecord, DataEntry, DataRecord
+from cdcd.wal.records import CacheInfo, CacheOp, CacheRecord, DataEntry, DataRecord
 from cdcd.wal.segment import HEADER_SIZE, list_segments
 
 log = structlog.get_logger("cdcd.node.recovery")

@@ -15,7 +15,7 @@ import lmdb
 import msgspec
 
 from cdcd.wal.pointer import WalPointer
-from cdcd.wal.records import CacheConfig, CacheVersion, DataEntry, Op
+from cdcd.wal.records import CacheInfo, CacheVersion, DataEntry, Op
 
 _CACHE_PREFIX = struct.Struct(">I")
 
@@ -28,12 +28,6 @@ class StoredValue(msgspec.Struct, frozen=True, array_like=True):
     version: CacheVersion
     value: msgspec.Raw
     expire_time_ms: int = 0
-
-
-class CacheInfo(msgspec.Struct, frozen=True, array_like=True):
-    cache_id: int
-    name: str
-    config: CacheConfig
 
 
 class CheckpointMeta(msgspec.Struct, frozen=True, array_like=True):

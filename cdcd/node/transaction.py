@@ -6,7 +6,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from cdcd.node.cache import REMOVE
-from cdcd.node.store import CacheInfo
+from cdcd.wal.records import CacheInfo
 
 if TYPE_CHECKING:
     from cdcd.node.node import Node

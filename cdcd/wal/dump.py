@@ -13,15 +13,14 @@ _decoder = msgspec.msgpack.Decoder()
 _OPS = {Op.CREATE: "create", Op.UPDATE: "update", Op.DELETE: "delete"}
 
 
-def _jsonable(obj: Any) -> Any:
+def jsonable(obj: Any) -> Any:
     """Map keys that JSON cannot hold (ints, lists) become strings; bytes stay (base64 in JSON)."""
     if isinstance(obj, dict):
         return {
-            k if isinstance(k, str) else msgspec.json.encode(_jsonable(k)).decode(): _jsonable(v)
-            for k, v in obj.items()
+            k if isinstance(k, str) else msgspec.json.encode(jsonable(k)).decode(): jsonable(v) for k, v in obj.items()
         }
     if isinstance(obj, list):
-        return [_jsonable(v) for v in obj]
+        return [jsonable(v) for v in obj]
     return obj
 
 
@@ -29,8 +28,8 @@ def entry_to_dict(e: DataEntry) -> dict[str, Any]:
     return {
         "cache_id": e.cache_id,
         "op": _OPS[e.op],
-        "key": _jsonable(_decoder.decode(e.key)),
-        "value": _jsonable(_decoder.decode(e.value)),
+        "key": jsonable(_decoder.decode(e.key)),
+        "value": jsonable(_decoder.decode(e.value)),
         "partition": e.partition,
         "version": _struct_dict(e.version),
         "primary": e.primary,

@@ -71,6 +71,14 @@ class CacheConfig(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_f
     cdc_enabled: bool = True
 
 
+class CacheInfo(msgspec.Struct, frozen=True, array_like=True):
+    """A cache: id, name and settings (what CacheRecords carry, what consumers see)."""
+
+    cache_id: int
+    name: str
+    config: CacheConfig = CacheConfig()
+
+
 class _Record(msgspec.Struct, frozen=True, array_like=True, tag_field="t"):
     TYPE: ClassVar[int]
 

@@ -1,0 +1,168 @@
+"""Carrying out the processor's items in order: consumer calls, state commits, link deletion.
+
+Runs on one worker thread at a time (never concurrently with itself). Links are deleted only
+after the state that no longer needs them is durable.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+
+import msgspec
+import structlog
+
+from cdcd import metrics
+from cdcd.consumer import Consumer, EventBatch
+from cdcd.daemon.follower import delete_links_below
+from cdcd.daemon.processor import Batch, CacheChange, Item, MarkerCommit, Switch
+from cdcd.daemon.state import DaemonState, Mode, StateStore
+from cdcd.wal.pointer import WalPosition
+from cdcd.wal.records import CacheInfo
+
+log = structlog.get_logger("cdcd.daemon")
+
+_OPS = ("create", "update", "delete")
+
+
+class ConsumerFailed(Exception):
+    """The consumer raised or reported itself dead: the daemon exits (code 4)."""
+
+
+class Committer:
+    def __init__(
+        self,
+        store: StateStore,
+        state: DaemonState,
+        caches: dict[int, CacheInfo],
+        consumer: Consumer,
+        cdc_dir: Path,
+        *,
+        confirm_retry_s: float = 0.5,
+    ) -> None:
+        self.store = store
+        self.state = state
+        self.caches = caches
+        self.consumer = consumer
+        self.cdc_dir = cdc_dir
+        self.confirm_retry_s = confirm_retry_s
+        self.unconfirmed = False
+        """A batch returned False: nothing after the last commit may be committed until one returns True."""
+        self._pending_caches: dict[int, CacheInfo] = {}
+        self._pending_destroyed: list[int] = []
+        self.events_delivered = 0
+        self.last_event_ts_ns = 0
+        metrics.DAEMON_MODE.labels(state.mode.value).set(1)
+
+    def apply(self, item: Item) -> None:
+        if isinstance(item, Batch):
+            self._batch(item)
+        elif isinstance(item, CacheChange):
+            self._cache_change(item)
+        elif isinstance(item, MarkerCommit):
+            self.commit(item.position)
+        elif isinstance(item, Switch):
+            self._switch(item)
+        else:  # pragma: no cover - the processor emits nothing else
+            raise TypeError(f"unknown item {item!r}")
+
+    def _call(self, what: str, fn: object, *args: object) -> object:
+        try:
+            return fn(*args)  # type: ignore[operator]
+        except Exception as exc:
+            raise ConsumerFailed(f"consumer {what} raised {type(exc).__name__}: {exc}") from exc
+
+    def _check_alive(self) -> None:
+        if not self._call("alive()", self.consumer.alive):
+            raise ConsumerFailed("consumer reports alive() == False")
+
+    def _batch(self, item: Batch) -> None:
+        events = item.events
+        n = len(events)
+        if n == 0:
+            if not self.unconfirmed:
+                self.commit(item.end)
+            return
+        self._check_alive()
+        t0 = time.perf_counter()
+        ok = self._call("on_events()", self.consumer.on_events, events)
+        metrics.DAEMON_CONSUMER_SECONDS.observe(time.perf_counter() - t0)
+        metrics.DAEMON_BATCH_EVENTS.observe(n)
+        self.events_delivered += n
+        self.last_event_ts_ns = events.last_commit_ts_ns
+        if ok:
+            metrics.DAEMON_BATCHES.labels("committed").inc()
+            self._count(events)
+            self.unconfirmed = False
+            self.commit(item.end)
+        else:
+            metrics.DAEMON_BATCHES.labels("not_committed").inc()
+            self._count(events)
+            self.unconfirmed = True
+        lag = time.time() - self.last_event_ts_ns / 1e9
+        metrics.DAEMON_LAG_SECONDS.set(max(lag, 0.0))
+
+    @staticmethod
+    def _count(events: EventBatch) -> None:
+        counts: Counter[tuple[int, int]] = Counter()
+        for s in events.slices:
+            entries = s.record.entries
+            counts.update((e.cache_id, e.op) for e in (entries[s.start :] if s.start else entries))
+        for (cache_id, op), n in counts.items():
+            metrics.DAEMON_EVENTS.labels(events.cache_name(cache_id), _OPS[op]).inc(n)
+
+    def _cache_change(self, item: CacheChange) -> None:
+        if item.created:
+            self._call("on_cache_change()", self.consumer.on_cache_change, item.created)
+            for info in item.created:
+                self.caches[info.cache_id] = info
+                self._pending_caches[info.cache_id] = info
+                log.info("cache_seen", cache=info.name, cache_id=info.cache_id)
+        if item.destroyed:
+            self._call("on_cache_destroy()", self.consumer.on_cache_destroy, item.destroyed)
+            for cache_id in item.destroyed:
+                self.caches.pop(cache_id, None)
+                self._pending_caches.pop(cache_id, None)
+                self._pending_destroyed.append(cache_id)
+        if not self.unconfirmed:
+            self.commit(item.end)
+
+    def _switch(self, item: Switch) -> None:
+        # Everything before the switch point must be durable on the consumer side first.
+        while self.unconfirmed:
+            self._check_alive()
+            empty = EventBatch("", [], {})
+            if self._call("on_events()", self.consumer.on_events, empty):
+                self.unconfirmed = False
+            else:
+                time.sleep(self.confirm_retry_s)
+        old = self.state.mode
+        self.commit(item.position if item.position is not None else self.state.position, item.mode)
+        if old is not item.mode:
+            direction = f"{old.value.lower()}_to_{item.mode.value.lower()}"
+            metrics.DAEMON_MODE_SWITCHES.labels(direction).inc()
+            metrics.DAEMON_MODE.labels(old.value).set(0)
+            metrics.DAEMON_MODE.labels(item.mode.value).set(1)
+            log.info(
+                "mode_switch",
+                direction=direction,
+                reason=item.reason,
+                position=str(self.state.position) if self.state.position else None,
+            )
+
+    def commit(self, position: WalPosition | None, mode: Mode | None = None) -> None:
+        """Persist ``position`` (and mode, registry changes) durably, then delete links below it."""
+        new = msgspec.structs.replace(self.state, position=position, mode=mode or self.state.mode)
+        t0 = time.perf_counter()
+        self.state = self.store.commit(new, caches=self._pending_caches, destroyed=self._pending_destroyed)
+        metrics.DAEMON_COMMIT_SECONDS.observe(time.perf_counter() - t0)
+        self._pending_caches = {}
+        self._pending_destroyed = []
+        metrics.DAEMON_LAST_COMMIT.set(time.time())
+        if position is not None:
+            metrics.DAEMON_COMMITTED_SEGMENT.set(position.segment)
+            metrics.DAEMON_COMMITTED_OFFSET.set(position.offset)
+            for seg in delete_links_below(self.cdc_dir, position.segment):
+                metrics.DAEMON_LINKS_DELETED.inc()
+                log.info("segment_done", segment=seg)

@@ -1,0 +1,109 @@
+"""Daemon configuration (``config/cdcd.toml``), with ``CDCD_*`` environment overrides."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from cdcd.config import ConfigError, convert, read_toml
+
+MiB = 1 << 20
+ENV_PREFIX = "CDCD_"
+
+
+class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    node_dir: str
+    """The node whose CDC directory is followed."""
+    cdc_dir: str = ""
+    """Default: the node's ``cdc/``."""
+    state_dir: str = ""
+    """LMDB with position, mode and cache registry (default ``<node_dir>/cdcd-state``)."""
+    lock_timeout_ms: int = 10_000
+    """A second daemon waits this long for the lock, then exits 1 naming the holder's pid."""
+    check_interval_ms: int = 1000
+    """Rescan the CDC dir this often, on top of file-system events."""
+    batch_max_events: int = 100_000
+    batch_max_bytes: int = 32 * MiB
+    batch_max_delay_ms: int = 100
+    """A batch closes when any of these is reached (live traffic: the delay; backlog: the size)."""
+    queue_max_batches: int = 4
+    """Bound of each pipeline queue; with the batch bounds this bounds memory."""
+    read_chunk_records: int = 4096
+    """Records the reader hands to the decoder at a time."""
+    metrics_address: str = "127.0.0.1:9469"
+    """host:port of the Prometheus endpoint ("" disables it)."""
+    log_format: Literal["json", "console"] = "json"
+    consumer: dict[str, Any] = msgspec.field(default_factory=lambda: {"kind": "null"})
+
+    def __post_init__(self) -> None:
+        checks = {
+            "lock_timeout_ms": self.lock_timeout_ms >= 0,
+            "check_interval_ms": self.check_interval_ms >= 10,
+            "batch_max_events": self.batch_max_events >= 1,
+            "batch_max_bytes": self.batch_max_bytes >= 1024,
+            "batch_max_delay_ms": self.batch_max_delay_ms >= 0,
+            "queue_max_batches": self.queue_max_batches >= 1,
+            "read_chunk_records": self.read_chunk_records >= 1,
+        }
+        for key, ok in checks.items():
+            if not ok:
+                raise msgspec.ValidationError(f"out of range: {getattr(self, key)} - at `$.{key}`")
+        if self.metrics_address:
+            host, sep, port = self.metrics_address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise msgspec.ValidationError(
+                    f"expected host:port, got {self.metrics_address!r} - at `$.metrics_address`"
+                )
+
+    @property
+    def cdc_path(self) -> Path:
+        return Path(self.cdc_dir or Path(self.node_dir) / "cdc")
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.state_dir or Path(self.node_dir) / "cdcd-state")
+
+    @property
+    def lock_path(self) -> Path:
+        return self.state_path / "cdcd.lock"
+
+
+def _env_value(text: str) -> Any:
+    """Environment values are TOML scalars when they parse as one (``5``, ``true``), else strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """``CDCD_BATCH_MAX_EVENTS=5`` → ``batch_max_events = 5``; ``CDCD_CONSUMER__PATH=x`` → ``[consumer] path``."""
+    out: dict[str, Any] = {}
+    for name, text in environ.items():
+        if not name.startswith(ENV_PREFIX) or name == "CDCD_CONFIG":
+            continue
+        parts = name[len(ENV_PREFIX) :].lower().split("__")
+        target = out
+        for part in parts[:-1]:
+            target = target.setdefault(part, {})
+        target[parts[-1]] = _env_value(text)
+    return out
+
+
+def load_daemon_config(path: str | os.PathLike[str], environ: Mapping[str, str] | None = None) -> DaemonConfig:
+    data = read_toml(path)
+    env = env_overrides(os.environ if environ is None else environ)
+    for key, value in env.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    config = convert(data, DaemonConfig, str(path))
+    if "kind" not in config.consumer:
+        raise ConfigError(f"{path}: missing key 'consumer.kind'")
+    return config

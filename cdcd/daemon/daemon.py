@@ -1,0 +1,360 @@
+"""The cdcd daemon: follows one node's CDC directory and delivers to a consumer (DESIGN §6).
+
+``sync_once()`` processes whatever the CDC dir holds now, synchronously (tests and tools call
+it); ``run()`` is the long-running form: a pipeline of bounded asyncio queues
+(reader → decoder → consumer) with blocking work on worker threads, woken by file-system events
+and a periodic rescan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+
+import structlog
+from prometheus_client import REGISTRY
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+
+from cdcd import metrics
+from cdcd.consumer import Consumer
+from cdcd.daemon.committer import Committer
+from cdcd.daemon.config import DaemonConfig
+from cdcd.daemon.follower import SegmentFollower, delete_links_below
+from cdcd.daemon.processor import Item, Processor, Switch
+from cdcd.daemon.sdnotify import Notifier
+from cdcd.daemon.state import DaemonState, Mode, StateStore
+from cdcd.lock import DirLock
+from cdcd.wal.records import CacheInfo, DataRecord
+
+log = structlog.get_logger("cdcd.daemon")
+
+INITIAL_MODE = Mode.PASSIVE
+"""A fresh daemon waits for the node to say who delivers (DESIGN §5)."""
+
+_PASSIVE_SKIP = frozenset({DataRecord.TYPE})
+
+
+def daemon_lock(config: DaemonConfig) -> DirLock:
+    """One daemon per node: the lock lives in the node dir."""
+    return DirLock(Path(config.node_dir) / "cdcd.lock")
+
+
+class _Wake(FileSystemEventHandler):
+    def __init__(self, loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+        self._loop = loop
+        self._event = event
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        self._loop.call_soon_threadsafe(self._event.set)
+
+
+class Daemon:
+    """Use ``start()``/``stop()`` or ``async with``; ``stop()`` is idempotent."""
+
+    def __init__(self, config: DaemonConfig, consumer: Consumer, *, show_progress: bool | None = None) -> None:
+        self.config = config
+        self.consumer = consumer
+        self.cdc_dir = config.cdc_path
+        self._lock = daemon_lock(config)
+        self._store: StateStore | None = None
+        self._committer: Committer | None = None
+        self._started = False
+        self._consumer_started = False
+        self._stopping = threading.Event()
+        self._notifier = Notifier()
+        self._show_progress = sys.stdout.isatty() if show_progress is None else show_progress
+        self._progress_total: int | None = None
+        self._progress_start = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Take the lock, load the state, delete links below it, start the consumer."""
+        if self._started:
+            return
+        self._lock.acquire(self.config.lock_timeout_ms)
+        try:
+            if not self.cdc_dir.is_dir():
+                raise FileNotFoundError(f"cdc_dir {self.cdc_dir} does not exist (is node_dir right?)")
+            self._store = StateStore(self.config.state_path)
+            state = self._store.load(INITIAL_MODE)
+            caches = self._store.caches()
+            if state.position is not None:
+                for seg in delete_links_below(self.cdc_dir, state.position.segment):
+                    log.info("stale_link_deleted", segment=seg)
+            self.consumer.start(REGISTRY)
+            self._consumer_started = True
+            if caches:
+                self.consumer.on_cache_change(list(caches.values()))
+            self._committer = Committer(self._store, state, caches, self.consumer, self.cdc_dir)
+            self._started = True
+            log.info(
+                "daemon_started",
+                node_dir=self.config.node_dir,
+                cdc_dir=str(self.cdc_dir),
+                state_dir=str(self.config.state_path),
+                mode=state.mode.value,
+                position=str(state.position) if state.position else None,
+                consumer=type(self.consumer).__name__,
+            )
+        except BaseException:
+            self._shutdown()
+            raise
+
+    def stop(self) -> None:
+        """Ask a running ``run()`` to finish its in-flight batch and return (thread- and signal-safe)."""
+        self._stopping.set()
+        loop, event = self._loop, self._stop_event
+        if loop is not None and event is not None:
+            with contextlib.suppress(RuntimeError):  # loop already closed
+                loop.call_soon_threadsafe(event.set)
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._consumer_started:
+            self._consumer_started = False
+            self.consumer.stop()
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        self._lock.release()
+        if self._started:
+            self._started = False
+            log.info("daemon_stopped", node_dir=self.config.node_dir)
+
+    async def __aenter__(self) -> Daemon:
+        await asyncio.to_thread(self.start)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __enter__(self) -> Daemon:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @property
+    def state(self) -> DaemonState:
+        assert self._committer is not None, "daemon not started"
+        return self._committer.state
+
+    @property
+    def events_delivered(self) -> int:
+        return self._committer.events_delivered if self._committer else 0
+
+    # --- one pass, synchronously -----------------------------------------------------------------
+    def _new_pass(self) -> tuple[Processor, SegmentFollower]:
+        committer = self._committer
+        assert committer is not None, "daemon not started"
+        state = committer.state
+        processor = Processor(
+            mode=state.mode,
+            position=state.position,
+            caches=dict(committer.caches),
+            source_node="",
+            batch_max_events=self.config.batch_max_events,
+            batch_max_bytes=self.config.batch_max_bytes,
+        )
+        skip = _PASSIVE_SKIP if state.mode is Mode.PASSIVE else frozenset()
+        return processor, SegmentFollower(self.cdc_dir, state.position, skip_types=skip)
+
+    def sync_once(self) -> int:
+        """Process everything the CDC dir holds now (across mode switches); returns events delivered."""
+        committer = self._committer
+        assert committer is not None, "daemon not started"
+        before = committer.events_delivered
+        processor, follower = self._new_pass()
+        while True:
+            chunk = follower.read(self.config.read_chunk_records)
+            if chunk is None:
+                if processor.pending_events or _advanced(processor, committer):
+                    committer.apply(processor.close_batch())
+                return committer.events_delivered - before
+            switched = False
+            for ptr, record, size in chunk:
+                processor.source_node = follower.node_id
+                for item in processor.feed(ptr, record, size):
+                    committer.apply(item)
+                    switched = switched or isinstance(item, Switch)
+                if switched:
+                    break
+            if switched:
+                processor, follower = self._new_pass()
+
+    # --- the long-running form -------------------------------------------------------------------
+    async def run(self) -> None:
+        """Run until ``stop()``; raises on anything unexpected (the caller exits non-zero)."""
+        if not self._started:
+            await asyncio.to_thread(self.start)
+        loop = asyncio.get_running_loop()
+        self._loop, self._stop_event = loop, asyncio.Event()
+        if self._stopping.is_set():
+            self._stop_event.set()
+        wake = asyncio.Event()
+        observer = Observer()
+        observer.schedule(_Wake(loop, wake), str(self.cdc_dir), recursive=False)
+        observer.start()
+        watchdog_task = asyncio.create_task(self._watchdog_pings(), name="cdcd-watchdog")
+        self._notifier.ready(f"following {self.cdc_dir}")
+        try:
+            while not self._stopping.is_set():
+                await self._run_pass(wake)
+        finally:
+            self._notifier.stopping()
+            watchdog_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watchdog_task
+            observer.stop()
+            await asyncio.to_thread(observer.join)
+            if self._show_progress and self._progress_total:
+                print(file=sys.stdout)
+
+    async def _watchdog_pings(self) -> None:
+        interval = self._notifier.watchdog_interval_s
+        if interval is None:
+            return
+        while True:
+            self._notifier.watchdog()
+            await asyncio.sleep(interval)
+
+    async def _run_pass(self, wake: asyncio.Event) -> None:
+        """One pass in one mode, until a mode switch or stop()."""
+        processor, follower = self._new_pass()
+        committer = self._committer
+        assert committer is not None
+        config = self.config
+        read_q: asyncio.Queue[list[tuple[object, object, int]] | None] = asyncio.Queue(config.queue_max_batches)
+        item_q: asyncio.Queue[Item] = asyncio.Queue(config.queue_max_batches)
+        check_s = config.check_interval_ms / 1000
+        delay_s = config.batch_max_delay_ms / 1000
+        stopping = self._stop_event
+        assert stopping is not None
+
+        async def reader() -> None:
+            while True:
+                chunk = await asyncio.to_thread(follower.read, config.read_chunk_records)
+                if follower.segment is not None:
+                    metrics.DAEMON_CURRENT_SEGMENT.set(follower.segment)
+                if chunk is None:
+                    await read_q.put(None)  # caught up: lets the decoder close a partial batch
+                    wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(wake.wait(), check_s)
+                    self._report_backlog(follower)
+                    continue
+                await read_q.put(chunk)  # type: ignore[arg-type]
+
+        async def decoder() -> None:
+            while True:
+                timeout = None
+                if processor.batch_started is not None:
+                    timeout = max(0.0, processor.batch_started + delay_s - time.monotonic())
+                try:
+                    chunk = await asyncio.wait_for(read_q.get(), timeout)
+                except TimeoutError:
+                    chunk = None
+                if chunk is None:
+                    if processor.pending_events and (
+                        processor.batch_started is not None and time.monotonic() - processor.batch_started >= delay_s
+                    ):
+                        await item_q.put(processor.close_batch())
+                    elif not processor.pending_events and _advanced(processor, committer):
+                        await item_q.put(processor.close_batch())  # position-only progress (segment ends)
+                    continue
+                processor.source_node = follower.node_id
+                for ptr, record, size in chunk:
+                    for item in processor.feed(ptr, record, size):  # type: ignore[arg-type]
+                        await item_q.put(item)
+                    if processor.finished:
+                        return
+
+        async def consumer() -> None:
+            while True:
+                get = asyncio.ensure_future(item_q.get())
+                stop_wait = asyncio.ensure_future(stopping.wait())
+                done, _ = await asyncio.wait({get, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    return
+                stop_wait.cancel()
+                item = get.result()
+                # Shielded: a started batch finishes (and commits if confirmed) even on shutdown.
+                await asyncio.shield(asyncio.to_thread(committer.apply, item))
+                self._show(follower)
+                if isinstance(item, Switch) or self._stopping.is_set():
+                    return
+
+        tasks = [
+            asyncio.create_task(reader(), name="cdcd-reader"),
+            asyncio.create_task(decoder(), name="cdcd-decoder"),
+        ]
+        consumer_task = asyncio.create_task(consumer(), name="cdcd-consumer")
+        try:
+            # The consumer task ends the pass (switch or stop); a failure anywhere ends it too.
+            pending: set[asyncio.Task[None]] = {*tasks, consumer_task}
+            while consumer_task in pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if t is not consumer_task and not t.cancelled() and t.exception() is not None:
+                        raise t.exception()  # type: ignore[misc]
+            consumer_task.result()
+        finally:
+            for t in (*tasks, consumer_task):
+                t.cancel()
+            for t in (*tasks, consumer_task):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+
+    # --- progress ----------------------------------------------------------------------------------
+    def _report_backlog(self, follower: SegmentFollower) -> None:
+        found = follower.scan()
+        pos = self._committer.state.position if self._committer else None
+        first = pos.segment if pos else (min(found) if found else 0)
+        metrics.DAEMON_SEGMENTS_PENDING.set(len([s for s in found if s >= first]))
+
+    def _show(self, follower: SegmentFollower) -> None:
+        if not self._show_progress or self._committer is None:
+            return
+        pos = self._committer.state.position
+        if pos is None:
+            return
+        if self._progress_total is None:
+            found = follower.scan()
+            if not found or max(found) - pos.segment <= 1:
+                return
+            self._progress_start = pos.segment
+            self._progress_total = max(found) + 1 - pos.segment
+        done = min(self._progress_total, pos.segment - self._progress_start)
+        width = 30
+        filled = int(width * done / self._progress_total)
+        bar = "#" * filled + "." * (width - filled)
+        sys.stdout.write(f"\rcatching up [{bar}] {done}/{self._progress_total} segments")
+        sys.stdout.flush()
+
+
+def _advanced(processor: Processor, committer: Committer) -> bool:
+    """ACTIVE only: the read position moved past the committed one without events (markers, segment ends).
+
+    In PASSIVE the position is the node's, learnt from its markers, never the read position.
+    """
+    return processor.mode is Mode.ACTIVE and processor.position != committer.state.position
+
+
+__all__ = ["CacheInfo", "Daemon", "daemon_lock"]

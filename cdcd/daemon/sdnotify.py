@@ -1,0 +1,39 @@
+"""systemd notifications (READY=1, WATCHDOG=1, STOPPING=1) over $NOTIFY_SOCKET; no-ops elsewhere."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+class Notifier:
+    def __init__(self, environ: dict[str, str] | None = None) -> None:
+        env = os.environ if environ is None else environ
+        addr = env.get("NOTIFY_SOCKET", "")
+        self._addr = "\0" + addr[1:] if addr.startswith("@") else addr
+        usec = env.get("WATCHDOG_USEC", "")
+        self.watchdog_interval_s = int(usec) / 2e6 if usec.isdigit() and int(usec) > 0 else None
+        """Ping at half the watchdog timeout systemd gave us (None: no watchdog)."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._addr)
+
+    def notify(self, message: str) -> None:
+        if not self._addr:
+            return
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(self._addr)
+            sock.sendall(message.encode())
+
+    def ready(self, status: str = "") -> None:
+        self.notify("READY=1" + (f"\nSTATUS={status}" if status else ""))
+
+    def watchdog(self) -> None:
+        self.notify("WATCHDOG=1")
+
+    def status(self, status: str) -> None:
+        self.notify(f"STATUS={status}")
+
+    def stopping(self) -> None:
+        self.notify("STOPPING=1")

@@ -1,0 +1,44 @@
+"""Consumers chosen by ``[consumer] kind`` (the daemon and the node's realtime worker share them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from cdcd.config import ConfigError
+from cdcd.consumer import Consumer
+
+ConsumerFactory = Callable[[Mapping[str, Any], str], Consumer]
+
+
+def _jsonl(options: Mapping[str, Any], source: str) -> Consumer:
+    from cdcd.sinks.jsonl import JsonlConsumer
+
+    return JsonlConsumer.from_options(options, source)
+
+
+def _null(options: Mapping[str, Any], source: str) -> Consumer:
+    from cdcd.sinks.null import NullConsumer
+
+    return NullConsumer.from_options(options, source)
+
+
+def _python(options: Mapping[str, Any], source: str) -> Consumer:
+    from cdcd.sinks.python import load_python_consumer
+
+    return load_python_consumer(options, source)
+
+
+KINDS: dict[str, ConsumerFactory] = {"jsonl": _jsonl, "null": _null, "python": _python}
+
+
+def load_consumer(table: Mapping[str, Any], source: str = "consumer") -> Consumer:
+    """Build the consumer a ``[consumer]`` table describes; errors name ``source`` and the key."""
+    kind = table.get("kind")
+    if kind is None:
+        raise ConfigError(f"{source}: missing key 'kind' (one of: {', '.join(sorted(KINDS))})")
+    factory = KINDS.get(kind)
+    if factory is None:
+        raise ConfigError(f"{source}: key 'kind': unknown consumer kind {kind!r} (one of: {', '.join(sorted(KINDS))})")
+    options = {k: v for k, v in table.items() if k != "kind"}
+    return factory(options, source)

@@ -1,0 +1,39 @@
+"""``kind = "python"``: a user class ``class = "pkg.module:Class"`` built with its ``[consumer.options]``."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from cdcd.config import ConfigError, convert
+from cdcd.consumer import Consumer
+
+
+class PythonOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename={"class_": "class"}):
+    class_: str
+    options: dict[str, Any] = {}
+
+
+def load_python_consumer(options: Mapping[str, Any], source: str) -> Consumer:
+    opts = convert(options, PythonOptions, source)
+    module_name, sep, attr = opts.class_.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{source}: key 'class': expected 'package.module:ClassName', got {opts.class_!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{source}: key 'class': cannot import {module_name!r}: {exc}") from None
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise ConfigError(f"{source}: key 'class': {module_name!r} has no attribute {attr!r}")
+    try:
+        consumer = cls(**opts.options)
+    except TypeError as exc:
+        raise ConfigError(f"{source}.options: {exc}") from None
+    for method in ("on_events", "start", "stop"):
+        if not callable(getattr(consumer, method, None)):
+            raise ConfigError(f"{source}: key 'class': {opts.class_} has no {method}() (see cdcd.consumer.Consumer)")
+    return consumer  # type: ignore[no-any-return]
