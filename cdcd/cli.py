@@ -8,9 +8,11 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any, NoReturn
 
 import click
 import msgspec
+import structlog
 
 from cdcd import __version__
 from cdcd.config import ConfigError
@@ -18,11 +20,14 @@ from cdcd.logging import configure as configure_logging
 from cdcd.wal.errors import MissingSegment, WalError
 from cdcd.wal.pointer import WalPointer
 
+EXIT_LOCKED = 1
 EXIT_BAD_INPUT = 2
 EXIT_MISSING_SEGMENT = 3
+EXIT_CONSUMER_FAILED = 4
+EXIT_BAD_WAL = 5
 
 
-def fail(message: str, code: int) -> None:
+def fail(message: str, code: int) -> NoReturn:
     click.echo(f"cdcd: error: {message}", err=True)
     sys.exit(code)
 
@@ -148,6 +153,149 @@ def node_run(config_path: Path, load_rate: int, seconds: float, log_format: str 
         the_node.close()
     if interactive:
         click.echo()
+
+
+# --- daemon ---------------------------------------------------------------------------------------
+def _load_daemon_config(path: Path) -> Any:
+    from cdcd.daemon.config import load_daemon_config
+
+    try:
+        return load_daemon_config(path)
+    except ConfigError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+
+
+@main.command("run")
+@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="Daemon TOML config.")
+def daemon_run(config_path: Path) -> None:
+    """Run the CDC daemon: follow the node's CDC dir and deliver to the consumer until SIGTERM/SIGINT.
+
+    Exit codes: 0 stopped cleanly, 1 another daemon holds the node, 2 bad config,
+    3 missing segment, 4 consumer failed, 5 corrupt or truncated segment.
+    """
+    import asyncio
+
+    from prometheus_client import start_http_server
+
+    from cdcd.daemon.committer import ConsumerFailed
+    from cdcd.daemon.daemon import Daemon
+    from cdcd.lock import LockHeld
+    from cdcd.sinks import load_consumer
+
+    config = _load_daemon_config(config_path)
+    configure_logging(config.log_format)
+    log = structlog.get_logger("cdcd.daemon")
+    try:
+        consumer = load_consumer(config.consumer, f"{config_path}: consumer")
+    except ConfigError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+    daemon = Daemon(config, consumer)
+
+    def fatal(event: str, message: str, code: int) -> None:
+        log.error(event, error=message)
+        fail(message, code)
+
+    async def main_async() -> None:
+        loop = asyncio.get_running_loop()
+        signals = {"n": 0}
+
+        def on_signal(signum: int) -> None:
+            signals["n"] += 1
+            if signals["n"] > 1:
+                os._exit(128 + signum)  # second signal: leave at once
+            log.info("daemon_stopping", signal=signal.Signals(signum).name)
+            daemon.stop()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        await daemon.run()
+
+    try:
+        daemon.start()
+        if config.metrics_address:
+            host, _, port = config.metrics_address.rpartition(":")
+            start_http_server(int(port), addr=host.strip("[]"))
+        asyncio.run(main_async())
+    except LockHeld as exc:
+        fatal("daemon_locked", f"another cdcd daemon runs for this node: {exc}", EXIT_LOCKED)
+    except MissingSegment as exc:
+        fatal(
+            "missing_segment",
+            f"{exc} (links were lost; run `cdcd control delete-lost-segment-links` and resend)",
+            EXIT_MISSING_SEGMENT,
+        )
+    except WalError as exc:
+        fatal("bad_segment", str(exc), EXIT_BAD_WAL)
+    except ConsumerFailed as exc:
+        fatal("consumer_failed", str(exc), EXIT_CONSUMER_FAILED)
+    except (OSError, ConfigError) as exc:
+        fatal("daemon_failed", f"{type(exc).__name__}: {exc}", 1)
+    finally:
+        daemon.close()
+
+
+@main.group()
+def state() -> None:
+    """Inspect the daemon's state."""
+
+
+@state.command("show")
+@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def state_show(config_path: Path, as_json: bool) -> None:
+    """Print the daemon's committed position, mode, caches and the CDC dir's links."""
+    from cdcd.daemon.ops import show_state
+
+    info = show_state(_load_daemon_config(config_path))
+    if as_json:
+        click.echo(msgspec.json.encode(info).decode())
+        return
+    for key in ("mode", "position", "updated", "commits", "state_dir", "cdc_dir", "links", "first_link", "last_link"):
+        click.echo(f"{key:<12} {info[key] if info[key] is not None else '-'}")
+    caches = ", ".join(f"{name} ({cid})" for cid, name in info["caches"].items()) or "-"
+    click.echo(f"{'caches':<12} {caches}")
+    if info["ignored_files"]:
+        click.echo(f"{'ignored':<12} {', '.join(info['ignored_files'])}")
+
+
+@main.group()
+def control() -> None:
+    """Operator commands."""
+
+
+@control.command("delete-lost-segment-links")
+@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path))
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def delete_lost_links(config_path: Path, yes: bool) -> None:
+    """After a gap in the CDC dir: keep the newest contiguous run of links, delete the links before
+    the gap and move the daemon's position to the start of that run (then `resend` what was lost)."""
+    from cdcd.daemon.ops import delete_lost_segment_links, plan_lost_links
+    from cdcd.lock import LockHeld
+
+    config = _load_daemon_config(config_path)
+    plan = plan_lost_links(config)
+    if plan.run_start is None:
+        click.echo("no links in the CDC dir: nothing to do")
+        return
+    if not plan.to_delete:
+        click.echo(f"no gap: links {plan.run_start}..{plan.run_end} are contiguous; nothing to do")
+        return
+    click.echo(
+        f"gap before segment {plan.run_start}: will delete {len(plan.to_delete)} link(s) "
+        f"({plan.to_delete[0]}..{plan.to_delete[-1]}) and move the position to {plan.run_start}:0#0"
+    )
+    if not yes:
+        if not sys.stdin.isatty():
+            fail("refusing without --yes (not a terminal)", EXIT_BAD_INPUT)
+        click.confirm("Proceed?", abort=True)
+    try:
+        new = delete_lost_segment_links(config, plan)
+    except LockHeld as exc:
+        fail(f"the daemon is running ({exc}); stop it first", EXIT_LOCKED)
+    click.echo(
+        f"deleted {len(plan.to_delete)} link(s); position {plan.old_position or '-'} -> {new.position}; "
+        "resend lost data with `cdcd control resend`"
+    )
 
 
 if __name__ == "__main__":

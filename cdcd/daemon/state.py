@@ -47,9 +47,7 @@ class StateStore:
             path.mkdir(parents=True, exist_ok=True, mode=0o700)
         elif not (path / "data.mdb").exists():
             raise FileNotFoundError(f"no daemon state in {path}")
-        self.env = lmdb.open(
-            str(path), map_size=STATE_MAP_SIZE_BYTES, max_dbs=2, mode=0o600, readonly=readonly, lock=not readonly
-        )
+        self.env = lmdb.open(str(path), map_size=STATE_MAP_SIZE_BYTES, max_dbs=2, mode=0o600, readonly=readonly)
         self._state_db = self.env.open_db(b"state", create=not readonly)
         self._caches_db = self.env.open_db(b"caches", create=not readonly)
 

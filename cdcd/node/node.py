@@ -35,6 +35,7 @@ from cdcd.wal.records import (
     DataEntry,
     DataRecord,
     Op,
+    StopRealtimeCdcRecord,
 )
 
 log = structlog.get_logger("cdcd.node")
@@ -133,6 +134,8 @@ class Node:
             archiver=archiver,
         )
         self._wal.start()
+        # Realtime CDC is off: tell the daemon it delivers (DESIGN §5; an ACTIVE daemon ignores this).
+        self._wal.append(StopRealtimeCdcRecord(None, "node_start_realtime_off"))
         self._fsync_commits = config.wal_mode == "fsync"
         self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="cdcd-checkpointer", daemon=True)
         self._checkpointer.start()

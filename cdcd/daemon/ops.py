@@ -1,0 +1,91 @@
+"""Operator commands on a daemon's state: ``state show`` and ``delete-lost-segment-links``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+
+from cdcd.daemon.config import DaemonConfig
+from cdcd.daemon.daemon import INITIAL_MODE, daemon_lock
+from cdcd.daemon.state import DaemonState, StateStore
+from cdcd.wal.pointer import WalPosition
+from cdcd.wal.segment import list_segments
+
+
+def show_state(config: DaemonConfig) -> dict[str, Any]:
+    """The committed state and the CDC dir as plain data (works while the daemon runs)."""
+    try:
+        store = StateStore(config.state_path, readonly=True)
+    except FileNotFoundError:
+        state, caches = DaemonState(INITIAL_MODE), {}
+        fresh = True
+    else:
+        try:
+            state, caches = store.load(INITIAL_MODE), store.caches()
+        finally:
+            store.close()
+        fresh = False
+    links, refused = list_segments(config.cdc_path)
+    pos = state.position
+    return {
+        "state_dir": str(config.state_path),
+        "fresh": fresh,
+        "mode": state.mode.value,
+        "position": str(pos) if pos else None,
+        "position_parts": msgspec.to_builtins(pos) if pos else None,
+        "updated": datetime.fromtimestamp(state.updated_ns / 1e9, UTC).isoformat() if state.updated_ns else None,
+        "commits": state.commits,
+        "caches": {str(cid): info.name for cid, info in sorted(caches.items())},
+        "cdc_dir": str(config.cdc_path),
+        "links": len(links),
+        "first_link": min(links) if links else None,
+        "last_link": max(links) if links else None,
+        "ignored_files": [p.name for p in refused],
+    }
+
+
+@dataclass
+class LostLinksPlan:
+    run_start: int | None
+    run_end: int | None
+    to_delete: list[int]
+    old_position: WalPosition | None
+
+
+def plan_lost_links(config: DaemonConfig) -> LostLinksPlan:
+    """Keep the newest contiguous run of links; everything before the gap goes."""
+    links, _ = list_segments(config.cdc_path)
+    if not links:
+        return LostLinksPlan(None, None, [], None)
+    segs = sorted(links)
+    start = segs[-1]
+    while start - 1 in links:
+        start -= 1
+    return LostLinksPlan(start, segs[-1], [s for s in segs if s < start], None)
+
+
+def delete_lost_segment_links(config: DaemonConfig, plan: LostLinksPlan) -> DaemonState:
+    """Carry out ``plan`` under the daemon's lock: delete links before the gap, reset the position."""
+    lock = daemon_lock(config)
+    lock.acquire(0)
+    try:
+        store = StateStore(config.state_path)
+        try:
+            state = store.load(INITIAL_MODE)
+            plan.old_position = state.position
+            links, _ = list_segments(config.cdc_path)
+            for seg in plan.to_delete:
+                path = links.get(seg)
+                if path is not None:
+                    path.unlink()
+            position = WalPosition(plan.run_start, 0, 0) if plan.run_start is not None else None
+            if state.position is not None and position is not None and state.position > position:
+                position = state.position  # never move a position backwards past what was delivered
+            return store.commit(msgspec.structs.replace(state, position=position))
+        finally:
+            store.close()
+    finally:
+        lock.release()
