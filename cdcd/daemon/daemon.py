@@ -187,15 +187,10 @@ class Daemon:
                 if processor.pending_events or _advanced(processor, committer):
                     committer.apply(processor.close_batch())
                 return committer.events_delivered - before
-            switched = False
-            for ptr, record, size in chunk:
-                processor.source_node = follower.node_id
-                for item in processor.feed(ptr, record, size):
-                    committer.apply(item)
-                    switched = switched or isinstance(item, Switch)
-                if switched:
-                    break
-            if switched:
+            processor.source_node = follower.node_id
+            for item in processor.feed_many(chunk):
+                committer.apply(item)
+            if processor.finished:
                 processor, follower = self._new_pass()
 
     # --- the long-running form -------------------------------------------------------------------
@@ -279,11 +274,10 @@ class Daemon:
                         await item_q.put(processor.close_batch())  # position-only progress (segment ends)
                     continue
                 processor.source_node = follower.node_id
-                for ptr, record, size in chunk:
-                    for item in processor.feed(ptr, record, size):  # type: ignore[arg-type]
-                        await item_q.put(item)
-                    if processor.finished:
-                        return
+                for item in processor.feed_many(chunk):  # type: ignore[arg-type]
+                    await item_q.put(item)
+                if processor.finished:
+                    return
 
         async def consumer() -> None:
             while True:

@@ -177,6 +177,32 @@ class Processor:
                 )
         return out
 
+    def feed_many(self, chunk: list[tuple[WalPointer, Record, int]]) -> list[Item]:
+        """``feed`` over a chunk, stopping after a switch; the loop for plain DataRecords is inlined
+        because it runs once per record of the backlog."""
+        out: list[Item] = []
+        slices = self._slices
+        active = self.mode is Mode.ACTIVE
+        max_events, max_bytes = self.batch_max_events, self.batch_max_bytes
+        for ptr, record, size in chunk:
+            if active and self.start is None and type(record) is DataRecord:
+                n = len(record.entries)
+                slices.append(RecordSlice(ptr, record, 0))
+                if self.batch_started is None:
+                    self.batch_started = time.monotonic()
+                self._events += n
+                self._bytes += size
+                self.position = WalPosition(ptr.segment, ptr.offset, n)
+                if self._events >= max_events or self._bytes >= max_bytes:
+                    out.append(self.close_batch())
+                    slices = self._slices
+                continue
+            out.extend(self.feed(ptr, record, size))
+            slices = self._slices
+            if self.finished:
+                break
+        return out
+
     def _cache_record(self, record: CacheRecord, end: WalPosition) -> CacheChange:
         info = CacheInfo(record.cache_id, record.name, record.config)
         if record.op == CacheOp.CREATE:

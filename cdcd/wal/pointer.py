@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 
-class WalPointer(msgspec.Struct, frozen=True, order=True, array_like=True):
+class WalPointer(msgspec.Struct, frozen=True, order=True, array_like=True, gc=False):
     """Offset of a record's first byte inside a numbered segment; ordered (segment, offset)."""
 
     segment: int
@@ -28,7 +28,7 @@ class WalPointer(msgspec.Struct, frozen=True, order=True, array_like=True):
         return cls(segment, offset)
 
 
-class WalPosition(msgspec.Struct, frozen=True, order=True, array_like=True):
+class WalPosition(msgspec.Struct, frozen=True, order=True, array_like=True, gc=False):
     """A consumer position: one entry of one record, ``(segment, offset, entry_index)``.
 
     One DataRecord carries many entries, so a pointer alone cannot say how far a consumer got

@@ -1,5 +1,9 @@
 """WAL record types (DESIGN §3).
 
+Entries and versions are ``gc=False`` Structs: they hold only scalars, bytes and each other, so
+they can never be part of a reference cycle, and a backlog of millions of them must not make
+every garbage collection walk them.
+
 Every record is a tagged, frozen, array-like ``msgspec.Struct``; the tag is also the frame's
 type byte. Schema rule: fields are only ever appended, with defaults, so older segments decode.
 
@@ -35,7 +39,7 @@ class CacheOp(enum.IntEnum):
     DESTROY = 1
 
 
-class CacheVersion(msgspec.Struct, frozen=True, order=True, array_like=True):
+class CacheVersion(msgspec.Struct, frozen=True, order=True, array_like=True, gc=False):
     """Entry version, compared field by field in this order (Ignite's GridCacheVersion)."""
 
     order: int
@@ -45,7 +49,7 @@ class CacheVersion(msgspec.Struct, frozen=True, order=True, array_like=True):
     other_cluster_version: CacheVersion | None = None
 
 
-class DataEntry(msgspec.Struct, frozen=True, array_like=True):
+class DataEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """One changed key inside a DataRecord."""
 
     cache_id: int
