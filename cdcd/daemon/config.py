@@ -27,13 +27,13 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """A second daemon waits this long for the lock, then exits 1 naming the holder's pid."""
     check_interval_ms: int = 1000
     """Rescan the CDC dir this often, on top of file-system events."""
-    batch_max_events: int = 100_000
-    batch_max_bytes: int = 32 * MiB
+    batch_max_events: int = 50_000
+    batch_max_bytes: int = 16 * MiB
     batch_max_delay_ms: int = 100
     """A batch closes when any of these is reached (live traffic: the delay; backlog: the size)."""
-    queue_max_batches: int = 4
+    queue_max_batches: int = 2
     """Bound of each pipeline queue; with the batch bounds this bounds memory."""
-    read_chunk_records: int = 4096
+    read_chunk_records: int = 1024
     """Records the reader hands to the decoder at a time."""
     metrics_address: str = "127.0.0.1:9469"
     """host:port of the Prometheus endpoint ("" disables it)."""

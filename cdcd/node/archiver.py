@@ -94,7 +94,15 @@ class Archiver:
                     "(cdcd control delete-lost-segment-links, then resend)",
                 )
                 return
-        os.link(work_path, link)
+        if link.exists():
+            # Same name, other inode: a leftover of an earlier node incarnation. This segment wins.
+            log.warning("cdc_link_replaced", path=str(link), segment=segment)
+            tmp = link.with_name(link.name + ".tmp")
+            tmp.unlink(missing_ok=True)
+            os.link(work_path, tmp)
+            os.replace(tmp, link)
+        else:
+            os.link(work_path, link)
         if self.fsync:
             fsync_dir(self.cdc_dir)
         metrics.CDC_LINKS.inc()

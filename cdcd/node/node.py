@@ -70,7 +70,7 @@ class Node:
         self._dirty: dict[bytes, DataEntry] = {}
         self._snapshot: dict[bytes, DataEntry] | None = None  # being written by a checkpoint
         self._checkpoint_segment = 0
-        self._last_cp_end: WalPointer | None = None
+        self._cp_appends = -1
         self._failure: BaseException | None = None
         self._dirty_hard_limit = 2 * config.checkpoint_dirty_max_entries
         self.stats = metrics.NodeStats()
@@ -89,6 +89,12 @@ class Node:
         try:
             self._open()
         except BaseException:
+            wal = getattr(self, "_wal", None)
+            if wal is not None:
+                wal.close()
+            store = getattr(self, "_store", None)
+            if store is not None:
+                store.close()
             self._dir_lock.release()
             raise
 
@@ -109,7 +115,6 @@ class Node:
         self._caches: dict[str, CacheInfo] = state.caches
         self._order = state.next_order - 1
         self._checkpoint_segment = cp.pointer.segment if cp is not None else 0
-        self._last_cp_end = state.position
         self.stats.recovery_records = state.records
         metrics.register_node(self.stats)
         archiver = Archiver(
@@ -386,14 +391,15 @@ class Node:
         """Move the dirty map into LMDB; returns the Checkpoint record's pointer (None if nothing changed)."""
         with self._checkpoint_lock:
             with self._lock:
-                if not self._dirty and self._wal.position == self._last_cp_end:
-                    return None
+                if not self._dirty and self._wal.appends == self._cp_appends:
+                    return None  # nothing appended since the last checkpoint (rolls do not count)
                 snapshot, self._dirty = self._dirty, {}
                 self._snapshot = snapshot
                 caches = dict(self._caches)
                 next_order = self._order + 1
                 ts = time.time_ns()
                 ptr, end = self._wal.append(Checkpoint(ts, next_order))
+                self._cp_appends = self._wal.appends
                 self._room.notify_all()
             t0 = time.perf_counter()
             try:
@@ -404,7 +410,6 @@ class Node:
                     self._snapshot = None
                     self._store.renew_reader()
             self._checkpoint_segment = ptr.segment
-            self._last_cp_end = end
             metrics.CHECKPOINTS.inc()
             metrics.CHECKPOINT_SECONDS.observe(time.perf_counter() - t0)
             log.debug("checkpoint", pointer=str(ptr), entries=len(snapshot))

@@ -58,6 +58,8 @@ class WalLog:
         self._closing = False
         self._failure: BaseException | None = None
         self._segment_data_since: float | None = None
+        self.appends = 0
+        """Records appended since open (a checkpoint with nothing new to cover is skipped)."""
         self._listeners: list[FlushListener] = []
         self._thread = threading.Thread(target=self._run, name="cdcd-wal-flusher", daemon=True)
         metrics.WAL_SEGMENT.set(position.segment)
@@ -96,6 +98,7 @@ class WalLog:
             seg = writer.segment
             fresh = not writer.segment_has_records
             ptr = writer.append_record(record)
+            self.appends += 1
             if fresh or ptr.segment != seg:
                 self._segment_data_since = time.monotonic()
             return ptr, writer.position

@@ -13,6 +13,16 @@ from cdcd.config import convert
 from cdcd.consumer import OP_NAMES, Consumer, EventBatch
 from cdcd.wal.dump import jsonable
 
+_WRITE_LINES = 4096
+
+
+def _write_all(fd: int, lines: list[bytes]) -> None:
+    lines.append(b"")
+    view = memoryview(b"\n".join(lines))
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
 
 class JsonlOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     path: str
@@ -45,7 +55,7 @@ class JsonlConsumer(Consumer):
             raise RuntimeError("JsonlConsumer.on_events before start()")
         decode = self._decoder.decode
         encode = self._encoder.encode
-        lines = []
+        lines: list[bytes] = []
         for s in batch.slices:
             ptr = s.pointer
             ts = s.record.commit_ts_ns
@@ -73,14 +83,13 @@ class JsonlConsumer(Consumer):
                         }
                     )
                 )
+                if len(lines) >= _WRITE_LINES:  # bounded memory whatever the batch size
+                    _write_all(fd, lines)
+                    lines = []
         if lines:
-            data = b"\n".join(lines) + b"\n"
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            if self.fsync:
-                os.fdatasync(fd)
+            _write_all(fd, lines)
+        if self.fsync:
+            os.fdatasync(fd)
         return True
 
     def stop(self) -> None:

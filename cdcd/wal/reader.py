@@ -56,6 +56,8 @@ class SegmentReader:
         path, segment = self.path, self.segment
         with open(path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
+            if not self.archived and size < HEADER_SIZE:
+                return  # created, header not written yet: an empty active segment
             self.header = decode_header(f.read(HEADER_SIZE), path, segment)
             pos = max(self.start_offset, HEADER_SIZE)
             if pos > size:
