@@ -230,6 +230,8 @@ def daemon_run(config_path: Path) -> None:
         fatal("consumer_failed", str(exc), EXIT_CONSUMER_FAILED)
     except (OSError, ConfigError) as exc:
         fatal("daemon_failed", f"{type(exc).__name__}: {exc}", 1)
+    except Exception as exc:  # anything unexpected: one line, non-zero, systemd restarts us
+        fatal("daemon_failed", f"unexpected {type(exc).__name__}: {exc}", 1)
     finally:
         daemon.close()
 
@@ -269,7 +271,7 @@ def control() -> None:
 def delete_lost_links(config_path: Path, yes: bool) -> None:
     """After a gap in the CDC dir: keep the newest contiguous run of links, delete the links before
     the gap and move the daemon's position to the start of that run (then `resend` what was lost)."""
-    from cdcd.daemon.ops import delete_lost_segment_links, plan_lost_links
+    from cdcd.daemon.ops import delete_lost_segment_links, plan_lost_links, plan_needs_work
     from cdcd.lock import LockHeld
 
     config = _load_daemon_config(config_path)
@@ -277,12 +279,17 @@ def delete_lost_links(config_path: Path, yes: bool) -> None:
     if plan.run_start is None:
         click.echo("no links in the CDC dir: nothing to do")
         return
-    if not plan.to_delete:
-        click.echo(f"no gap: links {plan.run_start}..{plan.run_end} are contiguous; nothing to do")
+    if not plan_needs_work(plan):
+        click.echo(f"no gap: links {plan.run_start}..{plan.run_end} are contiguous from the position; nothing to do")
         return
+    deleting = (
+        f"delete {len(plan.to_delete)} link(s) ({plan.to_delete[0]}..{plan.to_delete[-1]})"
+        if plan.to_delete
+        else ("delete no link")
+    )
     click.echo(
-        f"gap before segment {plan.run_start}: will delete {len(plan.to_delete)} link(s) "
-        f"({plan.to_delete[0]}..{plan.to_delete[-1]}) and move the position to {plan.run_start}:0#0"
+        f"gap before segment {plan.run_start} (position {plan.old_position or '-'}): will {deleting} "
+        f"and move the position to {plan.run_start}:0#0"
     )
     if not yes:
         if not sys.stdin.isatty():

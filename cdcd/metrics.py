@@ -109,3 +109,19 @@ DAEMON_LAST_COMMIT = Gauge("cdcd_daemon_last_commit_timestamp_seconds", "Wall ti
 DAEMON_MODE = Gauge("cdcd_daemon_mode", "1 for the daemon's current mode", ["mode"])
 DAEMON_MODE_SWITCHES = Counter("cdcd_daemon_mode_switches_total", "Mode switches", ["direction"])
 DAEMON_LINKS_DELETED = Counter("cdcd_daemon_links_deleted_total", "Consumed segment links deleted")
+
+# --- node: realtime CDC -------------------------------------------------------------------------------
+RT_MODE = Gauge("cdcd_node_realtime_mode", "1 for the realtime worker's current mode", ["mode"])
+RT_BUFFER_BYTES = Gauge("cdcd_node_realtime_buffer_bytes", "Flushed WAL bytes held by the realtime worker")
+RT_BUFFER_MAX_USED_BYTES = Gauge("cdcd_node_realtime_buffer_max_used_bytes", "Highest buffer use since open")
+RT_COMMITTED_SEGMENT = Gauge("cdcd_node_realtime_committed_segment", "Segment of the realtime committed position")
+RT_COMMITTED_OFFSET = Gauge("cdcd_node_realtime_committed_offset", "Offset of the realtime committed position")
+RT_LAG_SEGMENTS = Gauge("cdcd_node_realtime_lag_segments", "Active WAL segment - committed segment")
+RT_LAG_MS = Histogram(
+    "cdcd_node_realtime_lag_ms",
+    "WAL commit to consumer confirmation, per batch (ms)",
+    buckets=(0.25, 0.5, 1, 2, 5, 10, 25, 50, 100, 250, 1000, 5000),
+)
+RT_RESTORED_RECORDS = Gauge("cdcd_node_realtime_restored_records", "WAL records re-read at the last restore")
+RT_STOPS = Counter("cdcd_node_realtime_stops_total", "Realtime stops", ["reason"])
+RT_EVENTS = Counter("cdcd_node_realtime_events_total", "Events confirmed by the realtime consumer")

@@ -31,6 +31,7 @@ def abandon(n: Node) -> None:
     n._checkpointer.join()
     n._wal.close()
     n._store.close()
+    n._metastorage.close()
     n._dir_lock.release()
 
 

@@ -43,7 +43,7 @@ NODE_SETTINGS: dict[str, Any] = {
     "checkpoint_dirty_max_entries": 500,
 }
 
-RUNS = int(os.environ.get("CDCD_CRASH_RUNS", "30"))
+RUNS = int(os.environ.get("NODE_CRASH_RUNS", "30"))
 """Kill/recover cycles on one node dir; raise it (e.g. 500) for a soak run."""
 SEED = 104_2024
 CACHE_B_ID = zlib.crc32(b"b") & 0x7FFFFFFF

@@ -68,10 +68,6 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     def state_path(self) -> Path:
         return Path(self.state_dir or Path(self.node_dir) / "cdcd-state")
 
-    @property
-    def lock_path(self) -> Path:
-        return self.state_path / "cdcd.lock"
-
 
 def _env_value(text: str) -> Any:
     """Environment values are TOML scalars when they parse as one (``5``, ``true``), else strings."""
@@ -98,6 +94,10 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
 def load_daemon_config(path: str | os.PathLike[str], environ: Mapping[str, str] | None = None) -> DaemonConfig:
     data = read_toml(path)
     env = env_overrides(os.environ if environ is None else environ)
+    known = set(DaemonConfig.__struct_fields__)
+    for key in env:
+        if key not in known:
+            raise ConfigError(f"environment: CDCD_{key.upper()} does not name a config key of {path}")
     for key, value in env.items():
         if isinstance(value, dict) and isinstance(data.get(key), dict):
             data[key] = {**data[key], **value}

@@ -23,13 +23,14 @@ from watchdog.observers import Observer
 
 from cdcd import metrics
 from cdcd.consumer import Consumer
-from cdcd.daemon.committer import Committer
+from cdcd.daemon.committer import Committer, ConsumerFailed
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.follower import SegmentFollower, delete_links_below
 from cdcd.daemon.processor import Item, Processor, Switch
 from cdcd.daemon.sdnotify import Notifier
 from cdcd.daemon.state import DaemonState, Mode, StateStore
 from cdcd.lock import DirLock
+from cdcd.wal.errors import WalError
 from cdcd.wal.records import CacheInfo, DataRecord
 
 log = structlog.get_logger("cdcd.daemon")
@@ -89,10 +90,13 @@ class Daemon:
             if state.position is not None:
                 for seg in delete_links_below(self.cdc_dir, state.position.segment):
                     log.info("stale_link_deleted", segment=seg)
-            self.consumer.start(REGISTRY)
-            self._consumer_started = True
-            if caches:
-                self.consumer.on_cache_change(list(caches.values()))
+            try:
+                self.consumer.start(REGISTRY)
+                self._consumer_started = True
+                if caches:
+                    self.consumer.on_cache_change(list(caches.values()))
+            except Exception as exc:
+                raise ConsumerFailed(f"consumer start() raised {type(exc).__name__}: {exc}") from exc
             self._committer = Committer(self._store, state, caches, self.consumer, self.cdc_dir)
             self._started = True
             log.info(
@@ -182,7 +186,12 @@ class Daemon:
         before = committer.events_delivered
         processor, follower = self._new_pass()
         while True:
-            chunk = follower.read(self.config.read_chunk_records)
+            try:
+                chunk = follower.read(self.config.read_chunk_records)
+            except WalError:
+                if processor.pending_events or _advanced(processor, committer):
+                    committer.apply(processor.close_batch())  # deliver what came before the bad spot
+                raise
             if chunk is None:
                 if processor.pending_events or _advanced(processor, committer):
                     committer.apply(processor.close_batch())
@@ -244,7 +253,12 @@ class Daemon:
 
         async def reader() -> None:
             while True:
-                chunk = await asyncio.to_thread(follower.read, config.read_chunk_records)
+                try:
+                    chunk = await asyncio.to_thread(follower.read, config.read_chunk_records)
+                except WalError as exc:
+                    # After everything read before it: the good data is delivered and committed first.
+                    await read_q.put(exc)  # type: ignore[arg-type]
+                    return
                 if follower.segment is not None:
                     metrics.DAEMON_CURRENT_SEGMENT.set(follower.segment)
                 if chunk is None:
@@ -265,6 +279,11 @@ class Daemon:
                     chunk = await asyncio.wait_for(read_q.get(), timeout)
                 except TimeoutError:
                     chunk = None
+                if isinstance(chunk, WalError):
+                    if processor.pending_events or _advanced(processor, committer):
+                        await item_q.put(processor.close_batch())
+                    await item_q.put(chunk)  # type: ignore[arg-type]
+                    return
                 if chunk is None:
                     if processor.pending_events and (
                         processor.batch_started is not None and time.monotonic() - processor.batch_started >= delay_s
@@ -289,6 +308,8 @@ class Daemon:
                     return
                 stop_wait.cancel()
                 item = get.result()
+                if isinstance(item, WalError):
+                    raise item
                 # Shielded: a started batch finishes (and commits if confirmed) even on shutdown.
                 await asyncio.shield(asyncio.to_thread(committer.apply, item))
                 self._show(follower)

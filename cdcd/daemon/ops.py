@@ -56,15 +56,38 @@ class LostLinksPlan:
 
 
 def plan_lost_links(config: DaemonConfig) -> LostLinksPlan:
-    """Keep the newest contiguous run of links; everything before the gap goes."""
+    """Keep the newest contiguous run of links; everything before the gap goes.
+
+    A gap can also lie between the committed position and the oldest link (the links before it
+    were consumed and deleted): then nothing is deleted but the position still moves.
+    """
     links, _ = list_segments(config.cdc_path)
+    position = show_position(config)
     if not links:
-        return LostLinksPlan(None, None, [], None)
+        return LostLinksPlan(None, None, [], position)
     segs = sorted(links)
     start = segs[-1]
     while start - 1 in links:
         start -= 1
-    return LostLinksPlan(start, segs[-1], [s for s in segs if s < start], None)
+    return LostLinksPlan(start, segs[-1], [s for s in segs if s < start], position)
+
+
+def show_position(config: DaemonConfig) -> WalPosition | None:
+    try:
+        store = StateStore(config.state_path, readonly=True)
+    except FileNotFoundError:
+        return None
+    try:
+        return store.load(INITIAL_MODE).position
+    finally:
+        store.close()
+
+
+def plan_needs_work(plan: LostLinksPlan) -> bool:
+    if plan.run_start is None:
+        return False
+    behind = plan.old_position is not None and plan.old_position.segment < plan.run_start
+    return bool(plan.to_delete) or behind
 
 
 def delete_lost_segment_links(config: DaemonConfig, plan: LostLinksPlan) -> DaemonState:

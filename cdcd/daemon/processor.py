@@ -155,10 +155,12 @@ class Processor:
             if self.mode is Mode.ACTIVE:
                 if self._slices:
                     out.append(self.close_batch(end=WalPosition(ptr.segment, ptr.offset, 0)))
+                out.append(Switch(Mode.PASSIVE, WalPosition(ptr.segment + 1, 0, 0), "try_start_realtime"))
+                self.finished = True
             else:
+                # Never delete links here: what lies before this record may not have been delivered
+                # by anyone. A node always writes a Stop record before a new TryStart after a restart.
                 log.warning("try_start_in_passive_mode", pointer=str(ptr))
-            out.append(Switch(Mode.PASSIVE, WalPosition(ptr.segment + 1, 0, 0), "try_start_realtime"))
-            self.finished = True
         elif rtype is StopRealtimeCdcRecord:
             assert isinstance(record, StopRealtimeCdcRecord)
             if self.mode is Mode.PASSIVE:

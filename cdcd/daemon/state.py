@@ -48,8 +48,12 @@ class StateStore:
         elif not (path / "data.mdb").exists():
             raise FileNotFoundError(f"no daemon state in {path}")
         self.env = lmdb.open(str(path), map_size=STATE_MAP_SIZE_BYTES, max_dbs=2, mode=0o600, readonly=readonly)
-        self._state_db = self.env.open_db(b"state", create=not readonly)
-        self._caches_db = self.env.open_db(b"caches", create=not readonly)
+        try:
+            self._state_db = self.env.open_db(b"state", create=not readonly)
+            self._caches_db = self.env.open_db(b"caches", create=not readonly)
+        except lmdb.NotFoundError:  # a daemon is creating its state right now
+            self.env.close()
+            raise FileNotFoundError(f"no daemon state in {path} yet") from None
 
     def close(self) -> None:
         self.env.close()

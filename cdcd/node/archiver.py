@@ -60,7 +60,8 @@ class Archiver:
         self.archive_max_bytes = archive_max_bytes
         self.min_kept_segment = min_kept_segment
         self.fsync = fsync
-        self.last_archived = -1
+        archived, _ = list_segments(archive_dir)
+        self.last_archived = max(archived) if archived else -1
 
     def archive(self, segment: int, work_path: Path) -> None:
         if self.cdc_enabled:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -44,6 +44,23 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     """Changed keys kept in memory before a checkpoint writes them to LMDB; writers wait beyond 2x."""
     lmdb_map_size_bytes: int = 16 * 1024 * MiB
 
+    realtime_cdc: bool = False
+    """Capture changes inside the node right after each WAL flush (IEP-104); the daemon goes PASSIVE.
+    At every open the node restores an enabled realtime state, or tries to start it (hand-over)."""
+    realtime_consumer: dict[str, Any] = msgspec.field(default_factory=dict)
+    """The realtime worker's consumer: the same table as the daemon's ``[consumer]``."""
+    cdc_buffer_bytes: int = 0
+    """Flushed WAL bytes the realtime worker may hold; over it realtime stops (0: 10 segments' worth)."""
+    realtime_batch_max_events: int = 10_000
+    realtime_commit_record_interval_ms: int = 1000
+    """At most this often a RealtimeCdcRecord tells the daemon how far the node delivered."""
+    realtime_close_timeout_ms: int = 10_000
+    """``close()`` drains the realtime buffer for at most this long."""
+    control_socket: str = ""
+    """Unix socket for ``cdcd control`` (default ``<node_dir>/control.sock``; mode 0600)."""
+    daemon_state_dir: str = ""
+    """Where the daemon keeps its state, read by ``status`` (default ``<node_dir>/cdcd-state``)."""
+
     partitions: int = 1024
     """Default partition count of new caches."""
     cluster_id: int = 1
@@ -63,7 +80,15 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
             "partitions": 1 <= self.partitions <= 65536,
             "cluster_id": 0 <= self.cluster_id <= 31,
             "node_order": self.node_order >= 0,
+            "cdc_buffer_bytes": self.cdc_buffer_bytes >= 0,
+            "realtime_batch_max_events": self.realtime_batch_max_events >= 1,
+            "realtime_commit_record_interval_ms": self.realtime_commit_record_interval_ms >= 0,
+            "realtime_close_timeout_ms": self.realtime_close_timeout_ms >= 0,
         }
+        if self.realtime_cdc and not self.realtime_consumer:
+            raise msgspec.ValidationError(
+                "realtime_cdc = true needs a realtime_consumer table - at `$.realtime_consumer`"
+            )
         for key, ok in checks.items():
             if not ok:
                 raise msgspec.ValidationError(f"out of range: {getattr(self, key)} - at `$.{key}`")
@@ -83,6 +108,22 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     @property
     def db_path(self) -> Path:
         return Path(self.db_dir or Path(self.node_dir) / "db")
+
+    @property
+    def control_socket_path(self) -> Path:
+        return Path(self.control_socket or Path(self.node_dir) / "control.sock")
+
+    @property
+    def daemon_state_path(self) -> Path:
+        return Path(self.daemon_state_dir or Path(self.node_dir) / "cdcd-state")
+
+    @property
+    def metastorage_path(self) -> Path:
+        return self.db_path / "metastorage"
+
+    @property
+    def cdc_buffer_limit_bytes(self) -> int:
+        return self.cdc_buffer_bytes or 10 * self.wal_segment_size_bytes
 
     @property
     def lock_path(self) -> Path:

@@ -19,6 +19,7 @@ from cdcd.lock import DirLock, LockHeld
 from cdcd.node.archiver import Archiver, check_same_filesystem
 from cdcd.node.cache import REMOVE, Cache
 from cdcd.node.config import NodeConfig
+from cdcd.node.realtime import Metastorage, RealtimeWorker
 from cdcd.node.recovery import recover
 from cdcd.node.store import CheckpointMeta, PageStore, cache_prefix
 from cdcd.node.transaction import Transaction
@@ -35,7 +36,6 @@ from cdcd.wal.records import (
     DataEntry,
     DataRecord,
     Op,
-    StopRealtimeCdcRecord,
 )
 
 log = structlog.get_logger("cdcd.node")
@@ -92,6 +92,9 @@ class Node:
             wal = getattr(self, "_wal", None)
             if wal is not None:
                 wal.close()
+            meta = getattr(self, "_metastorage", None)
+            if meta is not None:
+                meta.close()
             store = getattr(self, "_store", None)
             if store is not None:
                 store.close()
@@ -138,9 +141,18 @@ class Node:
             force_archive_timeout_ms=config.wal_force_archive_timeout_ms,
             archiver=archiver,
         )
+        self._metastorage = Metastorage(config.metastorage_path)
+        self.realtime = RealtimeWorker(
+            config=config,
+            wal=self._wal,
+            metastorage=self._metastorage,
+            caches=lambda: {info.cache_id: info for info in self._caches.values()},
+            node_id=str(self.node_id),
+        )
+        self._wal.add_flush_listener(self.realtime.offer)
         self._wal.start()
-        # Realtime CDC is off: tell the daemon it delivers (DESIGN §5; an ACTIVE daemon ignores this).
-        self._wal.append(StopRealtimeCdcRecord(None, "node_start_realtime_off"))
+        # Restores or starts realtime CDC, or (off) writes the Stop record that makes the daemon ACTIVE.
+        self.realtime.open(state.position)
         self._fsync_commits = config.wal_mode == "fsync"
         self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="cdcd-checkpointer", daemon=True)
         self._checkpointer.start()
@@ -177,8 +189,10 @@ class Node:
         try:
             if self._failure is None:
                 self.checkpoint()
+            self.realtime.close()
         finally:
             self._wal.close()
+            self._metastorage.close()
             self._store.close()
             self._dir_lock.release()
             metrics.unregister_node(self.stats)

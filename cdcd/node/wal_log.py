@@ -103,6 +103,16 @@ class WalLog:
                 self._segment_data_since = time.monotonic()
             return ptr, writer.position
 
+    def append_and_roll(self, record: Record) -> tuple[WalPointer, WalPointer]:
+        """Append ``record`` as the last record of its segment (nothing can slip in after it)."""
+        with self._lock:
+            self._check_failed()
+            ptr = self._writer.append_record(record)
+            self.appends += 1
+            self._writer.roll()
+            self._segment_data_since = None
+            return ptr, self._writer.position
+
     def wait_durable(self, end: WalPointer, timeout_s: float | None = None) -> bool:
         with self._lock:
             if self._durable >= end:
@@ -175,12 +185,14 @@ class WalLog:
                 metrics.WAL_FLUSH_SECONDS.observe(time.perf_counter() - t0)
                 metrics.WAL_BYTES.inc(self._files.bytes_written - before_bytes)
                 metrics.WAL_FSYNCS.inc(self._files.fsyncs - before_syncs)
+            if chunks:
+                # Before committers wake: whoever waited for durability (close() among them) then
+                # knows the realtime worker has been offered everything up to that point.
+                for listener in self._listeners:
+                    listener(chunks)
             with self._lock:
                 self._durable = end
                 self._durable_cv.notify_all()
-            if chunks:
-                for listener in self._listeners:
-                    listener(chunks)
             if closing:
                 self._files.close()
                 return

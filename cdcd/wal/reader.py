@@ -178,3 +178,33 @@ class WalReader:
             )
             self.last_reader = reader
             yield from reader
+
+
+def iter_chunk(
+    data: bytes | bytearray, segment: int, offset: int, path: str = "<flushed chunk>"
+) -> Iterator[tuple[WalPointer, Record, int]]:
+    """Records of an in-memory chunk of whole frames that starts at ``segment:offset``.
+
+    This is how the node's realtime worker reads what the flusher just wrote (a chunk starting at
+    offset 0 begins with the segment header, which is skipped). Yields (pointer, record, frame size).
+    """
+    view = memoryview(data)
+    pos = 0
+    if offset == 0:
+        pos = HEADER_SIZE
+    end = len(view)
+    unpack = FRAME_HEADER.unpack_from
+    while pos < end:
+        length, rtype, crc = unpack(view, pos)
+        start = pos + FRAME_HEADER_SIZE
+        payload = view[start : start + length]
+        off = offset + pos
+        if len(payload) != length:
+            raise TruncatedSegment(path, off, f"chunk of segment {segment} ends inside a record")
+        if zlib.crc32(payload) != crc:
+            raise CorruptRecord(path, off, f"CRC mismatch in segment {segment}")
+        decoder = DECODERS.get(rtype)
+        if decoder is None:
+            raise CorruptRecord(path, off, f"unknown record type {rtype}")
+        yield WalPointer(segment, off), decoder.decode(bytes(payload)), FRAME_HEADER_SIZE + length
+        pos = start + length

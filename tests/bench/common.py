@@ -115,7 +115,8 @@ def run_bench(bench: Bench, repeats: int, log: Callable[[str], None], profile_di
             m = bench.run_once()
             result.measurements.append(m)
             result.values.append(m.rate)
-            log(f"  run {i + 1}/{repeats}: {m.count} in {m.seconds:.3f}s = {fmt_num(m.rate)} {bench.unit}")
+            notes = " ".join(f"{k}={v}" for k, v in m.extra.items())
+            log(f"  run {i + 1}/{repeats}: {m.count} in {m.seconds:.3f}s = {fmt_num(m.rate)} {bench.unit}  {notes}")
         if profile_dir is not None:
             _profile(bench, profile_dir, log)
     except Exception as exc:  # one broken benchmark must not hide the others' numbers

@@ -1,0 +1,514 @@
+"""Realtime CDC inside the node (IEP-104, DESIGN §5): deliver changes right after each WAL flush.
+
+The flusher offers every flushed chunk to ``offer`` (never blocking: over ``cdc_buffer_bytes`` the
+worker stops and the daemon takes over). One worker thread decodes the chunks, hands batches to
+the consumer, persists its position in the metastorage and writes marker records:
+``RealtimeCdcRecord(last)`` (rate-limited) while it delivers, ``StopRealtimeCdcRecord(last)`` when
+it stops, ``TryStartRealtimeCdcRecord`` (then a segment roll) when it wants to start again; it
+delivers past a TryStart only once the daemon deleted that segment's link (it committed all
+before). The two sides therefore never deliver interleaved.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import msgspec
+import structlog
+from prometheus_client import REGISTRY
+
+from cdcd import metrics
+from cdcd.consumer import Consumer, EventBatch, RecordSlice
+from cdcd.node.config import NodeConfig
+from cdcd.node.wal_log import WalLog
+from cdcd.sinks import load_consumer
+from cdcd.wal.pointer import WalPointer, WalPosition
+from cdcd.wal.reader import WalReader, iter_chunk
+from cdcd.wal.records import (
+    CacheInfo,
+    CacheOp,
+    CacheRecord,
+    DataRecord,
+    RealtimeCdcRecord,
+    Record,
+    SegmentEnd,
+    StopRealtimeCdcRecord,
+    TryStartRealtimeCdcRecord,
+)
+from cdcd.wal.segment import segment_path
+from cdcd.wal.writer import Chunk
+
+log = structlog.get_logger("cdcd.node.realtime")
+
+_POLL_S = 0.02
+
+
+class RealtimeMode(enum.Enum):
+    OFF = "off"
+    TRY_START = "try_start"
+    """Buffering from a TryStart record, waiting for the daemon to pass it."""
+    ON = "on"
+
+
+class RealtimeState(msgspec.Struct, frozen=True):
+    """What the metastorage keeps: the committed position, whether realtime is on, a pending try-start."""
+
+    enabled: bool = False
+    position: WalPosition | None = None
+    try_start: WalPointer | None = None
+    updated_ns: int = 0
+
+
+class Metastorage:
+    """A small LMDB env of its own, so realtime commits never queue behind a checkpoint's write txn."""
+
+    _KEY = b"realtime"
+
+    def __init__(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.env = lmdb.open(str(path), map_size=64 << 20, max_dbs=1, mode=0o600)
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(RealtimeState)
+
+    def get(self) -> RealtimeState | None:
+        with self.env.begin() as txn:
+            raw = txn.get(self._KEY)
+        return self._dec.decode(raw) if raw is not None else None
+
+    def put(self, state: RealtimeState) -> None:
+        state = msgspec.structs.replace(state, updated_ns=time.time_ns())
+        with self.env.begin(write=True) as txn:
+            txn.put(self._KEY, self._enc.encode(state))
+
+    def close(self) -> None:
+        self.env.close()
+
+
+class RealtimeError(RuntimeError):
+    pass
+
+
+# A buffered source: a flushed chunk (decoded lazily) or records re-read from files at restore.
+_Source = Chunk | list[tuple[WalPointer, Record, int]]
+
+
+class RealtimeWorker:
+    def __init__(
+        self,
+        *,
+        config: NodeConfig,
+        wal: WalLog,
+        metastorage: Metastorage,
+        caches: Callable[[], dict[int, CacheInfo]],
+        node_id: str,
+    ) -> None:
+        self.config = config
+        self.wal = wal
+        self.meta = metastorage
+        self._caches = caches
+        self.node_id = node_id
+        self.buffer_limit_bytes = config.cdc_buffer_limit_bytes
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._meta_lock = threading.Lock()
+        self._buffer: deque[_Source] = deque()
+        self._buffered_bytes = 0
+        self.buffer_max_used_bytes = 0
+        self._overflow = False
+        self._stop_reason: str | None = None
+        self._closing = False
+        self.mode = RealtimeMode.OFF
+        saved = metastorage.get() or RealtimeState()
+        self.state = saved
+        self.position: WalPosition | None = saved.position
+        self.try_start: WalPointer | None = saved.try_start
+        self._deliver_from: WalPointer | None = None
+        self._restore_until: WalPointer | None = None
+        self.restored_records = 0
+        self.stops: dict[str, int] = {}
+        self.last_event_ts_ns = 0
+        self._last_marker = 0.0
+        self._consumer: Consumer | None = None
+        self._thread: threading.Thread | None = None
+        self._set_mode(RealtimeMode.OFF)
+
+    # --- opening -------------------------------------------------------------------------------------
+    def open(self, open_position: WalPointer) -> None:
+        """Called once the WAL runs. Restores an enabled state, resumes a pending try-start, or starts
+        one if configured; otherwise (and before any new TryStart) writes the Stop record the daemon
+        needs to know it delivers."""
+        saved = self.state
+        if (saved.try_start is not None or saved.enabled) and not self.config.realtime_consumer:
+            log.error("realtime_state_without_consumer", hint="realtime_consumer was removed from the config")
+            if saved.try_start is not None:
+                self.position = WalPosition(saved.try_start.segment + 1, 0, 0)
+            self.try_start = None
+            self._persist(enabled=False)
+            saved = self.state
+        if saved.try_start is not None:
+            ts = saved.try_start
+            self._enter(RealtimeMode.TRY_START, WalPointer(ts.segment + 1, 0), open_position)
+            log.info("realtime_try_start_resumed", try_start=str(ts))
+        elif saved.enabled and saved.position is not None:
+            self._enter(RealtimeMode.ON, saved.position.pointer, open_position)
+            log.info("realtime_restoring", position=str(saved.position))
+        else:
+            last = saved.position
+            self.wal.append(StopRealtimeCdcRecord(last, "node_start_realtime_off"))
+            if self.config.realtime_cdc:
+                self.request_on()
+        self._thread = threading.Thread(target=self._run, name="cdcd-realtime", daemon=True)
+        self._thread.start()
+
+    def _enter(self, mode: RealtimeMode, deliver_from: WalPointer, open_position: WalPointer) -> None:
+        self._ensure_consumer()
+        self._deliver_from = deliver_from
+        if deliver_from < open_position:
+            self._restore_until = open_position
+        self._set_mode(mode)
+
+    def _ensure_consumer(self) -> Consumer:
+        if self._consumer is None:
+            if not self.config.realtime_consumer:
+                raise RealtimeError("realtime CDC needs a realtime_consumer table in the node config")
+            consumer = load_consumer(self.config.realtime_consumer, "realtime_consumer")
+            consumer.start(REGISTRY)
+            self._consumer = consumer
+        return self._consumer
+
+    # --- the flusher's side ----------------------------------------------------------------------------
+    def offer(self, chunks: list[Chunk]) -> None:
+        """Flusher thread: queue flushed chunks, never block. The chunks are the writer's own buffers,
+        handed over and never touched again, so they need no copy."""
+        with self._lock:
+            if self.mode is RealtimeMode.OFF or self._overflow:
+                return
+            for chunk in chunks:
+                size = len(chunk.data)
+                if self._buffered_bytes + size > self.buffer_limit_bytes:
+                    self._overflow = True
+                    self._buffer.clear()
+                    self._buffered_bytes = 0
+                    metrics.RT_BUFFER_BYTES.set(0)
+                    break
+                self._buffer.append(chunk)
+                self._buffered_bytes += size
+            if self._buffered_bytes > self.buffer_max_used_bytes:
+                self.buffer_max_used_bytes = self._buffered_bytes
+                metrics.RT_BUFFER_MAX_USED_BYTES.set(self._buffered_bytes)
+            metrics.RT_BUFFER_BYTES.set(self._buffered_bytes)
+            self._cv.notify()
+
+    @property
+    def buffered_bytes(self) -> int:
+        return self._buffered_bytes
+
+    # --- commands ----------------------------------------------------------------------------------------
+    def request_on(self) -> RealtimeMode:
+        """Try to start: write TryStart, roll the segment, buffer from there, wait for the daemon."""
+        with self._lock:
+            if self.mode is not RealtimeMode.OFF or self._closing:
+                return self.mode
+        self._ensure_consumer()
+        with self._lock:
+            self._overflow = False
+            self._stop_reason = None
+            self._buffer.clear()
+            self._buffered_bytes = 0
+            self._set_mode(RealtimeMode.TRY_START)  # buffer from now on; records before it are skipped
+        ptr, end = self.wal.append_and_roll(TryStartRealtimeCdcRecord(time.time_ns()))
+        self.wal.wait_durable(end)
+        with self._lock:
+            self.try_start = ptr
+            self._deliver_from = WalPointer(ptr.segment + 1, 0)
+            self._cv.notify()
+        self._persist(enabled=False)
+        log.info("realtime_try_start", try_start=str(ptr), buffer_max_bytes=self.buffer_limit_bytes)
+        return RealtimeMode.TRY_START
+
+    def request_off(self) -> RealtimeMode:
+        """Stop (the in-flight batch finishes first); returns at once."""
+        with self._lock:
+            if self.mode is not RealtimeMode.OFF:
+                self._stop_reason = "command"
+                self._cv.notify()
+            return self.mode
+
+    # --- the worker thread --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            try:
+                if self._step():
+                    return
+            except _Stopped:
+                continue
+            except Exception as exc:  # never die silently: say why, fall back to the daemon
+                log.error("realtime_worker_failed", error=f"{type(exc).__name__}: {exc}")
+                self._stop("worker_error")
+
+    def _step(self) -> bool:
+        """One round of the worker; True when it is done (closing)."""
+        with self._lock:
+            while not (
+                self._buffer
+                or self._overflow
+                or self._stop_reason
+                or self._closing
+                or self.mode is RealtimeMode.TRY_START
+                or self._restore_until is not None
+            ):
+                self._cv.wait()
+            mode, closing = self.mode, self._closing
+        if mode is RealtimeMode.OFF:
+            with self._lock:
+                self._buffer.clear()
+                self._buffered_bytes = 0
+                self._stop_reason = None
+                self._overflow = False
+            return closing
+        if self._restore_until is not None:
+            self._restore()
+        elif self._overflow:
+            self._stop("overflow")
+        elif self._stop_reason:
+            self._stop(self._stop_reason)
+        elif mode is RealtimeMode.TRY_START:
+            if closing:
+                self._stop("close_during_try_start")
+                return True
+            if self._daemon_passed():
+                self._switch_on()
+            else:
+                time.sleep(_POLL_S)
+        elif closing and not self._buffer:
+            return True
+        else:
+            self._deliver_available()
+        return False
+
+    def _daemon_passed(self) -> bool:
+        """The daemon deleted the link of the TryStart segment: it committed everything before it."""
+        ts = self.try_start
+        if ts is None:
+            return False
+        if not self.config.cdc_enabled:
+            return True
+        if self.wal.last_archived < ts.segment:
+            return False
+        return not segment_path(self.config.cdc_path, ts.segment).exists()
+
+    def _switch_on(self) -> None:
+        ts = self.try_start
+        assert ts is not None
+        with self._lock:
+            self.position = WalPosition(ts.segment + 1, 0, 0)
+            self.try_start = None
+            self._set_mode(RealtimeMode.ON)
+        self._persist(enabled=True)
+        log.info("realtime_switch", direction="daemon_to_node", position=str(self.position))
+
+    def _restore(self) -> None:
+        """Re-read the WAL files from where delivery resumes up to where the flushed chunks begin."""
+        start, until = self._deliver_from, self._restore_until
+        assert start is not None and until is not None
+        records: list[tuple[WalPointer, Record, int]] = []
+        total = 0
+        reader = WalReader([self.config.archive_path, self.config.wal_path], start, active_segment=until.segment)
+        last_ptr: WalPointer | None = None
+        try:
+            for ptr, record in reader:
+                if ptr >= until:
+                    break
+                size = (reader.last_reader.end_offset - ptr.offset) if reader.last_reader else 0
+                total += size
+                if total > self.buffer_limit_bytes:
+                    log.warning("realtime_restore_overflow", read_bytes=total, buffer_max_bytes=self.buffer_limit_bytes)
+                    self._restore_until = None
+                    self._overflow = True
+                    return
+                records.append((ptr, record, size))
+                last_ptr = ptr
+        except Exception as exc:
+            log.error("realtime_restore_failed", error=f"{type(exc).__name__}: {exc}", start=str(start))
+            self._restore_until = None
+            self._stop("restore_failed")
+            return
+        self.restored_records = len(records)
+        metrics.RT_RESTORED_RECORDS.set(len(records))
+        log.info("realtime_restored", records=len(records), bytes=total, last=str(last_ptr) if last_ptr else None)
+        with self._lock:
+            self._restore_until = None
+            self._buffer.appendleft(records)
+            self._buffered_bytes += total
+
+    def _records(self) -> Iterator[tuple[WalPointer, Record, int]]:
+        """Buffered records in WAL order, skipping those before the delivery start."""
+        while True:
+            with self._lock:
+                if not self._buffer or self._overflow or self._stop_reason:
+                    return
+                source = self._buffer.popleft()
+                size = sum(s for _, _, s in source) if isinstance(source, list) else len(source.data)
+                self._buffered_bytes -= size
+                metrics.RT_BUFFER_BYTES.set(self._buffered_bytes)
+            items = source if isinstance(source, list) else iter_chunk(source.data, source.segment, source.offset)
+            start = self._deliver_from
+            for ptr, record, rsize in items:
+                if start is not None:
+                    if ptr < start:
+                        continue
+                    self._deliver_from = start = None
+                yield ptr, record, rsize
+
+    def _deliver_available(self) -> None:
+        """Deliver everything buffered now, in batches of at most ``realtime_batch_max_events``."""
+        max_events = self.config.realtime_batch_max_events
+        slices: list[RecordSlice] = []
+        events = 0
+        position = self.position
+        for ptr, record, _size in self._records():
+            rtype = type(record)
+            if rtype is DataRecord:
+                assert isinstance(record, DataRecord)
+                slices.append(RecordSlice(ptr, record, 0))
+                events += len(record.entries)
+                position = WalPosition(ptr.segment, ptr.offset, len(record.entries))
+                if events >= max_events:
+                    self._deliver(slices, position)
+                    slices, events = [], 0
+                continue
+            if rtype is CacheRecord:
+                assert isinstance(record, CacheRecord)
+                if slices:
+                    self._deliver(slices, WalPosition(ptr.segment, ptr.offset, 0))
+                    slices, events = [], 0
+                self._cache_record(record)
+            position = (
+                WalPosition(ptr.segment + 1, 0, 0) if rtype is SegmentEnd else WalPosition(ptr.segment, ptr.offset, 1)
+            )
+        if slices:
+            assert position is not None
+            self._deliver(slices, position)
+
+    def _cache_record(self, record: CacheRecord) -> None:
+        consumer = self._ensure_consumer()
+        if record.op == CacheOp.CREATE:
+            consumer.on_cache_change([CacheInfo(record.cache_id, record.name, record.config)])
+        else:
+            consumer.on_cache_destroy([record.cache_id])
+
+    def _deliver(self, slices: list[RecordSlice], end: WalPosition) -> None:
+        consumer = self._ensure_consumer()
+        names = {cid: info.name for cid, info in self._caches().items()}
+        batch = EventBatch(self.node_id, slices, names)
+        try:
+            ok = consumer.on_events(batch)
+        except Exception as exc:
+            log.error("realtime_consumer_failed", error=f"{type(exc).__name__}: {exc}")
+            self._stop("consumer_error", consumer_failed=True)
+            raise _Stopped from None
+        if not ok:
+            return  # not committed yet: the next confirmed batch commits both
+        now = time.time_ns()
+        self.last_event_ts_ns = batch.last_commit_ts_ns
+        metrics.RT_LAG_MS.observe(max(0.0, (now - batch.last_commit_ts_ns) / 1e6))
+        metrics.RT_EVENTS.inc(len(batch))
+        self.position = end
+        self._persist(enabled=True)
+        metrics.RT_COMMITTED_SEGMENT.set(end.segment)
+        metrics.RT_COMMITTED_OFFSET.set(end.offset)
+        metrics.RT_LAG_SEGMENTS.set(max(0, self.wal.position.segment - end.segment))
+        interval_s = self.config.realtime_commit_record_interval_ms / 1000
+        if time.monotonic() - self._last_marker >= interval_s:
+            self._last_marker = time.monotonic()
+            self.wal.append(RealtimeCdcRecord(end))
+
+    def _persist(self, *, enabled: bool) -> None:
+        """Synced LMDB write; never called under ``_lock`` (the flusher must not wait for it)."""
+        with self._meta_lock:
+            self.state = RealtimeState(enabled, self.position, self.try_start)
+            self.meta.put(self.state)
+
+    def _stop(self, reason: str, *, consumer_failed: bool = False) -> None:
+        """Stop: persist disabled, write Stop(last), drop the buffer. The daemon delivers from ``last``."""
+        with self._lock:
+            if self.mode is RealtimeMode.OFF:
+                return
+            was = self.mode
+            if was is RealtimeMode.TRY_START and self.try_start is not None:
+                # Never delivered past the TryStart: the daemon goes on from right after it.
+                self.position = WalPosition(self.try_start.segment + 1, 0, 0)
+            self.try_start = None
+            self._buffer.clear()
+            self._buffered_bytes = 0
+            self._overflow = False
+            self._stop_reason = None
+            self._deliver_from = None
+            self._restore_until = None
+            self._set_mode(RealtimeMode.OFF)
+            metrics.RT_BUFFER_BYTES.set(0)
+        self._persist(enabled=False)
+        _ptr, end = self.wal.append(StopRealtimeCdcRecord(self.position, reason))
+        self.wal.wait_durable(end)
+        self.stops[reason] = self.stops.get(reason, 0) + 1
+        metrics.RT_STOPS.labels(reason).inc()
+        log.warning(
+            "realtime_switch",
+            direction="node_to_daemon",
+            reason=reason,
+            was=was.value,
+            last=str(self.position) if self.position else None,
+        )
+        if consumer_failed and self._consumer is not None:
+            consumer, self._consumer = self._consumer, None
+            try:
+                consumer.stop()
+            except Exception as exc:
+                log.error("realtime_consumer_stop_failed", error=f"{type(exc).__name__}: {exc}")
+
+    def _set_mode(self, mode: RealtimeMode) -> None:
+        self.mode = mode
+        for m in RealtimeMode:
+            metrics.RT_MODE.labels(m.value).set(1 if m is mode else 0)
+
+    # --- closing --------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drain (bounded by ``realtime_close_timeout_ms``) and commit; abort a pending try-start."""
+        with self._lock:
+            self._closing = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(self.config.realtime_close_timeout_ms / 1000)
+            if self._thread.is_alive():
+                log.error("realtime_close_timeout", buffered_bytes=self._buffered_bytes)
+                self._stop("close_timeout")
+        if self.mode is RealtimeMode.ON and self.position is not None:
+            _ptr, end = self.wal.append(RealtimeCdcRecord(self.position))
+            self.wal.wait_durable(end)
+        if self._consumer is not None:
+            consumer, self._consumer = self._consumer, None
+            consumer.stop()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode.value,
+            "buffer_used_bytes": self._buffered_bytes,
+            "buffer_max_bytes": self.buffer_limit_bytes,
+            "buffer_max_used_bytes": self.buffer_max_used_bytes,
+            "committed": str(self.position) if self.position else None,
+            "try_start": str(self.try_start) if self.try_start else None,
+            "restored_records": self.restored_records,
+            "stops": dict(self.stops),
+            "last_event_commit_ts_ns": self.last_event_ts_ns,
+        }
+
+
+class _Stopped(Exception):
+    """Internal: a consumer failure stopped realtime in the middle of a delivery loop."""

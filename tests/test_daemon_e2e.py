@@ -1,0 +1,539 @@
+"""The daemon end to end: a node process writes, a ``cdcd run`` process follows it into a JSON-lines file.
+
+The writer commits deterministic transactions (``tx_writes``) over three caches, so the test knows
+what was written; the WAL itself (read with ``WalReader`` over archive + work dir) is the reference
+the daemon's output is compared with, entry by entry and position by position.
+
+The helpers here (writer, configs, WAL reference, process handling) are shared with
+``test_daemon_crash.py`` and ``test_daemon_errors.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from cdcd.daemon.config import DaemonConfig, load_daemon_config
+from cdcd.daemon.daemon import Daemon
+from cdcd.node import Node
+from cdcd.sinks.jsonl import JsonlConsumer
+from cdcd.wal import CacheRecord, DataRecord, WalPointer, WalReader
+from cdcd.wal.segment import list_segments
+
+ROOT = Path(__file__).resolve().parent.parent
+CDCD = [sys.executable, "-m", "cdcd"]
+
+CACHES = ("orders", "users", "events")
+KEYSPACE = 5003
+PUTS_PER_TX = 40
+REMOVES_PER_TX = 10
+
+WRITER_NODE_SETTINGS: dict[str, Any] = {
+    "wal_mode": "background",
+    "wal_segment_size_bytes": 64 * 1024,
+    "wal_force_archive_timeout_ms": 100,
+    "archive_max_bytes": 0,
+    "checkpoint_interval_ms": 500,
+}
+
+OP_NAMES = {0: "create", 1: "update", 2: "delete"}
+_msgpack = msgspec.msgpack.Decoder()
+
+
+# --- the deterministic writer ---------------------------------------------------------------------
+def _key(cache: str, k: int) -> Any:
+    if cache == "orders":
+        return k
+    if cache == "users":
+        return f"user-{k}"
+    return [k // 100, k % 100]  # a composite key (a MessagePack array, a JSON list)
+
+
+def tx_writes(n: int) -> list[tuple[str, Any, Any]]:
+    """Writes of transaction ``n`` as (cache, key, value); value None is a remove.
+
+    Puts go to one cache, removes to another, so one DataRecord spans two caches; removes reach
+    keys written by earlier transactions (and write nothing when the key is absent).
+    """
+    put_cache, del_cache = CACHES[n % 3], CACHES[(n + 1) % 3]
+    writes: list[tuple[str, Any, Any]] = []
+    for i in range(PUTS_PER_TX):
+        k = (n * 37 + i * 101) % KEYSPACE
+        writes.append((put_cache, _key(put_cache, k), {"n": n, "i": i, "pad": "x" * (n % 13)}))
+    for i in range(REMOVES_PER_TX):
+        k = (n * 53 + i * 211) % KEYSPACE
+        writes.append((del_cache, _key(del_cache, k), None))
+    return writes
+
+
+def expected_final_state(n_tx: int) -> dict[str, dict[str, Any]]:
+    """Cache contents after transactions 0..n_tx-1 (keys as their JSON text)."""
+    state: dict[str, dict[str, Any]] = {c: {} for c in CACHES}
+    for n in range(n_tx):
+        for cache, key, value in tx_writes(n):
+            k = json.dumps(key)
+            if value is None:
+                state[cache].pop(k, None)
+            else:
+                state[cache][k] = value
+    return state
+
+
+def writer_main() -> None:
+    """Child process: ``node_dir count stop_file pause_ms done_file`` (count 0: until stop_file exists)."""
+    node_dir, count_s, stop_file, pause_ms_s, done_file = sys.argv[1:6]
+    count, pause_s = int(count_s), float(pause_ms_s) / 1000
+    node = Node.open(node_dir, **WRITER_NODE_SETTINGS)
+    n = 0
+    try:
+        while (n < count) if count else not os.path.exists(stop_file):
+            with node.transaction() as tx:
+                for cache, key, value in tx_writes(n):
+                    if value is None:
+                        tx.remove(cache, key)
+                    else:
+                        tx.put(cache, key, value)
+            n += 1
+            if pause_s and n % 10 == 0:
+                time.sleep(pause_s)
+        node.force_archive()  # close() leaves the active segment unarchived: make every write visible to CDC
+    finally:
+        node.close()
+    Path(done_file).write_text(f"{n}\n")
+
+
+def start_writer(tmp: Path, node_dir: Path, *, count: int = 0, pause_ms: float = 0) -> subprocess.Popen[bytes]:
+    code = "import tests.test_daemon_e2e as t; t.writer_main()"
+    args = [str(node_dir), str(count), str(tmp / "writer.stop"), str(pause_ms), str(tmp / "writer.done")]
+    log = (tmp / "writer.log").open("wb")
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=log, stderr=log, env=child_env(), cwd=ROOT)
+
+
+def writer_count(tmp: Path) -> int:
+    return int((tmp / "writer.done").read_text())
+
+
+# --- processes, configs, state -------------------------------------------------------------------
+def child_env(*pythonpath: Path) -> dict[str, str]:
+    """The test's environment without any CDCD_* override, importing this checkout's ``cdcd``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CDCD_")}
+    paths = [str(ROOT), *map(str, pythonpath)]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*paths, os.environ.get("PYTHONPATH")]))
+    return env
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    return json.dumps(v)
+
+
+def write_daemon_config(path: Path, node_dir: Path, consumer: dict[str, Any], **settings: Any) -> Path:
+    """A daemon TOML config: quick polling, no metrics port, ``settings`` on top."""
+    values: dict[str, Any] = {
+        "node_dir": str(node_dir),
+        "metrics_address": "",
+        "lock_timeout_ms": 2000,
+        "check_interval_ms": 50,
+        "batch_max_delay_ms": 20,
+        **settings,
+    }
+    lines = [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+    lines.append("[consumer]")
+    lines += [f"{k} = {_toml_value(v)}" for k, v in consumer.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def jsonl_consumer(path: Path) -> dict[str, Any]:
+    return {"kind": "jsonl", "path": str(path)}
+
+
+def cdcd(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CDCD, *args], capture_output=True, text=True, timeout=timeout, env=env or child_env())
+
+
+def start_daemon(config: Path, stderr_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """``cdcd run`` with its stderr (JSON log lines, then any error line) in ``stderr_path``."""
+    with stderr_path.open("ab") as err:
+        return subprocess.Popen(
+            [*CDCD, "run", "--config", str(config)],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=env or child_env(),
+        )
+
+
+def run_daemon_until_exit(config: Path, stderr_path: Path, timeout: float = 30, **kw: Any) -> int:
+    proc = start_daemon(config, stderr_path, **kw)
+    try:
+        return proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def stop_daemon(proc: subprocess.Popen[bytes], timeout: float = 20) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def state_show(config: Path) -> dict[str, Any]:
+    """``cdcd state show --json`` as a dict."""
+    res = cdcd("state", "show", "--config", str(config), "--json")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def state_position(config: Path) -> tuple[int, int, int] | None:
+    parts = state_show(config)["position_parts"]
+    return tuple(parts) if parts is not None else None
+
+
+def polled_position(config: Path) -> tuple[int, int, int] | str | None:
+    """``state_position`` for polling while a daemon may be starting.
+
+    Works around a bug: `cdcd state show` fails with MDB_NOTFOUND while a fresh daemon has created
+    its LMDB file but not yet its named databases (see test_daemon_errors.py); that answer is
+    "unreadable" here, and polling goes on.
+    """
+    res = cdcd("state", "show", "--config", str(config), "--json")
+    if res.returncode != 0 and "MDB_NOTFOUND" in res.stderr:
+        return "unreadable"
+    assert res.returncode == 0, res.stderr
+    parts = json.loads(res.stdout)["position_parts"]
+    return tuple(parts) if parts is not None else None
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def log_events(stderr_path: Path) -> list[dict[str, Any]]:
+    """The JSON log lines of a daemon's stderr (the final ``cdcd: error:`` line is not JSON)."""
+    out = []
+    for line in stderr_path.read_text().splitlines():
+        if line.startswith("{"):
+            out.append(json.loads(line))
+    return out
+
+
+def error_lines(stderr_path: Path) -> list[str]:
+    return [line for line in stderr_path.read_text().splitlines() if line.startswith("cdcd: error:")]
+
+
+# --- the reference: what the WAL holds -------------------------------------------------------------
+def wal_records(node_dir: Path) -> Iterator[tuple[WalPointer, Any]]:
+    """Every record of a (closed or running) node's WAL: archive, then the work dir's active segment."""
+    wal = node_dir / "wal"
+    work, _ = list_segments(wal)
+    yield from WalReader([wal / "archive", wal], active_segment=max(work) if work else None)
+
+
+def wal_events(node_dir: Path, *, upto: int | None = None) -> list[dict[str, Any]]:
+    """The data entries of the WAL as the jsonl sink documents them, in WAL order.
+
+    ``upto``: only segments below this index.
+    """
+    names: dict[int, str] = {}
+    out: list[dict[str, Any]] = []
+    for ptr, rec in wal_records(node_dir):
+        if upto is not None and ptr.segment >= upto:
+            break
+        if type(rec) is CacheRecord:
+            names[rec.cache_id] = rec.name
+        elif type(rec) is DataRecord:
+            for i, e in enumerate(rec.entries):
+                v = e.version
+                out.append(
+                    {
+                        "cache": names[e.cache_id],
+                        "op": OP_NAMES[int(e.op)],
+                        "key": _msgpack.decode(e.key),
+                        "value": _msgpack.decode(e.value),
+                        "partition": e.partition,
+                        "primary": e.primary,
+                        "version": {
+                            "order": v.order,
+                            "node_order": v.node_order,
+                            "cluster_id": v.cluster_id,
+                            "topology_version": v.topology_version,
+                        },
+                        "commit_ts_ns": rec.commit_ts_ns,
+                        "pos": [ptr.segment, ptr.offset, i],
+                    }
+                )
+    return out
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    assert not data or data.endswith(b"\n"), "the jsonl file ends in a partial line"
+    return [json.loads(line) for line in data.splitlines()]
+
+
+def archived_segments(node_dir: Path) -> dict[int, Path]:
+    return list_segments(node_dir / "wal" / "archive")[0]
+
+
+def cdc_links(node_dir: Path) -> dict[int, Path]:
+    return list_segments(node_dir / "cdc")[0]
+
+
+def make_node(node_dir: Path, segments: int, tx_per_segment: int, *, first_tx: int = 0, **settings: Any) -> int:
+    """Write ``segments`` archived segments of ``tx_writes`` transactions in-process; returns the next tx."""
+    opts = {**WRITER_NODE_SETTINGS, "wal_force_archive_timeout_ms": 0, "wal_segment_size_bytes": 1 << 20, **settings}
+    n = first_tx
+    with Node.open(node_dir, **opts) as node:
+        for _ in range(segments):
+            for _ in range(tx_per_segment):
+                with node.transaction() as tx:
+                    for cache, key, value in tx_writes(n):
+                        if value is None:
+                            tx.remove(cache, key)
+                        else:
+                            tx.put(cache, key, value)
+                n += 1
+            node.force_archive()
+    return n
+
+
+# --- tests -----------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_daemon_process_follows_writing_node_exactly(tmp_path: Path) -> None:
+    """A `cdcd run` process following a node that writes 200k+ entries over hundreds of segments delivers exactly the
+    WAL's data entries in WAL order, deletes every consumed link, leaves the archive alone and stops with exit 0 on
+    SIGTERM."""
+    node_dir = tmp_path / "node"
+    out = tmp_path / "events.jsonl"
+    n_tx = 4200  # ~50 entries each, removes of absent keys write nothing: > 200k entries
+    writer = start_writer(tmp_path, node_dir, count=n_tx, pause_ms=2)
+    wait_for(lambda: (node_dir / "cdc").is_dir() or writer.poll() is not None, 30, "the node's cdc dir")
+    config = write_daemon_config(tmp_path / "cdcd.toml", node_dir, jsonl_consumer(out), batch_max_events=5000)
+    daemon = start_daemon(config, tmp_path / "daemon.err")
+    try:
+        assert writer.wait(120) == 0, (tmp_path / "writer.log").read_text()[-3000:]
+        while_writing = polled_position(config)
+        assert writer_count(tmp_path) == n_tx
+        archive = archived_segments(node_dir)
+        last = max(archive)
+        assert last > 100, f"expected many small segments, got {last + 1}"
+        assert sorted(archive) == list(range(last + 1)), "archive_max_bytes=0 keeps every segment"
+        # Delivered while writing: the daemon was already following before the writer finished.
+        assert daemon.poll() is None, (tmp_path / "daemon.err").read_text()[-3000:]
+        assert isinstance(while_writing, tuple) and while_writing[0] > 0, "the daemon followed the node live"
+        wait_for(lambda: polled_position(config) == (last + 1, 0, 0), 60, f"the daemon to commit {last + 1}:0#0")
+    finally:
+        rc = stop_daemon(daemon)
+    assert rc == 0, (tmp_path / "daemon.err").read_text()[-3000:]
+
+    expected = wal_events(node_dir)
+    assert len(expected) >= 200_000
+    assert wal_events(node_dir, upto=last + 1) == expected, "every data entry is in an archived segment"
+    got = read_jsonl(out)
+    assert len(got) == len(expected)
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert g == e, f"line {i + 1}: {g} != {e}"
+    # Consumed links are gone; the archive still holds every segment, no longer linked.
+    assert cdc_links(node_dir) == {}
+    archive = archived_segments(node_dir)
+    assert sorted(archive) == list(range(last + 1))
+    assert all(p.stat().st_nlink == 1 for p in archive.values())
+    # The content is exactly what the writer wrote: replaying the file gives the writer's final state.
+    replayed: dict[str, dict[str, Any]] = {c: {} for c in CACHES}
+    for ev in got:
+        k = json.dumps(ev["key"])
+        if ev["op"] == "delete":
+            replayed[ev["cache"]].pop(k, None)
+        else:
+            replayed[ev["cache"]][k] = ev["value"]
+    assert replayed == expected_final_state(n_tx)
+    events = [e["event"] for e in log_events(tmp_path / "daemon.err")]
+    assert "mode_switch" in events and events[-1] == "daemon_stopped"
+
+
+JSONL_FIELDS = ["cache", "op", "key", "value", "partition", "primary", "version", "commit_ts_ns", "pos"]
+VERSION_FIELDS = ["order", "node_order", "cluster_id", "topology_version"]
+
+
+def test_sync_once_jsonl_format_and_resume(tmp_path: Path) -> None:
+    """Daemon.sync_once() writes one JSON object per entry with exactly the fields, order and encodings documented in
+    cdcd/sinks/jsonl.py, and a restarted daemon resumes after the last committed entry without re-delivering."""
+    node_dir = tmp_path / "node"
+    out = tmp_path / "out.jsonl"
+    settings = {"wal_segment_size_bytes": 64 * 1024, "wal_force_archive_timeout_ms": 0, "partitions": 64}
+    t0 = time.time_ns()
+    with Node.open(node_dir, **settings, cluster_id=3, node_order=7, topology_version=9) as node:
+        orders = node.cache("orders")
+        node.cache("tags", partitions=8)
+        orders.put(1, {"total": 9.5, "items": ["a", "b"]})
+        orders.put(1, {"total": 10})
+        orders.put_all({2: "two", 3: b"\x00\xff"})
+        with node.transaction() as tx:
+            tx.remove("orders", 2)
+            tx.put("tags", ("k", 1), {5: "int-keyed map", "nested": {7: None}})
+        orders.remove(99)  # absent: writes nothing
+        node.force_archive()
+    t1 = time.time_ns()
+    config = DaemonConfig(node_dir=str(node_dir), metrics_address="")
+    with Daemon(config, JsonlConsumer(out)) as daemon:
+        assert daemon.sync_once() == 6
+        assert daemon.state.mode.value == "ACTIVE"
+    lines = out.read_bytes().splitlines()
+    assert len(lines) == 6
+    objs = [json.loads(line) for line in lines]
+    for o in objs:
+        assert list(o) == JSONL_FIELDS
+        assert list(o["version"]) == VERSION_FIELDS
+        assert o["primary"] is True
+        assert t0 <= o["commit_ts_ns"] <= t1
+        assert len(o["pos"]) == 3 and all(isinstance(p, int) for p in o["pos"])
+    assert [(o["cache"], o["op"], o["key"], o["value"]) for o in objs] == [
+        ("orders", "create", 1, {"total": 9.5, "items": ["a", "b"]}),
+        ("orders", "update", 1, {"total": 10}),
+        ("orders", "create", 2, "two"),
+        ("orders", "create", 3, "AP8="),  # bytes: base64
+        ("orders", "delete", 2, None),
+        ("tags", "create", ["k", 1], {"5": "int-keyed map", "nested": {"7": None}}),  # non-str map keys: JSON text
+    ]
+    assert [o["version"]["order"] for o in objs] == [1, 2, 3, 4, 5, 6]
+    assert all(
+        o["version"] | {"order": 0} == {"order": 0, "node_order": 7, "cluster_id": 3, "topology_version": 9}
+        for o in objs
+    )
+    key_bytes = [msgspec.msgpack.Encoder(order="deterministic").encode(k) for k in (1, 1, 2, 3, 2)]
+    assert [o["partition"] for o in objs[:5]] == [zlib.crc32(k) % 64 for k in key_bytes]
+    assert 0 <= objs[5]["partition"] < 8
+    # Positions are the WAL's: (segment, offset of the record, index of the entry inside it).
+    assert [o["pos"] for o in objs] == [e["pos"] for e in wal_events(node_dir)]
+    assert objs[2]["pos"][:2] == objs[3]["pos"][:2] and [objs[2]["pos"][2], objs[3]["pos"][2]] == [0, 1]
+    assert objs[4]["pos"][:2] == objs[5]["pos"][:2]
+    # Nothing new: nothing delivered. New writes: only they are delivered, also after a restart.
+    with Node.open(node_dir, **settings) as node:
+        node.cache("orders").put(4, "four")
+        node.force_archive()
+    with Daemon(config, JsonlConsumer(out)) as daemon:
+        assert daemon.sync_once() == 1
+        assert daemon.sync_once() == 0
+    with Daemon(config, JsonlConsumer(out)) as daemon:
+        assert daemon.sync_once() == 0
+        pos = daemon.state.position
+    got = read_jsonl(out)
+    assert got == [json.loads(msgspec.json.encode(e)) for e in wal_events(node_dir)]  # bytes: base64
+    assert got[-1]["key"] == 4 and got[-1]["op"] == "create"
+    assert pos is not None and (pos.segment, pos.offset, pos.entry_index) == (
+        max(archived_segments(node_dir)) + 1,
+        0,
+        0,
+    )
+    assert cdc_links(node_dir) == {}
+
+
+def test_env_overrides_config(tmp_path: Path) -> None:
+    """CDCD_* variables override top-level keys and, with a double underscore, keys of the [consumer] table; bad values
+    name the key."""
+    from cdcd.config import ConfigError
+
+    path = write_daemon_config(tmp_path / "c.toml", tmp_path / "node", jsonl_consumer(tmp_path / "a.jsonl"))
+    base = load_daemon_config(path, environ={})
+    defaults = DaemonConfig(node_dir="x")
+    assert base.batch_max_events == defaults.batch_max_events != 5
+    assert base.consumer == {"kind": "jsonl", "path": str(tmp_path / "a.jsonl")}
+    cfg = load_daemon_config(
+        path,
+        environ={
+            "CDCD_BATCH_MAX_EVENTS": "5",
+            "CDCD_CONSUMER__PATH": "/tmp/other.jsonl",
+            "CDCD_CONSUMER__FSYNC": "false",
+            "CDCD_LOG_FORMAT": "console",
+            "CDCD_CONFIG": "/ignored.toml",
+            "PATH_UNRELATED": "x",
+        },
+    )
+    assert cfg.batch_max_events == 5
+    assert cfg.log_format == "console"
+    assert cfg.consumer == {"kind": "jsonl", "path": "/tmp/other.jsonl", "fsync": False}
+    assert cfg.check_interval_ms == base.check_interval_ms
+    # An override replaces the file's value of that key only; the process environment is not read.
+    assert load_daemon_config(path, environ={"CDCD_CONSUMER__KIND": "null"}).consumer["path"] == str(
+        tmp_path / "a.jsonl"
+    )
+    with pytest.raises(ConfigError, match=r"key 'check_interval_ms': out of range: 1"):
+        load_daemon_config(path, environ={"CDCD_CHECK_INTERVAL_MS": "1"})
+    with pytest.raises(ConfigError, match=r"key 'batch_max_bytes': Expected `int`, got `str`"):
+        load_daemon_config(path, environ={"CDCD_BATCH_MAX_BYTES": "lots"})
+    # And a `cdcd run` process takes them from its environment.
+    env = child_env()
+    env["CDCD_CHECK_INTERVAL_MS"] = "3"
+    res = cdcd("run", "--config", str(path), env=env)
+    assert res.returncode == 2
+    assert res.stderr.strip() == f"cdcd: error: {path}: key 'check_interval_ms': out of range: 3"
+
+
+def test_sigterm_mid_backlog_commits_exactly_what_was_written(tmp_path: Path) -> None:
+    """SIGTERM while the daemon works through a backlog ends its in-flight batch, commits exactly up to the last line
+    written and exits 0; the restarted daemon goes on without a single duplicate."""
+    node_dir = tmp_path / "node"
+    out = tmp_path / "out.jsonl"
+    make_node(node_dir, segments=60, tx_per_segment=20)
+    expected = wal_events(node_dir)
+    positions = [tuple(e["pos"]) for e in expected]
+    config = write_daemon_config(tmp_path / "cdcd.toml", node_dir, jsonl_consumer(out), batch_max_events=20)
+    err = tmp_path / "run1.err"
+    proc = start_daemon(config, err)
+    try:
+        wait_for(lambda: (out.exists() and out.stat().st_size > 100_000) or proc.poll() is not None, 30, "output")
+    finally:
+        rc = stop_daemon(proc)
+    assert rc == 0, err.read_text()[-3000:]
+    got = read_jsonl(out)
+    assert 0 < len(got) < len(expected), "stopped in the middle of the backlog"
+    assert got == expected[: len(got)]
+    position = state_position(config)
+    assert position is not None
+    assert sum(1 for p in positions if p < position) == len(got), f"committed {position}, wrote {len(got)} entries"
+    first_link = min(cdc_links(node_dir))
+    assert first_link == position[0], "links below the committed segment are deleted, none at or after it"
+
+    catch_up_and_stop(config, tmp_path / "run2.err", (max(archived_segments(node_dir)) + 1, 0, 0))
+    assert read_jsonl(out) == expected
+    assert cdc_links(node_dir) == {}
+
+
+def catch_up_and_stop(config: Path, err: Path, until: tuple[int, int, int], env: dict[str, str] | None = None) -> None:
+    """Run the daemon until it has committed ``until``, then SIGTERM it and expect exit 0."""
+    proc = start_daemon(config, err, env=env)
+    try:
+        wait_for(lambda: proc.poll() is not None or polled_position(config) == until, 60, f"position {until}")
+        assert proc.poll() is None, err.read_text()[-3000:]
+    finally:
+        rc = stop_daemon(proc)
+    assert rc == 0, err.read_text()[-3000:]
