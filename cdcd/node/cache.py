@@ -34,7 +34,7 @@ class Cache:
         return f"Cache({self.info.name!r}, id={self.info.cache_id})"
 
     def put(self, key: Any, value: Any) -> None:
-        self._node._commit([(self.info, key, value)])
+        self._node._put_one(self.info, key, value)
 
     def put_all(self, items: Mapping[Any, Any]) -> None:
         info = self.info

@@ -46,6 +46,9 @@ _value_encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
 
 
+_CREATE, _UPDATE, _DELETE = Op.CREATE, Op.UPDATE, Op.DELETE  # Op.X costs ~150 ns per access on 3.11
+
+
 class NodeLocked(LockHeld):
     pass
 
@@ -286,14 +289,6 @@ class Node:
         if self._failure is not None:
             raise RuntimeError(f"node {self.config.node_dir} failed: {self._failure}") from self._failure
 
-    def _exists_locked(self, full_key: bytes) -> bool:
-        e = self._dirty.get(full_key)
-        if e is None and self._snapshot is not None:
-            e = self._snapshot.get(full_key)
-        if e is not None:
-            return e.op != Op.DELETE
-        return self._store.exists_locked(full_key)
-
     def _get(self, info: CacheInfo, key: Any, default: Any) -> Any:
         full_key = cache_prefix(info.cache_id) + _key_encoder.encode(key)
         with self._lock:
@@ -325,6 +320,49 @@ class Node:
                 yield _decoder.decode(k), _decoder.decode(merged[k])
             else:
                 yield k, merged[k]
+
+    def _put_one(self, info: CacheInfo, key: Any, value: Any) -> None:
+        """``Cache.put``: ``_commit`` of a single put without the batch bookkeeping."""
+        if value is None:
+            raise ValueError(f"cache {info.name!r}: value must not be None (use remove)")
+        key_raw = _key_encoder.encode(key)
+        value_raw = msgspec.Raw(_value_encoder.encode(value))
+        full_key = cache_prefix(info.cache_id) + key_raw
+        partition = zlib.crc32(key_raw) % info.config.partitions
+        config = self.config
+        with self._lock:
+            self._check_open()
+            dirty = self._dirty
+            while len(dirty) >= self._dirty_hard_limit:
+                self._checkpoint_wake.set()
+                self._room.wait()
+                self._check_open()
+                dirty = self._dirty
+            if self._caches.get(info.name) is not info:
+                raise ValueError(f"cache {info.name!r} was destroyed")
+            e = dirty.get(full_key)
+            if e is None and self._snapshot is not None:
+                e = self._snapshot.get(full_key)
+            exists = e.op is not _DELETE if e is not None else self._store.exists_locked(full_key)
+            op = _UPDATE if exists else _CREATE
+            self._order = order = self._order + 1
+            entry = DataEntry(
+                info.cache_id,
+                op,
+                msgspec.Raw(key_raw),
+                value_raw,
+                partition,
+                CacheVersion(order, config.node_order, config.cluster_id, config.topology_version),
+            )
+            _ptr, end = self._wal.append(DataRecord([entry], time.time_ns()))
+            dirty[full_key] = entry
+            stats = self.stats
+            stats.transactions += 1
+            stats.entries[op] += 1
+            if len(dirty) >= config.checkpoint_dirty_max_entries:
+                self._checkpoint_wake.set()
+        if self._fsync_commits:
+            self._wal.wait_durable(end)
 
     def _commit(self, writes: Sequence[tuple[CacheInfo, Any, Any]]) -> int:
         """Write one DataRecord of puts/removes; returns the number of entries written."""
@@ -362,17 +400,33 @@ class Node:
             keys: list[bytes] = []
             order = self._order
             node_order, cluster_id, topology_version = config.node_order, config.cluster_id, config.topology_version
+            snapshot = self._snapshot
+            exists_stored = self._store.exists_locked
+            creates = updates = deletes = 0
             for info, full_key, key_raw, value_raw, partition in prepared:
                 if caches.get(info.name) is not info:
                     raise ValueError(f"cache {info.name!r} was destroyed")
-                exists = seen[full_key] if full_key in seen else self._exists_locked(full_key)
+                if full_key in seen:
+                    exists = seen[full_key]
+                else:
+                    e = dirty.get(full_key)
+                    if e is None and snapshot is not None:
+                        e = snapshot.get(full_key)
+                    exists = e.op is not _DELETE if e is not None else exists_stored(full_key)
                 if value_raw is NIL:
                     if not exists:
                         continue
-                    op = Op.DELETE
+                    op = _DELETE
+                    deletes += 1
+                    seen[full_key] = False
                 else:
-                    op = Op.UPDATE if exists else Op.CREATE
-                seen[full_key] = op is not Op.DELETE
+                    if exists:
+                        op = _UPDATE
+                        updates += 1
+                    else:
+                        op = _CREATE
+                        creates += 1
+                    seen[full_key] = True
                 order += 1
                 entries.append(
                     DataEntry(
@@ -390,10 +444,11 @@ class Node:
             _ptr, end = self._wal.append(DataRecord(entries, time.time_ns()))
             self._order = order
             stats.transactions += 1
+            dirty.update(zip(keys, entries, strict=True))
             counts = stats.entries
-            for full_key, entry in zip(keys, entries, strict=True):
-                dirty[full_key] = entry
-                counts[entry.op] += 1
+            counts[_CREATE] += creates
+            counts[_UPDATE] += updates
+            counts[_DELETE] += deletes
             if len(dirty) >= config.checkpoint_dirty_max_entries:
                 self._checkpoint_wake.set()
         if self._fsync_commits:
@@ -408,6 +463,7 @@ class Node:
                 if not self._dirty and self._wal.appends == self._cp_appends:
                     return None  # nothing appended since the last checkpoint (rolls do not count)
                 snapshot, self._dirty = self._dirty, {}
+                self._checkpoint_wake.clear()  # commits up to here are covered; later ones may wake us again
                 self._snapshot = snapshot
                 caches = dict(self._caches)
                 next_order = self._order + 1

@@ -14,6 +14,7 @@ from cdcd import metrics
 from cdcd.node.archiver import Archiver
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import Record
+from cdcd.wal.segment import HEADER_SIZE
 from cdcd.wal.writer import Chunk, SegmentFiles, WalWriter
 
 log = structlog.get_logger("cdcd.node.wal")
@@ -90,18 +91,18 @@ class WalLog:
         with self._lock:
             self._check_failed()
             writer = self._writer
-            while writer.buffered_bytes >= writer.buffer_bytes:
+            while writer._buffered >= writer.buffer_bytes:
                 self._flush_requested = True
                 self._wake.notify()
                 self._durable_cv.wait()
                 self._check_failed()
-            seg = writer.segment
-            fresh = not writer.segment_has_records
+            seg = writer._segment
+            fresh = writer._offset <= HEADER_SIZE
             ptr = writer.append_record(record)
             self.appends += 1
             if fresh or ptr.segment != seg:
                 self._segment_data_since = time.monotonic()
-            return ptr, writer.position
+            return ptr, WalPointer(writer._segment, writer._offset)
 
     def append_and_roll(self, record: Record) -> tuple[WalPointer, WalPointer]:
         """Append ``record`` as the last record of its segment (nothing can slip in after it)."""

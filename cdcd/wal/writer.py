@@ -24,6 +24,8 @@ PAGE_SIZE = mmap.PAGESIZE
 _END_SIZE = len(SEGMENT_END_FRAME)
 _HEADER_PLACEHOLDER = bytes(FRAME_HEADER_SIZE)
 _encoder = msgspec.msgpack.Encoder()
+_pack_header = FRAME_HEADER.pack
+_crc32 = zlib.crc32
 
 
 def page_round_up(n: int) -> int:
@@ -112,29 +114,24 @@ class WalWriter:
         self._buffered += len(data)
 
     def append_record(self, record: Record) -> WalPointer:
-        """Encode and frame ``record`` straight into the buffer (no intermediate copies)."""
-        cur = self._current
-        if cur is None or cur.segment != self._segment:
-            cur = Chunk(self._segment, self._offset, bytearray())
-            self._chunks.append(cur)
-            self._current = cur
-        data = cur.data
-        start = len(data)
-        data += _HEADER_PLACEHOLDER
-        _encoder.encode_into(record, data, -1)
-        size = len(data) - start
+        """Encode and frame ``record`` into the buffer; returns its pointer."""
+        payload = _encoder.encode(record)
+        size = FRAME_HEADER_SIZE + len(payload)
         if self._offset + size + _END_SIZE > self.segment_size_bytes:
-            del data[start:]
             if HEADER_SIZE + size + _END_SIZE > self.segment_size_bytes:
                 raise RecordTooLarge(
                     f"record of {size} bytes does not fit in a segment of wal_segment_size_bytes="
                     f"{self.segment_size_bytes}"
                 )
             self.roll()
-            return self.append_record(record)
-        with memoryview(data) as view:
-            crc = zlib.crc32(view[start + FRAME_HEADER_SIZE :])
-        FRAME_HEADER.pack_into(data, start, size - FRAME_HEADER_SIZE, record.TYPE, crc)
+        cur = self._current
+        if cur is None or cur.segment != self._segment:
+            cur = Chunk(self._segment, self._offset, bytearray())
+            self._chunks.append(cur)
+            self._current = cur
+        data = cur.data
+        data += _pack_header(len(payload), record.TYPE, _crc32(payload))
+        data += payload
         ptr = WalPointer(self._segment, self._offset)
         self._offset += size
         self._buffered += size
