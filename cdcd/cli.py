@@ -261,8 +261,81 @@ def state_show(config_path: Path, as_json: bool) -> None:
 
 
 @main.group()
-def control() -> None:
-    """Operator commands."""
+@click.option(
+    "--node-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The node to talk to (its control socket is <node-dir>/control.sock).",
+)
+@click.option("--socket", "socket_path", type=click.Path(path_type=Path), default=None, help="Control socket path.")
+@click.pass_context
+def control(ctx: click.Context, node_dir: Path | None, socket_path: Path | None) -> None:
+    """Operator commands (realtime, status, resend talk to a running node)."""
+    ctx.obj = socket_path or (node_dir / "control.sock" if node_dir else None)
+
+
+def _node_request(ctx: click.Context, message: dict[str, Any]) -> dict[str, Any]:
+    from cdcd.control import request
+
+    path = ctx.obj
+    if path is None:
+        fail("give --node-dir DIR (or --socket PATH) before the command", EXIT_BAD_INPUT)
+    try:
+        reply = request(path, message)
+    except FileNotFoundError:
+        fail(f"{path}: no control socket (is the node running?)", 1)
+    except OSError as exc:
+        fail(f"{path}: {exc}", 1)
+    if not reply.get("ok"):
+        fail(f"{path}: {reply.get('error')}", 1)
+    return reply
+
+
+@control.command("realtime")
+@click.argument("state", type=click.Choice(["on", "off"]))
+@click.pass_context
+def control_realtime(ctx: click.Context, state: str) -> None:
+    """Switch realtime CDC: `on` tries to start it (hand-over from the daemon), `off` stops it."""
+    reply = _node_request(ctx, {"cmd": "realtime", "state": state})
+    click.echo(f"realtime: {reply['realtime']}")
+
+
+@control.command("status")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def control_status(ctx: click.Context, as_json: bool) -> None:
+    """Realtime mode, buffer use, committed positions of node and daemon, lag."""
+    reply = _node_request(ctx, {"cmd": "status"})
+    reply.pop("ok", None)
+    if as_json:
+        click.echo(msgspec.json.encode(reply).decode())
+        return
+    rt, daemon = reply["realtime"], reply["daemon"] or {}
+    used, cap = rt["buffer_used_bytes"], rt["buffer_max_bytes"]
+    rows = [
+        ("node", f"{reply['node_dir']} ({reply['node_id']})"),
+        ("wal position", reply["wal_position"]),
+        ("delivering", reply["delivering"]),
+        ("realtime", rt["mode"] + (f" (try-start at {rt['try_start']})" if rt["try_start"] else "")),
+        ("buffer", f"{used:,} / {cap:,} bytes (max used {rt['buffer_max_used_bytes']:,})"),
+        ("node committed", rt["committed"] or "-"),
+        ("daemon mode", daemon.get("mode", "-")),
+        ("daemon committed", daemon.get("position") or "-"),
+        ("lag", f"{reply['lag_segments']} segment(s)" if reply["lag_segments"] is not None else "-"),
+        ("lag ms", f"{reply['lag_ms']:.1f}" if reply["lag_ms"] is not None else "-"),
+        ("realtime stops", ", ".join(f"{k}={v}" for k, v in rt["stops"].items()) or "-"),
+    ]
+    for name, value in rows:
+        click.echo(f"{name:<17} {value}")
+
+
+@control.command("resend")
+@click.option("--cache", required=True, help="Cache whose current entries are written again as CREATE events.")
+@click.pass_context
+def control_resend(ctx: click.Context, cache: str) -> None:
+    """Write every current entry of a cache into the WAL as CREATE events (seed a consumer, refill lost links)."""
+    reply = _node_request(ctx, {"cmd": "resend", "cache": cache})
+    click.echo(f"resent {reply['resent']} entries of cache {cache}")
 
 
 @control.command("delete-lost-segment-links")

@@ -15,11 +15,12 @@ import structlog
 
 from cdcd import metrics
 from cdcd.config import ConfigError, convert, load_toml
+from cdcd.control import ControlError, ControlServer
 from cdcd.lock import DirLock, LockHeld
 from cdcd.node.archiver import Archiver, check_same_filesystem
 from cdcd.node.cache import REMOVE, Cache
 from cdcd.node.config import NodeConfig
-from cdcd.node.realtime import Metastorage, RealtimeWorker
+from cdcd.node.realtime import Metastorage, RealtimeError, RealtimeWorker, daemon_position, read_daemon_state
 from cdcd.node.recovery import recover
 from cdcd.node.store import CheckpointMeta, PageStore, cache_prefix
 from cdcd.node.transaction import Transaction
@@ -95,6 +96,12 @@ class Node:
             wal = getattr(self, "_wal", None)
             if wal is not None:
                 wal.close()
+            server = getattr(self, "_control_server", None)
+            if server is not None:
+                server.stop()
+            realtime = getattr(self, "realtime", None)
+            if realtime is not None:
+                realtime.close()
             meta = getattr(self, "_metastorage", None)
             if meta is not None:
                 meta.close()
@@ -156,6 +163,8 @@ class Node:
         self._wal.start()
         # Restores or starts realtime CDC, or (off) writes the Stop record that makes the daemon ACTIVE.
         self.realtime.open(state.position)
+        self._control_server = ControlServer(config.control_socket_path, self._control)
+        self._control_server.start()
         self._fsync_commits = config.wal_mode == "fsync"
         self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="cdcd-checkpointer", daemon=True)
         self._checkpointer.start()
@@ -189,6 +198,7 @@ class Node:
         self._stop.set()
         self._checkpoint_wake.set()
         self._checkpointer.join()
+        self._control_server.stop()
         try:
             if self._failure is None:
                 self.checkpoint()
@@ -300,7 +310,8 @@ class Node:
         stored = self._store.get(full_key)
         return default if stored is None else _decoder.decode(stored.value)
 
-    def _items(self, info: CacheInfo, decode: bool = True) -> Iterator[tuple[Any, Any]]:
+    def _current(self, info: CacheInfo) -> dict[bytes, tuple[bytes, CacheVersion, int]]:
+        """Every live entry of a cache: key bytes -> (value bytes, version, expire_time_ms)."""
         prefix = cache_prefix(info.cache_id)
         plen = len(prefix)
         with self._lock:
@@ -309,17 +320,101 @@ class Node:
                 overlay.update((k[plen:], e) for k, e in self._snapshot.items() if k.startswith(prefix))
             overlay.update((k[plen:], e) for k, e in self._dirty.items() if k.startswith(prefix))
             stored = list(self._store.items(info.cache_id))
-        merged: dict[bytes, bytes] = {k: bytes(v.value) for k, v in stored}
+        merged = {k: (bytes(v.value), v.version, v.expire_time_ms) for k, v in stored}
         for k, e in overlay.items():
             if e.op == Op.DELETE:
                 merged.pop(k, None)
             else:
-                merged[k] = bytes(e.value)
+                merged[k] = (bytes(e.value), e.version, e.expire_time_ms)
+        return merged
+
+    def _items(self, info: CacheInfo, decode: bool = True) -> Iterator[tuple[Any, Any]]:
+        merged = self._current(info)
         for k in sorted(merged):
-            if decode:
-                yield _decoder.decode(k), _decoder.decode(merged[k])
-            else:
-                yield k, merged[k]
+            value = merged[k][0]
+            yield (_decoder.decode(k), _decoder.decode(value)) if decode else (k, value)
+
+    def resend(self, cache: str) -> int:
+        """Write every current entry of ``cache`` to the WAL as CREATE events with its version
+        (Ignite's ``--cdc resend``): seeds a new consumer, or refills what lost links dropped."""
+        info = self._caches.get(cache)
+        if info is None:
+            raise ValueError(f"no cache {cache!r} (caches: {', '.join(self.caches()) or 'none'})")
+        current = self._current(info)
+        record_bytes = min(1 << 20, self.config.wal_segment_size_bytes // 4)
+        end = None
+        entries: list[DataEntry] = []
+        size = 0
+        for k in sorted(current):
+            value, version, expire = current[k]
+            partition = zlib.crc32(k) % info.config.partitions
+            raw_key, raw_value = msgspec.Raw(k), msgspec.Raw(value)
+            entries.append(DataEntry(info.cache_id, _CREATE, raw_key, raw_value, partition, version, True, expire))
+            size += len(k) + len(value) + 32
+            if size >= record_bytes:
+                end = self._append_resent(entries)
+                entries, size = [], 0
+        if entries:
+            end = self._append_resent(entries)
+        if end is not None:
+            self._wal.wait_durable(end)
+        log.info("cache_resent", cache=cache, entries=len(current))
+        return len(current)
+
+    def _append_resent(self, entries: list[DataEntry]) -> WalPointer:
+        with self._lock:
+            self._check_open()
+            _ptr, end = self._wal.append(DataRecord(entries, time.time_ns()))
+        return end
+
+    # --- control socket --------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """What ``cdcd control status`` prints: realtime state, daemon state, lag."""
+        rt = self.realtime.status()
+        wal_pos = self._wal.position
+        daemon = read_daemon_state(self.config.daemon_state_path)
+        delivering = "node" if rt["mode"] == "on" else "daemon"
+        committed = self.realtime.position if delivering == "node" else daemon_position(daemon)
+        lag_ms = None
+        if delivering == "node" and rt["last_event_commit_ts_ns"]:
+            lag_ms = max(0.0, (time.time_ns() - rt["last_event_commit_ts_ns"]) / 1e6)
+        return {
+            "node_dir": self.config.node_dir,
+            "node_id": str(self.node_id),
+            "wal_position": str(wal_pos),
+            "last_archived_segment": self._wal.last_archived,
+            "realtime": rt,
+            "daemon": daemon,
+            "delivering": delivering,
+            "lag_segments": max(0, wal_pos.segment - committed.segment) if committed is not None else None,
+            "lag_ms": lag_ms,
+        }
+
+    def _control(self, req: dict[str, Any]) -> dict[str, Any]:
+        cmd = req["cmd"]
+        if cmd == "realtime":
+            state = req.get("state")
+            try:
+                if state == "on":
+                    mode = self.realtime.request_on()
+                elif state == "off":
+                    mode = self.realtime.wait_off(self.realtime.request_off(), timeout_s=2.0)
+                else:
+                    raise ControlError("realtime: state must be 'on' or 'off'")
+            except RealtimeError as exc:
+                raise ControlError(str(exc)) from None
+            return {"realtime": mode.value}
+        if cmd == "status":
+            return self.status()
+        if cmd == "resend":
+            cache = req.get("cache")
+            if not isinstance(cache, str):
+                raise ControlError('resend: expected {"cache": NAME}')
+            try:
+                return {"resent": self.resend(cache), "cache": cache}
+            except ValueError as exc:
+                raise ControlError(str(exc)) from None
+        raise ControlError(f"unknown command {cmd!r} (one of: realtime, status, resend)")
 
     def _put_one(self, info: CacheInfo, key: Any, value: Any) -> None:
         """``Cache.put``: ``_commit`` of a single put without the batch bookkeeping."""

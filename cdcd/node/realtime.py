@@ -233,6 +233,14 @@ class RealtimeWorker:
         log.info("realtime_try_start", try_start=str(ptr), buffer_max_bytes=self.buffer_limit_bytes)
         return RealtimeMode.TRY_START
 
+    def wait_off(self, mode: RealtimeMode, timeout_s: float) -> RealtimeMode:
+        """After ``request_off``: give the worker a moment to finish its batch and say OFF."""
+        deadline = time.monotonic() + timeout_s
+        while mode is not RealtimeMode.OFF and time.monotonic() < deadline:
+            time.sleep(0.01)
+            mode = self.mode
+        return mode
+
     def request_off(self) -> RealtimeMode:
         """Stop (the in-flight batch finishes first); returns at once."""
         with self._lock:
@@ -508,6 +516,32 @@ class RealtimeWorker:
             "stops": dict(self.stops),
             "last_event_commit_ts_ns": self.last_event_ts_ns,
         }
+
+
+def read_daemon_state(state_dir: Path) -> dict[str, Any] | None:
+    """The daemon's committed mode and position, read-only (None when it has no state yet)."""
+    from cdcd.daemon.state import Mode, StateStore
+
+    try:
+        store = StateStore(state_dir, readonly=True)
+    except (FileNotFoundError, lmdb.Error):
+        return None
+    try:
+        state = store.load(Mode.PASSIVE)
+    finally:
+        store.close()
+    return {
+        "mode": state.mode.value,
+        "position": str(state.position) if state.position else None,
+        "position_parts": msgspec.to_builtins(state.position) if state.position else None,
+        "updated_ns": state.updated_ns,
+    }
+
+
+def daemon_position(daemon: dict[str, Any] | None) -> WalPosition | None:
+    if daemon is None or daemon["position_parts"] is None:
+        return None
+    return WalPosition(*daemon["position_parts"])
 
 
 class _Stopped(Exception):

@@ -1,0 +1,147 @@
+"""The node's control socket: newline-delimited JSON over a Unix socket, owner only.
+
+Requests: ``{"cmd": "realtime", "state": "on"|"off"}``, ``{"cmd": "status"}``,
+``{"cmd": "resend", "cache": NAME}``. Every request gets one JSON line back:
+``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``; a bad request never closes the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import socketserver
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+
+log = structlog.get_logger("cdcd.control")
+
+MAX_REQUEST_BYTES = 64 * 1024
+Handler = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+class ControlError(Exception):
+    """A request the node refuses; the message goes back to the client."""
+
+
+@contextlib.contextmanager
+def _short_path(path: Path) -> Iterator[str]:
+    """Unix socket paths are limited to ~108 bytes: reach deep directories through /proc/self/fd."""
+    if len(os.fsencode(path)) < 100:
+        yield str(path)
+        return
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
+
+
+class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    allow_reuse_address = False
+    dispatch: Handler
+
+
+class _RequestHandler(socketserver.StreamRequestHandler):
+    server: _Server
+
+    def handle(self) -> None:
+        uid = _peer_uid(self.request)
+        if uid not in (os.geteuid(), 0):
+            log.warning("control_refused", peer_uid=uid)
+            self._reply({"ok": False, "error": f"uid {uid} is not the node's owner"})
+            return
+        while True:
+            line = self.rfile.readline(MAX_REQUEST_BYTES + 1)
+            if not line:
+                return
+            if len(line) > MAX_REQUEST_BYTES:
+                self._reply({"ok": False, "error": f"request over {MAX_REQUEST_BYTES} bytes"})
+                return
+            self._reply(self._handle_line(line))
+
+    def _handle_line(self, line: bytes) -> dict[str, Any]:
+        try:
+            request = msgspec.json.decode(line)
+        except msgspec.DecodeError as exc:
+            return {"ok": False, "error": f"bad request: not JSON ({exc})"}
+        if not isinstance(request, dict) or not isinstance(request.get("cmd"), str):
+            return {"ok": False, "error": 'bad request: expected {"cmd": ...}'}
+        try:
+            return {"ok": True, **self.server.dispatch(request)}
+        except ControlError as exc:
+            return {"ok": False, "error": str(exc)}
+        except Exception as exc:  # the node keeps serving; the client learns what went wrong
+            log.error("control_command_failed", cmd=request.get("cmd"), error=f"{type(exc).__name__}: {exc}")
+            return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+
+    def _reply(self, reply: dict[str, Any]) -> None:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self.wfile.write(msgspec.json.encode(reply) + b"\n")
+            self.wfile.flush()
+
+
+class ControlServer:
+    """Serves ``dispatch`` on ``path`` (mode 0600) from a background thread; ``stop()`` is idempotent."""
+
+    def __init__(self, path: Path, dispatch: Handler) -> None:
+        self.path = path
+        self._dispatch = dispatch
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        # The node holds its dir lock, so a socket file here is a leftover of a killed node.
+        self.path.unlink(missing_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.unlink(missing_ok=True)
+        with _short_path(tmp) as bind_path:
+            server = _Server(bind_path, _RequestHandler, bind_and_activate=False)
+            server.dispatch = self._dispatch
+            server.server_bind()
+        os.chmod(tmp, 0o600)  # before anyone can find it under its real name
+        os.replace(tmp, self.path)
+        server.server_activate()
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, name="cdcd-control", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if self._thread is not None:
+            self._thread.join()
+        self.path.unlink(missing_ok=True)
+
+
+def request(path: Path, message: dict[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
+    """Send one request to a node's control socket and return its reply."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        with _short_path(path) as connect_path:
+            sock.connect(connect_path)
+        sock.sendall(msgspec.json.encode(message) + b"\n")
+        data = b""
+        while not data.endswith(b"\n"):
+            part = sock.recv(65536)
+            if not part:
+                break
+            data += part
+    reply: dict[str, Any] = msgspec.json.decode(data)
+    return reply
