@@ -195,19 +195,20 @@ def daemon_run(config_path: Path) -> None:
         log.error(event, error=message)
         fail(message, code)
 
+    signals = {"n": 0}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        signals["n"] += 1
+        if signals["n"] > 1:
+            os._exit(128 + signum)  # second signal: leave at once
+        log.info("daemon_stopping", signal=signal.Signals(signum).name)
+        daemon.stop()  # thread- and signal-safe; also before run() starts (run() then returns at once)
+
+    # Installed before anything else, so a SIGTERM during start-up is a clean stop, not a kill.
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
     async def main_async() -> None:
-        loop = asyncio.get_running_loop()
-        signals = {"n": 0}
-
-        def on_signal(signum: int) -> None:
-            signals["n"] += 1
-            if signals["n"] > 1:
-                os._exit(128 + signum)  # second signal: leave at once
-            log.info("daemon_stopping", signal=signal.Signals(signum).name)
-            daemon.stop()
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal, sig)
         await daemon.run()
 
     try:

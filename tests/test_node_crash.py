@@ -17,6 +17,7 @@ import os
 import random
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -208,6 +209,8 @@ def copy_tree_keeping_hard_links(src: Path, dst: Path) -> None:
         for name in filenames:
             source = Path(dirpath) / name
             st = source.stat(follow_symlinks=False)
+            if stat.S_ISSOCK(st.st_mode):
+                continue  # the killed node's control socket: nothing to copy
             ident = (st.st_dev, st.st_ino)
             if ident in seen:
                 os.link(seen[ident], target_dir / name)
