@@ -125,3 +125,16 @@ RT_LAG_MS = Histogram(
 RT_RESTORED_RECORDS = Gauge("cdcd_node_realtime_restored_records", "WAL records re-read at the last restore")
 RT_STOPS = Counter("cdcd_node_realtime_stops_total", "Realtime stops", ["reason"])
 RT_EVENTS = Counter("cdcd_node_realtime_events_total", "Events confirmed by the realtime consumer")
+
+# --- lake sink ------------------------------------------------------------------------------------
+LAKE_ROWS = Counter("cdcd_lake_rows_written_total", "Change-log rows landed in the lake", ["cache"])
+LAKE_WRITE_SECONDS = Histogram(
+    "cdcd_lake_spark_write_seconds",
+    "Spark time to write one batch to staging",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+)
+LAKE_LAG_SECONDS = Gauge("cdcd_lake_lag_seconds", "now - commit time of the last landed event (never negative)")
+LAKE_DUPLICATE_BATCHES = Counter(
+    "cdcd_lake_batches_skipped_total", "Batches (or parts) dropped as replays at or below the high-water mark"
+)
+LAKE_CONFLICTS = Counter("cdcd_lake_log_conflicts_total", "Commits retried because another writer committed first")

@@ -1,0 +1,1 @@
+"""The Parquet data lake: exactly-once change log, compaction, verification (DESIGN §7)."""

@@ -1,0 +1,200 @@
+"""The lake's commit log: what makes landing exactly-once (DESIGN §7).
+
+``<lake>/_cdcd_log/<seq>.json`` entries, one per landed batch: source node, first and last
+position, the files it added (relative to ``<lake>/changes``), rows per cache. An entry is created
+atomically (temp file, fsync, ``link`` — which refuses to overwrite — then fsync of the dir); it
+is the commit point. Files are written under ``<lake>/_staging/<batch>/`` (Spark and readers skip
+``_``-prefixed dirs) and renamed into ``changes/`` only after their entry exists; a restart
+finishes those renames and deletes staging that no entry names and no live process owns.
+
+The highest committed position per source is the replay filter: events at or below it are
+dropped before writing. That is sound because the node and the daemon never deliver interleaved.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import structlog
+
+from cdcd.wal.pointer import WalPosition
+
+log = structlog.get_logger("cdcd.lake")
+
+LOG_DIR = "_cdcd_log"
+STAGING_DIR = "_staging"
+CHANGES_DIR = "changes"
+
+
+class CacheStats(msgspec.Struct, frozen=True):
+    rows: int
+    max_commit_ts_ns: int
+
+
+class LogEntry(msgspec.Struct, frozen=True):
+    seq: int
+    batch: str
+    source: str
+    first: WalPosition
+    last: WalPosition
+    files: list[str]
+    caches: dict[str, CacheStats]
+    committed_ns: int
+
+
+class LakeLogConflict(Exception):
+    """Another writer committed overlapping positions first; the batch must be re-filtered."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def new_batch_id() -> str:
+    """``<host>-<pid>-<random>``: lets a restart tell a dead writer's staging from a live one's."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def _owner_alive(batch: str) -> bool:
+    host, _, rest = batch.partition("-")
+    pid_text = rest.partition("-")[0]
+    if host != socket.gethostname() or not pid_text.isdigit():
+        return True  # another host's writer: never touch it
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class LakeLog:
+    def __init__(self, lake: Path) -> None:
+        self.lake = lake
+        self.log_dir = lake / LOG_DIR
+        self.staging = lake / STAGING_DIR
+        self.changes = lake / CHANGES_DIR
+        for d in (self.log_dir, self.staging, self.changes):
+            d.mkdir(parents=True, exist_ok=True)
+        self._decoder = msgspec.json.Decoder(LogEntry)
+        self._encoder = msgspec.json.Encoder()
+        self.entries: list[LogEntry] = []
+        self.high_water: dict[str, WalPosition] = {}
+        self._seen = -1
+
+    # --- reading ---------------------------------------------------------------------------------
+    def _entry_files(self) -> Iterator[tuple[int, Path]]:
+        for entry in os.scandir(self.log_dir):
+            name = entry.name
+            if name.endswith(".json") and name[:-5].isdigit():
+                yield int(name[:-5]), Path(entry.path)
+
+    def refresh(self) -> list[LogEntry]:
+        """Read entries committed since the last refresh (by anyone); returns them in order."""
+        new = []
+        for seq, path in sorted(self._entry_files()):
+            if seq <= self._seen:
+                continue
+            try:
+                entry = self._decoder.decode(path.read_bytes())
+            except (msgspec.DecodeError, OSError) as exc:
+                raise RuntimeError(f"{path}: unreadable lake log entry: {exc}") from exc
+            new.append(entry)
+            self._seen = seq
+        for entry in new:
+            self.entries.append(entry)
+            hw = self.high_water.get(entry.source)
+            if hw is None or entry.last > hw:
+                self.high_water[entry.source] = entry.last
+        return new
+
+    @property
+    def next_seq(self) -> int:
+        return self._seen + 1
+
+    # --- committing ------------------------------------------------------------------------------
+    def commit(self, entry: LogEntry) -> LogEntry:
+        """Append ``entry`` atomically as the next sequence number, re-checking the high-water mark
+        against entries other writers added meanwhile. Raises LakeLogConflict on overlap."""
+        while True:
+            for other in self.refresh():
+                if other.source == entry.source and other.last >= entry.first:
+                    raise LakeLogConflict(
+                        f"{other.batch} committed {other.first}..{other.last} of {other.source} first"
+                    )
+            entry = msgspec.structs.replace(entry, seq=self.next_seq, committed_ns=time.time_ns())
+            final = self.log_dir / f"{entry.seq:020d}.json"
+            tmp = self.log_dir / f".{entry.batch}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(self._encoder.encode(entry))
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, final)  # refuses to overwrite: two writers cannot take one seq
+            except FileExistsError:
+                continue  # someone else took this seq: re-read and try the next
+            finally:
+                tmp.unlink(missing_ok=True)
+            _fsync_dir(self.log_dir)
+            self.refresh()
+            return entry
+
+    def publish(self, entry: LogEntry) -> None:
+        """Move a committed entry's files from staging into ``changes/`` (idempotent)."""
+        src_root = self.staging / entry.batch
+        touched: set[Path] = set()
+        for rel in entry.files:
+            src, dst = src_root / rel, self.changes / rel
+            if dst.exists():
+                continue
+            if not src.exists():
+                raise RuntimeError(f"lake: {src} named by log entry {entry.seq} is missing")
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(src, dst)
+            touched.add(dst.parent)
+        for d in touched:
+            _fsync_dir(d)
+        shutil.rmtree(src_root, ignore_errors=True)
+
+    def recover(self) -> None:
+        """Finish publishing committed batches; delete staging nobody committed or owns."""
+        self.refresh()
+        committed = {e.batch: e for e in self.entries}
+        for entry in self.entries:
+            if (self.staging / entry.batch).exists():
+                self.publish(entry)
+        for d in os.scandir(self.staging):
+            if d.name in committed or _owner_alive(d.name):
+                continue
+            log.info("lake_staging_discarded", batch=d.name)
+            shutil.rmtree(d.path, ignore_errors=True)
+        for stale in self.log_dir.glob(".*.tmp"):
+            if not _owner_alive(stale.name[1:-4]):
+                stale.unlink(missing_ok=True)
+
+
+def check_writable(lake: Path) -> None:
+    """Fail at start, with the path, if the lake cannot be written."""
+    try:
+        lake.mkdir(parents=True, exist_ok=True)
+        probe = lake / f".cdcd-write-probe-{os.getpid()}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            reason = f"not writable ({reason})"
+        raise OSError(exc.errno, f"lake_path {lake}: {reason}") from None

@@ -1,0 +1,50 @@
+"""One SparkSession per process, configured from the sink's options."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+_lock = threading.Lock()
+_users = 0
+_session: Any = None
+
+
+def acquire(master: str, app_name: str, conf: Mapping[str, str]) -> Any:
+    """The process's SparkSession (created on first use); pair every call with ``release``."""
+    global _users, _session
+    with _lock:
+        if _session is None:
+            # Executors (local or on a cluster) must run the same interpreter and packages.
+            os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+            os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+            from pyspark.sql import SparkSession
+
+            builder = (
+                SparkSession.builder.master(master)
+                .appName(app_name)
+                .config("spark.ui.enabled", "false")
+                .config("spark.sql.session.timeZone", "UTC")
+                .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+                .config("spark.sql.sources.partitionOverwriteMode", "dynamic")
+                .config("spark.sql.parquet.compression.codec", "zstd")
+            )
+            for key, value in conf.items():
+                builder = builder.config(key, value)
+            _session = builder.getOrCreate()
+            _session.sparkContext.setLogLevel("WARN")
+        _users += 1
+        return _session
+
+
+def release() -> None:
+    global _users, _session
+    with _lock:
+        _users -= 1
+        if _users <= 0 and _session is not None:
+            _session.stop()
+            _session = None
+            _users = 0
