@@ -26,7 +26,7 @@ bench: install
 	$(BIN)/python -m tests.bench.run
 
 run: install
-	$(BIN)/cdcd node run --config config/node.toml --load-rate 1000
+	$(BIN)/cdcd demo --rate 2000
 
 clean:
 	rm -rf var .pytest_cache .mypy_cache .ruff_cache

@@ -27,6 +27,7 @@ def acquire(master: str, app_name: str, conf: Mapping[str, str]) -> Any:
                 SparkSession.builder.master(master)
                 .appName(app_name)
                 .config("spark.ui.enabled", "false")
+                .config("spark.ui.showConsoleProgress", "false")
                 .config("spark.sql.session.timeZone", "UTC")
                 .config("spark.sql.execution.arrow.pyspark.enabled", "true")
                 .config("spark.sql.sources.partitionOverwriteMode", "dynamic")
