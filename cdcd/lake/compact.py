@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 import structlog
 
+from cdcd.durable import write_atomic
 from cdcd.lake.log import CHANGES_DIR, LakeLog
 
 log = structlog.get_logger("cdcd.lake")
@@ -45,9 +46,7 @@ def read_meta(lake: Path, cache: str) -> CompactMeta:
 def _write_meta(lake: Path, cache: str, meta: CompactMeta) -> None:
     path = _meta_path(lake, cache)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(msgspec.json.encode(meta))
-    os.replace(tmp, path)
+    write_atomic(path, msgspec.json.encode(meta))
 
 
 def state_path(lake: Path, cache: str) -> Path:

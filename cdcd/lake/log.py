@@ -25,6 +25,7 @@ from pathlib import Path
 import msgspec
 import structlog
 
+from cdcd.durable import fsync_dir
 from cdcd.wal.pointer import WalPosition
 
 log = structlog.get_logger("cdcd.lake")
@@ -52,14 +53,6 @@ class LogEntry(msgspec.Struct, frozen=True):
 
 class LakeLogConflict(Exception):
     """Another writer committed overlapping positions first; the batch must be re-filtered."""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def new_batch_id() -> str:
@@ -148,7 +141,7 @@ class LakeLog:
                 continue  # someone else took this seq: re-read and try the next
             finally:
                 tmp.unlink(missing_ok=True)
-            _fsync_dir(self.log_dir)
+            fsync_dir(self.log_dir)
             self.refresh()
             return entry
 
@@ -166,7 +159,7 @@ class LakeLog:
             os.rename(src, dst)
             touched.add(dst.parent)
         for d in touched:
-            _fsync_dir(d)
+            fsync_dir(d)
         shutil.rmtree(src_root, ignore_errors=True)
 
     def recover(self) -> None:

@@ -9,17 +9,10 @@ from pathlib import Path
 import structlog
 
 from cdcd import metrics
+from cdcd.durable import fsync_dir
 from cdcd.wal.segment import list_segments, segment_path
 
 log = structlog.get_logger("cdcd.node.archiver")
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def check_same_filesystem(archive_dir: Path, cdc_dir: Path) -> None:

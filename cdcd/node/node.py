@@ -93,21 +93,17 @@ class Node:
         try:
             self._open()
         except BaseException:
-            wal = getattr(self, "_wal", None)
-            if wal is not None:
-                wal.close()
-            server = getattr(self, "_control_server", None)
-            if server is not None:
-                server.stop()
-            realtime = getattr(self, "realtime", None)
-            if realtime is not None:
-                realtime.close()
-            meta = getattr(self, "_metastorage", None)
-            if meta is not None:
-                meta.close()
-            store = getattr(self, "_store", None)
-            if store is not None:
-                store.close()
+            # Undo whatever _open() got to, in reverse order, so a retry in this process works.
+            for attr, method in (
+                ("_control_server", "stop"),
+                ("realtime", "close"),
+                ("_wal", "close"),
+                ("_metastorage", "close"),
+                ("_store", "close"),
+            ):
+                part = getattr(self, attr, None)
+                if part is not None:
+                    getattr(part, method)()
             self._dir_lock.release()
             raise
 

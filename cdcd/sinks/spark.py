@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from collections.abc import Mapping, Sequence
@@ -16,6 +15,7 @@ import structlog
 from cdcd import metrics
 from cdcd.config import convert
 from cdcd.consumer import CacheInfo, Consumer, EventBatch
+from cdcd.durable import write_atomic
 from cdcd.lake import spark as spark_session
 from cdcd.lake.arrow import build_table, filter_slices
 from cdcd.lake.log import CacheStats, LakeLog, LakeLogConflict, LogEntry, check_writable, new_batch_id
@@ -76,9 +76,7 @@ class SparkLakeConsumer(Consumer):
             known = json.loads(path.read_text())
         for info in caches:
             known[str(info.cache_id)] = {"name": info.name, "partitions": info.config.partitions}
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known, sort_keys=True))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(known, sort_keys=True).encode())
 
     def on_events(self, batch: EventBatch) -> bool:
         lake_log = self._log

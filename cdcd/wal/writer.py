@@ -15,6 +15,7 @@ from pathlib import Path
 
 import msgspec
 
+from cdcd.durable import fsync_dir
 from cdcd.wal.frame import FRAME_HEADER, FRAME_HEADER_SIZE, SEGMENT_END_FRAME
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import Record
@@ -175,19 +176,10 @@ class SegmentFiles:
         path = segment_path(self.work_dir, segment)
         created = not path.exists()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        if created:
-            self._sync_dir()
+        if created and self.fsync:
+            fsync_dir(self.work_dir)
         self._fd, self._fd_segment = fd, segment
         return fd
-
-    def _sync_dir(self) -> None:
-        if not self.fsync:
-            return
-        dfd = os.open(self.work_dir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
 
     def write(self, chunks: list[Chunk]) -> None:
         for chunk in chunks:
