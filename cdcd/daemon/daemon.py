@@ -262,10 +262,13 @@ class Daemon:
                 if follower.segment is not None:
                     metrics.DAEMON_CURRENT_SEGMENT.set(follower.segment)
                 if chunk is None:
-                    await read_q.put(None)  # caught up: lets the decoder close a partial batch
+                    await read_q.put(None)  # caught up: the decoder closes its batch now
                     wake.clear()
+                    # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+                    # races with the wake-up, and stop() would then hang on a full queue.
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(wake.wait(), check_s)
+                        async with asyncio.timeout(check_s):
+                            await wake.wait()
                     self._report_backlog(follower)
                     continue
                 await read_q.put(chunk)  # type: ignore[arg-type]
@@ -275,22 +278,21 @@ class Daemon:
                 timeout = None
                 if processor.batch_started is not None:
                     timeout = max(0.0, processor.batch_started + delay_s - time.monotonic())
+                timed_out = False
                 try:
-                    chunk = await asyncio.wait_for(read_q.get(), timeout)
+                    async with asyncio.timeout(timeout):
+                        chunk = await read_q.get()
                 except TimeoutError:
-                    chunk = None
+                    chunk, timed_out = None, True
                 if isinstance(chunk, WalError):
                     if processor.pending_events or _advanced(processor, committer):
                         await item_q.put(processor.close_batch())
                     await item_q.put(chunk)  # type: ignore[arg-type]
                     return
                 if chunk is None:
-                    if processor.pending_events and (
-                        processor.batch_started is not None and time.monotonic() - processor.batch_started >= delay_s
-                    ):
-                        await item_q.put(processor.close_batch())
-                    elif not processor.pending_events and _advanced(processor, committer):
-                        await item_q.put(processor.close_batch())  # position-only progress (segment ends)
+                    # Caught up (segments arrive whole, waiting adds only lag) or batch_max_delay_ms passed.
+                    if processor.pending_events or (not timed_out and _advanced(processor, committer)):
+                        await item_q.put(processor.close_batch())  # or position-only progress (segment ends)
                     continue
                 processor.source_node = follower.node_id
                 for item in processor.feed_many(chunk):  # type: ignore[arg-type]

@@ -25,10 +25,27 @@ class Measurement:
     count: int
     seconds: float
     extra: dict[str, Any] = field(default_factory=dict)
+    value: float | None = None
+    """The reported number when it is not ``count / seconds`` (a latency, a size)."""
 
     @property
     def rate(self) -> float:
         return self.count / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def reported(self) -> float:
+        return self.value if self.value is not None else self.rate
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A further table row of a benchmark: the median over its runs of ``Measurement.extra[key]``."""
+
+    metric: str
+    key: str
+    unit: str
+    goal: float | None = None
+    lower_is_better: bool = False
 
 
 @dataclass
@@ -46,6 +63,12 @@ class Bench:
     setup: Callable[[], None] | None = None
     teardown: Callable[[], None] | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    lower_is_better: bool = False
+    """The goal is a ceiling (latency, memory): the median must be <= goal."""
+    max_repeats: int | None = None
+    """At most this many repetitions (long benchmarks)."""
+    more: tuple[Metric, ...] = ()
+    """Further rows, read from each run's ``extra``."""
 
 
 @dataclass
@@ -59,6 +82,7 @@ class Result:
     measurements: list[Measurement]
     params: dict[str, Any]
     error: str | None = None
+    lower_is_better: bool = False
 
     @property
     def median(self) -> float:
@@ -78,7 +102,7 @@ class Result:
             return False
         if self.goal is None:
             return None
-        return self.median >= self.goal
+        return self.median <= self.goal if self.lower_is_better else self.median >= self.goal
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -87,6 +111,7 @@ class Result:
             "metric": self.metric,
             "unit": self.unit,
             "goal": self.goal,
+            "goal_op": "<=" if self.lower_is_better else ">=",
             "median": self.median if self.values else None,
             "min": self.min if self.values else None,
             "max": self.max if self.values else None,
@@ -98,13 +123,27 @@ class Result:
         }
 
 
-def run_bench(bench: Bench, repeats: int, log: Callable[[str], None], profile_dir: Path | None = None) -> Result:
+def run_bench(bench: Bench, repeats: int, log: Callable[[str], None], profile_dir: Path | None = None) -> list[Result]:
     """Setup, ``repeats`` timed repetitions (median reported), teardown; an exception is recorded.
+
+    Returns the benchmark's row, then one per ``bench.more``.
 
     ``profile_dir``: afterwards run one more, untimed repetition under cProfile (calling thread only),
     write ``profile-<name>.prof`` there and log the top functions by own time.
     """
-    result = Result(bench.name, bench.description, bench.metric, bench.unit, bench.goal, [], [], bench.params)
+    result = Result(
+        bench.name,
+        bench.description,
+        bench.metric,
+        bench.unit,
+        bench.goal,
+        [],
+        [],
+        bench.params,
+        lower_is_better=bench.lower_is_better,
+    )
+    if bench.max_repeats is not None:
+        repeats = min(repeats, bench.max_repeats)
     try:
         if bench.setup is not None:
             t0 = time.perf_counter()
@@ -114,9 +153,12 @@ def run_bench(bench: Bench, repeats: int, log: Callable[[str], None], profile_di
             gc.collect()
             m = bench.run_once()
             result.measurements.append(m)
-            result.values.append(m.rate)
+            result.values.append(m.reported)
             notes = " ".join(f"{k}={v}" for k, v in m.extra.items())
-            log(f"  run {i + 1}/{repeats}: {m.count} in {m.seconds:.3f}s = {fmt_num(m.rate)} {bench.unit}  {notes}")
+            log(
+                f"  run {i + 1}/{repeats}: {m.count} in {m.seconds:.3f}s = "
+                f"{fmt_value(m.reported, bench.unit)} {bench.unit}  {notes}"
+            )
         if profile_dir is not None:
             _profile(bench, profile_dir, log)
     except Exception as exc:  # one broken benchmark must not hide the others' numbers
@@ -125,7 +167,22 @@ def run_bench(bench: Bench, repeats: int, log: Callable[[str], None], profile_di
     finally:
         if bench.teardown is not None:
             bench.teardown()
-    return result
+    rows = [result]
+    for extra in bench.more:
+        row = Result(
+            bench.name,
+            bench.description,
+            extra.metric,
+            extra.unit,
+            extra.goal,
+            [m.extra[extra.key] for m in result.measurements if m.extra.get(extra.key) is not None],
+            result.measurements,
+            bench.params,
+            result.error,
+            extra.lower_is_better,
+        )
+        rows.append(row)
+    return rows
 
 
 def _profile(bench: Bench, profile_dir: Path, log: Callable[[str], None]) -> None:
@@ -140,6 +197,13 @@ def _profile(bench: Bench, profile_dir: Path, log: Callable[[str], None]) -> Non
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(20)
     log(f"  profile written to {path}; top functions by own time:\n{out.getvalue()}")
+
+
+def fmt_value(x: float | None, unit: str) -> str:
+    """A rate (unit ``.../s``) as ``fmt_num`` does; anything else (ms, MB, %) plainly."""
+    if unit.endswith("/s") or x is None or math.isnan(x):
+        return fmt_num(x)
+    return f"{x:.1f}" if abs(x) < 100 else f"{x:.0f}"
 
 
 def fmt_num(x: float | None) -> str:

@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from cdcd.logging import configure as configure_logging
-from tests.bench import bench_node, bench_wal_read
-from tests.bench.common import Bench, Result, fmt_num, run_bench
+from tests.bench import bench_daemon, bench_lake, bench_node, bench_realtime, bench_wal_read
+from tests.bench.common import Bench, Result, fmt_value, run_bench
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-SUITES = (bench_node, bench_wal_read)
+SUITES = (bench_node, bench_wal_read, bench_daemon, bench_realtime, bench_lake)
 
 
 def _log(msg: str) -> None:
@@ -72,10 +72,10 @@ def format_table(results: list[Result]) -> str:
             [
                 r.name,
                 r.metric,
-                fmt_num(r.median) if r.values else "-",
-                f"{fmt_num(r.min)}-{fmt_num(r.max)}" if r.values else "-",
+                fmt_value(r.median, r.unit) if r.values else "-",
+                f"{fmt_value(r.min, r.unit)}-{fmt_value(r.max, r.unit)}" if r.values else "-",
                 r.unit,
-                f">= {fmt_num(r.goal)}" if r.goal is not None else "-",
+                f"{'<=' if r.lower_is_better else '>='} {fmt_value(r.goal, r.unit)}" if r.goal is not None else "-",
                 status,
             ]
         )
@@ -92,7 +92,7 @@ def format_table(results: list[Result]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.bench.run", description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="much smaller runs (a smoke test, < 60 s)")
+    ap.add_argument("--quick", action="store_true", help="much smaller runs (a smoke test, about a minute)")
     ap.add_argument(
         "--only",
         action="append",
@@ -126,15 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for bench in selected:
         _log(f"{bench.name}: {bench.description}")
-        results.append(run_bench(bench, repeats, _log, RESULTS_DIR if args.profile else None))
+        results.extend(run_bench(bench, repeats, _log, RESULTS_DIR if args.profile else None))
     elapsed = time.perf_counter() - t0
 
     table = format_table(results)
     print()
     print(table)
-    failed = [r.name for r in results if r.passed is False]
+    failed = list(dict.fromkeys(r.name for r in results if r.passed is False))
     print(
-        f"\n{len(results)} benchmarks, {repeats} repetitions each, {elapsed:.0f}s; "
+        f"\n{len(selected)} benchmarks, {repeats} repetitions each (or their cap), {elapsed:.0f}s; "
         f"load average {host['loadavg'][0]:.2f} -> {os.getloadavg()[0]:.2f}"
         + (f"; goals missed: {', '.join(failed)}" if failed else "")
     )

@@ -1,0 +1,832 @@
+"""The Spark lake sink: backlog ingest rate, live end-to-end lag to the lake, compaction time.
+
+All three share one in-process SparkSession (``cdcd.lake.spark``, master ``local[2]``, the sink's
+default settings), created once when the first lake benchmark's setup runs and kept until exit
+(the sink's own start()/stop() per repetition then only take and drop a reference). Its cold
+start-up (``spark_startup_s``: session plus a first trivial job) and a warm-up (``spark_warmup_s``:
+a 10k-row landing and a small window query, so class loading and code generation of both paths
+are out of the timings) are reported separately and never inside a timing.
+Work dirs live under ``$CDCD_BENCH_DIR`` or the system temp dir.
+
+- ``lake.ingest``: the backlog (setup, untimed): a node dir written by a ``Node`` in background
+  mode with 16 MiB segments, ``wal_force_archive_timeout_ms=0``, ``archive_max_bytes=0``: fresh
+  int keys, ~100-byte dict values (``lake_value``: 99 bytes of MessagePack), ``put_all``
+  transactions of 10 entries, then ``force_archive()`` and ``close()``; 2M entries (200k with
+  ``--quick``). Before every repetition the CDC links are restored from the archive and the
+  daemon's state dir and the lake are deleted. An in-process ``Daemon`` with a
+  ``SparkLakeConsumer`` (``start()`` untimed) then lands the whole backlog; timed is
+  ``sync_once()`` (``lake.ingest``) or ``run()`` as an asyncio task until the committed position
+  passes the last segment (``lake.ingest.run``). Batches: ``INGEST_BATCH_EVENTS`` events,
+  ``INGEST_BATCH_BYTES`` bytes (the best of a 100k-500k sweep, see the constants), and for
+  ``run()`` ``batch_max_delay_ms=INGEST_BATCH_DELAY_MS``. Each run records where the time went:
+  ``spark_s`` (``createDataFrame`` + the Parquet write, from the sink's
+  ``cdcd_lake_spark_write_seconds``), ``build_commit_s`` (the rest of the sink's ``on_events``:
+  ``build_table``, lake log commit and publish) and ``daemon_s`` (the rest: reading, decoding,
+  the daemon's own commits; with ``run()`` these overlap the sink), and CPU per row of this
+  process (``py_cpu_us_per_row``, all threads) and of the Spark JVM (``jvm_cpu_us_per_row``):
+  on a busy machine these move far less than the wall-clock rate.
+- ``lake.lag.live``: a writer subprocess (this module's ``lag-writer``: a node with
+  ``wal_mode=fsync``, ``wal_force_archive_timeout_ms=1000``, ``put_all`` of 10 fresh keys with
+  ``lake_value`` values at a fixed 5k entries/s) and an in-process ``Daemon.run()`` with the
+  Spark sink and ``batch_max_delay_ms=200``, started before the writer begins. The writer writes
+  for 20 s (8 s with ``--quick``), idles 2.5 s so its last segment rolls on the timeout like the
+  others, and exits; once the daemon has consumed every CDC link it is stopped. Lag of a row =
+  its lake log entry's ``committed_ns`` (the commit point; publishing is a rename or two after
+  it) minus the row's ``commit_ts`` read back from the entry's Parquet files with pyarrow. Rows
+  committed in the first 5 s (3 s) are dropped. p50/p99/max in ms.
+- ``lake.compact``: ``cdcd.lake.compact.compact(spark, lake)`` over a change log of 1M distinct
+  keys (100k with ``--quick``) plus 10% updates and 1% deletes: six log entries of up to 200k rows,
+  one Parquet file each, in the sink's layout (``changes/cache=bench/``), written in setup with
+  pyarrow straight from ``cdcd.lake.arrow.SCHEMA`` (not through Spark: that would take longer
+  than the compaction). Every repetition compacts a fresh copy from scratch (the number), then
+  adds one entry of 10k changes (5k updates, 3k creates, 2k deletes) and compacts again
+  (``incremental_s``). The state's row count is checked both times.
+
+Run as a script, this module is the lag benchmark's writer:
+``python -m tests.bench.bench_lake lag-writer --node-dir D --rate 5000 --seconds 20 --go-file G --out F``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from cdcd import metrics
+from cdcd.daemon.config import DaemonConfig
+from cdcd.daemon.daemon import Daemon
+from cdcd.node.node import Node
+from cdcd.wal.segment import list_segments
+from tests.bench.common import Bench, Measurement, Metric
+
+ROOT = Path(__file__).resolve().parents[2]
+SPARK_MASTER = "local[2]"
+APP_NAME = "cdcd-bench-lake"
+SEGMENT_BYTES = 16 << 20
+TX_SIZE = 10
+
+INGEST_GOAL = 300_000.0
+INGEST_BATCH_EVENTS = 500_000
+"""Sweep of 100k/200k/300k/500k events per batch (2M backlog, sync_once): bigger is faster, the
+per-batch Spark job overhead (~0.3-0.5 s) being the part that shrinks; see the report."""
+INGEST_BATCH_BYTES = 1 << 30
+"""Never the limit (500k entries are ~70 MB of records)."""
+INGEST_BATCH_DELAY_MS = 1000
+"""``run()`` only: the decoder closes a batch once it is this old whenever the reader is slower than
+that for a moment (GIL contention with the sink), even mid-backlog: with the default 100 ms a 1M
+backlog landed in ~19 batches of ~50k instead of 2 of 500k (28k vs 38k rows/s). 1000 ms: 2-3
+batches; longer only delays a backlog's partial last batch (it waits out the delay)."""
+WARMUP_ROWS = 10_000
+
+LAG_RATE = 5000
+LAG_FORCE_ARCHIVE_MS = 1000
+LAG_BATCH_DELAY_MS = 200
+LAG_GOAL_MS = 2000.0
+LAG_IDLE_S = 2.5
+DRAIN_TIMEOUT_S = 120.0
+
+COMPACT_BATCH_ROWS = 200_000
+COMPACT_INCREMENT = (5000, 3000, 2000)
+"""Updates, creates, deletes of the incremental re-compaction."""
+
+
+def _bench_dir() -> str | None:
+    return os.environ.get("CDCD_BENCH_DIR") or None
+
+
+def _label(n: int) -> str:
+    return f"{n // 1_000_000}M" if n % 1_000_000 == 0 else f"{n // 1000}k"
+
+
+def lake_value(k: int) -> dict[str, Any]:
+    """A ~100-byte dict value (99 bytes of MessagePack, ~130 of JSON)."""
+    return {
+        "id": k,
+        "name": f"user-{k:08d}",
+        "email": f"user{k:08d}@example.com",
+        "score": k * 0.25,
+        "active": True,
+        "tags": ["bench", "lake"],
+    }
+
+
+def _links(cdc_dir: Path) -> dict[int, Path]:
+    return list_segments(cdc_dir)[0]
+
+
+def _percentile(sorted_values: list[int], q: float) -> float:
+    """Nearest-rank percentile of an ascending list."""
+    idx = max(0, math.ceil(q / 100 * len(sorted_values)) - 1)
+    return float(sorted_values[idx])
+
+
+def _spark_write_totals() -> tuple[float, float]:
+    """(sum of seconds, count) of the sink's Spark writes so far in this process."""
+    reg = metrics.LAKE_WRITE_SECONDS._name  # the histogram's samples: <name>_sum, <name>_count
+    total = count = 0.0
+    for family in metrics.LAKE_WRITE_SECONDS.collect():
+        for s in family.samples:
+            if s.name == f"{reg}_sum":
+                total = s.value
+            elif s.name == f"{reg}_count":
+                count = s.value
+    return total, count
+
+
+# --- the shared SparkSession ----------------------------------------------------------------------
+class SharedSpark:
+    """One reference to the process's SparkSession held across benchmarks, so a sink's start()/stop()
+    per repetition never starts or stops Spark; released at exit."""
+
+    def __init__(self) -> None:
+        self.session: Any = None
+        self.startup_s: float | None = None
+        self.warmup_s: float | None = None
+        self._jvm_pid: int | None = None
+
+    def ensure(self) -> Any:
+        if self.session is None:
+            from cdcd.lake import spark as spark_session
+
+            t0 = time.perf_counter()
+            self.session = spark_session.acquire(SPARK_MASTER, APP_NAME, {})
+            self.session.range(1).count()  # the first job, so the number is "ready to work"
+            self.startup_s = round(time.perf_counter() - t0, 2)
+            atexit.register(self.release)
+            t0 = time.perf_counter()
+            self._warm_up()
+            self.warmup_s = round(time.perf_counter() - t0, 2)
+        return self.session
+
+    def _warm_up(self, rows: int = WARMUP_ROWS) -> None:
+        """A small landing (Arrow -> DataFrame -> partitioned Parquet) and a small compaction-like
+        window query: class loading and code generation of both paths happen here, not in a timing."""
+        import pyarrow as pa
+        from pyspark.sql import Window
+        from pyspark.sql import functions as F
+
+        from cdcd.lake.arrow import SCHEMA
+
+        cols = {
+            "op": ["create"] * rows,
+            "key": [str(k) for k in range(rows)],
+            "value": ['{"v":1}'] * rows,
+            "partition": [0] * rows,
+            "primary": [True] * rows,
+            "version_order": list(range(rows)),
+            "version_cluster_id": [0] * rows,
+            "commit_ts": [1_700_000_000_000_000] * rows,
+            "source_node": ["warm-up"] * rows,
+            "wal_segment": [0] * rows,
+            "wal_offset": list(range(rows)),
+            "wal_index": [0] * rows,
+            "cache": ["warm"] * rows,
+        }
+        table = pa.table({f.name: pa.array(cols[f.name], f.type) for f in SCHEMA}, schema=SCHEMA)
+        tmp = Path(tempfile.mkdtemp(prefix="cdcd-bench-lake-warmup-", dir=_bench_dir()))
+        try:
+            self.session.createDataFrame(table).coalesce(1).write.partitionBy("cache").parquet(str(tmp / "a"))
+            df = self.session.read.parquet(str(tmp / "a"))
+            w = Window.partitionBy("key").orderBy(F.col("version_order").desc())
+            df.withColumn("_rank", F.row_number().over(w)).where(F.col("_rank") == 1).write.parquet(str(tmp / "b"))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def jvm_cpu_s(self) -> float:
+        """CPU seconds (user + system) the Spark JVM has used so far (it runs in a child process)."""
+        if self.session is None:
+            return 0.0
+        if self._jvm_pid is None:
+            self._jvm_pid = int(self.session._jvm.java.lang.ProcessHandle.current().pid())
+        with open(f"/proc/{self._jvm_pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def release(self) -> None:
+        if self.session is not None:
+            from cdcd.lake import spark as spark_session
+
+            self.session = None
+            self._jvm_pid = None
+            spark_session.release()
+
+
+SPARK = SharedSpark()
+
+
+def _consumer(lake: Path) -> Any:
+    from cdcd.sinks.spark import SparkLakeConsumer, SparkOptions
+
+    class TimedSparkConsumer(SparkLakeConsumer):
+        """The sink, plus the wall time spent in ``on_events`` and the number of batches."""
+
+        def __init__(self, options: SparkOptions) -> None:
+            super().__init__(options)
+            self.on_events_s = 0.0
+            self.batches = 0
+
+        def on_events(self, batch: Any) -> bool:
+            t0 = time.perf_counter()
+            try:
+                return super().on_events(batch)
+            finally:
+                self.on_events_s += time.perf_counter() - t0
+                self.batches += 1
+
+    return TimedSparkConsumer(SparkOptions(lake_path=str(lake), spark_master=SPARK_MASTER, app_name=APP_NAME))
+
+
+def _lake_rows(lake: Path) -> int:
+    from cdcd.lake.log import LakeLog
+
+    lake_log = LakeLog(lake)
+    lake_log.refresh()
+    return sum(s.rows for e in lake_log.entries for s in e.caches.values())
+
+
+# --- the backlog ----------------------------------------------------------------------------------
+class Backlog:
+    """One node whose archive holds ``entries`` entries with ``lake_value`` values (written once)."""
+
+    def __init__(self) -> None:
+        self.root: Path | None = None
+        self.entries = 0
+        self.last_segment = -1
+        self.write_s = 0.0
+
+    @property
+    def node_dir(self) -> Path:
+        assert self.root is not None, "backlog not written"
+        return self.root / "node"
+
+    def ensure(self, entries: int) -> None:
+        if self.root is not None and self.entries == entries:
+            return
+        self.cleanup()
+        self.root = Path(tempfile.mkdtemp(prefix="cdcd-bench-lake-", dir=_bench_dir()))
+        atexit.register(self.cleanup)
+        t0 = time.perf_counter()
+        node = Node.open(
+            self.node_dir,
+            wal_mode="background",
+            wal_segment_size_bytes=SEGMENT_BYTES,
+            wal_force_archive_timeout_ms=0,
+            archive_max_bytes=0,
+        )
+        try:
+            put_all = node.cache("bench").put_all
+            for start in range(0, entries, TX_SIZE):
+                put_all({k: lake_value(k) for k in range(start, min(start + TX_SIZE, entries))})
+            node.force_archive()
+        finally:
+            node.close()
+        self.write_s = time.perf_counter() - t0
+        self.entries = entries
+        self.last_segment = max(_links(self.node_dir / "cdc"))
+
+    def restore(self) -> int:
+        """Every CDC link back, no daemon state, no lake; returns the last segment."""
+        cdc = self.node_dir / "cdc"
+        links = _links(cdc)
+        for idx, path in list_segments(self.node_dir / "wal" / "archive")[0].items():
+            if idx not in links:
+                os.link(path, cdc / path.name)
+        shutil.rmtree(self.node_dir / "cdcd-state", ignore_errors=True)
+        shutil.rmtree(self.lake, ignore_errors=True)
+        return self.last_segment
+
+    @property
+    def lake(self) -> Path:
+        assert self.root is not None
+        return self.root / "lake"
+
+    def cleanup(self) -> None:
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.root = None
+            self.entries = 0
+
+
+BACKLOG = Backlog()
+
+
+# --- lake.ingest ----------------------------------------------------------------------------------
+async def _run_until(daemon: Daemon, last_segment: int) -> float:
+    """``run()`` as a task until the committed position passes ``last_segment``; returns the seconds."""
+    t0 = time.perf_counter()
+    task = asyncio.create_task(daemon.run(), name="bench-lake-run")
+    while True:
+        pos = daemon.state.position
+        if pos is not None and pos.segment > last_segment:
+            break
+        if task.done():
+            task.result()
+            raise RuntimeError(f"run() returned at {pos} before passing segment {last_segment}")
+        await asyncio.sleep(0.005)
+    seconds = time.perf_counter() - t0
+    daemon.stop()
+    await task
+    return seconds
+
+
+def run_ingest(
+    *, entries: int, form: str, batch_events: int = INGEST_BATCH_EVENTS, batch_delay_ms: int = INGEST_BATCH_DELAY_MS
+) -> Measurement:
+    last = BACKLOG.restore()
+    SPARK.ensure()
+    consumer = _consumer(BACKLOG.lake)
+    config = DaemonConfig(
+        node_dir=str(BACKLOG.node_dir),
+        metrics_address="",
+        batch_max_events=batch_events,
+        batch_max_bytes=INGEST_BATCH_BYTES,
+        batch_max_delay_ms=batch_delay_ms,
+        consumer={"kind": "spark"},
+    )
+    daemon = Daemon(config, consumer, show_progress=False)
+    try:
+        t0 = time.perf_counter()
+        daemon.start()
+        start_s = time.perf_counter() - t0
+        spark0, writes0 = _spark_write_totals()
+        cpu0, jvm0 = time.process_time(), SPARK.jvm_cpu_s()
+        if form == "run":
+            seconds = asyncio.run(_run_until(daemon, last))
+        else:
+            t0 = time.perf_counter()
+            daemon.sync_once()
+            seconds = time.perf_counter() - t0
+            pos = daemon.state.position
+            if pos is None or pos.segment <= last:
+                raise RuntimeError(f"sync_once() stopped at {pos} before passing segment {last}")
+        cpu, jvm = time.process_time() - cpu0, SPARK.jvm_cpu_s() - jvm0
+        spark1, writes1 = _spark_write_totals()
+        delivered = daemon.events_delivered
+    finally:
+        daemon.close()
+    rows = _lake_rows(BACKLOG.lake)
+    if delivered != entries or consumer.rows_written != entries or rows != entries:
+        raise AssertionError(
+            f"backlog {entries:,}: delivered {delivered:,}, written {consumer.rows_written:,}, lake log {rows:,}"
+        )
+    spark_s = spark1 - spark0
+    extra: dict[str, Any] = {
+        "batches": consumer.batches,
+        "spark_writes": int(writes1 - writes0),
+        "spark_s": round(spark_s, 2),
+        "build_commit_s": round(consumer.on_events_s - spark_s, 2),
+        "daemon_s": round(seconds - consumer.on_events_s, 2),
+        "sink_start_s": round(start_s, 2),
+        "spark_startup_s": SPARK.startup_s,
+        "spark_warmup_s": SPARK.warmup_s,
+        "py_cpu_us_per_row": round(cpu / entries * 1e6, 2),
+        "jvm_cpu_us_per_row": round(jvm / entries * 1e6, 2),
+        "lake_mib": round(sum(p.stat().st_size for p in BACKLOG.lake.rglob("*.parquet")) / (1 << 20), 1),
+    }
+    return Measurement(entries, seconds, extra)
+
+
+# --- lake.lag.live --------------------------------------------------------------------------------
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _tail(path: Path, lines: int = 8) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _lag_writer(node_dir: str, rate: int, seconds: float, idle_s: float, go_file: str, out: str) -> None:
+    """Open the node, wait for ``go_file``, then write ``rate`` entries/s (``put_all`` of 10 fresh keys)."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    node = Node.open(
+        node_dir,
+        wal_mode="fsync",
+        wal_segment_size_bytes=SEGMENT_BYTES,
+        wal_force_archive_timeout_ms=LAG_FORCE_ARCHIVE_MS,
+        archive_max_bytes=0,
+    )
+    written = 0
+    elapsed = behind_max = 0.0
+    try:
+        put_all = node.cache("lag").put_all
+        deadline = time.monotonic() + 60
+        while not os.path.exists(go_file):
+            if stop.is_set() or time.monotonic() > deadline:
+                raise RuntimeError(f"no {go_file} after 60 s")
+            time.sleep(0.005)
+        interval = TX_SIZE / rate
+        started = time.monotonic()
+        end = started + seconds
+        next_at = started
+        key = 0
+        while not stop.is_set():
+            now = time.monotonic()
+            if now >= end:
+                break
+            delay = next_at - now
+            if delay > 0:
+                time.sleep(delay)
+            else:
+                behind_max = max(behind_max, -delay)
+            put_all({k: lake_value(k) for k in range(key, key + TX_SIZE)})
+            key += TX_SIZE
+            next_at += interval
+        written = key
+        elapsed = time.monotonic() - started
+        stop.wait(idle_s)  # the last segment rolls on the force-archive timeout, as every other one did
+    finally:
+        node.close()
+    Path(out).write_text(
+        json.dumps({"written": written, "seconds": elapsed, "behind_max_ms": round(behind_max * 1e3, 1)})
+    )
+
+
+async def _drive_lag(daemon: Daemon, writer: subprocess.Popen[bytes], go: Path, cdc: Path, timeout_s: float) -> None:
+    task = asyncio.create_task(daemon.run(), name="bench-lake-lag")
+    try:
+        await asyncio.sleep(0.5)  # the daemon's first pass is up and watching the CDC dir
+        go.touch()
+        deadline = time.monotonic() + timeout_s
+        while writer.poll() is None or _links(cdc):
+            if task.done():
+                task.result()
+                raise RuntimeError("run() returned before the writer's data was landed")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"after {timeout_s:.0f}s: writer rc={writer.poll()}, links {sorted(_links(cdc))}")
+            await asyncio.sleep(0.02)
+    finally:
+        daemon.stop()
+        await task
+
+
+def _lake_lags(lake: Path) -> tuple[list[int], list[int], list[int]]:
+    """Per row: commit ts (ns) and lag (committed_ns - commit ts); per log entry: rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from cdcd.lake.log import CHANGES_DIR, LakeLog
+
+    lake_log = LakeLog(lake)
+    lake_log.refresh()
+    ts_all: list[int] = []
+    lags: list[int] = []
+    rows: list[int] = []
+    for entry in lake_log.entries:
+        n = 0
+        for rel in entry.files:
+            col = pq.read_table(lake / CHANGES_DIR / rel, columns=["commit_ts"]).column("commit_ts")
+            if col.type.tz is None:
+                col = col.cast(pa.timestamp(col.type.unit, tz="UTC"))
+            ts = col.cast(pa.timestamp("ns", tz="UTC")).cast(pa.int64()).to_pylist()
+            ts_all += ts
+            lags += [entry.committed_ns - t for t in ts]
+            n += len(ts)
+        rows.append(n)
+    return ts_all, lags, rows
+
+
+def run_lag(*, seconds: float, drop_s: float, rate: int) -> Measurement:
+    SPARK.ensure()
+    work = Path(tempfile.mkdtemp(prefix="cdcd-bench-lake-lag-", dir=_bench_dir()))
+    try:
+        node_dir, lake = work / "node", work / "lake"
+        go, writer_out, writer_log = work / "go", work / "writer.json", work / "writer.log"
+        with writer_log.open("wb") as wlog:
+            writer = subprocess.Popen(
+                [
+                    *(sys.executable, "-m", "tests.bench.bench_lake", "lag-writer", "--node-dir", str(node_dir)),
+                    *("--rate", str(rate), "--seconds", str(seconds), "--idle-seconds", str(LAG_IDLE_S)),
+                    *("--go-file", str(go), "--out", str(writer_out)),
+                ],
+                cwd=ROOT,
+                env=_child_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=wlog,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            deadline = time.monotonic() + 30
+            while not (node_dir / "cdc").is_dir():
+                if writer.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"lag writer did not open its node:\n{_tail(writer_log)}")
+                time.sleep(0.01)
+            consumer = _consumer(lake)
+            config = DaemonConfig(
+                node_dir=str(node_dir),
+                metrics_address="",
+                batch_max_delay_ms=LAG_BATCH_DELAY_MS,
+                consumer={"kind": "spark"},
+            )
+            daemon = Daemon(config, consumer, show_progress=False)
+            try:
+                daemon.start()
+                spark0, writes0 = _spark_write_totals()
+                asyncio.run(_drive_lag(daemon, writer, go, node_dir / "cdc", seconds + LAG_IDLE_S + DRAIN_TIMEOUT_S))
+                spark1, writes1 = _spark_write_totals()
+            finally:
+                daemon.close()
+        except BaseException:
+            if writer.poll() is None:
+                writer.kill()
+                writer.wait()
+            raise
+        if writer.returncode != 0:
+            raise RuntimeError(f"lag writer exited {writer.returncode}:\n{_tail(writer_log)}")
+        stats = json.loads(writer_out.read_text())
+        ts, lags, batch_rows = _lake_lags(lake)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if len(ts) != stats["written"]:
+        raise AssertionError(f"the lake holds {len(ts):,} rows, the writer wrote {stats['written']:,}")
+    cutoff = min(ts) + int(drop_s * 1e9)
+    kept = sorted(lag for t, lag in zip(ts, lags, strict=True) if t >= cutoff)
+    if not kept:
+        raise AssertionError("no rows after the start-up window")
+    window_s = (max(ts) - cutoff) / 1e9
+    ms = 1e6
+    writes = writes1 - writes0
+    extra = {
+        "p50_ms": round(_percentile(kept, 50) / ms, 1),
+        "p90_ms": round(_percentile(kept, 90) / ms, 1),
+        "p99_ms": round(_percentile(kept, 99) / ms, 1),
+        "max_ms": round(kept[-1] / ms, 1),
+        "min_ms": round(kept[0] / ms, 1),
+        "mean_ms": round(statistics.fmean(kept) / ms, 1),
+        "batches": len(batch_rows),
+        "rows_per_batch": round(statistics.fmean(batch_rows)) if batch_rows else 0,
+        "spark_write_ms_mean": round((spark1 - spark0) / writes * 1e3, 1) if writes else None,
+        "written": stats["written"],
+        "write_rate": round(stats["written"] / stats["seconds"]) if stats["seconds"] else 0,
+        "writer_behind_max_ms": stats["behind_max_ms"],
+    }
+    return Measurement(len(kept), window_s, extra, value=extra["p50_ms"])
+
+
+# --- lake.compact ---------------------------------------------------------------------------------
+class CompactLake:
+    """A change log built in setup (``base``); each repetition works on a fresh copy."""
+
+    def __init__(self) -> None:
+        self.root: Path | None = None
+        self.keys = 0
+        self.order = 0
+        self.expected = 0
+        self.setup_s = 0.0
+
+    @property
+    def base(self) -> Path:
+        assert self.root is not None
+        return self.root / "base"
+
+    def ensure(self, keys: int) -> None:
+        SPARK.ensure()
+        if self.root is not None and self.keys == keys:
+            return
+        self.cleanup()
+        self.root = Path(tempfile.mkdtemp(prefix="cdcd-bench-lake-compact-", dir=_bench_dir()))
+        atexit.register(self.cleanup)
+        t0 = time.perf_counter()
+        changes: list[tuple[str, int]] = [("create", k) for k in range(keys)]
+        changes += [("update", k) for k in range(5, keys, 10)]
+        changes += [("delete", k) for k in range(0, keys, 100)]
+        self.order = 0
+        for start in range(0, len(changes), COMPACT_BATCH_ROWS):
+            self._append(self.base, changes[start : start + COMPACT_BATCH_ROWS])
+        self.keys = keys
+        self.expected = keys - len(range(0, keys, 100))
+        self.setup_s = time.perf_counter() - t0
+
+    def increment(self, lake: Path) -> int:
+        """Append one entry of 5k updates, 3k creates, 2k deletes; returns the expected state rows."""
+        updates, creates, deletes = COMPACT_INCREMENT
+        upd = [("update", k) for k in range(1, self.keys, self.keys // updates)][:updates]
+        dels = [("delete", k) for k in range(3, self.keys, self.keys // deletes) if k % 100][:deletes]
+        new = [("create", k) for k in range(self.keys, self.keys + creates)]
+        self._append(lake, upd + new + dels)
+        return self.expected + len(new) - len(dels)
+
+    def _append(self, lake: Path, changes: list[tuple[str, int]]) -> None:
+        """One lake log entry holding ``changes`` as one Parquet file, the way the sink lays it out."""
+        import msgspec
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from cdcd.lake.arrow import SCHEMA
+        from cdcd.lake.log import CacheStats, LakeLog, LogEntry, new_batch_id
+        from cdcd.wal.pointer import WalPosition
+
+        lake_log = LakeLog(lake)
+        lake_log.refresh()
+        n = len(changes)
+        first_order = self.order  # the base's last: an increment (on a copy) comes after all of it
+        orders = list(range(first_order + 1, first_order + n + 1))
+        encode = msgspec.json.encode
+        base_ts = 1_700_000_000_000_000
+        seg = [o // 100_000 for o in orders]
+        off = [(o % 100_000) // TX_SIZE * 1500 for o in orders]
+        idx = [o % TX_SIZE for o in orders]
+        cols = {
+            "op": [op for op, _ in changes],
+            "key": [str(k) for _, k in changes],
+            "value": [None if op == "delete" else encode(lake_value(k)).decode() for op, k in changes],
+            "partition": [k % 1024 for _, k in changes],
+            "primary": [True] * n,
+            "version_order": orders,
+            "version_cluster_id": [0] * n,
+            "commit_ts": [base_ts + o // TX_SIZE for o in orders],
+            "source_node": ["bench-node"] * n,
+            "wal_segment": seg,
+            "wal_offset": off,
+            "wal_index": idx,
+        }
+        schema = pa.schema([f for f in SCHEMA if f.name != "cache"])
+        table = pa.table({f.name: pa.array(cols[f.name], f.type) for f in schema}, schema=schema)
+        batch = new_batch_id()
+        rel = f"cache=bench/part-00000-{batch}.zstd.parquet"
+        path = lake_log.staging / batch / rel
+        path.parent.mkdir(parents=True)
+        pq.write_table(table, path, compression="zstd")
+        entry = LogEntry(
+            seq=0,
+            batch=batch,
+            source="bench-node",
+            first=WalPosition(seg[0], off[0], idx[0]),
+            last=WalPosition(seg[-1], off[-1], idx[-1]),
+            files=[rel],
+            caches={"bench": CacheStats(n, (base_ts + orders[-1] // TX_SIZE) * 1000)},
+            committed_ns=0,
+        )
+        lake_log.publish(lake_log.commit(entry))
+        if lake == self.base:
+            self.order = orders[-1]
+
+    def cleanup(self) -> None:
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.root = None
+            self.keys = 0
+
+
+COMPACT = CompactLake()
+
+
+def run_compact(*, keys: int) -> Measurement:
+    from cdcd.lake.compact import compact
+
+    spark = SPARK.ensure()
+    assert COMPACT.root is not None
+    lake = COMPACT.root / "work"
+    shutil.rmtree(lake, ignore_errors=True)
+    shutil.copytree(COMPACT.base, lake, symlinks=True)
+    try:
+        t0 = time.perf_counter()
+        full = compact(spark, lake)
+        full_s = time.perf_counter() - t0
+        if full["bench"].rows != COMPACT.expected:
+            raise AssertionError(f"full compaction: {full['bench'].rows:,} rows, expected {COMPACT.expected:,}")
+        expected = COMPACT.increment(lake)
+        t0 = time.perf_counter()
+        again = compact(spark, lake)
+        incr_s = time.perf_counter() - t0
+        if again["bench"].rows != expected:
+            raise AssertionError(f"incremental compaction: {again['bench'].rows:,} rows, expected {expected:,}")
+        state_mib = sum(p.stat().st_size for p in (lake / "state").rglob("*.parquet")) / (1 << 20) / 2
+    finally:
+        shutil.rmtree(lake, ignore_errors=True)
+    extra = {
+        "incremental_s": round(incr_s, 2),
+        "state_rows": expected,
+        "state_mib": round(state_mib, 1),
+        "spark_startup_s": SPARK.startup_s,
+        "spark_warmup_s": SPARK.warmup_s,
+    }
+    return Measurement(keys, full_s, extra, value=round(full_s, 2))
+
+
+# --- registration ---------------------------------------------------------------------------------
+def benchmarks(quick: bool) -> list[Bench]:
+    entries = 200_000 if quick else 2_000_000
+    lag_seconds, lag_drop_s = (8.0, 3.0) if quick else (20.0, 5.0)
+    compact_keys = 100_000 if quick else 1_000_000
+    spark = {"spark_master": SPARK_MASTER}
+    shape = {"tx_size": TX_SIZE, "value": "dict, 99 B msgpack", "wal_segment_size_bytes": SEGMENT_BYTES}
+
+    def ingest_setup() -> None:
+        SPARK.ensure()
+        BACKLOG.ensure(entries)
+
+    def ingest(name: str, form: str, goal: float | None, max_repeats: int, last: bool) -> Bench:
+        more = (Metric("spark_s", "spark_s", "s"), Metric("build_commit_s", "build_commit_s", "s"))
+        if not last:
+            more += (Metric("spark_startup", "spark_startup_s", "s"), Metric("spark_warmup", "spark_warmup_s", "s"))
+        teardown = BACKLOG.cleanup if last else None
+        return Bench(
+            name=name,
+            description=f"Daemon.{form}() landing a {_label(entries)}-entry backlog in the lake (spark {SPARK_MASTER})",
+            run_once=lambda: run_ingest(entries=entries, form=form),
+            unit="rows/s",
+            goal=goal,
+            setup=ingest_setup,
+            max_repeats=max_repeats,
+            more=more,
+            teardown=teardown,
+            params={
+                "entries": entries,
+                "form": form,
+                "batch_max_events": INGEST_BATCH_EVENTS,
+                "batch_max_bytes": INGEST_BATCH_BYTES,
+                **({"batch_max_delay_ms": INGEST_BATCH_DELAY_MS} if form == "run" else {}),
+                **spark,
+                **shape,
+            },
+        )
+
+    return [
+        ingest("lake.ingest", "sync_once", INGEST_GOAL, 2, last=False),
+        ingest("lake.ingest.run", "run", INGEST_GOAL, 1, last=True),
+        Bench(
+            name="lake.lag.live",
+            description=(
+                f"commit-to-lake lag, node writing {LAG_RATE} entries/s (force-archive {LAG_FORCE_ARCHIVE_MS} ms), "
+                f"Daemon.run() + spark, {lag_seconds:.0f}s"
+            ),
+            run_once=lambda: run_lag(seconds=lag_seconds, drop_s=lag_drop_s, rate=LAG_RATE),
+            metric="p50",
+            unit="ms",
+            setup=SPARK.ensure,
+            max_repeats=1,
+            more=(
+                Metric("p99", "p99_ms", "ms", LAG_GOAL_MS, lower_is_better=True),
+                Metric("max", "max_ms", "ms"),
+            ),
+            params={
+                "rate": LAG_RATE,
+                "seconds": lag_seconds,
+                "dropped_s": lag_drop_s,
+                "wal_force_archive_timeout_ms": LAG_FORCE_ARCHIVE_MS,
+                "batch_max_delay_ms": LAG_BATCH_DELAY_MS,
+                **spark,
+                **shape,
+            },
+        ),
+        Bench(
+            name="lake.compact",
+            description=f"compact() of a change log of {_label(compact_keys)} keys (+10% updates, 1% deletes)",
+            run_once=lambda: run_compact(keys=compact_keys),
+            metric="full",
+            unit="s",
+            lower_is_better=True,
+            setup=lambda: COMPACT.ensure(compact_keys),
+            teardown=COMPACT.cleanup,
+            max_repeats=1 if quick else 2,
+            more=(Metric("incremental_10k", "incremental_s", "s", lower_is_better=True),),
+            params={
+                "keys": compact_keys,
+                "updates": len(range(5, compact_keys, 10)),
+                "deletes": len(range(0, compact_keys, 100)),
+                "increment": dict(zip(("updates", "creates", "deletes"), COMPACT_INCREMENT, strict=True)),
+                "rows_per_file": COMPACT_BATCH_ROWS,
+                **spark,
+            },
+        ),
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m tests.bench.bench_lake")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("lag-writer", help="the lag benchmark's writer process")
+    w.add_argument("--node-dir", required=True)
+    w.add_argument("--rate", type=int, default=LAG_RATE)
+    w.add_argument("--seconds", type=float, default=20.0)
+    w.add_argument("--idle-seconds", type=float, default=LAG_IDLE_S)
+    w.add_argument("--go-file", required=True)
+    w.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    from cdcd.logging import configure as configure_logging
+
+    configure_logging("json", "warning")
+    _lag_writer(args.node_dir, args.rate, args.seconds, args.idle_seconds, args.go_file, args.out)
+
+
+if __name__ == "__main__":
+    main()
