@@ -429,13 +429,16 @@ class RealtimeWorker:
         metrics.RT_LAG_MS.observe(max(0.0, (now - batch.last_commit_ts_ns) / 1e6))
         metrics.RT_EVENTS.inc(len(batch))
         self.position = end
-        self._persist(enabled=True)
         metrics.RT_COMMITTED_SEGMENT.set(end.segment)
         metrics.RT_COMMITTED_OFFSET.set(end.offset)
         metrics.RT_LAG_SEGMENTS.set(max(0, self.wal.position.segment - end.segment))
         interval_s = self.config.realtime_commit_record_interval_ms / 1000
         if time.monotonic() - self._last_marker >= interval_s:
+            # The synced metastorage write cost half the worker's time when done per batch; on this
+            # cadence a crash re-delivers at most one interval (at-least-once; the lake drops it).
+            # Persist first: the marker lets the daemon delete links, so it must never be ahead.
             self._last_marker = time.monotonic()
+            self._persist(enabled=True)
             self.wal.append(RealtimeCdcRecord(end))
 
     def _persist(self, *, enabled: bool) -> None:
@@ -498,6 +501,7 @@ class RealtimeWorker:
                 log.error("realtime_close_timeout", buffered_bytes=self._buffered_bytes)
                 self._stop("close_timeout")
         if self.mode is RealtimeMode.ON and self.position is not None:
+            self._persist(enabled=True)
             _ptr, end = self.wal.append(RealtimeCdcRecord(self.position))
             self.wal.wait_durable(end)
         if self._consumer is not None:
