@@ -438,16 +438,18 @@ def lake_verify(lake_path: Path, node_dir: Path) -> None:
     The node must be stopped; compact first. Exit 1 on any mismatch."""
     from cdcd.demo import print_verify
     from cdcd.lake.verify import verify
-    from cdcd.node.node import Node, NodeLocked
+    from cdcd.node.node import NodeLocked
+    from cdcd.node.snapshot import NodeSnapshot
 
+    configure_logging("console" if sys.stderr.isatty() else "json", level="warning")
     try:
-        node = Node.open(node_dir)
+        snapshot = NodeSnapshot(node_dir)  # read-only: verifying never writes to the node
     except NodeLocked as exc:
         fail(f"{exc}: stop the node first", 1)
     try:
-        checks = verify(lake_path, node)
+        checks = verify(lake_path, snapshot)
     finally:
-        node.close()
+        snapshot.close()
     print_verify(checks)
     if not all(c.ok for c in checks):
         sys.exit(1)

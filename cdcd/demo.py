@@ -20,6 +20,7 @@ from cdcd.lake.compact import compact
 from cdcd.lake.verify import show, verify
 from cdcd.node.load import LoadGenerator
 from cdcd.node.node import Node
+from cdcd.node.snapshot import NodeSnapshot
 from cdcd.sinks.spark import SparkLakeConsumer, SparkOptions
 
 log = structlog.get_logger("cdcd.demo")
@@ -83,8 +84,8 @@ def run_demo(*, var: Path, seconds: float, rate: int, spark_master: str, fresh: 
             compact(spark, lake)
         finally:
             spark_session.release()
-        with Node.open(node_dir) as check_node:
-            checks = verify(lake, check_node)
+        with NodeSnapshot(node_dir) as snapshot:
+            checks = verify(lake, snapshot)
         verified = all(c.ok for c in checks)
         print_show(show(lake))
         print_verify(checks)

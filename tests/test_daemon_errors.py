@@ -318,7 +318,11 @@ def test_second_daemon_exits_1_naming_the_first_ones_pid(tmp_path: Path) -> None
         ({"metrics_address": "9469"}, None, "key 'metrics_address': expected host:port, got '9469'"),
         ({}, {"path": "x.jsonl"}, "missing key 'consumer.kind'"),
         ({}, {"kind": "jsonl", "path": "x.jsonl", "fsynk": True}, "consumer: unknown key 'fsynk'"),
-        ({}, {"kind": "kafka"}, "consumer: key 'kind': unknown consumer kind 'kafka' (one of: jsonl, null, python, spark)"),
+        (
+            {},
+            {"kind": "kafka"},
+            "consumer: key 'kind': unknown consumer kind 'kafka' (one of: jsonl, null, python, spark)",
+        ),
         (
             {},
             {"kind": "python", "class": "no_such_module:Sink"},

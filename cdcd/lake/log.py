@@ -55,23 +55,30 @@ class LakeLogConflict(Exception):
     """Another writer committed overlapping positions first; the batch must be re-filtered."""
 
 
+def _process_start(pid: int) -> str:
+    """Start time of a process in clock ticks since boot ("" if gone): a pid alone can be reused."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
 def new_batch_id() -> str:
-    """``<host>-<pid>-<random>``: lets a restart tell a dead writer's staging from a live one's."""
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    """``<host>-<pid>-<process start>-<random>``: lets a restart tell a dead writer's staging from a
+    live one's, even when a new process got the same pid (containers, pid reuse)."""
+    pid = os.getpid()
+    return f"{socket.gethostname()}-{pid}-{_process_start(pid) or 0}-{uuid.uuid4().hex[:12]}"
 
 
 def _owner_alive(batch: str) -> bool:
-    host, _, rest = batch.partition("-")
-    pid_text = rest.partition("-")[0]
-    if host != socket.gethostname() or not pid_text.isdigit():
-        return True  # another host's writer: never touch it
-    try:
-        os.kill(int(pid_text), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    parts = batch.rsplit("-", 3)  # host names may contain '-': parse from the right
+    if len(parts) != 4 or not parts[1].isdigit():
+        return True  # not ours to judge: never touch it
+    host, pid_text, started, _rand = parts
+    if host != socket.gethostname():
+        return True  # another host's writer
+    return _process_start(int(pid_text)) == started
 
 
 class LakeLog:
@@ -87,6 +94,8 @@ class LakeLog:
         self.entries: list[LogEntry] = []
         self.high_water: dict[str, WalPosition] = {}
         self._seen = -1
+        self.linked_batch = ""
+        """The last batch whose entry this process linked into the log."""
 
     # --- reading ---------------------------------------------------------------------------------
     def _entry_files(self) -> Iterator[tuple[int, Path]]:
@@ -141,6 +150,7 @@ class LakeLog:
                 continue  # someone else took this seq: re-read and try the next
             finally:
                 tmp.unlink(missing_ok=True)
+            self.linked_batch = entry.batch  # committed from here on, whatever fails next
             fsync_dir(self.log_dir)
             self.refresh()
             return entry

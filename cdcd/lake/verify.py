@@ -47,11 +47,9 @@ def lake_checksums(lake: Path, cache: str) -> tuple[int, int]:
 
 
 def node_checksums(node: Any, cache: str) -> tuple[int, int]:
-    info = node._caches.get(cache)
-    if info is None:
-        return 0, 0
+    """``node``: anything with ``raw_items(cache)`` (a NodeSnapshot, or a Node)."""
     total = rows = 0
-    for key_raw, value_raw in node._items(info, decode=False):
+    for key_raw, value_raw in node.raw_items(cache):
         total = (total + row_hash(to_json(key_raw), to_json(value_raw))) & _MASK
         rows += 1
     return rows, total

@@ -330,6 +330,13 @@ class Node:
             value = merged[k][0]
             yield (_decoder.decode(k), _decoder.decode(value)) if decode else (k, value)
 
+    def raw_items(self, cache: str) -> Iterator[tuple[bytes, bytes]]:
+        """(key, value) MessagePack bytes of every live entry of ``cache``, in key order."""
+        info = self._caches.get(cache)
+        if info is None:
+            return iter(())
+        return self._items(info, decode=False)
+
     def resend(self, cache: str) -> int:
         """Write every current entry of ``cache`` to the WAL as CREATE events with its version
         (Ignite's ``--cdc resend``): seeds a new consumer, or refills what lost links dropped."""

@@ -129,7 +129,8 @@ class RealtimeWorker:
         self.state = saved
         self.position: WalPosition | None = saved.position
         self.try_start: WalPointer | None = saved.try_start
-        self._deliver_from: WalPointer | None = None
+        self._deliver_from: WalPosition | None = None
+        """Delivery resumes here: earlier records, and the entries of this one before its index, are done."""
         self._restore_until: WalPointer | None = None
         self.restored_records = 0
         self.stops: dict[str, int] = {}
@@ -154,10 +155,10 @@ class RealtimeWorker:
             saved = self.state
         if saved.try_start is not None:
             ts = saved.try_start
-            self._enter(RealtimeMode.TRY_START, WalPointer(ts.segment + 1, 0), open_position)
+            self._enter(RealtimeMode.TRY_START, WalPosition(ts.segment + 1, 0, 0), open_position)
             log.info("realtime_try_start_resumed", try_start=str(ts))
         elif saved.enabled and saved.position is not None:
-            self._enter(RealtimeMode.ON, saved.position.pointer, open_position)
+            self._enter(RealtimeMode.ON, saved.position, open_position)
             log.info("realtime_restoring", position=str(saved.position))
         else:
             last = saved.position
@@ -167,10 +168,10 @@ class RealtimeWorker:
         self._thread = threading.Thread(target=self._run, name="cdcd-realtime", daemon=True)
         self._thread.start()
 
-    def _enter(self, mode: RealtimeMode, deliver_from: WalPointer, open_position: WalPointer) -> None:
+    def _enter(self, mode: RealtimeMode, deliver_from: WalPosition, open_position: WalPointer) -> None:
         self._ensure_consumer()
         self._deliver_from = deliver_from
-        if deliver_from < open_position:
+        if deliver_from.pointer < open_position:
             self._restore_until = open_position
         self._set_mode(mode)
 
@@ -227,7 +228,7 @@ class RealtimeWorker:
         self.wal.wait_durable(end)
         with self._lock:
             self.try_start = ptr
-            self._deliver_from = WalPointer(ptr.segment + 1, 0)
+            self._deliver_from = WalPosition(ptr.segment + 1, 0, 0)
             self._cv.notify()
         self._persist(enabled=False)
         log.info("realtime_try_start", try_start=str(ptr), buffer_max_bytes=self.buffer_limit_bytes)
@@ -328,26 +329,37 @@ class RealtimeWorker:
         assert start is not None and until is not None
         records: list[tuple[WalPointer, Record, int]] = []
         total = 0
-        reader = WalReader([self.config.archive_path, self.config.wal_path], start, active_segment=until.segment)
+        resume = start.pointer
         last_ptr: WalPointer | None = None
-        try:
-            for ptr, record in reader:
-                if ptr >= until:
-                    break
-                size = (reader.last_reader.end_offset - ptr.offset) if reader.last_reader else 0
-                total += size
-                if total > self.buffer_limit_bytes:
-                    log.warning("realtime_restore_overflow", read_bytes=total, buffer_max_bytes=self.buffer_limit_bytes)
-                    self._restore_until = None
-                    self._overflow = True
-                    return
-                records.append((ptr, record, size))
-                last_ptr = ptr
-        except Exception as exc:
-            log.error("realtime_restore_failed", error=f"{type(exc).__name__}: {exc}", start=str(start))
-            self._restore_until = None
-            self._stop("restore_failed")
-            return
+        while True:
+            reader = WalReader([self.config.archive_path, self.config.wal_path], resume, active_segment=until.segment)
+            try:
+                for ptr, record in reader:
+                    if ptr >= until:
+                        break
+                    if last_ptr is not None and ptr <= last_ptr:
+                        continue  # read before the segment moved
+                    size = (reader.last_reader.end_offset - ptr.offset) if reader.last_reader else 0
+                    total += size
+                    if total > self.buffer_limit_bytes:
+                        log.warning(
+                            "realtime_restore_overflow", read_bytes=total, buffer_max_bytes=self.buffer_limit_bytes
+                        )
+                        self._restore_until = None
+                        self._overflow = True
+                        return
+                    records.append((ptr, record, size))
+                    last_ptr = ptr
+                break
+            except FileNotFoundError:
+                # The flusher archived the segment being read (wal/N.wal -> wal/archive/): read on from there.
+                resume = last_ptr if last_ptr is not None else start.pointer
+                continue
+            except Exception as exc:
+                log.error("realtime_restore_failed", error=f"{type(exc).__name__}: {exc}", start=str(start))
+                self._restore_until = None
+                self._stop("restore_failed")
+                return
         self.restored_records = len(records)
         metrics.RT_RESTORED_RECORDS.set(len(records))
         log.info("realtime_restored", records=len(records), bytes=total, last=str(last_ptr) if last_ptr else None)
@@ -357,7 +369,8 @@ class RealtimeWorker:
             self._buffered_bytes += total
 
     def _records(self) -> Iterator[tuple[WalPointer, Record, int]]:
-        """Buffered records in WAL order, skipping those before the delivery start."""
+        """Buffered records in WAL order, from the delivery start; the third value is how many
+        entries of the record were already delivered (all of a non-data record: 1)."""
         while True:
             with self._lock:
                 if not self._buffer or self._overflow or self._stop_reason:
@@ -368,12 +381,15 @@ class RealtimeWorker:
                 metrics.RT_BUFFER_BYTES.set(self._buffered_bytes)
             items = source if isinstance(source, list) else iter_chunk(source.data, source.segment, source.offset)
             start = self._deliver_from
-            for ptr, record, rsize in items:
+            for ptr, record, _rsize in items:
+                done = 0
                 if start is not None:
-                    if ptr < start:
+                    if ptr < start.pointer:
                         continue
+                    if ptr == start.pointer:
+                        done = start.entry_index
                     self._deliver_from = start = None
-                yield ptr, record, rsize
+                yield ptr, record, done
 
     def _deliver_available(self) -> None:
         """Deliver everything buffered now, in batches of at most ``realtime_batch_max_events``."""
@@ -381,17 +397,22 @@ class RealtimeWorker:
         slices: list[RecordSlice] = []
         events = 0
         position = self.position
-        for ptr, record, _size in self._records():
+        for ptr, record, done in self._records():
             rtype = type(record)
             if rtype is DataRecord:
                 assert isinstance(record, DataRecord)
-                slices.append(RecordSlice(ptr, record, 0))
-                events += len(record.entries)
-                position = WalPosition(ptr.segment, ptr.offset, len(record.entries))
+                n = len(record.entries)
+                if done >= n:
+                    continue
+                slices.append(RecordSlice(ptr, record, done))
+                events += n - done
+                position = WalPosition(ptr.segment, ptr.offset, n)
                 if events >= max_events:
                     self._deliver(slices, position)
                     slices, events = [], 0
                 continue
+            if done:
+                continue  # a marker or cache record already handled before the restart
             if rtype is CacheRecord:
                 assert isinstance(record, CacheRecord)
                 if slices:
@@ -428,24 +449,30 @@ class RealtimeWorker:
         self.last_event_ts_ns = batch.last_commit_ts_ns
         metrics.RT_LAG_MS.observe(max(0.0, (now - batch.last_commit_ts_ns) / 1e6))
         metrics.RT_EVENTS.inc(len(batch))
-        self.position = end
+        with self._meta_lock:
+            if self.mode is not RealtimeMode.ON:
+                return  # stopped while this batch ran (close timed out): the Stop record already went out
+            self.position = end
+            interval_s = self.config.realtime_commit_record_interval_ms / 1000
+            if time.monotonic() - self._last_marker >= interval_s:
+                # The synced metastorage write cost half the worker's time when done per batch; on this
+                # cadence a crash re-delivers at most one interval (at-least-once; the lake drops it).
+                # Persist first: the marker lets the daemon delete links, so it must never be ahead.
+                self._last_marker = time.monotonic()
+                self._persist_locked(enabled=True)
+                self.wal.append(RealtimeCdcRecord(end))
         metrics.RT_COMMITTED_SEGMENT.set(end.segment)
         metrics.RT_COMMITTED_OFFSET.set(end.offset)
         metrics.RT_LAG_SEGMENTS.set(max(0, self.wal.position.segment - end.segment))
-        interval_s = self.config.realtime_commit_record_interval_ms / 1000
-        if time.monotonic() - self._last_marker >= interval_s:
-            # The synced metastorage write cost half the worker's time when done per batch; on this
-            # cadence a crash re-delivers at most one interval (at-least-once; the lake drops it).
-            # Persist first: the marker lets the daemon delete links, so it must never be ahead.
-            self._last_marker = time.monotonic()
-            self._persist(enabled=True)
-            self.wal.append(RealtimeCdcRecord(end))
 
     def _persist(self, *, enabled: bool) -> None:
         """Synced LMDB write; never called under ``_lock`` (the flusher must not wait for it)."""
         with self._meta_lock:
-            self.state = RealtimeState(enabled, self.position, self.try_start)
-            self.meta.put(self.state)
+            self._persist_locked(enabled=enabled)
+
+    def _persist_locked(self, *, enabled: bool) -> None:
+        self.state = RealtimeState(enabled, self.position, self.try_start)
+        self.meta.put(self.state)
 
     def _stop(self, reason: str, *, consumer_failed: bool = False) -> None:
         """Stop: persist disabled, write Stop(last), drop the buffer. The daemon delivers from ``last``."""
@@ -465,9 +492,13 @@ class RealtimeWorker:
             self._restore_until = None
             self._set_mode(RealtimeMode.OFF)
             metrics.RT_BUFFER_BYTES.set(0)
-        self._persist(enabled=False)
-        _ptr, end = self.wal.append(StopRealtimeCdcRecord(self.position, reason))
+        with self._meta_lock:  # after this, no delivery still in flight persists or marks anything
+            self._persist_locked(enabled=False)
+            _ptr, end = self.wal.append(StopRealtimeCdcRecord(self.position, reason))
         self.wal.wait_durable(end)
+        if self._closing:
+            # The node is going away: roll the segment so the daemon sees the Stop now, not at next start.
+            self.wal.force_archive()
         self.stops[reason] = self.stops.get(reason, 0) + 1
         metrics.RT_STOPS.labels(reason).inc()
         log.warning(
@@ -500,9 +531,12 @@ class RealtimeWorker:
             if self._thread.is_alive():
                 log.error("realtime_close_timeout", buffered_bytes=self._buffered_bytes)
                 self._stop("close_timeout")
-        if self.mode is RealtimeMode.ON and self.position is not None:
-            self._persist(enabled=True)
-            _ptr, end = self.wal.append(RealtimeCdcRecord(self.position))
+        end = None
+        with self._meta_lock:
+            if self.mode is RealtimeMode.ON and self.position is not None:
+                self._persist_locked(enabled=True)
+                _ptr, end = self.wal.append(RealtimeCdcRecord(self.position))
+        if end is not None:
             self.wal.wait_durable(end)
         if self._consumer is not None:
             consumer, self._consumer = self._consumer, None

@@ -41,7 +41,9 @@ def recover(
     checkpoint: CheckpointMeta | None,
     caches: dict[str, CacheInfo],
     purge_cache: Callable[[CacheInfo], None],
+    read_only: bool = False,
 ) -> RecoveredState:
+    """``read_only``: change nothing on disk (no tail truncation); for inspecting a stopped node."""
     state = RecoveredState()
     state.caches = dict(caches)
     if checkpoint is not None:
@@ -95,7 +97,7 @@ def recover(
         else:
             end = last.end_offset
             size = work[active].stat().st_size
-            if size > end:
+            if size > end and not read_only:
                 log.warning(
                     "wal_tail_truncated",
                     path=str(work[active]),

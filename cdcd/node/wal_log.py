@@ -100,7 +100,8 @@ class WalLog:
             fresh = writer._offset <= HEADER_SIZE
             ptr = writer.append_record(record)
             self.appends += 1
-            if fresh or ptr.segment != seg:
+            if fresh or ptr.segment != seg or self._segment_data_since is None:
+                # Also after a restart into a partly filled segment: its clock starts now.
                 self._segment_data_since = time.monotonic()
             return ptr, WalPointer(writer._segment, writer._offset)
 

@@ -25,6 +25,24 @@ from cdcd.wal.pointer import WalPosition
 log = structlog.get_logger("cdcd.lake")
 
 
+class LakeWriteError(RuntimeError):
+    """Spark could not write a batch (one line: the root cause, e.g. No space left on device)."""
+
+
+def root_cause(exc: BaseException) -> str:
+    """The innermost cause of a (Py4J-wrapped Java) exception, on one line."""
+    java = getattr(exc, "java_exception", None)
+    if java is not None:
+        try:
+            while java.getCause() is not None:
+                java = java.getCause()
+            return str(java.toString()).splitlines()[0]
+        except Exception as inner:  # the JVM may be gone; fall back to the Python text
+            log.debug("java_cause_unavailable", error=str(inner))
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
 class SparkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lake_path: str
     spark_master: str = "local[*]"
@@ -111,9 +129,9 @@ class SparkLakeConsumer(Consumer):
             files = max(1, min(opts.max_files_per_batch, table.num_rows // 250_000 + 1))
             partitions = ["cache", "day"] if opts.partition_by_day else ["cache"]
             df.coalesce(files).write.partitionBy(*partitions).parquet(str(staging))
-        except Exception:
+        except Exception as exc:
             shutil.rmtree(staging, ignore_errors=True)
-            raise
+            raise LakeWriteError(f"writing {table.num_rows} rows to {staging} failed: {root_cause(exc)}") from None
         metrics.LAKE_WRITE_SECONDS.observe(time.perf_counter() - t0)
         written = sorted(
             str(p.relative_to(staging)) for p in staging.rglob("*.parquet") if not p.name.startswith((".", "_"))
@@ -132,7 +150,8 @@ class SparkLakeConsumer(Consumer):
         try:
             entry = self._log.commit(entry)
         except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            if self._log.linked_batch != batch_id:  # not committed: its files must never appear
+                shutil.rmtree(staging, ignore_errors=True)
             raise
         self._log.publish(entry)
         self.rows_written += table.num_rows

@@ -1,0 +1,682 @@
+"""The Spark lake sink (DESIGN §7) end to end, with real Spark: ``cdcd run`` processes land the WAL's data entries
+in the Parquet change log ``<lake>/changes`` exactly once; ``cdcd lake compact / verify / show``; ``cdcd demo``;
+the hand-over between the node's realtime worker and the daemon writing one lake; a Spark standalone cluster.
+
+The reference is the WAL (``WalReader`` over archive and work dir, via ``tests.test_daemon_e2e.wal_events``).
+``check_lake`` compares a lake with it: the commit log's entries cover disjoint position ranges, each entry's
+files hold exactly the WAL entries of its range, every Parquet file under ``changes/`` is named by an entry (no
+orphan a reader could see), and ``spark.read.parquet(<lake>/changes)`` returns exactly one row per WAL data entry,
+equal to it column by column.
+
+The test process reads the lake with one SparkSession per module (``spark`` fixture); daemons, ``cdcd lake
+compact`` and the node's realtime worker run as subprocesses with their own Spark. Fault injection (SIGKILL
+during commits, an unwritable lake, a full disk) lives in ``test_lake_faults.py``; the helpers here are shared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import msgspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from cdcd.daemon.config import load_daemon_config
+from cdcd.daemon.ops import show_state
+from cdcd.lake import spark as spark_session
+from cdcd.lake.log import LogEntry
+from cdcd.node import Node
+from tests.test_daemon_e2e import (
+    CACHES,
+    CDCD,
+    ROOT,
+    archived_segments,
+    cdcd,
+    child_env,
+    expected_final_state,
+    start_daemon,
+    start_writer,
+    stop_daemon,
+    wait_for,
+    wal_events,
+    writer_count,
+)
+
+Pos = tuple[int, int, int]
+TEST_MASTER = "local[2]"
+"""The test process's own SparkSession (reading the lake)."""
+QUICK_START = {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"}
+"""For daemons and nodes that start often: a JVM without the C2 JIT starts (and runs its first job) about twice as
+fast on a small machine."""
+
+
+# --- Spark in the test process -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    """One SparkSession for the whole module (cdcd.lake.spark's process-wide session)."""
+    session = spark_session.acquire(TEST_MASTER, "cdcd-tests", {})
+    try:
+        yield session
+    finally:
+        spark_session.release()
+
+
+# --- configs and processes ------------------------------------------------------------------------
+def toml_value(v: Any) -> str:
+    """A TOML value; table keys are quoted (``"spark.driver.host" = ...`` must not become nested tables)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {toml_value(x)}" for k, x in v.items()) + " }"
+    return json.dumps(v)
+
+
+def spark_consumer(lake: Path, master: str = "local[2]", **options: Any) -> dict[str, Any]:
+    return {"kind": "spark", "lake_path": str(lake), "spark_master": master, **options}
+
+
+def write_config(path: Path, node_dir: Path, consumer: dict[str, Any], **settings: Any) -> Path:
+    """A daemon TOML config: no metrics port, quick polling, ``settings`` on top, ``[consumer]``."""
+    values: dict[str, Any] = {
+        "node_dir": str(node_dir),
+        "metrics_address": "",
+        "lock_timeout_ms": 5000,
+        "check_interval_ms": 50,
+        "batch_max_delay_ms": 200,
+        **settings,
+    }
+    lines = [f"{k} = {toml_value(v)}" for k, v in values.items()]
+    lines.append("[consumer]")
+    lines += [f"{k} = {toml_value(v)}" for k, v in consumer.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def position(config: Path) -> Pos | None:
+    """The daemon's committed position, read in-process from its LMDB state (None: none yet or unreadable)."""
+    try:
+        parts = show_state(load_daemon_config(config, environ={}))["position_parts"]
+    except lmdb.Error:  # a daemon starting for the first time has not created its databases yet
+        return None
+    return tuple(parts) if parts is not None else None
+
+
+def wait_started(proc: subprocess.Popen[bytes], err: Path, timeout: float = 120) -> None:
+    wait_for(lambda: b"daemon_started" in err.read_bytes() or proc.poll() is not None, timeout, "daemon start")
+    assert proc.poll() is None, err.read_text()[-3000:]
+
+
+def caught_up(node_dir: Path) -> Pos:
+    """The position a daemon has once it delivered every archived segment."""
+    return (max(archived_segments(node_dir)) + 1, 0, 0)
+
+
+def wait_caught_up(proc: subprocess.Popen[bytes], config: Path, node_dir: Path, err: Path, timeout: float) -> None:
+    until = caught_up(node_dir)
+    wait_for(
+        lambda: proc.poll() is not None or position(config) == until, timeout, f"the daemon to commit {until}", 0.25
+    )
+    assert proc.poll() is None, err.read_text()[-3000:]
+
+
+def run_to_end(config: Path, node_dir: Path, err: Path, timeout: float = 300) -> None:
+    """Start ``cdcd run``, let it deliver every archived segment, SIGTERM it: exit 0."""
+    proc = start_daemon(config, err)
+    try:
+        wait_started(proc, err)
+        wait_caught_up(proc, config, node_dir, err, timeout)
+    finally:
+        rc = stop_daemon(proc, timeout=60)
+    assert rc == 0, err.read_text()[-3000:]
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid``'s descendants (the daemon's Spark JVM), from /proc."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_gone(pids: list[int], timeout: float = 30) -> None:
+    """Wait until these processes ended (a killed daemon's JVM notices its parent's death by itself)."""
+    wait_for(lambda: not any(running(p) for p in pids), timeout, f"processes {pids} to end")
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("cdcd: error:")]
+
+
+# --- the lake and the reference -------------------------------------------------------------------
+def read_log(lake: Path) -> list[LogEntry]:
+    """The lake's commit log, in sequence order (read here, not with cdcd's LakeLog)."""
+    paths = [p for p in (lake / "_cdcd_log").iterdir() if p.suffix == ".json" and p.stem.isdigit()]
+    entries = [msgspec.json.decode(p.read_bytes(), type=LogEntry) for p in sorted(paths)]
+    assert [e.seq for e in entries] == list(range(len(entries))), "log sequence numbers are contiguous"
+    assert [int(p.stem) for p in sorted(paths)] == [e.seq for e in entries], "file names are the entries' seq"
+    return entries
+
+
+def visible_files(lake: Path) -> set[str]:
+    """Parquet files a reader of ``<lake>/changes`` sees (Spark skips ``.``/``_``-prefixed names), relative."""
+    changes = lake / "changes"
+    out = set()
+    for p in changes.rglob("*.parquet"):
+        rel = p.relative_to(changes)
+        if not any(part.startswith((".", "_")) for part in rel.parts):
+            out.add(str(rel))
+    return out
+
+
+def staging_contents(lake: Path) -> list[str]:
+    staging = lake / "_staging"
+    return sorted(str(p.relative_to(staging)) for p in staging.rglob("*")) if staging.exists() else []
+
+
+def as_pos(p: Any) -> Pos:
+    return (p.segment, p.offset, p.entry_index)
+
+
+def entry_range(entry: LogEntry) -> tuple[Pos, Pos]:
+    return as_pos(entry.first), as_pos(entry.last)
+
+
+def check_log_invariants(lake: Path, wal_positions: list[Pos]) -> list[LogEntry]:
+    """What must hold at any moment, also right after a SIGKILL: the log's entries cover disjoint, increasing
+    ranges of WAL data entries, and every Parquet file visible under ``changes/`` is named by an entry."""
+    entries = read_log(lake)
+    index = {p: i for i, p in enumerate(wal_positions)}
+    by_source: dict[str, list[LogEntry]] = {}
+    for e in entries:
+        by_source.setdefault(e.source, []).append(e)
+    for source, es in by_source.items():
+        prev: Pos | None = None
+        for e in es:
+            first, last = entry_range(e)
+            assert first in index and last in index, f"entry {e.seq}: {first}..{last} are not WAL data entries"
+            assert first <= last, f"entry {e.seq}: empty range"
+            assert prev is None or first > prev, f"entry {e.seq} of {source}: {first} overlaps the previous {prev}"
+            prev = last
+            assert e.files, f"entry {e.seq} names no file"
+    named = {rel for e in entries for rel in e.files}
+    orphans = visible_files(lake) - named
+    assert not orphans, f"Parquet files under changes/ that no log entry names (visible to readers): {orphans}"
+    return entries
+
+
+def check_lake(spark: Any, lake: Path, node_dir: Path, expected: list[dict[str, Any]] | None = None) -> list[LogEntry]:
+    """The lake is exactly the WAL: see the module docstring. Also: staging empty, no temp log file."""
+    expected = wal_events(node_dir) if expected is None else expected
+    positions = [tuple(e["pos"]) for e in expected]
+    entries = check_log_invariants(lake, positions)
+    named = {rel for e in entries for rel in e.files}
+    assert visible_files(lake) == named, f"files named by the log but missing: {named - visible_files(lake)}"
+    assert staging_contents(lake) == [], "staging is empty once no writer runs"
+    assert [p.name for p in (lake / "_cdcd_log").iterdir() if not p.stem.isdigit()] == [], "no temp log file left"
+
+    # Each entry's files hold exactly the WAL entries of its range.
+    index = {p: i for i, p in enumerate(positions)}
+    covered = 0
+    for e in entries:
+        first, last = entry_range(e)
+        want = positions[index[first] : index[last] + 1]
+        got: list[Pos] = []
+        for rel in e.files:
+            t = pq.read_table(lake / "changes" / rel, columns=["wal_segment", "wal_offset", "wal_index"])
+            got += zip(*(t.column(c).to_pylist() for c in t.column_names), strict=True)
+        assert sorted(got) == want, f"entry {e.seq} ({first}..{last}): its files hold other rows"
+        assert sum(s.rows for s in e.caches.values()) == len(want)
+        covered += len(want)
+    assert covered == len(expected), f"the log covers {covered} of {len(expected)} WAL entries"
+
+    # What a reader sees: one row per WAL data entry, equal to it.
+    df = spark.read.parquet(str(lake / "changes"))
+    assert df.count() == len(expected)
+    table = df.toArrow()
+    table = table.set_column(
+        table.schema.get_field_index("commit_ts"), "commit_ts", table.column("commit_ts").cast(pa.int64())
+    )
+    rows = table.to_pylist()
+    pos_of = [(r["wal_segment"], r["wal_offset"], r["wal_index"]) for r in rows]
+    dupes = [p for p, n in Counter(pos_of).items() if n > 1]
+    assert not dupes, f"{len(dupes)} WAL entries landed more than once, e.g. {dupes[:5]}"
+    assert Counter(pos_of) == Counter(positions), "the change log's positions are not the WAL's data entries"
+    sources = {e.source for e in entries}
+    assert len(sources) == 1
+    by_pos = dict(zip(pos_of, rows, strict=True))
+    for ev in expected:
+        r = by_pos[tuple(ev["pos"])]
+        got_row = {
+            "cache": r["cache"],
+            "op": r["op"],
+            "key": json.loads(r["key"]),
+            "value": json.loads(r["value"]) if r["value"] is not None else None,
+            "partition": r["partition"],
+            "primary": r["primary"],
+            "order": r["version_order"],
+            "cluster_id": r["version_cluster_id"],
+            "commit_ts_us": r["commit_ts"],
+            "source": r["source_node"],
+        }
+        want_row = {
+            "cache": ev["cache"],
+            "op": ev["op"],
+            "key": ev["key"],
+            "value": ev["value"] if ev["op"] != "delete" else None,
+            "partition": ev["partition"],
+            "primary": ev["primary"],
+            "order": ev["version"]["order"],
+            "cluster_id": ev["version"]["cluster_id"],
+            "commit_ts_us": ev["commit_ts_ns"] // 1000,
+            "source": next(iter(sources)),
+        }
+        assert got_row == want_row, f"row at {ev['pos']}"
+        if "day" in r:  # partition_by_day: the commit's UTC day
+            day = datetime.fromtimestamp(r["commit_ts"] / 1e6, UTC).strftime("%Y-%m-%d")
+            assert r["day"] == day, f"row at {ev['pos']}: day {r['day']} != {day}"
+    return entries
+
+
+def state_table(spark: Any, lake: Path, cache: str) -> dict[str, Any]:
+    """The compacted current state of ``cache``: key (as ``json.dumps`` text) -> value."""
+    rows = spark.read.parquet(str(lake / "state" / f"cache={cache}")).select("key", "value").collect()
+    out = {json.dumps(json.loads(r["key"])): json.loads(r["value"]) for r in rows}
+    assert len(out) == len(rows), "one state row per key"
+    return out
+
+
+def verify_results(stdout: str) -> dict[str, str]:
+    """Cache -> OK/MISMATCH from the table `lake verify` (and `demo`) print (the lines after its header)."""
+    lines = stdout.splitlines()
+    header = max(i for i, line in enumerate(lines) if line.startswith("cache ") and "node rows" in line)
+    return {line.split()[0]: line.split()[-1] for line in lines[header + 1 :]}
+
+
+# --- tests -----------------------------------------------------------------------------------------
+def test_daemon_lands_100k_entries_exactly_once_then_compact_and_verify(tmp_path: Path, spark: Any) -> None:
+    """A `cdcd run` process with the Spark sink follows a node writing 100k+ creates, updates and deletes into a
+    change log holding exactly one row per WAL data entry; `lake show`, `lake compact` and `lake verify` agree."""
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    n_tx = 2100  # ~51 entries each (40 puts, removes of present keys): > 100k entries
+    writer = start_writer(tmp_path, node_dir, count=n_tx, pause_ms=5)
+    wait_for(lambda: (node_dir / "cdc").is_dir() or writer.poll() is not None, 30, "the node's cdc dir")
+    config = write_config(tmp_path / "cdcd.toml", node_dir, spark_consumer(lake), batch_max_delay_ms=500)
+    err = tmp_path / "daemon.err"
+    proc = start_daemon(config, err)
+    try:
+        wait_started(proc, err)
+        assert writer.wait(180) == 0, (tmp_path / "writer.log").read_text()[-3000:]
+        assert writer_count(tmp_path) == n_tx
+        wait_caught_up(proc, config, node_dir, err, 400)
+    finally:
+        rc = stop_daemon(proc, timeout=60)
+    assert rc == 0, err.read_text()[-3000:]
+
+    expected = wal_events(node_dir)
+    assert len(expected) >= 100_000
+    ops = Counter(e["op"] for e in expected)
+    assert ops["create"] and ops["update"] > 10_000 and ops["delete"] > 10_000, ops
+    entries = check_lake(spark, lake, node_dir, expected)
+    assert len(entries) > 1
+    events = [json.loads(line)["event"] for line in err.read_text().splitlines() if line.startswith("{")]
+    assert "lake_sink_starting" in events and events[-1] == "daemon_stopped"
+    assert "lake_replay_dropped" not in events, "a clean run re-delivers nothing"
+
+    # lake show: rows per cache from the log; no state yet.
+    res = cdcd("lake", "show", "--lake", str(lake), "--json")
+    assert res.returncode == 0, res.stderr
+    per_cache = Counter(e["cache"] for e in expected)
+    last = max(tuple(e["pos"]) for e in expected)
+    shown = json.loads(res.stdout)
+    assert {r["cache"]: r["rows"] for r in shown} == dict(per_cache)
+    assert all(r["state_rows"] is None for r in shown)
+    assert max(tuple(int(x) for x in r["last_position"].replace("#", ":").split(":")) for r in shown) == last
+
+    res = cdcd("lake", "compact", "--lake", str(lake), "--spark-master", "local[2]", timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    final = expected_final_state(n_tx)
+    last_seq = {c: max(e.seq for e in entries if c in e.caches) for c in CACHES}
+    assert sorted(res.stdout.splitlines()) == sorted(
+        f"{c}: state version 1, {len(final[c]):,} rows (log entries up to {last_seq[c]})" for c in CACHES
+    )
+    for cache in CACHES:
+        assert state_table(spark, lake, cache) == final[cache], f"state of {cache} != the writer's final state"
+        assert (lake / "state" / f"cache={cache}").is_symlink()
+
+    res = cdcd("lake", "verify", "--lake", str(lake), "--node-dir", str(node_dir))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert verify_results(res.stdout) == {c: "OK" for c in CACHES}
+
+    res = cdcd("lake", "show", "--lake", str(lake), "--json")
+    assert {r["cache"]: r["state_rows"] for r in json.loads(res.stdout)} == {c: len(final[c]) for c in CACHES}
+    res = cdcd("lake", "compact", "--lake", str(lake), "--spark-master", "local[1]", timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "nothing new to compact", res.stdout + res.stderr
+
+    # verify notices a difference: one more write on the node, not in the lake.
+    with Node.open(node_dir) as node:
+        node.cache("users").put("user-1", {"changed": True})
+    res = cdcd("lake", "verify", "--lake", str(lake), "--node-dir", str(node_dir))
+    assert res.returncode == 1
+    assert verify_results(res.stdout) == {"events": "OK", "orders": "OK", "users": "MISMATCH"}
+
+
+def test_demo_runs_end_to_end(tmp_path: Path, spark: Any) -> None:
+    """`cdcd demo --seconds 10` runs a node, load, daemon and Spark sink, compacts and verifies (exit 0), and its
+    change log is exactly the demo node's WAL."""
+    t0 = time.monotonic()
+    res = cdcd("demo", "--seconds", "10", "--var", str(tmp_path), timeout=400)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    results = verify_results(res.stdout)
+    assert results == {"load": "OK"}, res.stdout
+    check_lake(spark, tmp_path / "demo" / "lake", tmp_path / "demo" / "node")
+    print(f"\ndemo: {time.monotonic() - t0:.0f}s")
+
+
+def test_lake_verify_stdout_is_only_its_table(tmp_path: Path) -> None:
+    """`cdcd lake verify` prints only its result table on stdout (log lines belong on stderr)."""
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    lake.mkdir()
+    with Node.open(node_dir) as node:
+        node.cache("orders").put(1, "one")
+    res = cdcd("lake", "verify", "--lake", str(lake), "--node-dir", str(node_dir))
+    assert res.returncode == 1  # the lake has no state for "orders"
+    assert res.stdout.splitlines()[0].startswith("cache "), res.stdout
+    assert len(res.stdout.splitlines()) == 2, res.stdout
+
+
+# --- hand-over: the node's realtime worker and the daemon, one lake -----------------------------------
+def batch_pid(entry: LogEntry) -> int:
+    """The writer's pid from a batch id ``<host>-<pid>-<random>`` (the host may contain '-')."""
+    return int(entry.batch.rsplit("-", 2)[1])
+
+
+def writers_of(entries: list[LogEntry], positions: list[Pos]) -> dict[Pos, int]:
+    """Which process (pid) landed each WAL position, from the log entries' ranges."""
+    index = {p: i for i, p in enumerate(positions)}
+    out: dict[Pos, int] = {}
+    for e in entries:
+        first, last = entry_range(e)
+        for p in positions[index[first] : index[last] + 1]:
+            out[p] = batch_pid(e)
+    return out
+
+
+def test_handover_between_node_and_daemon_lands_every_entry_once(tmp_path: Path, spark: Any) -> None:
+    """With the Spark sink on both sides of one lake, `cdcd control realtime off` / `on` twice under load hands
+    delivery between the node's realtime worker and the daemon: every WAL entry lands exactly once, each by the
+    side whose share it is."""
+    from tests.test_realtime import (
+        DAEMON_SETTINGS,
+        NODE_SETTINGS,
+        Rig,
+        StopRealtimeCdcRecord,
+        expected_shares,
+        markers,
+    )
+
+    lake = tmp_path / "lake"
+    node_settings = {"realtime_cdc": True, "realtime_close_timeout_ms": 120_000, "realtime_batch_max_events": 5000}
+    rig = Rig(tmp_path, **node_settings)
+    # The node's TOML with a [realtime_consumer] table whose spark_conf keys contain dots (quoted here).
+    lines = [
+        f"{k} = {toml_value(v)}" for k, v in {"node_dir": str(rig.node_dir), **NODE_SETTINGS, **node_settings}.items()
+    ]
+    node_consumer = spark_consumer(lake, "local[1]", app_name="cdcd-lake-node", spark_conf=QUICK_START)
+    lines += ["[realtime_consumer]", *(f"{k} = {toml_value(v)}" for k, v in node_consumer.items())]
+    rig.node_config.write_text("\n".join(lines) + "\n")
+    rig.daemon_config = write_config(
+        tmp_path / "cdcd-lake.toml",
+        rig.node_dir,
+        spark_consumer(lake, "local[1]", spark_conf=QUICK_START),
+        **DAEMON_SETTINGS,
+    )
+    pids: dict[str, int] = {}
+    try:
+        # The node opens with realtime on (its Spark starts before the control socket exists): slow start.
+        rig.node_runs += 1
+        code = "import tests.test_realtime as t; t.node_main()"
+        args = [str(rig.node_config), str(rig.ctl), "0", "100", "5", "0"]  # 5 tx (~250 entries) per 100 ms
+        with rig.node_log.open("wb") as log:
+            rig.node = subprocess.Popen(
+                [sys.executable, "-c", code, *args],
+                stdout=log,
+                stderr=log,
+                env=child_env(rig.plugins),
+                cwd=ROOT,
+            )
+        wait_for(lambda: rig.socket.exists() or rig.node.poll() is not None, 120, "the node's control socket")
+        assert rig.node.poll() is None, rig.node_log.read_text()[-3000:]
+        pids["node"] = rig.node.pid
+        rig.daemon_runs += 1
+        rig.daemon = start_daemon(rig.daemon_config, rig.daemon_err)
+        wait_started(rig.daemon, rig.daemon_err)
+        pids["daemon"] = rig.daemon.pid
+        st = rig.wait_mode("on", "PASSIVE", timeout=120)
+        assert st["delivering"] == "node"
+        rig.go()
+        for state in ("off", "on", "off", "on"):
+            time.sleep(4)
+            # `off` waits 2 s for the in-flight batch (a Spark batch may take longer: the reply then still says on).
+            assert rig.control("realtime", state).strip() in ("realtime: off", "realtime: on", "realtime: try_start")
+            st = rig.wait_mode(state, "ACTIVE" if state == "off" else "PASSIVE", timeout=120)
+            assert st["delivering"] == ("daemon" if state == "off" else "node")
+        time.sleep(4)
+        rig.stop_node()
+        assert rig.final_status()["realtime"]["mode"] == "on"
+        assert rig.final_status()["realtime"]["stops"] == {"command": 2}
+        rc = stop_daemon(rig.daemon, timeout=60)
+        assert rc == 0, rig.daemon_err.read_text()[-3000:]
+        rig.daemon = None
+    finally:
+        rig.close()
+
+    expected = wal_events(rig.node_dir)
+    entries = check_lake(spark, lake, rig.node_dir, expected)
+    node_exp, daemon_exp, intervals = expected_shares(rig.node_dir)
+    stops = [rec.reason for _, rec in markers(rig.node_dir) if isinstance(rec, StopRealtimeCdcRecord)]
+    assert stops == ["node_start_realtime_off", "command", "command"]
+    assert len(intervals) == 3 and all(b is not None for _, b in intervals)
+    writer = writers_of(entries, [tuple(e["pos"]) for e in expected])
+    assert set(writer.values()) == {pids["node"], pids["daemon"]}
+    landed_by_node = sorted(p for p, pid in writer.items() if pid == pids["node"])
+    landed_by_daemon = sorted(p for p, pid in writer.items() if pid == pids["daemon"])
+    assert landed_by_node == [tuple(e["pos"]) for e in node_exp], "the node landed other entries than its share"
+    assert landed_by_daemon == [tuple(e["pos"]) for e in daemon_exp], "the daemon landed other than its share"
+    assert len(daemon_exp) > 2000 and len(node_exp) > 2000, (len(node_exp), len(daemon_exp))
+
+
+# --- scale-out: a Spark standalone cluster on loopback ------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def master_json(ui_port: int) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{ui_port}/json/", timeout=5) as resp:
+        result: dict[str, Any] = json.loads(resp.read())
+    return result
+
+
+def alive_workers(ui_port: int) -> int:
+    try:
+        return int(master_json(ui_port)["aliveworkers"])
+    except OSError:  # the master's web UI is not up yet
+        return -1
+
+
+@pytest.fixture
+def standalone_cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """A Spark master and one worker (1 core, 1 GiB), started with pyspark's own ``bin/spark-class`` on loopback."""
+    import pyspark
+
+    spark_home = Path(pyspark.__file__).resolve().parent
+    spark_class = spark_home / "bin" / "spark-class"
+    work = tmp_path / "spark-cluster"
+    work.mkdir()
+    env = child_env()
+    env.update(
+        SPARK_HOME=str(spark_home),
+        SPARK_LOCAL_IP="127.0.0.1",
+        SPARK_LOCAL_DIRS=str(work / "local"),
+        SPARK_WORKER_DIR=str(work / "worker"),
+        SPARK_MASTER_OPTS="-Dspark.master.rest.enabled=false",  # no fixed REST port 6066
+    )
+    port, ui_port, worker_ui = free_port(), free_port(), free_port()
+    url = f"spark://127.0.0.1:{port}"
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def launch(name: str, *args: str) -> None:
+        with (work / f"{name}.log").open("wb") as log:
+            procs.append(subprocess.Popen([str(spark_class), *args], stdout=log, stderr=log, env=env))
+
+    try:
+        launch(
+            "master",
+            "org.apache.spark.deploy.master.Master",
+            *("--host", "127.0.0.1", "--port", str(port), "--webui-port", str(ui_port)),
+        )
+        wait_for(lambda: _connects(port) or procs[0].poll() is not None, 90, "the Spark master")
+        assert procs[0].poll() is None, (work / "master.log").read_text()[-3000:]
+        launch(
+            "worker",
+            "org.apache.spark.deploy.worker.Worker",
+            url,
+            *("--host", "127.0.0.1", "--webui-port", str(worker_ui), "--cores", "1", "--memory", "1g"),
+            *("--work-dir", str(work / "worker")),
+        )
+        wait_for(lambda: procs[1].poll() is not None or alive_workers(ui_port) == 1, 90, "the Spark worker", 0.5)
+        assert procs[1].poll() is None, (work / "worker.log").read_text()[-3000:]
+        yield {"url": url, "ui_port": ui_port, "env": env, "work": work}
+    finally:
+        for proc in reversed(procs):  # worker first (it stops its executors), then the master
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _connects(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def test_standalone_cluster_lands_exactly_once(tmp_path: Path, spark: Any, standalone_cluster: dict[str, Any]) -> None:
+    """With `spark_master = "spark://127.0.0.1:<port>"` the daemon's batches and `lake compact` run as applications
+    on a real standalone master and worker, and the lake is still exactly the WAL and verifies."""
+    cluster = standalone_cluster
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    n_tx = 400
+    writer = start_writer(tmp_path, node_dir, count=n_tx, pause_ms=20)
+    wait_for(lambda: (node_dir / "cdc").is_dir() or writer.poll() is not None, 30, "the node's cdc dir")
+    spark_conf = {
+        "spark.driver.host": "127.0.0.1",
+        "spark.driver.bindAddress": "127.0.0.1",
+        "spark.executor.memory": "512m",
+        "spark.cores.max": "1",
+    }
+    consumer = spark_consumer(
+        lake, cluster["url"], spark_conf=spark_conf, app_name="cdcd-lake-cluster-test", partition_by_day=True
+    )
+    config = write_config(tmp_path / "cdcd.toml", node_dir, consumer, batch_max_events=5000, batch_max_delay_ms=500)
+    err = tmp_path / "daemon.err"
+    proc = start_daemon(config, err)
+    try:
+        wait_started(proc, err)
+        apps = master_json(cluster["ui_port"])["activeapps"]
+        assert [a["name"] for a in apps] == ["cdcd-lake-cluster-test"], apps
+        assert writer.wait(120) == 0, (tmp_path / "writer.log").read_text()[-3000:]
+        wait_caught_up(proc, config, node_dir, err, 300)
+    finally:
+        rc = stop_daemon(proc, timeout=60)
+    assert rc == 0, err.read_text()[-3000:]
+    status = master_json(cluster["ui_port"])
+    assert "cdcd-lake-cluster-test" in [a["name"] for a in status["completedapps"]]
+    # The executor ran on the worker: its work dir holds the application's executor directory.
+    assert list((cluster["work"] / "worker").glob("app-*/*/stderr")), "no executor ran on the worker"
+
+    expected = wal_events(node_dir)
+    assert len(expected) > 15_000
+    check_lake(spark, lake, node_dir, expected)
+    res = subprocess.run(
+        [*CDCD, "lake", "compact", "--lake", str(lake), "--spark-master", cluster["url"]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=cluster["env"],
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "cdcd-lake-compact" in [a["name"] for a in master_json(cluster["ui_port"])["completedapps"]]
+    final = expected_final_state(n_tx)
+    for cache in CACHES:
+        assert state_table(spark, lake, cache) == final[cache]
+    res = cdcd("lake", "verify", "--lake", str(lake), "--node-dir", str(node_dir))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert verify_results(res.stdout) == {c: "OK" for c in CACHES}
+
+
+def test_lake_verify_leaves_the_node_alone(tmp_path: Path) -> None:
+    """`cdcd lake verify` does not change the node it checks: its realtime state and WAL markers stay as they were."""
+    from cdcd.daemon.config import DaemonConfig
+    from cdcd.daemon.daemon import Daemon
+    from cdcd.sinks.null import NullConsumer
+    from tests.test_realtime import markers, node_realtime_state
+
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    lake.mkdir()
+    settings = {
+        "wal_segment_size_bytes": 64 * 1024,
+        "wal_force_archive_timeout_ms": 0,
+        "realtime_cdc": True,
+        "realtime_consumer": {"kind": "jsonl", "path": str(tmp_path / "rt.jsonl")},
+    }
+    with Node.open(node_dir, **settings) as node:
+        node.cache("orders").put(1, "one")
+        with Daemon(DaemonConfig(node_dir=str(node_dir), metrics_address=""), NullConsumer()) as daemon:
+            wait_for(lambda: daemon.sync_once() >= 0 and node.realtime.mode.value == "on", 30, "realtime on")
+        node.cache("orders").put(2, "two")
+    assert node_realtime_state(node_dir).enabled
+    before = markers(node_dir)
+    res = cdcd("lake", "verify", "--lake", str(lake), "--node-dir", str(node_dir))
+    assert res.returncode == 1, res.stdout + res.stderr  # no state in the lake
+    assert node_realtime_state(node_dir).enabled, "verify switched the node's realtime CDC off"
+    assert markers(node_dir) == before, "verify wrote marker records into the node's WAL"
