@@ -211,6 +211,7 @@ def daemon_run(config_path: Path) -> None:
 
     def fatal(event: str, message: str, code: int) -> None:
         log.error(event, error=message)
+        daemon.close()  # its log lines first: the error stays the last line on stderr
         fail(message, code)
 
     signals = {"n": 0}

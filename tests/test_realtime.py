@@ -89,13 +89,15 @@ from cdcd.sinks.jsonl import JsonlConsumer
 
 
 class FailOnTrigger(JsonlConsumer):
-    """Raises (before writing anything of the batch) while the trigger file exists."""
+    """Raises (after ``delay_ms``, before writing anything of the batch) while the trigger file exists."""
 
-    def __init__(self, path, trigger):
+    def __init__(self, path, trigger, delay_ms=0):
         super().__init__(path)
         self.trigger = Path(trigger)
+        self.delay_s = delay_ms / 1000
 
     def on_events(self, batch):
+        time.sleep(self.delay_s)
         if self.trigger.exists():
             raise RuntimeError("injected realtime consumer failure")
         return super().on_events(batch)
@@ -139,8 +141,10 @@ def node_main() -> None:
     Writes ``tx_writes(first_tx ...)`` (``every`` transactions, then ``pause_ms``; no pause while
     ``ctl_dir/burst`` exists) once ``ctl_dir/go`` exists, until ``ctl_dir/stop`` exists or
     ``count`` transactions are written (0: no limit; the node then stays open until ``stop``).
-    Then archives the active segment, saves its status in ``ctl_dir/status.json``, closes and
-    writes the number of transactions to ``ctl_dir/done``.
+    With ``ctl_dir/warmup``, it first puts one entry into cache ``warmup`` and rolls the segment
+    (so the writes' caches are created in a later segment). Then archives the active segment,
+    saves its status in ``ctl_dir/status.json``, closes and writes the number of transactions to
+    ``ctl_dir/done``.
     """
     config, ctl_s, first_s, pause_ms_s, every_s, count_s = sys.argv[1:7]
     ctl, first, pause_s, count = Path(ctl_s), int(first_s), float(pause_ms_s) / 1000, int(count_s)
@@ -152,6 +156,9 @@ def node_main() -> None:
     try:
         while not (ctl / "go").exists() and not (ctl / "stop").exists():
             time.sleep(0.01)
+        if (ctl / "warmup").exists():
+            node.cache("warmup").put(0, {"warm": True})
+            node.force_archive()
         while not (ctl / "stop").exists() and not (count and n - first >= count):
             with node.transaction() as tx:
                 for cache, key, value in tx_writes(n):

@@ -292,12 +292,15 @@ def test_close_timeout_leaves_realtime_off(rig_factory: Any, tmp_path: Path) -> 
         "options": {"path": str(tmp_path / "node.jsonl"), "delay_ms": 1500},
     }
     rig: Rig = rig_factory(
-        realtime_cdc=True, consumer=consumer, realtime_close_timeout_ms=300, realtime_batch_max_events=100
+        realtime_cdc=False, consumer=consumer, realtime_close_timeout_ms=300, realtime_batch_max_events=100
     )
-    rig.start_node(pause_ms=30, go=False)
+    # The daemon delivers first, so the caches exist before the hand-over (no CacheRecord while it is PASSIVE:
+    # see test_cache_created_while_passive_keeps_the_links_the_node_needs).
+    rig.start_node(pause_ms=30)
     rig.start_daemon()
-    rig.wait_mode("on", "PASSIVE")
-    rig.go()
+    rig.wait_mode("off", "ACTIVE")
+    time.sleep(0.5)
+    rig.switch_on()
     time.sleep(0.5)  # the consumer is inside its first batch (1.5 s)
     rig.stop_node()
     assert any(e["event"] == "realtime_close_timeout" for e in rig.node_log_events())
@@ -330,6 +333,40 @@ def test_close_timeout_leaves_realtime_off(rig_factory: Any, tmp_path: Path) -> 
     # Nothing lost: together the two files cover the WAL.
     got = {tuple(e["pos"]) for path in (rig.node_out, rig.daemon_out) for e in read_runs(path, [])[0]}
     assert got == {tuple(e["pos"]) for e in wal_events(rig.node_dir)}
+
+
+def test_cache_created_while_passive_keeps_the_links_the_node_needs(rig_factory: Any, tmp_path: Path) -> None:
+    """Caches created (in segment 2) while the daemon is PASSIVE and the node's realtime consumer still works on its
+    first batch (segment 1) do not make the daemon delete link 1: when that batch fails, the daemon delivers from the
+    Stop record's position 1:0#0 (nothing lost, nothing twice)."""
+    trigger = tmp_path / "fail.trigger"
+    consumer = {
+        "kind": "python",
+        "class": "rt_plugins:FailOnTrigger",
+        "options": {"path": str(tmp_path / "node.jsonl"), "trigger": str(trigger), "delay_ms": 1000},
+    }
+    rig: Rig = rig_factory(realtime_cdc=True, consumer=consumer)
+    (rig.ctl / "warmup").touch()  # one entry in segment 1, then orders/users/events are created in segment 2
+    rig.start_node(pause_ms=30, go=False)
+    rig.start_daemon()
+    st = rig.wait_mode("on", "PASSIVE")
+    assert st["realtime"]["committed"] == "1:0#0"
+    trigger.touch()
+    rig.go()
+    # The first batch (the warmup entry) fails after 1 s: Stop(last = 1:0#0).
+    rig.wait_mode("off", "ACTIVE", stops={"consumer_error": 1})
+    time.sleep(0.5)
+    rig.stop_node()
+    rig.wait_daemon_caught_up()
+    rig.stop_daemon()
+    stops = [r for _, r in markers(rig.node_dir) if isinstance(r, StopRealtimeCdcRecord)]
+    assert [(s.reason, as_pos(s.last) if s.last else None) for s in stops] == [
+        ("node_start_realtime_off", None),
+        ("consumer_error", (1, 0, 0)),
+    ]
+    node_exp, daemon_exp, _ = check_delivery(rig)
+    assert node_exp == [] and rig.node_out.read_bytes() == b""
+    assert daemon_exp[0]["cache"] == "warmup" and len(daemon_exp) > 1000
 
 
 def test_close_with_pending_try_start_lets_the_daemon_deliver(rig_factory: Any) -> None:

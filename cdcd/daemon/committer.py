@@ -131,7 +131,9 @@ class Committer:
                 self._pending_caches.pop(cache_id, None)
                 self._pending_destroyed.append(cache_id)
         if not self.unconfirmed:
-            self.commit(item.end)
+            # PASSIVE: only the node's markers move the position (links it may still need stay);
+            # the registry change is recorded with the current position.
+            self.commit(item.end if self.state.mode is Mode.ACTIVE else self.state.position)
 
     def _switch(self, item: Switch) -> None:
         # Everything before the switch point must be durable on the consumer side first.

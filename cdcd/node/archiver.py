@@ -55,6 +55,8 @@ class Archiver:
         self.fsync = fsync
         archived, _ = list_segments(archive_dir)
         self.last_archived = max(archived) if archived else -1
+        self.skipped_links: set[int] = set()
+        """Segments archived without a CDC link (over cdc_dir_max_bytes) since open."""
 
     def archive(self, segment: int, work_path: Path) -> None:
         if self.cdc_enabled:
@@ -78,6 +80,7 @@ class Archiver:
             used = dir_bytes(self.cdc_dir)
             if used + size > self.cdc_dir_max_bytes:
                 metrics.CDC_LINKS_SKIPPED.inc()
+                self.skipped_links.add(segment)
                 log.error(
                     "cdc_link_skipped",
                     segment=segment,

@@ -309,8 +309,8 @@ class RealtimeWorker:
             return False
         if not self.config.cdc_enabled:
             return True
-        if self.wal.last_archived < ts.segment:
-            return False
+        if self.wal.last_archived < ts.segment or self.wal.link_skipped(ts.segment):
+            return False  # never linked (CDC dir full): the daemon cannot pass it; overflow stops us
         return not segment_path(self.config.cdc_path, ts.segment).exists()
 
     def _switch_on(self) -> None:

@@ -82,6 +82,10 @@ class WalLog:
     def last_archived(self) -> int:
         return self._archiver.last_archived
 
+    def link_skipped(self, segment: int) -> bool:
+        """True if ``segment`` was archived without a CDC link (the daemon never sees it)."""
+        return segment in self._archiver.skipped_links
+
     def add_flush_listener(self, listener: FlushListener) -> None:
         """Called on the flusher thread with every flushed chunk, after its fsync, in WAL order."""
         self._listeners.append(listener)

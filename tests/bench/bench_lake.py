@@ -65,7 +65,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cdcd import metrics
+from prometheus_client import REGISTRY
+
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.node.node import Node
@@ -80,15 +81,16 @@ TX_SIZE = 10
 
 INGEST_GOAL = 300_000.0
 INGEST_BATCH_EVENTS = 500_000
-"""Sweep of 100k/200k/300k/500k events per batch (2M backlog, sync_once): bigger is faster, the
-per-batch Spark job overhead (~0.3-0.5 s) being the part that shrinks; see the report."""
+"""The best of a sweep over a 1M backlog with sync_once (2 rounds, a busy 2-CPU host): 100k 37k,
+200k 36-40k, 300k 28-45k, 500k 42-75k rows/s. From 250k rows on the sink writes two files
+(``max_files_per_batch=2``), so both local cores write; fewer batches also mean fewer Spark jobs."""
 INGEST_BATCH_BYTES = 1 << 30
 """Never the limit (500k entries are ~70 MB of records)."""
 INGEST_BATCH_DELAY_MS = 1000
 """``run()`` only: the decoder closes a batch once it is this old whenever the reader is slower than
 that for a moment (GIL contention with the sink), even mid-backlog: with the default 100 ms a 1M
-backlog landed in ~19 batches of ~50k instead of 2 of 500k (28k vs 38k rows/s). 1000 ms: 2-3
-batches; longer only delays a backlog's partial last batch (it waits out the delay)."""
+backlog landed in ~20 batches of ~50k instead of 2-3 (16-28k vs 28-38k rows/s, JVM CPU 19-26 vs
+7-10 us/row). A backlog's last, partial batch does not wait for it (a caught-up reader closes it)."""
 WARMUP_ROWS = 10_000
 
 LAG_RATE = 5000
@@ -135,15 +137,8 @@ def _percentile(sorted_values: list[int], q: float) -> float:
 
 def _spark_write_totals() -> tuple[float, float]:
     """(sum of seconds, count) of the sink's Spark writes so far in this process."""
-    reg = metrics.LAKE_WRITE_SECONDS._name  # the histogram's samples: <name>_sum, <name>_count
-    total = count = 0.0
-    for family in metrics.LAKE_WRITE_SECONDS.collect():
-        for s in family.samples:
-            if s.name == f"{reg}_sum":
-                total = s.value
-            elif s.name == f"{reg}_count":
-                count = s.value
-    return total, count
+    name = "cdcd_lake_spark_write_seconds"
+    return REGISTRY.get_sample_value(f"{name}_sum") or 0.0, REGISTRY.get_sample_value(f"{name}_count") or 0.0
 
 
 # --- the shared SparkSession ----------------------------------------------------------------------
@@ -761,7 +756,7 @@ def benchmarks(quick: bool) -> list[Bench]:
         )
 
     return [
-        ingest("lake.ingest", "sync_once", INGEST_GOAL, 2, last=False),
+        ingest("lake.ingest", "sync_once", INGEST_GOAL, 1 if quick else 2, last=False),
         ingest("lake.ingest.run", "run", INGEST_GOAL, 1, last=True),
         Bench(
             name="lake.lag.live",
