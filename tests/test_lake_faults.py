@@ -61,7 +61,7 @@ from tests.test_lake import (
 CDCD = [sys.executable, "-m", "cdcd"]
 
 KILL_PLUGIN = '''
-"""The real SparkLakeConsumer, SIGKILLing its own process at one step of its n-th batch commit."""
+"""The real SparkLakeConsumer, SIGKILLing its own process at one step of its n-th batch commit (or of recovery)."""
 import json
 import os
 import signal
@@ -93,7 +93,7 @@ class _Os:
 class KillingSpark(SparkLakeConsumer):
     def __init__(self, kill_at, kill_commit, marker, **options):
         super().__init__(SparkOptions(**options))
-        self.kill_at = kill_at  # before-link | after-link | publish-partial | publish-all | published
+        self.kill_at = kill_at  # before-link | after-link | publish-partial | publish-all | published | in-recovery
         self.kill_commit = kill_commit  # the n-th commit of this process (1-based)
         self.marker = Path(marker)
         self.commits = self.renames = self.files = 0
@@ -112,6 +112,12 @@ class KillingSpark(SparkLakeConsumer):
         self._log.publish = counted
 
     def _hook(self, step, src):
+        if self.kill_at == "in-recovery":  # start() finishing an earlier run's publish: die after its first move
+            if step == "rename" and self.commits == 0:
+                batch = Path(src).relative_to(self.lake / "_staging").parts[0]
+                self.marker.write_text(json.dumps({"at": self.kill_at, "batch": batch, "renames": 1}))
+                os.kill(os.getpid(), signal.SIGKILL)
+            return
         if step == "before-link":
             self.commits += 1
             self.batch = Path(src).name[1:-4]  # .<batch>.tmp
@@ -132,7 +138,10 @@ class KillingSpark(SparkLakeConsumer):
 IN_PROCESS = ("before-link", "after-link", "publish-partial", "publish-all", "published")
 EXTERNAL = ("spark-write", "random")
 KILLS = 16
+"""Plus one "in-recovery" kill right after the first "after-link" one."""
 SEED = 7_104
+COMMITTED = ("after-link", "publish-partial", "publish-all", "published", "in-recovery")
+"""Kills after a batch's commit point, before the daemon confirmed it: the next run re-delivers it."""
 
 
 def lake_consumer(lake: Path, **options: Any) -> dict[str, Any]:
@@ -164,6 +173,17 @@ def covered_below(lake: Path, positions: list[Pos], until: Pos | None) -> None:
     assert not missing, f"the daemon committed {until} but {len(missing)} entries before it are not in the lake"
 
 
+def check_state_matches_lake(lake: Path, positions: list[Pos], state: Pos | None) -> None:
+    """After a consumer failure (not a kill) the daemon's state is exactly where the lake ends: it confirmed every
+    batch that landed (not behind) and none that did not (not past)."""
+    covered_below(lake, positions, state)
+    landed = sum(
+        len(positions[positions.index(a) : positions.index(b) + 1]) for a, b in map(entry_range, read_log(lake))
+    )
+    before = sum(1 for p in positions if state is not None and p < state)
+    assert before == landed, f"the daemon's state {state} covers {before} entries, the lake holds {landed}"
+
+
 @contextmanager
 def tmpfs(path: Path, options: str) -> Iterator[Path]:
     """A tmpfs mounted at ``path`` (skips the test where mounting is not allowed)."""
@@ -192,9 +212,10 @@ def remount(path: Path, options: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_sigkill_at_every_commit_step_lands_everything_exactly_once(tmp_path: Path, spark: Any) -> None:  # noqa: F811
-    """SIGKILLing `cdcd run` 16 times during the Spark write, before/after the log link, between/after the publish
-    renames and at random, while it works through a backlog, never shows readers an unnamed file, never commits the
-    daemon past the lake, and a final clean run leaves every WAL entry in the change log exactly once."""
+    """SIGKILLing `cdcd run` 17 times during the Spark write, before/after the log link, between/after the publish
+    renames, while recovery publishes and at random, while it works through a backlog, never shows readers an
+    unnamed file, never commits the daemon past the lake, and a final clean run leaves every WAL entry in the change
+    log exactly once."""
     rng = random.Random(SEED)
     t0 = time.monotonic()
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
@@ -209,12 +230,13 @@ def test_sigkill_at_every_commit_step_lands_everything_exactly_once(tmp_path: Pa
     phases = [*IN_PROCESS, *IN_PROCESS, *EXTERNAL, *EXTERNAL]
     phases += rng.sample([*IN_PROCESS, *EXTERNAL], KILLS - len(phases))
     rng.shuffle(phases)
+    phases.insert(phases.index("after-link") + 1, "in-recovery")
     marker = tmp_path / "killed.json"
     runs: list[dict[str, Any]] = []
     for k, phase in enumerate(phases):
         err = tmp_path / f"daemon-{k}.err"
         options = lake_consumer(lake, app_name=f"cdcd-kill-{k}")
-        if phase in IN_PROCESS:
+        if phase in (*IN_PROCESS, "in-recovery"):
             table = {"kind": "python", "class": "lake_kill:KillingSpark"}
             table["options"] = {"kill_at": phase, "kill_commit": rng.randint(1, 2), "marker": str(marker)}
             table["options"].update({key: v for key, v in options.items() if key != "kind"})
@@ -223,9 +245,11 @@ def test_sigkill_at_every_commit_step_lands_everything_exactly_once(tmp_path: Pa
         before = position(config)
         staged_before = set(os.listdir(lake / "_staging")) if (lake / "_staging").exists() else set()
         proc = start(config, err, env)
-        wait_started(proc, err)
-        jvm = process_tree(proc.pid)
-        assert jvm, "the daemon runs its Spark JVM"
+        jvm: list[int] = []
+        if phase != "in-recovery":  # that run dies in start(), before Spark
+            wait_started(proc, err)
+            jvm = process_tree(proc.pid)
+            assert jvm, "the daemon runs its Spark JVM"
         if phase == "spark-write":
 
             def new_staging(seen: set[str] = staged_before) -> bool:
@@ -241,7 +265,7 @@ def test_sigkill_at_every_commit_step_lands_everything_exactly_once(tmp_path: Pa
         assert rc == -signal.SIGKILL, f"run {k} ({phase}): exit {rc}\n" + err.read_text()[-3000:]
         wait_gone(jvm)
         info: dict[str, Any] = {"phase": phase, "before": before, "after": position(config)}
-        if phase in IN_PROCESS:
+        if phase in (*IN_PROCESS, "in-recovery"):
             assert marker.exists(), f"run {k}: the {phase} hook did not fire"
             info |= json.loads(marker.read_text())
             marker.unlink()
@@ -251,7 +275,7 @@ def test_sigkill_at_every_commit_step_lands_everything_exactly_once(tmp_path: Pa
         entries = check_log_invariants(lake, positions)
         covered_below(lake, positions, info["after"])
         assert info["after"] is None or before is None or info["after"] >= before
-        if phase in IN_PROCESS:
+        if phase in (*IN_PROCESS, "in-recovery"):
             batch = info["batch"]
             mine = [e for e in entries if e.batch == batch]
             staged = lake / "_staging" / batch
@@ -262,7 +286,10 @@ def test_sigkill_at_every_commit_step_lands_everything_exactly_once(tmp_path: Pa
                 assert len(mine) == 1 and entries[-1].batch == batch, "killed after the commit point"
                 published = [rel for rel in mine[0].files if (lake / "changes" / rel).exists()]
                 n = len(mine[0].files)
-                want = {"after-link": 0, "publish-partial": max(1, n - 1), "publish-all": n, "published": n}[phase]
+                want = {"after-link": 0, "publish-partial": max(1, n - 1), "publish-all": n, "published": n}.get(phase)
+                if phase == "in-recovery":
+                    assert runs[-2]["phase"] == "after-link" and runs[-2]["batch"] == batch, "recovering the last kill"
+                    want = 1
                 assert len(published) == want, f"{phase}: {len(published)} of {n} files published"
                 assert staged.is_dir() == (phase != "published")
 
@@ -275,17 +302,16 @@ def test_sigkill_at_every_commit_step_lands_everything_exactly_once(tmp_path: Pa
     check_lake(spark, lake, node_dir, expected)
 
     # Each run after a kill past the commit point re-delivered that batch, and the lake dropped it.
-    for k in range(1, KILLS + 1):
+    n_runs = len(runs)
+    for k in range(1, n_runs + 1):
         prev = runs[k - 1]
-        err = tmp_path / (f"daemon-{k}.err" if k < KILLS else "daemon-final.err")
-        if prev["phase"] in ("after-link", "publish-partial", "publish-all", "published") and (
-            k == KILLS or runs[k]["phase"] != "random"
-        ):
+        err = tmp_path / (f"daemon-{k}.err" if k < n_runs else "daemon-final.err")
+        if prev["phase"] in COMMITTED and (k == n_runs or runs[k]["phase"] not in ("random", "in-recovery")):
             assert "lake_replay_dropped" in log_event_names(err), f"run {k} after a kill at {prev['phase']}"
     landed = [r for r in runs if r["after"] != r["before"]]
     assert len(landed) >= KILLS // 2, "most runs landed batches before their kill"
-    counts = {p: sum(1 for r in runs if r["phase"] == p) for p in (*IN_PROCESS, *EXTERNAL)}
-    print(f"\n{KILLS} kills {counts}, {len(expected)} entries, {time.monotonic() - t0:.0f}s")
+    counts = {p: sum(1 for r in runs if r["phase"] == p) for p in (*IN_PROCESS, *EXTERNAL, "in-recovery")}
+    print(f"\n{n_runs} kills {counts}, {len(expected)} entries, {time.monotonic() - t0:.0f}s")
 
 
 # --- an unwritable lake ------------------------------------------------------------------------------
@@ -346,7 +372,7 @@ def test_unwritable_lake_exits_4_then_lands_everything_once(tmp_path: Path, spar
         after = position(config)
         assert after is not None and after < (max(archived_segments(node_dir)) + 1, 0, 0), "stopped mid-backlog"
         check_log_invariants(lake, positions)
-        covered_below(lake, positions, after)
+        check_state_matches_lake(lake, positions, after)
 
         # 4. writable again: everything, exactly once.
         remount(mnt, "rw")
@@ -389,7 +415,7 @@ def test_full_disk_exits_4_then_lands_everything_once(full_disk: dict[str, Any],
     after = position(config)
     entries = check_log_invariants(lake, positions)
     assert entries, "some batches landed before the disk was full"
-    covered_below(lake, positions, after)
+    check_state_matches_lake(lake, positions, after)
     assert after is not None and after < (max(archived_segments(node_dir)) + 1, 0, 0), "stopped mid-backlog"
 
     remount(full_disk["mnt"], "size=256m")
@@ -413,6 +439,16 @@ def dead_pid() -> int:
     return proc.pid
 
 
+def proc_start(pid: int) -> str:
+    """A process's start time (clock ticks since boot), field 22 of /proc/<pid>/stat."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+
+
+def batch_id(host: str, pid: int, started: str) -> str:
+    """A batch id as cdcd.lake.log.new_batch_id makes it: ``<host>-<pid>-<process start>-<random>``."""
+    return f"{host}-{pid}-{started}-0123456789ab"
+
+
 def fake_staging(lake: Path, batch: str) -> Path:
     d = lake / "_staging" / batch / "cache=orders"
     d.mkdir(parents=True)
@@ -423,15 +459,20 @@ def fake_staging(lake: Path, batch: str) -> Path:
 def test_recover_deletes_a_dead_writers_staging(tmp_path: Path) -> None:
     """LakeLog.recover() deletes uncommitted staging and temp log files of a dead writer on this host, keeps a live
     writer's, and never makes any of it visible under changes/."""
+    from cdcd.lake.log import new_batch_id
+
     lake = tmp_path / "lake"
     LakeLog(lake)
     host = socket.gethostname()
-    dead = fake_staging(lake, f"{host}-{dead_pid()}-0123456789ab")
+    assert new_batch_id().startswith(f"{host}-{os.getpid()}-{proc_start(os.getpid())}-"), "the documented format"
+    dead = fake_staging(lake, batch_id(host, dead_pid(), "12345"))
     (lake / "_cdcd_log" / f".{dead.name}.tmp").write_text("{")
-    live = fake_staging(lake, f"{host}-{os.getppid()}-0123456789ab")
+    live = fake_staging(lake, batch_id(host, os.getppid(), proc_start(os.getppid())))
+    (lake / "_cdcd_log" / f".{live.name}.tmp").write_text("{")
+    other_host = fake_staging(lake, batch_id("another-host", dead_pid(), "12345"))
     LakeLog(lake).recover()
-    assert not dead.exists() and live.exists()
-    assert [p.name for p in (lake / "_cdcd_log").iterdir()] == []
+    assert not dead.exists() and live.exists() and other_host.exists()
+    assert [p.name for p in (lake / "_cdcd_log").iterdir()] == [f".{live.name}.tmp"]
     assert visible_files(lake) == set()
 
 
@@ -440,7 +481,7 @@ def test_recover_deletes_dead_staging_on_a_hyphenated_host(tmp_path: Path, monke
     monkeypatch.setattr(socket, "gethostname", lambda: "ip-10-0-0-7")
     lake = tmp_path / "lake"
     LakeLog(lake)
-    dead = fake_staging(lake, f"ip-10-0-0-7-{dead_pid()}-0123456789ab")
+    dead = fake_staging(lake, batch_id("ip-10-0-0-7", dead_pid(), "12345"))
     (lake / "_cdcd_log" / f".{dead.name}.tmp").write_text("{")
     LakeLog(lake).recover()
     assert staging_contents(lake) == []
@@ -451,7 +492,8 @@ def test_recover_deletes_staging_of_a_dead_run_with_the_same_pid(tmp_path: Path)
     """Staging left by a previous run that had this process's pid (a container's PID 1) is deleted by recover()."""
     lake = tmp_path / "lake"
     LakeLog(lake)
-    fake_staging(lake, f"{socket.gethostname()}-{os.getpid()}-0123456789ab")  # before this LakeLog wrote anything
+    started = int(proc_start(os.getpid()))
+    fake_staging(lake, batch_id(socket.gethostname(), os.getpid(), str(started - 1)))  # an earlier process
     LakeLog(lake).recover()
     assert staging_contents(lake) == []
 
