@@ -419,7 +419,10 @@ def lake_compact(lake_path: Path, cache: str | None, spark_master: str) -> None:
     """Fold the change log into current-state tables <lake>/state/cache=<name> (incremental, atomic swap)."""
     from cdcd.lake import spark as spark_session
     from cdcd.lake.compact import compact
+    from cdcd.lake.log import LOG_DIR
 
+    if not (lake_path / LOG_DIR).is_dir():
+        fail(f"{lake_path} is not a cdcd lake (no {LOG_DIR}/ in it)", EXIT_BAD_INPUT)
     spark = _spark(spark_master, "cdcd-lake-compact")
     try:
         done = compact(spark, lake_path, cache)
@@ -462,9 +465,13 @@ def lake_verify(lake_path: Path, node_dir: Path) -> None:
 def lake_show(lake_path: Path, as_json: bool) -> None:
     """Per cache: change-log rows, last position, last commit time, compacted state rows."""
     from cdcd.demo import print_show
+    from cdcd.lake.log import NotALake
     from cdcd.lake.verify import show
 
-    rows = show(lake_path)
+    try:
+        rows = show(lake_path)
+    except NotALake as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
     if as_json:
         click.echo(msgspec.json.encode(rows).decode())
     else:

@@ -682,12 +682,6 @@ def test_lake_verify_leaves_the_node_alone(tmp_path: Path) -> None:
     assert markers(node_dir) == before, "verify wrote marker records into the node's WAL"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: LakeLog.__init__ creates _cdcd_log/_staging/changes, so `cdcd lake show` (and `lake compact`) on "
-    "any existing directory that is not a lake (a wrong --lake) turn it into an empty lake, print an empty table "
-    "and exit 0 instead of failing with 'not a lake'",
-)
 def test_lake_show_refuses_a_directory_that_is_not_a_lake(tmp_path: Path) -> None:
     """`cdcd lake show --lake DIR` on a directory without a commit log fails with one error line and creates nothing."""
     res = cdcd("lake", "show", "--lake", str(tmp_path))

@@ -58,7 +58,7 @@ def compact(spark: Any, lake: Path, only: str | None = None) -> dict[str, Compac
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    lake_log = LakeLog(lake)
+    lake_log = LakeLog(lake, create=False)
     lake_log.refresh()
     by_cache: dict[str, list[tuple[int, str]]] = {}
     for entry in lake_log.entries:

@@ -81,14 +81,22 @@ def _owner_alive(batch: str) -> bool:
     return _process_start(int(pid_text)) == started
 
 
+class NotALake(ValueError):
+    """A path given as a lake has no commit log (a wrong --lake)."""
+
+
 class LakeLog:
-    def __init__(self, lake: Path) -> None:
+    def __init__(self, lake: Path, *, create: bool = True) -> None:
+        """``create=False`` for readers: a directory without a commit log is refused, never changed."""
         self.lake = lake
         self.log_dir = lake / LOG_DIR
         self.staging = lake / STAGING_DIR
         self.changes = lake / CHANGES_DIR
-        for d in (self.log_dir, self.staging, self.changes):
-            d.mkdir(parents=True, exist_ok=True)
+        if not create and not self.log_dir.is_dir():
+            raise NotALake(f"{lake} is not a cdcd lake (no {LOG_DIR}/ in it)")
+        if create:
+            for d in (self.log_dir, self.staging, self.changes):
+                d.mkdir(parents=True, exist_ok=True)
         self._decoder = msgspec.json.Decoder(LogEntry)
         self._encoder = msgspec.json.Encoder()
         self.entries: list[LogEntry] = []

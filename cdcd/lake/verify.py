@@ -74,7 +74,7 @@ def _lake_caches(lake: Path) -> list[str]:
 
 def show(lake: Path) -> list[dict[str, Any]]:
     """Per cache: change-log rows, last position and commit time, compacted state rows."""
-    lake_log = LakeLog(lake)
+    lake_log = LakeLog(lake, create=False)
     lake_log.refresh()
     caches: dict[str, dict[str, Any]] = {}
     for entry in lake_log.entries:
