@@ -307,7 +307,7 @@ def check_lake(spark: Any, lake: Path, node_dir: Path, expected: list[dict[str, 
         assert got_row == want_row, f"row at {ev['pos']}"
         if "day" in r:  # partition_by_day: the commit's UTC day (Spark's partition discovery reads it as a date)
             day = datetime.fromtimestamp(r["commit_ts"] / 1e6, UTC).date()
-            assert str(r["day"]) == day, f"row at {ev['pos']}: day {r['day']} != {day}"
+            assert str(r["day"]) == str(day), f"row at {ev['pos']}: day {r['day']} != {day}"
     return entries
 
 
