@@ -419,6 +419,15 @@ class Node:
                 raise ControlError(str(exc)) from None
         raise ControlError(f"unknown command {cmd!r} (one of: realtime, status, resend)")
 
+    def _dirty_with_room_locked(self) -> dict[bytes, DataEntry]:
+        """The dirty map, once it has room: writers wait for a checkpoint beyond twice its bound."""
+        self._check_open()
+        while len(self._dirty) >= self._dirty_hard_limit:
+            self._checkpoint_wake.set()
+            self._room.wait()
+            self._check_open()
+        return self._dirty
+
     def _put_one(self, info: CacheInfo, key: Any, value: Any) -> None:
         """``Cache.put``: ``_commit`` of a single put without the batch bookkeeping."""
         if value is None:
@@ -429,13 +438,7 @@ class Node:
         partition = zlib.crc32(key_raw) % info.config.partitions
         config = self.config
         with self._lock:
-            self._check_open()
-            dirty = self._dirty
-            while len(dirty) >= self._dirty_hard_limit:
-                self._checkpoint_wake.set()
-                self._room.wait()
-                self._check_open()
-                dirty = self._dirty
+            dirty = self._dirty_with_room_locked()
             if self._caches.get(info.name) is not info:
                 raise ValueError(f"cache {info.name!r} was destroyed")
             e = dirty.get(full_key)
@@ -485,13 +488,7 @@ class Node:
         config = self.config
         stats = self.stats
         with self._lock:
-            self._check_open()
-            dirty = self._dirty
-            while len(dirty) >= self._dirty_hard_limit:
-                self._checkpoint_wake.set()
-                self._room.wait()
-                self._check_open()
-                dirty = self._dirty
+            dirty = self._dirty_with_room_locked()
             caches = self._caches
             seen: dict[bytes, bool] = {}
             entries: list[DataEntry] = []
