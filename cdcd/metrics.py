@@ -130,7 +130,7 @@ RT_EVENTS = Counter("cdcd_node_realtime_events_total", "Events confirmed by the 
 LAKE_ROWS = Counter("cdcd_lake_rows_written_total", "Change-log rows landed in the lake", ["cache"])
 LAKE_WRITE_SECONDS = Histogram(
     "cdcd_lake_spark_write_seconds",
-    "Spark time to write one batch to staging",
+    "Time to write one batch's change files to staging (by Spark or pyarrow: the sink's writer option)",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
 )
 LAKE_LAG_SECONDS = Gauge("cdcd_lake_lag_seconds", "now - commit time of the last landed event (never negative)")

@@ -436,9 +436,9 @@ def writers_of(entries: list[LogEntry], positions: list[Pos]) -> dict[Pos, int]:
 
 
 def test_handover_between_node_and_daemon_lands_every_entry_once(tmp_path: Path, spark: Any) -> None:
-    """With the Spark sink on both sides of one lake, `cdcd control realtime off` / `on` twice under load hands
-    delivery between the node's realtime worker and the daemon: every WAL entry lands exactly once, each by the
-    side whose share it is."""
+    """With the lake sink on both sides of one lake (node: pyarrow writer, daemon: Spark writer), `cdcd control
+    realtime off` / `on` twice under load hands delivery between the node's realtime worker and the daemon: every
+    WAL entry lands exactly once, each by the side whose share it is."""
     from tests.test_realtime import (
         DAEMON_SETTINGS,
         NODE_SETTINGS,
@@ -455,13 +455,14 @@ def test_handover_between_node_and_daemon_lands_every_entry_once(tmp_path: Path,
     lines = [
         f"{k} = {toml_value(v)}" for k, v in {"node_dir": str(rig.node_dir), **NODE_SETTINGS, **node_settings}.items()
     ]
-    node_consumer = spark_consumer(lake, "local[1]", app_name="cdcd-lake-node", spark_conf=QUICK_START)
+    # The node writes with pyarrow (no JVM in the database process), the daemon through Spark: one lake, both writers.
+    node_consumer = spark_consumer(lake, "local[1]", app_name="cdcd-lake-node", writer="arrow")
     lines += ["[realtime_consumer]", *(f"{k} = {toml_value(v)}" for k, v in node_consumer.items())]
     rig.node_config.write_text("\n".join(lines) + "\n")
     rig.daemon_config = write_config(
         tmp_path / "cdcd-lake.toml",
         rig.node_dir,
-        spark_consumer(lake, "local[1]", spark_conf=QUICK_START),
+        spark_consumer(lake, "local[1]", spark_conf=QUICK_START, writer="spark"),
         **DAEMON_SETTINGS,
     )
     pids: dict[str, int] = {}
@@ -615,7 +616,12 @@ def test_standalone_cluster_lands_exactly_once(tmp_path: Path, spark: Any, stand
         "spark.cores.max": "1",
     }
     consumer = spark_consumer(
-        lake, cluster["url"], spark_conf=spark_conf, app_name="cdcd-lake-cluster-test", partition_by_day=True
+        lake,
+        cluster["url"],
+        spark_conf=spark_conf,
+        app_name="cdcd-lake-cluster-test",
+        partition_by_day=True,
+        writer="spark",
     )
     config = write_config(tmp_path / "cdcd.toml", node_dir, consumer, batch_max_events=5000, batch_max_delay_ms=500)
     err = tmp_path / "daemon.err"

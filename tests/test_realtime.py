@@ -643,6 +643,32 @@ def test_overflow_under_load_hands_over_to_the_daemon(rig_factory: Any) -> None:
     assert any(e["event"] == "realtime_switch" and e.get("reason") == "overflow" for e in events)
 
 
+def test_off_during_a_long_batch_answers_stopping_then_hands_over(rig_factory: Any, tmp_path: Path) -> None:
+    """`realtime off` while the realtime consumer spends 4 s on a batch answers "stopping" (not "on") at once; the
+    node turns off when the batch is done and the daemon takes over, nothing lost or delivered twice."""
+    consumer = {
+        "kind": "python",
+        "class": "rt_plugins:Slow",
+        "options": {"path": str(tmp_path / "node.jsonl"), "delay_ms": 4000},
+    }
+    rig: Rig = rig_factory(realtime_cdc=True, consumer=consumer, cdc_buffer_bytes=8 << 20)  # no overflow meanwhile
+    rig.start_node(pause_ms=30)
+    rig.start_daemon()
+    rig.wait_mode("on", "PASSIVE")
+    time.sleep(0.5)  # the worker is inside a 4 s batch now (every batch takes that long)
+    t0 = time.monotonic()
+    assert rig.control("realtime", "off").strip() == "realtime: stopping"
+    assert time.monotonic() - t0 < 3.5, "the command answers after its 2 s wait, not after the batch"
+    st = rig.wait_mode("off", "ACTIVE", timeout=30, stops={"command": 1})
+    assert st["delivering"] == "daemon"
+    time.sleep(0.5)
+    rig.stop_node()
+    rig.wait_daemon_caught_up()
+    rig.stop_daemon()
+    node_exp, daemon_exp, _ = check_delivery(rig)
+    assert node_exp and len(daemon_exp) > 0
+
+
 def test_failing_realtime_consumer_hands_over_to_the_daemon(rig_factory: Any, tmp_path: Path) -> None:
     """A realtime consumer that raises stops realtime (reason consumer_error) and the daemon delivers from the Stop
     record's position; once the consumer is healthy, `realtime on` hands delivery back; nothing lost, nothing twice."""

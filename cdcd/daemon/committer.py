@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import operator
 import time
-from collections import Counter
+from itertools import chain
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import structlog
 
 from cdcd import metrics
@@ -25,7 +26,8 @@ from cdcd.wal.records import CacheInfo
 log = structlog.get_logger("cdcd.daemon")
 
 _OPS = ("create", "update", "delete")
-_cache_and_op = operator.attrgetter("cache_id", "op")
+_cache_id = operator.attrgetter("cache_id")
+_op = operator.attrgetter("op")
 
 
 class ConsumerFailed(Exception):
@@ -107,15 +109,13 @@ class Committer:
 
     @staticmethod
     def _count(events: EventBatch) -> None:
-        # map/zip over attrgetters keeps the per-event work in C (this runs for every event).
-        counts: Counter[tuple[int, int]] = Counter()
-        for s in events.slices:
-            entries = s.record.entries
-            if s.start:
-                entries = entries[s.start :]
-            counts.update(map(_cache_and_op, entries))
-        for (cache_id, op), n in counts.items():
-            metrics.DAEMON_EVENTS.labels(events.cache_name(cache_id), _OPS[op]).inc(n)
+        # Runs for every event: attrgetter + fromiter keep the per-event work in C, counting in numpy.
+        entries = list(chain.from_iterable(s.record.entries[s.start :] for s in events.slices))
+        n = len(entries)
+        codes = np.fromiter(map(_cache_id, entries), np.int64, n) * 4 + np.fromiter(map(_op, entries), np.int64, n)
+        values, counts = np.unique(codes, return_counts=True)
+        for code, count in zip(values.tolist(), counts.tolist(), strict=True):
+            metrics.DAEMON_EVENTS.labels(events.cache_name(code // 4), _OPS[code % 4]).inc(count)
 
     def _cache_change(self, item: CacheChange) -> None:
         if item.created:

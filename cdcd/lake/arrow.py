@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from operator import attrgetter
+from typing import Any
+
 import msgspec
+import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from cdcd.consumer import OP_NAMES, EventBatch, RecordSlice
 from cdcd.wal.dump import jsonable
 from cdcd.wal.pointer import WalPosition
+from cdcd.wal.records import DataEntry, Op
 
 SCHEMA = pa.schema(
     [
@@ -31,14 +37,35 @@ SCHEMA = pa.schema(
 
 _msgpack = msgspec.msgpack.Decoder()
 _json = msgspec.json.Encoder()
+_OPS = pa.array([OP_NAMES[op] for op in sorted(Op)], pa.string())
+"""Indexed by the Op value."""
+
+_DAY_NS = 86_400 * 10**9
+_op = attrgetter("op")
+_key = attrgetter("key")
+_value = attrgetter("value")
+_partition = attrgetter("partition")
+_primary = attrgetter("primary")
+_version = attrgetter("version")
+_order = attrgetter("order")
+_cluster = attrgetter("cluster_id")
+_cache_id = attrgetter("cache_id")
+
+
+def to_json_bytes(raw: bytes | msgspec.Raw) -> bytes:
+    """MessagePack key or value as UTF-8 JSON. Map keys JSON cannot hold as they are (tuples,
+    bools, ...) become their JSON text; msgspec already writes int and float keys as strings,
+    exactly as that fallback does, so both paths agree wherever both work."""
+    value = _msgpack.decode(raw)
+    try:
+        return _json.encode(value)
+    except TypeError:
+        return _json.encode(jsonable(value))
 
 
 def to_json(raw: bytes | msgspec.Raw) -> str:
     """MessagePack key or value as JSON text (maps with non-string keys get string keys)."""
-    value = _msgpack.decode(raw)
-    if isinstance(value, dict | list):
-        value = jsonable(value)
-    return _json.encode(value).decode()
+    return to_json_bytes(raw).decode()
 
 
 def after(position: WalPosition, high_water: WalPosition | None) -> bool:
@@ -62,54 +89,99 @@ def filter_slices(batch: EventBatch, high_water: WalPosition | None) -> list[Rec
     return out
 
 
+def split_slices(slices: list[RecordSlice], parts: int, min_rows: int) -> list[list[RecordSlice]]:
+    """``slices`` cut at record boundaries into at most ``parts`` runs of about equal rows, none
+    (but a lone one) under ``min_rows``."""
+    total = sum(len(s.record.entries) - s.start for s in slices)
+    parts = max(1, min(parts, total // max(1, min_rows)))
+    if parts == 1:
+        return [slices]
+    out: list[list[RecordSlice]] = [[]]
+    target = total / parts
+    rows = 0
+    for s in slices:
+        if rows >= target * len(out) and len(out) < parts:
+            out.append([])
+        out[-1].append(s)
+        rows += len(s.record.entries) - s.start
+    return out
+
+
+def _json_column(raws: list[msgspec.Raw], nulls: np.ndarray | None = None) -> pa.Array:
+    """JSON texts as one Arrow string array, straight from the joined bytes and their offsets:
+    ``pa.array`` over 500k Python bytes objects costs as much again as producing them."""
+    try:  # the common case in one C-level pass; a value JSON cannot hold as it is sends all back
+        texts = list(map(_json.encode, map(_msgpack.decode, raws)))
+    except TypeError:
+        texts = list(map(to_json_bytes, raws))
+    offsets = np.zeros(len(texts) + 1, np.int32)
+    np.cumsum(np.fromiter(map(len, texts), np.int32, len(texts)), out=offsets[1:])
+    validity = None
+    null_count = 0
+    if nulls is not None and nulls.any():
+        validity = pa.py_buffer(np.packbits(~nulls, bitorder="little"))
+        null_count = int(nulls.sum())
+    return pa.StringArray.from_buffers(
+        len(texts), pa.py_buffer(offsets), pa.py_buffer(b"".join(texts)), validity, null_count
+    )
+
+
+def _ints(values: Iterator[Any], dtype: type, n: int) -> np.ndarray[Any, Any]:
+    out: np.ndarray[Any, Any] = np.fromiter(values, dtype, n)
+    return out
+
+
 def build_table(
     slices: list[RecordSlice], names: EventBatch, source_node: str, partition_by_day: bool
 ) -> tuple[pa.Table, dict[str, tuple[int, int]]]:
-    """The rows of ``slices`` as one Arrow table, plus (rows, max commit ts ns) per cache."""
-    op, key, value, part, primary, order, cluster = [], [], [], [], [], [], []
-    ts, seg, off, idx, cache = [], [], [], [], []
-    stats: dict[str, tuple[int, int]] = {}
+    """The rows of ``slices`` as one Arrow table, plus (rows, max commit ts ns) per cache.
+
+    Column by column over the flat entry list (C-level ``map``/``np.fromiter``), per-record
+    fields repeated with numpy: no per-row Python tuples, dicts or appends."""
+    entries: list[DataEntry] = []
+    counts, segments, offsets, commit_ns = [], [], [], []
+    index: list[int] = []
     for s in slices:
-        ptr = s.pointer
-        rec = s.record
-        commit_us = rec.commit_ts_ns // 1000
-        entries = rec.entries
-        for i in range(s.start, len(entries)):
-            e = entries[i]
-            name = names.cache_name(e.cache_id)
-            op.append(OP_NAMES[e.op])
-            key.append(to_json(e.key))
-            value.append(to_json(e.value) if e.op != 2 else None)
-            part.append(e.partition)
-            primary.append(e.primary)
-            order.append(e.version.order)
-            cluster.append(e.version.cluster_id)
-            ts.append(commit_us)
-            seg.append(ptr.segment)
-            off.append(ptr.offset)
-            idx.append(i)
-            cache.append(name)
-            rows, max_ts = stats.get(name, (0, 0))
-            stats[name] = (rows + 1, max(max_ts, rec.commit_ts_ns))
-    n = len(op)
-    commit_ts = pa.array(ts, pa.int64()).cast(pa.timestamp("us", tz="UTC"))
+        rec_entries = s.record.entries
+        n = len(rec_entries)
+        entries.extend(rec_entries[s.start :] if s.start else rec_entries)
+        index.extend(range(s.start, n))
+        counts.append(n - s.start)
+        segments.append(s.pointer.segment)
+        offsets.append(s.pointer.offset)
+        commit_ns.append(s.record.commit_ts_ns)
+    n = len(entries)
+    reps = np.array(counts, np.int64)
+    ts_ns = np.repeat(np.array(commit_ns, np.int64), reps)
+    ops = _ints(map(_op, entries), np.int8, n)
+    versions = list(map(_version, entries))
+    cache_ids = _ints(map(_cache_id, entries), np.int64, n)
+    ids, which = np.unique(cache_ids, return_inverse=True)
+    cache_names = [names.cache_name(int(i)) for i in ids]
+    commit_ts = pa.array(ts_ns // 1000, pa.int64()).cast(pa.timestamp("us", tz="UTC"))
     columns = [
-        pa.array(op, pa.string()),
-        pa.array(key, pa.string()),
-        pa.array(value, pa.string()),
-        pa.array(part, pa.int32()),
-        pa.array(primary, pa.bool_()),
-        pa.array(order, pa.int64()),
-        pa.array(cluster, pa.int32()),
+        _OPS.take(pa.array(ops)),
+        _json_column(list(map(_key, entries))),
+        _json_column(list(map(_value, entries)), ops == Op.DELETE),
+        pa.array(_ints(map(_partition, entries), np.int32, n)),
+        pa.array(_ints(map(_primary, entries), np.bool_, n)),
+        pa.array(_ints(map(_order, versions), np.int64, n)),
+        pa.array(_ints(map(_cluster, versions), np.int32, n)),
         commit_ts,
-        pa.array([source_node] * n, pa.string()),
-        pa.array(seg, pa.int64()),
-        pa.array(off, pa.int64()),
-        pa.array(idx, pa.int32()),
-        pa.array(cache, pa.string()),
+        pa.array([source_node], pa.string()).take(pa.array(np.zeros(n, np.int32))),
+        pa.array(np.repeat(np.array(segments, np.int64), reps)),
+        pa.array(np.repeat(np.array(offsets, np.int64), reps)),
+        pa.array(np.array(index, np.int32)),
+        pa.array(cache_names, pa.string()).take(pa.array(which)),
     ]
+    rows = np.bincount(which, minlength=len(ids))
+    max_ts = np.zeros(len(ids), np.int64)
+    np.maximum.at(max_ts, which, ts_ns)
+    stats = {name: (int(rows[i]), int(max_ts[i])) for i, name in enumerate(cache_names)}
     schema = SCHEMA
     if partition_by_day:
-        columns.append(pc.strftime(commit_ts, format="%Y-%m-%d"))
+        day_numbers, day_of_row = np.unique(ts_ns // _DAY_NS, return_inverse=True)
+        days = [datetime.fromtimestamp(int(d) * 86400, UTC).strftime("%Y-%m-%d") for d in day_numbers]
+        columns.append(pa.array(days, pa.string()).take(pa.array(day_of_row)))
         schema = schema.append(pa.field("day", pa.string()))
     return pa.Table.from_arrays(columns, schema=schema), stats

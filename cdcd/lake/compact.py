@@ -1,6 +1,6 @@
 """``cdcd lake compact``: fold the change log into current-state tables, incrementally.
 
-``<lake>/state/cache=<name>`` is a symlink to ``state/_versions/<name>/<n>``; a compaction writes
+``<lake>/state/cache=<name>`` is a symlink to ``state/_versions/cache=<name>/<n>``; a compaction writes
 version n+1 from the previous state plus the change files committed since, then swaps the link
 atomically, so readers always see one complete version.
 """
@@ -11,12 +11,14 @@ import os
 import shutil
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import msgspec
 import structlog
 
 from cdcd.durable import write_atomic
 from cdcd.lake.log import CHANGES_DIR, LakeLog
+from cdcd.lake.parquet import escape_partition
 
 log = structlog.get_logger("cdcd.lake")
 
@@ -33,7 +35,7 @@ class CompactMeta(msgspec.Struct):
 
 
 def _meta_path(lake: Path, cache: str) -> Path:
-    return lake / COMPACT_META_DIR / f"{cache}.json"
+    return lake / COMPACT_META_DIR / f"{cache_dir(cache)}.json"
 
 
 def read_meta(lake: Path, cache: str) -> CompactMeta:
@@ -49,8 +51,18 @@ def _write_meta(lake: Path, cache: str, meta: CompactMeta) -> None:
     write_atomic(path, msgspec.json.encode(meta))
 
 
+def cache_dir(cache: str) -> str:
+    """``cache=<name>``, escaped as Spark does: any cache name is one safe path component."""
+    return f"cache={escape_partition(cache)}"
+
+
+def cache_of(component: str) -> str:
+    """The cache name of a ``cache=<name>`` path component."""
+    return unquote(component.removeprefix("cache="))
+
+
 def state_path(lake: Path, cache: str) -> Path:
-    return lake / STATE_DIR / f"cache={cache}"
+    return lake / STATE_DIR / cache_dir(cache)
 
 
 def compact(spark: Any, lake: Path, only: str | None = None) -> dict[str, CompactMeta]:
@@ -63,7 +75,7 @@ def compact(spark: Any, lake: Path, only: str | None = None) -> dict[str, Compac
     by_cache: dict[str, list[tuple[int, str]]] = {}
     for entry in lake_log.entries:
         for rel in entry.files:
-            name = rel.split("/", 1)[0].removeprefix("cache=")
+            name = cache_of(rel.split("/", 1)[0])
             by_cache.setdefault(name, []).append((entry.seq, rel))
     done: dict[str, CompactMeta] = {}
     for cache, files in sorted(by_cache.items()):
@@ -91,7 +103,7 @@ def compact(spark: Any, lake: Path, only: str | None = None) -> dict[str, Compac
             .select(*STATE_COLUMNS)
         )
         version = meta.version + 1
-        target = lake / STATE_DIR / "_versions" / cache / str(version)
+        target = lake / STATE_DIR / "_versions" / cache_dir(cache) / str(version)
         shutil.rmtree(target, ignore_errors=True)
         state.coalesce(max(1, min(8, len(new) // 50 + 1))).write.parquet(str(target))
         rows = spark.read.parquet(str(target)).count()
@@ -103,7 +115,7 @@ def compact(spark: Any, lake: Path, only: str | None = None) -> dict[str, Compac
         os.replace(tmp_link, link)  # the swap readers see atomically
         new_meta = CompactMeta(seq=last_seq, version=version, rows=rows)
         _write_meta(lake, cache, new_meta)
-        old = lake / STATE_DIR / "_versions" / cache / str(version - 2)
+        old = lake / STATE_DIR / "_versions" / cache_dir(cache) / str(version - 2)
         shutil.rmtree(old, ignore_errors=True)  # keep one previous version for readers in flight
         log.info("lake_compacted", cache=cache, version=version, rows=rows, new_files=len(new), seq=last_seq)
         done[cache] = new_meta

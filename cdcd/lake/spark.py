@@ -8,6 +8,9 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+DRIVER_MEMORY = "2g"
+"""Default heap of the driver JVM (Spark's own default, 1g, runs out with 500k-row batches)."""
+
 _lock = threading.Lock()
 _users = 0
 _session: Any = None
@@ -32,9 +35,18 @@ def acquire(master: str, app_name: str, conf: Mapping[str, str]) -> Any:
                 .config("spark.sql.execution.arrow.pyspark.enabled", "true")
                 .config("spark.sql.sources.partitionOverwriteMode", "dynamic")
                 .config("spark.sql.parquet.compression.codec", "zstd")
+                # What pyarrow writes (writer = "arrow"): one timestamp encoding across the lake.
+                .config("spark.sql.parquet.outputTimestampType", "TIMESTAMP_MICROS")
             )
+            # A JVM out of heap can leave a job waiting forever (seen: the local scheduler's
+            # dispatcher dies of it): exit instead, so the write fails and the daemon with it.
+            java_opts = conf.get("spark.driver.extraJavaOptions", "")
+            if "OutOfMemoryError" not in java_opts:
+                java_opts = f"{java_opts} -XX:+ExitOnOutOfMemoryError".strip()
+            builder = builder.config("spark.driver.memory", DRIVER_MEMORY)
             for key, value in conf.items():
                 builder = builder.config(key, value)
+            builder = builder.config("spark.driver.extraJavaOptions", java_opts)
             _session = builder.getOrCreate()
             _session.sparkContext.setLogLevel("WARN")
         _users += 1

@@ -11,7 +11,7 @@ from typing import Any
 import pyarrow.dataset as ds
 
 from cdcd.lake.arrow import to_json
-from cdcd.lake.compact import read_meta, state_path
+from cdcd.lake.compact import cache_of, read_meta, state_path
 from cdcd.lake.log import LakeLog
 
 _MASK = (1 << 64) - 1
@@ -69,7 +69,7 @@ def _lake_caches(lake: Path) -> list[str]:
     state = lake / "state"
     if not state.exists():
         return []
-    return [p.name.removeprefix("cache=") for p in state.iterdir() if p.name.startswith("cache=")]
+    return [cache_of(p.name) for p in state.iterdir() if p.name.startswith("cache=")]
 
 
 def show(lake: Path) -> list[dict[str, Any]]:

@@ -20,7 +20,14 @@ from cdcd.lock import DirLock, LockHeld
 from cdcd.node.archiver import Archiver, check_same_filesystem
 from cdcd.node.cache import REMOVE, Cache
 from cdcd.node.config import NodeConfig
-from cdcd.node.realtime import Metastorage, RealtimeError, RealtimeWorker, daemon_position, read_daemon_state
+from cdcd.node.realtime import (
+    Metastorage,
+    RealtimeError,
+    RealtimeMode,
+    RealtimeWorker,
+    daemon_position,
+    read_daemon_state,
+)
 from cdcd.node.recovery import recover
 from cdcd.node.store import CheckpointMeta, PageStore, cache_prefix
 from cdcd.node.transaction import Transaction
@@ -402,6 +409,8 @@ class Node:
                     mode = self.realtime.request_on()
                 elif state == "off":
                     mode = self.realtime.wait_off(self.realtime.request_off(), timeout_s=2.0)
+                    if mode is not RealtimeMode.OFF:  # a long batch (a big lake write) is finishing first
+                        return {"realtime": "stopping"}
                 else:
                     raise ControlError("realtime: state must be 'on' or 'off'")
             except RealtimeError as exc:

@@ -13,12 +13,20 @@ _decoder = msgspec.msgpack.Decoder()
 _OPS = {Op.CREATE: "create", Op.UPDATE: "update", Op.DELETE: "delete"}
 
 
+def json_key(key: Any) -> str:
+    """A map key as a JSON object key: numbers and bytes exactly as msgspec writes them as keys
+    (the lake's JSON text must not depend on which path made it), anything else as its JSON text."""
+    if isinstance(key, str):
+        return key
+    if isinstance(key, int | float | bytes) and not isinstance(key, bool):
+        return msgspec.json.encode({key: None})[2:-7].decode()  # '{"<key>":null}'
+    return msgspec.json.encode(jsonable(key)).decode()
+
+
 def jsonable(obj: Any) -> Any:
-    """Map keys that JSON cannot hold (ints, lists) become strings; bytes stay (base64 in JSON)."""
+    """Map keys that JSON cannot hold (ints, tuples, ...) become strings; bytes stay (base64 in JSON)."""
     if isinstance(obj, dict):
-        return {
-            k if isinstance(k, str) else msgspec.json.encode(jsonable(k)).decode(): jsonable(v) for k, v in obj.items()
-        }
+        return {json_key(k): jsonable(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [jsonable(v) for v in obj]
     return obj

@@ -8,6 +8,9 @@ a 10k-row landing and a small window query, so class loading and code generation
 are out of the timings) are reported separately and never inside a timing.
 Work dirs live under ``$CDCD_BENCH_DIR`` or the system temp dir.
 
+Every lake benchmark runs with the default ``writer = "arrow"`` and, as ``*.spark``, with
+``writer = "spark"`` (``createDataFrame`` + ``write.parquet`` on ``local[2]``).
+
 - ``lake.ingest``: the backlog (setup, untimed): a node dir written by a ``Node`` in background
   mode with 16 MiB segments, ``wal_force_archive_timeout_ms=0``, ``archive_max_bytes=0``: fresh
   int keys, ~100-byte dict values (``lake_value``: 99 bytes of MessagePack), ``put_all``
@@ -51,6 +54,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import functools
 import json
 import math
 import os
@@ -222,7 +226,7 @@ class SharedSpark:
 SPARK = SharedSpark()
 
 
-def _consumer(lake: Path) -> Any:
+def _consumer(lake: Path, writer: str) -> Any:
     from cdcd.sinks.spark import SparkLakeConsumer, SparkOptions
 
     class TimedSparkConsumer(SparkLakeConsumer):
@@ -241,7 +245,9 @@ def _consumer(lake: Path) -> Any:
                 self.on_events_s += time.perf_counter() - t0
                 self.batches += 1
 
-    return TimedSparkConsumer(SparkOptions(lake_path=str(lake), spark_master=SPARK_MASTER, app_name=APP_NAME))
+    return TimedSparkConsumer(
+        SparkOptions(lake_path=str(lake), spark_master=SPARK_MASTER, app_name=APP_NAME, writer=writer)  # type: ignore[arg-type]
+    )
 
 
 def _lake_rows(lake: Path) -> int:
@@ -338,11 +344,16 @@ async def _run_until(daemon: Daemon, last_segment: int) -> float:
 
 
 def run_ingest(
-    *, entries: int, form: str, batch_events: int = INGEST_BATCH_EVENTS, batch_delay_ms: int = INGEST_BATCH_DELAY_MS
+    *,
+    entries: int,
+    form: str,
+    writer: str = "spark",
+    batch_events: int = INGEST_BATCH_EVENTS,
+    batch_delay_ms: int = INGEST_BATCH_DELAY_MS,
 ) -> Measurement:
     last = BACKLOG.restore()
     SPARK.ensure()
-    consumer = _consumer(BACKLOG.lake)
+    consumer = _consumer(BACKLOG.lake, writer)
     config = DaemonConfig(
         node_dir=str(BACKLOG.node_dir),
         metrics_address="",
@@ -499,7 +510,7 @@ def _lake_lags(lake: Path) -> tuple[list[int], list[int], list[int]]:
     return ts_all, lags, rows
 
 
-def run_lag(*, seconds: float, drop_s: float, rate: int) -> Measurement:
+def run_lag(*, seconds: float, drop_s: float, rate: int, lake_writer: str = "arrow") -> Measurement:
     SPARK.ensure()
     work = Path(tempfile.mkdtemp(prefix="cdcd-bench-lake-lag-", dir=_bench_dir()))
     try:
@@ -524,7 +535,7 @@ def run_lag(*, seconds: float, drop_s: float, rate: int) -> Measurement:
                 if writer.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"lag writer did not open its node:\n{_tail(writer_log)}")
                 time.sleep(0.01)
-            consumer = _consumer(lake)
+            consumer = _consumer(lake, lake_writer)
             config = DaemonConfig(
                 node_dir=str(node_dir),
                 metrics_address="",
@@ -729,15 +740,18 @@ def benchmarks(quick: bool) -> list[Bench]:
         SPARK.ensure()
         BACKLOG.ensure(entries)
 
-    def ingest(name: str, form: str, goal: float | None, max_repeats: int, last: bool) -> Bench:
-        more = (Metric("spark_s", "spark_s", "s"), Metric("build_commit_s", "build_commit_s", "s"))
-        if not last:
+    def ingest(name: str, form: str, goal: float | None, max_repeats: int, last: bool, writer: str) -> Bench:
+        more: tuple[Metric, ...] = (Metric("write_s", "spark_s", "s"), Metric("build_commit_s", "build_commit_s", "s"))
+        if name == "lake.ingest":
             more += (Metric("spark_startup", "spark_startup_s", "s"), Metric("spark_warmup", "spark_warmup_s", "s"))
         teardown = BACKLOG.cleanup if last else None
         return Bench(
             name=name,
-            description=f"Daemon.{form}() landing a {_label(entries)}-entry backlog in the lake (spark {SPARK_MASTER})",
-            run_once=lambda: run_ingest(entries=entries, form=form),
+            description=(
+                f"Daemon.{form}() landing a {_label(entries)}-entry backlog in the lake "
+                + (f"(spark {SPARK_MASTER})" if writer == "spark" else "(writer = arrow)")
+            ),
+            run_once=lambda: run_ingest(entries=entries, form=form, writer=writer),
             unit="rows/s",
             goal=goal,
             setup=ingest_setup,
@@ -747,6 +761,7 @@ def benchmarks(quick: bool) -> list[Bench]:
             params={
                 "entries": entries,
                 "form": form,
+                "writer": writer,
                 "batch_max_events": INGEST_BATCH_EVENTS,
                 "batch_max_bytes": INGEST_BATCH_BYTES,
                 **({"batch_max_delay_ms": INGEST_BATCH_DELAY_MS} if form == "run" else {}),
@@ -756,32 +771,40 @@ def benchmarks(quick: bool) -> list[Bench]:
         )
 
     return [
-        ingest("lake.ingest", "sync_once", INGEST_GOAL, 1 if quick else 2, last=False),
-        ingest("lake.ingest.run", "run", INGEST_GOAL, 1, last=True),
-        Bench(
-            name="lake.lag.live",
-            description=(
-                f"commit-to-lake lag, node writing {LAG_RATE} entries/s (force-archive {LAG_FORCE_ARCHIVE_MS} ms), "
-                f"Daemon.run() + spark, {lag_seconds:.0f}s"
-            ),
-            run_once=lambda: run_lag(seconds=lag_seconds, drop_s=lag_drop_s, rate=LAG_RATE),
-            metric="p50",
-            unit="ms",
-            setup=SPARK.ensure,
-            max_repeats=1,
-            more=(
-                Metric("p99", "p99_ms", "ms", LAG_GOAL_MS, lower_is_better=True),
-                Metric("max", "max_ms", "ms"),
-            ),
-            params={
-                "rate": LAG_RATE,
-                "seconds": lag_seconds,
-                "dropped_s": lag_drop_s,
-                "wal_force_archive_timeout_ms": LAG_FORCE_ARCHIVE_MS,
-                "batch_max_delay_ms": LAG_BATCH_DELAY_MS,
-                **spark,
-                **shape,
-            },
+        ingest("lake.ingest", "sync_once", INGEST_GOAL, 1 if quick else 2, last=False, writer="arrow"),
+        ingest("lake.ingest.run", "run", INGEST_GOAL, 1, last=False, writer="arrow"),
+        ingest("lake.ingest.spark", "sync_once", INGEST_GOAL, 1 if quick else 2, last=False, writer="spark"),
+        ingest("lake.ingest.spark.run", "run", INGEST_GOAL, 1, last=True, writer="spark"),
+        *(
+            Bench(
+                name="lake.lag.live" + ("" if writer == "arrow" else ".spark"),
+                description=(
+                    f"commit-to-lake lag, node writing {LAG_RATE} entries/s (force-archive {LAG_FORCE_ARCHIVE_MS} ms), "
+                    f"Daemon.run() + writer = {writer}, {lag_seconds:.0f}s"
+                ),
+                run_once=functools.partial(
+                    run_lag, seconds=lag_seconds, drop_s=lag_drop_s, rate=LAG_RATE, lake_writer=writer
+                ),
+                metric="p50",
+                unit="ms",
+                setup=SPARK.ensure,
+                max_repeats=1,
+                more=(
+                    Metric("p99", "p99_ms", "ms", LAG_GOAL_MS, lower_is_better=True),
+                    Metric("max", "max_ms", "ms"),
+                ),
+                params={
+                    "rate": LAG_RATE,
+                    "seconds": lag_seconds,
+                    "dropped_s": lag_drop_s,
+                    "wal_force_archive_timeout_ms": LAG_FORCE_ARCHIVE_MS,
+                    "batch_max_delay_ms": LAG_BATCH_DELAY_MS,
+                    "writer": writer,
+                    **spark,
+                    **shape,
+                },
+            )
+            for writer in ("arrow", "spark")
         ),
         Bench(
             name="lake.compact",
