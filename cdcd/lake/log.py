@@ -86,8 +86,10 @@ class NotALake(ValueError):
 
 
 class LakeLog:
-    def __init__(self, lake: Path, *, create: bool = True) -> None:
-        """``create=False`` for readers: a directory without a commit log is refused, never changed."""
+    def __init__(self, lake: Path, *, create: bool = True, keep_entries: bool = True) -> None:
+        """``create=False`` for readers: a directory without a commit log is refused, never changed.
+        ``keep_entries=False`` for writers: only the high-water marks are kept in memory, which then
+        stays bounded however long the log grows."""
         self.lake = lake
         self.log_dir = lake / LOG_DIR
         self.staging = lake / STAGING_DIR
@@ -99,9 +101,13 @@ class LakeLog:
                 d.mkdir(parents=True, exist_ok=True)
         self._decoder = msgspec.json.Decoder(LogEntry)
         self._encoder = msgspec.json.Encoder()
+        self.keep_entries = keep_entries
         self.entries: list[LogEntry] = []
+        """Every entry read so far (only with ``keep_entries``)."""
+        self.entry_count = 0
         self.high_water: dict[str, WalPosition] = {}
         self._seen = -1
+        self._read_once = False
         self.linked_batch = ""
         """The last batch whose entry this process linked into the log."""
 
@@ -112,23 +118,41 @@ class LakeLog:
             if name.endswith(".json") and name[:-5].isdigit():
                 yield int(name[:-5]), Path(entry.path)
 
+    def _path(self, seq: int) -> Path:
+        return self.log_dir / f"{seq:020d}.json"
+
+    def _read(self, path: Path) -> LogEntry:
+        try:
+            return self._decoder.decode(path.read_bytes())
+        except (msgspec.DecodeError, OSError) as exc:
+            raise RuntimeError(f"{path}: unreadable lake log entry: {exc}") from exc
+
     def refresh(self) -> list[LogEntry]:
-        """Read entries committed since the last refresh (by anyone); returns them in order."""
-        new = []
-        for seq, path in sorted(self._entry_files()):
-            if seq <= self._seen:
-                continue
-            try:
-                entry = self._decoder.decode(path.read_bytes())
-            except (msgspec.DecodeError, OSError) as exc:
-                raise RuntimeError(f"{path}: unreadable lake log entry: {exc}") from exc
-            new.append(entry)
-            self._seen = seq
+        """Read entries committed since the last refresh (by anyone); returns them in order.
+
+        The first call lists the directory; later ones open the next sequence numbers until one is
+        missing (commits take them without gaps), so a batch costs the same in a log of any length."""
+        new: list[LogEntry] = []
+        if not self._read_once:
+            self._read_once = True
+            for seq, path in sorted(self._entry_files()):
+                if seq != self._seen + 1:
+                    raise RuntimeError(f"{self.log_dir}: lake log has a gap before {path.name}")
+                new.append(self._read(path))
+                self._seen = seq
+        while True:
+            path = self._path(self._seen + 1)
+            if not path.exists():
+                break
+            new.append(self._read(path))
+            self._seen += 1
         for entry in new:
-            self.entries.append(entry)
+            if self.keep_entries:
+                self.entries.append(entry)
             hw = self.high_water.get(entry.source)
             if hw is None or entry.last > hw:
                 self.high_water[entry.source] = entry.last
+        self.entry_count += len(new)
         return new
 
     @property
@@ -146,18 +170,21 @@ class LakeLog:
                         f"{other.batch} committed {other.first}..{other.last} of {other.source} first"
                     )
             entry = msgspec.structs.replace(entry, seq=self.next_seq, committed_ns=time.time_ns())
-            final = self.log_dir / f"{entry.seq:020d}.json"
+            final = self._path(entry.seq)
             tmp = self.log_dir / f".{entry.batch}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(self._encoder.encode(entry))
-                f.flush()
-                os.fsync(f.fileno())
             try:
-                os.link(tmp, final)  # refuses to overwrite: two writers cannot take one seq
-            except FileExistsError:
-                continue  # someone else took this seq: re-read and try the next
-            finally:
-                tmp.unlink(missing_ok=True)
+                with open(tmp, "wb") as f:
+                    f.write(self._encoder.encode(entry))
+                    f.flush()
+                    os.fsync(f.fileno())
+                try:
+                    os.link(tmp, final)  # refuses to overwrite: two writers cannot take one seq
+                except FileExistsError:
+                    continue  # someone else took this seq: re-read and try the next
+                finally:
+                    tmp.unlink(missing_ok=True)
+            except OSError as exc:
+                raise _with_path(exc, f"lake log {final}") from None
             self.linked_batch = entry.batch  # committed from here on, whatever fails next
             fsync_dir(self.log_dir)
             self.refresh()
@@ -171,10 +198,15 @@ class LakeLog:
             src, dst = src_root / rel, self.changes / rel
             if dst.exists():
                 continue
-            if not src.exists():
-                raise RuntimeError(f"lake: {src} named by log entry {entry.seq} is missing")
             dst.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(src, dst)
+            try:
+                os.rename(src, dst)
+            except FileNotFoundError:
+                if dst.exists():  # another writer's recover() published it a moment ago
+                    continue
+                raise RuntimeError(
+                    f"lake: {src} named by log entry {entry.seq} is missing (and not in {self.changes})"
+                ) from None
             touched.add(dst.parent)
         for d in touched:
             fsync_dir(d)
@@ -182,11 +214,15 @@ class LakeLog:
 
     def recover(self) -> None:
         """Finish publishing committed batches; delete staging nobody committed or owns."""
-        self.refresh()
-        committed = {e.batch: e for e in self.entries}
-        for entry in self.entries:
-            if (self.staging / entry.batch).exists():
+        if not self.keep_entries and self._read_once:
+            raise RuntimeError("LakeLog.recover() must be the first read of a log that keeps no entries")
+        new = self.refresh()
+        staged = {d.name for d in os.scandir(self.staging)}
+        committed = {e.batch for e in (self.entries if self.keep_entries else new)}
+        for entry in self.entries if self.keep_entries else new:
+            if entry.batch in staged:
                 self.publish(entry)
+        del new  # at start-up only: the whole log passes through memory once
         for d in os.scandir(self.staging):
             if d.name in committed or _owner_alive(d.name):
                 continue
@@ -195,6 +231,12 @@ class LakeLog:
         for stale in self.log_dir.glob(".*.tmp"):
             if not _owner_alive(stale.name[1:-4]):
                 stale.unlink(missing_ok=True)
+
+
+def _with_path(exc: OSError, where: str) -> OSError:
+    """The same OSError, its message naming the lake file (ENOSPC from a write names none)."""
+    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    return OSError(exc.errno, f"{where}: {reason}")
 
 
 def check_writable(lake: Path) -> None:

@@ -81,7 +81,7 @@ class SparkLakeConsumer(Consumer):
 
     def start(self, registry: Any = None) -> None:
         check_writable(self.lake)
-        self._log = LakeLog(self.lake)
+        self._log = LakeLog(self.lake, keep_entries=False)
         self._log.recover()
         opts = self.options
         log.info(
@@ -89,7 +89,7 @@ class SparkLakeConsumer(Consumer):
             lake=str(self.lake),
             spark_master=opts.spark_master,
             spark_conf=mask_mapping(opts.spark_conf),
-            committed_batches=len(self._log.entries),
+            committed_batches=self._log.entry_count,
         )
         if opts.writer == "spark":
             self._spark = spark_session.acquire(opts.spark_master, opts.app_name, opts.spark_conf)
