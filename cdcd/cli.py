@@ -17,6 +17,7 @@ import structlog
 from cdcd import __version__
 from cdcd.config import ConfigError
 from cdcd.logging import configure as configure_logging
+from cdcd.secrets import mask_value
 from cdcd.wal.errors import MissingSegment, WalError
 from cdcd.wal.pointer import WalPointer
 
@@ -28,7 +29,7 @@ EXIT_BAD_WAL = 5
 
 
 def fail(message: str, code: int) -> NoReturn:
-    click.echo(f"cdcd: error: {message}", err=True)
+    click.echo(f"cdcd: error: {mask_value(message)}", err=True)
     sys.exit(code)
 
 
@@ -278,6 +279,7 @@ def state_show(config_path: Path, as_json: bool) -> None:
     click.echo(f"{'caches':<12} {caches}")
     if info["ignored_files"]:
         click.echo(f"{'ignored':<12} {', '.join(info['ignored_files'])}")
+    click.echo(f"{'consumer':<12} {msgspec.json.encode(info['consumer']).decode()}")
 
 
 @main.group()
@@ -344,6 +346,7 @@ def control_status(ctx: click.Context, as_json: bool) -> None:
         ("lag", f"{reply['lag_segments']} segment(s)" if reply["lag_segments"] is not None else "-"),
         ("lag ms", f"{reply['lag_ms']:.1f}" if reply["lag_ms"] is not None else "-"),
         ("realtime stops", ", ".join(f"{k}={v}" for k, v in rt["stops"].items()) or "-"),
+        ("consumer", msgspec.json.encode(reply.get("realtime_consumer") or {}).decode()),
     ]
     for name, value in rows:
         click.echo(f"{name:<17} {value}")

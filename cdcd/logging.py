@@ -8,6 +8,8 @@ from typing import Literal
 
 import structlog
 
+from cdcd.secrets import mask_log_event
+
 LogFormat = Literal["json", "console"]
 
 
@@ -24,6 +26,7 @@ def configure(log_format: LogFormat = "json", level: str = "info") -> None:
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,
+            mask_log_event,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),

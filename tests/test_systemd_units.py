@@ -74,3 +74,26 @@ def test_daemon_sends_ready_and_watchdog(tmp_path: Path) -> None:
     finally:
         proc.kill()
         sock.close()
+
+
+SECURITY_MAX_EXPOSURE = 3.5
+"""`systemd-analyze security` exposure (0 = locked down, 10 = unprotected); both units score 3.2 on systemd 252."""
+
+
+@pytest.mark.parametrize("unit", ["cdcd@.service", "cdcd-node@.service"])
+def test_unit_security_exposure_stays_low(unit: str, tmp_path: Path) -> None:
+    """`systemd-analyze security --offline=yes` rates the unit's sandbox at or below the recorded exposure."""
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        pytest.skip("systemd-analyze not installed")
+    instance = tmp_path / unit.replace("@", "@test")
+    instance.write_text((UNITS / unit).read_text())
+    res = subprocess.run(
+        [tool, "security", "--offline=yes", str(instance)], capture_output=True, text=True, timeout=60
+    )
+    if "Unknown option" in res.stderr or "unrecognized option" in res.stderr:
+        pytest.skip("this systemd-analyze cannot assess unit files offline")
+    lines = [line for line in res.stdout.splitlines() if "Overall exposure level" in line]
+    assert lines, res.stdout[-2000:] + res.stderr[-2000:]
+    exposure = float(lines[0].split(":")[1].split()[0])
+    assert exposure <= SECURITY_MAX_EXPOSURE, lines[0]

@@ -11,6 +11,7 @@ import msgspec
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import INITIAL_MODE, daemon_lock
 from cdcd.daemon.state import DaemonState, StateStore
+from cdcd.secrets import mask_mapping
 from cdcd.wal.pointer import WalPosition
 from cdcd.wal.segment import list_segments
 
@@ -44,6 +45,7 @@ def show_state(config: DaemonConfig) -> dict[str, Any]:
         "first_link": min(links) if links else None,
         "last_link": max(links) if links else None,
         "ignored_files": [p.name for p in refused],
+        "consumer": mask_mapping(config.consumer),
     }
 
 

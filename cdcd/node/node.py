@@ -32,6 +32,7 @@ from cdcd.node.recovery import recover
 from cdcd.node.store import CheckpointMeta, PageStore, cache_prefix
 from cdcd.node.transaction import Transaction
 from cdcd.node.wal_log import WalLog
+from cdcd.secrets import mask_mapping
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import (
     NIL,
@@ -398,6 +399,7 @@ class Node:
             "delivering": delivering,
             "lag_segments": max(0, wal_pos.segment - committed.segment) if committed is not None else None,
             "lag_ms": lag_ms,
+            "realtime_consumer": mask_mapping(self.config.realtime_consumer),
         }
 
     def _control(self, req: dict[str, Any]) -> dict[str, Any]:
