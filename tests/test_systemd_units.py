@@ -88,9 +88,7 @@ def test_unit_security_exposure_stays_low(unit: str, tmp_path: Path) -> None:
         pytest.skip("systemd-analyze not installed")
     instance = tmp_path / unit.replace("@", "@test")
     instance.write_text((UNITS / unit).read_text())
-    res = subprocess.run(
-        [tool, "security", "--offline=yes", str(instance)], capture_output=True, text=True, timeout=60
-    )
+    res = subprocess.run([tool, "security", "--offline=yes", str(instance)], capture_output=True, text=True, timeout=60)
     if "Unknown option" in res.stderr or "unrecognized option" in res.stderr:
         pytest.skip("this systemd-analyze cannot assess unit files offline")
     lines = [line for line in res.stdout.splitlines() if "Overall exposure level" in line]
