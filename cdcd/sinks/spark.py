@@ -58,7 +58,7 @@ class SparkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     app_name: str = "cdcd-lake"
     partition_by_day: bool = False
     max_files_per_batch: int = 2
-    """Spark output is coalesced to at most this many files per batch."""
+    """At most this many files per batch and partition (Spark: coalesced; arrow: parts of >= 100k rows)."""
     writer: Literal["arrow", "spark"] = "arrow"
     """Who writes the change files: pyarrow in this process (no JVM in the daemon or the node, ~2x the
     ingest rate and a third of the lag on a small machine), or Spark (``createDataFrame`` +
@@ -87,6 +87,7 @@ class SparkLakeConsumer(Consumer):
         log.info(
             "lake_sink_starting",
             lake=str(self.lake),
+            writer=opts.writer,
             spark_master=opts.spark_master,
             spark_conf=mask_mapping(opts.spark_conf),
             committed_batches=self._log.entry_count,
