@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from cdcd.consumer import OP_NAMES, EventBatch, RecordSlice
-from cdcd.wal.dump import jsonable
+from cdcd.lake.jsontext import joined, json_texts, to_json_bytes
 from cdcd.wal.pointer import WalPosition
 from cdcd.wal.records import DataEntry, Op
 
@@ -35,8 +35,6 @@ SCHEMA = pa.schema(
 )
 """``cache`` (and ``day`` when enabled) become directory partitions: changes/cache=<name>/day=.../"""
 
-_msgpack = msgspec.msgpack.Decoder()
-_json = msgspec.json.Encoder()
 _OPS = pa.array([OP_NAMES[op] for op in sorted(Op)], pa.string())
 """Indexed by the Op value."""
 
@@ -50,17 +48,6 @@ _version = attrgetter("version")
 _order = attrgetter("order")
 _cluster = attrgetter("cluster_id")
 _cache_id = attrgetter("cache_id")
-
-
-def to_json_bytes(raw: bytes | msgspec.Raw) -> bytes:
-    """MessagePack key or value as UTF-8 JSON. Map keys JSON cannot hold as they are (tuples,
-    bools, ...) become their JSON text; msgspec already writes int and float keys as strings,
-    exactly as that fallback does, so both paths agree wherever both work."""
-    value = _msgpack.decode(raw)
-    try:
-        return _json.encode(value)
-    except TypeError:
-        return _json.encode(jsonable(value))
 
 
 def to_json(raw: bytes | msgspec.Raw) -> str:
@@ -107,23 +94,23 @@ def split_slices(slices: list[RecordSlice], parts: int, min_rows: int) -> list[l
     return out
 
 
-def _json_column(raws: list[msgspec.Raw], nulls: np.ndarray | None = None) -> pa.Array:
-    """JSON texts as one Arrow string array, straight from the joined bytes and their offsets:
-    ``pa.array`` over 500k Python bytes objects costs as much again as producing them."""
-    try:  # the common case in one C-level pass; a value JSON cannot hold as it is sends all back
-        texts = list(map(_json.encode, map(_msgpack.decode, raws)))
-    except TypeError:
-        texts = list(map(to_json_bytes, raws))
-    offsets = np.zeros(len(texts) + 1, np.int32)
-    np.cumsum(np.fromiter(map(len, texts), np.int32, len(texts)), out=offsets[1:])
-    validity = None
-    null_count = 0
-    if nulls is not None and nulls.any():
-        validity = pa.py_buffer(np.packbits(~nulls, bitorder="little"))
-        null_count = int(nulls.sum())
-    return pa.StringArray.from_buffers(
-        len(texts), pa.py_buffer(offsets), pa.py_buffer(b"".join(texts)), validity, null_count
-    )
+def _key_value_columns(
+    offsets: np.ndarray[Any, Any], data: bytes, n: int, deletes: np.ndarray[Any, Any]
+) -> tuple[pa.Array, pa.Array]:
+    """Keys and values (null on delete) as two zero-copy slices of one Arrow string buffer holding
+    the JSON texts of ``n`` keys followed by ``n`` values (``pa.array`` over a million Python bytes
+    objects would cost as much again as producing them)."""
+    if len(data) >= 2**31:
+        raise ValueError(f"{len(data)} bytes of JSON in one batch: over Arrow's 2 GiB limit, lower batch_max_bytes")
+    offsets_buf = pa.py_buffer(offsets.astype(np.int32))
+    data_buf = pa.py_buffer(data)
+    keys = pa.StringArray.from_buffers(n, offsets_buf, data_buf, None, 0, 0)
+    null_count = int(deletes.sum())
+    if not null_count:
+        return keys, pa.StringArray.from_buffers(n, offsets_buf, data_buf, None, 0, n)
+    valid = np.concatenate([np.ones(n, np.bool_), ~deletes])
+    validity = pa.py_buffer(np.packbits(valid, bitorder="little"))
+    return keys, pa.StringArray.from_buffers(n, offsets_buf, data_buf, validity, null_count, n)
 
 
 def _ints(values: Iterator[Any], dtype: type, n: int) -> np.ndarray[Any, Any]:
@@ -132,7 +119,10 @@ def _ints(values: Iterator[Any], dtype: type, n: int) -> np.ndarray[Any, Any]:
 
 
 def build_table(
-    slices: list[RecordSlice], names: EventBatch, source_node: str, partition_by_day: bool
+    slices: list[RecordSlice],
+    names: EventBatch,
+    source_node: str,
+    partition_by_day: bool,
 ) -> tuple[pa.Table, dict[str, tuple[int, int]]]:
     """The rows of ``slices`` as one Arrow table, plus (rows, max commit ts ns) per cache.
 
@@ -159,14 +149,20 @@ def build_table(
     ids, which = np.unique(cache_ids, return_inverse=True)
     cache_names = [names.cache_name(int(i)) for i in ids]
     commit_ts = pa.array(ts_ns // 1000, pa.int64()).cast(pa.timestamp("us", tz="UTC"))
+    partitions = pa.array(_ints(map(_partition, entries), np.int32, n))
+    primaries = pa.array(_ints(map(_primary, entries), np.bool_, n))
+    orders = pa.array(_ints(map(_order, versions), np.int64, n))
+    clusters = pa.array(_ints(map(_cluster, versions), np.int32, n))
+    offsets_, data = joined(json_texts(list(map(_key, entries)) + list(map(_value, entries))))
+    keys, values = _key_value_columns(offsets_, data, n, ops == Op.DELETE)
     columns = [
         _OPS.take(pa.array(ops)),
-        _json_column(list(map(_key, entries))),
-        _json_column(list(map(_value, entries)), ops == Op.DELETE),
-        pa.array(_ints(map(_partition, entries), np.int32, n)),
-        pa.array(_ints(map(_primary, entries), np.bool_, n)),
-        pa.array(_ints(map(_order, versions), np.int64, n)),
-        pa.array(_ints(map(_cluster, versions), np.int32, n)),
+        keys,
+        values,
+        partitions,
+        primaries,
+        orders,
+        clusters,
         commit_ts,
         pa.array([source_node], pa.string()).take(pa.array(np.zeros(n, np.int32))),
         pa.array(np.repeat(np.array(segments, np.int64), reps)),
