@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install test lint bench run clean
+.PHONY: install test lint bench bench-pg run clean
 
 install: $(STAMP)
 
@@ -24,6 +24,11 @@ lint: install
 
 bench: install
 	$(BIN)/python -m tests.bench.run
+
+# cdcd and a private PostgreSQL cluster side by side (ARGS="--quick" for a few minutes).
+bench-pg: install
+	@bash scripts/ensure-postgres.sh
+	$(BIN)/python -m tests.bench.bench_pg $(ARGS)
 
 run: install
 	$(BIN)/cdcd demo --rate 2000
