@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install test lint bench bench-pg run clean
+.PHONY: install test lint bench bench-pg fuzz run clean
 
 install: $(STAMP)
 
@@ -29,6 +29,13 @@ bench: install
 bench-pg: install
 	@bash scripts/ensure-postgres.sh
 	$(BIN)/python -m tests.bench.bench_pg $(ARGS)
+
+# The WAL reader against a million random and mutated segments (FUZZ_ENGINE=hypothesis|atheris).
+FUZZ_CASES  ?= 1000000
+FUZZ_ENGINE ?= random
+fuzz: install
+	@if [ "$(FUZZ_ENGINE)" = atheris ]; then $(BIN)/pip install --quiet atheris; fi
+	$(BIN)/python -m tests.fuzz.run --cases $(FUZZ_CASES) --engine $(FUZZ_ENGINE)
 
 run: install
 	$(BIN)/cdcd demo --rate 2000

@@ -52,6 +52,38 @@ log = structlog.get_logger("cdcd.node")
 # Keys are encoded with a deterministic map order so that equal keys have equal bytes.
 _key_encoder = msgspec.msgpack.Encoder(order="deterministic")
 _value_encoder = msgspec.msgpack.Encoder()
+
+MAX_NESTING = 256
+"""Deepest key or value accepted. Readers decode records with Python's recursion limit (~1000
+levels, less the reader's own stack): a value near that depth would be written fine and then be
+undecodable for every consumer — a permanent poison pill in the WAL."""
+
+
+def _too_deep(obj: Any) -> bool:
+    """True if ``obj`` nests containers deeper than MAX_NESTING (iterative: no recursion here)."""
+    stack = [(obj, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = [*item.keys(), *item.values()]
+        elif isinstance(item, list | tuple | set | frozenset):
+            children = item
+        else:
+            continue
+        if depth > MAX_NESTING:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def _encode(encoder: msgspec.msgpack.Encoder, obj: Any, info: CacheInfo, what: str) -> bytes:
+    raw = encoder.encode(obj)
+    # Each level costs at least one byte, so only encodings this long can be too deep to read back.
+    if len(raw) > MAX_NESTING and _too_deep(obj):
+        raise ValueError(f"cache {info.name!r}: {what} nests deeper than {MAX_NESTING} levels")
+    return raw
+
+
 _decoder = msgspec.msgpack.Decoder()
 
 
@@ -443,8 +475,8 @@ class Node:
         """``Cache.put``: ``_commit`` of a single put without the batch bookkeeping."""
         if value is None:
             raise ValueError(f"cache {info.name!r}: value must not be None (use remove)")
-        key_raw = _key_encoder.encode(key)
-        value_raw = msgspec.Raw(_value_encoder.encode(value))
+        key_raw = _encode(_key_encoder, key, info, "key")
+        value_raw = msgspec.Raw(_encode(_value_encoder, value, info, "value"))
         full_key = cache_prefix(info.cache_id) + key_raw
         partition = zlib.crc32(key_raw) % info.config.partitions
         config = self.config
@@ -483,8 +515,8 @@ class Node:
         for info, key, value in writes:
             if value is None:
                 raise ValueError(f"cache {info.name!r}: value must not be None (use remove)")
-            key_raw = _key_encoder.encode(key)
-            value_raw = NIL if value is REMOVE else msgspec.Raw(_value_encoder.encode(value))
+            key_raw = _encode(_key_encoder, key, info, "key")
+            value_raw = NIL if value is REMOVE else msgspec.Raw(_encode(_value_encoder, value, info, "value"))
             prepared.append(
                 (
                     info,

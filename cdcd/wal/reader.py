@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 
@@ -17,6 +20,21 @@ from cdcd.wal.segment import HEADER_SIZE, SegmentHeader, decode_header, list_seg
 
 DEFAULT_READ_BUFFER_BYTES = 1 << 20
 _SEGMENT_END = SegmentEnd.TYPE
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """Open a segment for reading: never through a symlink, never blocking on a FIFO or device
+    (``list_segments`` refuses those too, but a file can be swapped between listing and opening)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CorruptRecord(path, 0, "is a symlink; segments are read only as regular files") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptRecord(path, 0, "is not a regular file")
+    return os.fdopen(fd, "rb", buffering=0)
 
 
 class SegmentReader:
@@ -54,7 +72,7 @@ class SegmentReader:
 
     def __iter__(self) -> Iterator[tuple[WalPointer, Record]]:
         path, segment = self.path, self.segment
-        with open(path, "rb", buffering=0) as f:
+        with _open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             if not self.archived and size < HEADER_SIZE:
                 return  # created, header not written yet: an empty active segment
@@ -112,19 +130,23 @@ class SegmentReader:
                 decoder = decoders.get(rtype)
                 if decoder is None:
                     raise CorruptRecord(path, off, f"unknown record type {rtype} (known: {sorted(decoders)})")
+                if len(payload) < 2 or not (0x91 <= payload[0] <= 0x9F and payload[1] == rtype):
+                    # The type byte is outside the CRC: a flipped one must not pass as another type
+                    # (a skipped DataRecord) — every record is an array whose first item is its tag.
+                    raise CorruptRecord(path, off, f"record type {rtype} does not match its payload's tag")
                 bpos = start + length
                 self.end_offset = frame_end
+                if rtype == _SEGMENT_END and frame_end != size:
+                    raise CorruptRecord(path, frame_end, f"{size - frame_end} bytes after SegmentEnd")
                 if rtype in skip:
                     continue
                 try:
                     record = decoder.decode(payload)
-                except msgspec.DecodeError as exc:
+                except (msgspec.DecodeError, ValueError, RecursionError) as exc:
                     raise CorruptRecord(path, off, f"undecodable record of type {rtype}: {exc}") from None
                 yield WalPointer(segment, off), record
                 if rtype == _SEGMENT_END:
                     self.ended = True
-                    if frame_end != size:
-                        raise CorruptRecord(path, frame_end, f"{size - frame_end} bytes after SegmentEnd")
                     return
 
 
@@ -195,6 +217,8 @@ def iter_chunk(
     end = len(view)
     unpack = FRAME_HEADER.unpack_from
     while pos < end:
+        if end - pos < FRAME_HEADER_SIZE:
+            raise TruncatedSegment(path, offset + pos, f"chunk of segment {segment} ends inside a frame header")
         length, rtype, crc = unpack(view, pos)
         start = pos + FRAME_HEADER_SIZE
         payload = view[start : start + length]
@@ -206,5 +230,9 @@ def iter_chunk(
         decoder = DECODERS.get(rtype)
         if decoder is None:
             raise CorruptRecord(path, off, f"unknown record type {rtype}")
-        yield WalPointer(segment, off), decoder.decode(bytes(payload)), FRAME_HEADER_SIZE + length
+        try:
+            record = decoder.decode(bytes(payload))
+        except (msgspec.DecodeError, ValueError, RecursionError) as exc:
+            raise CorruptRecord(path, off, f"undecodable record of type {rtype}: {exc}") from None
+        yield WalPointer(segment, off), record, FRAME_HEADER_SIZE + length
         pos = start + length

@@ -12,7 +12,7 @@ from pathlib import Path
 from cdcd.wal.errors import BadSegmentHeader, BadSegmentName
 
 SEGMENT_SUFFIX = ".wal"
-_NAME_RE = re.compile(r"^(\d{16})\.wal$")
+_NAME_RE = re.compile(r"^([0-9]{16})\.wal\Z")
 
 MAGIC = b"CDCDWAL\x00"
 FORMAT_VERSION = 1
