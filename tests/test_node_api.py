@@ -97,6 +97,44 @@ def test_keys_and_values_nested_too_deep_to_read_back_are_refused(node: Node, no
     assert [msgspec.msgpack.decode(e.key) for r in data for e in r.entries] == ["ok"], "only the accepted put"
 
 
+def test_resend_under_concurrent_writes_never_puts_a_stale_value_last(node: Node, node_dir: Path) -> None:
+    """While a thread writes every key once more (a new value, or a remove), `resend` runs: applying the cache's WAL
+    entries in WAL order ends exactly at the node's state (no resent value lands after a newer write of its key)."""
+    c = node.cache("hot")
+    for first in range(0, 20_000, 500):  # records must fit the fixture's 64 KiB segments
+        c.put_all({k: 0 for k in range(first, first + 500)})
+
+    def writer() -> None:
+        for k in range(20_000):  # in key order, like resend: they overtake each other
+            if k % 7 == 0:
+                c.remove(k)
+            else:
+                c.put(k, f"new-{k}")
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        sent = [node.resend("hot")]
+    finally:
+        t.join()
+    assert sent[0] > 10_000
+    node.flush()
+    state: dict[object, object] = {}
+    records = wal_records(node_dir)
+    cache_id = next(r.cache_id for r in records if isinstance(r, CacheRecord) and r.name == "hot")
+    for r in records:
+        if isinstance(r, DataRecord):
+            for e in r.entries:
+                if e.cache_id != cache_id:
+                    continue
+                key = msgspec.msgpack.decode(e.key)
+                if e.op == Op.DELETE:
+                    state.pop(key, None)
+                else:
+                    state[key] = msgspec.msgpack.decode(e.value)
+    assert state == dict(c.items())
+
+
 def test_versions_partitions_and_cache_records(node: Node, node_dir: Path) -> None:
     """Every entry gets a strictly increasing version order and a stable partition; caches are WAL records."""
     c = node.cache("p", partitions=16)

@@ -379,36 +379,56 @@ class Node:
 
     def resend(self, cache: str) -> int:
         """Write every current entry of ``cache`` to the WAL as CREATE events with its version
-        (Ignite's ``--cdc resend``): seeds a new consumer, or refills what lost links dropped."""
+        (Ignite's ``--cdc resend``): seeds a new consumer, or refills what lost links dropped.
+
+        Each record's values are read under the write lock it is appended under, so a write that
+        lands meanwhile comes after the resent value in the WAL, never before it (a consumer
+        applying in WAL order ends with the current value). Returns the entries written."""
         info = self._caches.get(cache)
         if info is None:
             raise ValueError(f"no cache {cache!r} (caches: {', '.join(self.caches()) or 'none'})")
-        current = self._current(info)
+        prefix = cache_prefix(info.cache_id)
+        keys = sorted(self._current(info))
         record_bytes = min(1 << 20, self.config.wal_segment_size_bytes // 4)
         end = None
-        entries: list[DataEntry] = []
-        size = 0
-        for k in sorted(current):
-            value, version, expire = current[k]
-            partition = zlib.crc32(k) % info.config.partitions
-            raw_key, raw_value = msgspec.Raw(k), msgspec.Raw(value)
-            entries.append(DataEntry(info.cache_id, _CREATE, raw_key, raw_value, partition, version, True, expire))
-            size += len(k) + len(value) + 32
-            if size >= record_bytes:
-                end = self._append_resent(entries)
-                entries, size = [], 0
-        if entries:
-            end = self._append_resent(entries)
+        sent = 0
+        i = 0
+        while i < len(keys):
+            with self._lock:
+                self._check_open()
+                entries: list[DataEntry] = []
+                size = 0
+                while i < len(keys) and size < record_bytes:
+                    k = keys[i]
+                    i += 1
+                    current = self._current_locked(prefix + k)
+                    if current is None:  # removed since the key list was taken: its DELETE is in the WAL
+                        continue
+                    value, version, expire = current
+                    partition = zlib.crc32(k) % info.config.partitions
+                    entries.append(
+                        DataEntry(
+                            info.cache_id, _CREATE, msgspec.Raw(k), msgspec.Raw(value), partition, version, True, expire
+                        )
+                    )
+                    size += len(k) + len(value) + 32
+                if entries:
+                    _ptr, end = self._wal.append(DataRecord(entries, time.time_ns()))
+                    sent += len(entries)
         if end is not None:
             self._wal.wait_durable(end)
-        log.info("cache_resent", cache=cache, entries=len(current))
-        return len(current)
+        log.info("cache_resent", cache=cache, entries=sent)
+        return sent
 
-    def _append_resent(self, entries: list[DataEntry]) -> WalPointer:
-        with self._lock:
-            self._check_open()
-            _ptr, end = self._wal.append(DataRecord(entries, time.time_ns()))
-        return end
+    def _current_locked(self, full_key: bytes) -> tuple[bytes, CacheVersion, int] | None:
+        """(value, version, expire) of a live entry, None if absent; the caller holds ``_lock``."""
+        e = self._dirty.get(full_key)
+        if e is None and self._snapshot is not None:
+            e = self._snapshot.get(full_key)
+        if e is not None:
+            return None if e.op == Op.DELETE else (bytes(e.value), e.version, e.expire_time_ms)
+        stored = self._store.get(full_key)
+        return None if stored is None else (bytes(stored.value), stored.version, stored.expire_time_ms)
 
     # --- control socket --------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
