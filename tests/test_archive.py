@@ -415,3 +415,34 @@ def test_idle_node_stops_rolling_segments(tmp_path: Path) -> None:
         assert settled, "the force-archive timeout did not archive the written segment"
         time.sleep(1.0)
         assert set(segs(archive_dir(node_dir))) == settled, "an idle node kept rolling segments"
+
+
+def test_dir_bytes_survives_files_vanishing_while_it_counts(tmp_path: Path) -> None:
+    """dir_bytes, run while another thread keeps creating and deleting files (the daemon deleting links), never raises
+    and counts only what exists; before the fix a FileNotFoundError here killed the node's WAL flusher."""
+    import threading
+
+    from cdcd.node.archiver import dir_bytes
+
+    stop = threading.Event()
+
+    def churn(first: int) -> None:
+        i = 0
+        while not stop.is_set():
+            p = tmp_path / f"{first + i % 50:016d}.wal"
+            p.write_bytes(b"x" * 100)
+            p.unlink()
+            i += 1
+
+    threads = [threading.Thread(target=churn, args=(n * 100,)) for n in range(2)]
+    for t in threads:
+        t.start()
+    (tmp_path / "keep").write_bytes(b"y" * 7)
+    try:
+        sizes = [dir_bytes(tmp_path) for _ in range(3000)]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert min(sizes) >= 7 and max(sizes) <= 7 + 2 * 100
+    assert dir_bytes(tmp_path) == 7

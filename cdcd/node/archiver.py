@@ -25,10 +25,15 @@ def check_same_filesystem(archive_dir: Path, cdc_dir: Path) -> None:
 
 
 def dir_bytes(path: Path) -> int:
+    """Bytes of the regular files in ``path``. The daemon deletes links while this runs: a file
+    gone between listing and stat counts as gone (it once killed the WAL flusher thread)."""
     total = 0
     for entry in os.scandir(path):
-        if entry.is_file(follow_symlinks=False):
-            total += entry.stat(follow_symlinks=False).st_size
+        try:
+            if entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
+        except FileNotFoundError:
+            continue
     return total
 
 
