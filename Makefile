@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install test lint bench bench-pg fuzz run clean
+.PHONY: install test lint bench bench-pg fuzz chaos run clean
 
 install: $(STAMP)
 
@@ -36,6 +36,10 @@ FUZZ_ENGINE ?= random
 fuzz: install
 	@if [ "$(FUZZ_ENGINE)" = atheris ]; then $(BIN)/pip install --quiet atheris; fi
 	$(BIN)/python -m tests.fuzz.run --cases $(FUZZ_CASES) --engine $(FUZZ_ENGINE)
+
+# Fault injection across node, daemon and sinks (CHAOS_ARGS="--short --only 'kill-*' --seed 7"; root for tmpfs).
+chaos: install
+	$(BIN)/python -m tests.chaos.run $(CHAOS_ARGS)
 
 run: install
 	$(BIN)/cdcd demo --rate 2000

@@ -242,7 +242,8 @@ def daemon_run(config_path: Path) -> None:
     except MissingSegment as exc:
         fatal(
             "missing_segment",
-            f"{exc} (links were lost; run `cdcd control delete-lost-segment-links` and resend)",
+            f"{exc} (links were lost; run `cdcd control relink-lost-segments`, "
+            "or `cdcd control delete-lost-segment-links` and resend)",
             EXIT_MISSING_SEGMENT,
         )
     except WalError as exc:
@@ -359,6 +360,46 @@ def control_resend(ctx: click.Context, cache: str) -> None:
     """Write every current entry of a cache into the WAL as CREATE events (seed a consumer, refill lost links)."""
     reply = _node_request(ctx, {"cmd": "resend", "cache": cache})
     click.echo(f"resent {reply['resent']} entries of cache {cache}")
+
+
+@control.command("relink-lost-segments")
+@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path))
+@click.option(
+    "--archive",
+    "archive_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The node's archive dir (default <node_dir>/wal/archive).",
+)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def relink_lost(config_path: Path, archive_path: Path | None, yes: bool) -> None:
+    """After a gap in the CDC dir: hard-link the missing segments back from the node's archive where it
+    still has them (nothing is lost, no resend needed). Run before delete-lost-segment-links."""
+    from cdcd.daemon.ops import plan_relink, relink_lost_segments
+    from cdcd.lock import LockHeld
+
+    config = _load_daemon_config(config_path)
+    archive = archive_path or Path(config.node_dir) / "wal" / "archive"
+    plan = plan_relink(config, archive)
+    if not plan.relink and not plan.gone:
+        click.echo("no missing links: nothing to do")
+        return
+    if plan.relink:
+        click.echo(f"will re-link {len(plan.relink)} segment(s) ({plan.relink[0]}..{plan.relink[-1]}) from {archive}")
+        if not yes:
+            if not sys.stdin.isatty():
+                fail("refusing without --yes (not a terminal)", EXIT_BAD_INPUT)
+            click.confirm("Proceed?", abort=True)
+        try:
+            done = relink_lost_segments(config, archive, plan)
+        except LockHeld as exc:
+            fail(f"the daemon is running ({exc}); stop it first", EXIT_LOCKED)
+        click.echo(f"re-linked {len(done)} segment(s); start the daemon: it delivers them in order")
+    if plan.gone:
+        click.echo(
+            f"{len(plan.gone)} segment(s) ({plan.gone[0]}..{plan.gone[-1]}) are gone from the archive too: "
+            "run `cdcd control delete-lost-segment-links`, then resend"
+        )
 
 
 @control.command("delete-lost-segment-links")

@@ -46,7 +46,9 @@ from tests.test_daemon_e2e import (
     write_daemon_config,
 )
 
-MISSING_HINT = "(links were lost; run `cdcd control delete-lost-segment-links` and resend)"
+MISSING_HINT = (
+    "(links were lost; run `cdcd control relink-lost-segments`, or `cdcd control delete-lost-segment-links` and resend)"
+)
 
 
 def only_error_line(err: Path) -> str:
@@ -105,6 +107,37 @@ def test_gap_exits_3_then_delete_lost_links_resumes_after_it(tmp_path: Path) -> 
     assert read_jsonl(out) == got + [e for e in expected if e["pos"][0] >= 5]
     assert cdc_links(node_dir) == {}
     assert sorted(archived_segments(node_dir)) == list(range(7)), "the archive is never touched"
+
+
+def test_relink_lost_segments_restores_the_gap_from_the_archive(tmp_path: Path) -> None:
+    """relink-lost-segments hard-links missing segments back from the node's archive: after exit 3 at a two-segment
+    gap the daemon delivers the whole WAL exactly (nothing lost, no resend); a segment gone from the archive too is
+    named, with the fallback."""
+    node_dir = tmp_path / "node"
+    out = tmp_path / "out.jsonl"
+    make_node(node_dir, segments=7, tx_per_segment=10)
+    expected = wal_events(node_dir)
+    for seg in (2, 3):
+        (node_dir / "cdc" / f"{seg:016d}.wal").unlink()
+    config = write_daemon_config(tmp_path / "cdcd.toml", node_dir, jsonl_consumer(out), batch_max_events=50)
+    assert run_daemon_until_exit(config, tmp_path / "run1.err") == 3
+
+    res = cdcd("control", "relink-lost-segments", "--config", str(config), "--yes")
+    assert res.returncode == 0, res.stderr
+    assert "will re-link 2 segment(s) (2..3)" in res.stdout and "re-linked 2 segment(s)" in res.stdout
+    assert os.path.samefile(node_dir / "cdc" / f"{2:016d}.wal", node_dir / "wal" / "archive" / f"{2:016d}.wal")
+    catch_up_and_stop(config, tmp_path / "run2.err", (7, 0, 0))
+    assert read_jsonl(out) == expected, "the whole WAL, in order, once"
+
+    # A later gap whose segment retention already removed from the archive: reported, nothing linked.
+    n2 = make_node(node_dir, segments=2, tx_per_segment=5, first_tx=10_000)
+    assert n2 > 0
+    (node_dir / "cdc" / f"{7:016d}.wal").unlink()
+    (node_dir / "wal" / "archive" / f"{7:016d}.wal").unlink()
+    res = cdcd("control", "relink-lost-segments", "--config", str(config), "--yes")
+    assert res.returncode == 0, res.stderr
+    assert "1 segment(s) (7..7) are gone from the archive too" in res.stdout
+    assert "delete-lost-segment-links" in res.stdout
 
 
 def test_gap_delivers_everything_before_it_first(tmp_path: Path) -> None:

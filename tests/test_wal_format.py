@@ -264,7 +264,7 @@ def test_type_byte_swapped_for_another_type_is_corrupt(tmp_path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[ptrs[0].offset + 4] = Checkpoint.TYPE
     path.write_bytes(bytes(data))
-    with pytest.raises(CorruptRecord, match="record type 7 does not match its payload.s tag"):
+    with pytest.raises(CorruptRecord, match=r"record type 7 does not match its payload's tag"):
         list(SegmentReader(path))
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -11,9 +13,10 @@ import msgspec
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import INITIAL_MODE, daemon_lock
 from cdcd.daemon.state import DaemonState, StateStore
+from cdcd.durable import fsync_dir
 from cdcd.secrets import mask_mapping
 from cdcd.wal.pointer import WalPosition
-from cdcd.wal.segment import list_segments
+from cdcd.wal.segment import list_segments, segment_name
 
 
 def show_state(config: DaemonConfig) -> dict[str, Any]:
@@ -112,5 +115,51 @@ def delete_lost_segment_links(config: DaemonConfig, plan: LostLinksPlan) -> Daem
             return store.commit(msgspec.structs.replace(state, position=position))
         finally:
             store.close()
+    finally:
+        lock.release()
+
+
+@dataclass
+class RelinkPlan:
+    start: int | None
+    """First segment the daemon still needs (its position's segment, or the oldest link)."""
+    relink: list[int]
+    """Segments with no link that the node's archive still has: re-linked, nothing is lost."""
+    gone: list[int]
+    """Segments with neither: only ``delete-lost-segment-links`` and ``resend`` get past those."""
+
+
+def plan_relink(config: DaemonConfig, archive: Path) -> RelinkPlan:
+    """Which missing links the node's archive can restore (links are hard links of archive files)."""
+    links, _ = list_segments(config.cdc_path)
+    archived, _ = list_segments(archive)
+    position = show_position(config)
+    start = position.segment if position is not None else (min(links) if links else None)
+    if start is None:
+        return RelinkPlan(None, [], [])
+    end = max([*links, *archived], default=-1)
+    missing = [s for s in range(start, end + 1) if s not in links]
+    return RelinkPlan(start, [s for s in missing if s in archived], [s for s in missing if s not in archived])
+
+
+def relink_lost_segments(config: DaemonConfig, archive: Path, plan: RelinkPlan) -> list[int]:
+    """Hard-link ``plan.relink`` back into the CDC dir, under the daemon's lock; returns what was linked."""
+    lock = daemon_lock(config)
+    lock.acquire(0)
+    try:
+        archived, _ = list_segments(archive)
+        done = []
+        for seg in plan.relink:
+            src = archived.get(seg)
+            if src is None:  # retention removed it meanwhile
+                continue
+            try:
+                os.link(src, config.cdc_path / segment_name(seg), follow_symlinks=False)
+            except FileExistsError:
+                continue  # the node linked it itself meanwhile
+            done.append(seg)
+        if done:
+            fsync_dir(config.cdc_path)
+        return done
     finally:
         lock.release()
