@@ -14,11 +14,80 @@ from cdcd.consumer import OP_NAMES, Consumer, EventBatch
 from cdcd.wal.dump import jsonable
 
 _WRITE_LINES = 4096
+"""Lines written at a time: bounds memory whatever the batch size."""
+_ENCODE_LINES = 256
+"""Lines encoded at a time: few, so the decoded keys and values they hold do not pile up (a few
+thousand live containers make the garbage collector run often, over everything else alive)."""
+
+_Scalar = str | int | float | bool | None
+_Flat = _Scalar | list[_Scalar]
+_FLAT = dict[str, _Flat] | _Flat
+"""What most keys and values are, and what ``jsonable`` returns unchanged (or equal): decoded as this
+type they need no ``jsonable`` pass. Anything else (bytes, nested or non-str-keyed maps, ...) fails
+to decode as it and takes the general path, which also raises the error of malformed data."""
+
+_MAX_SKIP = 1024
 
 
-def _write_all(fd: int, lines: list[bytes]) -> None:
-    lines.append(b"")
-    view = memoryview(b"\n".join(lines))
+class _JsonDecoder:
+    """MessagePack to what ``jsonable(decode(raw))`` returns, the flat fast path first.
+
+    A failed fast path costs more than the general path (msgspec builds an error), so after a
+    failure it is skipped for the next 2, 4, ... 1024 values, until it works again: data that is
+    rarely flat pays next to nothing for the attempts.
+    """
+
+    __slots__ = ("_backoff", "_decode", "_decode_flat", "_skip")
+
+    def __init__(self) -> None:
+        self._decode = msgspec.msgpack.Decoder().decode
+        self._decode_flat = msgspec.msgpack.Decoder(_FLAT).decode
+        self._skip = 0
+        self._backoff = 1
+
+    def __call__(self, raw: msgspec.Raw) -> Any:
+        if self._skip:
+            self._skip -= 1
+        else:
+            try:
+                obj = self._decode_flat(raw)
+            except msgspec.DecodeError:
+                self._backoff = min(self._backoff * 2, _MAX_SKIP)
+                self._skip = self._backoff
+            else:
+                self._backoff = 1
+                return obj
+        obj = self._decode(raw)
+        if isinstance(obj, dict | list):  # the only types jsonable() changes: scalars go through as they are
+            obj = jsonable(obj)
+        return obj
+
+
+class _Version(msgspec.Struct, frozen=True, gc=False):
+    """``version`` of a line; fields in output order."""
+
+    order: int
+    node_order: int
+    cluster_id: int
+    topology_version: int
+
+
+class _Line(msgspec.Struct, frozen=True, gc=False):
+    """One output line; fields in output order (encodes exactly like the dict it replaces)."""
+
+    cache: str
+    op: str
+    key: Any
+    value: Any
+    partition: int
+    primary: bool
+    version: _Version
+    commit_ts_ns: int
+    pos: tuple[int, int, int]
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
     while view:
         n = os.write(fd, view)
         view = view[n:]
@@ -38,7 +107,8 @@ class JsonlConsumer(Consumer):
         self.fsync = fsync
         self._fd: int | None = None
         self._encoder = msgspec.json.Encoder()
-        self._decoder = msgspec.msgpack.Decoder()
+        self._decode_key = _JsonDecoder()
+        self._decode_value = _JsonDecoder()
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], source: str) -> JsonlConsumer:
@@ -53,41 +123,57 @@ class JsonlConsumer(Consumer):
         fd = self._fd
         if fd is None:
             raise RuntimeError("JsonlConsumer.on_events before start()")
-        decode = self._decoder.decode
-        encode = self._encoder.encode
-        lines: list[bytes] = []
+        decode_key = self._decode_key
+        decode_value = self._decode_value
+        encode_lines = self._encoder.encode_lines
+        op_names = OP_NAMES
+        names: dict[int, str] = {}
+        lines: list[_Line] = []
+        encoded: list[bytes] = []
+        unwritten = 0
         for s in batch.slices:
             ptr = s.pointer
+            segment = ptr.segment
+            offset = ptr.offset
             ts = s.record.commit_ts_ns
             entries = s.record.entries
             for i in range(s.start, len(entries)):
                 e = entries[i]
+                cache_id = e.cache_id
+                name = names.get(cache_id)
+                if name is None:
+                    name = names[cache_id] = batch.cache_name(cache_id)
+                op = op_names[e.op]
+                key = decode_key(e.key)
+                value = decode_value(e.value)
                 v = e.version
                 lines.append(
-                    encode(
-                        {
-                            "cache": batch.cache_name(e.cache_id),
-                            "op": OP_NAMES[e.op],
-                            "key": jsonable(decode(e.key)),
-                            "value": jsonable(decode(e.value)),
-                            "partition": e.partition,
-                            "primary": e.primary,
-                            "version": {
-                                "order": v.order,
-                                "node_order": v.node_order,
-                                "cluster_id": v.cluster_id,
-                                "topology_version": v.topology_version,
-                            },
-                            "commit_ts_ns": ts,
-                            "pos": [ptr.segment, ptr.offset, i],
-                        }
+                    _Line(
+                        name,
+                        op,
+                        key,
+                        value,
+                        e.partition,
+                        e.primary,
+                        _Version(v.order, v.node_order, v.cluster_id, v.topology_version),
+                        ts,
+                        (segment, offset, i),
                     )
                 )
-                if len(lines) >= _WRITE_LINES:  # bounded memory whatever the batch size
-                    _write_all(fd, lines)
+                unwritten += 1
+                if unwritten >= _WRITE_LINES:  # as before: an unencodable event writes nothing of its chunk
+                    encoded.append(encode_lines(lines))
+                    _write_all(fd, b"".join(encoded))
+                    lines = []
+                    encoded = []
+                    unwritten = 0
+                elif len(lines) >= _ENCODE_LINES:
+                    encoded.append(encode_lines(lines))
                     lines = []
         if lines:
-            _write_all(fd, lines)
+            encoded.append(encode_lines(lines))
+        if encoded:
+            _write_all(fd, b"".join(encoded))
         if self.fsync:
             os.fdatasync(fd)
         return True
