@@ -362,6 +362,15 @@ def control_resend(ctx: click.Context, cache: str) -> None:
     click.echo(f"resent {reply['resent']} entries of cache {cache}")
 
 
+def _confirm(yes: bool) -> None:
+    """Ask before changing the daemon's links or state; without a terminal only --yes proceeds."""
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        fail("refusing without --yes (not a terminal)", EXIT_BAD_INPUT)
+    click.confirm("Proceed?", abort=True)
+
+
 @control.command("relink-lost-segments")
 @click.option("--config", "config_path", required=True, type=click.Path(path_type=Path))
 @click.option(
@@ -386,10 +395,7 @@ def relink_lost(config_path: Path, archive_path: Path | None, yes: bool) -> None
         return
     if plan.relink:
         click.echo(f"will re-link {len(plan.relink)} segment(s) ({plan.relink[0]}..{plan.relink[-1]}) from {archive}")
-        if not yes:
-            if not sys.stdin.isatty():
-                fail("refusing without --yes (not a terminal)", EXIT_BAD_INPUT)
-            click.confirm("Proceed?", abort=True)
+        _confirm(yes)
         try:
             done = relink_lost_segments(config, archive, plan)
         except LockHeld as exc:
@@ -428,10 +434,7 @@ def delete_lost_links(config_path: Path, yes: bool) -> None:
         f"gap before segment {plan.run_start} (position {plan.old_position or '-'}): will {deleting} "
         f"and move the position to {plan.run_start}:0#0"
     )
-    if not yes:
-        if not sys.stdin.isatty():
-            fail("refusing without --yes (not a terminal)", EXIT_BAD_INPUT)
-        click.confirm("Proceed?", abort=True)
+    _confirm(yes)
     try:
         new = delete_lost_segment_links(config, plan)
     except LockHeld as exc:

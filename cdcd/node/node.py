@@ -338,9 +338,7 @@ class Node:
     def _get(self, info: CacheInfo, key: Any, default: Any) -> Any:
         full_key = cache_prefix(info.cache_id) + _key_encoder.encode(key)
         with self._lock:
-            e = self._dirty.get(full_key)
-            if e is None and self._snapshot is not None:
-                e = self._snapshot.get(full_key)
+            e = self._pending_locked(full_key)
         if e is not None:
             return default if e.op == Op.DELETE else _decoder.decode(e.value)
         stored = self._store.get(full_key)
@@ -420,11 +418,17 @@ class Node:
         log.info("cache_resent", cache=cache, entries=sent)
         return sent
 
-    def _current_locked(self, full_key: bytes) -> tuple[bytes, CacheVersion, int] | None:
-        """(value, version, expire) of a live entry, None if absent; the caller holds ``_lock``."""
+    def _pending_locked(self, full_key: bytes) -> DataEntry | None:
+        """The newest write of a key not yet in the page store (dirty map, then the checkpoint's
+        snapshot); the caller holds ``_lock``."""
         e = self._dirty.get(full_key)
         if e is None and self._snapshot is not None:
             e = self._snapshot.get(full_key)
+        return e
+
+    def _current_locked(self, full_key: bytes) -> tuple[bytes, CacheVersion, int] | None:
+        """(value, version, expire) of a live entry, None if absent; the caller holds ``_lock``."""
+        e = self._pending_locked(full_key)
         if e is not None:
             return None if e.op == Op.DELETE else (bytes(e.value), e.version, e.expire_time_ms)
         stored = self._store.get(full_key)
