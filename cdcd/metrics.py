@@ -138,3 +138,33 @@ LAKE_DUPLICATE_BATCHES = Counter(
     "cdcd_lake_batches_skipped_total", "Batches (or parts) dropped as replays at or below the high-water mark"
 )
 LAKE_CONFLICTS = Counter("cdcd_lake_log_conflicts_total", "Commits retried because another writer committed first")
+
+# --- replication ------------------------------------------------------------------------------------
+REPL_RECEIVED = Counter(
+    "cdcd_replication_received_entries_total",
+    "Replicated entries this node received, by the resolver rule that decided (or 'duplicate')",
+    ["rule"],
+)
+REPL_REJECTED = Counter("cdcd_replication_rejected_entries_total", "Replicated entries the resolver rejected")
+REPL_REFUSED = Counter(
+    "cdcd_replication_refused_total", "Connections or requests the replication endpoint refused", ["reason"]
+)
+REPL_CONNECTIONS = Gauge("cdcd_replication_connections", "Open connections to the replication endpoint")
+REPL_SENT_EVENTS = Counter("cdcd_replication_sent_events_total", "Events the replication consumer sent and had applied")
+REPL_SKIPPED_EVENTS = Counter(
+    "cdcd_replication_skipped_events_total",
+    "Events not sent: replicated from elsewhere (no loops), backup copies, or caches not selected",
+    ["reason"],
+)
+REPL_SENT_REQUESTS = Counter("cdcd_replication_sent_requests_total", "Apply requests answered by the target")
+REPL_SENT_BYTES = Counter("cdcd_replication_sent_bytes_total", "Bytes of apply requests sent")
+REPL_LAST_BATCH = Gauge("cdcd_replication_last_batch_timestamp_seconds", "Wall time of the last fully applied batch")
+REPL_APPLY_SECONDS = Histogram(
+    "cdcd_replication_apply_seconds",
+    "Apply request sent to reply received (the target's resolver, WAL append and fsync included)",
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
+)
+REPL_RETRIES = Counter("cdcd_replication_retries_total", "Reconnects after a failed connection or request")
+REPL_CONFLICTS = Counter(
+    "cdcd_replication_rejected_by_target_total", "Entries the target's resolver rejected (from its replies)"
+)

@@ -64,8 +64,27 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     partitions: int = 1024
     """Default partition count of new caches."""
     cluster_id: int = 1
+    """1-31, unique per cluster: the conflict resolver tells local from replicated entries by it."""
     node_order: int = 1
     topology_version: int = 1
+
+    replication_listen: str = ""
+    """host:port of the replication endpoint other clusters' daemons send changes to ("": off)."""
+    replication_token_file: str = ""
+    """File (mode 0600) holding the shared token; required when listening."""
+    replication_tls_cert: str = ""
+    replication_tls_key: str = ""
+    """PEM certificate and key: the endpoint speaks TLS when set."""
+    replication_tls_ca: str = ""
+    """PEM CA bundle: when set, peers must present a certificate it signed."""
+    replication_max_connections: int = 16
+    replication_max_frame_bytes: int = 64 * MiB
+    conflict_resolve_field: str = ""
+    """Value field compared when two clusters changed a key (higher wins); see the README."""
+    replication_resolver: str = ""
+    """``package.module:Class``: a ConflictResolver subclass used instead of the default rules."""
+    metrics_address: str = ""
+    """host:port of the node's Prometheus endpoint under ``cdcd node run`` ("": off)."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -78,7 +97,9 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
             "checkpoint_interval_ms": self.checkpoint_interval_ms >= 1,
             "checkpoint_dirty_max_entries": self.checkpoint_dirty_max_entries >= 1,
             "partitions": 1 <= self.partitions <= 65536,
-            "cluster_id": 0 <= self.cluster_id <= 31,
+            "cluster_id": 1 <= self.cluster_id <= 31,
+            "replication_max_connections": self.replication_max_connections >= 1,
+            "replication_max_frame_bytes": self.replication_max_frame_bytes >= 4096,
             "node_order": self.node_order >= 0,
             "cdc_buffer_bytes": self.cdc_buffer_bytes >= 0,
             "realtime_batch_max_events": self.realtime_batch_max_events >= 1,
@@ -92,6 +113,16 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         for key, ok in checks.items():
             if not ok:
                 raise msgspec.ValidationError(f"out of range: {getattr(self, key)} - at `$.{key}`")
+        for key in ("replication_listen", "metrics_address"):
+            address = getattr(self, key)
+            if address:
+                host, sep, port = address.rpartition(":")
+                if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+                    raise msgspec.ValidationError(f"expected host:port, got {address!r} - at `$.{key}`")
+        if self.replication_listen and not self.replication_token_file:
+            raise msgspec.ValidationError(
+                "replication_listen needs a replication_token_file - at `$.replication_token_file`"
+            )
 
     @property
     def wal_path(self) -> Path:

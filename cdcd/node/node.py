@@ -32,6 +32,10 @@ from cdcd.node.recovery import recover
 from cdcd.node.store import CheckpointMeta, PageStore, cache_prefix
 from cdcd.node.transaction import Transaction
 from cdcd.node.wal_log import WalLog
+from cdcd.replication import credentials
+from cdcd.replication.protocol import Applied, Apply, ReplEntry, Welcome
+from cdcd.replication.resolver import ConflictResolver, Held, Rule, load_resolver, origin_version
+from cdcd.replication.server import ReplicationServer, RequestRefused, parse_address
 from cdcd.secrets import mask_mapping
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import (
@@ -135,6 +139,7 @@ class Node:
         except BaseException:
             # Undo whatever _open() got to, in reverse order, so a retry in this process works.
             for attr, method in (
+                ("replication", "stop"),
                 ("_control_server", "stop"),
                 ("realtime", "close"),
                 ("_wal", "close"),
@@ -201,6 +206,10 @@ class Node:
         self.realtime.open(state.position)
         self._control_server = ControlServer(config.control_socket_path, self._control)
         self._control_server.start()
+        self.replication: ReplicationServer | None = None
+        if config.replication_listen:
+            self.replication = self._replication_server()
+            self.replication.start()
         self._fsync_commits = config.wal_mode == "fsync"
         self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="cdcd-checkpointer", daemon=True)
         self._checkpointer.start()
@@ -234,6 +243,8 @@ class Node:
         self._stop.set()
         self._checkpoint_wake.set()
         self._checkpointer.join()
+        if self.replication is not None:
+            self.replication.stop()
         self._control_server.stop()
         try:
             if self._failure is None:
@@ -433,6 +444,112 @@ class Node:
             return None if e.op == Op.DELETE else (bytes(e.value), e.version, e.expire_time_ms)
         stored = self._store.get(full_key)
         return None if stored is None else (bytes(stored.value), stored.version, stored.expire_time_ms)
+
+    # --- replication -------------------------------------------------------------------------------
+    def _replication_server(self) -> ReplicationServer:
+        config = self.config
+        source = f"node {config.node_dir}"
+        resolver = load_resolver(config.replication_resolver, config.cluster_id, config.conflict_resolve_field, source)
+        try:
+            address = parse_address(config.replication_listen, "replication_listen", listen=True)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+        return ReplicationServer(
+            address,
+            token=credentials.read_token(config.replication_token_file, "replication_token_file", source),
+            apply=lambda request: self.apply_replicated(request, resolver),
+            welcome=Welcome(config.cluster_id, str(self.node_id)),
+            tls=credentials.server_context(
+                config.replication_tls_cert, config.replication_tls_key, config.replication_tls_ca, source
+            ),
+            max_frame_bytes=config.replication_max_frame_bytes,
+            max_connections=config.replication_max_connections,
+        )
+
+    def apply_replicated(self, request: Apply, resolver: ConflictResolver) -> Applied:
+        """Apply another cluster's changes through ``resolver``; durable when this returns.
+
+        Accepted entries are written as one DataRecord with this node's versions, each keeping its
+        origin version in ``other_cluster_version`` (so no daemon sends it back). Raises
+        RequestRefused, and applies nothing, if any entry is malformed."""
+        prepared = _prepare_replicated(request)
+        if not prepared:
+            return Applied(request.seq, 0, 0)
+        info = self._caches.get(request.cache)
+        if info is None:
+            try:
+                info = self.cache(request.cache, partitions=request.partitions or None).info
+            except ValueError as exc:
+                raise RequestRefused(str(exc)) from None
+        prefix = cache_prefix(info.cache_id)
+        config = self.config
+        node_order, cluster_id, topology_version = config.node_order, config.cluster_id, config.topology_version
+        counts = dict.fromkeys(Rule, 0)
+        applied = rejected = duplicates = 0
+        end = None
+        with self._lock:
+            dirty = self._dirty_with_room_locked()
+            if self._caches.get(info.name) is not info:
+                raise RequestRefused(f"cache {info.name!r} was destroyed while applying")
+            latest: dict[bytes, tuple[bytes, CacheVersion, int] | None] = {}
+            entries: list[DataEntry] = []
+            keys: list[bytes] = []
+            order = self._order
+            for key_raw, new in prepared:
+                full_key = prefix + key_raw
+                current = latest[full_key] if full_key in latest else self._current_locked(full_key)
+                held = None if current is None else Held(current[0], origin_version(current[1]), current[2])
+                verdict = resolver.resolve(info.name, key_raw, held, new)
+                if verdict.duplicate:
+                    duplicates += 1
+                    continue
+                counts[verdict.rule] += 1
+                if not verdict.use_new:
+                    rejected += 1
+                    continue
+                applied += 1
+                if new.op is _DELETE:
+                    if current is None:
+                        continue
+                    op = _DELETE
+                else:
+                    op = _UPDATE if current is not None else _CREATE
+                order += 1
+                version = CacheVersion(order, node_order, cluster_id, topology_version, new.version)
+                entries.append(
+                    DataEntry(
+                        info.cache_id,
+                        op,
+                        msgspec.Raw(key_raw),
+                        new.value,
+                        zlib.crc32(key_raw) % info.config.partitions,
+                        version,
+                        True,
+                        new.expire_time_ms,
+                    )
+                )
+                keys.append(full_key)
+                latest[full_key] = None if op is _DELETE else (bytes(new.value), version, new.expire_time_ms)
+            if entries:
+                _ptr, end = self._wal.append(DataRecord(entries, time.time_ns()))
+                self._order = order
+                dirty.update(zip(keys, entries, strict=True))
+                stats = self.stats
+                stats.transactions += 1
+                for e in entries:
+                    stats.entries[e.op] += 1
+                if len(dirty) >= config.checkpoint_dirty_max_entries:
+                    self._checkpoint_wake.set()
+        if end is not None:
+            self._wal.wait_durable(end)  # whatever wal_mode: the sender commits its position on our reply
+        for rule, n in counts.items():
+            if n:
+                metrics.REPL_RECEIVED.labels(rule.name.lower()).inc(n)
+        if duplicates:
+            metrics.REPL_RECEIVED.labels("duplicate").inc(duplicates)
+        if rejected:
+            metrics.REPL_REJECTED.inc(rejected)
+        return Applied(request.seq, applied, rejected, duplicates)
 
     # --- control socket --------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -662,6 +779,41 @@ class Node:
                 with self._lock:
                     self._room.notify_all()
                 return
+
+
+def _prepare_replicated(request: Apply) -> list[tuple[bytes, ReplEntry]]:
+    """(canonical key bytes, entry) of every entry, checked as a local write would be: a peer
+    must not be able to put what this node's own readers cannot decode into its WAL."""
+    out = []
+    for i, e in enumerate(request.entries):
+        where = f"cache {request.cache!r} entry {i}"
+        try:
+            key = _decoder.decode(e.key)
+            if e.op is not _DELETE:
+                value = _decoder.decode(e.value)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            raise RequestRefused(f"{where}: undecodable key or value: {exc}") from None
+        if e.op is _DELETE:
+            if bytes(e.value) != bytes(NIL):
+                raise RequestRefused(f"{where}: a delete carries a value")
+        elif value is None:
+            raise RequestRefused(f"{where}: a put without a value")
+        elif len(e.value) > MAX_NESTING and _too_deep(value):
+            raise RequestRefused(f"{where}: value nests deeper than {MAX_NESTING} levels")
+        if not 1 <= e.version.cluster_id <= 31:
+            raise RequestRefused(f"{where}: origin cluster id {e.version.cluster_id} is not in 1-31")
+        if len(e.key) > MAX_NESTING and _too_deep(key):
+            raise RequestRefused(f"{where}: key nests deeper than {MAX_NESTING} levels")
+        try:
+            key_raw = _key_encoder.encode(key)  # canonical: equal keys, equal bytes, whoever encoded them
+        except TypeError as exc:
+            raise RequestRefused(f"{where}: key cannot be a key: {exc}") from None
+        out.append((key_raw, e if e.version.other_cluster_version is None else _as_origin(e)))
+    return out
+
+
+def _as_origin(e: ReplEntry) -> ReplEntry:
+    return ReplEntry(e.op, e.key, e.value, origin_version(e.version), e.expire_time_ms)
 
 
 def open_node(node_dir: str | Path, **settings: Any) -> Node:

@@ -29,13 +29,25 @@ def _python(options: Mapping[str, Any], source: str) -> Consumer:
     return load_python_consumer(options, source)
 
 
+def _replication(options: Mapping[str, Any], source: str) -> Consumer:
+    from cdcd.sinks.replication import ReplicationConsumer
+
+    return ReplicationConsumer.from_options(options, source)
+
+
 def _spark(options: Mapping[str, Any], source: str) -> Consumer:
     from cdcd.sinks.spark import SparkLakeConsumer
 
     return SparkLakeConsumer.from_options(options, source)
 
 
-KINDS: dict[str, ConsumerFactory] = {"jsonl": _jsonl, "null": _null, "python": _python, "spark": _spark}
+KINDS: dict[str, ConsumerFactory] = {
+    "jsonl": _jsonl,
+    "null": _null,
+    "python": _python,
+    "replication": _replication,
+    "spark": _spark,
+}
 
 
 def load_consumer(table: Mapping[str, Any], source: str = "consumer") -> Consumer:

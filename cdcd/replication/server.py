@@ -1,0 +1,231 @@
+"""The node's replication endpoint: authenticates peers, decodes ``Apply`` frames, hands them to
+the node, answers in order. A bad peer costs one error frame and its connection, never the node."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import socket
+import socketserver
+import ssl
+import threading
+from collections.abc import Callable
+
+import structlog
+
+from cdcd import metrics
+from cdcd.replication.protocol import (
+    PROTOCOL_VERSION,
+    Applied,
+    Apply,
+    Error,
+    Frame,
+    Hello,
+    ProtocolError,
+    Welcome,
+    decode_payload,
+    encode_frame,
+    read_payload,
+)
+
+log = structlog.get_logger("cdcd.replication")
+
+ApplyFn = Callable[[Apply], Applied]
+
+
+class RequestRefused(Exception):
+    """An Apply the node will not take (malformed entries); the peer gets the message."""
+
+
+def parse_address(address: str, key: str, *, listen: bool = False) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` (port 0 to listen on any free port); errors name the key."""
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not (0 if listen else 1) <= int(port) < 65536:
+        raise ValueError(f"key '{key}': expected host:port, got {address!r}")
+    return host, int(port)
+
+
+class _Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
+    daemon_threads = False  # server_close() joins the handlers: none may touch a closing node
+    allow_reuse_address = True
+    owner: ReplicationServer
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: _Server
+
+    def handle(self) -> None:
+        owner = self.server.owner
+        sock: socket.socket = self.request
+        peer = f"{self.client_address[0]}:{self.client_address[1]}"
+        if not owner._admit(sock):
+            metrics.REPL_REFUSED.labels("connections").inc()
+            _send(sock, Error(f"over replication_max_connections ({owner.max_connections})", fatal=True))
+            return
+        try:
+            sock.settimeout(owner.auth_timeout_s)
+            if owner.tls is not None:
+                try:
+                    sock = owner.tls.wrap_socket(sock, server_side=True)
+                except (ssl.SSLError, OSError) as exc:
+                    metrics.REPL_REFUSED.labels("tls").inc()
+                    log.warning("replication_tls_refused", peer=peer, error=str(exc))
+                    return
+            sender = self._authenticate(sock, peer)
+            if sender is None:
+                return
+            sock.settimeout(None)
+            log.info("replication_peer_connected", peer=peer, sender=sender)
+            self._serve(sock, peer)
+        except (ConnectionError, TimeoutError, ssl.SSLError, OSError) as exc:
+            log.info("replication_peer_gone", peer=peer, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            _drain_close(sock)
+            owner._leave(self.request)
+
+    def _authenticate(self, sock: socket.socket, peer: str) -> str | None:
+        """The sender's description once its Hello is accepted; None after refusing it."""
+        owner = self.server.owner
+        try:
+            payload = read_payload(sock, 64 * 1024)
+            if payload is None:
+                return None
+            frame = decode_payload(payload)
+        except ProtocolError as exc:
+            self._refuse(sock, peer, "frame", f"bad hello: {exc}")
+            return None
+        if not isinstance(frame, Hello):
+            self._refuse(sock, peer, "frame", f"expected hello, got {type(frame).__name__.lower()}")
+        elif not hmac.compare_digest(frame.token.encode(), owner.token):
+            self._refuse(sock, peer, "token", "replication token refused")
+        elif frame.protocol != PROTOCOL_VERSION:
+            self._refuse(sock, peer, "frame", f"protocol {frame.protocol} not supported (here: {PROTOCOL_VERSION})")
+        else:
+            _send(sock, owner.welcome)
+            return f"cluster {frame.sender_cluster_id} node {frame.sender_node or '?'}"
+        return None
+
+    def _refuse(self, sock: socket.socket, peer: str, reason: str, message: str) -> None:
+        metrics.REPL_REFUSED.labels(reason).inc()
+        log.warning("replication_peer_refused", peer=peer, reason=reason, error=message)
+        _send(sock, Error(message, fatal=True))
+
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        owner = self.server.owner
+        while True:
+            try:
+                payload = read_payload(sock, owner.max_frame_bytes)
+            except ProtocolError as exc:  # a lying length: the stream cannot be followed any more
+                self._refuse(sock, peer, "frame", str(exc))
+                return
+            if payload is None:
+                return
+            try:
+                frame: Frame = decode_payload(payload)
+            except ProtocolError as exc:  # framing is intact: answer and go on
+                metrics.REPL_REFUSED.labels("frame").inc()
+                log.warning("replication_bad_frame", peer=peer, error=str(exc))
+                _send(sock, Error(str(exc)))
+                continue
+            if not isinstance(frame, Apply):
+                metrics.REPL_REFUSED.labels("frame").inc()
+                _send(sock, Error(f"unexpected {type(frame).__name__.lower()} frame"))
+                continue
+            try:
+                reply: Applied | Error = owner.apply(frame)
+            except RequestRefused as exc:
+                metrics.REPL_REFUSED.labels("request").inc()
+                log.warning("replication_request_refused", peer=peer, cache=frame.cache, error=str(exc))
+                reply = Error(str(exc), seq=frame.seq)
+            except RuntimeError as exc:  # the node is closing or failed: the peer retries elsewhere/later
+                _send(sock, Error(str(exc), seq=frame.seq, fatal=True, retry=True))
+                return
+            _send(sock, reply)
+
+
+def _drain_close(sock: socket.socket) -> None:
+    """End our side, then read (and drop) what the peer still sends for a moment: closing a socket
+    with unread bytes sends a reset, which can destroy the error frame before the peer reads it."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(1.0)
+        budget = 1 << 20
+        while budget > 0 and (part := sock.recv(65536)):
+            budget -= len(part)
+
+
+def _send(sock: socket.socket, frame: Frame) -> None:
+    with contextlib.suppress(OSError):
+        sock.sendall(encode_frame(frame))
+
+
+class ReplicationServer:
+    """Serves the endpoint from background threads; ``stop()`` closes every connection, idempotent."""
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        *,
+        token: bytes,
+        apply: ApplyFn,
+        welcome: Welcome,
+        tls: ssl.SSLContext | None = None,
+        max_frame_bytes: int,
+        max_connections: int,
+        auth_timeout_s: float = 10.0,
+    ) -> None:
+        self.address = address
+        self.token = token
+        self.apply = apply
+        self.welcome = welcome
+        self.tls = tls
+        self.max_frame_bytes = max_frame_bytes
+        self.max_connections = max_connections
+        self.auth_timeout_s = auth_timeout_s
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return int(self._server.server_address[1])
+
+    def start(self) -> None:
+        host, _port = self.address
+        _Server.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        server = _Server(self.address, _Handler, bind_and_activate=True)
+        server.owner = self
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, name="cdcd-replication", daemon=True)
+        self._thread.start()
+        log.info("replication_listening", address=f"{host}:{self.port}", tls=self.tls is not None)
+
+    def _admit(self, sock: socket.socket) -> bool:
+        with self._conns_lock:
+            if len(self._conns) >= self.max_connections or self._server is None:
+                return False
+            self._conns.add(sock)
+            metrics.REPL_CONNECTIONS.set(len(self._conns))
+            return True
+
+    def _leave(self, sock: socket.socket) -> None:
+        with self._conns_lock:
+            self._conns.discard(sock)
+            metrics.REPL_CONNECTIONS.set(len(self._conns))
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.shutdown()
+        with self._conns_lock:
+            conns = list(self._conns)
+        for sock in conns:  # wakes handlers blocked in recv; they end on the error
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        server.server_close()  # joins the handler threads
+        if self._thread is not None:
+            self._thread.join()

@@ -1,0 +1,217 @@
+"""``kind = "replication"``: apply every change to another cluster's node through its endpoint.
+
+Entries go in per-cache Apply requests in WAL order; a request is closed early when a key comes
+again (as Ignite's applier does), so one request never holds two changes of one key. The batch is
+confirmed only when the target has made every request durable. A lost connection is retried with
+capped exponential backoff, re-sending the whole batch: the target's resolver recognises the
+changes it already applied (same origin version) and counts them as duplicates. After
+``max_retry_s`` without success the consumer reports ``alive() == False`` and raises, so the
+daemon exits and its service manager restarts it.
+"""
+
+from __future__ import annotations
+
+import re
+import ssl
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import msgspec
+import structlog
+
+from cdcd import metrics
+from cdcd.config import ConfigError, convert
+from cdcd.consumer import Consumer, EventBatch
+from cdcd.replication import credentials
+from cdcd.replication.client import ReplicationClient, TargetRefused
+from cdcd.replication.protocol import ProtocolError, ReplEntry
+from cdcd.replication.server import parse_address
+
+log = structlog.get_logger("cdcd.sinks.replication")
+
+MiB = 1 << 20
+
+
+class ReplicationOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    target: str
+    """host:port of the target node's ``replication_listen``."""
+    token_file: str
+    """File (mode 0600) holding the target's replication token."""
+    tls: bool = False
+    """Speak TLS (implied by any tls_* key)."""
+    tls_ca: str = ""
+    """CA bundle that signed the target's certificate (default: the system's CAs)."""
+    tls_cert: str = ""
+    tls_key: str = ""
+    """Client certificate and key, for a target with ``replication_tls_ca``."""
+    tls_server_name: str = ""
+    """Name checked against the target's certificate (default: the target's host)."""
+    caches: list[str] | str = msgspec.field(default_factory=list)
+    """Cache names to replicate, or one regular expression matching whole names ([]: all)."""
+    only_primary: bool = True
+    """Send only changes of primary copies (backups are the same changes again)."""
+    max_batch_size: int = 1024
+    """Entries per apply request."""
+    max_batch_bytes: int = 4 * MiB
+    max_in_flight: int = 4
+    """Requests sent before waiting for the oldest reply."""
+    connect_timeout_ms: int = 5000
+    request_timeout_ms: int = 30_000
+    max_retry_s: float = 60.0
+    """Retry a failing target this long, then fail (the daemon exits; systemd restarts it)."""
+    retry_backoff_max_ms: int = 5000
+
+    def __post_init__(self) -> None:
+        checks = {
+            "max_batch_size": self.max_batch_size >= 1,
+            "max_batch_bytes": self.max_batch_bytes >= 1024,
+            "max_in_flight": self.max_in_flight >= 1,
+            "connect_timeout_ms": self.connect_timeout_ms >= 1,
+            "request_timeout_ms": self.request_timeout_ms >= 1,
+            "max_retry_s": self.max_retry_s >= 0,
+            "retry_backoff_max_ms": self.retry_backoff_max_ms >= 1,
+        }
+        for key, ok in checks.items():
+            if not ok:
+                raise msgspec.ValidationError(f"out of range: {getattr(self, key)} - at `$.{key}`")
+
+
+def _cache_filter(spec: list[str] | str, source: str) -> Any:
+    if isinstance(spec, str):
+        try:
+            pattern = re.compile(spec)
+        except re.error as exc:
+            raise ConfigError(f"{source}: key 'caches': bad regular expression {spec!r}: {exc}") from None
+        return lambda name: pattern.fullmatch(name) is not None
+    if not spec:
+        return lambda name: True
+    names = frozenset(spec)
+    return names.__contains__
+
+
+class ReplicationConsumer(Consumer):
+    def __init__(self, options: ReplicationOptions, source: str) -> None:
+        self.options = options
+        try:
+            address = parse_address(options.target, "target")
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+        token = credentials.read_token(options.token_file, "token_file", source)
+        tls: ssl.SSLContext | None = None
+        if options.tls or options.tls_ca or options.tls_cert or options.tls_key:
+            tls = credentials.client_context(options.tls_ca, options.tls_cert, options.tls_key, source)
+        self._selected = _cache_filter(options.caches, source)
+        self._selected_cache: dict[str, bool] = {}
+        self.client = ReplicationClient(
+            address,
+            token,
+            tls=tls,
+            tls_server_name=options.tls_server_name,
+            connect_timeout_s=options.connect_timeout_ms / 1000,
+            request_timeout_s=options.request_timeout_ms / 1000,
+            max_in_flight=options.max_in_flight,
+        )
+        self._alive = True
+        self.sent = self.applied = self.rejected = self.duplicates = 0
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], source: str) -> ReplicationConsumer:
+        return cls(convert(options, ReplicationOptions, source), source)
+
+    def alive(self) -> bool:
+        return self._alive
+
+    def stop(self) -> None:
+        self.client.close()
+
+    def _is_selected(self, name: str) -> bool:
+        ok = self._selected_cache.get(name)
+        if ok is None:
+            ok = self._selected_cache[name] = bool(self._selected(name))
+        return ok
+
+    def _requests(self, batch: EventBatch, skipped: dict[str, int]) -> Iterator[tuple[str, list[ReplEntry]]]:
+        """Per-cache requests in WAL order per cache; a repeated key or a full request closes one."""
+        max_entries = self.options.max_batch_size
+        max_bytes = self.options.max_batch_bytes
+        only_primary = self.options.only_primary
+        pending: dict[int, tuple[list[ReplEntry], set[bytes], list[int]]] = {}
+        for s in batch.slices:
+            entries = s.record.entries
+            for i in range(s.start, len(entries)):
+                e = entries[i]
+                if e.version.other_cluster_version is not None:
+                    skipped["replicated"] += 1  # came from another cluster: sending it back would loop
+                    continue
+                if only_primary and not e.primary:
+                    skipped["backup"] += 1
+                    continue
+                if not self._is_selected(batch.cache_name(e.cache_id)):
+                    skipped["filtered"] += 1
+                    continue
+                slot = pending.get(e.cache_id)
+                if slot is None:
+                    slot = pending[e.cache_id] = ([], set(), [0])
+                out, keys, size = slot
+                key = bytes(e.key)
+                if key in keys:
+                    yield batch.cache_name(e.cache_id), out
+                    out, keys, size = slot = pending[e.cache_id] = ([], set(), [0])
+                out.append(ReplEntry(e.op, e.key, e.value, e.version, e.expire_time_ms))
+                keys.add(key)
+                size[0] += len(key) + len(e.value) + 48
+                if len(out) >= max_entries or size[0] >= max_bytes:
+                    yield batch.cache_name(e.cache_id), out
+                    del pending[e.cache_id]
+        for cache_id, (out, _keys, _size) in pending.items():
+            if out:
+                yield batch.cache_name(cache_id), out
+
+    def on_events(self, batch: EventBatch) -> bool:
+        if not len(batch):
+            return True
+        opts = self.options
+        started = time.monotonic()
+        delay_s = 0.1
+        while True:
+            skipped = {"replicated": 0, "backup": 0, "filtered": 0}
+            try:
+                if not self.client.connected:
+                    welcome = self.client.connect()
+                    log.info("replication_connected", target=self.client.target, target_cluster=welcome.cluster_id)
+                result = self.client.apply_all(self._requests(batch, skipped))
+                break
+            except TargetRefused:
+                self._alive = False
+                raise
+            except (OSError, ProtocolError) as exc:  # ConnectionError, TimeoutError and ssl.SSLError are OSErrors
+                waited_s = time.monotonic() - started
+                if waited_s >= opts.max_retry_s:
+                    self._alive = False
+                    raise ConnectionError(
+                        f"replication target {self.client.target}: failing for {waited_s:.1f} s "
+                        f"(max_retry_s = {opts.max_retry_s:g}): {type(exc).__name__}: {exc}"
+                    ) from exc
+                metrics.REPL_RETRIES.inc()
+                log.warning(
+                    "replication_retry",
+                    target=self.client.target,
+                    error=f"{type(exc).__name__}: {exc}",
+                    retry_in_s=round(delay_s, 3),
+                    failing_for_s=round(waited_s, 1),
+                )
+                time.sleep(min(delay_s, max(0.0, opts.max_retry_s - waited_s)))
+                delay_s = min(delay_s * 2, opts.retry_backoff_max_ms / 1000)
+        sent = result.applied + result.rejected + result.duplicates
+        self.sent += sent
+        self.applied += result.applied
+        self.rejected += result.rejected
+        self.duplicates += result.duplicates
+        metrics.REPL_SENT_EVENTS.inc(sent)
+        metrics.REPL_CONFLICTS.inc(result.rejected)
+        for reason, n in skipped.items():
+            if n:
+                metrics.REPL_SKIPPED_EVENTS.labels(reason).inc(n)
+        metrics.REPL_LAST_BATCH.set(time.time())
+        return True
