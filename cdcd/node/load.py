@@ -16,14 +16,29 @@ log = structlog.get_logger("cdcd.node.load")
 class LoadGenerator:
     """Writes about ``rate`` entries/s to cache ``load``: 10-entry transactions, ~80% upserts, ~20% removes.
 
-    Values are ~100-byte dicts with a stable shape (``id``, ``seq``, ``updated_at``, ``payload``).
+    Values are ~100-byte dicts with a stable shape (``id``, ``seq``, ``updated_at``, ``payload``);
+    ``updated_at`` is the wall clock in ns, a ready-made ``conflict_resolve_field``. The load
+    stops by itself after ``seconds`` (0: runs until ``stop()``).
     """
 
-    def __init__(self, node: Node, rate: int, *, keyspace: int = 100_000, cache: str = "load", seed: int = 1) -> None:
+    def __init__(
+        self,
+        node: Node,
+        rate: int,
+        *,
+        keyspace: int = 100_000,
+        cache: str = "load",
+        seed: int = 1,
+        remove_ratio: float = 0.2,
+        seconds: float = 0,
+    ) -> None:
         self.node = node
         self.rate = rate
         self.keyspace = keyspace
         self.cache_name = cache
+        self.remove_ratio = remove_ratio
+        self.seconds = seconds
+        self.done = threading.Event()
         self.written = 0
         self._rng = random.Random(seed)
         self._stop = threading.Event()
@@ -42,15 +57,15 @@ class LoadGenerator:
         rng = self._rng
         tx_size = max(1, min(10, self.rate // 100 or 1))
         interval_s = tx_size / self.rate
-        next_at = time.monotonic()
+        next_at = started = time.monotonic()
         seq = 0
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not (self.seconds and time.monotonic() - started >= self.seconds):
             puts = {}
             removes = []
             for _ in range(tx_size):
                 key = rng.randrange(self.keyspace)
                 seq += 1
-                if rng.random() < 0.2:
+                if rng.random() < self.remove_ratio:
                     removes.append(key)
                 else:
                     puts[key] = {"id": key, "seq": seq, "updated_at": time.time_ns(), "payload": "x" * 48}
@@ -67,3 +82,5 @@ class LoadGenerator:
                 self._stop.wait(delay)
             elif delay < -1.0:
                 next_at = time.monotonic()  # fell behind by a second: do not burst to catch up
+        log.info("load_finished", written=self.written, cache=self.cache_name)
+        self.done.set()

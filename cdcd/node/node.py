@@ -20,6 +20,7 @@ from cdcd.lock import DirLock, LockHeld
 from cdcd.node.archiver import Archiver, check_same_filesystem
 from cdcd.node.cache import REMOVE, Cache
 from cdcd.node.config import NodeConfig
+from cdcd.node.diff import digests
 from cdcd.node.realtime import (
     Metastorage,
     RealtimeError,
@@ -593,6 +594,8 @@ class Node:
             return {"realtime": mode.value}
         if cmd == "status":
             return self.status()
+        if cmd == "digest":
+            return {"caches": digests(self)}
         if cmd == "resend":
             cache = req.get("cache")
             if not isinstance(cache, str):
@@ -601,7 +604,7 @@ class Node:
                 return {"resent": self.resend(cache), "cache": cache}
             except ValueError as exc:
                 raise ControlError(str(exc)) from None
-        raise ControlError(f"unknown command {cmd!r} (one of: realtime, status, resend)")
+        raise ControlError(f"unknown command {cmd!r} (one of: realtime, status, resend, digest)")
 
     def _dirty_with_room_locked(self) -> dict[bytes, DataEntry]:
         """The dirty map, once it has room: writers wait for a checkpoint beyond twice its bound."""
