@@ -450,7 +450,14 @@ def control_status(ctx: click.Context, as_json: bool) -> None:
         ("lag ms", f"{reply['lag_ms']:.1f}" if reply["lag_ms"] is not None else "-"),
         ("realtime stops", ", ".join(f"{k}={v}" for k, v in rt["stops"].items()) or "-"),
         ("consumer", msgspec.json.encode(reply.get("realtime_consumer") or {}).decode()),
+        ("cluster id", reply.get("cluster_id", "-")),
     ]
+    repl = reply.get("replication")
+    if repl:
+        tls = "TLS + client certificates" if repl["client_certificates"] else "TLS" if repl["tls"] else "no TLS"
+        rows.append(("replication", f"listening on {repl['listen']} ({tls}), {repl['connections']} connection(s)"))
+    else:
+        rows.append(("replication", "endpoint off"))
     for name, value in rows:
         click.echo(f"{name:<17} {value}")
 

@@ -574,6 +574,8 @@ class Node:
             "lag_segments": max(0, wal_pos.segment - committed.segment) if committed is not None else None,
             "lag_ms": lag_ms,
             "realtime_consumer": mask_mapping(self.config.realtime_consumer),
+            "cluster_id": self.config.cluster_id,
+            "replication": self.replication.status() if self.replication is not None else None,
         }
 
     def _control(self, req: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import socketserver
 import ssl
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 
@@ -202,6 +203,17 @@ class ReplicationServer:
         self._thread = threading.Thread(target=server.serve_forever, name="cdcd-replication", daemon=True)
         self._thread.start()
         log.info("replication_listening", address=f"{host}:{self.port}", tls=self.tls is not None)
+
+    def status(self) -> dict[str, Any]:
+        with self._conns_lock:
+            connections = len(self._conns)
+        host = self.address[0]
+        return {
+            "listen": f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}",
+            "tls": self.tls is not None,
+            "client_certificates": self.tls is not None and self.tls.verify_mode == ssl.CERT_REQUIRED,
+            "connections": connections,
+        }
 
     def _admit(self, sock: socket.socket) -> bool:
         with self._conns_lock:
