@@ -244,6 +244,8 @@ class Node:
         self._stop.set()
         self._checkpoint_wake.set()
         self._checkpointer.join()
+        with self._lock:
+            self._room.notify_all()  # writers waiting for room (no checkpointer now) see the close and fail
         if self.replication is not None:
             self.replication.stop()
         self._control_server.stop()
