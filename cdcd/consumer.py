@@ -168,6 +168,10 @@ class Consumer:
     def stop(self) -> None:
         """Release resources; called once, also after a failure."""
 
+    def interrupt(self) -> None:
+        """The caller is stopping: a consumer blocked inside ``on_events`` (waiting out a failing
+        target) should return False soon. Called from a signal handler or another thread."""
+
     def alive(self) -> bool:
         """False makes the caller fail fast (the service manager restarts it)."""
         return True

@@ -115,6 +115,9 @@ class Daemon:
     def stop(self) -> None:
         """Ask a running ``run()`` to finish its in-flight batch and return (thread- and signal-safe)."""
         self._stopping.set()
+        interrupt = getattr(self.consumer, "interrupt", None)  # user classes may not subclass Consumer
+        if callable(interrupt):
+            interrupt()
         loop, event = self._loop, self._stop_event
         if loop is not None and event is not None:
             with contextlib.suppress(RuntimeError):  # loop already closed

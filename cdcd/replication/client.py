@@ -51,10 +51,12 @@ class ReplicationClient:
         max_frame_bytes: int = 64 << 20,
     ) -> None:
         self.address = address
-        self._token = token
         self._tls = tls
         self._server_name = tls_server_name or address[0]
-        self._hello = Hello(token.decode(), sender_cluster_id=sender_cluster_id, sender_node=sender_node)
+        self._token_text = token.decode()
+        self.sender_cluster_id = sender_cluster_id
+        self.sender_node = sender_node
+        """What the hello tells the target about us (its logs show it)."""
         self.connect_timeout_s = connect_timeout_s
         self.request_timeout_s = request_timeout_s
         self.max_in_flight = max_in_flight
@@ -80,7 +82,11 @@ class ReplicationClient:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_hostname=self._server_name)
-            sock.sendall(encode_frame(self._hello))
+            sock.sendall(
+                encode_frame(
+                    Hello(self._token_text, sender_cluster_id=self.sender_cluster_id, sender_node=self.sender_node)
+                )
+            )
             reply = self._read(sock)
             if isinstance(reply, Error):
                 raise TargetRefused(f"replication target {self.target} refused the connection: {reply.message}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import ssl
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -113,6 +114,7 @@ class ReplicationConsumer(Consumer):
             max_in_flight=options.max_in_flight,
         )
         self._alive = True
+        self._interrupted = threading.Event()
         self.sent = self.applied = self.rejected = self.duplicates = 0
 
     @classmethod
@@ -124,6 +126,10 @@ class ReplicationConsumer(Consumer):
 
     def stop(self) -> None:
         self.client.close()
+
+    def interrupt(self) -> None:
+        """Stop waiting for a failing target: the batch stays unconfirmed and the next run sends it."""
+        self._interrupted.set()
 
     def _is_selected(self, name: str) -> bool:
         ok = self._selected_cache.get(name)
@@ -171,6 +177,8 @@ class ReplicationConsumer(Consumer):
     def on_events(self, batch: EventBatch) -> bool:
         if not len(batch):
             return True
+        if self._interrupted.is_set():
+            return False  # stopping: confirm nothing more
         opts = self.options
         started = time.monotonic()
         delay_s = 0.1
@@ -178,6 +186,9 @@ class ReplicationConsumer(Consumer):
             skipped = {"replicated": 0, "backup": 0, "filtered": 0}
             try:
                 if not self.client.connected:
+                    first = batch.slices[0]
+                    self.client.sender_node = batch.source_node
+                    self.client.sender_cluster_id = first.record.entries[first.start].version.cluster_id
                     welcome = self.client.connect()
                     log.info("replication_connected", target=self.client.target, target_cluster=welcome.cluster_id)
                 result = self.client.apply_all(self._requests(batch, skipped))
@@ -201,7 +212,11 @@ class ReplicationConsumer(Consumer):
                     retry_in_s=round(delay_s, 3),
                     failing_for_s=round(waited_s, 1),
                 )
-                time.sleep(min(delay_s, max(0.0, opts.max_retry_s - waited_s)))
+                if self._interrupted.wait(min(delay_s, max(0.0, opts.max_retry_s - waited_s))):
+                    log.info(
+                        "replication_retry_interrupted", target=self.client.target, failing_for_s=round(waited_s, 1)
+                    )
+                    return False
                 delay_s = min(delay_s * 2, opts.retry_backoff_max_ms / 1000)
         sent = result.applied + result.rejected + result.duplicates
         self.sent += sent
