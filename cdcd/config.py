@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import tomllib
@@ -39,6 +40,21 @@ def convert(data: Mapping[str, Any], cls: type[T], source: str) -> T:
         return msgspec.convert(data, cls, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{source}: {_describe(exc)}") from None
+
+
+def import_object(spec: str, source: str, key: str) -> Any:
+    """The object ``package.module:Name`` names (a user's class in a config); errors name the key."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{source}: key '{key}': expected 'package.module:ClassName', got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{source}: key '{key}': cannot import {module_name!r}: {exc}") from None
+    obj = getattr(module, attr, None)
+    if obj is None:
+        raise ConfigError(f"{source}: key '{key}': {module_name!r} has no attribute {attr!r}")
+    return obj
 
 
 def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -18,13 +18,12 @@ A replicated entry meets the entry the receiver holds for its key; the rules, in
 from __future__ import annotations
 
 import enum
-import importlib
 from typing import Any
 
 import msgspec
 import structlog
 
-from cdcd.config import ConfigError
+from cdcd.config import ConfigError, import_object
 from cdcd.replication.protocol import ReplEntry
 from cdcd.wal.records import CacheVersion
 
@@ -136,14 +135,7 @@ def load_resolver(spec: str, cluster_id: int, conflict_resolve_field: str, sourc
     """The resolver named by ``spec`` (``package.module:Class``; "" for the default)."""
     if not spec:
         return ConflictResolver(cluster_id, conflict_resolve_field)
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{source}: key 'replication_resolver': expected 'package.module:ClassName', got {spec!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"{source}: key 'replication_resolver': cannot import {module_name!r}: {exc}") from None
-    cls = getattr(module, attr, None)
+    cls = import_object(spec, source, "replication_resolver")
     if not isinstance(cls, type) or not issubclass(cls, ConflictResolver):
         raise ConfigError(
             f"{source}: key 'replication_resolver': {spec} is not a subclass of "

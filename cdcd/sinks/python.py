@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
-from cdcd.config import ConfigError, convert
+from cdcd.config import ConfigError, convert, import_object
 from cdcd.consumer import Consumer
 
 
@@ -19,16 +18,7 @@ class PythonOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ren
 
 def load_python_consumer(options: Mapping[str, Any], source: str) -> Consumer:
     opts = convert(options, PythonOptions, source)
-    module_name, sep, attr = opts.class_.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{source}: key 'class': expected 'package.module:ClassName', got {opts.class_!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"{source}: key 'class': cannot import {module_name!r}: {exc}") from None
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise ConfigError(f"{source}: key 'class': {module_name!r} has no attribute {attr!r}")
+    cls = import_object(opts.class_, source, "class")
     try:
         consumer = cls(**opts.options)
     except TypeError as exc:
