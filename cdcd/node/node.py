@@ -445,7 +445,7 @@ class Node:
         e = self._pending_locked(full_key)
         if e is not None:
             return None if e.op == Op.DELETE else (bytes(e.value), e.version, e.expire_time_ms)
-        stored = self._store.get(full_key)
+        stored = self._store.get_locked(full_key)  # a read txn per key was ~18% of a replicated apply
         return None if stored is None else (bytes(stored.value), stored.version, stored.expire_time_ms)
 
     # --- replication -------------------------------------------------------------------------------
@@ -497,6 +497,7 @@ class Node:
             latest: dict[bytes, tuple[bytes, CacheVersion, int] | None] = {}
             entries: list[DataEntry] = []
             keys: list[bytes] = []
+            op_counts = {_CREATE: 0, _UPDATE: 0, _DELETE: 0}
             order = self._order
             for key_raw, new in prepared:
                 full_key = prefix + key_raw
@@ -517,6 +518,7 @@ class Node:
                     op = _DELETE
                 else:
                     op = _UPDATE if current is not None else _CREATE
+                op_counts[op] += 1
                 order += 1
                 version = CacheVersion(order, node_order, cluster_id, topology_version, new.version)
                 entries.append(
@@ -539,8 +541,8 @@ class Node:
                 dirty.update(zip(keys, entries, strict=True))
                 stats = self.stats
                 stats.transactions += 1
-                for e in entries:
-                    stats.entries[e.op] += 1
+                for op, n in op_counts.items():
+                    stats.entries[op] += n
                 if len(dirty) >= config.checkpoint_dirty_max_entries:
                     self._checkpoint_wake.set()
         if end is not None:

@@ -91,6 +91,15 @@ class PageStore:
             raw = txn.get(full_key)
             return _stored_dec.decode(raw) if raw is not None else None
 
+    def get_locked(self, full_key: bytes) -> StoredValue | None:
+        """Like ``get`` through the long-lived read txn of ``exists_locked`` (same rules; the value is
+        a view into LMDB's pages: copy it before ``renew_reader``)."""
+        reader = self._reader
+        if reader is None:
+            reader = self._reader = self.env.begin(db=self._data, buffers=True)
+        raw = reader.get(full_key)
+        return _stored_dec.decode(raw) if raw is not None else None
+
     def exists(self, full_key: bytes) -> bool:
         with self.env.begin(db=self._data, buffers=True) as txn:
             return txn.get(full_key) is not None
