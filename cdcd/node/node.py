@@ -460,7 +460,8 @@ class Node:
         return ReplicationServer(
             address,
             token=credentials.read_token(config.replication_token_file, "replication_token_file", source),
-            apply=lambda request: self.apply_replicated(request, resolver),
+            apply=lambda request: self.stage_replicated(request, resolver),
+            wait_durable=self._wal.wait_durable,
             welcome=Welcome(config.cluster_id, str(self.node_id)),
             tls=credentials.server_context(
                 config.replication_tls_cert, config.replication_tls_key, config.replication_tls_ca, source
@@ -475,9 +476,17 @@ class Node:
         Accepted entries are written as one DataRecord with this node's versions, each keeping its
         origin version in ``other_cluster_version`` (so no daemon sends it back). Raises
         RequestRefused, and applies nothing, if any entry is malformed."""
+        reply, end = self.stage_replicated(request, resolver)
+        if end is not None:
+            self._wal.wait_durable(end)  # whatever wal_mode: the sender commits its position on our reply
+        return reply
+
+    def stage_replicated(self, request: Apply, resolver: ConflictResolver) -> tuple[Applied, WalPointer | None]:
+        """``apply_replicated`` without the wait: the reply, and the WAL end that must be durable
+        before it is sent (None: nothing was written)."""
         prepared = _prepare_replicated(request)
         if not prepared:
-            return Applied(request.seq, 0, 0)
+            return Applied(request.seq, 0, 0), None
         info = self._caches.get(request.cache)
         if info is None:
             try:
@@ -545,8 +554,6 @@ class Node:
                     stats.entries[op] += n
                 if len(dirty) >= config.checkpoint_dirty_max_entries:
                     self._checkpoint_wake.set()
-        if end is not None:
-            self._wal.wait_durable(end)  # whatever wal_mode: the sender commits its position on our reply
         for rule, n in counts.items():
             if n:
                 metrics.REPL_RECEIVED.labels(rule.name.lower()).inc(n)
@@ -554,7 +561,7 @@ class Node:
             metrics.REPL_RECEIVED.labels("duplicate").inc(duplicates)
         if rejected:
             metrics.REPL_REJECTED.inc(rejected)
-        return Applied(request.seq, applied, rejected, duplicates)
+        return Applied(request.seq, applied, rejected, duplicates), end
 
     # --- control socket --------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -792,31 +799,29 @@ class Node:
 
 def _prepare_replicated(request: Apply) -> list[tuple[bytes, ReplEntry]]:
     """(canonical key bytes, entry) of every entry, checked as a local write would be: a peer
-    must not be able to put what this node's own readers cannot decode into its WAL."""
+    must not be able to put what this node's own readers cannot decode into its WAL. (Frame
+    decoding already proved every key and value well-formed MessagePack.)"""
     out = []
+    nil = bytes(NIL)
     for i, e in enumerate(request.entries):
-        where = f"cache {request.cache!r} entry {i}"
+        if not 1 <= e.version.cluster_id <= 31:
+            raise RequestRefused(
+                f"cache {request.cache!r} entry {i}: origin cluster id {e.version.cluster_id} is not in 1-31"
+            )
+        value = bytes(e.value)
+        if (value == nil) is not (e.op is _DELETE):
+            what = "a delete carries a value" if e.op is _DELETE else "a put without a value"
+            raise RequestRefused(f"cache {request.cache!r} entry {i}: {what}")
         try:
             key = _decoder.decode(e.key)
-            if e.op is not _DELETE:
-                value = _decoder.decode(e.value)
-        except (msgspec.DecodeError, RecursionError) as exc:
-            raise RequestRefused(f"{where}: undecodable key or value: {exc}") from None
-        if e.op is _DELETE:
-            if bytes(e.value) != bytes(NIL):
-                raise RequestRefused(f"{where}: a delete carries a value")
-        elif value is None:
-            raise RequestRefused(f"{where}: a put without a value")
-        elif len(e.value) > MAX_NESTING and _too_deep(value):
-            raise RequestRefused(f"{where}: value nests deeper than {MAX_NESTING} levels")
-        if not 1 <= e.version.cluster_id <= 31:
-            raise RequestRefused(f"{where}: origin cluster id {e.version.cluster_id} is not in 1-31")
-        if len(e.key) > MAX_NESTING and _too_deep(key):
-            raise RequestRefused(f"{where}: key nests deeper than {MAX_NESTING} levels")
-        try:
+            # Only long encodings can nest too deep (each level costs a byte): decode just those.
+            if len(e.key) > MAX_NESTING and _too_deep(key):
+                raise ValueError(f"key nests deeper than {MAX_NESTING} levels")
+            if len(value) > MAX_NESTING and _too_deep(_decoder.decode(value)):
+                raise ValueError(f"value nests deeper than {MAX_NESTING} levels")
             key_raw = _key_encoder.encode(key)  # canonical: equal keys, equal bytes, whoever encoded them
-        except TypeError as exc:
-            raise RequestRefused(f"{where}: key cannot be a key: {exc}") from None
+        except (msgspec.DecodeError, RecursionError, TypeError, ValueError) as exc:
+            raise RequestRefused(f"cache {request.cache!r} entry {i}: {exc}") from None
         out.append((key_raw, e if e.version.other_cluster_version is None else _as_origin(e)))
     return out
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import select
 import socket
 import socketserver
 import ssl
@@ -31,7 +32,10 @@ from cdcd.replication.protocol import (
 
 log = structlog.get_logger("cdcd.replication")
 
-ApplyFn = Callable[[Apply], Applied]
+ApplyFn = Callable[[Apply], tuple[Applied, Any]]
+"""Applies a request without waiting for the WAL: the reply, and the WAL end to wait for (or None)."""
+WaitFn = Callable[[Any], object]
+MAX_STAGED_REPLIES = 16
 
 
 class RequestRefused(Exception):
@@ -113,36 +117,70 @@ class _Handler(socketserver.BaseRequestHandler):
         _send(sock, Error(message, fatal=True))
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
+        """Answer requests in order. Replies wait in ``staged`` while more requests are already
+        waiting in the socket (a pipelining sender): one fsync then covers them all, and applying
+        the next request overlaps the previous one's flush."""
         owner = self.server.owner
-        while True:
+        staged: list[tuple[Frame, Any]] = []
+        try:
+            while True:
+                if staged and (len(staged) >= MAX_STAGED_REPLIES or not _readable(sock)):
+                    self._answer(sock, staged)
+                try:
+                    payload = read_payload(sock, owner.max_frame_bytes)
+                except ProtocolError as exc:  # a lying length: the stream cannot be followed any more
+                    self._answer(sock, staged)
+                    self._refuse(sock, peer, "frame", str(exc))
+                    return
+                if payload is None:
+                    return
+                try:
+                    frame: Frame = decode_payload(payload)
+                except ProtocolError as exc:  # framing is intact: answer and go on
+                    metrics.REPL_REFUSED.labels("frame").inc()
+                    log.warning("replication_bad_frame", peer=peer, error=str(exc))
+                    staged.append((Error(str(exc)), None))
+                    continue
+                if not isinstance(frame, Apply):
+                    metrics.REPL_REFUSED.labels("frame").inc()
+                    staged.append((Error(f"unexpected {type(frame).__name__.lower()} frame"), None))
+                    continue
+                try:
+                    staged.append(owner.apply(frame))
+                except RequestRefused as exc:
+                    metrics.REPL_REFUSED.labels("request").inc()
+                    log.warning("replication_request_refused", peer=peer, cache=frame.cache, error=str(exc))
+                    staged.append((Error(str(exc), seq=frame.seq), None))
+                except RuntimeError as exc:  # the node is closing or failed: the peer retries later
+                    self._answer(sock, staged)
+                    _send(sock, Error(str(exc), seq=frame.seq, fatal=True, retry=True))
+                    return
+        finally:
+            if staged:
+                self._answer(sock, staged)
+
+    def _answer(self, sock: socket.socket, staged: list[tuple[Frame, Any]]) -> None:
+        """Make the staged requests durable (one wait for the furthest), then send their replies."""
+        ends = [end for _frame, end in staged if end is not None]
+        frames = [frame for frame, _end in staged]
+        staged.clear()
+        if ends:
             try:
-                payload = read_payload(sock, owner.max_frame_bytes)
-            except ProtocolError as exc:  # a lying length: the stream cannot be followed any more
-                self._refuse(sock, peer, "frame", str(exc))
-                return
-            if payload is None:
-                return
-            try:
-                frame: Frame = decode_payload(payload)
-            except ProtocolError as exc:  # framing is intact: answer and go on
-                metrics.REPL_REFUSED.labels("frame").inc()
-                log.warning("replication_bad_frame", peer=peer, error=str(exc))
-                _send(sock, Error(str(exc)))
-                continue
-            if not isinstance(frame, Apply):
-                metrics.REPL_REFUSED.labels("frame").inc()
-                _send(sock, Error(f"unexpected {type(frame).__name__.lower()} frame"))
-                continue
-            try:
-                reply: Applied | Error = owner.apply(frame)
-            except RequestRefused as exc:
-                metrics.REPL_REFUSED.labels("request").inc()
-                log.warning("replication_request_refused", peer=peer, cache=frame.cache, error=str(exc))
-                reply = Error(str(exc), seq=frame.seq)
-            except RuntimeError as exc:  # the node is closing or failed: the peer retries elsewhere/later
-                _send(sock, Error(str(exc), seq=frame.seq, fatal=True, retry=True))
-                return
-            _send(sock, reply)
+                self.server.owner.wait_durable(max(ends))
+            except Exception as exc:  # the WAL failed: nothing staged is confirmed
+                log.error("replication_flush_failed", error=f"{type(exc).__name__}: {exc}")
+                frames = [
+                    Error(f"not durable: {exc}", seq=getattr(f, "seq", 0), fatal=True, retry=True) for f in frames
+                ]
+        for frame in frames:
+            _send(sock, frame)
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Bytes of another request are already here (or buffered inside TLS)."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
+    return bool(select.select([sock], [], [], 0)[0])
 
 
 def _drain_close(sock: socket.socket) -> None:
@@ -170,6 +208,7 @@ class ReplicationServer:
         *,
         token: bytes,
         apply: ApplyFn,
+        wait_durable: WaitFn,
         welcome: Welcome,
         tls: ssl.SSLContext | None = None,
         max_frame_bytes: int,
@@ -179,6 +218,7 @@ class ReplicationServer:
         self.address = address
         self.token = token
         self.apply = apply
+        self.wait_durable = wait_durable
         self.welcome = welcome
         self.tls = tls
         self.max_frame_bytes = max_frame_bytes
