@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import select
+import queue
 import socket
 import socketserver
 import ssl
@@ -36,6 +36,7 @@ ApplyFn = Callable[[Apply], tuple[Applied, Any]]
 """Applies a request without waiting for the WAL: the reply, and the WAL end to wait for (or None)."""
 WaitFn = Callable[[Any], object]
 MAX_STAGED_REPLIES = 16
+"""Requests applied but not yet answered, per connection."""
 
 
 class RequestRefused(Exception):
@@ -112,75 +113,74 @@ class _Handler(socketserver.BaseRequestHandler):
         return None
 
     def _refuse(self, sock: socket.socket, peer: str, reason: str, message: str) -> None:
+        _send(sock, self._refusal(peer, reason, message))
+
+    def _refusal(self, peer: str, reason: str, message: str) -> Error:
         metrics.REPL_REFUSED.labels(reason).inc()
         log.warning("replication_peer_refused", peer=peer, reason=reason, error=message)
-        _send(sock, Error(message, fatal=True))
+        return Error(message, fatal=True)
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
-        """Answer requests in order. Replies wait in ``staged`` while more requests are already
-        waiting in the socket (a pipelining sender): one fsync then covers them all, and applying
-        the next request overlaps the previous one's flush."""
-        owner = self.server.owner
-        staged: list[tuple[Frame, Any]] = []
+        """Apply requests as they come and answer them in order from a second thread, each once
+        its WAL end is durable: the next request is applied while the previous one is flushed,
+        and a pipelining sender gets every reply as early as it can."""
+        replies: queue.Queue[tuple[Frame, Any] | None] = queue.Queue(MAX_STAGED_REPLIES)
+        replier = threading.Thread(target=self._reply_loop, args=(sock, replies), name="cdcd-replication-replies")
+        replier.start()
         try:
-            while True:
-                if staged and (len(staged) >= MAX_STAGED_REPLIES or not _readable(sock)):
-                    self._answer(sock, staged)
-                try:
-                    payload = read_payload(sock, owner.max_frame_bytes)
-                except ProtocolError as exc:  # a lying length: the stream cannot be followed any more
-                    self._answer(sock, staged)
-                    self._refuse(sock, peer, "frame", str(exc))
-                    return
-                if payload is None:
-                    return
-                try:
-                    frame: Frame = decode_payload(payload)
-                except ProtocolError as exc:  # framing is intact: answer and go on
-                    metrics.REPL_REFUSED.labels("frame").inc()
-                    log.warning("replication_bad_frame", peer=peer, error=str(exc))
-                    staged.append((Error(str(exc)), None))
-                    continue
-                if not isinstance(frame, Apply):
-                    metrics.REPL_REFUSED.labels("frame").inc()
-                    staged.append((Error(f"unexpected {type(frame).__name__.lower()} frame"), None))
-                    continue
-                try:
-                    staged.append(owner.apply(frame))
-                except RequestRefused as exc:
-                    metrics.REPL_REFUSED.labels("request").inc()
-                    log.warning("replication_request_refused", peer=peer, cache=frame.cache, error=str(exc))
-                    staged.append((Error(str(exc), seq=frame.seq), None))
-                except RuntimeError as exc:  # the node is closing or failed: the peer retries later
-                    self._answer(sock, staged)
-                    _send(sock, Error(str(exc), seq=frame.seq, fatal=True, retry=True))
-                    return
+            self._read_loop(sock, peer, replies.put)
         finally:
-            if staged:
-                self._answer(sock, staged)
+            replies.put(None)
+            replier.join()
 
-    def _answer(self, sock: socket.socket, staged: list[tuple[Frame, Any]]) -> None:
-        """Make the staged requests durable (one wait for the furthest), then send their replies."""
-        ends = [end for _frame, end in staged if end is not None]
-        frames = [frame for frame, _end in staged]
-        staged.clear()
-        if ends:
+    def _read_loop(self, sock: socket.socket, peer: str, reply: Callable[[tuple[Frame, Any]], None]) -> None:
+        owner = self.server.owner
+        while True:
             try:
-                self.server.owner.wait_durable(max(ends))
-            except Exception as exc:  # the WAL failed: nothing staged is confirmed
-                log.error("replication_flush_failed", error=f"{type(exc).__name__}: {exc}")
-                frames = [
-                    Error(f"not durable: {exc}", seq=getattr(f, "seq", 0), fatal=True, retry=True) for f in frames
-                ]
-        for frame in frames:
+                payload = read_payload(sock, owner.max_frame_bytes)
+            except ProtocolError as exc:  # a lying length: the stream cannot be followed any more
+                reply((self._refusal(peer, "frame", str(exc)), None))
+                return
+            if payload is None:
+                return
+            try:
+                frame: Frame = decode_payload(payload)
+            except ProtocolError as exc:  # framing is intact: answer and go on
+                metrics.REPL_REFUSED.labels("frame").inc()
+                log.warning("replication_bad_frame", peer=peer, error=str(exc))
+                reply((Error(str(exc)), None))
+                continue
+            if not isinstance(frame, Apply):
+                metrics.REPL_REFUSED.labels("frame").inc()
+                reply((Error(f"unexpected {type(frame).__name__.lower()} frame"), None))
+                continue
+            try:
+                reply(owner.apply(frame))
+            except RequestRefused as exc:
+                metrics.REPL_REFUSED.labels("request").inc()
+                log.warning("replication_request_refused", peer=peer, cache=frame.cache, error=str(exc))
+                reply((Error(str(exc), seq=frame.seq), None))
+            except RuntimeError as exc:  # the node is closing or failed: the peer retries later
+                reply((Error(str(exc), seq=frame.seq, fatal=True, retry=True), None))
+                return
+
+    def _reply_loop(self, sock: socket.socket, replies: queue.Queue[tuple[Frame, Any] | None]) -> None:
+        failed = False
+        while (item := replies.get()) is not None:
+            if failed:
+                continue  # keep taking items so the reader never blocks on a full queue
+            frame, end = item
+            if end is not None:
+                try:
+                    self.server.owner.wait_durable(end)
+                except Exception as exc:  # the WAL failed: nothing from here on is confirmed
+                    log.error("replication_flush_failed", error=f"{type(exc).__name__}: {exc}")
+                    frame = Error(f"not durable: {exc}", seq=getattr(frame, "seq", 0), fatal=True, retry=True)
             _send(sock, frame)
-
-
-def _readable(sock: socket.socket) -> bool:
-    """Bytes of another request are already here (or buffered inside TLS)."""
-    if isinstance(sock, ssl.SSLSocket) and sock.pending():
-        return True
-    return bool(select.select([sock], [], [], 0)[0])
+            if isinstance(frame, Error) and frame.fatal:
+                failed = True
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RD)  # the reader stops at once
 
 
 def _drain_close(sock: socket.socket) -> None:
