@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+import structlog
 
 from cdcd.config import convert
-from cdcd.consumer import OP_NAMES, Consumer, EventBatch
+from cdcd.consumer import OP_NAMES, Consumer, EventBatch, RecordSlice
 from cdcd.wal.dump import jsonable
+
+if TYPE_CHECKING:
+    from cdcd.sinks.jsonl_workers import WorkerPool
+
+log = structlog.get_logger("cdcd.sinks.jsonl")
+
+DEFAULT_WORKERS = 2
+"""Enough to take the JSON encoding off the daemon's interpreter lock on two cores; more pay off
+only with more cores (the daemon's own reading and decoding takes about one)."""
 
 _WRITE_LINES = 4096
 """Lines written at a time: bounds memory whatever the batch size."""
@@ -58,7 +68,9 @@ class _JsonDecoder:
                 self._backoff = 1
                 return obj
         obj = self._decode(raw)
-        if isinstance(obj, dict | list):  # the only types jsonable() changes: scalars go through as they are
+        # The only types jsonable() changes: scalars go through as they are. A tuple constant:
+        # ``dict | list`` would build a union object on every call.
+        if isinstance(obj, (dict, list)):
             obj = jsonable(obj)
         return obj
 
@@ -97,15 +109,31 @@ class JsonlOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     path: str
     fsync: bool = True
     """fsync after every batch (a batch is confirmed only once it is on disk)."""
+    workers: int = DEFAULT_WORKERS
+    """Processes that encode the lines of batches of ``2 * _WRITE_LINES`` events or more, reading
+    the records again from the CDC dir (0: everything in the daemon process). Same output either
+    way; each worker holds at most ``_DEPTH`` (4) tasks of ``_WRITE_LINES`` lines."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.workers <= 64:
+            raise msgspec.ValidationError(f"out of range: {self.workers} - at `$.workers`")
 
 
 class JsonlConsumer(Consumer):
-    """Writes ``{"cache", "op", "key", "value", "partition", "primary", "version", "commit_ts_ns", "pos"}``."""
+    """Writes ``{"cache", "op", "key", "value", "partition", "primary", "version", "commit_ts_ns", "pos"}``.
 
-    def __init__(self, path: str | os.PathLike[str], fsync: bool = True) -> None:
+    Under the daemon (which calls ``attach_cdc_dir``), batches of at least ``2 * _WRITE_LINES``
+    events are encoded by ``workers`` processes that read the records from the segment files
+    themselves (``cdcd.sinks.jsonl_workers``); the bytes written are the same either way.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], fsync: bool = True, workers: int = DEFAULT_WORKERS) -> None:
         self.path = Path(path)
         self.fsync = fsync
+        self.workers = workers
+        self.cdc_dir: Path | None = None
         self._fd: int | None = None
+        self._pool: WorkerPool | None = None
         self._encoder = msgspec.json.Encoder()
         self._decode_key = _JsonDecoder()
         self._decode_value = _JsonDecoder()
@@ -113,16 +141,54 @@ class JsonlConsumer(Consumer):
     @classmethod
     def from_options(cls, options: Mapping[str, Any], source: str) -> JsonlConsumer:
         opts = convert(options, JsonlOptions, source)
-        return cls(opts.path, opts.fsync)
+        return cls(opts.path, opts.fsync, opts.workers)
+
+    def attach_cdc_dir(self, cdc_dir: Path) -> None:
+        """Where the records of every batch can be read again (the daemon's CDC dir), before ``start``."""
+        self.cdc_dir = Path(cdc_dir)
 
     def start(self, registry: Any = None) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if self.workers and self.cdc_dir is not None:
+            from cdcd.sinks.jsonl_workers import WorkerFailed, WorkerPool
+
+            try:
+                self._pool = WorkerPool(self.workers, self.cdc_dir, self._fd, fsync=self.fsync)
+            except (OSError, WorkerFailed) as exc:
+                log.warning("jsonl_workers_unavailable", error=str(exc), hint="encoding in the daemon process")
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Pids of the encoding workers (empty: everything is encoded in this process)."""
+        return self._pool.pids if self._pool is not None else []
+
+    def prepare_batch(self, batch: EventBatch) -> None:
+        """The daemon's look-ahead: a batch that comes to ``on_events`` after those before it."""
+        pool = self._pool
+        if pool is not None and len(batch) >= 2 * _WRITE_LINES:
+            pool.prepare(batch, _WRITE_LINES)
 
     def on_events(self, batch: EventBatch) -> bool:
         fd = self._fd
         if fd is None:
             raise RuntimeError("JsonlConsumer.on_events before start()")
+        pool = self._pool
+        if pool is not None and len(batch) >= 2 * _WRITE_LINES:
+            pool.write_batch(batch, _WRITE_LINES, lambda slices: self._write(fd, batch, slices))
+        else:
+            self._write(fd, batch, batch.slices)
+        if self.fsync:
+            os.fdatasync(fd)
+        if pool is not None:
+            pool.check_synced()
+            if pool.broken is not None:
+                self._pool = None
+                pool.close()
+        return True
+
+    def _write(self, fd: int, batch: EventBatch, slices: Sequence[RecordSlice]) -> None:
+        """The lines of ``slices``, encoded here and appended in chunks of ``_WRITE_LINES``."""
         decode_key = self._decode_key
         decode_value = self._decode_value
         encode_lines = self._encoder.encode_lines
@@ -131,7 +197,7 @@ class JsonlConsumer(Consumer):
         lines: list[_Line] = []
         encoded: list[bytes] = []
         unwritten = 0
-        for s in batch.slices:
+        for s in slices:
             ptr = s.pointer
             segment = ptr.segment
             offset = ptr.offset
@@ -174,11 +240,11 @@ class JsonlConsumer(Consumer):
             encoded.append(encode_lines(lines))
         if encoded:
             _write_all(fd, b"".join(encoded))
-        if self.fsync:
-            os.fdatasync(fd)
-        return True
 
     def stop(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
