@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import random
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -417,3 +418,37 @@ def test_stop_record_written_at_restart_reaches_the_daemon(rig_factory: Any) -> 
     _, daemon_exp, _ = check_delivery(rig)
     assert sum(1 for e in daemon_exp if e["value"] is not None and e["value"]["n"] >= 100_000) > 0
     assert wal_events(rig.node_dir)[-1] == daemon_exp[-1]
+
+
+def test_close_interrupts_a_realtime_consumer_retrying_a_dead_target(rig_factory: Any, tmp_path: Path) -> None:
+    """A node whose realtime replication consumer retries a dead target (max_retry_s 120) closes
+    within seconds: after realtime_close_timeout_ms, close() interrupts the retries, writes
+    Stop(close_timeout), and the daemon then delivers what the node could not."""
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef0123")
+    token.chmod(0o600)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    consumer = {
+        "kind": "replication",
+        "target": f"127.0.0.1:{dead_port}",
+        "token_file": str(token),
+        "max_retry_s": 120,
+        "retry_backoff_max_ms": 200,
+    }
+    rig: Rig = rig_factory(realtime_cdc=False, consumer=consumer, realtime_close_timeout_ms=300)
+    rig.start_node(pause_ms=30)
+    rig.start_daemon()
+    rig.wait_mode("off", "ACTIVE")
+    time.sleep(0.5)
+    rig.switch_on()
+    time.sleep(1.0)  # the consumer is retrying its first batch
+    t0 = time.monotonic()
+    rig.stop_node()
+    took = time.monotonic() - t0
+    events = [e["event"] for e in rig.node_log_events()]
+    assert "replication_retry" in events and "realtime_close_timeout" in events
+    assert "replication_retry_interrupted" in events
+    assert took < 15, f"close took {took:.1f} s"
+    assert [r.reason for _p, r in markers(rig.node_dir) if isinstance(r, StopRealtimeCdcRecord)][-1] == "close_timeout"

@@ -530,6 +530,10 @@ class RealtimeWorker:
             self._thread.join(self.config.realtime_close_timeout_ms / 1000)
             if self._thread.is_alive():
                 log.error("realtime_close_timeout", buffered_bytes=self._buffered_bytes)
+                interrupt = getattr(self._consumer, "interrupt", None)  # e.g. retrying a dead target
+                if callable(interrupt):
+                    interrupt()
+                    self._thread.join(5.0)
                 self._stop("close_timeout")
         end = None
         with self._meta_lock:
