@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cdcd.control import request
 from cdcd.node.node import Node
 from cdcd.node.snapshot import NodeSnapshot
-from cdcd.replication.protocol import Error, Hello, Welcome, decode_payload, encode_frame
+from cdcd.replication.protocol import Error, Hello, Welcome, encode_frame
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.reader import WalReader
 from cdcd.wal.records import CacheVersion, DataEntry, DataRecord, Op
@@ -44,6 +44,7 @@ from tests.test_daemon_e2e import (
     wal_records,
     write_daemon_config,
 )
+from tests.test_replication_endpoint import exchange
 
 TOKEN = "replication-token-0123456789abcdef"
 NODE_SETTINGS: dict[str, Any] = {
@@ -663,22 +664,6 @@ def test_target_killed_daemon_gives_up_after_max_retry_then_recovers(tmp_path: P
     assert_converged(a, b)
 
 
-def _exchange(port: int, data: bytes) -> list[Any]:
-    """Send raw bytes to a replication endpoint; the frames it answers until it closes."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(data)
-        s.shutdown(socket.SHUT_WR)
-        buf = b""
-        while part := s.recv(65536):
-            buf += part
-    frames = []
-    while buf:
-        (size,) = struct.unpack(">I", buf[:4])
-        frames.append(decode_payload(buf[4 : 4 + size]))
-        buf = buf[4 + size :]
-    return frames
-
-
 def test_bad_peers_are_refused_and_a_restarted_target_is_rejoined(tmp_path: Path, procs: Procs) -> None:
     """A node process refuses a daemon with a wrong token (exit 4 at once, no retries) and garbage frames, counting
     each refusal, keeps serving a good daemon, and once SIGTERMed and restarted mid-stream is rejoined by that daemon
@@ -695,9 +680,9 @@ def test_bad_peers_are_refused_and_a_restarted_target_is_rejoined(tmp_path: Path
     assert len(errors) == 1 and "token refused" in errors[0] and b.target in errors[0], _tail(bad.err)
     assert bad.events("replication_retry") == []
 
-    http = _exchange(b.repl_port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")  # read as a frame of ~1.2 GB
+    http = exchange(b.repl_port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")  # read as a frame of ~1.2 GB
     assert [type(f) for f in http] == [Error] and http[0].fatal and "over the limit" in http[0].message
-    junk = _exchange(b.repl_port, encode_frame(Hello(TOKEN)) + struct.pack(">I", 3) + b"\xc1\xc1\xc1")
+    junk = exchange(b.repl_port, encode_frame(Hello(TOKEN)) + struct.pack(">I", 3) + b"\xc1\xc1\xc1")
     assert [type(f) for f in junk] == [Welcome, Error] and "undecodable" in junk[1].message
     samples = b.samples()
     refused = {r: b.metric("cdcd_replication_refused_total", samples, reason=r) for r in ("token", "frame", "tls")}

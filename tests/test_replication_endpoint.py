@@ -56,6 +56,23 @@ def sample(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
+def exchange(port: int, data: bytes) -> list[Any]:
+    """Send raw bytes to a replication endpoint; the frames it answers until it closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        with contextlib.suppress(OSError):  # the node may have answered and closed already
+            s.shutdown(socket.SHUT_WR)
+        buf = b""
+        while part := s.recv(65536):
+            buf += part
+    frames = []
+    while buf:
+        (size,) = struct.unpack(">I", buf[:4])
+        frames.append(decode_payload(buf[4 : 4 + size]))
+        buf = buf[4 + size :]
+    return frames
+
+
 @pytest.fixture
 def target(tmp_path: Path) -> Iterator[Node]:
     node = open_target(tmp_path, conflict_resolve_field="updated_at")
@@ -137,26 +154,11 @@ def test_wrong_token_and_garbage_are_refused_and_the_node_keeps_serving(target: 
     with pytest.raises(TargetRefused, match="token refused"):
         client_for(target, token="wrong-token-0123456789").connect()
 
-    def exchange(data: bytes) -> list[Any]:
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-            s.sendall(data)
-            with contextlib.suppress(OSError):  # the node may have answered and closed already
-                s.shutdown(socket.SHUT_WR)
-            buf = b""
-            while part := s.recv(65536):
-                buf += part
-        frames = []
-        while buf:
-            (n,) = struct.unpack(">I", buf[:4])
-            frames.append(decode_payload(buf[4 : 4 + n]))
-            buf = buf[4 + n :]
-        return frames
-
-    assert [type(f) for f in exchange(encode_frame(Welcome(1, "x")))] == [Error]
-    assert [type(f) for f in exchange(b"GET / HTTP/1.1\r\n\r\n")] == [Error]  # a 1.2 GB "length"
+    assert [type(f) for f in exchange(port, encode_frame(Welcome(1, "x")))] == [Error]
+    assert [type(f) for f in exchange(port, b"GET / HTTP/1.1\r\n\r\n")] == [Error]  # a 1.2 GB "length"
     hello = encode_frame(Hello(TOKEN))
     garbage = struct.pack(">I", 3) + b"\xc1\xc1\xc1"
-    frames = exchange(hello + garbage + encode_frame(Hello(TOKEN)) + struct.pack(">I", 1 << 31))
+    frames = exchange(port, hello + garbage + encode_frame(Hello(TOKEN)) + struct.pack(">I", 1 << 31))
     assert [type(f) for f in frames] == [Welcome, Error, Error, Error]
     assert "undecodable" in frames[1].message and not frames[1].fatal
     assert "unexpected hello" in frames[2].message
