@@ -54,6 +54,14 @@ class Held(msgspec.Struct, frozen=True):
     expire_time_ms: int = 0
 
 
+_NEW = Verdict(True, Rule.NEW)
+_LOCAL = Verdict(True, Rule.LOCAL)
+_NEWER = Verdict(True, Rule.VERSION)
+_OLDER = Verdict(False, Rule.VERSION)
+_DUPLICATE = Verdict(False, Rule.VERSION, duplicate=True)
+"""The common verdicts, shared: one is returned per replicated entry (verdicts are frozen)."""
+
+
 def origin_version(version: CacheVersion) -> CacheVersion:
     return version.other_cluster_version or version
 
@@ -86,16 +94,16 @@ class ConflictResolver:
     def resolve(self, cache: str, key: bytes, held: Held | None, new: ReplEntry) -> Verdict:
         new_v = new.version
         if held is None:
-            return Verdict(True, Rule.NEW) if new_v.cluster_id != self.cluster_id else Verdict(True, Rule.LOCAL)
+            return _NEW if new_v.cluster_id != self.cluster_id else _LOCAL
         old_v = held.version
         if new_v.cluster_id == self.cluster_id and old_v.cluster_id != self.cluster_id:
-            return Verdict(True, Rule.LOCAL)
+            return _LOCAL
         if new_v.cluster_id == old_v.cluster_id:
             if new_v != old_v:
-                return Verdict(new_v > old_v, Rule.VERSION)
+                return _NEWER if new_v > old_v else _OLDER
             if new.expire_time_ms != held.expire_time_ms:
-                return Verdict(new.expire_time_ms > held.expire_time_ms, Rule.VERSION)
-            return Verdict(False, Rule.VERSION, duplicate=True)
+                return _NEWER if new.expire_time_ms > held.expire_time_ms else _OLDER
+            return _DUPLICATE
         field = self.conflict_resolve_field
         if field:
             new_f = _field(bytes(new.value), field)
