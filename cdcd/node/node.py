@@ -503,16 +503,22 @@ class Node:
             dirty = self._dirty_with_room_locked()
             if self._caches.get(info.name) is not info:
                 raise RequestRefused(f"cache {info.name!r} was destroyed while applying")
+            # Keys repeat within a request only from foreign senders (ours close a request on a
+            # repeat): only then must each lookup see the request's own earlier entries.
+            repeats = len({k for k, _n in prepared}) != len(prepared)
             latest: dict[bytes, tuple[bytes, CacheVersion, int] | None] = {}
             entries: list[DataEntry] = []
             keys: list[bytes] = []
+            add_entry, add_key = entries.append, keys.append
             op_counts = {_CREATE: 0, _UPDATE: 0, _DELETE: 0}
             order = self._order
+            lookup, resolve = self._current_locked, resolver.resolve
+            name, cache_id, partitions = info.name, info.cache_id, info.config.partitions
             for key_raw, new in prepared:
                 full_key = prefix + key_raw
-                current = latest[full_key] if full_key in latest else self._current_locked(full_key)
+                current = latest[full_key] if repeats and full_key in latest else lookup(full_key)
                 held = None if current is None else Held(current[0], origin_version(current[1]), current[2])
-                verdict = resolver.resolve(info.name, key_raw, held, new)
+                verdict = resolve(name, key_raw, held, new)
                 if verdict.duplicate:
                     duplicates += 1
                     continue
@@ -530,20 +536,21 @@ class Node:
                 op_counts[op] += 1
                 order += 1
                 version = CacheVersion(order, node_order, cluster_id, topology_version, new.version)
-                entries.append(
+                add_entry(
                     DataEntry(
-                        info.cache_id,
+                        cache_id,
                         op,
                         msgspec.Raw(key_raw),
                         new.value,
-                        zlib.crc32(key_raw) % info.config.partitions,
+                        zlib.crc32(key_raw) % partitions,
                         version,
                         True,
                         new.expire_time_ms,
                     )
                 )
-                keys.append(full_key)
-                latest[full_key] = None if op is _DELETE else (bytes(new.value), version, new.expire_time_ms)
+                add_key(full_key)
+                if repeats:
+                    latest[full_key] = None if op is _DELETE else (bytes(new.value), version, new.expire_time_ms)
             if entries:
                 _ptr, end = self._wal.append(DataRecord(entries, time.time_ns()))
                 self._order = order
