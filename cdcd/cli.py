@@ -15,7 +15,7 @@ import msgspec
 import structlog
 
 from cdcd import __version__
-from cdcd.config import ConfigError
+from cdcd.config import ConfigError, split_host_port
 from cdcd.logging import configure as configure_logging
 from cdcd.secrets import mask_value
 from cdcd.wal.errors import MissingSegment, WalError
@@ -150,9 +150,9 @@ def node_run(
     if config.metrics_address:
         from prometheus_client import start_http_server
 
-        host, _, port = config.metrics_address.rpartition(":")
+        host, port = split_host_port(config.metrics_address, min_port=0)
         try:
-            start_http_server(int(port), addr=host.strip("[]"))
+            start_http_server(port, addr=host)
         except OSError as exc:
             the_node.close()
             fail(f"{config_path}: key 'metrics_address': cannot listen on {config.metrics_address}: {exc}", 1)
@@ -336,8 +336,8 @@ def daemon_run(config_path: Path) -> None:
     try:
         daemon.start()
         if config.metrics_address:
-            host, _, port = config.metrics_address.rpartition(":")
-            start_http_server(int(port), addr=host.strip("[]"))
+            host, port = split_host_port(config.metrics_address, min_port=0)
+            start_http_server(port, addr=host)
         asyncio.run(main_async())
     except LockHeld as exc:
         fatal("daemon_locked", f"another cdcd daemon runs for this node: {exc}", EXIT_LOCKED)

@@ -57,6 +57,32 @@ def import_object(spec: str, source: str, key: str) -> Any:
     return obj
 
 
+def check_ranges(config: object, checks: Mapping[str, bool]) -> None:
+    """In a config Struct's ``__post_init__``: the first key whose check is False is a
+    ValidationError naming it and its value (``convert`` makes that a one-line ConfigError)."""
+    for key, ok in checks.items():
+        if not ok:
+            raise msgspec.ValidationError(f"out of range: {getattr(config, key)} - at `$.{key}`")
+
+
+def split_host_port(address: str, *, min_port: int = 1) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` (``min_port = 0``: any free port, for listening)."""
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not min_port <= int(port) < 65536:
+        raise ValueError(f"expected host:port, got {address!r}")
+    return host, int(port)
+
+
+def check_address(address: str, key: str, *, min_port: int = 0) -> None:
+    """Like ``check_ranges`` for a ``host:port`` setting ("" is allowed: off)."""
+    if address:
+        try:
+            split_host_port(address, min_port=min_port)
+        except ValueError as exc:
+            raise msgspec.ValidationError(f"{exc} - at `$.{key}`") from None
+
+
 def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     p = Path(path)
     try:

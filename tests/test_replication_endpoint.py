@@ -290,3 +290,11 @@ def test_daemon_replicates_a_node_and_nothing_comes_back(tmp_path: Path) -> None
     finally:
         a.close()
         b.close()
+
+
+def test_bad_addresses_name_their_key(tmp_path: Path) -> None:
+    """A replication target or listen address that is not host:port is a config error naming the key."""
+    with pytest.raises(ConfigError, match=r"test: key 'target': expected host:port, got '7470'"):
+        ReplicationConsumer.from_options({"target": "7470", "token_file": str(token_file(tmp_path))}, "test")
+    with pytest.raises(ConfigError, match=r"key 'replication_listen': expected host:port, got 'h:99999'"):
+        Node.open(tmp_path / "n", replication_listen="h:99999", replication_token_file=str(token_file(tmp_path)))

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from cdcd.config import ConfigError, convert, read_toml
+from cdcd.config import ConfigError, check_address, check_ranges, convert, read_toml
 
 MiB = 1 << 20
 ENV_PREFIX = "CDCD_"
@@ -50,15 +50,8 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             "queue_max_batches": self.queue_max_batches >= 1,
             "read_chunk_records": self.read_chunk_records >= 1,
         }
-        for key, ok in checks.items():
-            if not ok:
-                raise msgspec.ValidationError(f"out of range: {getattr(self, key)} - at `$.{key}`")
-        if self.metrics_address:
-            host, sep, port = self.metrics_address.rpartition(":")
-            if not sep or not host or not port.isdigit():
-                raise msgspec.ValidationError(
-                    f"expected host:port, got {self.metrics_address!r} - at `$.metrics_address`"
-                )
+        check_ranges(self, checks)
+        check_address(self.metrics_address, "metrics_address")
 
     @property
     def cdc_path(self) -> Path:

@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from cdcd.config import check_address, check_ranges
+
 MiB = 1 << 20
 
 
@@ -110,15 +112,9 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
             raise msgspec.ValidationError(
                 "realtime_cdc = true needs a realtime_consumer table - at `$.realtime_consumer`"
             )
-        for key, ok in checks.items():
-            if not ok:
-                raise msgspec.ValidationError(f"out of range: {getattr(self, key)} - at `$.{key}`")
-        for key in ("replication_listen", "metrics_address"):
-            address = getattr(self, key)
-            if address:
-                host, sep, port = address.rpartition(":")
-                if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-                    raise msgspec.ValidationError(f"expected host:port, got {address!r} - at `$.{key}`")
+        check_ranges(self, checks)
+        check_address(self.replication_listen, "replication_listen")
+        check_address(self.metrics_address, "metrics_address")
         if self.replication_listen and not self.replication_token_file:
             raise msgspec.ValidationError(
                 "replication_listen needs a replication_token_file - at `$.replication_token_file`"

@@ -14,7 +14,7 @@ import msgspec
 import structlog
 
 from cdcd import metrics
-from cdcd.config import ConfigError, convert, load_toml
+from cdcd.config import ConfigError, convert, load_toml, split_host_port
 from cdcd.control import ControlError, ControlServer
 from cdcd.lock import DirLock, LockHeld
 from cdcd.node.archiver import Archiver, check_same_filesystem
@@ -36,7 +36,7 @@ from cdcd.node.wal_log import WalLog
 from cdcd.replication import credentials
 from cdcd.replication.protocol import Applied, Apply, ReplEntry, Welcome
 from cdcd.replication.resolver import ConflictResolver, Held, Rule, load_resolver, origin_version
-from cdcd.replication.server import ReplicationServer, RequestRefused, parse_address
+from cdcd.replication.server import ReplicationServer, RequestRefused
 from cdcd.secrets import mask_mapping
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import (
@@ -453,12 +453,8 @@ class Node:
         config = self.config
         source = f"node {config.node_dir}"
         resolver = load_resolver(config.replication_resolver, config.cluster_id, config.conflict_resolve_field, source)
-        try:
-            address = parse_address(config.replication_listen, "replication_listen", listen=True)
-        except ValueError as exc:
-            raise ConfigError(f"{source}: {exc}") from None
         return ReplicationServer(
-            address,
+            split_host_port(config.replication_listen, min_port=0),  # checked by NodeConfig
             token=credentials.read_token(config.replication_token_file, "replication_token_file", source),
             apply=lambda request: self.stage_replicated(request, resolver),
             wait_durable=self._wal.wait_durable,

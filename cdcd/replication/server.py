@@ -43,15 +43,6 @@ class RequestRefused(Exception):
     """An Apply the node will not take (malformed entries); the peer gets the message."""
 
 
-def parse_address(address: str, key: str, *, listen: bool = False) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` (port 0 to listen on any free port); errors name the key."""
-    host, sep, port = address.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not (0 if listen else 1) <= int(port) < 65536:
-        raise ValueError(f"key '{key}': expected host:port, got {address!r}")
-    return host, int(port)
-
-
 class _Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
     daemon_threads = False  # server_close() joins the handlers: none may touch a closing node
     allow_reuse_address = True

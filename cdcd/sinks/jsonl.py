@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import structlog
 
-from cdcd.config import convert
+from cdcd.config import check_ranges, convert
 from cdcd.consumer import OP_NAMES, Consumer, EventBatch, RecordSlice
 from cdcd.wal.dump import jsonable
 
@@ -115,8 +115,7 @@ class JsonlOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     way; each worker holds at most ``_DEPTH`` (4) tasks of ``_WRITE_LINES`` lines."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.workers <= 64:
-            raise msgspec.ValidationError(f"out of range: {self.workers} - at `$.workers`")
+        check_ranges(self, {"workers": 0 <= self.workers <= 64})
 
 
 class JsonlConsumer(Consumer):

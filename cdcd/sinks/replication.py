@@ -22,12 +22,11 @@ import msgspec
 import structlog
 
 from cdcd import metrics
-from cdcd.config import ConfigError, convert
+from cdcd.config import ConfigError, check_ranges, convert, split_host_port
 from cdcd.consumer import Consumer, EventBatch
 from cdcd.replication import credentials
 from cdcd.replication.client import ReplicationClient, TargetRefused
 from cdcd.replication.protocol import ProtocolError, ReplEntry
-from cdcd.replication.server import parse_address
 
 log = structlog.get_logger("cdcd.sinks.replication")
 
@@ -73,9 +72,7 @@ class ReplicationOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True
             "max_retry_s": self.max_retry_s >= 0,
             "retry_backoff_max_ms": self.retry_backoff_max_ms >= 1,
         }
-        for key, ok in checks.items():
-            if not ok:
-                raise msgspec.ValidationError(f"out of range: {getattr(self, key)} - at `$.{key}`")
+        check_ranges(self, checks)
 
 
 def _cache_filter(spec: list[str] | str, source: str) -> Any:
@@ -95,9 +92,9 @@ class ReplicationConsumer(Consumer):
     def __init__(self, options: ReplicationOptions, source: str) -> None:
         self.options = options
         try:
-            address = parse_address(options.target, "target")
+            address = split_host_port(options.target)
         except ValueError as exc:
-            raise ConfigError(f"{source}: {exc}") from None
+            raise ConfigError(f"{source}: key 'target': {exc}") from None
         token = credentials.read_token(options.token_file, "token_file", source)
         tls: ssl.SSLContext | None = None
         if options.tls or options.tls_ca or options.tls_cert or options.tls_key:
