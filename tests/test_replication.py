@@ -305,6 +305,14 @@ class DaemonProc:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
 
+    def pause(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
     def events(self, name: str) -> list[dict[str, Any]]:
         return events(self.err, name)
 
@@ -590,25 +598,36 @@ def test_daemon_sigkilled_mid_stream_loses_nothing(tmp_path: Path, procs: Procs)
     a = NodeProc(procs, tmp_path, "a", 1, listen=False)
     b = NodeProc(procs, tmp_path, "b", 2)
     b.start()
-    a.start(rate=1000, seconds=10, keyspace=3000, remove_pct=20, seed=31)
+    a.start(rate=1000, seconds=20, keyspace=3000, remove_pct=20, seed=31)
     # Small requests, one at a time: the backlog a restarted daemon finds takes it a while to send.
     daemon = DaemonProc(procs, tmp_path, a, b, max_batch_size=16, max_in_flight=1)
     pos: tuple[int, int, int] | None = None
     processed = 0.0
     resent = mid_stream = attempts = 0
-    while mid_stream < 3 and attempts < 10:
+    while mid_stream < 3:
         attempts += 1
         assert a.load_written() is None, f"the load ended after {attempts - 1} kills, {mid_stream} mid-stream"
         daemon.start()
         before = processed
         wait_for(lambda: daemon.check_running() or b.processed() > before, 60, "b to apply entries", interval=0.02)
+        # Freeze the daemon, then kill it only if b has applied entries beyond its committed position: a stopped
+        # daemon cannot commit, so the kill lands mid-stream by construction, however loaded the machine is.
+        deadline = time.monotonic() + 120
+        while True:
+            daemon.pause()
+            if int(b.processed() - processed) > entries_before(a, committed(a)) - entries_before(a, pos):
+                break
+            assert time.monotonic() < deadline, "b never applied entries the daemon had not committed"
+            daemon.resume()
+            seen = b.processed()
+            wait_for(lambda: daemon.check_running() or b.processed() > seen, 60, "b to apply more", interval=0.01)
         daemon.kill()
         wait_for(lambda: b.connections() == 0, 30, "b to finish the killed daemon's last request")
         new_pos, now = committed(a), b.processed()
         # Entries b took a decision on in this run beyond those up to the committed position: sent again next run.
         excess = int(now - processed) - (entries_before(a, new_pos) - entries_before(a, pos))
-        assert excess >= 0
-        mid_stream += excess > 0
+        assert excess > 0
+        mid_stream += 1
         resent += excess
         pos, processed = new_pos, now
     assert mid_stream == 3, f"{mid_stream} of {attempts} kills came while b applied uncommitted entries"

@@ -6,6 +6,7 @@ import contextlib
 import socket
 import struct
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,57 @@ def test_wrong_token_and_garbage_are_refused_and_the_node_keeps_serving(target: 
     with client_for(target) as client:
         client.connect()
         assert client.apply_all([("c", [entry(1, {"ok": True}, 1)])]).applied == 1
+
+
+def _dribble(sock: socket.socket, data: bytes, until: float) -> bool:
+    """Send ``data`` a byte every 0.2 s (then keep the connection idle); True once the node closed it."""
+    sock.settimeout(0.2)
+    sent = 0
+    while time.monotonic() < until:
+        try:
+            if not sock.recv(65536):
+                return True
+        except TimeoutError:
+            pass
+        except OSError:
+            return True
+        if sent < len(data):
+            try:
+                sock.send(data[sent : sent + 1])
+            except OSError:
+                return True
+            sent += 1
+    return False
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_slow_handshakes_are_cut_at_one_deadline(tmp_path: Path, pki: Path, tls: bool) -> None:
+    """Peers that take every connection slot and send their hello (or TLS hello) one byte every 0.2 s
+    are disconnected once replication_auth_timeout_ms has passed since they connected (per-read
+    timeouts never fire for them), counted as reason "timeout"; a real peer then gets in."""
+    settings: dict[str, Any] = {"replication_max_connections": 2, "replication_auth_timeout_ms": 1000}
+    if tls:
+        settings |= {"replication_tls_cert": str(pki / "server.pem"), "replication_tls_key": str(pki / "server.key")}
+    node = open_target(tmp_path, **settings)
+    try:
+        port = node.replication.port if node.replication else 0
+        before = sample("cdcd_replication_refused_total", reason="timeout")
+        # A TLS record header and the start of a ClientHello, or a cdcd frame length and a hello.
+        data = bytes.fromhex("160301020001") if tls else encode_frame(Hello(TOKEN))
+        slow = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+        until = time.monotonic() + 30  # far beyond the deadline even on a loaded machine
+        try:
+            assert all(_dribble(s, data, until) for s in slow), "a slow handshake outlived the deadline"
+        finally:
+            for s in slow:
+                s.close()
+        assert sample("cdcd_replication_refused_total", reason="timeout") == before + 2
+        if not tls:
+            with client_for(node) as client:
+                client.connect()
+                assert client.apply_all([("c", [entry(1, "in", 1)])]).applied == 1
+    finally:
+        node.close()
 
 
 def test_malformed_entries_are_refused_whole(target: Node) -> None:

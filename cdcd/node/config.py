@@ -81,6 +81,8 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     """PEM CA bundle: when set, peers must present a certificate it signed."""
     replication_max_connections: int = 16
     replication_max_frame_bytes: int = 64 * MiB
+    replication_auth_timeout_ms: int = 10_000
+    """A peer's whole handshake (TLS and hello) must finish within this, or it is disconnected."""
     conflict_resolve_field: str = ""
     """Value field compared when two clusters changed a key (higher wins); see the README."""
     replication_resolver: str = ""
@@ -102,6 +104,7 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
             "cluster_id": 1 <= self.cluster_id <= 31,
             "replication_max_connections": self.replication_max_connections >= 1,
             "replication_max_frame_bytes": self.replication_max_frame_bytes >= 4096,
+            "replication_auth_timeout_ms": self.replication_auth_timeout_ms >= 1,
             "node_order": self.node_order >= 0,
             "cdc_buffer_bytes": self.cdc_buffer_bytes >= 0,
             "realtime_batch_max_events": self.realtime_batch_max_events >= 1,

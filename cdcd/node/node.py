@@ -464,6 +464,7 @@ class Node:
             ),
             max_frame_bytes=config.replication_max_frame_bytes,
             max_connections=config.replication_max_connections,
+            auth_timeout_s=config.replication_auth_timeout_ms / 1000,
         )
 
     def apply_replicated(self, request: Apply, resolver: ConflictResolver) -> Applied:

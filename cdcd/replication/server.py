@@ -60,17 +60,21 @@ class _Handler(socketserver.BaseRequestHandler):
             metrics.REPL_REFUSED.labels("connections").inc()
             _send(sock, Error(f"over replication_max_connections ({owner.max_connections})", fatal=True))
             return
+        # One deadline for the whole handshake (TLS and hello): a per-read timeout would let a peer
+        # dribbling a byte at a time hold a connection slot for ever.
+        deadline = _HandshakeDeadline(sock, owner.auth_timeout_s, peer)
         try:
             sock.settimeout(owner.auth_timeout_s)
             if owner.tls is not None:
                 try:
                     sock = owner.tls.wrap_socket(sock, server_side=True)
                 except (ssl.SSLError, OSError) as exc:
-                    metrics.REPL_REFUSED.labels("tls").inc()
-                    log.warning("replication_tls_refused", peer=peer, error=str(exc))
+                    if not deadline.passed():
+                        metrics.REPL_REFUSED.labels("tls").inc()
+                        log.warning("replication_tls_refused", peer=peer, error=str(exc))
                     return
             sender = self._authenticate(sock, peer)
-            if sender is None:
+            if not deadline.cancel() or sender is None:
                 return
             sock.settimeout(None)
             log.info("replication_peer_connected", peer=peer, sender=sender)
@@ -78,6 +82,7 @@ class _Handler(socketserver.BaseRequestHandler):
         except (ConnectionError, TimeoutError, ssl.SSLError, OSError) as exc:
             log.info("replication_peer_gone", peer=peer, error=f"{type(exc).__name__}: {exc}")
         finally:
+            deadline.cancel()
             _drain_close(sock)
             owner._leave(self.request)
 
@@ -172,6 +177,50 @@ class _Handler(socketserver.BaseRequestHandler):
                 failed = True
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RD)  # the reader stops at once
+
+
+class _HandshakeDeadline:
+    """Shuts the connection down ``timeout_s`` after it was accepted unless cancelled first.
+
+    It holds a duplicate of the socket's descriptor: TLS wrapping detaches the original socket
+    object, and shutdown acts on the connection whichever descriptor names it."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float, peer: str) -> None:
+        self._dup: socket.socket | None = sock.dup()
+        self._peer = peer
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._expired = False
+        self._timer = threading.Timer(timeout_s, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._dup is None:
+                return
+            self._expired = True
+            # Counted before the peer can see the connection go.
+            metrics.REPL_REFUSED.labels("timeout").inc()
+            error = f"no accepted hello within {self._timeout_s:g} s"
+            log.warning("replication_peer_refused", peer=self._peer, reason="timeout", error=error)
+            with contextlib.suppress(OSError):
+                self._dup.shutdown(socket.SHUT_RDWR)
+            self._dup.close()
+            self._dup = None
+
+    def cancel(self) -> bool:
+        """True if the handshake finished in time (the deadline no longer applies)."""
+        self._timer.cancel()
+        with self._lock:
+            if self._dup is not None:
+                self._dup.close()
+                self._dup = None
+            return not self._expired
+
+    def passed(self) -> bool:
+        with self._lock:
+            return self._expired
 
 
 def _drain_close(sock: socket.socket) -> None:
