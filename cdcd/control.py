@@ -21,6 +21,8 @@ from typing import Any
 import msgspec
 import structlog
 
+from cdcd.config import ConfigError
+
 log = structlog.get_logger("cdcd.control")
 
 MAX_REQUEST_BYTES = 64 * 1024
@@ -29,6 +31,23 @@ Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
 class ControlError(Exception):
     """A request the node refuses; the message goes back to the client."""
+
+
+class ControlSocketInUse(ConfigError):
+    """Another live process serves the configured control socket (two nodes given one path)."""
+
+
+def _live_server_pid(path: Path) -> int | None:
+    """The pid of the process serving ``path``, or None if nothing answers there (a leftover)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(5.0)
+        try:
+            with _short_path(path) as connect_path:
+                probe.connect(connect_path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return None
+        creds = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return int(struct.unpack("3i", creds)[0])
 
 
 @contextlib.contextmanager
@@ -103,9 +122,23 @@ class ControlServer:
         self._dispatch = dispatch
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
+        self._inode: int | None = None
+
+    def check_free(self) -> None:
+        """Raise ControlSocketInUse if another live process serves the path.
+
+        The node's dir lock does not cover a control_socket configured outside its dir: another
+        node may serve this path. Only a socket nobody answers on is a leftover to replace."""
+        if self.path.exists() or self.path.is_symlink():
+            pid = _live_server_pid(self.path) if self.path.is_socket() else None
+            if pid is not None:
+                raise ControlSocketInUse(
+                    f"control_socket {self.path} is served by another live process (pid {pid}); "
+                    "give each node its own control_socket"
+                )
 
     def start(self) -> None:
-        # The node holds its dir lock, so a socket file here is a leftover of a killed node.
+        self.check_free()
         self.path.unlink(missing_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.unlink(missing_ok=True)
@@ -115,6 +148,7 @@ class ControlServer:
             server.server_bind()
         os.chmod(tmp, 0o600)  # before anyone can find it under its real name
         os.replace(tmp, self.path)
+        self._inode = os.stat(self.path).st_ino
         server.server_activate()
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, name="cdcd-control", daemon=True)
@@ -128,7 +162,10 @@ class ControlServer:
         server.server_close()
         if self._thread is not None:
             self._thread.join()
-        self.path.unlink(missing_ok=True)
+        # Remove the socket only if it is still ours: never another node's at the same path.
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(self.path).st_ino == self._inode:
+                self.path.unlink()
 
 
 def request(path: Path, message: dict[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:

@@ -155,6 +155,9 @@ class Node:
 
     def _open(self) -> None:
         config = self.config
+        # Before anything is written: a control_socket another live node serves is a config error.
+        self._control_server = ControlServer(config.control_socket_path, self._control)
+        self._control_server.check_free()
         self._store = PageStore(config.db_path, config.lmdb_map_size_bytes)
         self.node_id = self._store.node_id()
         cp = self._store.checkpoint()
@@ -205,7 +208,6 @@ class Node:
         self._wal.start()
         # Restores or starts realtime CDC, or (off) writes the Stop record that makes the daemon ACTIVE.
         self.realtime.open(state.position)
-        self._control_server = ControlServer(config.control_socket_path, self._control)
         self._control_server.start()
         self.replication: ReplicationServer | None = None
         if config.replication_listen:
