@@ -99,8 +99,10 @@ def test_the_scan_flags_each_forbidden_construct() -> None:
 
 
 def private_problems(root: Path) -> list[str]:
-    """Files with any group/other permission bit, directories other than 0700, under ``root``."""
+    """Files with any group/other permission bit, directories other than 0700, ``root`` and under it."""
     out = []
+    if stat.S_IMODE(root.stat().st_mode) != 0o700:
+        out.append(f"{root} dir {stat.S_IMODE(root.stat().st_mode):o}")
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames:
             mode = stat.S_IMODE(os.lstat(os.path.join(dirpath, name)).st_mode)

@@ -124,7 +124,8 @@ class Node:
         self._dirty_hard_limit = 2 * config.checkpoint_dirty_max_entries
         self.stats = metrics.NodeStats()
 
-        for d in (config.wal_path, config.archive_path, config.db_path, Path(config.node_dir)):
+        # The node dir first: created as a parent of the others it would get the umask's mode, not 0700.
+        for d in (Path(config.node_dir), config.wal_path, config.archive_path, config.db_path):
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
         if config.cdc_enabled:
             config.cdc_path.mkdir(parents=True, exist_ok=True, mode=0o700)
