@@ -101,6 +101,7 @@ class Daemon:
         if self._started:
             return
         self._lock.acquire(self.config.lock_timeout_ms)
+        metrics.export(metrics.DAEMON)
         try:
             if not self.cdc_dir.is_dir():
                 raise FileNotFoundError(f"cdc_dir {self.cdc_dir} does not exist (is node_dir right?)")
