@@ -26,6 +26,7 @@ EXIT_BAD_INPUT = 2
 EXIT_MISSING_SEGMENT = 3
 EXIT_CONSUMER_FAILED = 4
 EXIT_BAD_WAL = 5
+EXIT_STALLED = 6
 
 
 def fail(message: str, code: int) -> NoReturn:
@@ -291,14 +292,15 @@ def daemon_run(config_path: Path) -> None:
     """Run the CDC daemon: follow the node's CDC dir and deliver to the consumer until SIGTERM/SIGINT.
 
     Exit codes: 0 stopped cleanly, 1 another daemon holds the node, 2 bad config,
-    3 missing segment, 4 consumer failed, 5 corrupt or truncated segment.
+    3 missing segment, 4 consumer failed, 5 corrupt or truncated segment, 6 pipeline stalled
+    (a consumer call ran past consumer_stall_timeout_ms).
     """
     import asyncio
 
     from prometheus_client import start_http_server
 
     from cdcd.daemon.committer import ConsumerFailed
-    from cdcd.daemon.daemon import Daemon
+    from cdcd.daemon.daemon import Daemon, PipelineStalled
     from cdcd.lock import LockHeld
     from cdcd.sinks import load_consumer
 
@@ -331,13 +333,27 @@ def daemon_run(config_path: Path) -> None:
     signal.signal(signal.SIGINT, on_signal)
 
     async def main_async() -> None:
-        await daemon.run()
+        try:
+            await daemon.run()
+        except PipelineStalled as exc:
+            # The stuck call holds a worker thread that asyncio.run would wait for: leave now.
+            log.error("pipeline_stalled", error=str(exc))
+            click.echo(f"cdcd: error: {mask_value(str(exc))}", err=True)
+            sys.stderr.flush()
+            os._exit(EXIT_STALLED)
 
     try:
         daemon.start()
         if config.metrics_address:
             host, port = split_host_port(config.metrics_address, min_port=0)
-            start_http_server(port, addr=host)
+            try:
+                start_http_server(port, addr=host)
+            except OSError as exc:
+                fatal(
+                    "daemon_failed",
+                    f"{config_path}: key 'metrics_address': cannot listen on {config.metrics_address}: {exc}",
+                    EXIT_BAD_INPUT,
+                )
         asyncio.run(main_async())
     except LockHeld as exc:
         fatal("daemon_locked", f"another cdcd daemon runs for this node: {exc}", EXIT_LOCKED)
