@@ -360,7 +360,10 @@ class Daemon:
                     return
                 if follower.segment is not None:
                     metrics.DAEMON_CURRENT_SEGMENT.set(follower.segment)
-                    self._segment_started.setdefault(follower.segment, time.monotonic())
+                if chunk:  # one read may span segments
+                    now = time.monotonic()
+                    for segment in range(chunk[0][0].segment, chunk[-1][0].segment + 1):
+                        self._segment_started.setdefault(segment, now)
                 if chunk is None:
                     await read_q.put(None)  # caught up: the decoder closes its batch now
                     if processor.mode is Mode.ACTIVE:
