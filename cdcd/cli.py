@@ -118,8 +118,14 @@ def node_run(
     seconds: float,
     log_format: str | None,
 ) -> None:
-    """Open a node and keep it running (with an optional load generator) until stopped."""
+    """Open a node and keep it running (with an optional load generator) until stopped.
+
+    Exit codes: 0 stopped, 1 the node is locked by another process (or an OS error, or its WAL
+    flusher died), 2 bad config or unreadable WAL. Under systemd (NOTIFY_SOCKET) it sends READY=1
+    once open and WATCHDOG=1 pings only while the WAL flusher is alive and passing.
+    """
     from cdcd.config import load_toml
+    from cdcd.daemon.sdnotify import Notifier
     from cdcd.node.config import NodeConfig
     from cdcd.node.load import LoadGenerator
     from cdcd.node.node import Node, NodeLocked
@@ -156,7 +162,10 @@ def node_run(
             start_http_server(port, addr=host)
         except OSError as exc:
             the_node.close()
-            fail(f"{config_path}: key 'metrics_address': cannot listen on {config.metrics_address}: {exc}", 1)
+            fail(
+                f"{config_path}: key 'metrics_address': cannot listen on {config.metrics_address}: {exc}",
+                EXIT_BAD_INPUT,
+            )
     load = None
     if load_rate > 0:
         load = LoadGenerator(
@@ -171,10 +180,24 @@ def node_run(
         load.start()
     started = time.monotonic()
     interactive = sys.stdout.isatty()
+    notifier = Notifier()
+    notifier.ready(f"node {config.node_dir} open")
+    next_ping = 0.0
     try:
         while not stop.wait(1.0 if interactive else 0.2):
-            if seconds and time.monotonic() - started >= seconds:
+            now = time.monotonic()
+            if seconds and now - started >= seconds:
                 break
+            failure = the_node.wal.flusher_failure
+            if failure is not None:
+                structlog.get_logger("cdcd.node").error("node_failed", error=f"WAL flusher died: {failure}")
+                fail(f"{config.node_dir}: WAL flusher died: {type(failure).__name__}: {failure}", 1)
+            interval = notifier.watchdog_interval_s
+            # A flusher that has not woken up for a ping interval is stuck (fsync hung): no ping, and
+            # systemd's watchdog ends the process.
+            if interval is not None and now >= next_ping and now - the_node.wal.flusher_pass_monotonic < interval:
+                notifier.watchdog()
+                next_ping = now + interval
             if interactive and load:
                 click.echo(
                     f"\rwritten {load.written:>10,} entries   WAL at {the_node.wal_position}   "
@@ -182,6 +205,7 @@ def node_run(
                     nl=False,
                 )
     finally:
+        notifier.stopping()
         if load:
             load.stop()
         the_node.close()
