@@ -26,6 +26,7 @@ EXIT_BAD_INPUT = 2
 EXIT_MISSING_SEGMENT = 3
 EXIT_CONSUMER_FAILED = 4
 EXIT_BAD_WAL = 5
+EXIT_STALLED = 6
 
 
 def fail(message: str, code: int) -> NoReturn:
@@ -117,8 +118,14 @@ def node_run(
     seconds: float,
     log_format: str | None,
 ) -> None:
-    """Open a node and keep it running (with an optional load generator) until stopped."""
+    """Open a node and keep it running (with an optional load generator) until stopped.
+
+    Exit codes: 0 stopped, 1 the node is locked by another process (or an OS error, or its WAL
+    flusher died), 2 bad config or unreadable WAL. Under systemd (NOTIFY_SOCKET) it sends READY=1
+    once open and WATCHDOG=1 pings only while the WAL flusher is alive and passing.
+    """
     from cdcd.config import load_toml
+    from cdcd.daemon.sdnotify import Notifier
     from cdcd.node.config import NodeConfig
     from cdcd.node.load import LoadGenerator
     from cdcd.node.node import Node, NodeLocked
@@ -155,7 +162,10 @@ def node_run(
             start_http_server(port, addr=host)
         except OSError as exc:
             the_node.close()
-            fail(f"{config_path}: key 'metrics_address': cannot listen on {config.metrics_address}: {exc}", 1)
+            fail(
+                f"{config_path}: key 'metrics_address': cannot listen on {config.metrics_address}: {exc}",
+                EXIT_BAD_INPUT,
+            )
     load = None
     if load_rate > 0:
         load = LoadGenerator(
@@ -170,10 +180,24 @@ def node_run(
         load.start()
     started = time.monotonic()
     interactive = sys.stdout.isatty()
+    notifier = Notifier()
+    notifier.ready(f"node {config.node_dir} open")
+    next_ping = 0.0
     try:
         while not stop.wait(1.0 if interactive else 0.2):
-            if seconds and time.monotonic() - started >= seconds:
+            now = time.monotonic()
+            if seconds and now - started >= seconds:
                 break
+            failure = the_node.wal.flusher_failure
+            if failure is not None:
+                structlog.get_logger("cdcd.node").error("node_failed", error=f"WAL flusher died: {failure}")
+                fail(f"{config.node_dir}: WAL flusher died: {type(failure).__name__}: {failure}", 1)
+            interval = notifier.watchdog_interval_s
+            # A flusher that has not woken up for a ping interval is stuck (fsync hung): no ping, and
+            # systemd's watchdog ends the process.
+            if interval is not None and now >= next_ping and now - the_node.wal.flusher_pass_monotonic < interval:
+                notifier.watchdog()
+                next_ping = now + interval
             if interactive and load:
                 click.echo(
                     f"\rwritten {load.written:>10,} entries   WAL at {the_node.wal_position}   "
@@ -181,6 +205,7 @@ def node_run(
                     nl=False,
                 )
     finally:
+        notifier.stopping()
         if load:
             load.stop()
         the_node.close()
@@ -291,14 +316,15 @@ def daemon_run(config_path: Path) -> None:
     """Run the CDC daemon: follow the node's CDC dir and deliver to the consumer until SIGTERM/SIGINT.
 
     Exit codes: 0 stopped cleanly, 1 another daemon holds the node, 2 bad config,
-    3 missing segment, 4 consumer failed, 5 corrupt or truncated segment.
+    3 missing segment, 4 consumer failed, 5 corrupt or truncated segment, 6 pipeline stalled
+    (a consumer call ran past consumer_stall_timeout_ms).
     """
     import asyncio
 
     from prometheus_client import start_http_server
 
     from cdcd.daemon.committer import ConsumerFailed
-    from cdcd.daemon.daemon import Daemon
+    from cdcd.daemon.daemon import Daemon, PipelineStalled
     from cdcd.lock import LockHeld
     from cdcd.sinks import load_consumer
 
@@ -331,13 +357,27 @@ def daemon_run(config_path: Path) -> None:
     signal.signal(signal.SIGINT, on_signal)
 
     async def main_async() -> None:
-        await daemon.run()
+        try:
+            await daemon.run()
+        except PipelineStalled as exc:
+            # The stuck call holds a worker thread that asyncio.run would wait for: leave now.
+            log.error("pipeline_stalled", error=str(exc))
+            click.echo(f"cdcd: error: {mask_value(str(exc))}", err=True)
+            sys.stderr.flush()
+            os._exit(EXIT_STALLED)
 
     try:
         daemon.start()
         if config.metrics_address:
             host, port = split_host_port(config.metrics_address, min_port=0)
-            start_http_server(port, addr=host)
+            try:
+                start_http_server(port, addr=host)
+            except OSError as exc:
+                fatal(
+                    "daemon_failed",
+                    f"{config_path}: key 'metrics_address': cannot listen on {config.metrics_address}: {exc}",
+                    EXIT_BAD_INPUT,
+                )
         asyncio.run(main_async())
     except LockHeld as exc:
         fatal("daemon_locked", f"another cdcd daemon runs for this node: {exc}", EXIT_LOCKED)

@@ -1,6 +1,9 @@
 """Every Prometheus metric of cdcd, declared in one place.
 
-Metrics live in the process-wide default registry; a process runs one node and/or one daemon.
+Each family belongs to one group registry (node, daemon, lake, replication endpoint, replication
+sender). A group joins the process-wide default registry, the one the metrics listener serves,
+only when its part starts in this process (``export``): a node process shows no daemon series
+and a daemon none of the node's. Declare new metrics with ``registry=`` one of the groups.
 """
 
 from __future__ import annotations
@@ -8,11 +11,65 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+import numpy as np
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from cdcd.wal.records import Op
+
+NODE = CollectorRegistry(auto_describe=True)
+"""The node: WAL, archive, checkpoints, realtime worker."""
+DAEMON = CollectorRegistry(auto_describe=True)
+LAKE = CollectorRegistry(auto_describe=True)
+"""The lake sink, wherever it runs (daemon or the node's realtime worker)."""
+REPLICATION_ENDPOINT = CollectorRegistry(auto_describe=True)
+"""A node's replication endpoint (what it received and applied)."""
+REPLICATION_SENDER = CollectorRegistry(auto_describe=True)
+"""The replication consumer (what it sent), wherever it runs."""
+
+_exported: set[int] = set()
+_export_lock = threading.Lock()
+
+
+def export(group: CollectorRegistry) -> None:
+    """Serve ``group``'s families from this process's metrics listener (idempotent)."""
+    with _export_lock:
+        if id(group) not in _exported:
+            REGISTRY.register(group)
+            _exported.add(id(group))
+
+
+class BulkHistogram(Collector):
+    """A histogram fed a whole batch of observations at once (numpy), for per-event timings at a
+    rate where one ``Histogram.observe`` per event would cost more than the delivery."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], registry: CollectorRegistry) -> None:
+        self.name = name
+        self._documentation = documentation
+        self._bounds = np.array(buckets, dtype=np.float64)
+        self._counts = np.zeros(len(buckets) + 1, dtype=np.int64)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe_many(self, values: np.ndarray, weights: np.ndarray) -> None:
+        """Observe ``values[i]`` ``weights[i]`` times each."""
+        bins = np.searchsorted(self._bounds, values, side="left")  # first bound >= value: Prometheus' "le"
+        counts = np.bincount(bins, weights=weights, minlength=len(self._counts)).astype(np.int64)
+        total = float(np.dot(values, weights))
+        with self._lock:
+            self._counts += counts
+            self._sum += total
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        with self._lock:
+            cumulative = np.cumsum(self._counts).tolist()
+            total = self._sum
+        bounds = [repr(b) for b in self._bounds.tolist()] + ["+Inf"]
+        yield HistogramMetricFamily(
+            self.name, self._documentation, buckets=list(zip(bounds, cumulative, strict=True)), sum_value=total
+        )
 
 
 class NodeStats:
@@ -55,10 +112,11 @@ class _NodeCollector(Collector):
 
 
 _node_collector = _NodeCollector()
-REGISTRY.register(_node_collector)
+NODE.register(_node_collector)
 
 
 def register_node(stats: NodeStats) -> None:
+    export(NODE)
     _node_collector.add(stats)
 
 
@@ -67,104 +125,177 @@ def unregister_node(stats: NodeStats) -> None:
 
 
 # --- node: WAL -----------------------------------------------------------------------------------
-WAL_BYTES = Counter("cdcd_node_wal_bytes_total", "Bytes written to WAL segments")
-WAL_FSYNCS = Counter("cdcd_node_wal_fsyncs_total", "fdatasync calls on WAL segments")
+WAL_BYTES = Counter("cdcd_node_wal_bytes_total", "Bytes written to WAL segments", registry=NODE)
+WAL_FSYNCS = Counter("cdcd_node_wal_fsyncs_total", "fdatasync calls on WAL segments", registry=NODE)
 WAL_FLUSH_SECONDS = Histogram(
     "cdcd_node_wal_flush_seconds",
     "Time to write and fsync one flush",
     buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+    registry=NODE,
 )
-WAL_SEGMENT = Gauge("cdcd_node_wal_segment", "Index of the active WAL segment")
-SEGMENTS_ARCHIVED = Counter("cdcd_node_segments_archived_total", "Segments moved to the archive")
-CDC_LINKS = Counter("cdcd_node_cdc_links_total", "Archived segments hard-linked into the CDC dir")
+WAL_SEGMENT = Gauge("cdcd_node_wal_segment", "Index of the active WAL segment", registry=NODE)
+SEGMENTS_ARCHIVED = Counter("cdcd_node_segments_archived_total", "Segments moved to the archive", registry=NODE)
+CDC_LINKS = Counter("cdcd_node_cdc_links_total", "Archived segments hard-linked into the CDC dir", registry=NODE)
 CDC_LINKS_SKIPPED = Counter(
-    "cdcd_node_cdc_links_skipped_total", "Archived segments NOT linked because the CDC dir was over cdc_dir_max_bytes"
+    "cdcd_node_cdc_links_skipped_total",
+    "Archived segments NOT linked because the CDC dir was over cdc_dir_max_bytes",
+    registry=NODE,
 )
-ARCHIVE_DELETED = Counter("cdcd_node_archive_segments_deleted_total", "Archived segments deleted by retention")
-CHECKPOINTS = Counter("cdcd_node_checkpoints_total", "Checkpoints written to the page store")
-CHECKPOINT_SECONDS = Histogram("cdcd_node_checkpoint_seconds", "Time to write one checkpoint to LMDB")
+ARCHIVE_DELETED = Counter(
+    "cdcd_node_archive_segments_deleted_total", "Archived segments deleted by retention", registry=NODE
+)
+CHECKPOINTS = Counter("cdcd_node_checkpoints_total", "Checkpoints written to the page store", registry=NODE)
+CHECKPOINT_SECONDS = Histogram("cdcd_node_checkpoint_seconds", "Time to write one checkpoint to LMDB", registry=NODE)
 
 # --- daemon ---------------------------------------------------------------------------------------
-DAEMON_EVENTS = Counter("cdcd_daemon_events_total", "Events confirmed by the consumer", ["cache", "op"])
-DAEMON_BATCHES = Counter("cdcd_daemon_batches_total", "Batches handed to the consumer", ["result"])
+DAEMON_EVENTS = Counter(
+    "cdcd_daemon_events_total", "Events confirmed by the consumer", ["cache", "op"], registry=DAEMON
+)
+DAEMON_BATCHES = Counter("cdcd_daemon_batches_total", "Batches handed to the consumer", ["result"], registry=DAEMON)
 DAEMON_BATCH_EVENTS = Histogram(
     "cdcd_daemon_batch_events",
     "Events per batch",
     buckets=(1, 10, 100, 1000, 10_000, 50_000, 100_000, 500_000),
+    registry=DAEMON,
 )
 DAEMON_CONSUMER_SECONDS = Histogram(
     "cdcd_daemon_consumer_call_seconds",
     "Time spent in one consumer on_events call",
     buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+    registry=DAEMON,
 )
-DAEMON_COMMIT_SECONDS = Histogram("cdcd_daemon_commit_seconds", "Time to persist the state (synced LMDB txn)")
-DAEMON_COMMITTED_SEGMENT = Gauge("cdcd_daemon_committed_segment", "Segment of the committed position")
-DAEMON_COMMITTED_OFFSET = Gauge("cdcd_daemon_committed_offset", "Offset of the committed position")
-DAEMON_CURRENT_SEGMENT = Gauge("cdcd_daemon_current_segment", "Segment the reader is in")
-DAEMON_SEGMENTS_PENDING = Gauge("cdcd_daemon_segments_pending", "Links in the CDC dir not yet fully consumed")
+DAEMON_COMMIT_SECONDS = Histogram(
+    "cdcd_daemon_commit_seconds", "Time to persist the state (synced LMDB txn)", registry=DAEMON
+)
+DAEMON_COMMITTED_SEGMENT = Gauge("cdcd_daemon_committed_segment", "Segment of the committed position", registry=DAEMON)
+DAEMON_COMMITTED_OFFSET = Gauge("cdcd_daemon_committed_offset", "Offset of the committed position", registry=DAEMON)
+DAEMON_CURRENT_SEGMENT = Gauge("cdcd_daemon_current_segment", "Segment the reader is in", registry=DAEMON)
+DAEMON_SEGMENTS_PENDING = Gauge(
+    "cdcd_daemon_segments_pending", "Links in the CDC dir not yet fully consumed", registry=DAEMON
+)
 DAEMON_LAG_SECONDS = Gauge(
-    "cdcd_daemon_lag_seconds", "now - commit time of the last delivered event (0 when the clock went back)"
+    "cdcd_daemon_lag_seconds",
+    "now - commit time of the oldest entry not yet confirmed by the consumer (0: none; never negative)",
+    registry=DAEMON,
 )
-DAEMON_LAST_COMMIT = Gauge("cdcd_daemon_last_commit_timestamp_seconds", "Wall time of the last state commit")
-DAEMON_MODE = Gauge("cdcd_daemon_mode", "1 for the daemon's current mode", ["mode"])
-DAEMON_MODE_SWITCHES = Counter("cdcd_daemon_mode_switches_total", "Mode switches", ["direction"])
-DAEMON_LINKS_DELETED = Counter("cdcd_daemon_links_deleted_total", "Consumed segment links deleted")
+DAEMON_EVENT_CAPTURE_SECONDS = BulkHistogram(
+    "cdcd_daemon_event_capture_seconds",
+    "Per event: WAL commit to hand-over to the consumer (Ignite's EventCaptureTime)",
+    (0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300, 3600),
+    DAEMON,
+)
+DAEMON_SEGMENT_CONSUMING_SECONDS = Histogram(
+    "cdcd_daemon_segment_consuming_seconds",
+    "Per segment: first read to the commit past its end (Ignite's SegmentConsumingTime)",
+    buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
+    registry=DAEMON,
+)
+DAEMON_LAST_COMMIT = Gauge(
+    "cdcd_daemon_last_commit_timestamp_seconds", "Wall time of the last state commit", registry=DAEMON
+)
+DAEMON_MODE = Gauge("cdcd_daemon_mode", "1 for the daemon's current mode", ["mode"], registry=DAEMON)
+DAEMON_MODE_SWITCHES = Counter("cdcd_daemon_mode_switches_total", "Mode switches", ["direction"], registry=DAEMON)
+DAEMON_LINKS_DELETED = Counter("cdcd_daemon_links_deleted_total", "Consumed segment links deleted", registry=DAEMON)
 
 # --- node: realtime CDC -------------------------------------------------------------------------------
-RT_MODE = Gauge("cdcd_node_realtime_mode", "1 for the realtime worker's current mode", ["mode"])
-RT_BUFFER_BYTES = Gauge("cdcd_node_realtime_buffer_bytes", "Flushed WAL bytes held by the realtime worker")
-RT_BUFFER_MAX_USED_BYTES = Gauge("cdcd_node_realtime_buffer_max_used_bytes", "Highest buffer use since open")
-RT_COMMITTED_SEGMENT = Gauge("cdcd_node_realtime_committed_segment", "Segment of the realtime committed position")
-RT_COMMITTED_OFFSET = Gauge("cdcd_node_realtime_committed_offset", "Offset of the realtime committed position")
-RT_LAG_SEGMENTS = Gauge("cdcd_node_realtime_lag_segments", "Active WAL segment - committed segment")
-RT_LAG_MS = Histogram(
-    "cdcd_node_realtime_lag_ms",
-    "WAL commit to consumer confirmation, per batch (ms)",
-    buckets=(0.25, 0.5, 1, 2, 5, 10, 25, 50, 100, 250, 1000, 5000),
+RT_MODE = Gauge("cdcd_node_realtime_mode", "1 for the realtime worker's current mode", ["mode"], registry=NODE)
+RT_BUFFER_BYTES = Gauge(
+    "cdcd_node_realtime_buffer_bytes", "Flushed WAL bytes held by the realtime worker", registry=NODE
 )
-RT_RESTORED_RECORDS = Gauge("cdcd_node_realtime_restored_records", "WAL records re-read at the last restore")
-RT_STOPS = Counter("cdcd_node_realtime_stops_total", "Realtime stops", ["reason"])
-RT_EVENTS = Counter("cdcd_node_realtime_events_total", "Events confirmed by the realtime consumer")
+RT_BUFFER_MAX_USED_BYTES = Gauge(
+    "cdcd_node_realtime_buffer_max_used_bytes", "Highest buffer use since open", registry=NODE
+)
+RT_COMMITTED_SEGMENT = Gauge(
+    "cdcd_node_realtime_committed_segment", "Segment of the realtime committed position", registry=NODE
+)
+RT_COMMITTED_OFFSET = Gauge(
+    "cdcd_node_realtime_committed_offset", "Offset of the realtime committed position", registry=NODE
+)
+RT_LAG_SEGMENTS = Gauge("cdcd_node_realtime_lag_segments", "Active WAL segment - committed segment", registry=NODE)
+RT_LAG_SECONDS = Histogram(
+    "cdcd_node_realtime_lag_seconds",
+    "WAL commit of a batch's last event to consumer confirmation, per batch",
+    buckets=(0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
+    registry=NODE,
+)
+RT_RESTORED_RECORDS = Gauge(
+    "cdcd_node_realtime_restored_records", "WAL records re-read at the last restore", registry=NODE
+)
+RT_STOPS = Counter("cdcd_node_realtime_stops_total", "Realtime stops", ["reason"], registry=NODE)
+RT_EVENTS = Counter("cdcd_node_realtime_events_total", "Events confirmed by the realtime consumer", registry=NODE)
 
 # --- lake sink ------------------------------------------------------------------------------------
-LAKE_ROWS = Counter("cdcd_lake_rows_written_total", "Change-log rows landed in the lake", ["cache"])
+LAKE_ROWS = Counter("cdcd_lake_rows_written_total", "Change-log rows landed in the lake", ["cache"], registry=LAKE)
 LAKE_WRITE_SECONDS = Histogram(
     "cdcd_lake_spark_write_seconds",
     "Time to write one batch's change files to staging (by Spark or pyarrow: the sink's writer option)",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+    registry=LAKE,
 )
-LAKE_LAG_SECONDS = Gauge("cdcd_lake_lag_seconds", "now - commit time of the last landed event (never negative)")
+LAKE_LAG_SECONDS = Gauge(
+    "cdcd_lake_lag_seconds", "now - commit time of the last landed event (never negative)", registry=LAKE
+)
 LAKE_DUPLICATE_BATCHES = Counter(
-    "cdcd_lake_batches_skipped_total", "Batches (or parts) dropped as replays at or below the high-water mark"
+    "cdcd_lake_batches_skipped_total",
+    "Batches (or parts) dropped as replays at or below the high-water mark",
+    registry=LAKE,
 )
-LAKE_CONFLICTS = Counter("cdcd_lake_log_conflicts_total", "Commits retried because another writer committed first")
+LAKE_CONFLICTS = Counter(
+    "cdcd_lake_log_conflicts_total", "Commits retried because another writer committed first", registry=LAKE
+)
 
 # --- replication ------------------------------------------------------------------------------------
 REPL_RECEIVED = Counter(
     "cdcd_replication_received_entries_total",
     "Replicated entries this node received, by the resolver rule that decided (or 'duplicate')",
     ["rule"],
+    registry=REPLICATION_ENDPOINT,
 )
-REPL_REJECTED = Counter("cdcd_replication_rejected_entries_total", "Replicated entries the resolver rejected")
+REPL_REJECTED = Counter(
+    "cdcd_replication_rejected_entries_total", "Replicated entries the resolver rejected", registry=REPLICATION_ENDPOINT
+)
 REPL_REFUSED = Counter(
-    "cdcd_replication_refused_total", "Connections or requests the replication endpoint refused", ["reason"]
+    "cdcd_replication_refused_total",
+    "Connections or requests the replication endpoint refused",
+    ["reason"],
+    registry=REPLICATION_ENDPOINT,
 )
-REPL_CONNECTIONS = Gauge("cdcd_replication_connections", "Open connections to the replication endpoint")
-REPL_SENT_EVENTS = Counter("cdcd_replication_sent_events_total", "Events the replication consumer sent and had applied")
+REPL_CONNECTIONS = Gauge(
+    "cdcd_replication_connections", "Open connections to the replication endpoint", registry=REPLICATION_ENDPOINT
+)
+REPL_SENT_EVENTS = Counter(
+    "cdcd_replication_sent_events_total",
+    "Events the replication consumer sent and had applied",
+    registry=REPLICATION_SENDER,
+)
 REPL_SKIPPED_EVENTS = Counter(
     "cdcd_replication_skipped_events_total",
     "Events not sent: replicated from elsewhere (no loops), backup copies, or caches not selected",
     ["reason"],
+    registry=REPLICATION_SENDER,
 )
-REPL_SENT_REQUESTS = Counter("cdcd_replication_sent_requests_total", "Apply requests answered by the target")
-REPL_SENT_BYTES = Counter("cdcd_replication_sent_bytes_total", "Bytes of apply requests sent")
-REPL_LAST_BATCH = Gauge("cdcd_replication_last_batch_timestamp_seconds", "Wall time of the last fully applied batch")
+REPL_SENT_REQUESTS = Counter(
+    "cdcd_replication_sent_requests_total", "Apply requests answered by the target", registry=REPLICATION_SENDER
+)
+REPL_SENT_BYTES = Counter(
+    "cdcd_replication_sent_bytes_total", "Bytes of apply requests sent", registry=REPLICATION_SENDER
+)
+REPL_LAST_BATCH = Gauge(
+    "cdcd_replication_last_batch_timestamp_seconds",
+    "Wall time of the last fully applied batch",
+    registry=REPLICATION_SENDER,
+)
 REPL_APPLY_SECONDS = Histogram(
     "cdcd_replication_apply_seconds",
     "Apply request sent to reply received (the target's resolver, WAL append and fsync included)",
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
+    registry=REPLICATION_SENDER,
 )
-REPL_RETRIES = Counter("cdcd_replication_retries_total", "Reconnects after a failed connection or request")
+REPL_RETRIES = Counter(
+    "cdcd_replication_retries_total", "Reconnects after a failed connection or request", registry=REPLICATION_SENDER
+)
 REPL_CONFLICTS = Counter(
-    "cdcd_replication_rejected_by_target_total", "Entries the target's resolver rejected (from its replies)"
+    "cdcd_replication_rejected_by_target_total",
+    "Entries the target's resolver rejected (from its replies)",
+    registry=REPLICATION_SENDER,
 )

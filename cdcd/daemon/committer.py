@@ -104,8 +104,6 @@ class Committer:
             metrics.DAEMON_BATCHES.labels("not_committed").inc()
             self._count(events)
             self.unconfirmed = True
-        lag = time.time() - self.last_event_ts_ns / 1e9
-        metrics.DAEMON_LAG_SECONDS.set(max(lag, 0.0))
 
     @staticmethod
     def _count(events: EventBatch) -> None:

@@ -35,6 +35,9 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """Bound of each pipeline queue; with the batch bounds this bounds memory."""
     read_chunk_records: int = 1024
     """Records the reader hands to the decoder at a time."""
+    consumer_stall_timeout_ms: int = 300_000
+    """A consumer call (or segment read) running this long with work pending is a stall: the daemon stops
+    its watchdog pings and exits 6 naming it."""
     metrics_address: str = "127.0.0.1:9469"
     """host:port of the Prometheus endpoint ("" disables it)."""
     log_format: Literal["json", "console"] = "json"
@@ -49,6 +52,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             "batch_max_delay_ms": self.batch_max_delay_ms >= 0,
             "queue_max_batches": self.queue_max_batches >= 1,
             "read_chunk_records": self.read_chunk_records >= 1,
+            "consumer_stall_timeout_ms": self.consumer_stall_timeout_ms >= 1000,
         }
         check_ranges(self, checks)
         check_address(self.metrics_address, "metrics_address")

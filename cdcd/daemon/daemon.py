@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import operator
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
+import numpy as np
 import structlog
 from prometheus_client import REGISTRY
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
@@ -32,14 +35,26 @@ from cdcd.daemon.sdnotify import Notifier
 from cdcd.daemon.state import DaemonState, Mode, StateStore
 from cdcd.lock import DirLock
 from cdcd.wal.errors import WalError
+from cdcd.wal.reader import SegmentReader
 from cdcd.wal.records import CacheInfo, DataRecord
+from cdcd.wal.segment import list_segments
 
 log = structlog.get_logger("cdcd.daemon")
+T = TypeVar("T")
+_commit_ts = operator.attrgetter("record.commit_ts_ns")
+_entries = operator.attrgetter("record.entries")
+_start = operator.attrgetter("start")
 
 INITIAL_MODE = Mode.PASSIVE
 """A fresh daemon waits for the node to say who delivers (DESIGN §5)."""
 
 _PASSIVE_SKIP = frozenset({DataRecord.TYPE})
+_TAIL_PEEK_RECORDS = 64
+"""Records read from the head of the node's active segment to find its first data record."""
+
+
+class PipelineStalled(Exception):
+    """A consumer call or segment read ran past ``consumer_stall_timeout_ms``: the daemon exits (code 6)."""
 
 
 def daemon_lock(config: DaemonConfig) -> DirLock:
@@ -94,6 +109,14 @@ class Daemon:
         self._progress_start = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
+        # Liveness, read by the monitor task and at scrape time (plain attributes: no lock needed).
+        self._busy: dict[str, tuple[str, float]] = {}
+        """Worker-thread call in flight per pipeline stage: (what, monotonic start)."""
+        self._oldest_unconfirmed_ns: int | None = None
+        self._tail: tuple[int, int] | None = None
+        """(segment, commit ns) of the first data record in the node's active segment, not yet in a link."""
+        self._segment_started: dict[int, float] = {}
+        self._stalled: str | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -101,6 +124,9 @@ class Daemon:
         if self._started:
             return
         self._lock.acquire(self.config.lock_timeout_ms)
+        metrics.export(metrics.DAEMON)
+        metrics.DAEMON_LAG_SECONDS.set_function(self._lag_seconds)
+        metrics.DAEMON_SEGMENTS_PENDING.set_function(self._segments_pending)
         try:
             if not self.cdc_dir.is_dir():
                 raise FileNotFoundError(f"cdc_dir {self.cdc_dir} does not exist (is node_dir right?)")
@@ -150,6 +176,10 @@ class Daemon:
         self._shutdown()
 
     def _shutdown(self) -> None:
+        if self._stalled is not None:
+            # A worker thread is still inside the consumer or the state store: leave both to the
+            # process exit (the state is durable up to the last commit; the lock dies with us).
+            return
         if self._consumer_started:
             self._consumer_started = False
             self.consumer.stop()
@@ -240,28 +270,68 @@ class Daemon:
         observer = Observer()
         observer.schedule(_Wake(loop, wake), str(self.cdc_dir), recursive=False)
         observer.start()
-        watchdog_task = asyncio.create_task(self._watchdog_pings(), name="cdcd-watchdog")
         self._notifier.ready(f"following {self.cdc_dir}")
-        try:
+
+        async def passes() -> None:
             while not self._stopping.is_set():
                 await self._run_pass(wake)
+
+        passes_task = asyncio.create_task(passes(), name="cdcd-passes")
+        monitor_task = asyncio.create_task(self._monitor(), name="cdcd-monitor")
+        try:
+            # The monitor ends only by raising PipelineStalled; the passes end on stop() or an error.
+            await asyncio.wait({passes_task, monitor_task}, return_when=asyncio.FIRST_COMPLETED)
+            if monitor_task.done():
+                monitor_task.result()
+            passes_task.result()
         finally:
             self._notifier.stopping()
-            watchdog_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watchdog_task
+            for task in (monitor_task, passes_task):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             observer.stop()
             await asyncio.to_thread(observer.join)
             if self._show_progress and self._progress_total:
                 print(file=sys.stdout)
 
-    async def _watchdog_pings(self) -> None:
+    async def _monitor(self) -> None:
+        """WATCHDOG=1 pings while the pipeline makes progress; PipelineStalled once a worker-thread
+        call (consumer or segment read) has run longer than ``consumer_stall_timeout_ms``."""
         interval = self._notifier.watchdog_interval_s
-        if interval is None:
-            return
+        limit_s = self.config.consumer_stall_timeout_ms / 1000
+        tick = min(1.0, limit_s / 10, interval or 1.0)
+        next_ping = 0.0
         while True:
-            self._notifier.watchdog()
-            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for stage, (what, since) in list(self._busy.items()):
+                if now - since > limit_s:
+                    self._stalled = (
+                        f"pipeline stalled: {what} has not returned for {now - since:.1f} s "
+                        f"(consumer_stall_timeout_ms = {self.config.consumer_stall_timeout_ms}, {stage}); "
+                        f"{self._segments_pending()} segment link(s) pending"
+                    )
+                    raise PipelineStalled(self._stalled)  # no more pings: systemd's watchdog agrees
+            if interval is not None and now >= next_ping:
+                self._notifier.watchdog()
+                next_ping = now + interval
+            await asyncio.sleep(tick)
+
+    async def _in_thread(self, stage: str, what: str, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on a worker thread, watched by the monitor for stalls."""
+        self._busy[stage] = (what, time.monotonic())
+        try:
+            return await asyncio.to_thread(fn, *args)
+        finally:
+            self._busy.pop(stage, None)
+
+    def _check_alive(self) -> None:
+        try:
+            ok = self.consumer.alive()
+        except Exception as exc:
+            raise ConsumerFailed(f"consumer alive() raised {type(exc).__name__}: {exc}") from exc
+        if not ok:
+            raise ConsumerFailed("consumer reports alive() == False")
 
     async def _run_pass(self, wake: asyncio.Event) -> None:
         """One pass in one mode, until a mode switch or stop()."""
@@ -285,22 +355,29 @@ class Daemon:
         async def reader() -> None:
             while True:
                 try:
-                    chunk = await asyncio.to_thread(follower.read, config.read_chunk_records)
+                    chunk = await self._in_thread(
+                        "reader", f"reading segment {follower.segment}", follower.read, config.read_chunk_records
+                    )
                 except WalError as exc:
                     # After everything read before it: the good data is delivered and committed first.
                     await read_q.put(exc)  # type: ignore[arg-type]
                     return
                 if follower.segment is not None:
                     metrics.DAEMON_CURRENT_SEGMENT.set(follower.segment)
+                if chunk:  # one read may span segments
+                    now = time.monotonic()
+                    for segment in range(chunk[0][0].segment, chunk[-1][0].segment + 1):
+                        self._segment_started.setdefault(segment, now)
                 if chunk is None:
                     await read_q.put(None)  # caught up: the decoder closes its batch now
+                    if processor.mode is Mode.ACTIVE:
+                        self._tail = await asyncio.to_thread(self._peek_active_segment, follower)
                     wake.clear()
                     # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
                     # races with the wake-up, and stop() would then hang on a full queue.
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(check_s):
                             await wake.wait()
-                    self._report_backlog(follower)
                     continue
                 await read_q.put(chunk)  # type: ignore[arg-type]
 
@@ -332,19 +409,36 @@ class Daemon:
                     return
 
         async def consumer() -> None:
+            get: asyncio.Future[Any] | None = None
             while True:
-                get = asyncio.ensure_future(item_q.get())
-                stop_wait = asyncio.ensure_future(stopping.wait())
-                done, _ = await asyncio.wait({get, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:
+                if get is None:
+                    get = asyncio.ensure_future(item_q.get())
+                stop_wait: asyncio.Future[Any] = asyncio.ensure_future(stopping.wait())
+                done, _ = await asyncio.wait({get, stop_wait}, timeout=check_s, return_when=asyncio.FIRST_COMPLETED)
+                stop_wait.cancel()
+                if stop_wait in done:
                     get.cancel()
                     return
-                stop_wait.cancel()
-                item = get.result()
+                if get not in done:
+                    # Idle: ask the consumer on every poll whether it can still take events (Ignite
+                    # IGNITE-18249), so a dead sink ends the daemon even when nothing is written.
+                    await asyncio.shield(self._in_thread("consumer", "consumer alive()", self._check_alive))
+                    continue
+                item, get = get.result(), None
                 if isinstance(item, WalError):
                     raise item
+                what = type(item).__name__
+                if isinstance(item, Batch) and len(item.events):
+                    events = item.events
+                    what = f"consumer on_events() with {len(events)} events from {events.first}"
+                    if self._oldest_unconfirmed_ns is None:
+                        self._oldest_unconfirmed_ns = events.slices[0].record.commit_ts_ns
+                    _observe_capture(events)
                 # Shielded: a started batch finishes (and commits if confirmed) even on shutdown.
-                await asyncio.shield(asyncio.to_thread(committer.apply, item))
+                await asyncio.shield(self._in_thread("consumer", what, committer.apply, item))
+                if not committer.unconfirmed:
+                    self._oldest_unconfirmed_ns = None
+                self._segments_done(committer)
                 self._show(follower)
                 if isinstance(item, Switch) or self._stopping.is_set():
                     return
@@ -371,11 +465,56 @@ class Daemon:
                     await t
 
     # --- progress ----------------------------------------------------------------------------------
-    def _report_backlog(self, follower: SegmentFollower) -> None:
-        found = follower.scan()
-        pos = self._committer.state.position if self._committer else None
-        first = pos.segment if pos else (min(found) if found else 0)
-        metrics.DAEMON_SEGMENTS_PENDING.set(len([s for s in found if s >= first]))
+    def _segments_pending(self) -> int:
+        """Links not yet wholly consumed: from the committed position's segment on (at scrape time)."""
+        if self._committer is None or not self._started:
+            return 0
+        pos = self._committer.state.position
+        found, _ = list_segments(self.cdc_dir)
+        return sum(1 for s in found if pos is None or s >= pos.segment)
+
+    def _lag_seconds(self) -> float:
+        """now - commit time of the oldest entry not yet confirmed: in a batch the consumer has not
+        confirmed, or in the node's active segment (waiting for its roll). 0 in PASSIVE mode (the
+        node's realtime worker delivers; its lag is on the node's endpoint)."""
+        committer = self._committer
+        if committer is None or not self._started or committer.state.mode is Mode.PASSIVE:
+            return 0.0
+        oldest = [ts for ts in (self._oldest_unconfirmed_ns,) if ts is not None]
+        tail, pos = self._tail, committer.state.position
+        if tail is not None and (pos is None or tail[0] >= pos.segment):
+            oldest.append(tail[1])
+        return max(0.0, time.time() - min(oldest) / 1e9) if oldest else 0.0
+
+    def _peek_active_segment(self, follower: SegmentFollower) -> tuple[int, int] | None:
+        """The first data record of the node's active segment (``<node_dir>/wal``), if it is newer
+        than every link: written, not yet archived, so not yet visible to the daemon."""
+        work = Path(self.config.node_dir) / "wal"
+        try:
+            found, _ = list_segments(work)
+        except OSError:
+            return None
+        links = follower.scan()
+        if not found or (links and max(found) <= max(links)):
+            return None
+        segment = max(found)
+        try:
+            for n, (_ptr, record) in enumerate(SegmentReader(found[segment], archived=False)):
+                if isinstance(record, DataRecord):
+                    return segment, record.commit_ts_ns
+                if n >= _TAIL_PEEK_RECORDS:
+                    break
+        except (OSError, WalError):
+            return None  # rolled away meanwhile, or being written: the next poll looks again
+        return None
+
+    def _segments_done(self, committer: Committer) -> None:
+        pos = committer.state.position
+        if pos is None:
+            return
+        now = time.monotonic()
+        for segment in [s for s in self._segment_started if s < pos.segment]:
+            metrics.DAEMON_SEGMENT_CONSUMING_SECONDS.observe(now - self._segment_started.pop(segment))
 
     def _show(self, follower: SegmentFollower) -> None:
         if not self._show_progress or self._committer is None:
@@ -397,6 +536,18 @@ class Daemon:
         sys.stdout.flush()
 
 
+def _observe_capture(events: EventBatch) -> None:
+    """Per event: commit time to now, weighted by entries per record (one numpy pass per batch)."""
+    slices = events.slices
+    n = len(slices)
+    # map + attrgetter keep the per-record work in C (this runs for every batch).
+    ts = np.fromiter(map(_commit_ts, slices), np.int64, n)
+    weights = np.fromiter(map(len, map(_entries, slices)), np.float64, n)
+    weights -= np.fromiter(map(_start, slices), np.float64, n)
+    ages = np.maximum((time.time_ns() - ts) / 1e9, 0.0)
+    metrics.DAEMON_EVENT_CAPTURE_SECONDS.observe_many(ages, weights)
+
+
 def _advanced(processor: Processor, committer: Committer) -> bool:
     """ACTIVE only: the read position moved past the committed one without events (markers, segment ends).
 
@@ -405,4 +556,4 @@ def _advanced(processor: Processor, committer: Committer) -> bool:
     return processor.mode is Mode.ACTIVE and processor.position != committer.state.position
 
 
-__all__ = ["CacheInfo", "Daemon", "daemon_lock"]
+__all__ = ["CacheInfo", "Daemon", "PipelineStalled", "daemon_lock"]

@@ -447,7 +447,7 @@ class RealtimeWorker:
             return  # not committed yet: the next confirmed batch commits both
         now = time.time_ns()
         self.last_event_ts_ns = batch.last_commit_ts_ns
-        metrics.RT_LAG_MS.observe(max(0.0, (now - batch.last_commit_ts_ns) / 1e6))
+        metrics.RT_LAG_SECONDS.observe(max(0.0, (now - batch.last_commit_ts_ns) / 1e9))
         metrics.RT_EVENTS.inc(len(batch))
         with self._meta_lock:
             if self.mode is not RealtimeMode.ON:

@@ -59,6 +59,8 @@ class WalLog:
         self._closing = False
         self._failure: BaseException | None = None
         self._segment_data_since: float | None = None
+        self.flusher_pass_monotonic = time.monotonic()
+        """When the flusher last woke up (it does every flush interval): a liveness signal."""
         self.appends = 0
         """Records appended since open (a checkpoint with nothing new to cover is skipped)."""
         self._listeners: list[FlushListener] = []
@@ -67,6 +69,14 @@ class WalLog:
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def flusher_failure(self) -> BaseException | None:
+        """Why the flusher thread died (None while it runs)."""
+        with self._lock:
+            if self._failure is None and not self._thread.is_alive() and not self._closing:
+                return RuntimeError("the WAL flusher thread is not running")
+            return self._failure
 
     @property
     def position(self) -> WalPointer:
@@ -170,6 +180,7 @@ class WalLog:
             with self._lock:
                 if not (self._flush_requested or self._closing):
                     self._wake.wait(self._flush_interval_s)
+                self.flusher_pass_monotonic = time.monotonic()
                 writer = self._writer
                 due = self._segment_data_since
                 if (

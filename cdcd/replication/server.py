@@ -275,6 +275,7 @@ class ReplicationServer:
         return int(self._server.server_address[1])
 
     def start(self) -> None:
+        metrics.export(metrics.REPLICATION_ENDPOINT)
         host, _port = self.address
         _Server.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         server = _Server(self.address, _Handler, bind_and_activate=True)

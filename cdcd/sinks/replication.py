@@ -118,6 +118,9 @@ class ReplicationConsumer(Consumer):
     def from_options(cls, options: Mapping[str, Any], source: str) -> ReplicationConsumer:
         return cls(convert(options, ReplicationOptions, source), source)
 
+    def start(self, registry: Any = None) -> None:
+        metrics.export(metrics.REPLICATION_SENDER)
+
     def alive(self) -> bool:
         return self._alive
 

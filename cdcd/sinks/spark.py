@@ -80,6 +80,7 @@ class SparkLakeConsumer(Consumer):
         return cls(convert(options, SparkOptions, source))
 
     def start(self, registry: Any = None) -> None:
+        metrics.export(metrics.LAKE)
         check_writable(self.lake)
         self._log = LakeLog(self.lake, keep_entries=False)
         self._log.recover()

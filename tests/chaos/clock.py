@@ -157,5 +157,5 @@ def clock_jumps(ctx: Ctx, res: Result) -> None:
         )
         check(back > 10**9 and fwd > 10**9, "the node's clock did not jump (is the sitecustomize patch active?)")
         check(abs(scraper.last_commit_skew_s) > 10, "the daemon's clock did not jump (is the sitecustomize patch on?)")
-        check("node:cdcd_node_realtime_lag_ms_sum" in scraper.max_lag, "the node's realtime lag metric was not seen")
+        check("node:cdcd_node_realtime_lag_seconds_sum" in scraper.max_lag, "the node realtime lag metric was not seen")
         check("daemon:cdcd_daemon_lag_seconds" in scraper.max_lag, "the daemon's lag metric was not seen")

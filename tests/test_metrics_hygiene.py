@@ -1,0 +1,198 @@
+"""Each process exports only its own metric families, in a form `promtool check metrics` accepts; the shipped
+alert rules pass `promtool check rules`, and rules and dashboard name only metrics cdcd exports (issue 13 item 5).
+
+promtool comes from Debian's prometheus package, installed by scripts/ensure-promtool.sh (CI runs it too).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cdcd import metrics
+from tests.test_daemon_e2e import (
+    child_env,
+    error_lines,
+    jsonl_consumer,
+    make_node,
+    run_daemon_until_exit,
+    start_daemon,
+    stop_daemon,
+    wait_for,
+    write_daemon_config,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "config"
+GROUPS = {
+    "node": metrics.NODE,
+    "daemon": metrics.DAEMON,
+    "lake": metrics.LAKE,
+    "replication_endpoint": metrics.REPLICATION_ENDPOINT,
+    "replication_sender": metrics.REPLICATION_SENDER,
+}
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "ensure-promtool.sh")], capture_output=True, text=True)
+    path = shutil.which("promtool")
+    assert res.returncode == 0 and path, f"scripts/ensure-promtool.sh could not provide promtool: {res.stderr}"
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape_text(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        return str(resp.read().decode())
+
+
+def try_samples(port: int) -> dict[str, float] | None:
+    """name{labels} summed per name, or None while the endpoint is not up."""
+    try:
+        text = scrape_text(port)
+    except OSError:
+        return None
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[s.name] = out.get(s.name, 0.0) + float(s.value)
+    return out
+
+
+def cdcd_families(text: str) -> set[str]:
+    """cdcd family names of a scrape (the text format shows ``_created`` samples as families of their own)."""
+    names = {f.name for f in text_string_to_metric_families(text) if f.name.startswith("cdcd_")}
+    return {n for n in names if not n.endswith("_created")}
+
+
+def group_names(*groups: str) -> set[str]:
+    """Every sample name the groups can export (labelled families have no samples before first use)."""
+    names: set[str] = set()
+    for group in groups:
+        for family in GROUPS[group].collect():
+            base = family.name
+            names |= {base, *(base + s for s in ("_total", "_created", "_bucket", "_count", "_sum"))}
+    return names
+
+
+def promtool_check_metrics(promtool: str, text: str) -> None:
+    res = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and not (res.stdout + res.stderr).strip(), res.stdout + res.stderr
+
+
+def test_node_and_daemon_export_only_their_own_families_and_pass_promtool(tmp_path: Path, promtool: str) -> None:
+    """A writing `cdcd node run` serves cdcd_node_* families only (no daemon, lake or replication series, no
+    last-commit timestamp at 0); a delivering `cdcd run` serves cdcd_daemon_* only; promtool accepts both scrapes."""
+    node_dir = tmp_path / "node"
+    node_port, daemon_port = free_port(), free_port()
+    node_cfg = tmp_path / "node.toml"
+    node_cfg.write_text(
+        f'node_dir = "{node_dir}"\nmetrics_address = "127.0.0.1:{node_port}"\n'
+        "wal_force_archive_timeout_ms = 100\nwal_segment_size_bytes = 65536\n"
+    )
+    node_log = (tmp_path / "node.log").open("wb")
+    node = subprocess.Popen(
+        [sys.executable, "-m", "cdcd", "node", "run", "--config", str(node_cfg), "--load-rate", "300"],
+        stdout=node_log,
+        stderr=node_log,
+        env=child_env(),
+    )
+    daemon = None
+    try:
+        wait_for(
+            lambda: (m := try_samples(node_port)) and m.get("cdcd_node_cdc_links_total", 0) >= 2, 120, "node links"
+        )
+        config = write_daemon_config(
+            tmp_path / "cdcd.toml", node_dir, jsonl_consumer(tmp_path / "out.jsonl"),
+            metrics_address=f"127.0.0.1:{daemon_port}",
+        )
+        daemon = start_daemon(config, tmp_path / "run.err")
+        wait_for(
+            lambda: (m := try_samples(daemon_port)) and m.get("cdcd_daemon_events_total", 0) > 0, 120, "deliveries"
+        )
+        node_text, daemon_text = scrape_text(node_port), scrape_text(daemon_port)
+    finally:
+        if daemon is not None:
+            assert stop_daemon(daemon) == 0
+        node.terminate()
+        assert node.wait(60) == 0
+
+    node_families, daemon_families = cdcd_families(node_text), cdcd_families(daemon_text)
+    assert node_families and all(n.startswith("cdcd_node_") for n in node_families), sorted(node_families)
+    assert daemon_families and all(n.startswith("cdcd_daemon_") for n in daemon_families), sorted(daemon_families)
+    assert {f.name for f in metrics.NODE.collect()} == node_families
+    assert {f.name for f in metrics.DAEMON.collect()} == daemon_families
+    assert "cdcd_node_realtime_lag_seconds" in node_families
+    promtool_check_metrics(promtool, node_text)
+    promtool_check_metrics(promtool, daemon_text)
+
+
+def expr_metric_names(expr: str) -> set[str]:
+    return set(re.findall(r"\bcdcd_[a-z0-9_]+", expr))
+
+
+def test_alert_rules_pass_promtool_and_name_exported_metrics(promtool: str) -> None:
+    """`promtool check rules` accepts config/prometheus-alerts.yml; its rules cover lag, stall, realtime stops,
+    mode flapping, skipped links and replication rejects, and every cdcd metric they use exists."""
+    rules = CONFIG / "prometheus-alerts.yml"
+    res = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    text = rules.read_text()
+    for alert in (
+        "CdcdDaemonLagHigh",
+        "CdcdDaemonStalled",
+        "CdcdRealtimeStopped",
+        "CdcdModeFlapping",
+        "CdcdCdcLinksSkipped",
+        "CdcdReplicationRejected",
+    ):
+        assert f"alert: {alert}\n" in text, alert
+    used = expr_metric_names("\n".join(line for line in text.splitlines() if "expr:" in line))
+    assert used and used <= group_names(*GROUPS), sorted(used - group_names(*GROUPS))
+
+
+def test_grafana_dashboard_queries_exported_metrics() -> None:
+    """config/grafana-dashboard.json is a dashboard whose every query names metrics cdcd exports (no stale names
+    such as the old cdcd_node_realtime_lag_ms)."""
+    dashboard = json.loads((CONFIG / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 15
+    used = set().union(*map(expr_metric_names, exprs))
+    assert used <= group_names(*GROUPS), sorted(used - group_names(*GROUPS))
+    for wanted in ("cdcd_daemon_lag_seconds", "cdcd_daemon_segments_pending", "cdcd_node_realtime_lag_seconds_bucket"):
+        assert wanted in used, wanted
+
+
+def test_metrics_port_in_use_exits_2_naming_the_key(tmp_path: Path) -> None:
+    """Two daemon instances configured with one metrics port: the second exits 2 (systemd does not restart it)
+    with one line naming its config file and metrics_address."""
+    node_dir = tmp_path / "node"
+    make_node(node_dir, segments=1, tx_per_segment=1)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = write_daemon_config(
+            tmp_path / "cdcd.toml", node_dir, {"kind": "null"}, metrics_address=f"127.0.0.1:{port}"
+        )
+        err = tmp_path / "run.err"
+        assert run_daemon_until_exit(config, err, timeout=60) == 2
+    lines = error_lines(err)
+    assert len(lines) == 1 and lines[0].startswith(
+        f"cdcd: error: {config}: key 'metrics_address': cannot listen on 127.0.0.1:{port}:"
+    ), lines
