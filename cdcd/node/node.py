@@ -253,6 +253,12 @@ class Node:
             if self._failure is None:
                 self.checkpoint()
             self.realtime.close()
+            if self._failure is None:
+                # Ignite rolls over on stop: the daemon sees the last writes (and the markers above)
+                # now, not at the next open.
+                rolled = self._wal.force_archive()
+                if rolled is not None:
+                    log.info("segment_rolled_on_close", segment=rolled)
         finally:
             self._wal.close()
             self._metastorage.close()
