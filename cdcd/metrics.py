@@ -78,8 +78,10 @@ WAL_SEGMENT = Gauge("cdcd_node_wal_segment", "Index of the active WAL segment")
 SEGMENTS_ARCHIVED = Counter("cdcd_node_segments_archived_total", "Segments moved to the archive")
 CDC_LINKS = Counter("cdcd_node_cdc_links_total", "Archived segments hard-linked into the CDC dir")
 CDC_LINKS_SKIPPED = Counter(
-    "cdcd_node_cdc_links_skipped_total", "Archived segments NOT linked because the CDC dir was over cdc_dir_max_bytes"
+    "cdcd_node_cdc_links_skipped_total",
+    "Archived segments NOT linked: the CDC dir was over cdc_dir_max_bytes, or CDC was switched off",
 )
+CDC_DISABLED = Gauge("cdcd_node_cdc_disabled", "1 while CDC links are switched off (cdcd control cdc off)")
 ARCHIVE_DELETED = Counter("cdcd_node_archive_segments_deleted_total", "Archived segments deleted by retention")
 CHECKPOINTS = Counter("cdcd_node_checkpoints_total", "Checkpoints written to the page store")
 CHECKPOINT_SECONDS = Histogram("cdcd_node_checkpoint_seconds", "Time to write one checkpoint to LMDB")

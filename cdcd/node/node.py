@@ -95,6 +95,10 @@ _decoder = msgspec.msgpack.Decoder()
 _CREATE, _UPDATE, _DELETE = Op.CREATE, Op.UPDATE, Op.DELETE  # Op.X costs ~150 ns per access on 3.11
 
 
+_CDC_DISABLED_KEY = b"cdc_disabled"
+"""Metastorage flag of the runtime CDC switch."""
+
+
 class NodeLocked(LockHeld):
     pass
 
@@ -114,6 +118,7 @@ class Node:
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # writers wait here while the dirty map is full
         self._checkpoint_lock = threading.Lock()
+        self._cdc_switch_lock = threading.Lock()
         self._checkpoint_wake = threading.Event()
         self._stop = threading.Event()
         self._dirty: dict[bytes, DataEntry] = {}
@@ -172,7 +177,8 @@ class Node:
         self._checkpoint_segment = cp.pointer.segment if cp is not None else 0
         self.stats.recovery_records = state.records
         metrics.register_node(self.stats)
-        archiver = Archiver(
+        self._metastorage = Metastorage(config.metastorage_path)
+        self._archiver = archiver = Archiver(
             config.archive_path,
             config.cdc_path,
             cdc_enabled=config.cdc_enabled,
@@ -180,6 +186,10 @@ class Node:
             archive_max_bytes=config.archive_max_bytes,
             min_kept_segment=lambda: self._checkpoint_segment,
         )
+        archiver.links_on = not self._metastorage.get_flag(_CDC_DISABLED_KEY)
+        metrics.CDC_DISABLED.set(0 if archiver.links_on else 1)
+        if config.cdc_enabled and not archiver.links_on:
+            log.warning("cdc_disabled", hint="archived segments are not linked for CDC until `cdcd control cdc on`")
         for idx, path in state.closed_segments:
             log.info("finishing_interrupted_archive", segment=idx)
             archiver.archive(idx, path)
@@ -193,7 +203,6 @@ class Node:
             force_archive_timeout_ms=config.wal_force_archive_timeout_ms,
             archiver=archiver,
         )
-        self._metastorage = Metastorage(config.metastorage_path)
         self.realtime = RealtimeWorker(
             config=config,
             wal=self._wal,
@@ -572,6 +581,37 @@ class Node:
             metrics.REPL_REJECTED.inc(rejected)
         return Applied(request.seq, applied, rejected, duplicates), end
 
+    # --- the CDC switch ---------------------------------------------------------------------------
+    @property
+    def cdc_links_on(self) -> bool:
+        """False while the runtime CDC switch is off (``cdcd control cdc off``)."""
+        return self.config.cdc_enabled and self._archiver.links_on
+
+    def set_cdc_links(self, on: bool) -> WalPointer:
+        """Ignite's ``cdc.disabled``, the brake for a CDC dir filling the disk: stop (or resume)
+        linking archived segments into the CDC dir, from the active segment on. Persisted before it
+        takes effect, so it survives a restart. The daemon reports the segments archived meanwhile
+        as a gap (``missing segment N``). Returns the WAL position at the switch."""
+        self._check_open()
+        if not self.config.cdc_enabled:
+            raise ValueError("CDC is off in the node config (cdc_enabled = false): there is nothing to switch")
+        with self._cdc_switch_lock:  # one switch at a time; the flusher reads links_on without a lock
+            self._metastorage.put_flag(_CDC_DISABLED_KEY, not on)
+            was = self._archiver.links_on
+            self._archiver.links_on = on
+            position = self._wal.position
+        metrics.CDC_DISABLED.set(0 if on else 1)
+        if was != on:
+            log.warning(
+                "cdc_switched",
+                state="on" if on else "off",
+                wal_position=str(position),
+                hint="segments archived while CDC was off are a gap for the daemon"
+                if on
+                else "archived segments are not linked for CDC until `cdcd control cdc on`",
+            )
+        return position
+
     # --- control socket --------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         """What ``cdcd control status`` prints: realtime state, daemon state, lag."""
@@ -588,6 +628,8 @@ class Node:
             "node_id": str(self.node_id),
             "wal_position": str(wal_pos),
             "last_archived_segment": self._wal.last_archived,
+            "cdc": "on" if self.cdc_links_on else "off" if self.config.cdc_enabled else "disabled in config",
+            "cdc_links_skipped": len(self._archiver.skipped_links),
             "realtime": rt,
             "daemon": daemon,
             "delivering": delivering,
@@ -614,6 +656,15 @@ class Node:
             except RealtimeError as exc:
                 raise ControlError(str(exc)) from None
             return {"realtime": mode.value}
+        if cmd == "cdc":
+            state = req.get("state")
+            if state not in ("on", "off"):
+                raise ControlError("cdc: state must be 'on' or 'off'")
+            try:
+                position = self.set_cdc_links(state == "on")
+            except ValueError as exc:
+                raise ControlError(str(exc)) from None
+            return {"cdc": state, "wal_position": str(position)}
         if cmd == "status":
             return self.status()
         if cmd == "digest":
@@ -626,7 +677,7 @@ class Node:
                 return {"resent": self.resend(cache), "cache": cache}
             except ValueError as exc:
                 raise ControlError(str(exc)) from None
-        raise ControlError(f"unknown command {cmd!r} (one of: realtime, status, resend, digest)")
+        raise ControlError(f"unknown command {cmd!r} (one of: realtime, cdc, status, resend, digest)")
 
     def _dirty_with_room_locked(self) -> dict[bytes, DataEntry]:
         """The dirty map, once it has room: writers wait for a checkpoint beyond twice its bound."""
