@@ -233,3 +233,53 @@ def test_cdc_switch_refused_without_cdc_and_persisted_in_process(tmp_path: Path)
         n.set_cdc_links(True)
     with Node.open(tmp_path / "n", wal_force_archive_timeout_ms=0) as n:
         assert n.cdc_links_on
+
+
+# --- the roll on a clean close ---------------------------------------------------------------------
+def test_clean_close_rolls_the_active_segment_so_the_daemon_sees_the_last_writes(tmp_path: Path) -> None:
+    """After close() (no roll by size or time) the daemon delivers every write at once, and another
+    open/close with no writes delivers nothing new."""
+    node_dir = tmp_path / "n"
+    with Node.open(node_dir, wal_force_archive_timeout_ms=0) as n:
+        c = n.cache("a")
+        c.put_all({i: i * 10 for i in range(10)})
+        c.remove(3)
+    assert list_segments(node_dir / "wal")[0].keys() == {1}
+    consumer = Collect()
+    assert sync(node_dir, consumer) == 11
+    assert [(op, key, value) for _c, op, key, value, _x, _p in consumer.events] == [
+        *(("create", i, i * 10) for i in range(10)),
+        ("delete", 3, None),
+    ]
+    with Node.open(node_dir, wal_force_archive_timeout_ms=0):
+        pass
+    assert sync(node_dir, consumer) == 0 and len(consumer.events) == 11
+
+
+def test_clean_close_with_realtime_on_hands_the_daemon_the_final_position(tmp_path: Path) -> None:
+    """With realtime on, close() drains, writes the final RealtimeCdcRecord and rolls it out: a PASSIVE
+    daemon learns the node's last committed position right away and delivers nothing itself."""
+    node_dir = tmp_path / "n"
+    out = tmp_path / "node.jsonl"
+    settings: dict[str, Any] = {
+        "wal_force_archive_timeout_ms": 0,
+        "realtime_cdc": True,
+        "realtime_consumer": {"kind": "jsonl", "path": str(out)},
+    }
+    n = Node.open(node_dir, **settings)
+    try:
+        consumer = Collect()
+        # The daemon passes the node's TryStart record (PASSIVE), so the node starts delivering.
+        wait_for(lambda: sync(node_dir, consumer) >= 0 and n.realtime.mode.value == "on", 60, "realtime on")
+        c = n.cache("a")
+        for i in range(50):
+            c.put(i, i)
+    finally:
+        n.close()
+    final = n.realtime.position
+    assert final is not None and len(out.read_text().splitlines()) == 50
+    with Daemon(daemon_config(node_dir), consumer, show_progress=False) as daemon:
+        assert daemon.sync_once() == 0
+        assert daemon.state.mode.value == "PASSIVE" and daemon.state.position == final
+    assert consumer.events == []
+    assert segs(node_dir / "cdc") == {final.segment}  # the daemon deleted the links below it
