@@ -82,6 +82,7 @@ CDC_LINKS_SKIPPED = Counter(
     "Archived segments NOT linked: the CDC dir was over cdc_dir_max_bytes, or CDC was switched off",
 )
 CDC_DISABLED = Gauge("cdcd_node_cdc_disabled", "1 while CDC links are switched off (cdcd control cdc off)")
+TTL_EXPIRED = Counter("cdcd_node_ttl_expired_total", "Expired entries deleted by the expirer (DELETEs written)")
 ARCHIVE_DELETED = Counter("cdcd_node_archive_segments_deleted_total", "Archived segments deleted by retention")
 CHECKPOINTS = Counter("cdcd_node_checkpoints_total", "Checkpoints written to the page store")
 CHECKPOINT_SECONDS = Histogram("cdcd_node_checkpoint_seconds", "Time to write one checkpoint to LMDB")
