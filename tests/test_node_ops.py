@@ -7,6 +7,7 @@ Real nodes, real daemons (``sync_once``), ``cdcd node run`` subprocesses killed 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -27,6 +28,9 @@ from cdcd.wal import DataRecord, MissingSegment, WalReader
 from cdcd.wal.segment import list_segments
 
 CDCD = [sys.executable, "-m", "cdcd"]
+ROOT = Path(__file__).resolve().parent.parent
+CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+"""Children import the same ``cdcd`` as the tests."""
 
 
 def wait_for(cond: Callable[[], Any], timeout_s: float, what: str) -> Any:
@@ -283,3 +287,205 @@ def test_clean_close_with_realtime_on_hands_the_daemon_the_final_position(tmp_pa
         assert daemon.state.mode.value == "PASSIVE" and daemon.state.position == final
     assert consumer.events == []
     assert segs(node_dir / "cdc") == {final.segment}  # the daemon deleted the links below it
+
+
+# --- TTL -------------------------------------------------------------------------------------------
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def metric(name: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name) or 0.0
+
+
+MANUAL = {"checkpoint_interval_ms": 3_600_000, "ttl_expire_interval_ms": 3_600_000, "wal_force_archive_timeout_ms": 0}
+"""No background checkpoint or expiry: the test calls ``checkpoint()`` and ``expire_entries()`` itself."""
+
+
+def test_ttl_get_hides_expired_entries_and_expiry_writes_one_delete_each(tmp_path: Path) -> None:
+    """Entries expire by their own ttl_ms or the cache's default; get/len/items/contains hide them at once;
+    a remove of an expired key writes nothing and a put creates it anew; the expirer writes exactly one DELETE
+    per expired key carrying its expire time, which the daemon delivers after the PUT with that expire time."""
+    node_dir = tmp_path / "n"
+    expired_before = metric("cdcd_node_ttl_expired_total")
+    with Node.open(node_dir, **MANUAL) as node:
+        s = node.cache("s", ttl_ms=300)
+        assert s.info.config.ttl_ms == 300
+        t0 = now_ms()
+        s.put_all({i: i for i in range(20)})  # the cache's default
+        s.put(100, "never", ttl_ms=0)
+        s.put(101, "long", ttl_ms=600_000)
+        s.put(5, "renewed", ttl_ms=600_000)  # a later put sets the expiry anew
+        s.put(6, "again")  # default again: a new expire time
+        assert s.remove(7)  # a user remove: a DELETE without expire time
+        with node.transaction() as tx:
+            tx.put("s", 200, "tx", ttl_ms=250)
+            tx.put("plain", 1, 1)
+        t1 = now_ms()
+        assert s.get(101) == "long" and s.get(100) == "never" and s.get(5) == "renewed"
+        short = {*range(20), 200} - {5, 7}
+        latest_short = t1 + 300
+        wait_for(lambda: now_ms() > latest_short, 30, "the short TTLs to pass")
+        # Nothing was deleted yet (no checkpoint, no expirer round): reads hide the entries by themselves.
+        assert all(s.get(k) is None and k not in s for k in short)
+        assert dict(s.items()) == {5: "renewed", 100: "never", 101: "long"} and len(s) == 3
+        assert node.cache("plain").get(1) == 1
+        assert not s.remove(3)  # expired: nothing to remove, nothing written
+        s.put(8, "back", ttl_ms=0)  # expired: this put creates the key anew
+        assert s.get(8) == "back"
+        assert node.expire_entries() == 0  # all still in the dirty map: they reach the index at a checkpoint
+        node.checkpoint()
+        assert node.expire_entries() == len(short) - 1  # all but 8
+        assert node.expire_entries() == 0  # their DELETEs are pending: not again
+        node.checkpoint()
+        assert node.expire_entries() == 0
+        assert node._store.expiry_rows() == 2  # 5 and 101: rows of deleted or re-put entries are gone
+        assert metric("cdcd_node_ttl_expired_total") - expired_before == len(short) - 1
+    consumer = Collect()
+    sync(node_dir, consumer)
+    by_key: dict[Any, list[tuple[str, Any, int]]] = {}
+    for cache, op, key, value, expire, _pos in consumer.events:
+        if cache == "s":
+            by_key.setdefault(key, []).append((op, value, expire))
+    assert set(by_key) == {*range(20), 100, 101, 200}
+    for k, events in by_key.items():
+        puts = [x for x in events if x[0] != "delete"]
+        deletes = [x for x in events if x[0] == "delete"]
+        if k in (100, 101, 5):
+            assert deletes == []
+        elif k == 7:
+            assert deletes == [("delete", None, 0)] and events[-1] == deletes[0]
+        elif k == 8:
+            assert events == [("create", 8, puts[0][2]), ("create", "back", 0)]
+        else:
+            assert deletes == [("delete", None, puts[-1][2])] and events[-1] == deletes[0], (k, events)
+        ttl = {100: 0, 101: 600_000, 200: 250}.get(k, 300)
+        first_expire = puts[0][2]
+        assert (first_expire == 0) if ttl == 0 else (t0 + ttl <= first_expire <= t1 + ttl), (k, events)
+    assert by_key[5][-1][2] >= t0 + 600_000 and by_key[6][-2][2] >= by_key[6][0][2]
+
+
+def test_ttl_background_expiry_and_sigkill_recovery_keep_one_delete_per_key(tmp_path: Path) -> None:
+    """A node SIGKILLed after writing (not yet checkpointing) expiry DELETEs, and with other TTL entries still
+    live, reopens consistently: the background expirer deletes the rest, no key gets a second DELETE."""
+    node_dir = tmp_path / "n"
+    child = tmp_path / "child.py"
+    child.write_text(
+        f"""
+import sys, time
+from cdcd.node import Node
+node = Node.open({str(node_dir)!r}, **{MANUAL!r})
+c = node.cache("c")
+c.put_all({{i: i for i in range(50)}}, ttl_ms=200)
+c.put_all({{i: i for i in range(50, 100)}}, ttl_ms=1500)
+c.put_all({{i: i for i in range(100, 120)}})
+node.checkpoint()
+expired = 0
+while expired < 50:  # the 200 ms ones (and the others too on a very slow machine)
+    expired += node.expire_entries()
+    time.sleep(0.02)
+node.flush()
+print("ready", flush=True)
+time.sleep(600)
+"""
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(child)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=CHILD_ENV
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # structlog's default configuration logs to stdout too
+            if line.strip() == "ready":
+                break
+        else:
+            raise AssertionError(f"child exited with {proc.wait()} before expiring")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    expired_before = metric("cdcd_node_ttl_expired_total")
+    with Node.open(node_dir, ttl_expire_interval_ms=20, checkpoint_interval_ms=50) as node:
+        c = node.cache("c")
+        assert all(c.get(i) is None for i in range(50))
+        assert [c.get(i) for i in range(100, 120)] == list(range(100, 120))
+        wait_for(lambda: all(c.get(i) is None for i in range(50, 100)), 60, "the 1.5 s TTLs to pass")
+        wait_for(lambda: metric("cdcd_node_ttl_expired_total") - expired_before >= 50, 60, "background expiry")
+        wait_for(lambda: node._store.expiry_rows() == 0, 60, "a checkpoint after the expiry")
+        assert metric("cdcd_node_ttl_expired_total") - expired_before == 50
+        assert len(c) == 20
+    consumer = Collect()
+    sync(node_dir, consumer)
+    puts = {k: x for _c, op, k, _v, x, _p in consumer.events if op != "delete"}
+    deletes = [(k, x) for _c, op, k, _v, x, _p in consumer.events if op == "delete"]
+    assert sorted(deletes) == sorted((k, puts[k]) for k in range(100))
+    assert all(puts[k] > 0 for k in range(100)) and all(puts[k] == 0 for k in range(100, 120))
+
+
+def cache_entries(node: Node, cache: str) -> list[Any]:
+    """Every DataEntry of ``cache`` in a (closed or force-archived) node's archive, in WAL order."""
+    cache_id = node.cache(cache).cache_id
+    reader = WalReader([Path(node.config.node_dir) / "wal" / "archive"])
+    return [e for _p, r in reader if type(r) is DataRecord for e in r.entries if e.cache_id == cache_id]
+
+
+def test_ttl_reaches_the_replica_which_expires_it_without_sending_it_back(tmp_path: Path) -> None:
+    """Replication carries expire_time_ms: the replica holds the origin's expire times, hides and deletes the
+    entries itself (DELETEs that keep the origin version, so nothing goes back), and the origin's own expiry
+    DELETEs then change nothing there."""
+    from cdcd.sinks import load_consumer
+    from cdcd.sinks.replication import ReplicationConsumer
+
+    tok = tmp_path / "token"
+    tok.write_text("s3cret-token-for-tests\n")
+    tok.chmod(0o600)
+    listen = {"replication_listen": "127.0.0.1:0", "replication_token_file": str(tok)}
+    a = Node.open(tmp_path / "a", cluster_id=1, **MANUAL, **listen)
+    b = Node.open(
+        tmp_path / "b", cluster_id=2, ttl_expire_interval_ms=20, checkpoint_interval_ms=50,
+        wal_force_archive_timeout_ms=0, **listen,
+    )  # fmt: skip
+
+    def replicate(src: Node, dst: Node) -> ReplicationConsumer:
+        assert dst.replication is not None
+        consumer = load_consumer(
+            {"kind": "replication", "target": f"127.0.0.1:{dst.replication.port}", "token_file": str(tok)}
+        )
+        with Daemon(daemon_config(Path(src.config.node_dir)), consumer, show_progress=False) as daemon:
+            daemon.sync_once()
+        assert isinstance(consumer, ReplicationConsumer)
+        return consumer
+
+    try:
+        c = a.cache("c", ttl_ms=300)
+        c.put_all({i: i for i in range(10)})
+        c.put("keep", 1, ttl_ms=0)
+        c.put("long", 2, ttl_ms=600_000)
+        a.force_archive()
+        sent = replicate(a, b)
+        assert sent.applied == 12
+        a_expire = {e.decoded_key(): e.expire_time_ms for e in cache_entries(a, "c")}
+        bc = b.cache("c")
+        wait_for(lambda: all(bc.get(i) is None for i in range(10)), 30, "the replica to hide the expired entries")
+        assert (bc.get("keep"), bc.get("long")) == (1, 2)
+        wait_for(lambda: b._store.expiry_rows() == 1, 60, "the replica's expirer and a checkpoint")
+        b.force_archive()
+        b_entries = cache_entries(b, "c")
+        puts = {e.decoded_key(): e.expire_time_ms for e in b_entries if e.op.name != "DELETE"}
+        assert puts == a_expire and a_expire["long"] > 0 and a_expire["keep"] == 0
+        deletes = [e for e in b_entries if e.op.name == "DELETE"]
+        assert sorted((e.decoded_key(), e.expire_time_ms) for e in deletes) == [(i, a_expire[i]) for i in range(10)]
+        assert all(e.version.other_cluster_version is not None for e in deletes)
+        assert replicate(b, a).sent == 0  # neither the replicated puts nor the replica's expiry go back
+
+        # The origin's own expiry reaches the replica, which has nothing left to delete.
+        a.checkpoint()
+        assert a.expire_entries() == 10
+        a.force_archive()
+        replicate(a, b)
+        b.force_archive()
+        assert len([e for e in cache_entries(b, "c") if e.op.name == "DELETE"]) == 10
+        assert dict(bc.items()) == dict(c.items()) == {"keep": 1, "long": 2}
+    finally:
+        a.close()
+        b.close()

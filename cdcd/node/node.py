@@ -302,9 +302,7 @@ class Node:
         self.close()
 
     # --- caches ----------------------------------------------------------------------------------
-    def cache(
-        self, name: str, *, partitions: int | None = None, cdc_enabled: bool = True, ttl_ms: int = 0
-    ) -> Cache:
+    def cache(self, name: str, *, partitions: int | None = None, cdc_enabled: bool = True, ttl_ms: int = 0) -> Cache:
         """The cache called ``name``, created (and recorded in the WAL) on first use; the settings
         apply to a new cache only. ``ttl_ms``: default time to live of its entries (0: none)."""
         info = self._caches.get(name)
@@ -329,9 +327,7 @@ class Node:
                 rec = CacheRecord(cache_id, name, CacheOp.CREATE, config, time.time_ns())
                 _ptr, end = self._wal.append(rec)
                 self._caches[name] = info
-                log.info(
-                    "cache_created", cache=name, cache_id=cache_id, partitions=config.partitions, ttl_ms=ttl_ms
-                )
+                log.info("cache_created", cache=name, cache_id=cache_id, partitions=config.partitions, ttl_ms=ttl_ms)
             else:
                 end = None
         if end is not None and self._fsync_commits:
