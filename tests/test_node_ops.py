@@ -24,6 +24,7 @@ from cdcd.consumer import Consumer, EventBatch
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.node import Node
+from cdcd.node.snapshot import NodeSnapshot
 from cdcd.wal import DataRecord, MissingSegment, WalReader
 from cdcd.wal.segment import list_segments
 
@@ -343,13 +344,19 @@ def test_ttl_get_hides_expired_entries_and_expiry_writes_one_delete_each(tmp_pat
         assert node.expire_entries() == 0
         assert node._store.expiry_rows() == 2  # 5 and 101: rows of deleted or re-put entries are gone
         assert metric("cdcd_node_ttl_expired_total") - expired_before == len(short) - 1
+        s.put(300, "brief", ttl_ms=1)  # expired at close, not yet deleted: hidden all the same
+        wait_for(lambda: now_ms() > t1 + 1 and s.get(300) is None, 30, "a 1 ms TTL to pass")
+        live = sorted(node.raw_items("s"))
+    with NodeSnapshot(node_dir) as snap:  # what `node diff` and `lake verify` read of a stopped node
+        assert sorted(snap.raw_items("s")) == live and len(live) == 4
     consumer = Collect()
     sync(node_dir, consumer)
     by_key: dict[Any, list[tuple[str, Any, int]]] = {}
     for cache, op, key, value, expire, _pos in consumer.events:
         if cache == "s":
             by_key.setdefault(key, []).append((op, value, expire))
-    assert set(by_key) == {*range(20), 100, 101, 200}
+    assert set(by_key) == {*range(20), 100, 101, 200, 300}
+    assert [x[0] for x in by_key.pop(300)] == ["create"]  # its DELETE comes after the next open
     for k, events in by_key.items():
         puts = [x for x in events if x[0] != "delete"]
         deletes = [x for x in events if x[0] == "delete"]
@@ -376,6 +383,7 @@ def test_ttl_background_expiry_and_sigkill_recovery_keep_one_delete_per_key(tmp_
         f"""
 import sys, time
 from cdcd.node import Node
+from cdcd.node.snapshot import NodeSnapshot
 node = Node.open({str(node_dir)!r}, **{MANUAL!r})
 c = node.cache("c")
 c.put_all({{i: i for i in range(50)}}, ttl_ms=200)
