@@ -497,3 +497,31 @@ def test_ttl_reaches_the_replica_which_expires_it_without_sending_it_back(tmp_pa
     finally:
         a.close()
         b.close()
+
+
+def test_ttl_out_of_range_is_refused_naming_the_cache(tmp_path: Path) -> None:
+    """A negative or absurd TTL, and a peer's expire time outside 0..2^63-1, are refused before anything is
+    written (an expire time that cannot be indexed would fail the next checkpoint)."""
+    import msgspec
+
+    from cdcd.replication.protocol import Apply, ReplEntry
+    from cdcd.replication.resolver import ConflictResolver
+    from cdcd.replication.server import RequestRefused
+    from cdcd.wal.records import CacheVersion, Op
+
+    with Node.open(tmp_path / "n", **MANUAL) as node:
+        with pytest.raises(ValueError, match="cache 'bad': ttl_ms must be 0"):
+            node.cache("bad", ttl_ms=-5)
+        c = node.cache("c")
+        for ttl in (-1, 10**15):
+            with pytest.raises(ValueError, match=f"cache 'c': ttl_ms must be 0 .* got {ttl}"):
+                c.put(1, 1, ttl_ms=ttl)
+            with pytest.raises(ValueError, match="ttl_ms must be"):
+                c.put_all({2: 2}, ttl_ms=ttl)
+        key, value = msgspec.Raw(msgspec.msgpack.encode(1)), msgspec.Raw(msgspec.msgpack.encode("v"))
+        for expire in (-1, 2**63):
+            bad = Apply(1, "c", [ReplEntry(Op.UPDATE, key, value, CacheVersion(1, 1, 2, 1), expire)])
+            with pytest.raises(RequestRefused, match=f"cache 'c' entry 0: expire_time_ms {expire} out of range"):
+                node.apply_replicated(bad, ConflictResolver(1))
+        assert len(c) == 0 and node.caches() == ["c"]
+        node.checkpoint()  # still fine

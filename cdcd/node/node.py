@@ -100,12 +100,18 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+MAX_EXPIRE_TIME_MS = 2**63 - 1
+"""Expire times are stored as unsigned 64-bit numbers; beyond this a peer's value is refused."""
+MAX_TTL_MS = 100 * 365 * 86_400_000
+"""A century: a longer TTL is a unit mistake (seconds or microseconds), not a wish."""
+
+
 def _expire_time(info: CacheInfo, ttl_ms: int | None, now_ms: int) -> int:
     """The expire time of an entry put now (0: never): ``ttl_ms``, else the cache's default."""
     ttl = info.config.ttl_ms if ttl_ms is None else ttl_ms
-    if ttl <= 0:
-        if ttl < 0:
-            raise ValueError(f"cache {info.name!r}: ttl_ms must be >= 0 (0: never expires), got {ttl}")
+    if ttl <= 0 or ttl > MAX_TTL_MS:
+        if ttl < 0 or ttl > MAX_TTL_MS:
+            raise ValueError(f"cache {info.name!r}: ttl_ms must be 0 (never) to {MAX_TTL_MS}, got {ttl}")
         return 0
     return now_ms + ttl
 
@@ -310,8 +316,8 @@ class Node:
             return Cache(self, info)
         if not name or len(name) > 255 or "/" in name or "=" in name:
             raise ValueError(f"bad cache name {name!r}: 1-255 characters, no '/' or '='")
-        if ttl_ms < 0:
-            raise ValueError(f"cache {name!r}: ttl_ms must be >= 0 (0: entries never expire), got {ttl_ms}")
+        if not 0 <= ttl_ms <= MAX_TTL_MS:
+            raise ValueError(f"cache {name!r}: ttl_ms must be 0 (entries never expire) to {MAX_TTL_MS}, got {ttl_ms}")
         with self._lock:
             self._check_open()
             info = self._caches.get(name)
@@ -997,6 +1003,8 @@ def _prepare_replicated(request: Apply) -> list[tuple[bytes, ReplEntry]]:
             raise RequestRefused(
                 f"cache {request.cache!r} entry {i}: origin cluster id {e.version.cluster_id} is not in 1-31"
             )
+        if not 0 <= e.expire_time_ms <= MAX_EXPIRE_TIME_MS:
+            raise RequestRefused(f"cache {request.cache!r} entry {i}: expire_time_ms {e.expire_time_ms} out of range")
         value = bytes(e.value)
         if (value == nil) is not (e.op is _DELETE):
             what = "a delete carries a value" if e.op is _DELETE else "a put without a value"
