@@ -178,6 +178,7 @@ def test_cdc_switch_off_survives_sigkill_and_the_daemon_reports_the_gap(tmp_path
 
         node.start()  # the switch was persisted: still off after the crash
         assert node.status()["cdc"] == "off"
+        assert any(line.split()[:3] == ["cdc", "links", "off"] for line in node.control("status").splitlines())
         assert scrape(node.port, "cdcd_node_cdc_disabled") == 1
         before = len(segs(archive))
         wait_for(lambda: len(segs(archive)) >= before + 2, 60, "segments archived after the restart")
