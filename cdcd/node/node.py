@@ -109,11 +109,9 @@ MAX_TTL_MS = 100 * 365 * 86_400_000
 def _expire_time(info: CacheInfo, ttl_ms: int | None, now_ms: int) -> int:
     """The expire time of an entry put now (0: never): ``ttl_ms``, else the cache's default."""
     ttl = info.config.ttl_ms if ttl_ms is None else ttl_ms
-    if ttl <= 0 or ttl > MAX_TTL_MS:
-        if ttl < 0 or ttl > MAX_TTL_MS:
-            raise ValueError(f"cache {info.name!r}: ttl_ms must be 0 (never) to {MAX_TTL_MS}, got {ttl}")
-        return 0
-    return now_ms + ttl
+    if not 0 <= ttl <= MAX_TTL_MS:
+        raise ValueError(f"cache {info.name!r}: ttl_ms must be 0 (never) to {MAX_TTL_MS}, got {ttl}")
+    return now_ms + ttl if ttl else 0
 
 
 _CDC_DISABLED_KEY = b"cdc_disabled"
@@ -908,10 +906,10 @@ class Node:
         candidates = self._store.expired(now_ms, config.ttl_expire_batch_max_entries, self._expire_after)
         if not candidates:
             return 0
-        by_id = {info.cache_id: info for info in self._caches.values()}
         end = None
         with self._lock:
             self._check_open()
+            by_id = {info.cache_id: info for info in self._caches.values()}
             entries: list[DataEntry] = []
             keys: list[bytes] = []
             order = self._order
