@@ -526,3 +526,18 @@ def test_ttl_out_of_range_is_refused_naming_the_cache(tmp_path: Path) -> None:
                 node.apply_replicated(bad, ConflictResolver(1))
         assert len(c) == 0 and node.caches() == ["c"]
         node.checkpoint()  # still fine
+
+
+def test_ttl_destroyed_cache_leaves_no_expiry_behind(tmp_path: Path) -> None:
+    """Destroying a cache purges its expiry index rows (others stay): a recreated cache of that name gets no
+    DELETE for the old entries."""
+    with Node.open(tmp_path / "n", **MANUAL) as node:
+        node.cache("gone").put_all({i: i for i in range(30)}, ttl_ms=1)
+        node.cache("kept").put_all({i: i for i in range(5)}, ttl_ms=600_000)
+        node.checkpoint()
+        assert node._store.expiry_rows() == 35
+        assert node.destroy_cache("gone")
+        assert node._store.expiry_rows() == 5
+        again = node.cache("gone")
+        again.put("new", 1)
+        assert node.expire_entries() == 0 and again.get("new") == 1 and len(node.cache("kept")) == 5
