@@ -465,6 +465,17 @@ def control_realtime(ctx: click.Context, state: str) -> None:
     click.echo(f"realtime: {reply['realtime']}")
 
 
+@control.command("cdc")
+@click.argument("state", type=click.Choice(["on", "off"]))
+@click.pass_context
+def control_cdc(ctx: click.Context, state: str) -> None:
+    """Switch CDC links (Ignite's cdc.disabled, the brake for a CDC dir filling the disk): `off` stops
+    linking archived segments into the CDC dir, `on` resumes; persisted across restarts. The segments
+    archived while off are a gap the daemon reports as `missing segment N`."""
+    reply = _node_request(ctx, {"cmd": "cdc", "state": state})
+    click.echo(f"cdc: {reply['cdc']} (from WAL position {reply['wal_position']})")
+
+
 @control.command("status")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
@@ -481,6 +492,7 @@ def control_status(ctx: click.Context, as_json: bool) -> None:
         ("node", f"{reply['node_dir']} ({reply['node_id']})"),
         ("wal position", reply["wal_position"]),
         ("delivering", reply["delivering"]),
+        ("cdc links", f"{reply['cdc']} ({reply['cdc_links_skipped']} segment(s) not linked since open)"),
         ("realtime", rt["mode"] + (f" (try-start at {rt['try_start']})" if rt["try_start"] else "")),
         ("buffer", f"{used:,} / {cap:,} bytes (max used {rt['buffer_max_used_bytes']:,})"),
         ("node committed", rt["committed"] or "-"),

@@ -1,6 +1,7 @@
 """The node's control socket: newline-delimited JSON over a Unix socket, owner only.
 
-Requests: ``{"cmd": "realtime", "state": "on"|"off"}``, ``{"cmd": "status"}``,
+Requests: ``{"cmd": "realtime", "state": "on"|"off"}``, ``{"cmd": "cdc", "state": "on"|"off"}``,
+``{"cmd": "status"}``,
 ``{"cmd": "resend", "cache": NAME}``, ``{"cmd": "digest"}`` (rows and checksum per cache).
 Every request gets one JSON line back:
 ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``; a bad request never closes the server.

@@ -138,8 +138,14 @@ SEGMENTS_ARCHIVED = Counter("cdcd_node_segments_archived_total", "Segments moved
 CDC_LINKS = Counter("cdcd_node_cdc_links_total", "Archived segments hard-linked into the CDC dir", registry=NODE)
 CDC_LINKS_SKIPPED = Counter(
     "cdcd_node_cdc_links_skipped_total",
-    "Archived segments NOT linked because the CDC dir was over cdc_dir_max_bytes",
+    "Archived segments NOT linked: the CDC dir was over cdc_dir_max_bytes, or CDC was switched off",
     registry=NODE,
+)
+CDC_DISABLED = Gauge(
+    "cdcd_node_cdc_disabled", "1 while CDC links are switched off (cdcd control cdc off)", registry=NODE
+)
+TTL_EXPIRED = Counter(
+    "cdcd_node_ttl_expired_total", "Expired entries deleted by the expirer (DELETEs written)", registry=NODE
 )
 ARCHIVE_DELETED = Counter(
     "cdcd_node_archive_segments_deleted_total", "Archived segments deleted by retention", registry=NODE

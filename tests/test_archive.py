@@ -20,7 +20,7 @@ import structlog
 from prometheus_client import REGISTRY
 
 from cdcd.node import Node, NodeLocked
-from cdcd.wal import HEADER_SIZE, DataRecord, SegmentEnd, SegmentReader, WalReader
+from cdcd.wal import HEADER_SIZE, Checkpoint, DataRecord, SegmentEnd, SegmentReader, WalReader
 from cdcd.wal.segment import list_segments, segment_name
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,18 +106,20 @@ def test_every_archived_segment_has_exactly_one_cdc_link(tmp_path: Path) -> None
         assert last + 1 >= 12, "segments did not fill up: the size rollover was not exercised"
         assert_archive_linked(node_dir, set(range(last + 1)))
         assert sorted(segs(work_dir(node_dir))) == [last + 1]
-    # close() checkpoints into the active segment but archives nothing more
-    assert_archive_linked(node_dir, set(range(last + 1)))
-    assert sorted(segs(work_dir(node_dir))) == [last + 1]
+    # close() checkpoints into the active segment and rolls it (Ignite rolls over on stop): linked too.
+    assert_archive_linked(node_dir, set(range(last + 2)))
+    assert sorted(segs(work_dir(node_dir))) == [last + 2]
+    assert {type(r) for r in read_to_end(segs(cdc_dir(node_dir))[last + 1])} == {Checkpoint, SegmentEnd}
     for path in segs(cdc_dir(node_dir)).values():
         read_to_end(path)
     # The CDC dir alone carries every committed entry, in order.
     assert wal_keys([cdc_dir(node_dir)], None) == written
-    # Reopening finds nothing to finish and changes nothing.
+    # Reopening finds nothing to finish; its close rolls the one segment it wrote (start marker, checkpoint).
     with Node.open(node_dir, **DETERMINISTIC):
         pass
-    assert_archive_linked(node_dir, set(range(last + 1)))
-    assert sorted(segs(work_dir(node_dir))) == [last + 1]
+    assert_archive_linked(node_dir, set(range(last + 3)))
+    assert sorted(segs(work_dir(node_dir))) == [last + 3]
+    assert wal_keys([cdc_dir(node_dir)], None) == written
 
 
 # --- retention -----------------------------------------------------------------------------------
@@ -174,8 +176,11 @@ def test_retention_deletes_oldest_archived_files_but_keeps_links_and_checkpoint_
         assert deleted == set(range(5))
         assert set(segs(archive_dir(node_dir))) == set(range(5, 10))
         assert sum(p.stat().st_size for p in segs(archive_dir(node_dir)).values()) > limit
-    assert metric("cdcd_node_archive_segments_deleted_total") - deleted_before == 5
-    assert set(segs(cdc_dir(node_dir))) == set(range(10))
+    # close() checkpoints in segment 10 and rolls it: retention may now go up to (not into) segment 10.
+    deleted = assert_retention(node_dir, 10, limit)
+    assert set(range(5)) < deleted and 10 not in deleted
+    assert metric("cdcd_node_archive_segments_deleted_total") - deleted_before == len(deleted)
+    assert set(segs(cdc_dir(node_dir))) == set(range(11))
     # The links still hold the whole change stream.
     assert wal_keys([cdc_dir(node_dir)], None) == written
     # And the node reopens from its checkpoint although the oldest archived files are gone.
@@ -295,9 +300,10 @@ def test_reopen_finishes_interrupted_archiving(tmp_path: Path, crash_state: str)
         node.cache("a").put("after", 1)
     finally:
         node.close()
-    assert_archive_linked(node_dir, {0, 1})
-    assert sorted(segs(work)) == [2]
-    assert wal_keys([archive, work], 2) == [*(f"k{i}" for i in range(150)), "after"]
+    # close() rolled segment 2 (the put above) into the archive and the CDC dir.
+    assert_archive_linked(node_dir, {0, 1, 2})
+    assert sorted(segs(work)) == [3]
+    assert wal_keys([cdc], None) == [*(f"k{i}" for i in range(150)), "after"]
 
 
 # --- CDC dir on another filesystem ---------------------------------------------------------------

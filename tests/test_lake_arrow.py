@@ -103,6 +103,7 @@ def make_slices(spec: list[tuple[int, list[tuple[int, int]]]], base_ts_ns: int) 
                     k % 16,
                     CacheVersion(k, 1, k % 3, 2),
                     primary=bool(k % 5),
+                    expire_time_ms=(1_800_000_000_000 + k) if k % 4 == 1 else 0,
                 )
             )
             k += 1
@@ -131,6 +132,7 @@ def reference_rows(slices: list[RecordSlice], names: EventBatch, source: str) ->
                     "wal_segment": s.pointer.segment,
                     "wal_offset": s.pointer.offset,
                     "wal_index": i,
+                    "expire_time_ms": e.expire_time_ms,
                     "cache": names.cache_name(e.cache_id),
                     "day": ts.strftime("%Y-%m-%d"),
                 }

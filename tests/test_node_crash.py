@@ -432,8 +432,8 @@ def test_failed_open_releases_the_page_store(tmp_path: Path) -> None:
         node.cache("a").put("k", 1)
         node.force_archive()
         node.cache("a").put("k2", 2)
-    # The checkpoint written by close() is in work segment 1: hide it and recovery must fail.
-    seg1 = node_dir / "wal" / "0000000000000001.wal"
+    # The checkpoint written by close() is in segment 1 (archived by close()): hide it and recovery must fail.
+    seg1 = node_dir / "wal" / "archive" / "0000000000000001.wal"
     hidden = tmp_path / "hidden.wal"
     seg1.rename(hidden)
     try:

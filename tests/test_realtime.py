@@ -762,9 +762,10 @@ def test_control_socket(rig_factory: Any, tmp_path: Path) -> None:
             (b"not json\n", "bad request: not JSON"),
             (b"[1, 2]\n", 'bad request: expected {"cmd": ...}'),
             (b'{"state": "on"}\n', 'bad request: expected {"cmd": ...}'),
-            (b'{"cmd": "explode"}\n', "unknown command 'explode' (one of: realtime, status, resend, digest)"),
+            (b'{"cmd": "explode"}\n', "unknown command 'explode' (one of: realtime, cdc, status, resend, digest)"),
             (b'{"cmd": "realtime", "state": "maybe"}\n', "realtime: state must be 'on' or 'off'"),
             (b'{"cmd": "realtime"}\n', "realtime: state must be 'on' or 'off'"),
+            (b'{"cmd": "cdc", "state": "of"}\n', "cdc: state must be 'on' or 'off'"),
             (b'{"cmd": "resend"}\n', 'resend: expected {"cache": NAME}'),
             (b'{"cmd": "resend", "cache": "nope"}\n', "no cache 'nope' (caches: events, orders, users)"),
         ]

@@ -30,10 +30,13 @@ SCHEMA = pa.schema(
         ("wal_segment", pa.int64()),
         ("wal_offset", pa.int64()),
         ("wal_index", pa.int32()),
+        ("expire_time_ms", pa.int64()),
         ("cache", pa.string()),
     ]
 )
-"""``cache`` (and ``day`` when enabled) become directory partitions: changes/cache=<name>/day=.../"""
+"""``cache`` (and ``day`` when enabled) become directory partitions: changes/cache=<name>/day=.../
+``expire_time_ms``: when the entry expires (ms since the epoch, 0: never); on a delete, non-zero means
+the entry expired (the node's expirer wrote it)."""
 
 _OPS = pa.array([OP_NAMES[op] for op in sorted(Op)], pa.string())
 """Indexed by the Op value."""
@@ -48,6 +51,7 @@ _version = attrgetter("version")
 _order = attrgetter("order")
 _cluster = attrgetter("cluster_id")
 _cache_id = attrgetter("cache_id")
+_expire = attrgetter("expire_time_ms")
 
 
 def to_json(raw: bytes | msgspec.Raw) -> str:
@@ -168,6 +172,7 @@ def build_table(
         pa.array(np.repeat(np.array(segments, np.int64), reps)),
         pa.array(np.repeat(np.array(offsets, np.int64), reps)),
         pa.array(np.array(index, np.int32)),
+        pa.array(_ints(map(_expire, entries), np.int64, n)),
         pa.array(cache_names, pa.string()).take(pa.array(which)),
     ]
     rows = np.bincount(which, minlength=len(ids))

@@ -61,7 +61,10 @@ class Archiver:
         archived, _ = list_segments(archive_dir)
         self.last_archived = max(archived) if archived else -1
         self.skipped_links: set[int] = set()
-        """Segments archived without a CDC link (over cdc_dir_max_bytes) since open."""
+        """Segments archived without a CDC link (over cdc_dir_max_bytes, or links off) since open."""
+        self.links_on = True
+        """The runtime CDC switch (``cdcd control cdc on|off``, Ignite's ``cdc.disabled``): while
+        off, archived segments are not linked, like over ``cdc_dir_max_bytes``."""
 
     def archive(self, segment: int, work_path: Path) -> None:
         if self.cdc_enabled:
@@ -80,20 +83,20 @@ class Archiver:
         link = segment_path(self.cdc_dir, segment)
         if link.exists() and os.path.samefile(link, work_path):
             return  # linked before a crash, rename still to do
+        if not self.links_on:
+            self._skipped(segment, "warning", reason="cdc_disabled", hint="CDC is switched off (cdcd control cdc on)")
+            return
         size = work_path.stat().st_size
         if self.cdc_dir_max_bytes:
             used = dir_bytes(self.cdc_dir)
             if used + size > self.cdc_dir_max_bytes:
-                metrics.CDC_LINKS_SKIPPED.inc()
-                self.skipped_links.add(segment)
-                log.error(
-                    "cdc_link_skipped",
-                    segment=segment,
-                    cdc_dir=str(self.cdc_dir),
+                self._skipped(
+                    segment,
+                    "error",
+                    reason="cdc_dir_full",
                     cdc_dir_bytes=used,
                     cdc_dir_max_bytes=self.cdc_dir_max_bytes,
-                    hint="the CDC consumer is behind; this segment is lost to CDC "
-                    "(cdcd control delete-lost-segment-links, then resend)",
+                    hint="the CDC consumer is behind",
                 )
                 return
         if link.exists():
@@ -108,6 +111,19 @@ class Archiver:
         if self.fsync:
             fsync_dir(self.cdc_dir)
         metrics.CDC_LINKS.inc()
+
+    def _skipped(self, segment: int, level: str, *, hint: str, **fields: object) -> None:
+        """A segment archived without its link: the daemon will stop at this gap (``missing segment N``)."""
+        metrics.CDC_LINKS_SKIPPED.inc()
+        self.skipped_links.add(segment)
+        getattr(log, level)(
+            "cdc_link_skipped",
+            segment=segment,
+            cdc_dir=str(self.cdc_dir),
+            **fields,
+            hint=f"{hint}; this segment is lost to CDC (cdcd control relink-lost-segments while the archive "
+            "has it, else delete-lost-segment-links, then resend)",
+        )
 
     def apply_retention(self) -> None:
         """Delete the oldest archived segments over ``archive_max_bytes``; never the checkpoint's or later."""

@@ -33,21 +33,23 @@ class Cache:
     def __repr__(self) -> str:
         return f"Cache({self.info.name!r}, id={self.info.cache_id})"
 
-    def put(self, key: Any, value: Any) -> None:
-        self._node._put_one(self.info, key, value)
+    def put(self, key: Any, value: Any, *, ttl_ms: int | None = None) -> None:
+        """Put ``value``; it expires ``ttl_ms`` after this call (None: the cache's ``ttl_ms``; 0:
+        never). A later put sets the expiry anew."""
+        self._node._put_one(self.info, key, value, ttl_ms)
 
-    def put_all(self, items: Mapping[Any, Any]) -> None:
+    def put_all(self, items: Mapping[Any, Any], *, ttl_ms: int | None = None) -> None:
         info = self.info
-        self._node._commit([(info, k, v) for k, v in items.items()])
+        self._node._commit([(info, k, v, ttl_ms) for k, v in items.items()])
 
     def remove(self, key: Any) -> bool:
-        """Remove ``key``; False if it was not there (nothing is written then)."""
-        return self._node._commit([(self.info, key, _REMOVE)]) > 0
+        """Remove ``key``; False if it was not there, or expired (nothing is written then)."""
+        return self._node._commit([(self.info, key, _REMOVE, None)]) > 0
 
     def remove_all(self, keys: Iterable[Any]) -> int:
         """Remove the keys that exist; returns how many were removed."""
         info = self.info
-        return self._node._commit([(info, k, _REMOVE) for k in keys])
+        return self._node._commit([(info, k, _REMOVE, None) for k in keys])
 
     def get(self, key: Any, default: Any = None) -> Any:
         return self._node._get(self.info, key, default)

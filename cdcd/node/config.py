@@ -42,6 +42,10 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     """Delete the oldest archived segments beyond this size (0: keep all); links are never deleted."""
 
     checkpoint_interval_ms: int = 5000
+    ttl_expire_interval_ms: int = 1000
+    """How often the checkpointer writes DELETEs for expired entries (see ``put(..., ttl_ms=)``)."""
+    ttl_expire_batch_max_entries: int = 10_000
+    """Expired entries deleted per round at most (one DataRecord); a full round runs again at once."""
     checkpoint_dirty_max_entries: int = 200_000
     """Changed keys kept in memory before a checkpoint writes them to LMDB; writers wait beyond 2x."""
     lmdb_map_size_bytes: int = 16 * 1024 * MiB
@@ -99,6 +103,8 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
             "cdc_dir_max_bytes": self.cdc_dir_max_bytes >= 0,
             "archive_max_bytes": self.archive_max_bytes >= 0,
             "checkpoint_interval_ms": self.checkpoint_interval_ms >= 1,
+            "ttl_expire_interval_ms": self.ttl_expire_interval_ms >= 1,
+            "ttl_expire_batch_max_entries": self.ttl_expire_batch_max_entries >= 1,
             "checkpoint_dirty_max_entries": self.checkpoint_dirty_max_entries >= 1,
             "partitions": 1 <= self.partitions <= 65536,
             "cluster_id": 1 <= self.cluster_id <= 31,

@@ -95,6 +95,29 @@ _decoder = msgspec.msgpack.Decoder()
 _CREATE, _UPDATE, _DELETE = Op.CREATE, Op.UPDATE, Op.DELETE  # Op.X costs ~150 ns per access on 3.11
 
 
+def _now_ms() -> int:
+    """Wall-clock milliseconds: expire times are absolute (Ignite's), so they mean the same on a replica."""
+    return time.time_ns() // 1_000_000
+
+
+MAX_EXPIRE_TIME_MS = 2**63 - 1
+"""Expire times are stored as unsigned 64-bit numbers; beyond this a peer's value is refused."""
+MAX_TTL_MS = 100 * 365 * 86_400_000
+"""A century: a longer TTL is a unit mistake (seconds or microseconds), not a wish."""
+
+
+def _expire_time(info: CacheInfo, ttl_ms: int | None, now_ms: int) -> int:
+    """The expire time of an entry put now (0: never): ``ttl_ms``, else the cache's default."""
+    ttl = info.config.ttl_ms if ttl_ms is None else ttl_ms
+    if not 0 <= ttl <= MAX_TTL_MS:
+        raise ValueError(f"cache {info.name!r}: ttl_ms must be 0 (never) to {MAX_TTL_MS}, got {ttl}")
+    return now_ms + ttl if ttl else 0
+
+
+_CDC_DISABLED_KEY = b"cdc_disabled"
+"""Metastorage flag of the runtime CDC switch."""
+
+
 class NodeLocked(LockHeld):
     pass
 
@@ -114,11 +137,14 @@ class Node:
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # writers wait here while the dirty map is full
         self._checkpoint_lock = threading.Lock()
+        self._cdc_switch_lock = threading.Lock()
         self._checkpoint_wake = threading.Event()
         self._stop = threading.Event()
         self._dirty: dict[bytes, DataEntry] = {}
         self._snapshot: dict[bytes, DataEntry] | None = None  # being written by a checkpoint
         self._checkpoint_segment = 0
+        self._expire_after: bytes | None = None
+        """The expirer's place in the store's expiry index (rows it already handled until the next checkpoint)."""
         self._cp_appends = -1
         self._failure: BaseException | None = None
         self._dirty_hard_limit = 2 * config.checkpoint_dirty_max_entries
@@ -176,7 +202,8 @@ class Node:
         self._checkpoint_segment = cp.pointer.segment if cp is not None else 0
         self.stats.recovery_records = state.records
         metrics.register_node(self.stats)
-        archiver = Archiver(
+        self._metastorage = Metastorage(config.metastorage_path)
+        self._archiver = archiver = Archiver(
             config.archive_path,
             config.cdc_path,
             cdc_enabled=config.cdc_enabled,
@@ -184,6 +211,10 @@ class Node:
             archive_max_bytes=config.archive_max_bytes,
             min_kept_segment=lambda: self._checkpoint_segment,
         )
+        archiver.links_on = not self._metastorage.get_flag(_CDC_DISABLED_KEY)
+        metrics.CDC_DISABLED.set(0 if archiver.links_on else 1)
+        if config.cdc_enabled and not archiver.links_on:
+            log.warning("cdc_disabled", hint="archived segments are not linked for CDC until `cdcd control cdc on`")
         for idx, path in state.closed_segments:
             log.info("finishing_interrupted_archive", segment=idx)
             archiver.archive(idx, path)
@@ -197,7 +228,6 @@ class Node:
             force_archive_timeout_ms=config.wal_force_archive_timeout_ms,
             archiver=archiver,
         )
-        self._metastorage = Metastorage(config.metastorage_path)
         self.realtime = RealtimeWorker(
             config=config,
             wal=self._wal,
@@ -256,6 +286,12 @@ class Node:
             if self._failure is None:
                 self.checkpoint()
             self.realtime.close()
+            if self._failure is None:
+                # Ignite rolls over on stop: the daemon sees the last writes (and the markers above)
+                # now, not at the next open.
+                rolled = self._wal.force_archive()
+                if rolled is not None:
+                    log.info("segment_rolled_on_close", segment=rolled)
         finally:
             self._wal.close()
             self._metastorage.close()
@@ -273,13 +309,16 @@ class Node:
         self.close()
 
     # --- caches ----------------------------------------------------------------------------------
-    def cache(self, name: str, *, partitions: int | None = None, cdc_enabled: bool = True) -> Cache:
-        """The cache called ``name``, created (and recorded in the WAL) on first use."""
+    def cache(self, name: str, *, partitions: int | None = None, cdc_enabled: bool = True, ttl_ms: int = 0) -> Cache:
+        """The cache called ``name``, created (and recorded in the WAL) on first use; the settings
+        apply to a new cache only. ``ttl_ms``: default time to live of its entries (0: none)."""
         info = self._caches.get(name)
         if info is not None:
             return Cache(self, info)
         if not name or len(name) > 255 or "/" in name or "=" in name:
             raise ValueError(f"bad cache name {name!r}: 1-255 characters, no '/' or '='")
+        if not 0 <= ttl_ms <= MAX_TTL_MS:
+            raise ValueError(f"cache {name!r}: ttl_ms must be 0 (entries never expire) to {MAX_TTL_MS}, got {ttl_ms}")
         with self._lock:
             self._check_open()
             info = self._caches.get(name)
@@ -288,12 +327,14 @@ class Node:
                 for other in self._caches.values():
                     if other.cache_id == cache_id:
                         raise ValueError(f"cache name {name!r} hashes to the id of cache {other.name!r}; pick another")
-                config = CacheConfig(partitions=partitions or self.config.partitions, cdc_enabled=cdc_enabled)
+                config = CacheConfig(
+                    partitions=partitions or self.config.partitions, cdc_enabled=cdc_enabled, ttl_ms=ttl_ms
+                )
                 info = CacheInfo(cache_id, name, config)
                 rec = CacheRecord(cache_id, name, CacheOp.CREATE, config, time.time_ns())
                 _ptr, end = self._wal.append(rec)
                 self._caches[name] = info
-                log.info("cache_created", cache=name, cache_id=cache_id, partitions=config.partitions)
+                log.info("cache_created", cache=name, cache_id=cache_id, partitions=config.partitions, ttl_ms=ttl_ms)
             else:
                 end = None
         if end is not None and self._fsync_commits:
@@ -357,12 +398,16 @@ class Node:
         with self._lock:
             e = self._pending_locked(full_key)
         if e is not None:
-            return default if e.op == Op.DELETE else _decoder.decode(e.value)
+            if e.op == Op.DELETE or 0 < e.expire_time_ms <= _now_ms():
+                return default
+            return _decoder.decode(e.value)
         stored = self._store.get(full_key)
-        return default if stored is None else _decoder.decode(stored.value)
+        if stored is None or 0 < stored.expire_time_ms <= _now_ms():
+            return default  # an expired entry is gone at once; the expirer writes its DELETE later
+        return _decoder.decode(stored.value)
 
     def _current(self, info: CacheInfo) -> dict[bytes, tuple[bytes, CacheVersion, int]]:
-        """Every live entry of a cache: key bytes -> (value bytes, version, expire_time_ms)."""
+        """Every live (not expired) entry of a cache: key bytes -> (value bytes, version, expire_time_ms)."""
         prefix = cache_prefix(info.cache_id)
         plen = len(prefix)
         with self._lock:
@@ -371,12 +416,15 @@ class Node:
                 overlay.update((k[plen:], e) for k, e in self._snapshot.items() if k.startswith(prefix))
             overlay.update((k[plen:], e) for k, e in self._dirty.items() if k.startswith(prefix))
             stored = list(self._store.items(info.cache_id))
+        now_ms = _now_ms()
         merged = {k: (bytes(v.value), v.version, v.expire_time_ms) for k, v in stored}
         for k, e in overlay.items():
             if e.op == Op.DELETE:
                 merged.pop(k, None)
             else:
                 merged[k] = (bytes(e.value), e.version, e.expire_time_ms)
+        for k in [k for k, (_v, _ver, expire) in merged.items() if 0 < expire <= now_ms]:
+            del merged[k]
         return merged
 
     def _items(self, info: CacheInfo, decode: bool = True) -> Iterator[tuple[Any, Any]]:
@@ -420,6 +468,8 @@ class Node:
                     if current is None:  # removed since the key list was taken: its DELETE is in the WAL
                         continue
                     value, version, expire = current
+                    if 0 < expire <= _now_ms():  # expired meanwhile: its DELETE comes from the expirer
+                        continue
                     partition = zlib.crc32(k) % info.config.partitions
                     entries.append(
                         DataEntry(
@@ -570,6 +620,37 @@ class Node:
             metrics.REPL_REJECTED.inc(rejected)
         return Applied(request.seq, applied, rejected, duplicates), end
 
+    # --- the CDC switch ---------------------------------------------------------------------------
+    @property
+    def cdc_links_on(self) -> bool:
+        """False while the runtime CDC switch is off (``cdcd control cdc off``)."""
+        return self.config.cdc_enabled and self._archiver.links_on
+
+    def set_cdc_links(self, on: bool) -> WalPointer:
+        """Ignite's ``cdc.disabled``, the brake for a CDC dir filling the disk: stop (or resume)
+        linking archived segments into the CDC dir, from the active segment on. Persisted before it
+        takes effect, so it survives a restart. The daemon reports the segments archived meanwhile
+        as a gap (``missing segment N``). Returns the WAL position at the switch."""
+        self._check_open()
+        if not self.config.cdc_enabled:
+            raise ValueError("CDC is off in the node config (cdc_enabled = false): there is nothing to switch")
+        with self._cdc_switch_lock:  # one switch at a time; the flusher reads links_on without a lock
+            self._metastorage.put_flag(_CDC_DISABLED_KEY, not on)
+            was = self._archiver.links_on
+            self._archiver.links_on = on
+            position = self._wal.position
+        metrics.CDC_DISABLED.set(0 if on else 1)
+        if was != on:
+            log.warning(
+                "cdc_switched",
+                state="on" if on else "off",
+                wal_position=str(position),
+                hint="segments archived while CDC was off are a gap for the daemon"
+                if on
+                else "archived segments are not linked for CDC until `cdcd control cdc on`",
+            )
+        return position
+
     # --- control socket --------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         """What ``cdcd control status`` prints: realtime state, daemon state, lag."""
@@ -586,6 +667,8 @@ class Node:
             "node_id": str(self.node_id),
             "wal_position": str(wal_pos),
             "last_archived_segment": self._wal.last_archived,
+            "cdc": "on" if self.cdc_links_on else "off" if self.config.cdc_enabled else "disabled in config",
+            "cdc_links_skipped": len(self._archiver.skipped_links),
             "realtime": rt,
             "daemon": daemon,
             "delivering": delivering,
@@ -612,6 +695,15 @@ class Node:
             except RealtimeError as exc:
                 raise ControlError(str(exc)) from None
             return {"realtime": mode.value}
+        if cmd == "cdc":
+            state = req.get("state")
+            if state not in ("on", "off"):
+                raise ControlError("cdc: state must be 'on' or 'off'")
+            try:
+                position = self.set_cdc_links(state == "on")
+            except ValueError as exc:
+                raise ControlError(str(exc)) from None
+            return {"cdc": state, "wal_position": str(position)}
         if cmd == "status":
             return self.status()
         if cmd == "digest":
@@ -624,7 +716,7 @@ class Node:
                 return {"resent": self.resend(cache), "cache": cache}
             except ValueError as exc:
                 raise ControlError(str(exc)) from None
-        raise ControlError(f"unknown command {cmd!r} (one of: realtime, status, resend, digest)")
+        raise ControlError(f"unknown command {cmd!r} (one of: realtime, cdc, status, resend, digest)")
 
     def _dirty_with_room_locked(self) -> dict[bytes, DataEntry]:
         """The dirty map, once it has room: writers wait for a checkpoint beyond twice its bound."""
@@ -635,7 +727,7 @@ class Node:
             self._check_open()
         return self._dirty
 
-    def _put_one(self, info: CacheInfo, key: Any, value: Any) -> None:
+    def _put_one(self, info: CacheInfo, key: Any, value: Any, ttl_ms: int | None = None) -> None:
         """``Cache.put``: ``_commit`` of a single put without the batch bookkeeping."""
         if value is None:
             raise ValueError(f"cache {info.name!r}: value must not be None (use remove)")
@@ -644,6 +736,8 @@ class Node:
         full_key = cache_prefix(info.cache_id) + key_raw
         partition = zlib.crc32(key_raw) % info.config.partitions
         config = self.config
+        now_ms = _now_ms()
+        expire = _expire_time(info, ttl_ms, now_ms)
         with self._lock:
             dirty = self._dirty_with_room_locked()
             if self._caches.get(info.name) is not info:
@@ -651,7 +745,10 @@ class Node:
             e = dirty.get(full_key)
             if e is None and self._snapshot is not None:
                 e = self._snapshot.get(full_key)
-            exists = e.op is not _DELETE if e is not None else self._store.exists_locked(full_key)
+            if e is not None:  # an expired entry counts as gone: this put creates the key anew
+                exists = e.op is not _DELETE and not 0 < e.expire_time_ms <= now_ms
+            else:
+                exists = self._store.live_locked(full_key, now_ms)
             op = _UPDATE if exists else _CREATE
             self._order = order = self._order + 1
             entry = DataEntry(
@@ -661,6 +758,8 @@ class Node:
                 value_raw,
                 partition,
                 CacheVersion(order, config.node_order, config.cluster_id, config.topology_version),
+                True,
+                expire,
             )
             _ptr, end = self._wal.append(DataRecord([entry], time.time_ns()))
             dirty[full_key] = entry
@@ -672,11 +771,13 @@ class Node:
         if self._fsync_commits:
             self._wal.wait_durable(end)
 
-    def _commit(self, writes: Sequence[tuple[CacheInfo, Any, Any]]) -> int:
-        """Write one DataRecord of puts/removes; returns the number of entries written."""
+    def _commit(self, writes: Sequence[tuple[CacheInfo, Any, Any, int | None]]) -> int:
+        """Write one DataRecord of puts/removes (each with its ttl_ms, None: the cache's); returns
+        the number of entries written."""
         # Encoding, keys and partitions need no lock: prepare them before taking it.
         prepared = []
-        for info, key, value in writes:
+        now_ms = _now_ms()
+        for info, key, value, ttl_ms in writes:
             if value is None:
                 raise ValueError(f"cache {info.name!r}: value must not be None (use remove)")
             key_raw = _encode(_key_encoder, key, info, "key")
@@ -688,6 +789,7 @@ class Node:
                     key_raw,
                     value_raw,
                     zlib.crc32(key_raw) % info.config.partitions,
+                    0 if value is REMOVE else _expire_time(info, ttl_ms, now_ms),
                 )
             )
         if not prepared:
@@ -703,9 +805,9 @@ class Node:
             order = self._order
             node_order, cluster_id, topology_version = config.node_order, config.cluster_id, config.topology_version
             snapshot = self._snapshot
-            exists_stored = self._store.exists_locked
+            live_stored = self._store.live_locked
             creates = updates = deletes = 0
-            for info, full_key, key_raw, value_raw, partition in prepared:
+            for info, full_key, key_raw, value_raw, partition, expire in prepared:
                 if caches.get(info.name) is not info:
                     raise ValueError(f"cache {info.name!r} was destroyed")
                 if full_key in seen:
@@ -714,7 +816,10 @@ class Node:
                     e = dirty.get(full_key)
                     if e is None and snapshot is not None:
                         e = snapshot.get(full_key)
-                    exists = e.op is not _DELETE if e is not None else exists_stored(full_key)
+                    if e is not None:  # an expired entry counts as gone (a remove writes nothing)
+                        exists = e.op is not _DELETE and not 0 < e.expire_time_ms <= now_ms
+                    else:
+                        exists = live_stored(full_key, now_ms)
                 if value_raw is NIL:
                     if not exists:
                         continue
@@ -738,6 +843,8 @@ class Node:
                         value_raw,
                         partition,
                         CacheVersion(order, node_order, cluster_id, topology_version),
+                        True,
+                        expire,
                     )
                 )
                 keys.append(full_key)
@@ -782,26 +889,109 @@ class Node:
                     self._snapshot = None
                     self._store.renew_reader()
             self._checkpoint_segment = ptr.segment
+            self._expire_after = None  # the DELETEs written so far are in the store: their rows are gone
             metrics.CHECKPOINTS.inc()
             metrics.CHECKPOINT_SECONDS.observe(time.perf_counter() - t0)
             log.debug("checkpoint", pointer=str(ptr), entries=len(snapshot))
             return ptr
 
+    def expire_entries(self) -> int:
+        """Write DELETEs for stored entries whose expire time has passed, at most
+        ``ttl_expire_batch_max_entries`` (one DataRecord, through the normal write path, so CDC,
+        realtime and replication see them); returns how many. The checkpointer calls this every
+        ``ttl_expire_interval_ms``.
+
+        Candidates come from the store's expiry index, so memory stays bounded whatever the number
+        of entries with a TTL; an entry still only in the dirty map gets there at the next
+        checkpoint (``get`` hides it from its expire time on regardless). Each candidate is checked
+        against the newest write of its key: an entry put again, or removed, meanwhile is left alone."""
+        now_ms = _now_ms()
+        config = self.config
+        candidates = self._store.expired(now_ms, config.ttl_expire_batch_max_entries, self._expire_after)
+        if not candidates:
+            return 0
+        end = None
+        with self._lock:
+            self._check_open()
+            by_id = {info.cache_id: info for info in self._caches.values()}
+            entries: list[DataEntry] = []
+            keys: list[bytes] = []
+            order = self._order
+            for expire, full_key in candidates:
+                current = self._current_locked(full_key)
+                if current is None or current[2] != expire:
+                    continue  # removed or put again since the last checkpoint
+                info = by_id.get(int.from_bytes(full_key[:4], "big"))
+                if info is None:
+                    continue  # cache destroyed: its purge removes the row
+                key_raw = full_key[4:]
+                order += 1
+                entries.append(
+                    DataEntry(
+                        info.cache_id,
+                        _DELETE,
+                        msgspec.Raw(key_raw),
+                        NIL,
+                        zlib.crc32(key_raw) % info.config.partitions,
+                        # An entry replicated from another cluster keeps its origin: every cluster
+                        # expires its own copy, and none sends its expiry back to the origin.
+                        CacheVersion(
+                            order,
+                            config.node_order,
+                            config.cluster_id,
+                            config.topology_version,
+                            current[1].other_cluster_version,
+                        ),
+                        True,
+                        expire,
+                    )
+                )
+                keys.append(full_key)
+            if entries:
+                _ptr, end = self._wal.append(DataRecord(entries, time.time_ns()))
+                self._order = order
+                # No wait for room here: this is the checkpointer's thread, the one that makes room.
+                self._dirty.update(zip(keys, entries, strict=True))
+                self.stats.transactions += 1
+                self.stats.entries[_DELETE] += len(entries)
+        self._expire_after = _expiry_index_key(*candidates[-1])
+        if entries:
+            metrics.TTL_EXPIRED.inc(len(entries))
+            log.debug("entries_expired", entries=len(entries), through_ms=candidates[-1][0])
+        if end is not None and self._fsync_commits:
+            self._wal.wait_durable(end)
+        return len(entries)
+
     def _checkpoint_loop(self) -> None:
         interval_s = self.config.checkpoint_interval_ms / 1000
+        expire_interval_s = self.config.ttl_expire_interval_ms / 1000
+        batch = self.config.ttl_expire_batch_max_entries
+        now = time.monotonic()
+        next_checkpoint, next_expire = now + interval_s, now + expire_interval_s
         while not self._stop.is_set():
-            self._checkpoint_wake.wait(interval_s)
+            woken = self._checkpoint_wake.wait(max(0.0, min(next_checkpoint, next_expire) - time.monotonic()))
             self._checkpoint_wake.clear()
             if self._stop.is_set():
                 return
             try:
-                self.checkpoint()
+                now = time.monotonic()
+                if now >= next_expire:
+                    # A full round may have left more: go again at once (checkpoints still interleave).
+                    full = self.expire_entries() >= batch
+                    next_expire = now if full else now + expire_interval_s
+                if woken or now >= next_checkpoint or len(self._dirty) >= self.config.checkpoint_dirty_max_entries:
+                    self.checkpoint()
+                    next_checkpoint = time.monotonic() + interval_s
             except Exception as exc:
                 self._failure = exc
                 log.error("checkpoint_failed", error=f"{type(exc).__name__}: {exc}", node_dir=self.config.node_dir)
                 with self._lock:
                     self._room.notify_all()
                 return
+
+
+def _expiry_index_key(expire_time_ms: int, full_key: bytes) -> bytes:
+    return expire_time_ms.to_bytes(8, "big") + full_key
 
 
 def _prepare_replicated(request: Apply) -> list[tuple[bytes, ReplEntry]]:
@@ -815,6 +1005,8 @@ def _prepare_replicated(request: Apply) -> list[tuple[bytes, ReplEntry]]:
             raise RequestRefused(
                 f"cache {request.cache!r} entry {i}: origin cluster id {e.version.cluster_id} is not in 1-31"
             )
+        if not 0 <= e.expire_time_ms <= MAX_EXPIRE_TIME_MS:
+            raise RequestRefused(f"cache {request.cache!r} entry {i}: expire_time_ms {e.expire_time_ms} out of range")
         value = bytes(e.value)
         if (value == nil) is not (e.op is _DELETE):
             what = "a delete carries a value" if e.op is _DELETE else "a put without a value"

@@ -87,6 +87,16 @@ class Metastorage:
         with self.env.begin(write=True) as txn:
             txn.put(self._KEY, self._enc.encode(state))
 
+    def get_flag(self, key: bytes) -> bool | None:
+        """A node-wide switch kept next to the realtime state (None: never set)."""
+        with self.env.begin() as txn:
+            raw = txn.get(key)
+        return None if raw is None else raw == b"1"
+
+    def put_flag(self, key: bytes, value: bool) -> None:
+        with self.env.begin(write=True) as txn:
+            txn.put(key, b"1" if value else b"0")
+
     def close(self) -> None:
         self.env.close()
 

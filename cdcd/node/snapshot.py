@@ -6,6 +6,7 @@ state change, no truncation, no checkpoint).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,22 +49,26 @@ class NodeSnapshot:
         return sorted(self._caches)
 
     def raw_items(self, cache: str) -> Iterator[tuple[bytes, bytes]]:
-        """(key, value) MessagePack bytes of every live entry, in key order."""
+        """(key, value) MessagePack bytes of every live entry, in key order; like a running node,
+        an entry past its expire time is not live (whether or not its DELETE was written yet)."""
         info = self._caches.get(cache)
         if info is None:
             return
         prefix = cache_prefix(info.cache_id)
-        merged: dict[bytes, bytes] = {}
+        merged: dict[bytes, tuple[bytes, int]] = {}
         if info.cache_id not in self._purged:
-            merged = {k: bytes(v.value) for k, v in self._store.items(info.cache_id)}
+            merged = {k: (bytes(v.value), v.expire_time_ms) for k, v in self._store.items(info.cache_id)}
         for k, e in self._dirty.items():
             if k.startswith(prefix):
                 if e.op == Op.DELETE:
                     merged.pop(k[len(prefix) :], None)
                 else:
-                    merged[k[len(prefix) :]] = bytes(e.value)
+                    merged[k[len(prefix) :]] = (bytes(e.value), e.expire_time_ms)
+        now_ms = time.time_ns() // 1_000_000
         for k in sorted(merged):
-            yield k, merged[k]
+            value, expire = merged[k]
+            if not 0 < expire <= now_ms:
+                yield k, value
 
     def close(self) -> None:
         self._store.close()

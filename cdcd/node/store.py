@@ -30,6 +30,18 @@ class StoredValue(msgspec.Struct, frozen=True, array_like=True):
     expire_time_ms: int = 0
 
 
+class _ExpireView(msgspec.Struct, frozen=True, array_like=True):
+    """A StoredValue's expire time without decoding its version or value."""
+
+    version: msgspec.Raw
+    value: msgspec.Raw
+    expire_time_ms: int = 0
+
+
+_EXPIRE = struct.Struct(">Q")
+"""Expiry index keys: big-endian expire time, then the full key (so a cursor walks them in time order)."""
+
+
 class CheckpointMeta(msgspec.Struct, frozen=True, array_like=True):
     pointer: WalPointer
     next_order: int
@@ -40,10 +52,13 @@ _enc = msgspec.msgpack.Encoder()
 _stored_dec = msgspec.msgpack.Decoder(StoredValue)
 _cache_dec = msgspec.msgpack.Decoder(CacheInfo)
 _cp_dec = msgspec.msgpack.Decoder(CheckpointMeta)
+_expire_dec = msgspec.msgpack.Decoder(_ExpireView)
 
 
 class PageStore:
-    """LMDB environment with ``data`` (cache prefix + key -> StoredValue), ``caches`` and ``meta``."""
+    """LMDB environment with ``data`` (cache prefix + key -> StoredValue), ``caches``, ``meta`` and
+    ``expiry`` (expire time + full key -> b"": every stored entry with an expire time, in time
+    order; Ignite's pending-entries tree), kept with ``data`` in every checkpoint transaction."""
 
     def __init__(self, path: Path, map_size_bytes: int) -> None:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -52,6 +67,7 @@ class PageStore:
         self._data = self.env.open_db(b"data")
         self._caches = self.env.open_db(b"caches")
         self._meta = self.env.open_db(b"meta")
+        self._expiry = self.env.open_db(b"expiry")
 
         self._reader: lmdb.Transaction | None = None
 
@@ -112,6 +128,40 @@ class PageStore:
             reader = self._reader = self.env.begin(db=self._data, buffers=True)
         return reader.get(full_key) is not None
 
+    def live_locked(self, full_key: bytes, now_ms: int) -> bool:
+        """Like ``exists_locked``, but an expired entry (still stored until its DELETE) is not live."""
+        reader = self._reader
+        if reader is None:
+            reader = self._reader = self.env.begin(db=self._data, buffers=True)
+        raw = reader.get(full_key)
+        if raw is None:
+            return False
+        expire = _expire_dec.decode(raw).expire_time_ms
+        return not 0 < expire <= now_ms
+
+    def expired(self, now_ms: int, limit: int, after: bytes | None = None) -> list[tuple[int, bytes]]:
+        """Up to ``limit`` (expire time, full key) of stored entries expired at ``now_ms``, oldest
+        first, starting after the index key ``after``; and the index key to continue after."""
+        out: list[tuple[int, bytes]] = []
+        with self.env.begin(db=self._expiry) as txn:
+            cur = txn.cursor()
+            found = cur.set_range(after) if after is not None else cur.first()
+            if found and after is not None and cur.key() == after:
+                found = cur.next()
+            while found and len(out) < limit:
+                k = cur.key()
+                (expire,) = _EXPIRE.unpack_from(k)
+                if expire > now_ms:
+                    break
+                out.append((expire, bytes(k[_EXPIRE.size :])))
+                found = cur.next()
+        return out
+
+    def expiry_rows(self) -> int:
+        """Rows of the expiry index (entries with an expire time, as of the last checkpoint)."""
+        with self.env.begin() as txn:
+            return int(txn.stat(self._expiry)["entries"])
+
     def renew_reader(self) -> None:
         if self._reader is not None:
             self._reader.abort()
@@ -148,11 +198,15 @@ class PageStore:
             data = self._data
             delete = Op.DELETE
             put = txn.put
-            for key, e in entries.items():
-                if e.op == delete:
-                    txn.delete(key, db=data)
-                else:
-                    put(key, _enc.encode(StoredValue(e.version, e.value, e.expire_time_ms)), db=data)
+            # The expiry index costs a read of each replaced value: only once any entry has an expire time.
+            if txn.stat(self._expiry)["entries"] or any(e.expire_time_ms for e in entries.values()):
+                self._write_tracking_expiry(txn, entries)
+            else:
+                for key, e in entries.items():
+                    if e.op == delete:
+                        txn.delete(key, db=data)
+                    else:
+                        put(key, _enc.encode(StoredValue(e.version, e.value, e.expire_time_ms)), db=data)
             cur = txn.cursor(db=self._caches)
             existing = {bytes(k).decode() for k in cur.iternext(keys=True, values=False)}
             for name in existing - set(caches):
@@ -160,6 +214,22 @@ class PageStore:
             for name, info in caches.items():
                 txn.put(name.encode(), _enc.encode(info), db=self._caches)
             txn.put(b"checkpoint", _enc.encode(meta), db=self._meta)
+
+    def _write_tracking_expiry(self, txn: lmdb.Transaction, entries: Mapping[bytes, DataEntry]) -> None:
+        data, expiry = self._data, self._expiry
+        delete = Op.DELETE
+        pack = _EXPIRE.pack
+        for key, e in entries.items():
+            if e.op == delete:
+                old = txn.pop(key, db=data)
+            else:
+                old = txn.replace(key, _enc.encode(StoredValue(e.version, e.value, e.expire_time_ms)), db=data)
+            if old is not None:
+                old_expire = _expire_dec.decode(old).expire_time_ms
+                if old_expire:
+                    txn.delete(pack(old_expire) + key, db=expiry)
+            if e.op != delete and e.expire_time_ms:
+                txn.put(pack(e.expire_time_ms) + key, b"", db=expiry)
 
     def purge_cache(self, cache_id: int, name: str) -> None:
         """Delete every stored entry of a destroyed cache and its registry row, synced."""
@@ -174,3 +244,12 @@ class PageStore:
             while bytes(cur.key()).startswith(prefix):
                 if not cur.delete():
                     break
+        # Expiry rows are in time order: the cache's rows are found by a walk over all of them.
+        at = _EXPIRE.size
+        cur = txn.cursor(db=self._expiry)
+        found = cur.first()
+        while found:
+            k = bytes(cur.key())
+            if not k:  # past the last row (after deleting it)
+                break
+            found = cur.delete() if k[at : at + len(prefix)] == prefix else cur.next()

@@ -17,19 +17,20 @@ class Transaction:
 
     def __init__(self, node: Node) -> None:
         self._node = node
-        self._writes: list[tuple[CacheInfo, Any, Any]] = []
+        self._writes: list[tuple[CacheInfo, Any, Any, int | None]] = []
         self._done = False
 
-    def put(self, cache: str, key: Any, value: Any) -> None:
-        self._writes.append((self._node.cache(cache).info, key, value))
+    def put(self, cache: str, key: Any, value: Any, *, ttl_ms: int | None = None) -> None:
+        """``ttl_ms`` as in ``Cache.put``, counted from the commit."""
+        self._writes.append((self._node.cache(cache).info, key, value, ttl_ms))
 
     def remove(self, cache: str, key: Any) -> None:
-        self._writes.append((self._node.cache(cache).info, key, REMOVE))
+        self._writes.append((self._node.cache(cache).info, key, REMOVE, None))
 
     def get(self, cache: str, key: Any, default: Any = None) -> Any:
         """Sees this transaction's own writes first."""
         info = self._node.cache(cache).info
-        for winfo, wkey, value in reversed(self._writes):
+        for winfo, wkey, value, _ttl in reversed(self._writes):
             if winfo.cache_id == info.cache_id and wkey == key:
                 return default if value is REMOVE else value
         return self._node._get(info, key, default)

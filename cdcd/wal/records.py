@@ -73,6 +73,8 @@ class CacheConfig(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_f
 
     partitions: int = 1024
     cdc_enabled: bool = True
+    ttl_ms: int = 0
+    """Default time to live of an entry put without ``ttl_ms`` (0: entries never expire)."""
 
 
 class CacheInfo(msgspec.Struct, frozen=True, array_like=True):

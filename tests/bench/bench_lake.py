@@ -192,6 +192,7 @@ class SharedSpark:
             "wal_segment": [0] * rows,
             "wal_offset": list(range(rows)),
             "wal_index": [0] * rows,
+            "expire_time_ms": [0] * rows,
             "cache": ["warm"] * rows,
         }
         table = pa.table({f.name: pa.array(cols[f.name], f.type) for f in SCHEMA}, schema=SCHEMA)
@@ -663,6 +664,7 @@ class CompactLake:
             "wal_segment": seg,
             "wal_offset": off,
             "wal_index": idx,
+            "expire_time_ms": [0] * n,
         }
         schema = pa.schema([f for f in SCHEMA if f.name != "cache"])
         table = pa.table({f.name: pa.array(cols[f.name], f.type) for f in schema}, schema=schema)
