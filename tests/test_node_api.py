@@ -32,6 +32,7 @@ def abandon(n: Node) -> None:
     n._wal.close()
     n._store.close()
     n._metastorage.close()
+    n._control_server.stop()  # a dead process serves no socket
     n._dir_lock.release()
 
 
