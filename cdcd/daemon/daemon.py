@@ -115,11 +115,14 @@ class Daemon:
                     self.consumer.attach_cdc_dir(self.cdc_dir)
                 self.consumer.start(REGISTRY)
                 self._consumer_started = True
-                if caches:
-                    self.consumer.on_cache_change(list(caches.values()))
+                announced = [info for info in caches.values() if info.config.cdc_enabled]
+                if announced:
+                    self.consumer.on_cache_change(announced)
             except Exception as exc:
                 raise ConsumerFailed(f"consumer start() raised {type(exc).__name__}: {exc}") from exc
-            self._committer = Committer(self._store, state, caches, self.consumer, self.cdc_dir)
+            self._committer = Committer(
+                self._store, state, caches, self.consumer, self.cdc_dir, stopping=self._stopping
+            )
             self._started = True
             log.info(
                 "daemon_started",
