@@ -497,3 +497,20 @@ def test_processor_follows_a_cache_whose_cdc_setting_changes() -> None:
     keys = [[ev.key for ev in b.events] for b in items if isinstance(b, Batch) and len(b.events)]
     assert keys == [[1, 2], [4]]
     assert p.position == WalPosition(0, 700, 1)
+
+
+def test_lake_verify_leaves_out_a_cache_with_cdc_off(tmp_path: Path) -> None:
+    """`cdcd lake verify` does not expect a cache with CDC off in the lake (it never gets there)."""
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    lake.mkdir()
+    with Node.open(node_dir) as node:
+        node.cache("secret", cdc_enabled=False).put(1, "s1")
+    res = subprocess.run(
+        [*CDCD, "lake", "verify", "--lake", str(lake), "--node-dir", str(node_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(),
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "secret" not in res.stdout

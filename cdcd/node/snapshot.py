@@ -47,6 +47,9 @@ class NodeSnapshot:
     def caches(self) -> list[str]:
         return sorted(self._caches)
 
+    def cache_infos(self) -> dict[str, CacheInfo]:
+        return dict(self._caches)
+
     def raw_items(self, cache: str) -> Iterator[tuple[bytes, bytes]]:
         """(key, value) MessagePack bytes of every live entry, in key order."""
         info = self._caches.get(cache)
