@@ -148,7 +148,7 @@ class EventBatch:
         self.source_node = source_node
         self._slices = slices
         self._names = cache_names
-        self._count = sum(s.end - s.start for s in slices)
+        self._count = sum((len(s.record.entries) if s.stop is None else s.stop) - s.start for s in slices)
         self._whole = False
         self._iterated = False
         self._at_slice = -1
