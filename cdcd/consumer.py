@@ -1,13 +1,16 @@
 """The consumer protocol (DESIGN §7): what the daemon and the node's realtime worker call.
 
-Modelled on Ignite's ``CdcConsumer``: ``on_events`` returns True when the consumer has made the
-batch durable (the caller then commits the position), False for "not committed yet, keep going"
-(a later True commits everything before it). An exception is fatal.
+Modelled on Ignite's ``CdcConsumer``: ``on_events`` returns True when the consumer has made what
+it took of the batch durable (the caller then commits the position after it), False for "not
+committed yet, keep going" (a later True commits everything before it). Events the consumer did
+not pull come again in the next call (``EventBatch.split_taken``). An exception is fatal.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import msgspec
@@ -16,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from cdcd.wal.pointer import WalPointer, WalPosition
 from cdcd.wal.records import CacheInfo, CacheVersion, DataEntry, DataRecord, Op
 
-__all__ = ["CacheInfo", "CdcEvent", "Consumer", "EventBatch", "RecordSlice"]
+__all__ = ["CacheInfo", "CdcEvent", "Consumer", "EventBatch", "RecordSlice", "enabled_slices"]
 
 _decoder = msgspec.msgpack.Decoder()
 
@@ -89,11 +92,42 @@ class CdcEvent:
 
 
 class RecordSlice(msgspec.Struct, frozen=True):
-    """Entries ``start..`` of one DataRecord at ``pointer`` (earlier ones were already delivered)."""
+    """Entries ``start..stop`` of one DataRecord at ``pointer`` (earlier ones were already delivered;
+    ``stop`` None: to the record's end). A record that mixes caches with ``cdc_enabled = false``
+    into its transaction comes as several slices, one per run of entries of the others."""
 
     pointer: WalPointer
     record: DataRecord
     start: int = 0
+    stop: int | None = None
+
+    @property
+    def end(self) -> int:
+        """Index after the slice's last entry."""
+        return len(self.record.entries) if self.stop is None else self.stop
+
+
+_cache_id = operator.attrgetter("cache_id")
+
+
+def enabled_slices(ptr: WalPointer, record: DataRecord, start: int, disabled: AbstractSet[int]) -> list[RecordSlice]:
+    """The entries ``start..`` of ``record`` outside the caches in ``disabled``, as slices (none if
+    every one is of such a cache). Entries keep their index: positions stay those of the WAL."""
+    entries = record.entries
+    if not disabled or disabled.isdisjoint(map(_cache_id, entries)):
+        return [RecordSlice(ptr, record, start)]
+    out = []
+    run = -1
+    for i in range(start, len(entries)):
+        if entries[i].cache_id in disabled:
+            if run >= 0:
+                out.append(RecordSlice(ptr, record, run, i))
+                run = -1
+        elif run < 0:
+            run = i
+    if run >= 0:
+        out.append(RecordSlice(ptr, record, run))
+    return out
 
 
 class EventBatch:
@@ -101,49 +135,98 @@ class EventBatch:
 
     Built from whole records (events are created only when iterated), so a consumer that only
     counts pays nothing per event.
+
+    What a consumer took (Ignite's iterator state): everything if it read ``slices`` (a sink that
+    takes the batch whole), iterated to the end, or never iterated at all; otherwise the events up
+    to the last one an iteration pulled (the furthest any iteration got). ``split_taken`` tells the
+    caller, which hands the rest to the next ``on_events``.
     """
 
-    __slots__ = ("_count", "_names", "slices", "source_node")
+    __slots__ = ("_at_entry", "_at_slice", "_best", "_count", "_iterated", "_names", "_slices", "_whole", "source_node")
 
     def __init__(self, source_node: str, slices: Sequence[RecordSlice], cache_names: dict[int, str]) -> None:
         self.source_node = source_node
-        self.slices = slices
+        self._slices = slices
         self._names = cache_names
-        self._count = sum(len(s.record.entries) - s.start for s in slices)
+        self._count = sum((len(s.record.entries) if s.stop is None else s.stop) - s.start for s in slices)
+        self._whole = False
+        self._iterated = False
+        self._at_slice = -1
+        self._at_entry = -1
+        self._best = (-1, -1)
+
+    @property
+    def slices(self) -> Sequence[RecordSlice]:
+        """The batch as record slices; reading them takes the whole batch."""
+        self._whole = True
+        return self._slices
+
+    def peek_slices(self) -> Sequence[RecordSlice]:
+        """The record slices for the caller of ``on_events`` (metrics, lag): reading them here
+        does not count as the consumer taking the batch."""
+        return self._slices
 
     def __len__(self) -> int:
         return self._count
 
     def __iter__(self) -> Iterator[CdcEvent]:
+        if self._at_slice >= 0:  # an earlier iteration: keep how far it got
+            self._best = max(self._best, (self._at_slice, self._at_entry))
+            self._at_slice = -1
+        self._iterated = True
+        return self._events()
+
+    def _events(self) -> Iterator[CdcEvent]:
         names = self._names
-        for s in self.slices:
+        for k, s in enumerate(self._slices):
             ptr = s.pointer
             ts = s.record.commit_ts_ns
             entries = s.record.entries
-            for i in range(s.start, len(entries)):
+            self._at_slice = k
+            for i in range(s.start, len(entries) if s.stop is None else s.stop):
                 e = entries[i]
                 name = names.get(e.cache_id) or f"cache-{e.cache_id}"
+                self._at_entry = i
                 yield CdcEvent(e, name, ts, WalPosition(ptr.segment, ptr.offset, i))
+        self._whole = True
+
+    def split_taken(self) -> tuple[Sequence[RecordSlice], EventBatch | None]:
+        """After ``on_events``: the slices the consumer took, and a batch of the rest (None: it took
+        them all; the rest is never empty)."""
+        slices = self._slices
+        if self._whole or not self._iterated:
+            return slices, None
+        k, i = max(self._best, (self._at_slice, self._at_entry))
+        if k < 0:
+            return [], EventBatch(self.source_node, slices, self._names)
+        s = slices[k]
+        taken = [*slices[:k], RecordSlice(s.pointer, s.record, s.start, i + 1)]
+        rest = list(slices[k + 1 :])
+        if i + 1 < s.end:
+            rest.insert(0, RecordSlice(s.pointer, s.record, i + 1, s.stop))
+        if not rest:
+            return slices, None
+        return taken, EventBatch(self.source_node, rest, self._names)
 
     @property
     def first(self) -> WalPosition | None:
         """Position of the first event."""
-        if not self.slices:
+        if not self._slices:
             return None
-        s = self.slices[0]
+        s = self._slices[0]
         return WalPosition(s.pointer.segment, s.pointer.offset, s.start)
 
     @property
     def last(self) -> WalPosition | None:
         """Position of the last event."""
-        if not self.slices:
+        if not self._slices:
             return None
-        s = self.slices[-1]
-        return WalPosition(s.pointer.segment, s.pointer.offset, len(s.record.entries) - 1)
+        s = self._slices[-1]
+        return WalPosition(s.pointer.segment, s.pointer.offset, s.end - 1)
 
     @property
     def last_commit_ts_ns(self) -> int:
-        return self.slices[-1].record.commit_ts_ns if self.slices else 0
+        return self._slices[-1].record.commit_ts_ns if self._slices else 0
 
     def cache_name(self, cache_id: int) -> str:
         return self._names.get(cache_id) or f"cache-{cache_id}"

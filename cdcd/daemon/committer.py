@@ -7,7 +7,9 @@ after the state that no longer needs them is durable.
 from __future__ import annotations
 
 import operator
+import threading
 import time
+from collections.abc import Sequence
 from itertools import chain
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import numpy as np
 import structlog
 
 from cdcd import metrics
-from cdcd.consumer import Consumer, EventBatch
+from cdcd.consumer import Consumer, EventBatch, RecordSlice
 from cdcd.daemon.follower import delete_links_below
 from cdcd.daemon.processor import Batch, CacheChange, Item, MarkerCommit, Switch
 from cdcd.daemon.state import DaemonState, Mode, StateStore
@@ -44,6 +46,7 @@ class Committer:
         cdc_dir: Path,
         *,
         confirm_retry_s: float = 0.5,
+        stopping: threading.Event | None = None,
     ) -> None:
         self.store = store
         self.state = state
@@ -51,6 +54,8 @@ class Committer:
         self.consumer = consumer
         self.cdc_dir = cdc_dir
         self.confirm_retry_s = confirm_retry_s
+        self.stopping = stopping
+        """Set when the daemon stops: a consumer that takes nothing is not offered the rest again."""
         self.unconfirmed = False
         """A batch returned False: nothing after the last commit may be committed until one returns True."""
         self._pending_caches: dict[int, CacheInfo] = {}
@@ -88,27 +93,39 @@ class Committer:
             if not self.unconfirmed:
                 self.commit(item.end)
             return
-        self._check_alive()
-        t0 = time.perf_counter()
-        ok = self._call("on_events()", self.consumer.on_events, events)
-        metrics.DAEMON_CONSUMER_SECONDS.observe(time.perf_counter() - t0)
-        metrics.DAEMON_BATCH_EVENTS.observe(n)
-        self.events_delivered += n
-        self.last_event_ts_ns = events.last_commit_ts_ns
-        if ok:
-            metrics.DAEMON_BATCHES.labels("committed").inc()
-            self._count(events)
-            self.unconfirmed = False
-            self.commit(item.end)
-        else:
-            metrics.DAEMON_BATCHES.labels("not_committed").inc()
-            self._count(events)
-            self.unconfirmed = True
+        rest: EventBatch | None = events
+        while rest is not None:
+            # Ignite's loop: what the consumer did not pull goes to its next call, also from
+            # inside a record; a True commits the position after what it took.
+            events = rest
+            self._check_alive()
+            t0 = time.perf_counter()
+            ok = self._call("on_events()", self.consumer.on_events, events)
+            metrics.DAEMON_CONSUMER_SECONDS.observe(time.perf_counter() - t0)
+            taken, rest = events.split_taken()
+            took = n - len(rest) if rest is not None else n
+            n -= took
+            metrics.DAEMON_BATCH_EVENTS.observe(took)
+            self.events_delivered += took
+            if took:
+                self.last_event_ts_ns = taken[-1].record.commit_ts_ns
+                self._count(taken, events)
+            if ok:
+                metrics.DAEMON_BATCHES.labels("committed").inc()
+                self.unconfirmed = False
+                self.commit(item.end if rest is None else rest.first)
+            else:
+                metrics.DAEMON_BATCHES.labels("not_committed").inc()
+                self.unconfirmed = True
+            if rest is not None and not took:
+                if self.stopping is not None and self.stopping.is_set():
+                    return  # nothing is committed past what it took; a restart offers the rest
+                time.sleep(self.confirm_retry_s)
 
     @staticmethod
-    def _count(events: EventBatch) -> None:
+    def _count(slices: Sequence[RecordSlice], events: EventBatch) -> None:
         # Runs for every event: attrgetter + fromiter keep the per-event work in C, counting in numpy.
-        entries = list(chain.from_iterable(s.record.entries[s.start :] for s in events.slices))
+        entries = list(chain.from_iterable(s.record.entries[s.start : s.stop] for s in slices))
         n = len(entries)
         codes = np.fromiter(map(_cache_id, entries), np.int64, n) * 4 + np.fromiter(map(_op, entries), np.int64, n)
         values, counts = np.unique(codes, return_counts=True)
@@ -117,7 +134,8 @@ class Committer:
 
     def _cache_change(self, item: CacheChange) -> None:
         if item.created:
-            self._call("on_cache_change()", self.consumer.on_cache_change, item.created)
+            if not item.quiet:
+                self._call("on_cache_change()", self.consumer.on_cache_change, item.created)
             for info in item.created:
                 self.caches[info.cache_id] = info
                 self._pending_caches[info.cache_id] = info

@@ -42,7 +42,7 @@ from cdcd.wal.segment import list_segments
 log = structlog.get_logger("cdcd.daemon")
 T = TypeVar("T")
 _commit_ts = operator.attrgetter("record.commit_ts_ns")
-_entries = operator.attrgetter("record.entries")
+_end = operator.attrgetter("end")
 _start = operator.attrgetter("start")
 
 INITIAL_MODE = Mode.PASSIVE
@@ -141,11 +141,14 @@ class Daemon:
                     self.consumer.attach_cdc_dir(self.cdc_dir)
                 self.consumer.start(REGISTRY)
                 self._consumer_started = True
-                if caches:
-                    self.consumer.on_cache_change(list(caches.values()))
+                announced = [info for info in caches.values() if info.config.cdc_enabled]
+                if announced:
+                    self.consumer.on_cache_change(announced)
             except Exception as exc:
                 raise ConsumerFailed(f"consumer start() raised {type(exc).__name__}: {exc}") from exc
-            self._committer = Committer(self._store, state, caches, self.consumer, self.cdc_dir)
+            self._committer = Committer(
+                self._store, state, caches, self.consumer, self.cdc_dir, stopping=self._stopping
+            )
             self._started = True
             log.info(
                 "daemon_started",
@@ -432,7 +435,7 @@ class Daemon:
                     events = item.events
                     what = f"consumer on_events() with {len(events)} events from {events.first}"
                     if self._oldest_unconfirmed_ns is None:
-                        self._oldest_unconfirmed_ns = events.slices[0].record.commit_ts_ns
+                        self._oldest_unconfirmed_ns = events.peek_slices()[0].record.commit_ts_ns
                     _observe_capture(events)
                 # Shielded: a started batch finishes (and commits if confirmed) even on shutdown.
                 await asyncio.shield(self._in_thread("consumer", what, committer.apply, item))
@@ -538,11 +541,11 @@ class Daemon:
 
 def _observe_capture(events: EventBatch) -> None:
     """Per event: commit time to now, weighted by entries per record (one numpy pass per batch)."""
-    slices = events.slices
+    slices = events.peek_slices()
     n = len(slices)
     # map + attrgetter keep the per-record work in C (this runs for every batch).
     ts = np.fromiter(map(_commit_ts, slices), np.int64, n)
-    weights = np.fromiter(map(len, map(_entries, slices)), np.float64, n)
+    weights = np.fromiter(map(_end, slices), np.float64, n)
     weights -= np.fromiter(map(_start, slices), np.float64, n)
     ages = np.maximum((time.time_ns() - ts) / 1e9, 0.0)
     metrics.DAEMON_EVENT_CAPTURE_SECONDS.observe_many(ages, weights)

@@ -4,16 +4,19 @@ Pure logic, no I/O: the pipeline feeds it records and carries out the items it e
 ACTIVE: DataRecords become batches; a TryStartRealtimeCdcRecord ends the pass with a switch to
 PASSIVE. PASSIVE: only markers matter; RealtimeCdcRecord commits the node's position,
 StopRealtimeCdcRecord ends the pass with a switch to ACTIVE at the node's last position.
+Entries of caches with ``cdc_enabled = false`` never enter a batch (their positions are passed
+all the same), and the consumer never hears of such a cache.
 """
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 
 import structlog
 
-from cdcd.consumer import EventBatch, RecordSlice
+from cdcd.consumer import EventBatch, RecordSlice, enabled_slices
 from cdcd.daemon.state import Mode
 from cdcd.wal.pointer import WalPointer, WalPosition
 from cdcd.wal.records import (
@@ -30,6 +33,8 @@ from cdcd.wal.records import (
 
 log = structlog.get_logger("cdcd.daemon")
 
+_cache_id = operator.attrgetter("cache_id")
+
 
 @dataclass(frozen=True)
 class Batch:
@@ -42,11 +47,14 @@ class Batch:
 
 @dataclass(frozen=True)
 class CacheChange:
-    """Tell the consumer about caches (before any event of theirs); commit up to ``end``."""
+    """Tell the consumer about caches (before any event of theirs); commit up to ``end``.
+
+    ``quiet``: a cache with CDC off (or switched off): record ``created`` in the registry only."""
 
     end: WalPosition
     created: list[CacheInfo] = field(default_factory=list)
     destroyed: list[int] = field(default_factory=list)
+    quiet: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,8 @@ class Processor:
         """Next thing to process: everything fed before it is accounted for."""
         self.caches = caches
         self.names = {cid: info.name for cid, info in caches.items()}
+        self.disabled = {cid for cid, info in caches.items() if not info.config.cdc_enabled}
+        """Caches with ``cdc_enabled = false``; kept after a destroy (its entries before it stay hidden)."""
         self.source_node = source_node
         self.batch_max_events = batch_max_events
         self.batch_max_bytes = batch_max_bytes
@@ -130,10 +140,12 @@ class Processor:
         if rtype is DataRecord:
             if self.mode is Mode.ACTIVE:
                 assert isinstance(record, DataRecord)
-                self._slices.append(RecordSlice(ptr, record, done))
-                if self.batch_started is None:
-                    self.batch_started = time.monotonic()
-                self._events += n - done
+                parts = enabled_slices(ptr, record, done, self.disabled)
+                if parts:
+                    self._slices.extend(parts)
+                    if self.batch_started is None:
+                        self.batch_started = time.monotonic()
+                    self._events += sum(p.end - p.start for p in parts)
                 self._bytes += size
                 self.position = WalPosition(ptr.segment, ptr.offset, n)
                 if self._events >= self.batch_max_events or self._bytes >= self.batch_max_bytes:
@@ -186,8 +198,14 @@ class Processor:
         slices = self._slices
         active = self.mode is Mode.ACTIVE
         max_events, max_bytes = self.batch_max_events, self.batch_max_bytes
+        disabled = self.disabled
         for ptr, record, size in chunk:
-            if active and self.start is None and type(record) is DataRecord:
+            if (
+                active
+                and self.start is None
+                and type(record) is DataRecord
+                and (not disabled or disabled.isdisjoint(map(_cache_id, record.entries)))
+            ):
                 n = len(record.entries)
                 slices.append(RecordSlice(ptr, record, 0))
                 if self.batch_started is None:
@@ -207,13 +225,23 @@ class Processor:
 
     def _cache_record(self, record: CacheRecord, end: WalPosition) -> CacheChange:
         info = CacheInfo(record.cache_id, record.name, record.config)
+        cid = record.cache_id
         if record.op == CacheOp.CREATE:
-            self.caches[record.cache_id] = info
-            self.names[record.cache_id] = record.name
-            return CacheChange(end, created=[info])
+            # A CREATE of a known cache with another config changes it from here on.
+            self.caches[cid] = info
+            self.names[cid] = record.name
+            if record.config.cdc_enabled:
+                self.disabled.discard(cid)
+                return CacheChange(end, created=[info])
+            self.disabled.add(cid)
+            return CacheChange(end, created=[info], quiet=True)
+        if cid in self.disabled:
+            # Never announced, so never destroyed for the consumer; its registry row stays, so a
+            # pass that starts before this record (a restart, a switch) still hides its entries.
+            return CacheChange(end)
         # Keep the name for events of this cache still in flight; the registry forgets it.
-        self.caches.pop(record.cache_id, None)
-        return CacheChange(end, destroyed=[record.cache_id])
+        self.caches.pop(cid, None)
+        return CacheChange(end, destroyed=[cid])
 
     def close_batch(self, end: WalPosition | None = None) -> Batch:
         """Close the open batch (possibly empty: it then only advances the position)."""

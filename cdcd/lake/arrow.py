@@ -70,20 +70,19 @@ def filter_slices(batch: EventBatch, high_water: WalPosition | None) -> list[Rec
     out = []
     for s in batch.slices:
         ptr = s.pointer
-        n = len(s.record.entries)
-        if WalPosition(ptr.segment, ptr.offset, n - 1) <= high_water:
+        if WalPosition(ptr.segment, ptr.offset, s.end - 1) <= high_water:
             continue
         start = s.start
         if (ptr.segment, ptr.offset) == (high_water.segment, high_water.offset):
             start = max(start, high_water.entry_index + 1)
-        out.append(RecordSlice(ptr, s.record, start) if start != s.start else s)
+        out.append(RecordSlice(ptr, s.record, start, s.stop) if start != s.start else s)
     return out
 
 
 def split_slices(slices: list[RecordSlice], parts: int, min_rows: int) -> list[list[RecordSlice]]:
     """``slices`` cut at record boundaries into at most ``parts`` runs of about equal rows, none
     (but a lone one) under ``min_rows``."""
-    total = sum(len(s.record.entries) - s.start for s in slices)
+    total = sum(s.end - s.start for s in slices)
     parts = max(1, min(parts, total // max(1, min_rows)))
     if parts == 1:
         return [slices]
@@ -94,7 +93,7 @@ def split_slices(slices: list[RecordSlice], parts: int, min_rows: int) -> list[l
         if rows >= target * len(out) and len(out) < parts:
             out.append([])
         out[-1].append(s)
-        rows += len(s.record.entries) - s.start
+        rows += s.end - s.start
     return out
 
 
@@ -137,8 +136,8 @@ def build_table(
     index: list[int] = []
     for s in slices:
         rec_entries = s.record.entries
-        n = len(rec_entries)
-        entries.extend(rec_entries[s.start :] if s.start else rec_entries)
+        n = len(rec_entries) if s.stop is None else s.stop
+        entries.extend(rec_entries[s.start : s.stop] if s.start or s.stop is not None else rec_entries)
         index.extend(range(s.start, n))
         counts.append(n - s.start)
         segments.append(s.pointer.segment)

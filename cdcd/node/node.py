@@ -443,6 +443,7 @@ class Node:
     def resend(self, cache: str) -> int:
         """Write every current entry of ``cache`` to the WAL as CREATE events with its version
         (Ignite's ``--cdc resend``): seeds a new consumer, or refills what lost links dropped.
+        A cache with ``cdc_enabled = false`` is refused (ValueError).
 
         Each record's values are read under the write lock it is appended under, so a write that
         lands meanwhile comes after the resent value in the WAL, never before it (a consumer
@@ -450,6 +451,9 @@ class Node:
         info = self._caches.get(cache)
         if info is None:
             raise ValueError(f"no cache {cache!r} (caches: {', '.join(self.caches()) or 'none'})")
+        if not info.config.cdc_enabled:
+            # Ignite refuses it too: resent entries would be the only ones of the cache to leave it.
+            raise ValueError(f"cache {cache!r} has cdc_enabled = false: its changes are never captured, none resent")
         prefix = cache_prefix(info.cache_id)
         keys = sorted(self._current(info))
         record_bytes = min(1 << 20, self.config.wal_segment_size_bytes // 4)

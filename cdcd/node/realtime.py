@@ -12,6 +12,7 @@ before). The two sides therefore never deliver interleaved.
 from __future__ import annotations
 
 import enum
+import operator
 import threading
 import time
 from collections import deque
@@ -25,7 +26,7 @@ import structlog
 from prometheus_client import REGISTRY
 
 from cdcd import metrics
-from cdcd.consumer import Consumer, EventBatch, RecordSlice
+from cdcd.consumer import Consumer, EventBatch, RecordSlice, enabled_slices
 from cdcd.node.config import NodeConfig
 from cdcd.node.wal_log import WalLog
 from cdcd.sinks import load_consumer
@@ -48,6 +49,7 @@ from cdcd.wal.writer import Chunk
 log = structlog.get_logger("cdcd.node.realtime")
 
 _POLL_S = 0.02
+_cache_id = operator.attrgetter("cache_id")
 
 
 class RealtimeMode(enum.Enum):
@@ -146,6 +148,12 @@ class RealtimeWorker:
         self.stops: dict[str, int] = {}
         self.last_event_ts_ns = 0
         self._last_marker = 0.0
+        self._unconfirmed = False
+        """The consumer returned False: no position may be committed until it returns True."""
+        self._cdc_seen: dict[int, bool] = {}
+        """``cdc_enabled`` of the caches whose CacheRecord this worker read (WAL order wins)."""
+        self._disabled: set[int] = set()
+        """Caches with ``cdc_enabled = false``: their entries never reach the consumer."""
         self._consumer: Consumer | None = None
         self._thread: threading.Thread | None = None
         self._set_mode(RealtimeMode.OFF)
@@ -407,6 +415,11 @@ class RealtimeWorker:
         slices: list[RecordSlice] = []
         events = 0
         position = self.position
+        disabled = self._disabled
+        for cid, info in self._caches().items():  # caches created before what this worker read
+            if not info.config.cdc_enabled and cid not in self._cdc_seen:
+                disabled.add(cid)
+        skipped = False
         for ptr, record, done in self._records():
             rtype = type(record)
             if rtype is DataRecord:
@@ -414,8 +427,14 @@ class RealtimeWorker:
                 n = len(record.entries)
                 if done >= n:
                     continue
-                slices.append(RecordSlice(ptr, record, done))
-                events += n - done
+                if disabled and not disabled.isdisjoint(map(_cache_id, record.entries)):
+                    parts = enabled_slices(ptr, record, done, disabled)
+                    slices.extend(parts)
+                    events += sum(p.end - p.start for p in parts)
+                    skipped = skipped or not parts
+                else:
+                    slices.append(RecordSlice(ptr, record, done))
+                    events += n - done
                 position = WalPosition(ptr.segment, ptr.offset, n)
                 if events >= max_events:
                     self._deliver(slices, position)
@@ -435,30 +454,61 @@ class RealtimeWorker:
         if slices:
             assert position is not None
             self._deliver(slices, position)
+        elif skipped and position is not None and not self._unconfirmed:
+            # Only entries of caches with CDC off: nothing to deliver, the position moves on all the
+            # same (only after data: a marker alone would make the next marker, forever).
+            self._commit(position)
 
     def _cache_record(self, record: CacheRecord) -> None:
         consumer = self._ensure_consumer()
+        cid = record.cache_id
         if record.op == CacheOp.CREATE:
-            consumer.on_cache_change([CacheInfo(record.cache_id, record.name, record.config)])
-        else:
-            consumer.on_cache_destroy([record.cache_id])
+            # A CREATE of a known cache with another config changes it from here on.
+            self._cdc_seen[cid] = record.config.cdc_enabled
+            if not record.config.cdc_enabled:
+                self._disabled.add(cid)
+                return
+            self._disabled.discard(cid)
+            consumer.on_cache_change([CacheInfo(cid, record.name, record.config)])
+        elif cid not in self._disabled:  # the consumer never heard of a cache with CDC off
+            consumer.on_cache_destroy([cid])
 
     def _deliver(self, slices: list[RecordSlice], end: WalPosition) -> None:
         consumer = self._ensure_consumer()
         names = {cid: info.name for cid, info in self._caches().items()}
-        batch = EventBatch(self.node_id, slices, names)
-        try:
-            ok = consumer.on_events(batch)
-        except Exception as exc:
-            log.error("realtime_consumer_failed", error=f"{type(exc).__name__}: {exc}")
-            self._stop("consumer_error", consumer_failed=True)
-            raise _Stopped from None
-        if not ok:
-            return  # not committed yet: the next confirmed batch commits both
-        now = time.time_ns()
-        self.last_event_ts_ns = batch.last_commit_ts_ns
-        metrics.RT_LAG_SECONDS.observe(max(0.0, (now - batch.last_commit_ts_ns) / 1e9))
-        metrics.RT_EVENTS.inc(len(batch))
+        rest: EventBatch | None = EventBatch(self.node_id, slices, names)
+        while rest is not None:
+            # Ignite's loop: what the consumer did not pull goes to its next call, also from
+            # inside a record; a True commits the position after what it took.
+            batch = rest
+            try:
+                ok = consumer.on_events(batch)
+            except Exception as exc:
+                log.error("realtime_consumer_failed", error=f"{type(exc).__name__}: {exc}")
+                self._stop("consumer_error", consumer_failed=True)
+                raise _Stopped from None
+            taken, rest = batch.split_taken()
+            took = len(batch) - (len(rest) if rest is not None else 0)
+            if took:
+                ts = taken[-1].record.commit_ts_ns
+                self.last_event_ts_ns = ts
+                metrics.RT_LAG_SECONDS.observe(max(0.0, (time.time_ns() - ts) / 1e9))
+                metrics.RT_EVENTS.inc(took)
+            if ok:
+                self._unconfirmed = False
+                self._commit(end if rest is None or rest.first is None else rest.first)
+            else:
+                self._unconfirmed = True  # not committed yet: the next confirmed call commits both
+            if rest is not None and not took:
+                # Took nothing: offer it again shortly, unless realtime is stopping (the daemon then
+                # delivers from the last commit, which is before these events).
+                if self._stop_reason or self._overflow or self.mode is not RealtimeMode.ON:
+                    raise _Stopped
+                time.sleep(_POLL_S)
+
+    def _commit(self, end: WalPosition) -> None:
+        """The consumer confirmed everything before ``end``: make it the position (and on the
+        marker cadence persist it and tell the daemon)."""
         with self._meta_lock:
             if self.mode is not RealtimeMode.ON:
                 return  # stopped while this batch ran (close timed out): the Stop record already went out
@@ -500,6 +550,7 @@ class RealtimeWorker:
             self._stop_reason = None
             self._deliver_from = None
             self._restore_until = None
+            self._unconfirmed = False
             self._set_mode(RealtimeMode.OFF)
             metrics.RT_BUFFER_BYTES.set(0)
         with self._meta_lock:  # after this, no delivery still in flight persists or marks anything

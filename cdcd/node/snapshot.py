@@ -48,6 +48,9 @@ class NodeSnapshot:
     def caches(self) -> list[str]:
         return sorted(self._caches)
 
+    def cache_infos(self) -> dict[str, CacheInfo]:
+        return dict(self._caches)
+
     def raw_items(self, cache: str) -> Iterator[tuple[bytes, bytes]]:
         """(key, value) MessagePack bytes of every live entry, in key order; like a running node,
         an entry past its expire time is not live (whether or not its DELETE was written yet)."""

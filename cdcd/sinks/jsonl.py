@@ -202,7 +202,7 @@ class JsonlConsumer(Consumer):
             offset = ptr.offset
             ts = s.record.commit_ts_ns
             entries = s.record.entries
-            for i in range(s.start, len(entries)):
+            for i in range(s.start, len(entries) if s.stop is None else s.stop):
                 e = entries[i]
                 cache_id = e.cache_id
                 name = names.get(cache_id)

@@ -590,13 +590,14 @@ def plan_tasks(
         record = s.record
         entries = record.entries
         n = len(entries)
+        stop = n if s.stop is None else s.stop
         i = s.start
-        if i >= n:
+        if i >= stop:
             continue
         ptr = s.pointer
         first, last = entries[0].version.order, entries[-1].version.order
-        while i < n:
-            take = min(room, n - i)
+        while i < stop:
+            take = min(room, stop - i)
             records.append((ptr.segment, ptr.offset, i, i + take, n, record.commit_ts_ns, first, last))
             i += take
             room -= take
@@ -616,9 +617,9 @@ def resume_slices(batch: EventBatch, slice_index: int, entry_index: int) -> list
     if slice_index >= len(slices):
         return []
     s = slices[slice_index]
-    if entry_index >= len(s.record.entries):
+    if entry_index >= s.end:
         return list(slices[slice_index + 1 :])
-    first = s if entry_index == s.start else RecordSlice(s.pointer, s.record, entry_index)
+    first = s if entry_index == s.start else RecordSlice(s.pointer, s.record, entry_index, s.stop)
     return [first, *slices[slice_index + 1 :]]
 
 

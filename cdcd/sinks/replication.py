@@ -145,7 +145,7 @@ class ReplicationConsumer(Consumer):
         pending: dict[int, tuple[list[ReplEntry], set[bytes], list[int]]] = {}
         for s in batch.slices:
             entries = s.record.entries
-            for i in range(s.start, len(entries)):
+            for i in range(s.start, len(entries) if s.stop is None else s.stop):
                 e = entries[i]
                 if e.version.other_cluster_version is not None:
                     skipped["replicated"] += 1  # came from another cluster: sending it back would loop

@@ -117,7 +117,7 @@ class SparkLakeConsumer(Consumer):
         while True:
             lake_log.refresh()
             slices = filter_slices(batch, lake_log.high_water.get(batch.source_node))
-            rows = sum(len(s.record.entries) - s.start for s in slices)
+            rows = sum(s.end - s.start for s in slices)
             if rows < len(batch):
                 metrics.LAKE_DUPLICATE_BATCHES.inc()
                 self.batches_skipped += 1
@@ -137,7 +137,7 @@ class SparkLakeConsumer(Consumer):
         batch_id = new_batch_id()
         staging = self._log.staging / batch_id
         partitions = ["cache", "day"] if opts.partition_by_day else ["cache"]
-        rows = sum(len(s.record.entries) - s.start for s in slices)
+        rows = sum(s.end - s.start for s in slices)
         t0 = time.perf_counter()
         try:
             if opts.writer == "arrow":
@@ -154,7 +154,7 @@ class SparkLakeConsumer(Consumer):
             batch=batch_id,
             source=batch.source_node,
             first=WalPosition(first.pointer.segment, first.pointer.offset, first.start),
-            last=WalPosition(last.pointer.segment, last.pointer.offset, len(last.record.entries) - 1),
+            last=WalPosition(last.pointer.segment, last.pointer.offset, last.end - 1),
             files=written,
             caches={name: CacheStats(n, ts) for name, (n, ts) in stats.items()},
             committed_ns=0,
