@@ -233,7 +233,14 @@ class Rig:
         return self.tmp / f"node-{self.node_runs}.log"
 
     def start_node(
-        self, *, first_tx: int = 0, pause_ms: float = 20, every: int = 10, count: int = 0, go: bool = True
+        self,
+        *,
+        first_tx: int = 0,
+        pause_ms: float = 20,
+        every: int = 10,
+        count: int = 0,
+        go: bool = True,
+        failpoints: str = "",
     ) -> None:
         for name in ("stop", "done", "written", "status.json", "burst"):
             (self.ctl / name).unlink(missing_ok=True)
@@ -244,12 +251,15 @@ class Rig:
         self.node_runs += 1
         code = "import tests.test_realtime as t; t.node_main()"
         args = [str(self.node_config), str(self.ctl), str(first_tx), str(pause_ms), str(every), str(count)]
+        env = child_env(self.plugins)
+        if failpoints:
+            env["CDCD_FAILPOINTS"] = failpoints
         with self.node_log.open("wb") as log:
             self.node = subprocess.Popen(
                 [sys.executable, "-c", code, *args],
                 stdout=log,
                 stderr=log,
-                env=child_env(self.plugins),
+                env=env,
                 cwd=ROOT,
             )
         self._wait_serving()
@@ -307,7 +317,12 @@ class Rig:
     def kill_node(self) -> None:
         assert self.node is not None
         self.node.send_signal(signal.SIGKILL)
-        assert self.node.wait(10) == -signal.SIGKILL
+        self.node_died()
+
+    def node_died(self, timeout: float = 10) -> None:
+        """The node was SIGKILLed (by the test or by one of its fail points): record where its runs split."""
+        assert self.node is not None
+        assert self.node.wait(timeout) == -signal.SIGKILL, self.node_log.read_text()[-3000:]
         self.node = None
         self.node_cuts.append(self.node_out.stat().st_size if self.node_out.exists() else 0)
         state = node_realtime_state(self.node_dir)
@@ -328,9 +343,12 @@ class Rig:
     def daemon_err(self) -> Path:
         return self.tmp / f"daemon-{self.daemon_runs}.err"
 
-    def start_daemon(self) -> None:
+    def start_daemon(self, failpoints: str = "") -> None:
         self.daemon_runs += 1
-        self.daemon = start_daemon(self.daemon_config, self.daemon_err)
+        env = child_env()
+        if failpoints:
+            env["CDCD_FAILPOINTS"] = failpoints
+        self.daemon = start_daemon(self.daemon_config, self.daemon_err, env)
         err = self.daemon_err
         wait_for(lambda: b"daemon_started" in err.read_bytes() or self.daemon.poll() is not None, 30, "daemon start")
         assert self.daemon.poll() is None, err.read_text()[-3000:]
@@ -344,7 +362,12 @@ class Rig:
     def kill_daemon(self) -> None:
         assert self.daemon is not None
         self.daemon.send_signal(signal.SIGKILL)
-        assert self.daemon.wait(10) == -signal.SIGKILL
+        self.daemon_died()
+
+    def daemon_died(self, timeout: float = 10) -> None:
+        """The daemon was SIGKILLed (by the test or by one of its fail points)."""
+        assert self.daemon is not None
+        assert self.daemon.wait(timeout) == -signal.SIGKILL, self.daemon_err.read_text()[-3000:]
         self.daemon = None
         self.daemon_cuts.append(self.daemon_out.stat().st_size if self.daemon_out.exists() else 0)
         self.daemon_resumes.append(daemon_committed(self.daemon_config))
@@ -460,19 +483,20 @@ def daemon_intervals(node_dir: Path) -> list[tuple[Pos, Pos | None]]:
     """What the protocol gives the daemon, from the WAL's markers: ``[start, end)`` ranges (end None: open).
 
     The daemon starts PASSIVE. PASSIVE: ``Stop(last)`` -> ACTIVE from ``last`` (None: from where it
-    is), ``RealtimeCdcRecord(last)`` -> its position is ``last``. ACTIVE: ``TryStart`` at S:o -> it
-    delivered everything before S:o, PASSIVE at S+1:0#0. Other markers are ignored in each mode.
+    is), ``RealtimeCdcRecord(last)`` -> its position is ``last``; a marker never moves it behind its
+    position (a node killed between a TryStart and persisting it writes an older ``last``). ACTIVE:
+    ``TryStart`` at S:o -> it delivered everything before S:o, PASSIVE at S+1:0#0. Other markers are
+    ignored in each mode.
     """
     out: list[tuple[Pos, Pos | None]] = []
     active, start = False, None
     position: Pos = (0, 0, 0)
     for ptr, rec in markers(node_dir):
         if not active and isinstance(rec, StopRealtimeCdcRecord):
-            start = as_pos(rec.last) if rec.last is not None else position
-            assert start >= position, f"Stop at {ptr} moves the daemon back from {position} to {start}"
+            start = max(as_pos(rec.last), position) if rec.last is not None else position
             active = True
         elif not active and isinstance(rec, RealtimeCdcRecord):
-            position = as_pos(rec.last)
+            position = max(as_pos(rec.last), position)
         elif active and isinstance(rec, TryStartRealtimeCdcRecord):
             assert start is not None
             out.append((start, (ptr.segment, ptr.offset, 0)))
@@ -544,7 +568,8 @@ def check_share(
             assert idxs[0] == 0, f"{name}: the first run begins at {positions[idxs[0]]}, not at its share's start"
         else:
             resume = resumes[r - 1]
-            want = bisect.bisect_left(positions, resume) if resume is not None else 0
+            # Not enabled at the kill: its next delivery begins its next stretch (a new try-start).
+            want = bisect.bisect_left(positions, resume) if resume is not None else frontier
             assert want <= frontier, f"{name} run {r}: committed {resume} is past what it delivered: lost entries"
             if whole_record and resume is not None:
                 lowest = bisect.bisect_left(positions, (resume[0], resume[1], 0))

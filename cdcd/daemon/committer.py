@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 import structlog
 
-from cdcd import metrics
+from cdcd import failpoints, metrics
 from cdcd.consumer import Consumer, EventBatch, RecordSlice
 from cdcd.daemon.follower import delete_links_below
 from cdcd.daemon.processor import Batch, CacheChange, Item, MarkerCommit, Switch
@@ -161,6 +161,7 @@ class Committer:
             else:
                 time.sleep(self.confirm_retry_s)
         old = self.state.mode
+        failpoints.hit("daemon.switch.before_commit")
         self.commit(item.position if item.position is not None else self.state.position, item.mode)
         if old is not item.mode:
             direction = f"{old.value.lower()}_to_{item.mode.value.lower()}"
@@ -183,6 +184,8 @@ class Committer:
         self._pending_caches = {}
         self._pending_destroyed = []
         metrics.DAEMON_LAST_COMMIT.set(time.time())
+        if mode is not None:
+            failpoints.hit("daemon.switch.committed")  # state durable, links not yet deleted
         if position is not None:
             metrics.DAEMON_COMMITTED_SEGMENT.set(position.segment)
             metrics.DAEMON_COMMITTED_OFFSET.set(position.offset)

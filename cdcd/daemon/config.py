@@ -78,7 +78,7 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     """``CDCD_BATCH_MAX_EVENTS=5`` → ``batch_max_events = 5``; ``CDCD_CONSUMER__PATH=x`` → ``[consumer] path``."""
     out: dict[str, Any] = {}
     for name, text in environ.items():
-        if not name.startswith(ENV_PREFIX) or name == "CDCD_CONFIG":
+        if not name.startswith(ENV_PREFIX) or name in ("CDCD_CONFIG", "CDCD_FAILPOINTS"):
             continue
         parts = name[len(ENV_PREFIX) :].lower().split("__")
         target = out

@@ -94,6 +94,8 @@ class Processor:
     ) -> None:
         self.mode = mode
         self.start = position
+        self.floor = position
+        """The committed position: a marker never moves the daemon behind it (DESIGN §5, crash rule)."""
         self.position = position
         """Next thing to process: everything fed before it is accounted for."""
         self.caches = caches
@@ -176,12 +178,15 @@ class Processor:
         elif rtype is StopRealtimeCdcRecord:
             assert isinstance(record, StopRealtimeCdcRecord)
             if self.mode is Mode.PASSIVE:
-                out.append(Switch(Mode.ACTIVE, record.last, record.reason or "stop_realtime"))
+                out.append(Switch(Mode.ACTIVE, self._not_behind(ptr, record.last), record.reason or "stop_realtime"))
                 self.finished = True
         elif rtype is RealtimeCdcRecord:
             assert isinstance(record, RealtimeCdcRecord)
             if self.mode is Mode.PASSIVE:
-                out.append(MarkerCommit(record.last))
+                last = self._not_behind(ptr, record.last)
+                assert last is not None
+                self.floor = last
+                out.append(MarkerCommit(last))
             else:
                 log.warning(
                     "realtime_record_in_active_mode",
@@ -190,6 +195,19 @@ class Processor:
                     hint="the node says its realtime worker delivers while this daemon is ACTIVE",
                 )
         return out
+
+    def _not_behind(self, ptr: WalPointer, last: WalPosition | None) -> WalPosition | None:
+        """``last`` of a marker, or the committed position if ``last`` is behind it.
+
+        A node killed between writing a TryStart and persisting that it did restarts with its older
+        realtime position and writes Stop(that position); the daemon, PASSIVE past the TryStart,
+        already committed everything before it and deleted those links. Going back would re-read
+        deleted segments; nothing between the two positions is undelivered."""
+        floor = self.floor
+        if last is None or floor is None or last >= floor:
+            return last
+        log.warning("marker_behind_committed_position", pointer=str(ptr), last=str(last), committed=str(floor))
+        return floor
 
     def feed_many(self, chunk: list[tuple[WalPointer, Record, int]]) -> list[Item]:
         """``feed`` over a chunk, stopping after a switch; the loop for plain DataRecords is inlined

@@ -25,7 +25,7 @@ import msgspec
 import structlog
 from prometheus_client import REGISTRY
 
-from cdcd import metrics
+from cdcd import failpoints, metrics
 from cdcd.consumer import Consumer, EventBatch, RecordSlice, enabled_slices
 from cdcd.node.config import NodeConfig
 from cdcd.node.wal_log import WalLog
@@ -244,11 +244,13 @@ class RealtimeWorker:
             self._set_mode(RealtimeMode.TRY_START)  # buffer from now on; records before it are skipped
         ptr, end = self.wal.append_and_roll(TryStartRealtimeCdcRecord(time.time_ns()))
         self.wal.wait_durable(end)
+        failpoints.hit("realtime.on.try_start_durable")
         with self._lock:
             self.try_start = ptr
             self._deliver_from = WalPosition(ptr.segment + 1, 0, 0)
             self._cv.notify()
         self._persist(enabled=False)
+        failpoints.hit("realtime.on.try_start_persisted")
         log.info("realtime_try_start", try_start=str(ptr), buffer_max_bytes=self.buffer_limit_bytes)
         return RealtimeMode.TRY_START
 
@@ -338,7 +340,9 @@ class RealtimeWorker:
             self.position = WalPosition(ts.segment + 1, 0, 0)
             self.try_start = None
             self._set_mode(RealtimeMode.ON)
+        failpoints.hit("realtime.on.before_enabled")
         self._persist(enabled=True)
+        failpoints.hit("realtime.on.enabled")
         log.info("realtime_switch", direction="daemon_to_node", position=str(self.position))
 
     def _restore(self) -> None:
@@ -555,8 +559,10 @@ class RealtimeWorker:
             metrics.RT_BUFFER_BYTES.set(0)
         with self._meta_lock:  # after this, no delivery still in flight persists or marks anything
             self._persist_locked(enabled=False)
+            failpoints.hit("realtime.off.persisted")
             _ptr, end = self.wal.append(StopRealtimeCdcRecord(self.position, reason))
         self.wal.wait_durable(end)
+        failpoints.hit("realtime.off.stop_durable")
         if self._closing:
             # The node is going away: roll the segment so the daemon sees the Stop now, not at next start.
             self.wal.force_archive()
