@@ -13,6 +13,7 @@ import contextlib
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from types import TracebackType
 from typing import Protocol, runtime_checkable
@@ -31,6 +32,7 @@ from cdcd.daemon.processor import Batch, Item, Processor, Switch
 from cdcd.daemon.sdnotify import Notifier
 from cdcd.daemon.state import DaemonState, Mode, StateStore
 from cdcd.lock import DirLock
+from cdcd.node.identity import read_node_id
 from cdcd.wal.errors import WalError
 from cdcd.wal.records import CacheInfo, DataRecord
 
@@ -94,16 +96,23 @@ class Daemon:
         self._progress_start = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
+        self.node_id: uuid.UUID | None = None
+        """The node whose segments are delivered: from the node dir, else the first segment read."""
+        self._follower: SegmentFollower | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         """Take the lock, load the state, delete links below it, start the consumer."""
         if self._started:
             return
+        # Before the lock: a wrong node_dir must not leave a lock file (or a dir) behind.
+        if not Path(self.config.node_dir).is_dir():
+            raise FileNotFoundError(f"node_dir {self.config.node_dir} does not exist")
+        if not self.cdc_dir.is_dir():
+            raise FileNotFoundError(f"cdc_dir {self.cdc_dir} does not exist (is node_dir right?)")
         self._lock.acquire(self.config.lock_timeout_ms)
         try:
-            if not self.cdc_dir.is_dir():
-                raise FileNotFoundError(f"cdc_dir {self.cdc_dir} does not exist (is node_dir right?)")
+            self.node_id = read_node_id(self.config.node_dir)
             self._store = StateStore(self.config.state_path)
             state = self._store.load(INITIAL_MODE)
             caches = self._store.caches()
@@ -126,6 +135,7 @@ class Daemon:
                 node_dir=self.config.node_dir,
                 cdc_dir=str(self.cdc_dir),
                 state_dir=str(self.config.state_path),
+                node_id=str(self.node_id) if self.node_id else None,
                 mode=state.mode.value,
                 position=str(state.position) if state.position else None,
                 consumer=type(self.consumer).__name__,
@@ -202,7 +212,10 @@ class Daemon:
             batch_max_bytes=self.config.batch_max_bytes,
         )
         skip = _PASSIVE_SKIP if state.mode is Mode.PASSIVE else frozenset()
-        return processor, SegmentFollower(self.cdc_dir, state.position, skip_types=skip)
+        if self.node_id is None and self._follower is not None:
+            self.node_id = self._follower.expect_node_id
+        self._follower = SegmentFollower(self.cdc_dir, state.position, skip_types=skip, expect_node_id=self.node_id)
+        return processor, self._follower
 
     def sync_once(self) -> int:
         """Process everything the CDC dir holds now (across mode switches); returns events delivered."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import uuid
 import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import BinaryIO
 
 import msgspec
 
-from cdcd.wal.errors import CorruptRecord, MissingSegment, TruncatedSegment
+from cdcd.wal.errors import CorruptRecord, ForeignSegment, MissingSegment, TruncatedSegment
 from cdcd.wal.frame import DECODERS, FRAME_HEADER, FRAME_HEADER_SIZE
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import Record, SegmentEnd
@@ -56,8 +57,11 @@ class SegmentReader:
         archived: bool = True,
         read_buffer_bytes: int = DEFAULT_READ_BUFFER_BYTES,
         skip_types: frozenset[int] = frozenset(),
+        expect_node_id: uuid.UUID | None = None,
     ) -> None:
         self.path = Path(path)
+        self.expect_node_id = expect_node_id
+        """When set, a header naming another node is ``ForeignSegment`` before any record is read."""
         self.segment = parse_segment_name(self.path)
         self.start_offset = start_offset
         self.archived = archived
@@ -77,6 +81,10 @@ class SegmentReader:
             if not self.archived and size < HEADER_SIZE:
                 return  # created, header not written yet: an empty active segment
             self.header = decode_header(f.read(HEADER_SIZE), path, segment)
+            expect = self.expect_node_id
+            if expect is not None and self.header.node_id != expect:
+                what = f"segment of node {self.header.node_id}, not of this node {expect} (copied from another node?)"
+                raise ForeignSegment(path, 0, what)
             pos = max(self.start_offset, HEADER_SIZE)
             if pos > size:
                 raise CorruptRecord(path, pos, f"start offset is past end of file ({size} bytes)")
