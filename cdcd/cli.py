@@ -26,6 +26,8 @@ EXIT_BAD_INPUT = 2
 EXIT_MISSING_SEGMENT = 3
 EXIT_CONSUMER_FAILED = 4
 EXIT_BAD_WAL = 5
+EXIT_BAD_STATE = 6
+"""The daemon's state is damaged or belongs to another node: `cdcd state reset` (not restarted by the unit)."""
 
 
 def fail(message: str, code: int) -> NoReturn:
@@ -291,7 +293,8 @@ def daemon_run(config_path: Path) -> None:
     """Run the CDC daemon: follow the node's CDC dir and deliver to the consumer until SIGTERM/SIGINT.
 
     Exit codes: 0 stopped cleanly, 1 another daemon holds the node, 2 bad config,
-    3 missing segment, 4 consumer failed, 5 corrupt or truncated segment.
+    3 missing segment, 4 consumer failed, 5 corrupt, truncated or foreign segment,
+    6 damaged daemon state or a state of another node (see `cdcd state reset`).
     """
     import asyncio
 
@@ -299,6 +302,7 @@ def daemon_run(config_path: Path) -> None:
 
     from cdcd.daemon.committer import ConsumerFailed
     from cdcd.daemon.daemon import Daemon
+    from cdcd.daemon.state import StateRefused
     from cdcd.lock import LockHeld
     from cdcd.sinks import load_consumer
 
@@ -350,6 +354,8 @@ def daemon_run(config_path: Path) -> None:
         )
     except WalError as exc:
         fatal("bad_segment", str(exc), EXIT_BAD_WAL)
+    except StateRefused as exc:
+        fatal("bad_state", str(exc), EXIT_BAD_STATE)
     except ConsumerFailed as exc:
         fatal("consumer_failed", str(exc), EXIT_CONSUMER_FAILED)
     except (OSError, ConfigError) as exc:
@@ -371,8 +377,12 @@ def state() -> None:
 def state_show(config_path: Path, as_json: bool) -> None:
     """Print the daemon's committed position, mode, caches and the CDC dir's links."""
     from cdcd.daemon.ops import show_state
+    from cdcd.daemon.state import StateRefused
 
-    info = show_state(_load_daemon_config(config_path))
+    try:
+        info = show_state(_load_daemon_config(config_path))
+    except StateRefused as exc:
+        fail(str(exc), EXIT_BAD_STATE)
     if as_json:
         click.echo(msgspec.json.encode(info).decode())
         return
@@ -383,6 +393,55 @@ def state_show(config_path: Path, as_json: bool) -> None:
     if info["ignored_files"]:
         click.echo(f"{'ignored':<12} {', '.join(info['ignored_files'])}")
     click.echo(f"{'consumer':<12} {msgspec.json.encode(info['consumer']).decode()}")
+
+
+@state.command("reset")
+@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="Daemon TOML config.")
+@click.option(
+    "--to",
+    "to",
+    metavar="SEG:OFF[#IDX]",
+    default=None,
+    help="Deliver from this position (a record start in a linked segment); default: the oldest link.",
+)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def state_reset(config_path: Path, to: str | None, yes: bool) -> None:
+    """Replace the daemon's state (damaged, of another node, or at a wrong position) with one at the
+    oldest link or at --to. The daemon must be stopped. A damaged state file is moved aside, not deleted;
+    the mode is what the node says (its realtime worker delivers: PASSIVE), the cache registry is kept
+    or read from the node."""
+    from cdcd.daemon.ops import ResetRefused, plan_reset, reset_state
+    from cdcd.lock import LockHeld
+    from cdcd.wal.pointer import WalPosition
+
+    configure_logging("console" if sys.stderr.isatty() else "json")
+    config = _load_daemon_config(config_path)
+    try:
+        position = WalPosition.parse(to) if to else None
+    except ValueError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+    if not Path(config.node_dir).is_dir():
+        fail(f"{config_path}: key 'node_dir': {config.node_dir} does not exist", EXIT_BAD_INPUT)
+    try:
+        plan = plan_reset(config, position)
+    except ResetRefused as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+    old = plan.old
+    was = "damaged" if plan.damaged else (f"{old.mode.value} at {old.position or '-'}" if old else "none")
+    new = plan.new
+    click.echo(f"state     {config.state_path} (now: {was})")
+    click.echo(f"reset to  {new.mode.value} at {new.position or 'the oldest link'} (mode from {plan.mode_from})")
+    click.echo(f"caches    {len(plan.caches)} from {plan.caches_from}")
+    if old is not None and old.position is not None and new.position is not None and new.position > old.position:
+        click.echo(f"warning   entries from {old.position} to {new.position} will not be delivered")
+    _confirm(yes)
+    try:
+        state, moved = reset_state(config, plan)
+    except LockHeld as exc:
+        fail(f"the daemon is running ({exc}); stop it first", EXIT_LOCKED)
+    if moved is not None:
+        click.echo(f"moved the damaged state to {moved}")
+    click.echo(f"state reset: {state.mode.value} at {state.position or 'the oldest link'}; start the daemon")
 
 
 @main.group()

@@ -158,6 +158,34 @@ class SegmentReader:
                     return
 
 
+def check_record_start(path: str | os.PathLike[str], offset: int) -> int:
+    """Check that ``offset`` is where a record of the segment file starts (or 0: its first record);
+    returns that record's offset. Walks the frame headers only; ``CorruptRecord`` names the nearest
+    record starts around a wrong offset."""
+    path = Path(path)
+    with _open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        decode_header(f.read(HEADER_SIZE), path, parse_segment_name(path))
+        if offset == 0:
+            return HEADER_SIZE
+        pos = HEADER_SIZE
+        while pos < offset:
+            f.seek(pos)
+            head = f.read(FRAME_HEADER_SIZE)
+            if len(head) < FRAME_HEADER_SIZE:
+                break
+            length, _rtype, _crc = FRAME_HEADER.unpack_from(head, 0)
+            if length == 0 and _rtype == 0:
+                break  # zero-filled tail of an active segment
+            nxt = pos + FRAME_HEADER_SIZE + length
+            if nxt > offset:
+                raise CorruptRecord(path, offset, f"not a record boundary: records start at {pos} and {nxt}")
+            pos = nxt
+        if pos != offset:
+            raise CorruptRecord(path, offset, f"past the last record, which starts before {pos} ({size} bytes)")
+        return pos
+
+
 class WalReader:
     """Iterates records from ``start`` across the segments found in ``dirs``, in index order.
 
