@@ -49,16 +49,15 @@ def wal() -> None:
 
 @wal.command("dump")
 @click.argument("path", type=click.Path(exists=True, path_type=Path))
-@click.option("--from", "start", metavar="SEG:OFF", help="Start at this pointer (e.g. 42:1048576).")
+@click.option("--from", "start", metavar="SEG:OFF", help="Start at this pointer (e.g. 42:1048576): a record start.")
 @click.option("--active", is_flag=True, help="PATH is an active segment: a short tail is the end, not an error.")
 def wal_dump(path: Path, start: str | None, active: bool) -> None:
     """Print the records of a segment file or a directory of segments as JSON lines.
 
-    A node's work dir (one holding archive/) is read with its archive, its newest segment as active.
+    A node's work dir (one holding archive/) is read with its archive, its newest segment as active;
+    segments the running node archives meanwhile are followed into the archive.
     """
-    from cdcd.wal.dump import record_to_dict
-    from cdcd.wal.reader import SegmentReader, WalReader
-    from cdcd.wal.segment import list_segments
+    from cdcd.wal.dump import open_records, record_to_dict
 
     try:
         pointer = WalPointer.parse(start) if start else None
@@ -67,19 +66,8 @@ def wal_dump(path: Path, start: str | None, active: bool) -> None:
     encoder = msgspec.json.Encoder()
     out = sys.stdout.buffer
     try:
-        records: object
-        if path.is_dir():
-            dirs = [path]
-            active_segment = None
-            if (path / "archive").is_dir():
-                dirs = [path / "archive", path]
-                work, _ = list_segments(path)
-                active_segment = max(work) if work else None
-            records = WalReader(dirs, pointer, active_segment=active_segment)
-        else:
-            offset = pointer.offset if pointer else 0
-            records = SegmentReader(path, start_offset=offset, archived=not active)
-        for ptr, record in records:  # type: ignore[attr-defined]
+        records = open_records(path, pointer, active=active)
+        for ptr, record in records:
             out.write(encoder.encode(record_to_dict(ptr, record)))
             out.write(b"\n")
         out.flush()
@@ -91,6 +79,9 @@ def wal_dump(path: Path, start: str | None, active: bool) -> None:
         fail(str(exc), EXIT_BAD_INPUT)
     except BrokenPipeError:
         os._exit(0)  # `cdcd wal dump | head`
+    except OSError as exc:
+        out.flush()
+        fail(f"{exc.filename or path}: {exc.strerror or exc}", 1)
 
 
 # --- node -----------------------------------------------------------------------------------------

@@ -190,7 +190,13 @@ class WalReader:
     """Iterates records from ``start`` across the segments found in ``dirs``, in index order.
 
     Every segment but ``active_segment`` must be complete (archived). A gap in the numbering
-    raises ``MissingSegment``. Iteration ends at the end of the last segment present.
+    raises ``MissingSegment``. Iteration ends at the end of the last segment present when it started.
+
+    ``follow=True`` reads the dirs of a running node, which change meanwhile: every segment from
+    ``active_segment`` on may be the active one (the node rolled after the caller listed its work
+    dir); a segment moved from the work dir to the archive between listing and opening is looked
+    up again; an active segment that was rolled while it was read (a newer segment appeared) is
+    read on to its end, as archived, from where the read stopped.
     """
 
     def __init__(
@@ -200,10 +206,12 @@ class WalReader:
         *,
         active_segment: int | None = None,
         read_buffer_bytes: int = DEFAULT_READ_BUFFER_BYTES,
+        follow: bool = False,
     ) -> None:
         self.dirs = [Path(d) for d in dirs]
         self.start = start
         self.active_segment = active_segment
+        self.follow = follow
         self.read_buffer_bytes = read_buffer_bytes
         self.last_reader: SegmentReader | None = None
 
@@ -220,22 +228,48 @@ class WalReader:
         if not found:
             return
         first = min(found) if self.start is None else self.start.segment
-        if self.start is not None and first not in found:
-            raise MissingSegment(self.dirs[0], first)
         last = max(found)
-        for seg in range(first, last + 1):
+        if first > last:
+            raise MissingSegment(self.dirs[0], first)
+        seg = first
+        offset = self.start.offset if self.start is not None else 0
+        active_from = self.active_segment
+        follow = self.follow
+        while seg <= last:
             path = found.get(seg)
+            if path is None and follow:
+                found = self.segments()  # moved between the listings of two dirs?
+                path = found.get(seg)
             if path is None:
                 raise MissingSegment(self.dirs[0], seg)
-            offset = self.start.offset if self.start is not None and seg == self.start.segment else 0
+            tolerant = active_from is not None and (seg >= active_from if follow else seg == active_from)
             reader = SegmentReader(
-                path,
-                start_offset=offset,
-                archived=seg != self.active_segment,
-                read_buffer_bytes=self.read_buffer_bytes,
+                path, start_offset=offset, archived=not tolerant, read_buffer_bytes=self.read_buffer_bytes
             )
             self.last_reader = reader
-            yield from reader
+            try:
+                yield from reader
+            except FileNotFoundError:
+                if not follow:
+                    raise
+                # Archived (renamed into another dir) between listing and opening: nothing was read.
+                found = self.segments()
+                moved = found.get(seg)
+                if moved is None:
+                    raise MissingSegment(self.dirs[0], seg) from None  # deleted meanwhile
+                if moved == path:
+                    raise
+                continue
+            if follow and tolerant and not reader.ended:
+                found = self.segments()
+                if not any(s > seg for s in found):
+                    return  # the tail of the active segment: no more data yet
+                # Rolled while it was read: its rest is there now, complete.
+                offset = max(reader.end_offset, offset)
+                active_from = seg + 1
+                continue
+            seg += 1
+            offset = 0
 
 
 def iter_chunk(

@@ -1,0 +1,125 @@
+"""Everyday commands (issue 13.10): `wal dump` on a live node, `--from` checks, help everywhere, option placement,
+log format, clear errors for a busy metrics port, a missing node dir and lake misuse."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from cdcd.node import Node
+from cdcd.wal import SegmentReader, WalPointer, WalReader
+from cdcd.wal.dump import open_records
+from cdcd.wal.segment import list_segments
+from tests.test_daemon_e2e import CDCD, cdcd, child_env, wait_for
+
+SETTINGS: dict[str, Any] = {"wal_force_archive_timeout_ms": 0, "wal_segment_size_bytes": 1 << 20, "wal_mode": "fsync"}
+
+
+def write(node: Node, n: int, first: int = 0) -> None:
+    c = node.cache("orders")
+    for i in range(first, first + n):
+        c.put(i, {"n": i})
+
+
+def reference(node_dir: Path, upto: int) -> list[tuple[WalPointer, str]]:
+    wal = node_dir / "wal"
+    work, _ = list_segments(wal)
+    return [
+        (p, type(r).__name__)
+        for p, r in WalReader([wal / "archive", wal], active_segment=max(work))
+        if p.segment <= upto
+    ]
+
+
+def test_dump_of_a_work_dir_rolled_between_listing_and_reading(tmp_path: Path) -> None:
+    """The node rolls after `wal dump` listed its work dir: the segment it took as active is complete and in the
+    archive, the new one is the active one. Every record is read once, in order (was: TruncatedSegment)."""
+    node_dir = tmp_path / "node"
+    with Node.open(node_dir, **SETTINGS) as node:
+        write(node, 50)
+        node.force_archive()
+        write(node, 50, 50)
+        records = open_records(node_dir / "wal", None)  # lists the work dir: segment 1 is the active one
+        node.force_archive()
+        write(node, 5, 100)
+        got = [(p, type(r).__name__) for p, r in records]
+        assert got == reference(node_dir, 2)
+        assert [p.segment for p, t in got if t == "SegmentEnd"] == [0, 1]
+
+
+def test_dump_follows_a_segment_archived_while_it_reads(tmp_path: Path) -> None:
+    """The node archives the active segment while `wal dump` reads an older one: the segment is opened in the archive
+    (was: FileNotFoundError traceback), every record once, in order."""
+    node_dir = tmp_path / "node"
+    with Node.open(node_dir, **SETTINGS) as node:
+        for i in range(3):
+            write(node, 30, 30 * i)
+            node.force_archive()
+        write(node, 30, 90)
+        it = iter(open_records(node_dir / "wal", None))
+        first = next(it)  # segment 0 open; segment 3 listed in the work dir
+        for i in range(2):
+            node.force_archive()
+            write(node, 3, 200 + i)
+        got = [(first[0], type(first[1]).__name__)] + [(p, type(r).__name__) for p, r in it]
+        assert got == reference(node_dir, 3)
+        assert got[-1][1] == "SegmentEnd" and got[-1][0].segment == 3
+
+
+def test_dump_from_a_pointer_that_is_no_record_start_says_so(tmp_path: Path) -> None:
+    """`--from SEG:OFF` inside a record: exit 2, one line naming the file, the offset and the record starts around it
+    (was: a CRC error about a record that does not exist); a record start works, on a file and on a work dir."""
+    node_dir = tmp_path / "node"
+    with Node.open(node_dir, **SETTINGS) as node:
+        write(node, 20)
+        node.force_archive()
+    seg = node_dir / "wal" / "archive" / "0000000000000000.wal"
+    starts = [p.offset for p, r in SegmentReader(seg)]
+    a, b = starts[3], starts[4]
+    for target in (str(seg), str(node_dir / "wal")):
+        res = cdcd("wal", "dump", target, "--from", f"0:{a + 5}")
+        assert (res.returncode, res.stdout) == (2, ""), res.stderr
+        assert res.stderr.splitlines() == [
+            f"cdcd: error: {seg} at offset {a + 5}: not a record boundary: records start at {a} and {b}"
+        ]
+        res = cdcd("wal", "dump", target, "--from", f"0:{b}")
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout.splitlines()[0])["pos"] == f"0:{b}"
+
+
+def test_dump_of_a_live_node_never_fails(tmp_path: Path) -> None:
+    """`wal dump` of the work dir of a `cdcd node run` process that writes 3000 entries/s and rolls 64 KiB segments
+    (and every 50 ms): 12 runs, each exit 0, no traceback, each a gap-free run of records in order from 0:40, every
+    segment but the last closed by its SegmentEnd."""
+    node_dir = tmp_path / "node"
+    config = tmp_path / "node.toml"
+    config.write_text(
+        f'node_dir = "{node_dir}"\nwal_segment_size_bytes = 65536\nwal_force_archive_timeout_ms = 50\n'
+        'metrics_address = ""\nwal_mode = "background"\n'
+    )
+    log = (tmp_path / "node.log").open("wb")
+    node = subprocess.Popen(
+        [*CDCD, "node", "run", "--config", str(config), "--load-rate", "3000", "--load-keyspace", "1000"],
+        stdout=log,
+        stderr=log,
+        env=child_env(),
+    )
+    try:
+        wait_for(lambda: len(list_segments(node_dir / "wal" / "archive")[0]) >= 3, 60, "the node to roll")
+        for _ in range(12):
+            res = subprocess.run([*CDCD, "wal", "dump", str(node_dir / "wal")], capture_output=True, timeout=120)
+            assert res.returncode == 0 and b"Traceback" not in res.stderr, res.stderr[-2000:]
+            recs = [json.loads(line) for line in res.stdout.splitlines()]
+            assert recs[0]["pos"] == "0:40"
+            segs = sorted({r["segment"] for r in recs})
+            assert segs == list(range(segs[-1] + 1)), "no segment skipped"
+            ends = [r["segment"] for r in recs if r["type"] == "SegmentEnd"]
+            assert ends in (segs[:-1], segs), "a SegmentEnd closes every segment but the active one"
+            pointers = [(r["segment"], r["offset"]) for r in recs]
+            assert pointers == sorted(set(pointers)), "in order, once"
+    finally:
+        node.terminate()
+        node.wait(60)
+    assert node.returncode == 0
