@@ -647,11 +647,17 @@ def lake_verify(lake_path: Path, node_dir: Path) -> None:
     """Compare the state tables with the node's data (rows and an order-independent checksum per cache).
     The node must be stopped; compact first. Exit 1 on any mismatch."""
     from cdcd.demo import print_verify
+    from cdcd.lake.log import LOG_DIR
     from cdcd.lake.verify import verify
     from cdcd.node.node import NodeLocked
     from cdcd.node.snapshot import NodeSnapshot
 
     configure_logging("console" if sys.stderr.isatty() else "json", level="warning")
+    if not (lake_path / LOG_DIR).is_dir():
+        fail(f"{lake_path} is not a cdcd lake (no {LOG_DIR}/ in it)", EXIT_BAD_INPUT)
+    state_dir = lake_path / "state"
+    if not state_dir.is_dir() or not any(p.name.startswith("cache=") for p in state_dir.iterdir()):
+        fail(f"{lake_path}: nothing compacted yet: run `cdcd lake compact --lake {lake_path}` first", EXIT_BAD_INPUT)
     try:
         snapshot = NodeSnapshot(node_dir)  # read-only: verifying never writes to the node
     except NodeLocked as exc:

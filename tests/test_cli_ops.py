@@ -123,3 +123,44 @@ def test_dump_of_a_live_node_never_fails(tmp_path: Path) -> None:
         node.terminate()
         node.wait(60)
     assert node.returncode == 0
+
+
+def test_lake_verify_before_any_compaction_says_to_compact_first(tmp_path: Path) -> None:
+    """`lake verify` on a lake with a change log but no compacted state: exit 2, one line saying to compact first,
+    and the node is not touched (no lock taken, nothing written)."""
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    (lake / "_cdcd_log").mkdir(parents=True)
+    with Node.open(node_dir) as node:
+        node.cache("orders").put(1, "one")
+    res = cdcd("lake", "verify", "--lake", str(lake), "--node-dir", str(node_dir))
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr.splitlines() == [
+        f"cdcd: error: {lake}: nothing compacted yet: run `cdcd lake compact --lake {lake}` first"
+    ]
+    res = cdcd("lake", "verify", "--lake", str(tmp_path), "--node-dir", str(node_dir))
+    assert res.returncode == 2 and res.stderr.splitlines() == [
+        f"cdcd: error: {tmp_path} is not a cdcd lake (no _cdcd_log/ in it)"
+    ]
+
+
+def test_lake_path_url_is_refused_and_creates_nothing(tmp_path: Path) -> None:
+    """A daemon whose lake sink has `lake_path = "s3://…"` exits 2 naming the key, and no `./s3:` dir appears."""
+    from tests.test_daemon_e2e import write_daemon_config
+
+    node_dir = tmp_path / "node"
+    with Node.open(node_dir) as node:
+        node.cache("orders").put(1, "one")
+    config = write_daemon_config(tmp_path / "cdcd.toml", node_dir, {"kind": "spark", "lake_path": "s3://bucket/lake"})
+    work = tmp_path / "cwd"
+    work.mkdir()
+    res = subprocess.run(
+        [*CDCD, "run", "--config", str(config)], capture_output=True, text=True, cwd=work, env=child_env(), timeout=120
+    )
+    assert res.returncode == 2
+    assert res.stderr.splitlines() == [
+        f"cdcd: error: {config}: consumer: key 'lake_path': 's3://bucket/lake' is a URL; "
+        "the lake sink writes to a path (mount object storage, e.g. with s3fs or a FUSE driver, "
+        "and give the mount point)"
+    ]
+    assert list(work.iterdir()) == []
+    assert not (node_dir / "cdcd.lock").exists() and not (node_dir / "cdcd-state").exists()
