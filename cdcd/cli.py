@@ -35,7 +35,7 @@ def fail(message: str, code: int) -> NoReturn:
     sys.exit(code)
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="cdcd")
 def main() -> None:
     """cdcd: change-data-capture for the cdcd storage node."""
@@ -280,7 +280,13 @@ def _load_daemon_config(path: Path) -> Any:
 
 @main.command("run")
 @click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="Daemon TOML config.")
-def daemon_run(config_path: Path) -> None:
+@click.option(
+    "--log-format",
+    type=click.Choice(["json", "console"]),
+    default=None,
+    help="Overrides the config's log_format. Default: console on a terminal, else JSON lines.",
+)
+def daemon_run(config_path: Path, log_format: str | None) -> None:
     """Run the CDC daemon: follow the node's CDC dir and deliver to the consumer until SIGTERM/SIGINT.
 
     Exit codes: 0 stopped cleanly, 1 another daemon holds the node, 2 bad config,
@@ -298,7 +304,8 @@ def daemon_run(config_path: Path) -> None:
     from cdcd.sinks import load_consumer
 
     config = _load_daemon_config(config_path)
-    configure_logging(config.log_format)
+    fmt = log_format or config.log_format or ("console" if sys.stderr.isatty() else "json")
+    configure_logging(fmt)  # type: ignore[arg-type]
     log = structlog.get_logger("cdcd.daemon")
     _fixed_mmap_threshold()
     try:
@@ -332,7 +339,11 @@ def daemon_run(config_path: Path) -> None:
         daemon.start()
         if config.metrics_address:
             host, port = split_host_port(config.metrics_address, min_port=0)
-            start_http_server(port, addr=host)
+            try:
+                start_http_server(port, addr=host)
+            except OSError as exc:
+                where = f"{config_path}: key 'metrics_address'"
+                fatal("metrics_failed", f"{where}: cannot listen on {config.metrics_address}: {exc}", 1)
         asyncio.run(main_async())
     except LockHeld as exc:
         fatal("daemon_locked", f"another cdcd daemon runs for this node: {exc}", EXIT_LOCKED)
@@ -363,7 +374,7 @@ def state() -> None:
 
 
 @state.command("show")
-@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path))
+@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="Daemon TOML config.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def state_show(config_path: Path, as_json: bool) -> None:
     """Print the daemon's committed position, mode, caches and the CDC dir's links."""
@@ -449,12 +460,38 @@ def control(ctx: click.Context, node_dir: Path | None, socket_path: Path | None)
     ctx.obj = socket_path or (node_dir / "control.sock" if node_dir else None)
 
 
+def _set_target(ctx: click.Context, param: click.Parameter, value: Path | None) -> None:
+    if value is not None:
+        ctx.meta[f"cdcd.{param.name}"] = value
+
+
+def node_target(f: Any) -> Any:
+    """``--node-dir``/``--socket`` also after a ``control`` subcommand (``cdcd control status --node-dir D``)."""
+    f = click.option(
+        "--socket",
+        "socket_path",
+        type=click.Path(path_type=Path),
+        expose_value=False,
+        callback=_set_target,
+        help="Control socket path (wins over --node-dir).",
+    )(f)
+    return click.option(
+        "--node-dir",
+        "node_dir",
+        type=click.Path(path_type=Path),
+        expose_value=False,
+        callback=_set_target,
+        help="The node to talk to (its control socket is <node-dir>/control.sock).",
+    )(f)
+
+
 def _node_request(ctx: click.Context, message: dict[str, Any]) -> dict[str, Any]:
     from cdcd.control import request
 
-    path = ctx.obj
+    node_dir = ctx.meta.get("cdcd.node_dir")
+    path = ctx.meta.get("cdcd.socket_path") or (node_dir / "control.sock" if node_dir else ctx.obj)
     if path is None:
-        fail("give --node-dir DIR (or --socket PATH) before the command", EXIT_BAD_INPUT)
+        fail("give --node-dir DIR (or --socket PATH)", EXIT_BAD_INPUT)
     try:
         reply = request(path, message)
     except FileNotFoundError:
@@ -467,6 +504,7 @@ def _node_request(ctx: click.Context, message: dict[str, Any]) -> dict[str, Any]
 
 
 @control.command("realtime")
+@node_target
 @click.argument("state", type=click.Choice(["on", "off"]))
 @click.pass_context
 def control_realtime(ctx: click.Context, state: str) -> None:
@@ -476,6 +514,7 @@ def control_realtime(ctx: click.Context, state: str) -> None:
 
 
 @control.command("status")
+@node_target
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def control_status(ctx: click.Context, as_json: bool) -> None:
@@ -513,6 +552,7 @@ def control_status(ctx: click.Context, as_json: bool) -> None:
 
 
 @control.command("resend")
+@node_target
 @click.option("--cache", required=True, help="Cache whose current entries are written again as CREATE events.")
 @click.pass_context
 def control_resend(ctx: click.Context, cache: str) -> None:
@@ -531,7 +571,7 @@ def _confirm(yes: bool) -> None:
 
 
 @control.command("relink-lost-segments")
-@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path))
+@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="Daemon TOML config.")
 @click.option(
     "--archive",
     "archive_path",
@@ -568,7 +608,7 @@ def relink_lost(config_path: Path, archive_path: Path | None, yes: bool) -> None
 
 
 @control.command("delete-lost-segment-links")
-@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path))
+@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="Daemon TOML config.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 def delete_lost_links(config_path: Path, yes: bool) -> None:
     """After a gap in the CDC dir: keep the newest contiguous run of links, delete the links before
@@ -618,9 +658,11 @@ def _spark(master: str, app: str) -> Any:
 
 
 @lake.command("compact")
-@click.option("--lake", "lake_path", required=True, type=click.Path(path_type=Path, exists=True))
+@click.option(
+    "--lake", "lake_path", required=True, type=click.Path(path_type=Path, exists=True), help="The lake directory."
+)
 @click.option("--cache", default=None, help="Only this cache.")
-@click.option("--spark-master", default="local[*]", show_default=True)
+@click.option("--spark-master", default="local[*]", show_default=True, help="Spark master URL to compact on.")
 def lake_compact(lake_path: Path, cache: str | None, spark_master: str) -> None:
     """Fold the change log into current-state tables <lake>/state/cache=<name> (incremental, atomic swap)."""
     from cdcd.lake import spark as spark_session
@@ -641,8 +683,15 @@ def lake_compact(lake_path: Path, cache: str | None, spark_master: str) -> None:
 
 
 @lake.command("verify")
-@click.option("--lake", "lake_path", required=True, type=click.Path(path_type=Path, exists=True))
-@click.option("--node-dir", required=True, type=click.Path(path_type=Path, exists=True))
+@click.option(
+    "--lake", "lake_path", required=True, type=click.Path(path_type=Path, exists=True), help="The lake directory."
+)
+@click.option(
+    "--node-dir",
+    required=True,
+    type=click.Path(path_type=Path, exists=True),
+    help="The node to compare with (stopped).",
+)
 def lake_verify(lake_path: Path, node_dir: Path) -> None:
     """Compare the state tables with the node's data (rows and an order-independent checksum per cache).
     The node must be stopped; compact first. Exit 1 on any mismatch."""
@@ -672,8 +721,10 @@ def lake_verify(lake_path: Path, node_dir: Path) -> None:
 
 
 @lake.command("show")
-@click.option("--lake", "lake_path", required=True, type=click.Path(path_type=Path, exists=True))
-@click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "--lake", "lake_path", required=True, type=click.Path(path_type=Path, exists=True), help="The lake directory."
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def lake_show(lake_path: Path, as_json: bool) -> None:
     """Per cache: change-log rows, last position, last commit time, compacted state rows."""
     from cdcd.demo import print_show
@@ -693,8 +744,10 @@ def lake_show(lake_path: Path, as_json: bool) -> None:
 @main.command("demo")
 @click.option("--seconds", type=float, default=0, help="Run this long, then verify (0: until Ctrl-C).")
 @click.option("--rate", type=int, default=2000, show_default=True, help="Sample load, entries/s.")
-@click.option("--var", type=click.Path(path_type=Path), default=Path("var"), show_default=True)
-@click.option("--spark-master", default="local[2]", show_default=True)
+@click.option(
+    "--var", type=click.Path(path_type=Path), default=Path("var"), show_default=True, help="Where <var>/demo goes."
+)
+@click.option("--spark-master", default="local[2]", show_default=True, help="Spark master URL for the lake sink.")
 def demo(seconds: float, rate: int, var: Path, spark_master: str) -> None:
     """A node with a sample load, the daemon, the Spark lake sink into <var>/demo/lake; on stop (or
     after --seconds) catch up, compact, `lake show` and `lake verify`. Exit 1 if verification fails."""

@@ -8,6 +8,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import click
+
+from cdcd.cli import main
 from cdcd.node import Node
 from cdcd.wal import SegmentReader, WalPointer, WalReader
 from cdcd.wal.dump import open_records
@@ -164,3 +167,89 @@ def test_lake_path_url_is_refused_and_creates_nothing(tmp_path: Path) -> None:
     ]
     assert list(work.iterdir()) == []
     assert not (node_dir / "cdcd.lock").exists() and not (node_dir / "cdcd-state").exists()
+
+
+def all_commands() -> list[tuple[list[str], click.Command]]:
+    out: list[tuple[list[str], click.Command]] = []
+
+    def walk(cmd: click.Command, path: list[str]) -> None:
+        out.append((path, cmd))
+        if isinstance(cmd, click.Group):
+            for name, sub in sorted(cmd.commands.items()):
+                walk(sub, [*path, name])
+
+    walk(main, [])
+    return out
+
+
+def test_every_command_takes_h_and_every_option_has_help() -> None:
+    """`-h` prints the help of every command and group (exit 0); every option says what it does."""
+    from click.testing import CliRunner
+
+    runner = CliRunner()
+    commands = all_commands()
+    assert len(commands) > 15
+    for path, cmd in commands:
+        res = runner.invoke(main, [*path, "-h"])
+        assert res.exit_code == 0 and "Usage: " in res.output, (path, res.output)
+        for p in cmd.params:
+            if isinstance(p, click.Option):
+                assert p.help, f"cdcd {' '.join(path)} {p.opts[0]} has no help text"
+
+
+def test_control_takes_node_dir_after_the_subcommand(tmp_path: Path) -> None:
+    """`cdcd control status --node-dir D` works like `cdcd control --node-dir D status`; without either: exit 2."""
+    node_dir = tmp_path / "node"
+    with Node.open(node_dir) as node:
+        after = cdcd("control", "status", "--node-dir", str(node_dir), "--json")
+        before = cdcd("control", "--node-dir", str(node_dir), "status", "--json")
+        sock = cdcd("control", "status", "--socket", str(node_dir / "control.sock"), "--json")
+        for res in (after, before, sock):
+            assert res.returncode == 0, res.stderr
+            assert json.loads(res.stdout)["node_id"] == str(node.node_id)
+        res = cdcd("control", "status")
+        assert res.returncode == 2 and res.stderr.splitlines() == [
+            "cdcd: error: give --node-dir DIR (or --socket PATH)"
+        ]
+
+
+def test_run_log_format_missing_node_dir_and_busy_metrics_port(tmp_path: Path) -> None:
+    """`cdcd run` logs JSON lines when not on a terminal and console lines with `--log-format console`; a missing
+    node_dir is one line, exit 1 and leaves nothing behind; a busy metrics port names `metrics_address`."""
+    import socket
+
+    from tests.test_daemon_e2e import jsonl_consumer, write_daemon_config
+
+    missing = tmp_path / "no-such-node"
+    config = write_daemon_config(tmp_path / "cdcd.toml", missing, jsonl_consumer(tmp_path / "out.jsonl"))
+    for fmt in ([], ["--log-format", "console"]):
+        res = subprocess.run(
+            [*CDCD, "run", "--config", str(config), *fmt], capture_output=True, text=True, env=child_env(), timeout=60
+        )
+        assert res.returncode == 1
+        lines = res.stderr.splitlines()
+        assert lines[-1] == f"cdcd: error: FileNotFoundError: node_dir {missing} does not exist", res.stderr
+        assert "Traceback" not in res.stderr
+        if fmt:
+            assert not lines[0].startswith("{") and "daemon_failed" in lines[0]
+        else:
+            assert json.loads(lines[0])["event"] == "daemon_failed"
+    assert not missing.exists() and not (tmp_path / "out.jsonl").exists()
+
+    node_dir = tmp_path / "node"
+    with Node.open(node_dir) as node:
+        node.cache("orders").put(1, "one")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        address = f"127.0.0.1:{busy.getsockname()[1]}"
+        config = write_daemon_config(
+            tmp_path / "metrics.toml", node_dir, jsonl_consumer(tmp_path / "m.jsonl"), metrics_address=address
+        )
+        res = subprocess.run(
+            [*CDCD, "run", "--config", str(config)], capture_output=True, text=True, env=child_env(), timeout=60
+        )
+    assert res.returncode == 1
+    last = res.stderr.splitlines()[-1]
+    assert last.startswith(f"cdcd: error: {config}: key 'metrics_address': cannot listen on {address}: "), last
+    assert "Address already in use" in last and "Traceback" not in res.stderr
