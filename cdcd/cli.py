@@ -388,7 +388,8 @@ def state_show(config_path: Path, as_json: bool) -> None:
     if as_json:
         click.echo(msgspec.json.encode(info).decode())
         return
-    for key in ("mode", "position", "updated", "commits", "state_dir", "cdc_dir", "links", "first_link", "last_link"):
+    keys = ("mode", "position", "updated", "commits", "node_id", "state_dir", "cdc_dir", "links", "first_link")
+    for key in (*keys, "last_link"):
         click.echo(f"{key:<12} {info[key] if info[key] is not None else '-'}")
     caches = ", ".join(f"{name} ({cid})" for cid, name in info["caches"].items()) or "-"
     click.echo(f"{'caches':<12} {caches}")

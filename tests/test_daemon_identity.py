@@ -133,3 +133,41 @@ def test_without_a_node_id_file_the_first_segment_read_is_this_node(tmp_path: Pa
     assert f"segment of node {read_node_id(b)}, not of this node " in only_error_line(err)
     assert read_jsonl(out) == wal_events(a)
     assert state_position(config) == (2, 0, 0)
+
+
+def test_state_of_a_recreated_node_deletes_nothing(tmp_path: Path) -> None:
+    """`state_dir` outside the node dir; the node dir is re-created (a new node id) with 6 segments. The daemon's old
+    state (position 4:0) must not delete links 0..3 of the new node: exit 6, one line naming both ids and
+    `cdcd state reset`, nothing delivered, every link intact. `state reset` then delivers the new node exactly."""
+    node_dir = tmp_path / "node"
+    out = tmp_path / "out.jsonl"
+    make_node(node_dir, segments=4, tx_per_segment=5)
+    old_id = read_node_id(node_dir)
+    config = write_daemon_config(
+        tmp_path / "cdcd.toml", node_dir, jsonl_consumer(out), state_dir=str(tmp_path / "state")
+    )
+    catch_up_and_stop(config, tmp_path / "run1.err", (4, 0, 0))
+    before = read_jsonl(out)
+    shutil.rmtree(node_dir)
+    make_node(node_dir, segments=6, tx_per_segment=5, first_tx=70_000)
+    new_id = read_node_id(node_dir)
+    links = inodes(node_dir)
+    assert sorted(links) == list(range(6)) and new_id != old_id
+
+    err = tmp_path / "run2.err"
+    assert run_daemon_until_exit(config, err) == 6
+    assert only_error_line(err) == (
+        f"cdcd: error: {tmp_path / 'state' / 'data.mdb'}: daemon state of node {old_id}, but {node_dir} is node "
+        f"{new_id} (node dir re-created, or state_dir of another node?); stop the daemon and run `cdcd state reset`"
+    )
+    assert inodes(node_dir) == links, "no link deleted"
+    assert read_jsonl(out) == before
+    assert not [e for e in log_events(err) if e["event"] == "stale_link_deleted"]
+
+    from tests.test_daemon_e2e import cdcd, state_show
+
+    res = cdcd("state", "reset", "--config", str(config), "--yes")
+    assert res.returncode == 0, res.stderr
+    assert state_show(config)["node_id"] == str(new_id)
+    catch_up_and_stop(config, tmp_path / "run3.err", (6, 0, 0))
+    assert read_jsonl(out) == before + wal_events(node_dir)

@@ -162,3 +162,51 @@ def test_unit_does_not_restart_exit_6() -> None:
     unit = (Path(__file__).resolve().parent.parent / "systemd" / "cdcd@.service").read_text()
     codes = next(x for x in unit.splitlines() if x.startswith("RestartPreventExitStatus=")).split("=")[1].split()
     assert "6" in codes
+
+
+def test_daemon_without_state_asks_the_running_node_and_delivers(tmp_path: Path) -> None:
+    """The daemon's state is deleted while a node process (realtime off) keeps writing; its Stop record lies in a
+    segment already consumed. The restarted daemon asks the node over its control socket, goes ACTIVE from the oldest
+    link and delivers (was: PASSIVE, 0 events, nothing logged above info). Both runs together cover the WAL exactly,
+    the second starting at the first link present."""
+    import shutil
+
+    from tests.test_daemon_e2e import start_writer
+
+    node_dir = tmp_path / "node"
+    out = tmp_path / "out.jsonl"
+    writer = start_writer(tmp_path, node_dir, pause_ms=50)
+    try:
+        wait_for(lambda: len(archived_segments(node_dir)) >= 2, 60, "the writer to archive 2 segments")
+        config = write_daemon_config(tmp_path / "cdcd.toml", node_dir, jsonl_consumer(out))
+        proc = start_daemon(config, tmp_path / "run1.err")
+        try:
+            wait_for(lambda: (polled_position(config) or (0,))[0] >= 2, 60, "run 1 to pass segment 2")
+        finally:
+            assert stop_daemon(proc) == 0
+        first = read_jsonl(out)
+        shutil.rmtree(node_dir / "cdcd-state")
+        oldest = min(cdc_links(node_dir))
+        err2 = tmp_path / "run2.err"
+        proc = start_daemon(config, err2)
+        try:
+            target = oldest + 3
+            wait_for(lambda: (polled_position(config) or (0,))[0] >= target, 60, f"run 2 to pass segment {target}")
+        finally:
+            (tmp_path / "writer.stop").write_text("")
+            assert writer.wait(60) == 0
+        end = (max(archived_segments(node_dir)) + 1, 0, 0)
+        wait_for(lambda: polled_position(config) == end, 60, f"run 2 to reach {end}")
+        assert stop_daemon(proc) == 0
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+    decided = [e for e in log_events(err2) if e["event"] == "daemon_state_from_node"]
+    assert len(decided) == 1 and decided[0]["mode"] == "ACTIVE", decided
+    assert decided[0]["source"] == f"control socket {node_dir / 'control.sock'}"
+    expected = wal_events(node_dir)
+    got = read_jsonl(out)
+    second = got[len(first) :]
+    assert got[: len(first)] == first == expected[: len(first)]
+    assert second[0]["pos"][:2] == [oldest, expected[[e["pos"][0] for e in expected].index(oldest)]["pos"][1]]
+    assert second == [e for e in expected if e["pos"][0] >= oldest], "from the oldest link on, exactly"

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Protocol, runtime_checkable
 
+import msgspec
 import structlog
 from prometheus_client import REGISTRY
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
@@ -30,7 +31,7 @@ from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.follower import SegmentFollower, delete_links_below
 from cdcd.daemon.processor import Batch, Item, Processor, Switch
 from cdcd.daemon.sdnotify import Notifier
-from cdcd.daemon.state import DaemonState, Mode, StateStore
+from cdcd.daemon.state import DaemonState, ForeignState, Mode, StateStore
 from cdcd.lock import DirLock
 from cdcd.node.identity import read_node_id
 from cdcd.wal.errors import WalError
@@ -116,6 +117,16 @@ class Daemon:
             self._store = StateStore(self.config.state_path)
             state = self._store.load(INITIAL_MODE)
             caches = self._store.caches()
+            if not self._store.has_state():
+                state = self._initial_state(state)
+                if not caches:
+                    from cdcd.daemon.source import node_caches
+
+                    caches, caches_from = node_caches(self.config.node_dir)
+                    self._store.commit(state, caches=caches)  # the registry stays with the state
+                    state = self._store.load(INITIAL_MODE)
+                    log.info("cache_registry_from_node", caches=len(caches), source=caches_from)
+            state = self._check_owner(state)
             if state.position is not None:
                 for seg in delete_links_below(self.cdc_dir, state.position.segment):
                     log.info("stale_link_deleted", segment=seg)
@@ -143,6 +154,57 @@ class Daemon:
         except BaseException:
             self._shutdown()
             raise
+
+    def _initial_state(self, state: DaemonState) -> DaemonState:
+        """No state (new, deleted or emptied): ask the node who delivers rather than wait PASSIVE for a Stop
+        record that a running node writes only when it opens. Its realtime worker delivers: PASSIVE. It does
+        not: ACTIVE from where its realtime worker stopped, or the oldest link."""
+        from cdcd.daemon.source import ask_node
+
+        node = ask_node(self.config.node_dir)
+        if node is None:
+            log.warning(
+                "daemon_without_state_waits",
+                node_dir=self.config.node_dir,
+                hint="the node neither answers on its control socket nor has a metastorage; "
+                "PASSIVE until it writes a Stop record (at its next start)",
+            )
+            return state
+        if node.realtime_on:
+            mode, position = Mode.PASSIVE, None
+        else:
+            links = self._follower_scan()
+            position = node.position
+            if position is not None and links and position.segment < min(links):
+                position = None  # consumed and unlinked: the oldest link is where delivery goes on
+            mode = Mode.ACTIVE
+        log.info(
+            "daemon_state_from_node",
+            source=node.source,
+            mode=mode.value,
+            position=str(position) if position else None,
+            start="the oldest link" if position is None and mode is Mode.ACTIVE else None,
+        )
+        return msgspec.structs.replace(state, mode=mode, position=position)
+
+    def _follower_scan(self) -> dict[int, Path]:
+        return SegmentFollower(self.cdc_dir, None).scan()
+
+    def _check_owner(self, state: DaemonState) -> DaemonState:
+        """A state of another node is an error before anything acts on it (its position would delete this
+        node's links); a state that does not say whose it is yet gets this node's id."""
+        assert self._store is not None
+        if state.node_id and self.node_id is not None and state.node_id != str(self.node_id):
+            raise ForeignState(
+                f"{self._store.data_file}: daemon state of node {state.node_id}, but {self.config.node_dir} is node "
+                f"{self.node_id} (node dir re-created, or state_dir of another node?); stop the daemon and run "
+                "`cdcd state reset`"
+            )
+        if state.node_id and self.node_id is None:
+            self.node_id = uuid.UUID(state.node_id)
+        if self.node_id is not None and (not state.node_id or not self._store.has_state()):
+            state = self._store.commit(msgspec.structs.replace(state, node_id=str(self.node_id)))
+        return state
 
     def stop(self) -> None:
         """Ask a running ``run()`` to finish its in-flight batch and return (thread- and signal-safe)."""
@@ -213,7 +275,9 @@ class Daemon:
         )
         skip = _PASSIVE_SKIP if state.mode is Mode.PASSIVE else frozenset()
         if self.node_id is None and self._follower is not None:
-            self.node_id = self._follower.expect_node_id
+            self.node_id = self._follower.expect_node_id  # learnt from the first segment read
+            if self.node_id is not None and not state.node_id:
+                committer.state = state = msgspec.structs.replace(state, node_id=str(self.node_id))
         self._follower = SegmentFollower(self.cdc_dir, state.position, skip_types=skip, expect_node_id=self.node_id)
         return processor, self._follower
 

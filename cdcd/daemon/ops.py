@@ -9,17 +9,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import lmdb
 import msgspec
 import structlog
 
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import INITIAL_MODE, daemon_lock
 from cdcd.daemon.processor import record_entries
-from cdcd.daemon.source import ask_node
-from cdcd.daemon.state import DaemonState, Mode, StateDamaged, StateStore, check_lmdb_file
+from cdcd.daemon.source import ask_node, node_caches
+from cdcd.daemon.state import DaemonState, Mode, StateDamaged, StateStore
 from cdcd.durable import fsync_dir
-from cdcd.node.config import NodeConfig
 from cdcd.node.identity import read_node_id
 from cdcd.secrets import mask_mapping
 from cdcd.wal.errors import WalError
@@ -50,6 +48,7 @@ def show_state(config: DaemonConfig) -> dict[str, Any]:
         "state_dir": str(config.state_path),
         "fresh": fresh,
         "mode": state.mode.value,
+        "node_id": state.node_id or None,
         "position": str(pos) if pos else None,
         "position_parts": msgspec.to_builtins(pos) if pos else None,
         "updated": datetime.fromtimestamp(state.updated_ns / 1e9, UTC).isoformat() if state.updated_ns else None,
@@ -254,22 +253,7 @@ def _check_reset_position(config: DaemonConfig, links: dict[int, Path], to: WalP
 
 
 def _node_caches(config: DaemonConfig) -> tuple[dict[int, CacheInfo], str]:
-    """The cache registry from the node's page store (read-only), for a state that lost its own."""
-    db = NodeConfig(node_dir=config.node_dir).db_path
-    if not (db / "data.mdb").exists():
-        return {}, "none (the node has no page store)"
-    try:
-        check_lmdb_file(db / "data.mdb")
-        env = lmdb.open(str(db), readonly=True, max_dbs=4)
-        try:
-            names = env.open_db(b"caches", create=False)
-            with env.begin(db=names) as txn:
-                infos = [msgspec.msgpack.decode(v, type=CacheInfo) for _k, v in txn.cursor()]
-        finally:
-            env.close()
-    except (lmdb.Error, msgspec.DecodeError) as exc:
-        return {}, f"none (the node's page store is unreadable: {exc})"
-    return {i.cache_id: i for i in infos}, f"node page store {db}"
+    return node_caches(config.node_dir)
 
 
 def reset_state(config: DaemonConfig, plan: ResetPlan) -> tuple[DaemonState, Path | None]:

@@ -18,6 +18,7 @@ from cdcd.daemon.state import StateDamaged, check_lmdb_file
 from cdcd.node.config import NodeConfig
 from cdcd.node.realtime import RealtimeState
 from cdcd.wal.pointer import WalPosition
+from cdcd.wal.records import CacheInfo
 
 log = structlog.get_logger("cdcd.daemon")
 
@@ -76,3 +77,30 @@ def _read_metastorage(path: Path) -> NodeDelivery | None:
         env.close()
     on = saved.enabled and saved.try_start is None and saved.position is not None
     return NodeDelivery(on, saved.position, f"metastorage {data}")
+
+
+def node_caches(node_dir: str | Path) -> tuple[dict[int, CacheInfo], str]:
+    """The node's cache registry from its page store, for a daemon state that lost its own; and where
+    it came from. Read-only and without LMDB's lock file, so a node open in this same process is not
+    disturbed (the registry changes only at checkpoints; a read that fails is retried)."""
+    db = NodeConfig(node_dir=str(node_dir)).db_path
+    data = db / "data.mdb"
+    if not data.exists():
+        return {}, "none (the node has no page store)"
+    error = ""
+    for _attempt in range(3):
+        try:
+            check_lmdb_file(data)
+            env = lmdb.open(str(db), readonly=True, lock=False, max_dbs=4)
+            try:
+                names = env.open_db(b"caches", create=False)
+                with env.begin(db=names) as txn:
+                    infos = [msgspec.msgpack.decode(v, type=CacheInfo) for _k, v in txn.cursor()]
+            finally:
+                env.close()
+        except (StateDamaged, lmdb.Error, msgspec.DecodeError) as exc:
+            error = str(exc)
+            continue
+        return {i.cache_id: i for i in infos}, f"node page store {db}"
+    log.warning("node_caches_unreadable", path=str(data), error=error)
+    return {}, f"none (the node's page store is unreadable: {error})"

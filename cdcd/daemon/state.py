@@ -136,6 +136,14 @@ class StateStore:
         except (*_DAMAGE, msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise self._damaged(exc) from None
 
+    def has_state(self) -> bool:
+        """False for a new (or emptied) state: nothing was ever committed."""
+        try:
+            with self.env.begin(db=self._state_db) as txn:
+                return txn.get(b"state") is not None
+        except _DAMAGE as exc:
+            raise self._damaged(exc) from None
+
     def caches(self) -> dict[int, CacheInfo]:
         try:
             with self.env.begin(db=self._caches_db) as txn:

@@ -7,10 +7,11 @@ against it: a segment or a state of another node is an error, never delivered or
 
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 
-from cdcd.durable import write_atomic
+from cdcd.durable import fsync_dir
 
 NODE_ID_FILE = "node_id"
 
@@ -31,7 +32,15 @@ def write_node_id(node_dir: str | Path, node_id: uuid.UUID) -> None:
             return
     except BadNodeIdFile:
         pass  # the node's page store is the source of truth: a damaged copy is replaced
-    write_atomic(path, f"{node_id}\n".encode())
+    tmp = path.with_name(f".{NODE_ID_FILE}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)  # private, whatever the umask
+    try:
+        os.write(fd, f"{node_id}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def read_node_id(node_dir: str | Path) -> uuid.UUID | None:
