@@ -301,6 +301,7 @@ def daemon_run(config_path: Path, log_format: str | None) -> None:
     from cdcd.daemon.daemon import Daemon
     from cdcd.daemon.state import StateRefused
     from cdcd.lock import LockHeld
+    from cdcd.node.identity import BadNodeIdFile
     from cdcd.sinks import load_consumer
 
     config = _load_daemon_config(config_path)
@@ -312,7 +313,7 @@ def daemon_run(config_path: Path, log_format: str | None) -> None:
         consumer = load_consumer(config.consumer, f"{config_path}: consumer")
     except ConfigError as exc:
         fail(str(exc), EXIT_BAD_INPUT)
-    daemon = Daemon(config, consumer)
+    daemon = Daemon(config, consumer, show_progress=sys.stdout.isatty())
 
     def fatal(event: str, message: str, code: int) -> None:
         log.error(event, error=message)
@@ -358,6 +359,8 @@ def daemon_run(config_path: Path, log_format: str | None) -> None:
         fatal("bad_segment", str(exc), EXIT_BAD_WAL)
     except StateRefused as exc:
         fatal("bad_state", str(exc), EXIT_BAD_STATE)
+    except BadNodeIdFile as exc:
+        fatal("bad_node_dir", str(exc), EXIT_BAD_STATE)
     except ConsumerFailed as exc:
         fatal("consumer_failed", str(exc), EXIT_CONSUMER_FAILED)
     except (OSError, ConfigError) as exc:

@@ -171,3 +171,19 @@ def test_state_of_a_recreated_node_deletes_nothing(tmp_path: Path) -> None:
     assert state_show(config)["node_id"] == str(new_id)
     catch_up_and_stop(config, tmp_path / "run3.err", (6, 0, 0))
     assert read_jsonl(out) == before + wal_events(node_dir)
+
+
+def test_damaged_node_id_file_is_one_line(tmp_path: Path) -> None:
+    """A `node_id` file that holds no id: exit 6, one line naming it, nothing delivered; the node rewrites it at open."""
+    a = tmp_path / "a"
+    out = tmp_path / "out.jsonl"
+    make_node(a, segments=1, tx_per_segment=2)
+    good = (a / "node_id").read_text()
+    (a / "node_id").write_text("garbage\n")
+    config = write_daemon_config(tmp_path / "cdcd.toml", a, jsonl_consumer(out))
+    err = tmp_path / "run.err"
+    assert run_daemon_until_exit(config, err) == 6
+    assert only_error_line(err) == f"cdcd: error: {a / 'node_id'}: not a node id: 'garbage'"
+    assert read_jsonl(out) == []
+    make_node(a, segments=1, tx_per_segment=2, first_tx=2)
+    assert (a / "node_id").read_text() == good

@@ -81,7 +81,8 @@ class _Wake(FileSystemEventHandler):
 class Daemon:
     """Use ``start()``/``stop()`` or ``async with``; ``stop()`` is idempotent."""
 
-    def __init__(self, config: DaemonConfig, consumer: Consumer, *, show_progress: bool | None = None) -> None:
+    def __init__(self, config: DaemonConfig, consumer: Consumer, *, show_progress: bool = False) -> None:
+        """``show_progress``: a catch-up bar on stdout (``cdcd run`` on a terminal; a library prints nothing there)."""
         self.config = config
         self.consumer = consumer
         self.cdc_dir = config.cdc_path
@@ -92,7 +93,7 @@ class Daemon:
         self._consumer_started = False
         self._stopping = threading.Event()
         self._notifier = Notifier()
-        self._show_progress = sys.stdout.isatty() if show_progress is None else show_progress
+        self._show_progress = show_progress
         self._progress_total: int | None = None
         self._progress_start = 0
         self._loop: asyncio.AbstractEventLoop | None = None
