@@ -174,7 +174,7 @@ def test_state_of_a_recreated_node_deletes_nothing(tmp_path: Path) -> None:
 
 
 def test_damaged_node_id_file_is_one_line(tmp_path: Path) -> None:
-    """A `node_id` file that holds no id: exit 6, one line naming it, nothing delivered; the node rewrites it at open."""
+    """A `node_id` file holding no id: exit 6, one line naming it, nothing delivered; the node rewrites it at open."""
     a = tmp_path / "a"
     out = tmp_path / "out.jsonl"
     make_node(a, segments=1, tx_per_segment=2)
