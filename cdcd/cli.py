@@ -27,6 +27,8 @@ EXIT_MISSING_SEGMENT = 3
 EXIT_CONSUMER_FAILED = 4
 EXIT_BAD_WAL = 5
 EXIT_STALLED = 6
+EXIT_BAD_STATE = 7
+"""The daemon's state is damaged or belongs to another node: `cdcd state reset` (not restarted by the unit)."""
 
 
 def fail(message: str, code: int) -> NoReturn:
@@ -34,7 +36,7 @@ def fail(message: str, code: int) -> NoReturn:
     sys.exit(code)
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="cdcd")
 def main() -> None:
     """cdcd: change-data-capture for the cdcd storage node."""
@@ -48,16 +50,15 @@ def wal() -> None:
 
 @wal.command("dump")
 @click.argument("path", type=click.Path(exists=True, path_type=Path))
-@click.option("--from", "start", metavar="SEG:OFF", help="Start at this pointer (e.g. 42:1048576).")
+@click.option("--from", "start", metavar="SEG:OFF", help="Start at this pointer (e.g. 42:1048576): a record start.")
 @click.option("--active", is_flag=True, help="PATH is an active segment: a short tail is the end, not an error.")
 def wal_dump(path: Path, start: str | None, active: bool) -> None:
     """Print the records of a segment file or a directory of segments as JSON lines.
 
-    A node's work dir (one holding archive/) is read with its archive, its newest segment as active.
+    A node's work dir (one holding archive/) is read with its archive, its newest segment as active;
+    segments the running node archives meanwhile are followed into the archive.
     """
-    from cdcd.wal.dump import record_to_dict
-    from cdcd.wal.reader import SegmentReader, WalReader
-    from cdcd.wal.segment import list_segments
+    from cdcd.wal.dump import open_records, record_to_dict
 
     try:
         pointer = WalPointer.parse(start) if start else None
@@ -66,19 +67,8 @@ def wal_dump(path: Path, start: str | None, active: bool) -> None:
     encoder = msgspec.json.Encoder()
     out = sys.stdout.buffer
     try:
-        records: object
-        if path.is_dir():
-            dirs = [path]
-            active_segment = None
-            if (path / "archive").is_dir():
-                dirs = [path / "archive", path]
-                work, _ = list_segments(path)
-                active_segment = max(work) if work else None
-            records = WalReader(dirs, pointer, active_segment=active_segment)
-        else:
-            offset = pointer.offset if pointer else 0
-            records = SegmentReader(path, start_offset=offset, archived=not active)
-        for ptr, record in records:  # type: ignore[attr-defined]
+        records = open_records(path, pointer, active=active)
+        for ptr, record in records:
             out.write(encoder.encode(record_to_dict(ptr, record)))
             out.write(b"\n")
         out.flush()
@@ -90,6 +80,9 @@ def wal_dump(path: Path, start: str | None, active: bool) -> None:
         fail(str(exc), EXIT_BAD_INPUT)
     except BrokenPipeError:
         os._exit(0)  # `cdcd wal dump | head`
+    except OSError as exc:
+        out.flush()
+        fail(f"{exc.filename or path}: {exc.strerror or exc}", 1)
 
 
 # --- node -----------------------------------------------------------------------------------------
@@ -312,12 +305,19 @@ def _load_daemon_config(path: Path) -> Any:
 
 @main.command("run")
 @click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="Daemon TOML config.")
-def daemon_run(config_path: Path) -> None:
+@click.option(
+    "--log-format",
+    type=click.Choice(["json", "console"]),
+    default=None,
+    help="Overrides the config's log_format. Default: console on a terminal, else JSON lines.",
+)
+def daemon_run(config_path: Path, log_format: str | None) -> None:
     """Run the CDC daemon: follow the node's CDC dir and deliver to the consumer until SIGTERM/SIGINT.
 
     Exit codes: 0 stopped cleanly, 1 another daemon holds the node, 2 bad config,
-    3 missing segment, 4 consumer failed, 5 corrupt or truncated segment, 6 pipeline stalled
-    (a consumer call ran past consumer_stall_timeout_ms).
+    3 missing segment, 4 consumer failed, 5 corrupt, truncated or foreign segment, 6 pipeline
+    stalled (a consumer call ran past consumer_stall_timeout_ms), 7 damaged daemon state or a state
+    of another node (see `cdcd state reset`).
     """
     import asyncio
 
@@ -325,18 +325,21 @@ def daemon_run(config_path: Path) -> None:
 
     from cdcd.daemon.committer import ConsumerFailed
     from cdcd.daemon.daemon import Daemon, PipelineStalled
+    from cdcd.daemon.state import StateRefused
     from cdcd.lock import LockHeld
+    from cdcd.node.identity import BadNodeIdFile
     from cdcd.sinks import load_consumer
 
     config = _load_daemon_config(config_path)
-    configure_logging(config.log_format)
+    fmt = log_format or config.log_format or ("console" if sys.stderr.isatty() else "json")
+    configure_logging(fmt)  # type: ignore[arg-type]
     log = structlog.get_logger("cdcd.daemon")
     _fixed_mmap_threshold()
     try:
         consumer = load_consumer(config.consumer, f"{config_path}: consumer")
     except ConfigError as exc:
         fail(str(exc), EXIT_BAD_INPUT)
-    daemon = Daemon(config, consumer)
+    daemon = Daemon(config, consumer, show_progress=sys.stdout.isatty())
 
     def fatal(event: str, message: str, code: int) -> None:
         log.error(event, error=message)
@@ -390,6 +393,10 @@ def daemon_run(config_path: Path) -> None:
         )
     except WalError as exc:
         fatal("bad_segment", str(exc), EXIT_BAD_WAL)
+    except StateRefused as exc:
+        fatal("bad_state", str(exc), EXIT_BAD_STATE)
+    except BadNodeIdFile as exc:
+        fatal("bad_node_dir", str(exc), EXIT_BAD_STATE)
     except ConsumerFailed as exc:
         fatal("consumer_failed", str(exc), EXIT_CONSUMER_FAILED)
     except (OSError, ConfigError) as exc:
@@ -406,23 +413,77 @@ def state() -> None:
 
 
 @state.command("show")
-@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path))
+@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="Daemon TOML config.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def state_show(config_path: Path, as_json: bool) -> None:
     """Print the daemon's committed position, mode, caches and the CDC dir's links."""
     from cdcd.daemon.ops import show_state
+    from cdcd.daemon.state import StateRefused
 
-    info = show_state(_load_daemon_config(config_path))
+    try:
+        info = show_state(_load_daemon_config(config_path))
+    except StateRefused as exc:
+        fail(str(exc), EXIT_BAD_STATE)
     if as_json:
         click.echo(msgspec.json.encode(info).decode())
         return
-    for key in ("mode", "position", "updated", "commits", "state_dir", "cdc_dir", "links", "first_link", "last_link"):
+    keys = ("mode", "position", "updated", "commits", "node_id", "state_dir", "cdc_dir", "links", "first_link")
+    for key in (*keys, "last_link"):
         click.echo(f"{key:<12} {info[key] if info[key] is not None else '-'}")
     caches = ", ".join(f"{name} ({cid})" for cid, name in info["caches"].items()) or "-"
     click.echo(f"{'caches':<12} {caches}")
     if info["ignored_files"]:
         click.echo(f"{'ignored':<12} {', '.join(info['ignored_files'])}")
     click.echo(f"{'consumer':<12} {msgspec.json.encode(info['consumer']).decode()}")
+
+
+@state.command("reset")
+@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="Daemon TOML config.")
+@click.option(
+    "--to",
+    "to",
+    metavar="SEG:OFF[#IDX]",
+    default=None,
+    help="Deliver from this position (a record start in a linked segment); default: the oldest link.",
+)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def state_reset(config_path: Path, to: str | None, yes: bool) -> None:
+    """Replace the daemon's state (damaged, of another node, or at a wrong position) with one at the
+    oldest link or at --to. The daemon must be stopped. A damaged state file is moved aside, not deleted;
+    the mode is what the node says (its realtime worker delivers: PASSIVE), the cache registry is kept
+    or read from the node."""
+    from cdcd.daemon.ops import ResetRefused, plan_reset, reset_state
+    from cdcd.lock import LockHeld
+    from cdcd.wal.pointer import WalPosition
+
+    configure_logging("console" if sys.stderr.isatty() else "json")
+    config = _load_daemon_config(config_path)
+    try:
+        position = WalPosition.parse(to) if to else None
+    except ValueError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+    if not Path(config.node_dir).is_dir():
+        fail(f"{config_path}: key 'node_dir': {config.node_dir} does not exist", EXIT_BAD_INPUT)
+    try:
+        plan = plan_reset(config, position)
+    except ResetRefused as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+    old = plan.old
+    was = "damaged" if plan.damaged else (f"{old.mode.value} at {old.position or '-'}" if old else "none")
+    new = plan.new
+    click.echo(f"state     {config.state_path} (now: {was})")
+    click.echo(f"reset to  {new.mode.value} at {new.position or 'the oldest link'} (mode from {plan.mode_from})")
+    click.echo(f"caches    {len(plan.caches)} from {plan.caches_from}")
+    if old is not None and old.position is not None and new.position is not None and new.position > old.position:
+        click.echo(f"warning   entries from {old.position} to {new.position} will not be delivered")
+    _confirm(yes)
+    try:
+        state, moved = reset_state(config, plan)
+    except LockHeld as exc:
+        fail(f"the daemon is running ({exc}); stop it first", EXIT_LOCKED)
+    if moved is not None:
+        click.echo(f"moved the damaged state to {moved}")
+    click.echo(f"state reset: {state.mode.value} at {state.position or 'the oldest link'}; start the daemon")
 
 
 @main.group()
@@ -439,12 +500,38 @@ def control(ctx: click.Context, node_dir: Path | None, socket_path: Path | None)
     ctx.obj = socket_path or (node_dir / "control.sock" if node_dir else None)
 
 
+def _set_target(ctx: click.Context, param: click.Parameter, value: Path | None) -> None:
+    if value is not None:
+        ctx.meta[f"cdcd.{param.name}"] = value
+
+
+def node_target(f: Any) -> Any:
+    """``--node-dir``/``--socket`` also after a ``control`` subcommand (``cdcd control status --node-dir D``)."""
+    f = click.option(
+        "--socket",
+        "socket_path",
+        type=click.Path(path_type=Path),
+        expose_value=False,
+        callback=_set_target,
+        help="Control socket path (wins over --node-dir).",
+    )(f)
+    return click.option(
+        "--node-dir",
+        "node_dir",
+        type=click.Path(path_type=Path),
+        expose_value=False,
+        callback=_set_target,
+        help="The node to talk to (its control socket is <node-dir>/control.sock).",
+    )(f)
+
+
 def _node_request(ctx: click.Context, message: dict[str, Any]) -> dict[str, Any]:
     from cdcd.control import request
 
-    path = ctx.obj
+    node_dir = ctx.meta.get("cdcd.node_dir")
+    path = ctx.meta.get("cdcd.socket_path") or (node_dir / "control.sock" if node_dir else ctx.obj)
     if path is None:
-        fail("give --node-dir DIR (or --socket PATH) before the command", EXIT_BAD_INPUT)
+        fail("give --node-dir DIR (or --socket PATH)", EXIT_BAD_INPUT)
     try:
         reply = request(path, message)
     except FileNotFoundError:
@@ -457,6 +544,7 @@ def _node_request(ctx: click.Context, message: dict[str, Any]) -> dict[str, Any]
 
 
 @control.command("realtime")
+@node_target
 @click.argument("state", type=click.Choice(["on", "off"]))
 @click.pass_context
 def control_realtime(ctx: click.Context, state: str) -> None:
@@ -466,6 +554,7 @@ def control_realtime(ctx: click.Context, state: str) -> None:
 
 
 @control.command("cdc")
+@node_target
 @click.argument("state", type=click.Choice(["on", "off"]))
 @click.pass_context
 def control_cdc(ctx: click.Context, state: str) -> None:
@@ -477,6 +566,7 @@ def control_cdc(ctx: click.Context, state: str) -> None:
 
 
 @control.command("status")
+@node_target
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def control_status(ctx: click.Context, as_json: bool) -> None:
@@ -515,6 +605,7 @@ def control_status(ctx: click.Context, as_json: bool) -> None:
 
 
 @control.command("resend")
+@node_target
 @click.option("--cache", required=True, help="Cache whose current entries are written again as CREATE events.")
 @click.pass_context
 def control_resend(ctx: click.Context, cache: str) -> None:
@@ -533,7 +624,7 @@ def _confirm(yes: bool) -> None:
 
 
 @control.command("relink-lost-segments")
-@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path))
+@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="Daemon TOML config.")
 @click.option(
     "--archive",
     "archive_path",
@@ -570,7 +661,7 @@ def relink_lost(config_path: Path, archive_path: Path | None, yes: bool) -> None
 
 
 @control.command("delete-lost-segment-links")
-@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path))
+@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="Daemon TOML config.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 def delete_lost_links(config_path: Path, yes: bool) -> None:
     """After a gap in the CDC dir: keep the newest contiguous run of links, delete the links before
@@ -620,9 +711,11 @@ def _spark(master: str, app: str) -> Any:
 
 
 @lake.command("compact")
-@click.option("--lake", "lake_path", required=True, type=click.Path(path_type=Path, exists=True))
+@click.option(
+    "--lake", "lake_path", required=True, type=click.Path(path_type=Path, exists=True), help="The lake directory."
+)
 @click.option("--cache", default=None, help="Only this cache.")
-@click.option("--spark-master", default="local[*]", show_default=True)
+@click.option("--spark-master", default="local[*]", show_default=True, help="Spark master URL to compact on.")
 def lake_compact(lake_path: Path, cache: str | None, spark_master: str) -> None:
     """Fold the change log into current-state tables <lake>/state/cache=<name> (incremental, atomic swap)."""
     from cdcd.lake import spark as spark_session
@@ -643,17 +736,30 @@ def lake_compact(lake_path: Path, cache: str | None, spark_master: str) -> None:
 
 
 @lake.command("verify")
-@click.option("--lake", "lake_path", required=True, type=click.Path(path_type=Path, exists=True))
-@click.option("--node-dir", required=True, type=click.Path(path_type=Path, exists=True))
+@click.option(
+    "--lake", "lake_path", required=True, type=click.Path(path_type=Path, exists=True), help="The lake directory."
+)
+@click.option(
+    "--node-dir",
+    required=True,
+    type=click.Path(path_type=Path, exists=True),
+    help="The node to compare with (stopped).",
+)
 def lake_verify(lake_path: Path, node_dir: Path) -> None:
     """Compare the state tables with the node's data (rows and an order-independent checksum per cache).
     The node must be stopped; compact first. Exit 1 on any mismatch."""
     from cdcd.demo import print_verify
+    from cdcd.lake.log import LOG_DIR
     from cdcd.lake.verify import verify
     from cdcd.node.node import NodeLocked
     from cdcd.node.snapshot import NodeSnapshot
 
     configure_logging("console" if sys.stderr.isatty() else "json", level="warning")
+    if not (lake_path / LOG_DIR).is_dir():
+        fail(f"{lake_path} is not a cdcd lake (no {LOG_DIR}/ in it)", EXIT_BAD_INPUT)
+    state_dir = lake_path / "state"
+    if not state_dir.is_dir() or not any(p.name.startswith("cache=") for p in state_dir.iterdir()):
+        fail(f"{lake_path}: nothing compacted yet: run `cdcd lake compact --lake {lake_path}` first", EXIT_BAD_INPUT)
     try:
         snapshot = NodeSnapshot(node_dir)  # read-only: verifying never writes to the node
     except NodeLocked as exc:
@@ -668,8 +774,10 @@ def lake_verify(lake_path: Path, node_dir: Path) -> None:
 
 
 @lake.command("show")
-@click.option("--lake", "lake_path", required=True, type=click.Path(path_type=Path, exists=True))
-@click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "--lake", "lake_path", required=True, type=click.Path(path_type=Path, exists=True), help="The lake directory."
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def lake_show(lake_path: Path, as_json: bool) -> None:
     """Per cache: change-log rows, last position, last commit time, compacted state rows."""
     from cdcd.demo import print_show
@@ -689,8 +797,10 @@ def lake_show(lake_path: Path, as_json: bool) -> None:
 @main.command("demo")
 @click.option("--seconds", type=float, default=0, help="Run this long, then verify (0: until Ctrl-C).")
 @click.option("--rate", type=int, default=2000, show_default=True, help="Sample load, entries/s.")
-@click.option("--var", type=click.Path(path_type=Path), default=Path("var"), show_default=True)
-@click.option("--spark-master", default="local[2]", show_default=True)
+@click.option(
+    "--var", type=click.Path(path_type=Path), default=Path("var"), show_default=True, help="Where <var>/demo goes."
+)
+@click.option("--spark-master", default="local[2]", show_default=True, help="Spark master URL for the lake sink.")
 def demo(seconds: float, rate: int, var: Path, spark_master: str) -> None:
     """A node with a sample load, the daemon, the Spark lake sink into <var>/demo/lake; on stop (or
     after --seconds) catch up, compact, `lake show` and `lake verify`. Exit 1 if verification fails."""

@@ -406,14 +406,26 @@ def test_demo_runs_end_to_end(tmp_path: Path, spark: Any) -> None:
     print(f"\ndemo: {time.monotonic() - t0:.0f}s")
 
 
+def fake_compacted_state(lake: Path, cache: str, rows: list[tuple[str, str]]) -> None:
+    """A lake whose compacted state of ``cache`` holds ``rows`` (key JSON, value JSON), without running Spark."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (lake / "_cdcd_log").mkdir(parents=True, exist_ok=True)
+    state = lake / "state" / f"cache={cache}"
+    state.mkdir(parents=True)
+    keys, values = [k for k, _ in rows], [v for _, v in rows]
+    pq.write_table(pa.table({"key": keys, "value": values}), state / "part-0.parquet")
+
+
 def test_lake_verify_stdout_is_only_its_table(tmp_path: Path) -> None:
     """`cdcd lake verify` prints only its result table on stdout (log lines belong on stderr)."""
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
-    lake.mkdir()
+    fake_compacted_state(lake, "orders", [("2", '"two"')])
     with Node.open(node_dir) as node:
         node.cache("orders").put(1, "one")
     res = cdcd("lake", "verify", "--lake", str(lake), "--node-dir", str(node_dir))
-    assert res.returncode == 1  # the lake has no state for "orders"
+    assert res.returncode == 1  # the lake's "orders" differs
     assert res.stdout.splitlines()[0].startswith("cache "), res.stdout
     assert len(res.stdout.splitlines()) == 2, res.stdout
 
@@ -668,7 +680,7 @@ def test_lake_verify_leaves_the_node_alone(tmp_path: Path) -> None:
     from tests.test_realtime import markers, node_realtime_state
 
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
-    lake.mkdir()
+    fake_compacted_state(lake, "orders", [("2", '"two"')])
     settings = {
         "wal_segment_size_bytes": 64 * 1024,
         "wal_force_archive_timeout_ms": 0,
@@ -683,7 +695,7 @@ def test_lake_verify_leaves_the_node_alone(tmp_path: Path) -> None:
     assert node_realtime_state(node_dir).enabled
     before = markers(node_dir)
     res = cdcd("lake", "verify", "--lake", str(lake), "--node-dir", str(node_dir))
-    assert res.returncode == 1, res.stdout + res.stderr  # no state in the lake
+    assert res.returncode == 1, res.stdout + res.stderr  # the lake's "orders" differs
     assert node_realtime_state(node_dir).enabled, "verify switched the node's realtime CDC off"
     assert markers(node_dir) == before, "verify wrote marker records into the node's WAL"
 

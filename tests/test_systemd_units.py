@@ -117,8 +117,9 @@ def test_units_restart_policy_matches_the_cli_exit_codes() -> None:
         str(cli.EXIT_BAD_INPUT),
         str(cli.EXIT_MISSING_SEGMENT),
         str(cli.EXIT_BAD_WAL),
+        str(cli.EXIT_BAD_STATE),
     }
-    assert cli.EXIT_STALLED not in {cli.EXIT_BAD_INPUT, cli.EXIT_MISSING_SEGMENT, cli.EXIT_BAD_WAL}
+    assert cli.EXIT_STALLED not in {cli.EXIT_BAD_INPUT, cli.EXIT_MISSING_SEGMENT, cli.EXIT_BAD_WAL, cli.EXIT_BAD_STATE}
     node = unit_settings("cdcd-node@.service")
     assert node["Type"] == ["notify"] and node["NotifyAccess"] == ["main"]
     assert node["WatchdogSec"] == ["30"] and node["Restart"] == ["on-failure"]

@@ -40,7 +40,8 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     its watchdog pings and exits 6 naming it."""
     metrics_address: str = "127.0.0.1:9469"
     """host:port of the Prometheus endpoint ("" disables it)."""
-    log_format: Literal["json", "console"] = "json"
+    log_format: Literal["json", "console"] | None = None
+    """Default: console on a terminal, JSON lines otherwise (``cdcd run --log-format`` overrides)."""
     consumer: dict[str, Any] = msgspec.field(default_factory=lambda: {"kind": "null"})
 
     def __post_init__(self) -> None:

@@ -14,11 +14,13 @@ import operator
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+import msgspec
 import numpy as np
 import structlog
 from prometheus_client import REGISTRY
@@ -32,8 +34,9 @@ from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.follower import SegmentFollower, delete_links_below
 from cdcd.daemon.processor import Batch, Item, Processor, Switch
 from cdcd.daemon.sdnotify import Notifier
-from cdcd.daemon.state import DaemonState, Mode, StateStore
+from cdcd.daemon.state import DaemonState, ForeignState, Mode, StateStore
 from cdcd.lock import DirLock
+from cdcd.node.identity import read_node_id
 from cdcd.wal.errors import WalError
 from cdcd.wal.reader import SegmentReader
 from cdcd.wal.records import CacheInfo, DataRecord
@@ -93,7 +96,8 @@ class _Wake(FileSystemEventHandler):
 class Daemon:
     """Use ``start()``/``stop()`` or ``async with``; ``stop()`` is idempotent."""
 
-    def __init__(self, config: DaemonConfig, consumer: Consumer, *, show_progress: bool | None = None) -> None:
+    def __init__(self, config: DaemonConfig, consumer: Consumer, *, show_progress: bool = False) -> None:
+        """``show_progress``: a catch-up bar on stdout (``cdcd run`` on a terminal; a library prints nothing there)."""
         self.config = config
         self.consumer = consumer
         self.cdc_dir = config.cdc_path
@@ -104,7 +108,7 @@ class Daemon:
         self._consumer_started = False
         self._stopping = threading.Event()
         self._notifier = Notifier()
-        self._show_progress = sys.stdout.isatty() if show_progress is None else show_progress
+        self._show_progress = show_progress
         self._progress_total: int | None = None
         self._progress_start = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -117,22 +121,39 @@ class Daemon:
         """(segment, commit ns) of the first data record in the node's active segment, not yet in a link."""
         self._segment_started: dict[int, float] = {}
         self._stalled: str | None = None
+        self.node_id: uuid.UUID | None = None
+        """The node whose segments are delivered: from the node dir, else the first segment read."""
+        self._follower: SegmentFollower | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         """Take the lock, load the state, delete links below it, start the consumer."""
         if self._started:
             return
+        # Before the lock: a wrong node_dir must not leave a lock file (or a dir) behind.
+        if not Path(self.config.node_dir).is_dir():
+            raise FileNotFoundError(f"node_dir {self.config.node_dir} does not exist")
+        if not self.cdc_dir.is_dir():
+            raise FileNotFoundError(f"cdc_dir {self.cdc_dir} does not exist (is node_dir right?)")
         self._lock.acquire(self.config.lock_timeout_ms)
         metrics.export(metrics.DAEMON)
         metrics.DAEMON_LAG_SECONDS.set_function(self._lag_seconds)
         metrics.DAEMON_SEGMENTS_PENDING.set_function(self._segments_pending)
         try:
-            if not self.cdc_dir.is_dir():
-                raise FileNotFoundError(f"cdc_dir {self.cdc_dir} does not exist (is node_dir right?)")
+            self.node_id = read_node_id(self.config.node_dir)
             self._store = StateStore(self.config.state_path)
             state = self._store.load(INITIAL_MODE)
             caches = self._store.caches()
+            if not self._store.has_state():
+                state = self._initial_state(state)
+                if not caches:
+                    from cdcd.daemon.source import node_caches
+
+                    caches, caches_from = node_caches(self.config.node_dir)
+                    self._store.commit(state, caches=caches)  # the registry stays with the state
+                    state = self._store.load(INITIAL_MODE)
+                    log.info("cache_registry_from_node", caches=len(caches), source=caches_from)
+            state = self._check_owner(state)
             if state.position is not None:
                 for seg in delete_links_below(self.cdc_dir, state.position.segment):
                     log.info("stale_link_deleted", segment=seg)
@@ -155,6 +176,7 @@ class Daemon:
                 node_dir=self.config.node_dir,
                 cdc_dir=str(self.cdc_dir),
                 state_dir=str(self.config.state_path),
+                node_id=str(self.node_id) if self.node_id else None,
                 mode=state.mode.value,
                 position=str(state.position) if state.position else None,
                 consumer=type(self.consumer).__name__,
@@ -162,6 +184,57 @@ class Daemon:
         except BaseException:
             self._shutdown()
             raise
+
+    def _initial_state(self, state: DaemonState) -> DaemonState:
+        """No state (new, deleted or emptied): ask the node who delivers rather than wait PASSIVE for a Stop
+        record that a running node writes only when it opens. Its realtime worker delivers: PASSIVE. It does
+        not: ACTIVE from where its realtime worker stopped, or the oldest link."""
+        from cdcd.daemon.source import ask_node
+
+        node = ask_node(self.config.node_dir)
+        if node is None:
+            log.warning(
+                "daemon_without_state_waits",
+                node_dir=self.config.node_dir,
+                hint="the node neither answers on its control socket nor has a metastorage; "
+                "PASSIVE until it writes a Stop record (at its next start)",
+            )
+            return state
+        if node.realtime_on:
+            mode, position = Mode.PASSIVE, None
+        else:
+            links = self._follower_scan()
+            position = node.position
+            if position is not None and links and position.segment < min(links):
+                position = None  # consumed and unlinked: the oldest link is where delivery goes on
+            mode = Mode.ACTIVE
+        log.info(
+            "daemon_state_from_node",
+            source=node.source,
+            mode=mode.value,
+            position=str(position) if position else None,
+            start="the oldest link" if position is None and mode is Mode.ACTIVE else None,
+        )
+        return msgspec.structs.replace(state, mode=mode, position=position)
+
+    def _follower_scan(self) -> dict[int, Path]:
+        return SegmentFollower(self.cdc_dir, None).scan()
+
+    def _check_owner(self, state: DaemonState) -> DaemonState:
+        """A state of another node is an error before anything acts on it (its position would delete this
+        node's links); a state that does not say whose it is yet gets this node's id."""
+        assert self._store is not None
+        if state.node_id and self.node_id is not None and state.node_id != str(self.node_id):
+            raise ForeignState(
+                f"{self._store.data_file}: daemon state of node {state.node_id}, but {self.config.node_dir} is node "
+                f"{self.node_id} (node dir re-created, or state_dir of another node?); stop the daemon and run "
+                "`cdcd state reset`"
+            )
+        if state.node_id and self.node_id is None:
+            self.node_id = uuid.UUID(state.node_id)
+        if self.node_id is not None and (not state.node_id or not self._store.has_state()):
+            state = self._store.commit(msgspec.structs.replace(state, node_id=str(self.node_id)))
+        return state
 
     def stop(self) -> None:
         """Ask a running ``run()`` to finish its in-flight batch and return (thread- and signal-safe)."""
@@ -235,7 +308,12 @@ class Daemon:
             batch_max_bytes=self.config.batch_max_bytes,
         )
         skip = _PASSIVE_SKIP if state.mode is Mode.PASSIVE else frozenset()
-        return processor, SegmentFollower(self.cdc_dir, state.position, skip_types=skip)
+        if self.node_id is None and self._follower is not None:
+            self.node_id = self._follower.expect_node_id  # learnt from the first segment read
+            if self.node_id is not None and not state.node_id:
+                committer.state = state = msgspec.structs.replace(state, node_id=str(self.node_id))
+        self._follower = SegmentFollower(self.cdc_dir, state.position, skip_types=skip, expect_node_id=self.node_id)
+        return processor, self._follower
 
     def sync_once(self) -> int:
         """Process everything the CDC dir holds now (across mode switches); returns events delivered."""

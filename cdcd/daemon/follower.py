@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,11 +26,21 @@ class SegmentFollower:
 
     Only regular files named ``%016d.wal`` are read: other names and symlinks are refused with a
     warning (once each) and never opened. A gap before a newer segment is ``MissingSegment``.
+    A segment whose header names another node than ``expect_node_id`` is ``ForeignSegment``
+    before any of its records is returned; without an expected id, the first segment read sets it.
     """
 
-    def __init__(self, cdc_dir: Path, start: WalPosition | None, *, skip_types: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        cdc_dir: Path,
+        start: WalPosition | None,
+        *,
+        skip_types: frozenset[int] = frozenset(),
+        expect_node_id: uuid.UUID | None = None,
+    ) -> None:
         self.cdc_dir = cdc_dir
         self.skip_types = skip_types
+        self.expect_node_id = expect_node_id
         self._segment: int | None = start.segment if start is not None else None
         self._offset = start.offset if start is not None else 0
         self._reader: SegmentReader | None = None
@@ -65,7 +76,13 @@ class SegmentFollower:
             if any(s > seg for s in found):
                 raise MissingSegment(self.cdc_dir, seg)
             return False
-        self._reader = SegmentReader(path, start_offset=self._offset, archived=True, skip_types=self.skip_types)
+        self._reader = SegmentReader(
+            path,
+            start_offset=self._offset,
+            archived=True,
+            skip_types=self.skip_types,
+            expect_node_id=self.expect_node_id,
+        )
         self._records = iter(self._reader)
         return True
 
@@ -80,6 +97,8 @@ class SegmentFollower:
         for ptr, record in records:
             if not out and reader.header is not None:
                 self.node_id = str(reader.header.node_id)
+                if self.expect_node_id is None:
+                    self.expect_node_id = reader.header.node_id
             append((ptr, record, reader.end_offset - ptr.offset))
             if type(record) is SegmentEnd:
                 self._reader = self._records = None

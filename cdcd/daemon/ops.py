@@ -1,7 +1,8 @@
-"""Operator commands on a daemon's state: ``state show`` and ``delete-lost-segment-links``."""
+"""Operator commands on a daemon's state: ``state show``, ``state reset``, ``delete-lost-segment-links``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -9,14 +10,23 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import structlog
 
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import INITIAL_MODE, daemon_lock
-from cdcd.daemon.state import DaemonState, StateStore
+from cdcd.daemon.processor import record_entries
+from cdcd.daemon.source import ask_node, node_caches
+from cdcd.daemon.state import DaemonState, Mode, StateDamaged, StateStore
 from cdcd.durable import fsync_dir
+from cdcd.node.identity import read_node_id
 from cdcd.secrets import mask_mapping
+from cdcd.wal.errors import WalError
 from cdcd.wal.pointer import WalPosition
+from cdcd.wal.reader import SegmentReader, check_record_start
+from cdcd.wal.records import CacheInfo
 from cdcd.wal.segment import list_segments, segment_name
+
+log = structlog.get_logger("cdcd.daemon")
 
 
 def show_state(config: DaemonConfig) -> dict[str, Any]:
@@ -38,6 +48,7 @@ def show_state(config: DaemonConfig) -> dict[str, Any]:
         "state_dir": str(config.state_path),
         "fresh": fresh,
         "mode": state.mode.value,
+        "node_id": state.node_id or None,
         "position": str(pos) if pos else None,
         "position_parts": msgspec.to_builtins(pos) if pos else None,
         "updated": datetime.fromtimestamp(state.updated_ns / 1e9, UTC).isoformat() if state.updated_ns else None,
@@ -161,5 +172,123 @@ def relink_lost_segments(config: DaemonConfig, archive: Path, plan: RelinkPlan) 
         if done:
             fsync_dir(config.cdc_path)
         return done
+    finally:
+        lock.release()
+
+
+@dataclass
+class ResetPlan:
+    old: DaemonState | None
+    """The state as it was (None: none, or unreadable)."""
+    damaged: str | None
+    """Why the old state is unreadable (it is moved aside, not deleted)."""
+    new: DaemonState
+    caches: dict[int, CacheInfo]
+    caches_from: str
+    mode_from: str
+
+
+class ResetRefused(ValueError):
+    """``--to`` names no position the CDC dir can deliver from."""
+
+
+def plan_reset(config: DaemonConfig, to: WalPosition | None) -> ResetPlan:
+    """The state ``state reset`` would write: position ``to`` (checked against the links) or the oldest link;
+    the mode the node says (its realtime worker delivers: PASSIVE), else the old state's, else ACTIVE."""
+    old: DaemonState | None = None
+    caches: dict[int, CacheInfo] = {}
+    damaged = None
+    try:
+        store = StateStore(config.state_path, readonly=True)
+    except FileNotFoundError:
+        pass
+    except StateDamaged as exc:
+        damaged = str(exc)
+    else:
+        try:
+            old, caches = store.load(INITIAL_MODE), store.caches()
+        except StateDamaged as exc:
+            damaged = str(exc)
+        finally:
+            store.close()
+    links, _ = list_segments(config.cdc_path)
+    if to is None:
+        position = WalPosition(min(links), 0, 0) if links else None
+    else:
+        position = _check_reset_position(config, links, to)
+    caches_from = "old state"
+    if old is None:
+        caches, caches_from = _node_caches(config)
+    node = ask_node(config.node_dir)
+    if node is not None:
+        mode, mode_from = (Mode.PASSIVE if node.realtime_on else Mode.ACTIVE), node.source
+    elif old is not None:
+        mode, mode_from = old.mode, "old state"
+    else:
+        mode, mode_from = Mode.ACTIVE, "default (the node does not answer and has no metastorage)"
+    node_id = read_node_id(config.node_dir)
+    new = DaemonState(
+        mode,
+        position,
+        commits=old.commits if old else 0,
+        node_id=str(node_id) if node_id else (old.node_id if old else ""),
+    )
+    return ResetPlan(old, damaged, new, caches, caches_from, mode_from)
+
+
+def _check_reset_position(config: DaemonConfig, links: dict[int, Path], to: WalPosition) -> WalPosition:
+    path = links.get(to.segment)
+    if path is None:
+        have = f"links {min(links)}..{max(links)}" if links else "no links"
+        raise ResetRefused(f"--to {to}: segment {to.segment} has no link in {config.cdc_path} ({have})")
+    try:
+        start = check_record_start(path, to.offset)
+    except WalError as exc:
+        raise ResetRefused(f"--to {to}: {exc}") from None
+    if to.entry_index:
+        entries = next((record_entries(r) for p, r in SegmentReader(path, start_offset=start) if p.offset == start), 0)
+        if to.entry_index >= entries:
+            raise ResetRefused(f"--to {to}: the record at {path} offset {start} has {entries} entr(y/ies)")
+    return WalPosition(to.segment, start if to.entry_index else to.offset, to.entry_index)
+
+
+def _node_caches(config: DaemonConfig) -> tuple[dict[int, CacheInfo], str]:
+    return node_caches(config.node_dir)
+
+
+def reset_state(config: DaemonConfig, plan: ResetPlan) -> tuple[DaemonState, Path | None]:
+    """Write ``plan.new`` under the daemon's lock; an unreadable state is moved aside first (returned)."""
+    lock = daemon_lock(config)
+    lock.acquire(0)
+    try:
+        moved = None
+        data = config.state_path / "data.mdb"
+        if plan.damaged is not None and data.exists():
+            stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+            moved = data.with_name(f"data.mdb.damaged-{stamp}")
+            os.replace(data, moved)
+            with contextlib.suppress(FileNotFoundError):
+                (config.state_path / "lock.mdb").unlink()
+            fsync_dir(config.state_path)
+        store = StateStore(config.state_path)
+        try:
+            gone = [cid for cid in store.caches() if cid not in plan.caches]
+            state = store.commit(plan.new, caches=plan.caches, destroyed=gone)
+        finally:
+            store.close()
+        log.info(
+            "state_reset",
+            state_dir=str(config.state_path),
+            old_position=str(plan.old.position) if plan.old and plan.old.position else None,
+            old_mode=plan.old.mode.value if plan.old else None,
+            damaged=plan.damaged,
+            moved_aside=str(moved) if moved else None,
+            position=str(state.position) if state.position else None,
+            mode=state.mode.value,
+            mode_from=plan.mode_from,
+            caches=len(plan.caches),
+            caches_from=plan.caches_from,
+        )
+        return state, moved
     finally:
         lock.release()

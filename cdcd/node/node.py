@@ -21,6 +21,7 @@ from cdcd.node.archiver import Archiver, check_same_filesystem
 from cdcd.node.cache import REMOVE, Cache
 from cdcd.node.config import NodeConfig
 from cdcd.node.diff import digests
+from cdcd.node.identity import write_node_id
 from cdcd.node.realtime import (
     Metastorage,
     RealtimeError,
@@ -187,6 +188,7 @@ class Node:
         self._control_server.check_free()
         self._store = PageStore(config.db_path, config.lmdb_map_size_bytes)
         self.node_id = self._store.node_id()
+        write_node_id(config.node_dir, self.node_id)
         cp = self._store.checkpoint()
         t0 = time.perf_counter()
         state = recover(

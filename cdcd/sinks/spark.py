@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from collections.abc import Mapping, Sequence
@@ -64,6 +65,17 @@ class SparkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ingest rate and a third of the lag on a small machine), or Spark (``createDataFrame`` +
     ``write.parquet`` on ``spark_master``: Parquet encoding on a cluster's executors). The files
     are the same either way and a lake may mix them; ``lake compact`` always runs on Spark."""
+
+    def __post_init__(self) -> None:
+        # A URL would otherwise become a relative directory (``./s3:/bucket``) and the data land on a local disk.
+        if _URL_SCHEME.match(self.lake_path):
+            raise msgspec.ValidationError(
+                f"{self.lake_path!r} is a URL; the lake sink writes to a path (mount object storage, "
+                "e.g. with s3fs or a FUSE driver, and give the mount point) - at `$.lake_path`"
+            )
+
+
+_URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 
 class SparkLakeConsumer(Consumer):

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from cdcd.wal.pointer import WalPointer
+from cdcd.wal.reader import SegmentReader, WalReader, check_record_start
 from cdcd.wal.records import CacheOp, DataEntry, DataRecord, Op, Record
+from cdcd.wal.segment import list_segments
 
 _decoder = msgspec.msgpack.Decoder()
 _OPS = {Op.CREATE: "create", Op.UPDATE: "update", Op.DELETE: "delete"}
@@ -68,3 +72,28 @@ def _struct_dict(s: msgspec.Struct) -> dict[str, Any]:
         value = getattr(s, name)
         out[name] = _struct_dict(value) if isinstance(value, msgspec.Struct) else value
     return out
+
+
+def open_records(path: Path, start: WalPointer | None, *, active: bool = False) -> Iterable[tuple[WalPointer, Record]]:
+    """What ``cdcd wal dump PATH`` reads: a segment file, or a directory of segments; a node's work
+    dir (one holding ``archive/``) with its archive, from its newest segment on as active (a running
+    node may roll and archive meanwhile: the reader follows). A ``start`` offset must be a record start."""
+    if not path.is_dir():
+        offset = start.offset if start else 0
+        if offset:
+            check_record_start(path, offset)
+        return SegmentReader(path, start_offset=offset, archived=not active)
+    dirs = [path]
+    active_segment = None
+    if (path / "archive").is_dir():
+        dirs = [path / "archive", path]
+        work, _ = list_segments(path)
+        archived, _ = list_segments(path / "archive")
+        # An empty work dir (between a roll and the next segment): every listed segment is complete.
+        active_segment = max(work) if work else max(archived, default=-1) + 1
+    reader = WalReader(dirs, start, active_segment=active_segment, follow=active_segment is not None)
+    if start is not None and start.offset:
+        first = reader.segments().get(start.segment)
+        if first is not None:
+            check_record_start(first, start.offset)
+    return reader

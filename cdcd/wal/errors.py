@@ -29,6 +29,10 @@ class BadSegmentHeader(WalError):
     """The fixed segment header is missing, has the wrong magic/version, or names another segment."""
 
 
+class ForeignSegment(BadSegmentHeader):
+    """A segment whose header names another node than the one being followed."""
+
+
 class CorruptRecord(WalError):
     """A frame whose CRC, type or payload does not check out."""
 

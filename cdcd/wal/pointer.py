@@ -43,5 +43,18 @@ class WalPosition(msgspec.Struct, frozen=True, order=True, array_like=True, gc=F
     def pointer(self) -> WalPointer:
         return WalPointer(self.segment, self.offset)
 
+    @classmethod
+    def parse(cls, text: str) -> WalPosition:
+        """Parse ``SEG:OFF#IDX`` (the form ``str()`` prints); ``#IDX`` defaults to 0."""
+        ptr_text, sep, idx = text.partition("#")
+        try:
+            entry_index = int(idx) if sep else 0
+        except ValueError:
+            entry_index = -1
+        if entry_index < 0:
+            raise ValueError(f"bad WAL position {text!r}: expected SEGMENT:OFFSET[#ENTRY], e.g. 42:1048576#3")
+        ptr = WalPointer.parse(ptr_text)
+        return cls(ptr.segment, ptr.offset, entry_index)
+
     def __str__(self) -> str:
         return f"{self.segment}:{self.offset}#{self.entry_index}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import uuid
 import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import BinaryIO
 
 import msgspec
 
-from cdcd.wal.errors import CorruptRecord, MissingSegment, TruncatedSegment
+from cdcd.wal.errors import CorruptRecord, ForeignSegment, MissingSegment, TruncatedSegment
 from cdcd.wal.frame import DECODERS, FRAME_HEADER, FRAME_HEADER_SIZE
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import Record, SegmentEnd
@@ -56,8 +57,11 @@ class SegmentReader:
         archived: bool = True,
         read_buffer_bytes: int = DEFAULT_READ_BUFFER_BYTES,
         skip_types: frozenset[int] = frozenset(),
+        expect_node_id: uuid.UUID | None = None,
     ) -> None:
         self.path = Path(path)
+        self.expect_node_id = expect_node_id
+        """When set, a header naming another node is ``ForeignSegment`` before any record is read."""
         self.segment = parse_segment_name(self.path)
         self.start_offset = start_offset
         self.archived = archived
@@ -77,6 +81,10 @@ class SegmentReader:
             if not self.archived and size < HEADER_SIZE:
                 return  # created, header not written yet: an empty active segment
             self.header = decode_header(f.read(HEADER_SIZE), path, segment)
+            expect = self.expect_node_id
+            if expect is not None and self.header.node_id != expect:
+                what = f"segment of node {self.header.node_id}, not of this node {expect} (copied from another node?)"
+                raise ForeignSegment(path, 0, what)
             pos = max(self.start_offset, HEADER_SIZE)
             if pos > size:
                 raise CorruptRecord(path, pos, f"start offset is past end of file ({size} bytes)")
@@ -150,11 +158,45 @@ class SegmentReader:
                     return
 
 
+def check_record_start(path: str | os.PathLike[str], offset: int) -> int:
+    """Check that ``offset`` is where a record of the segment file starts (or 0: its first record);
+    returns that record's offset. Walks the frame headers only; ``CorruptRecord`` names the nearest
+    record starts around a wrong offset."""
+    path = Path(path)
+    with _open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        decode_header(f.read(HEADER_SIZE), path, parse_segment_name(path))
+        if offset == 0:
+            return HEADER_SIZE
+        pos = HEADER_SIZE
+        while pos < offset:
+            f.seek(pos)
+            head = f.read(FRAME_HEADER_SIZE)
+            if len(head) < FRAME_HEADER_SIZE:
+                break
+            length, _rtype, _crc = FRAME_HEADER.unpack_from(head, 0)
+            if length == 0 and _rtype == 0:
+                break  # zero-filled tail of an active segment
+            nxt = pos + FRAME_HEADER_SIZE + length
+            if nxt > offset:
+                raise CorruptRecord(path, offset, f"not a record boundary: records start at {pos} and {nxt}")
+            pos = nxt
+        if pos != offset:
+            raise CorruptRecord(path, offset, f"past the last record, which starts before {pos} ({size} bytes)")
+        return pos
+
+
 class WalReader:
     """Iterates records from ``start`` across the segments found in ``dirs``, in index order.
 
     Every segment but ``active_segment`` must be complete (archived). A gap in the numbering
-    raises ``MissingSegment``. Iteration ends at the end of the last segment present.
+    raises ``MissingSegment``. Iteration ends at the end of the last segment present when it started.
+
+    ``follow=True`` reads the dirs of a running node, which change meanwhile: every segment from
+    ``active_segment`` on may be the active one (the node rolled after the caller listed its work
+    dir); a segment moved from the work dir to the archive between listing and opening is looked
+    up again; an active segment that was rolled while it was read (a newer segment appeared) is
+    read on to its end, as archived, from where the read stopped.
     """
 
     def __init__(
@@ -164,10 +206,12 @@ class WalReader:
         *,
         active_segment: int | None = None,
         read_buffer_bytes: int = DEFAULT_READ_BUFFER_BYTES,
+        follow: bool = False,
     ) -> None:
         self.dirs = [Path(d) for d in dirs]
         self.start = start
         self.active_segment = active_segment
+        self.follow = follow
         self.read_buffer_bytes = read_buffer_bytes
         self.last_reader: SegmentReader | None = None
 
@@ -184,22 +228,48 @@ class WalReader:
         if not found:
             return
         first = min(found) if self.start is None else self.start.segment
-        if self.start is not None and first not in found:
-            raise MissingSegment(self.dirs[0], first)
         last = max(found)
-        for seg in range(first, last + 1):
+        if first > last:
+            raise MissingSegment(self.dirs[0], first)
+        seg = first
+        offset = self.start.offset if self.start is not None else 0
+        active_from = self.active_segment
+        follow = self.follow
+        while seg <= last:
             path = found.get(seg)
+            if path is None and follow:
+                found = self.segments()  # moved between the listings of two dirs?
+                path = found.get(seg)
             if path is None:
                 raise MissingSegment(self.dirs[0], seg)
-            offset = self.start.offset if self.start is not None and seg == self.start.segment else 0
+            tolerant = active_from is not None and (seg >= active_from if follow else seg == active_from)
             reader = SegmentReader(
-                path,
-                start_offset=offset,
-                archived=seg != self.active_segment,
-                read_buffer_bytes=self.read_buffer_bytes,
+                path, start_offset=offset, archived=not tolerant, read_buffer_bytes=self.read_buffer_bytes
             )
             self.last_reader = reader
-            yield from reader
+            try:
+                yield from reader
+            except FileNotFoundError:
+                if not follow:
+                    raise
+                # Archived (renamed into another dir) between listing and opening: nothing was read.
+                found = self.segments()
+                moved = found.get(seg)
+                if moved is None:
+                    raise MissingSegment(self.dirs[0], seg) from None  # deleted meanwhile
+                if moved == path:
+                    raise
+                continue
+            if follow and tolerant and not reader.ended:
+                found = self.segments()
+                if not any(s > seg for s in found):
+                    return  # the tail of the active segment: no more data yet
+                # Rolled while it was read: its rest is there now, complete.
+                offset = max(reader.end_offset, offset)
+                active_from = seg + 1
+                continue
+            seg += 1
+            offset = 0
 
 
 def iter_chunk(

@@ -1,0 +1,106 @@
+"""What the node says about who delivers, for a daemon without a state of its own (DESIGN §6).
+
+Asked first over the node's control socket (a running node), else read from its metastorage
+(a stopped node: what it will restore when it opens). Both read-only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+import msgspec
+import structlog
+
+from cdcd.control import request
+from cdcd.daemon.state import StateDamaged, check_lmdb_file
+from cdcd.node.config import NodeConfig
+from cdcd.node.realtime import RealtimeState
+from cdcd.wal.pointer import WalPosition
+from cdcd.wal.records import CacheInfo
+
+log = structlog.get_logger("cdcd.daemon")
+
+ASK_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class NodeDelivery:
+    realtime_on: bool
+    """The node's realtime worker delivers (or will, once it restores at open)."""
+    position: WalPosition | None
+    """Its last realtime-committed position: where a daemon takes over when realtime is off."""
+    source: str
+    """Where the answer came from (for the log)."""
+
+
+def ask_node(node_dir: str | Path) -> NodeDelivery | None:
+    """None when neither the control socket nor the metastorage answers."""
+    config = NodeConfig(node_dir=str(node_dir))
+    socket_path = config.control_socket_path
+    if socket_path.exists():
+        try:
+            reply = request(socket_path, {"cmd": "status"}, timeout_s=ASK_TIMEOUT_S)
+        except OSError as exc:
+            log.info("node_not_answering", socket=str(socket_path), error=str(exc))
+        else:
+            if reply.get("ok"):
+                rt = reply["realtime"]
+                committed = rt.get("committed")
+                return NodeDelivery(
+                    rt["mode"] == "on",
+                    WalPosition.parse(committed) if committed else None,
+                    f"control socket {socket_path}",
+                )
+    return _read_metastorage(config.metastorage_path)
+
+
+def _read_metastorage(path: Path) -> NodeDelivery | None:
+    data = path / "data.mdb"
+    if not data.exists() or data.stat().st_size == 0:
+        return None
+    try:
+        check_lmdb_file(data)
+        env = lmdb.open(str(path), readonly=True, max_dbs=1)
+    except (StateDamaged, lmdb.Error) as exc:
+        log.warning("node_metastorage_unreadable", path=str(data), error=str(exc))
+        return None
+    try:
+        with env.begin() as txn:
+            raw = txn.get(b"realtime")
+        saved = msgspec.msgpack.decode(raw, type=RealtimeState) if raw is not None else RealtimeState()
+    except (lmdb.Error, msgspec.DecodeError) as exc:
+        log.warning("node_metastorage_unreadable", path=str(data), error=str(exc))
+        return None
+    finally:
+        env.close()
+    on = saved.enabled and saved.try_start is None and saved.position is not None
+    return NodeDelivery(on, saved.position, f"metastorage {data}")
+
+
+def node_caches(node_dir: str | Path) -> tuple[dict[int, CacheInfo], str]:
+    """The node's cache registry from its page store, for a daemon state that lost its own; and where
+    it came from. Read-only and without LMDB's lock file, so a node open in this same process is not
+    disturbed (the registry changes only at checkpoints; a read that fails is retried)."""
+    db = NodeConfig(node_dir=str(node_dir)).db_path
+    data = db / "data.mdb"
+    if not data.exists():
+        return {}, "none (the node has no page store)"
+    error = ""
+    for _attempt in range(3):
+        try:
+            check_lmdb_file(data)
+            env = lmdb.open(str(db), readonly=True, lock=False, max_dbs=4)
+            try:
+                names = env.open_db(b"caches", create=False)
+                with env.begin(db=names) as txn:
+                    infos = [msgspec.msgpack.decode(v, type=CacheInfo) for _k, v in txn.cursor()]
+            finally:
+                env.close()
+        except (StateDamaged, lmdb.Error, msgspec.DecodeError) as exc:
+            error = str(exc)
+            continue
+        return {i.cache_id: i for i in infos}, f"node page store {db}"
+    log.warning("node_caches_unreadable", path=str(data), error=error)
+    return {}, f"none (the node's page store is unreadable: {error})"

@@ -1,0 +1,255 @@
+"""Everyday commands (issue 13.10): `wal dump` on a live node, `--from` checks, help everywhere, option placement,
+log format, clear errors for a busy metrics port, a missing node dir and lake misuse."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import click
+
+from cdcd.cli import main
+from cdcd.node import Node
+from cdcd.wal import SegmentReader, WalPointer, WalReader
+from cdcd.wal.dump import open_records
+from cdcd.wal.segment import list_segments
+from tests.test_daemon_e2e import CDCD, cdcd, child_env, wait_for
+
+SETTINGS: dict[str, Any] = {"wal_force_archive_timeout_ms": 0, "wal_segment_size_bytes": 1 << 20, "wal_mode": "fsync"}
+
+
+def write(node: Node, n: int, first: int = 0) -> None:
+    c = node.cache("orders")
+    for i in range(first, first + n):
+        c.put(i, {"n": i})
+
+
+def reference(node_dir: Path, upto: int) -> list[tuple[WalPointer, str]]:
+    wal = node_dir / "wal"
+    work, _ = list_segments(wal)
+    return [
+        (p, type(r).__name__)
+        for p, r in WalReader([wal / "archive", wal], active_segment=max(work))
+        if p.segment <= upto
+    ]
+
+
+def test_dump_of_a_work_dir_rolled_between_listing_and_reading(tmp_path: Path) -> None:
+    """The node rolls after `wal dump` listed its work dir: the segment it took as active is complete and in the
+    archive, the new one is the active one. Every record is read once, in order (was: TruncatedSegment)."""
+    node_dir = tmp_path / "node"
+    with Node.open(node_dir, **SETTINGS) as node:
+        write(node, 50)
+        node.force_archive()
+        write(node, 50, 50)
+        records = open_records(node_dir / "wal", None)  # lists the work dir: segment 1 is the active one
+        node.force_archive()
+        write(node, 5, 100)
+        got = [(p, type(r).__name__) for p, r in records]
+        assert got == reference(node_dir, 2)
+        assert [p.segment for p, t in got if t == "SegmentEnd"] == [0, 1]
+
+
+def test_dump_follows_a_segment_archived_while_it_reads(tmp_path: Path) -> None:
+    """The node archives the active segment while `wal dump` reads an older one: the segment is opened in the archive
+    (was: FileNotFoundError traceback), every record once, in order."""
+    node_dir = tmp_path / "node"
+    with Node.open(node_dir, **SETTINGS) as node:
+        for i in range(3):
+            write(node, 30, 30 * i)
+            node.force_archive()
+        write(node, 30, 90)
+        it = iter(open_records(node_dir / "wal", None))
+        first = next(it)  # segment 0 open; segment 3 listed in the work dir
+        for i in range(2):
+            node.force_archive()
+            write(node, 3, 200 + i)
+        got = [(first[0], type(first[1]).__name__)] + [(p, type(r).__name__) for p, r in it]
+        assert got == reference(node_dir, 3)
+        assert got[-1][1] == "SegmentEnd" and got[-1][0].segment == 3
+
+
+def test_dump_from_a_pointer_that_is_no_record_start_says_so(tmp_path: Path) -> None:
+    """`--from SEG:OFF` inside a record: exit 2, one line naming the file, the offset and the record starts around it
+    (was: a CRC error about a record that does not exist); a record start works, on a file and on a work dir."""
+    node_dir = tmp_path / "node"
+    with Node.open(node_dir, **SETTINGS) as node:
+        write(node, 20)
+        node.force_archive()
+    seg = node_dir / "wal" / "archive" / "0000000000000000.wal"
+    starts = [p.offset for p, r in SegmentReader(seg)]
+    a, b = starts[3], starts[4]
+    for target in (str(seg), str(node_dir / "wal")):
+        res = cdcd("wal", "dump", target, "--from", f"0:{a + 5}")
+        assert (res.returncode, res.stdout) == (2, ""), res.stderr
+        assert res.stderr.splitlines() == [
+            f"cdcd: error: {seg} at offset {a + 5}: not a record boundary: records start at {a} and {b}"
+        ]
+        res = cdcd("wal", "dump", target, "--from", f"0:{b}")
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout.splitlines()[0])["pos"] == f"0:{b}"
+
+
+def test_dump_of_a_live_node_never_fails(tmp_path: Path) -> None:
+    """`wal dump` of the work dir of a `cdcd node run` process that writes 3000 entries/s and rolls 64 KiB segments
+    (and every 50 ms): 12 runs, each exit 0, no traceback, each a gap-free run of records in order from 0:40, every
+    segment but the last closed by its SegmentEnd."""
+    node_dir = tmp_path / "node"
+    config = tmp_path / "node.toml"
+    config.write_text(
+        f'node_dir = "{node_dir}"\nwal_segment_size_bytes = 65536\nwal_force_archive_timeout_ms = 50\n'
+        'metrics_address = ""\nwal_mode = "background"\n'
+    )
+    log = (tmp_path / "node.log").open("wb")
+    node = subprocess.Popen(
+        [*CDCD, "node", "run", "--config", str(config), "--load-rate", "3000", "--load-keyspace", "1000"],
+        stdout=log,
+        stderr=log,
+        env=child_env(),
+    )
+    try:
+        wait_for(lambda: len(list_segments(node_dir / "wal" / "archive")[0]) >= 3, 60, "the node to roll")
+        for _ in range(12):
+            res = subprocess.run([*CDCD, "wal", "dump", str(node_dir / "wal")], capture_output=True, timeout=120)
+            assert res.returncode == 0 and b"Traceback" not in res.stderr, res.stderr[-2000:]
+            recs = [json.loads(line) for line in res.stdout.splitlines()]
+            assert recs[0]["pos"] == "0:40"
+            segs = sorted({r["segment"] for r in recs})
+            assert segs == list(range(segs[-1] + 1)), "no segment skipped"
+            ends = [r["segment"] for r in recs if r["type"] == "SegmentEnd"]
+            assert ends in (segs[:-1], segs), "a SegmentEnd closes every segment but the active one"
+            pointers = [(r["segment"], r["offset"]) for r in recs]
+            assert pointers == sorted(set(pointers)), "in order, once"
+    finally:
+        node.terminate()
+        node.wait(60)
+    assert node.returncode == 0
+
+
+def test_lake_verify_before_any_compaction_says_to_compact_first(tmp_path: Path) -> None:
+    """`lake verify` on a lake with a change log but no compacted state: exit 2, one line saying to compact first,
+    and the node is not touched (no lock taken, nothing written)."""
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    (lake / "_cdcd_log").mkdir(parents=True)
+    with Node.open(node_dir) as node:
+        node.cache("orders").put(1, "one")
+    res = cdcd("lake", "verify", "--lake", str(lake), "--node-dir", str(node_dir))
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr.splitlines() == [
+        f"cdcd: error: {lake}: nothing compacted yet: run `cdcd lake compact --lake {lake}` first"
+    ]
+    res = cdcd("lake", "verify", "--lake", str(tmp_path), "--node-dir", str(node_dir))
+    assert res.returncode == 2 and res.stderr.splitlines() == [
+        f"cdcd: error: {tmp_path} is not a cdcd lake (no _cdcd_log/ in it)"
+    ]
+
+
+def test_lake_path_url_is_refused_and_creates_nothing(tmp_path: Path) -> None:
+    """A daemon whose lake sink has `lake_path = "s3://…"` exits 2 naming the key, and no `./s3:` dir appears."""
+    from tests.test_daemon_e2e import write_daemon_config
+
+    node_dir = tmp_path / "node"
+    with Node.open(node_dir) as node:
+        node.cache("orders").put(1, "one")
+    config = write_daemon_config(tmp_path / "cdcd.toml", node_dir, {"kind": "spark", "lake_path": "s3://bucket/lake"})
+    work = tmp_path / "cwd"
+    work.mkdir()
+    res = subprocess.run(
+        [*CDCD, "run", "--config", str(config)], capture_output=True, text=True, cwd=work, env=child_env(), timeout=120
+    )
+    assert res.returncode == 2
+    assert res.stderr.splitlines() == [
+        f"cdcd: error: {config}: consumer: key 'lake_path': 's3://bucket/lake' is a URL; "
+        "the lake sink writes to a path (mount object storage, e.g. with s3fs or a FUSE driver, "
+        "and give the mount point)"
+    ]
+    assert list(work.iterdir()) == []
+    assert not (node_dir / "cdcd.lock").exists() and not (node_dir / "cdcd-state").exists()
+
+
+def all_commands() -> list[tuple[list[str], click.Command]]:
+    out: list[tuple[list[str], click.Command]] = []
+
+    def walk(cmd: click.Command, path: list[str]) -> None:
+        out.append((path, cmd))
+        if isinstance(cmd, click.Group):
+            for name, sub in sorted(cmd.commands.items()):
+                walk(sub, [*path, name])
+
+    walk(main, [])
+    return out
+
+
+def test_every_command_takes_h_and_every_option_has_help() -> None:
+    """`-h` prints the help of every command and group (exit 0); every option says what it does."""
+    from click.testing import CliRunner
+
+    runner = CliRunner()
+    commands = all_commands()
+    assert len(commands) > 15
+    for path, cmd in commands:
+        res = runner.invoke(main, [*path, "-h"])
+        assert res.exit_code == 0 and "Usage: " in res.output, (path, res.output)
+        for p in cmd.params:
+            if isinstance(p, click.Option):
+                assert p.help, f"cdcd {' '.join(path)} {p.opts[0]} has no help text"
+
+
+def test_control_takes_node_dir_after_the_subcommand(tmp_path: Path) -> None:
+    """`cdcd control status --node-dir D` works like `cdcd control --node-dir D status`; without either: exit 2."""
+    node_dir = tmp_path / "node"
+    with Node.open(node_dir) as node:
+        after = cdcd("control", "status", "--node-dir", str(node_dir), "--json")
+        before = cdcd("control", "--node-dir", str(node_dir), "status", "--json")
+        sock = cdcd("control", "status", "--socket", str(node_dir / "control.sock"), "--json")
+        for res in (after, before, sock):
+            assert res.returncode == 0, res.stderr
+            assert json.loads(res.stdout)["node_id"] == str(node.node_id)
+        res = cdcd("control", "status")
+        assert res.returncode == 2 and res.stderr.splitlines() == [
+            "cdcd: error: give --node-dir DIR (or --socket PATH)"
+        ]
+
+
+def test_run_log_format_missing_node_dir_and_busy_metrics_port(tmp_path: Path) -> None:
+    """`cdcd run` logs JSON lines when not on a terminal and console lines with `--log-format console`; a missing
+    node_dir is one line, exit 1 and leaves nothing behind; a busy metrics port names `metrics_address`."""
+    import socket
+
+    from tests.test_daemon_e2e import jsonl_consumer, write_daemon_config
+
+    missing = tmp_path / "no-such-node"
+    config = write_daemon_config(tmp_path / "cdcd.toml", missing, jsonl_consumer(tmp_path / "out.jsonl"))
+    for fmt in ([], ["--log-format", "console"]):
+        res = subprocess.run(
+            [*CDCD, "run", "--config", str(config), *fmt], capture_output=True, text=True, env=child_env(), timeout=60
+        )
+        assert res.returncode == 1
+        lines = res.stderr.splitlines()
+        assert lines[-1] == f"cdcd: error: FileNotFoundError: node_dir {missing} does not exist", res.stderr
+        assert "Traceback" not in res.stderr
+        if fmt:
+            assert not lines[0].startswith("{") and "daemon_failed" in lines[0]
+        else:
+            assert json.loads(lines[0])["event"] == "daemon_failed"
+    assert not missing.exists() and not (tmp_path / "out.jsonl").exists()
+
+    node_dir = tmp_path / "node"
+    with Node.open(node_dir) as node:
+        node.cache("orders").put(1, "one")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        address = f"127.0.0.1:{busy.getsockname()[1]}"
+        config = write_daemon_config(
+            tmp_path / "metrics.toml", node_dir, jsonl_consumer(tmp_path / "m.jsonl"), metrics_address=address
+        )
+        res = subprocess.run(
+            [*CDCD, "run", "--config", str(config)], capture_output=True, text=True, env=child_env(), timeout=60
+        )
+    assert res.returncode == 1
+    last = res.stderr.splitlines()[-1]
+    assert last.startswith(f"cdcd: error: {config}: key 'metrics_address': cannot listen on {address}: "), last
+    assert "Address already in use" in last and "Traceback" not in res.stderr
