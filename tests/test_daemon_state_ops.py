@@ -79,7 +79,7 @@ def test_damaged_state_is_one_line_exit_6_then_reset_resumes_at_the_oldest_link(
     }[how]
     assert line.startswith(f"cdcd: error: {data}: {what}"), line
     assert "damaged daemon state" in line, line
-    assert line.endswith("; stop the daemon and run `cdcd state reset` (README: Operations)"), line
+    assert line.endswith("; stop the daemon and run `cdcd state reset` (docs/daemon.md: Operator commands)"), line
     assert [e["event"] for e in log_events(err) if e["level"] == "error"] == ["bad_state"]
     res = cdcd("state", "show", "--config", str(config))
     assert (res.returncode, res.stdout) == (6, "")

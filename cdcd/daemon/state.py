@@ -42,7 +42,7 @@ _state_dec = msgspec.msgpack.Decoder(DaemonState)
 _cache_dec = msgspec.msgpack.Decoder(CacheInfo)
 
 STATE_MAP_SIZE_BYTES = 256 << 20
-RESET_HINT = "stop the daemon and run `cdcd state reset` (README: Operations)"
+RESET_HINT = "stop the daemon and run `cdcd state reset` (docs/daemon.md: Operator commands)"
 
 # LMDB's two meta pages (lmdb.h/mdb.c, format version 1): page header (16 bytes), then
 # mm_magic, mm_version, ..., the free DB's md_pad (the page size), ..., mm_last_pg, mm_txnid.
