@@ -215,7 +215,7 @@ def test_control_takes_node_dir_after_the_subcommand(tmp_path: Path) -> None:
 
 def test_run_log_format_missing_node_dir_and_busy_metrics_port(tmp_path: Path) -> None:
     """`cdcd run` logs JSON lines when not on a terminal and console lines with `--log-format console`; a missing
-    node_dir is one line, exit 1 and leaves nothing behind; a busy metrics port names `metrics_address`."""
+    node_dir is one line, exit 1 and leaves nothing behind; a busy metrics port names `metrics_address`, exit 2."""
     import socket
 
     from tests.test_daemon_e2e import jsonl_consumer, write_daemon_config
@@ -249,7 +249,7 @@ def test_run_log_format_missing_node_dir_and_busy_metrics_port(tmp_path: Path) -
         res = subprocess.run(
             [*CDCD, "run", "--config", str(config)], capture_output=True, text=True, env=child_env(), timeout=60
         )
-    assert res.returncode == 1
+    assert res.returncode == 2  # a config problem: the unit does not restart-loop on it
     last = res.stderr.splitlines()[-1]
     assert last.startswith(f"cdcd: error: {config}: key 'metrics_address': cannot listen on {address}: "), last
     assert "Address already in use" in last and "Traceback" not in res.stderr
