@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install test lint bench bench-pg fuzz chaos run clean
+.PHONY: install test test-under-load lint bench bench-pg fuzz chaos run clean
 
 install: $(STAMP)
 
@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml
 
 test: install
 	$(BIN)/pytest -q
+
+# The same suite with every core kept busy by other processes: timing luck must not matter.
+test-under-load: install
+	bash scripts/test-under-load.sh
 
 lint: install
 	$(BIN)/ruff check cdcd tests

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +36,14 @@ def dir_bytes(path: Path) -> int:
         except FileNotFoundError:
             continue
     return total
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    if stat.S_ISREG(mode):
+        return "file"
+    return "special file"
 
 
 class Archiver:
@@ -81,7 +90,11 @@ class Archiver:
 
     def _link(self, segment: int, work_path: Path) -> None:
         link = segment_path(self.cdc_dir, segment)
-        if link.exists() and os.path.samefile(link, work_path):
+        try:
+            found: os.stat_result | None = os.lstat(link)  # never follow a symlink someone put there
+        except FileNotFoundError:
+            found = None
+        if found is not None and stat.S_ISREG(found.st_mode) and os.path.samestat(found, os.stat(work_path)):
             return  # linked before a crash, rename still to do
         if not self.links_on:
             self._skipped(segment, "warning", reason="cdc_disabled", hint="CDC is switched off (cdcd control cdc on)")
@@ -99,9 +112,20 @@ class Archiver:
                     hint="the CDC consumer is behind",
                 )
                 return
-        if link.exists():
-            # Same name, other inode: a leftover of an earlier node incarnation. This segment wins.
-            log.warning("cdc_link_replaced", path=str(link), segment=segment)
+        if found is not None and stat.S_ISDIR(found.st_mode):
+            # Not ours to remove, and a rename cannot replace it: refuse this link, keep the WAL running.
+            self._skipped(
+                segment,
+                "error",
+                reason="cdc_dir_entry_in_the_way",
+                path=str(link),
+                hint="a directory has this segment's name in the CDC dir; remove it",
+            )
+            return
+        if found is not None:
+            # Same name, not this segment: a leftover of an earlier node incarnation, or a symlink or
+            # special file (the daemon never opens those). This segment wins.
+            log.warning("cdc_link_replaced", path=str(link), segment=segment, was=_kind(found.st_mode))
             tmp = link.with_name(link.name + ".tmp")
             tmp.unlink(missing_ok=True)
             os.link(work_path, tmp)
