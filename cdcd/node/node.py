@@ -290,8 +290,8 @@ class Node:
             self.realtime.close()
             if self._failure is None:
                 # Ignite rolls over on stop: the daemon sees the last writes (and the markers above)
-                # now, not at the next open.
-                rolled = self._wal.force_archive()
+                # now, not at the next open. A segment holding only the closing checkpoint stays.
+                rolled = self._wal.force_archive(only_news=True)
                 if rolled is not None:
                     log.info("segment_rolled_on_close", segment=rolled)
         finally:

@@ -13,7 +13,7 @@ import structlog
 from cdcd import metrics
 from cdcd.node.archiver import Archiver
 from cdcd.wal.pointer import WalPointer
-from cdcd.wal.records import Record
+from cdcd.wal.records import Checkpoint, Record
 from cdcd.wal.segment import HEADER_SIZE
 from cdcd.wal.writer import Chunk, SegmentFiles, WalWriter
 
@@ -59,6 +59,8 @@ class WalLog:
         self._closing = False
         self._failure: BaseException | None = None
         self._segment_data_since: float | None = None
+        self._news_segment = -1
+        """Segment of the last record other than a Checkpoint (what a consumer or the daemon needs)."""
         self.flusher_pass_monotonic = time.monotonic()
         """When the flusher last woke up (it does every flush interval): a liveness signal."""
         self.appends = 0
@@ -114,6 +116,8 @@ class WalLog:
             fresh = writer._offset <= HEADER_SIZE
             ptr = writer.append_record(record)
             self.appends += 1
+            if type(record) is not Checkpoint:
+                self._news_segment = ptr.segment
             if fresh or ptr.segment != seg or self._segment_data_since is None:
                 # Also after a restart into a partly filled segment: its clock starts now.
                 self._segment_data_since = time.monotonic()
@@ -145,11 +149,14 @@ class WalLog:
             end = self._writer.position
         self.wait_durable(end)
 
-    def force_archive(self, timeout_s: float | None = None) -> int | None:
-        """Roll the active segment now if it holds records and wait until it is archived."""
+    def force_archive(self, timeout_s: float | None = None, *, only_news: bool = False) -> int | None:
+        """Roll the active segment now if it holds records (``only_news``: records other than
+        Checkpoints) and wait until it is archived."""
         with self._lock:
             self._check_failed()
             if not self._writer.segment_has_records:
+                return None
+            if only_news and self._news_segment != self._writer.segment:
                 return None
             closed = self._writer.roll()
             self._segment_data_since = None
