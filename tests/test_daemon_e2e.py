@@ -377,7 +377,7 @@ def test_daemon_process_follows_writing_node_exactly(tmp_path: Path) -> None:
             replayed[ev["cache"]][k] = ev["value"]
     assert replayed == expected_final_state(n_tx)
     events = [e["event"] for e in log_events(tmp_path / "daemon.err")]
-    assert "mode_switch" in events and events[-1] == "daemon_stopped"
+    assert "daemon_state_from_node" in events and events[-1] == "daemon_stopped"  # a fresh state asks the node
 
 
 JSONL_FIELDS = ["cache", "op", "key", "value", "partition", "primary", "version", "commit_ts_ns", "pos"]

@@ -82,7 +82,7 @@ def test_damaged_state_is_one_line_exit_6_then_reset_resumes_at_the_oldest_link(
     assert line.endswith("; stop the daemon and run `cdcd state reset` (docs/daemon.md: Operator commands)"), line
     assert [e["event"] for e in log_events(err) if e["level"] == "error"] == ["bad_state"]
     res = cdcd("state", "show", "--config", str(config))
-    assert (res.returncode, res.stdout) == (6, "")
+    assert (res.returncode, res.stdout) == (7, "")
     assert only_error_line(res.stderr) == line
     assert sorted(cdc_links(node_dir)) == [2, 3, 4], "nothing deleted"
 

@@ -87,7 +87,16 @@ def test_sigkill_during_worker_catch_up_loses_nothing(tmp_path: Path) -> None:
             wait_for(lambda: proc.poll() is not None or committed(config) == (last + 1, 0, 0), 120, "the end")
             assert stop_daemon(proc) == 0, err.read_text()[-3000:]
         else:
-            time.sleep(rng.uniform(0.05, 0.3))
+            # Kill only once the workers are writing this run's output (a random moment after that):
+            # a fixed sleep left it to machine load whether the kill landed mid-delivery.
+            wait_for(
+                lambda: proc.poll() is not None or (worker_pids(cdc) and out.exists() and out.stat().st_size > start),
+                120,
+                "the workers to deliver",
+                interval=0.01,
+            )
+            assert proc.poll() is None, err.read_text()[-2000:]
+            time.sleep(rng.uniform(0.0, 0.1))
             workers = worker_pids(cdc)
             proc.send_signal(signal.SIGKILL)
             assert proc.wait(10) == -signal.SIGKILL

@@ -94,10 +94,10 @@ def test_node_killed_at_a_step_of_a_switch(rig_factory: Any, command: str, point
 
 
 DAEMON_POINTS = [
-    "daemon.switch.before_commit@2",  # ACTIVE -> PASSIVE at the TryStart, before its commit
-    "daemon.switch.committed@2",  # ... committed, links not yet deleted
-    "daemon.switch.before_commit@3",  # PASSIVE -> ACTIVE at the Stop record
-    "daemon.switch.committed@3",
+    "daemon.switch.before_commit@1",  # ACTIVE -> PASSIVE at the TryStart, before its commit
+    "daemon.switch.committed@1",  # ... committed, links not yet deleted
+    "daemon.switch.before_commit@2",  # PASSIVE -> ACTIVE at the Stop record
+    "daemon.switch.committed@2",
 ]
 
 
@@ -105,16 +105,16 @@ DAEMON_POINTS = [
 def test_daemon_killed_at_a_step_of_its_mode_change(rig_factory: Any, point: str) -> None:
     rig: Rig = rig_factory(realtime_cdc=False)
     rig.start_node(pause_ms=30)
-    rig.start_daemon(failpoints=point)  # switch 1 is its start: PASSIVE -> ACTIVE at the node's Stop
+    rig.start_daemon(failpoints=point)  # a fresh daemon asks the node: ACTIVE from the start, no switch
     rig.wait_mode("off", "ACTIVE")
     _delivering(rig)
     _send(rig, "on")
-    if point.endswith("@3"):
+    if point.endswith("@2"):
         rig.wait_mode("on", "PASSIVE")
         _delivering(rig)
         _send(rig, "off")
     rig.daemon_died(timeout=60)
     time.sleep(0.2)  # the node keeps writing while no daemon runs
     rig.start_daemon()
-    rig.wait_mode("off" if point.endswith("@3") else "on", "ACTIVE" if point.endswith("@3") else "PASSIVE")
+    rig.wait_mode("off" if point.endswith("@2") else "on", "ACTIVE" if point.endswith("@2") else "PASSIVE")
     _finish(rig)

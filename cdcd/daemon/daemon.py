@@ -90,7 +90,10 @@ class _Wake(FileSystemEventHandler):
         self._event = event
 
     def on_any_event(self, event: FileSystemEvent) -> None:
-        self._loop.call_soon_threadsafe(self._event.set)
+        # The observer thread may still see an event after a failed pass closed the loop: nothing
+        # is left to wake then.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._event.set)
 
 
 class Daemon:

@@ -245,12 +245,14 @@ class Processor:
         info = CacheInfo(record.cache_id, record.name, record.config)
         cid = record.cache_id
         if record.op == CacheOp.CREATE:
-            # A CREATE of a known cache with another config changes it from here on.
+            # A CREATE of a known cache with another config changes it from here on; one the
+            # consumer already knows as it is (announced at start) is not announced again.
+            known = self.caches.get(cid)
             self.caches[cid] = info
             self.names[cid] = record.name
             if record.config.cdc_enabled:
                 self.disabled.discard(cid)
-                return CacheChange(end, created=[info])
+                return CacheChange(end, created=[info], quiet=known == info)
             self.disabled.add(cid)
             return CacheChange(end, created=[info], quiet=True)
         if cid in self.disabled:
