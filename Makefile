@@ -15,8 +15,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
+# Two workers, one test file each at a time (module fixtures such as a SparkSession stay per file):
+# most tests wait on processes, so two overlap well even on two cores.
+PYTEST_WORKERS ?= 2
 test: install
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 # The same suite with every core kept busy by other processes: timing luck must not matter.
 test-under-load: install

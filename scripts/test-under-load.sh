@@ -13,4 +13,4 @@ for _ in $(seq "$cores"); do
     pids+=($!)
 done
 echo "test-under-load: $cores busy loop(s) running (pids ${pids[*]})" >&2
-.venv/bin/pytest -q "$@"
+.venv/bin/pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"

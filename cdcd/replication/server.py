@@ -64,7 +64,8 @@ class _Handler(socketserver.BaseRequestHandler):
         # dribbling a byte at a time hold a connection slot for ever.
         deadline = _HandshakeDeadline(sock, owner.auth_timeout_s, peer)
         try:
-            sock.settimeout(owner.auth_timeout_s)
+            # The deadline decides; the socket timeout is only a backstop behind it.
+            sock.settimeout(owner.auth_timeout_s + 5)
             if owner.tls is not None:
                 try:
                     sock = owner.tls.wrap_socket(sock, server_side=True)
