@@ -188,6 +188,8 @@ def test_daemon_without_state_asks_the_running_node_and_delivers(tmp_path: Path)
             assert stop_daemon(proc) == 0
         first = read_jsonl(out)
         shutil.rmtree(node_dir / "cdcd-state")
+        # Run 1 may have consumed every link there was: the writer archives the next one.
+        wait_for(lambda: cdc_links(node_dir), 60, "a link the first run did not consume")
         oldest = min(cdc_links(node_dir))
         err2 = tmp_path / "run2.err"
         proc = start_daemon(config, err2)
