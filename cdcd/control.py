@@ -47,8 +47,7 @@ def _live_server_pid(path: Path) -> int | None:
                 probe.connect(connect_path)
         except (ConnectionRefusedError, FileNotFoundError):
             return None
-        creds = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        return int(struct.unpack("3i", creds)[0])
+        return _peer_creds(probe)[0]
 
 
 @contextlib.contextmanager
@@ -64,10 +63,10 @@ def _short_path(path: Path) -> Iterator[str]:
         os.close(fd)
 
 
-def _peer_uid(sock: socket.socket) -> int:
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return int(uid)
+def _peer_creds(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket."""
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return int(pid), int(uid), int(gid)
 
 
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -80,7 +79,7 @@ class _RequestHandler(socketserver.StreamRequestHandler):
     server: _Server
 
     def handle(self) -> None:
-        uid = _peer_uid(self.request)
+        _pid, uid, _gid = _peer_creds(self.request)
         if uid not in (os.geteuid(), 0):
             log.warning("control_refused", peer_uid=uid)
             self._reply({"ok": False, "error": f"uid {uid} is not the node's owner"})

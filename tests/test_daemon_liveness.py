@@ -14,13 +14,11 @@ import signal
 import socket
 import textwrap
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from cdcd.node import Node
+from tests.chaos.common import scrape
 from tests.test_daemon_e2e import (
     cdc_links,
     child_env,
@@ -98,20 +96,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Samples of the daemon's endpoint: name -> [(labels, value)]."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
-    return out
-
-
 def try_scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]] | None:
     try:
-        return scrape(port)
+        return scrape(port, timeout=10)
     except OSError:
         return None
 
@@ -133,7 +120,7 @@ def pending_links(node_dir: Path, position: tuple[int, int, int] | None) -> int:
 
 def timed_scrape(port: int) -> tuple[float, dict[str, list[tuple[dict[str, str], float]]], float]:
     before = time.time()
-    samples = scrape(port)
+    samples = scrape(port, timeout=10)
     return before, samples, time.time()
 
 
@@ -271,15 +258,17 @@ def test_metrics_after_catch_up_and_while_waiting_for_a_segment_roll(tmp_path: P
                 if val is not None:
                     tx.put(cache, key, val)
         after_ns = time.time_ns()
-        wait_for(lambda: value(scrape(port), "cdcd_daemon_lag_seconds") > 0, 60, "lag from the active segment")
+        wait_for(
+            lambda: value(scrape(port, timeout=10), "cdcd_daemon_lag_seconds") > 0, 60, "lag from the active segment"
+        )
         t0, s, t1 = timed_scrape(port)
         lag = value(s, "cdcd_daemon_lag_seconds")
         assert t0 - after_ns / 1e9 - 1e-3 <= lag <= t1 - before_ns / 1e9 + 1e-3, (lag, t0 - after_ns / 1e9)
-        wait_for(lambda: value(scrape(port), "cdcd_daemon_lag_seconds") > lag, 60, "a growing lag")
+        wait_for(lambda: value(scrape(port, timeout=10), "cdcd_daemon_lag_seconds") > lag, 60, "a growing lag")
 
         node.force_archive()
         wait_for(lambda: len(read_jsonl(out)) > expected, 60, "the rolled segment delivered")
-        wait_for(lambda: value(scrape(port), "cdcd_daemon_lag_seconds") == 0, 60, "lag back to 0")
+        wait_for(lambda: value(scrape(port, timeout=10), "cdcd_daemon_lag_seconds") == 0, 60, "lag back to 0")
     finally:
         node.close()
         assert stop_daemon(proc) == 0

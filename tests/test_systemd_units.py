@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,25 +48,26 @@ def test_daemon_unit_is_notify_with_watchdog_and_sandbox() -> None:
 
 def test_daemon_sends_ready_and_watchdog(tmp_path: Path) -> None:
     """`cdcd run` sends READY=1, then WATCHDOG=1 pings at half of WATCHDOG_USEC, then STOPPING=1 on SIGTERM."""
-    import os
-    import signal
-    import socket
-    import time
-
     from cdcd.node import Node
 
     Node.open(tmp_path / "node").close()
     cfg = tmp_path / "cdcd.toml"
     cfg.write_text(f'node_dir = "{tmp_path / "node"}"\nmetrics_address = ""\n[consumer]\nkind = "null"\n')
+    notify_run(tmp_path, ["run", "--config", str(cfg)], watchdog_usec=200_000, timeout_s=10)
+
+
+def notify_run(tmp_path: Path, args: list[str], *, watchdog_usec: int, timeout_s: float) -> None:
+    """Run ``cdcd ARGS`` as systemd would (NOTIFY_SOCKET, WATCHDOG_USEC): it sends READY=1 first, then
+    at least three WATCHDOG=1 pings, and STOPPING=1 on SIGTERM before exiting 0."""
     sock_path = tmp_path / "notify.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(sock_path))
-    sock.settimeout(10)
-    env = {**os.environ, "NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "200000"}
-    proc = subprocess.Popen([sys.executable, "-m", "cdcd", "run", "--config", str(cfg)], env=env)
+    sock.settimeout(timeout_s)
+    env = {**os.environ, "NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": str(watchdog_usec)}
+    proc = subprocess.Popen([sys.executable, "-m", "cdcd", *args], env=env)
     try:
         messages: list[str] = []
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + timeout_s
         while sum(m == "WATCHDOG=1" for m in messages) < 3 and time.monotonic() < deadline:
             messages.append(sock.recv(4096).decode())
         assert messages[0].startswith("READY=1")
@@ -70,9 +75,10 @@ def test_daemon_sends_ready_and_watchdog(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         while "STOPPING=1" not in messages:
             messages.append(sock.recv(4096).decode())
-        assert proc.wait(timeout=20) == 0
+        assert proc.wait(timeout=max(timeout_s, 20)) == 0
     finally:
         proc.kill()
+        proc.wait()
         sock.close()
 
 
@@ -185,31 +191,7 @@ def test_units_umask_keeps_state_private_and_lets_analysts_read_the_lake(tmp_pat
 def test_node_run_sends_ready_and_watchdog_while_the_flusher_runs(tmp_path: Path) -> None:
     """`cdcd node run` under systemd (NOTIFY_SOCKET, WATCHDOG_USEC): READY=1 once open, WATCHDOG=1 pings, then
     STOPPING=1 and exit 0 on SIGTERM."""
-    import os
-    import signal
-    import socket
-    import time
 
     cfg = tmp_path / "node.toml"
     cfg.write_text(f'node_dir = "{tmp_path / "node"}"\n')
-    sock_path = tmp_path / "notify.sock"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(str(sock_path))
-    sock.settimeout(30)
-    env = {**os.environ, "NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "400000"}
-    proc = subprocess.Popen([sys.executable, "-m", "cdcd", "node", "run", "--config", str(cfg)], env=env)
-    try:
-        messages: list[str] = []
-        deadline = time.monotonic() + 30
-        while sum(m == "WATCHDOG=1" for m in messages) < 3 and time.monotonic() < deadline:
-            messages.append(sock.recv(4096).decode())
-        assert messages[0].startswith("READY=1")
-        assert sum(m == "WATCHDOG=1" for m in messages) >= 3
-        proc.send_signal(signal.SIGTERM)
-        while "STOPPING=1" not in messages:
-            messages.append(sock.recv(4096).decode())
-        assert proc.wait(timeout=30) == 0
-    finally:
-        proc.kill()
-        proc.wait()
-        sock.close()
+    notify_run(tmp_path, ["node", "run", "--config", str(cfg)], watchdog_usec=400_000, timeout_s=30)
