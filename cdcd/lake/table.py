@@ -1,0 +1,82 @@
+"""The Delta lake's two tables: where they live, their columns, partitioning and properties.
+
+One place that every writer (Spark and delta-rs), ``lake compact`` and the readers agree on.
+``<lake>/changes`` is append-only with the change data feed on; ``<lake>/state`` holds the latest
+version of every live key. The properties keep both tables readable by Spark, delta-rs, polars and
+DuckDB: no deletion vectors, no column mapping, no v2 checkpoints. Application transactions (the
+per-source high-water marks that make landing exactly once) must never expire: the tables never set
+``delta.setTransactionRetentionDuration`` (unset, Delta keeps them through every checkpoint).
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+CHANGES = "changes"
+STATE = "state"
+
+CHANGE_SCHEMA = pa.schema(
+    [
+        ("op", pa.string()),
+        ("key", pa.string()),
+        ("value", pa.string()),
+        ("partition", pa.int32()),
+        ("primary", pa.bool_()),
+        ("version_order", pa.int64()),
+        ("version_cluster_id", pa.int32()),
+        ("node_order", pa.int32()),
+        ("topology_version", pa.int64()),
+        ("commit_ts", pa.timestamp("us", tz="UTC")),
+        ("source_node", pa.string()),
+        ("wal_segment", pa.int64()),
+        ("wal_offset", pa.int64()),
+        ("wal_index", pa.int32()),
+        ("expire_time_ms", pa.int64()),
+        ("cache", pa.string()),
+    ]
+)
+"""``op``: "create" | "update" | "delete". ``key``/``value``: the entry as JSON text (``value`` null
+on a delete). ``expire_time_ms``: when the entry expires (ms since the epoch, 0: never); on a delete,
+non-zero means the node's expirer removed it. ``day`` ("YYYY-MM-DD" of ``commit_ts``) is appended
+when the sink partitions by day."""
+
+DAY_FIELD = pa.field("day", pa.string())
+
+STATE_SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),
+        ("value", pa.string()),
+        ("version_order", pa.int64()),
+        ("version_cluster_id", pa.int32()),
+        ("node_order", pa.int32()),
+        ("topology_version", pa.int64()),
+        ("commit_ts", pa.timestamp("us", tz="UTC")),
+        ("source_node", pa.string()),
+        ("wal_segment", pa.int64()),
+        ("wal_offset", pa.int64()),
+        ("wal_index", pa.int32()),
+        ("expire_time_ms", pa.int64()),
+        ("cache", pa.string()),
+    ]
+)
+"""One row per live (cache, key): the change with the highest version, then WAL position."""
+
+PARTITION_BY = ("cache",)
+"""Both tables; the changes table adds ``day`` when the sink partitions by day."""
+
+COMMON_PROPERTIES = {
+    "delta.enableDeletionVectors": "false",
+    "delta.checkpointPolicy": "classic",
+    "delta.columnMapping.mode": "none",
+}
+
+CHANGES_PROPERTIES = {**COMMON_PROPERTIES, "delta.enableChangeDataFeed": "true", "delta.appendOnly": "true"}
+STATE_PROPERTIES = {**COMMON_PROPERTIES, "delta.enableChangeDataFeed": "false"}
+
+
+def change_schema(partition_by_day: bool) -> pa.Schema:
+    return CHANGE_SCHEMA.append(DAY_FIELD) if partition_by_day else CHANGE_SCHEMA
+
+
+def change_partitions(partition_by_day: bool) -> list[str]:
+    return [*PARTITION_BY, "day"] if partition_by_day else list(PARTITION_BY)
