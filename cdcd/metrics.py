@@ -134,6 +134,9 @@ WAL_FLUSH_SECONDS = Histogram(
     registry=NODE,
 )
 WAL_SEGMENT = Gauge("cdcd_node_wal_segment", "Index of the active WAL segment", registry=NODE)
+WAL_DISK_FULL = Gauge(
+    "cdcd_node_wal_disk_full", "1 while WAL writes wait for free space on a full disk", registry=NODE
+)
 SEGMENTS_ARCHIVED = Counter("cdcd_node_segments_archived_total", "Segments moved to the archive", registry=NODE)
 CDC_LINKS = Counter("cdcd_node_cdc_links_total", "Archived segments hard-linked into the CDC dir", registry=NODE)
 CDC_LINKS_SKIPPED = Counter(

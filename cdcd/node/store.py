@@ -6,6 +6,8 @@ dirty map and in the WAL, so a crash at any moment leaves a consistent store plu
 
 from __future__ import annotations
 
+import errno
+import os
 import struct
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
@@ -18,6 +20,8 @@ from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import CacheInfo, CacheVersion, DataEntry, Op
 
 _CACHE_PREFIX = struct.Struct(">I")
+_NEARLY_FULL_BYTES = 16 * 1024 * 1024
+"""LMDB reports a failed page write as EIO: with less free space than this, call it a full disk."""
 
 
 def cache_prefix(cache_id: int) -> bytes:
@@ -192,6 +196,30 @@ class PageStore:
         purge_cache_ids: Iterable[int] = (),
     ) -> None:
         """Apply a dirty-map snapshot, the cache registry and the checkpoint pointer in one synced txn."""
+        try:
+            self._write_checkpoint(entries, caches, meta, purge_cache_ids)
+        except lmdb.Error as exc:
+            raise self._disk_error(exc) from exc
+
+    def _disk_error(self, exc: lmdb.Error) -> Exception:
+        """``exc`` naming the database file, and the full disk when that is the likely cause."""
+        where = self.path / "data.mdb"
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return OSError(errno.EIO, f"{where}: {exc}")
+        free = st.f_bavail * st.f_frsize
+        if free < _NEARLY_FULL_BYTES:
+            return OSError(errno.ENOSPC, f"{where}: disk full ({free} bytes free): {exc}")
+        return OSError(errno.EIO, f"{where}: {exc}")
+
+    def _write_checkpoint(
+        self,
+        entries: Mapping[bytes, DataEntry],
+        caches: Mapping[str, CacheInfo],
+        meta: CheckpointMeta,
+        purge_cache_ids: Iterable[int],
+    ) -> None:
         with self.env.begin(write=True) as txn:
             for cid in purge_cache_ids:
                 self._purge(txn, cid)

@@ -12,6 +12,7 @@ import structlog
 
 from cdcd import metrics
 from cdcd.node.archiver import Archiver
+from cdcd.wal.errors import WalDiskFull
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import Checkpoint, Record
 from cdcd.wal.segment import HEADER_SIZE
@@ -205,7 +206,7 @@ class WalLog:
             if chunks:
                 t0 = time.perf_counter()
                 before_bytes, before_syncs = self._files.bytes_written, self._files.fsyncs
-                self._files.write(chunks)
+                self._write_waiting_for_space(chunks)
                 metrics.WAL_FLUSH_SECONDS.observe(time.perf_counter() - t0)
                 metrics.WAL_BYTES.inc(self._files.bytes_written - before_bytes)
                 metrics.WAL_FSYNCS.inc(self._files.fsyncs - before_syncs)
@@ -220,6 +221,29 @@ class WalLog:
             if closing:
                 self._files.close()
                 return
+
+    def _write_waiting_for_space(self, chunks: list[Chunk]) -> None:
+        """Write ``chunks``; on a full disk wait for space and write the rest (committers and, once
+        the buffer is full, writers wait meanwhile). Closing while the disk is full fails the WAL."""
+        pending, delay_s, full_since = chunks, 0.05, 0.0
+        while True:
+            try:
+                self._files.write(pending)
+                break
+            except WalDiskFull as exc:
+                pending = pending[exc.done :]
+                if not full_since:
+                    full_since = time.monotonic()
+                    metrics.WAL_DISK_FULL.set(1)
+                    log.warning("wal_disk_full", error=str(exc), hint="writes resume once space is freed")
+                with self._lock:
+                    if self._wake.wait_for(lambda: self._closing, delay_s):
+                        raise
+                    self.flusher_pass_monotonic = time.monotonic()
+                delay_s = min(delay_s * 2, 1.0)
+        if full_since:
+            metrics.WAL_DISK_FULL.set(0)
+            log.info("wal_disk_space_back", waited_ms=round((time.monotonic() - full_since) * 1000))
 
     def close(self) -> None:
         """Flush everything and stop the flusher (idempotent)."""

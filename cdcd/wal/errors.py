@@ -41,6 +41,16 @@ class TruncatedSegment(WalError):
     """An archived segment that ends before its SegmentEnd record."""
 
 
+class WalDiskFull(WalError):
+    """A segment write found no free space (ENOSPC/EDQUOT); ``done`` chunks were written before it.
+
+    Writes are positional, so the flusher can write the rest again once space returns."""
+
+    def __init__(self, path: str | os.PathLike[str], offset: int, done: int, cause: OSError) -> None:
+        self.done = done
+        super().__init__(path, offset, f"disk full ({os.strerror(cause.errno or 0)})")
+
+
 class MissingSegment(WalError):
     """A gap in the segment sequence."""
 

@@ -6,6 +6,7 @@ and lets a single flusher thread call ``SegmentFiles.write``.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import uuid
@@ -16,6 +17,7 @@ from pathlib import Path
 import msgspec
 
 from cdcd.durable import fsync_dir
+from cdcd.wal.errors import WalDiskFull
 from cdcd.wal.frame import FRAME_HEADER, FRAME_HEADER_SIZE, SEGMENT_END_FRAME
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import Record
@@ -182,16 +184,23 @@ class SegmentFiles:
         return fd
 
     def write(self, chunks: list[Chunk]) -> None:
-        for chunk in chunks:
-            fd = self._fd if self._fd_segment == chunk.segment else None
-            if fd is None:
-                self.close()
-                fd = self._open(chunk.segment)
-            view = memoryview(chunk.data)
+        for done, chunk in enumerate(chunks):
             pos = chunk.offset
-            while view:
-                n = os.pwrite(fd, view, pos)
-                view, pos = view[n:], pos + n
+            try:
+                fd = self._fd if self._fd_segment == chunk.segment else None
+                if fd is None:
+                    self.close()
+                    fd = self._open(chunk.segment)
+                view = memoryview(chunk.data)
+                while view:
+                    n = os.pwrite(fd, view, pos)
+                    view, pos = view[n:], pos + n
+            except OSError as exc:
+                # Only a failed write or create is safe to repeat: after a failed fsync the kernel may
+                # have dropped the dirty pages, so those errors stay fatal.
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise WalDiskFull(segment_path(self.work_dir, chunk.segment), pos, done, exc) from exc
+                raise
             self.bytes_written += len(chunk.data)
             if chunk.ends_segment:
                 self._sync(fd)

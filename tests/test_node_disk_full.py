@@ -1,0 +1,109 @@
+"""A full node disk: WAL writes wait for space and resume with nothing lost; a checkpoint that cannot
+be written names the database file and the full disk (LMDB itself only says "Input/output error")."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cdcd import metrics
+from cdcd.node import Node
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+
+VALUE = "x" * 1000
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill(mnt: Path, leave_bytes: int) -> Path:
+    """A file taking all free space of ``mnt`` but ``leave_bytes``."""
+    st = os.statvfs(mnt)
+    filler = mnt / "filler"
+    with open(filler, "wb") as f:
+        remaining = st.f_bavail * st.f_frsize - leave_bytes
+        block = b"\0" * (1 << 20)
+        while remaining > 0:
+            remaining -= f.write(block[: min(len(block), remaining)])
+    return filler
+
+
+def disk_full_gauge() -> float | None:
+    return metrics.NODE.get_sample_value("cdcd_node_wal_disk_full")
+
+
+def wait_for(cond: object, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_wal_waits_for_space_and_resumes(small_fs: Path) -> None:
+    node_dir = small_fs / "node"
+    node = Node.open(node_dir, wal_segment_size_bytes=1 << 20)
+    cache = node.cache("c")
+    filler = fill(small_fs, leave_bytes=512 * 1024)
+    n_puts = 3000
+    done: list[int] = []
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            for i in range(n_puts):
+                cache.put(i, VALUE)
+                done.append(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    wait_for(lambda: disk_full_gauge() == 1.0, "the WAL to report a full disk")
+    stalled_at = len(done)
+    assert stalled_at < n_puts and not errors
+    filler.unlink()
+    t.join(120)
+    assert not t.is_alive()
+    assert errors == []
+    assert done == list(range(n_puts))
+    assert disk_full_gauge() == 0.0
+    node.close()
+
+    node = Node.open(node_dir, wal_segment_size_bytes=1 << 20)
+    try:
+        assert dict(node.cache("c").items()) == {i: VALUE for i in range(n_puts)}
+    finally:
+        node.close()
+
+
+def test_checkpoint_on_full_disk_names_it(small_fs: Path) -> None:
+    node_dir = small_fs / "node"
+    node = Node.open(node_dir, wal_segment_size_bytes=1 << 20, wal_mode="background")
+    cache = node.cache("c")
+    for i in range(2000):
+        cache.put(i, VALUE)
+    node.flush()
+    fill(small_fs, leave_bytes=0)
+    with pytest.raises(OSError) as info:
+        node.checkpoint()
+    message = str(info.value)
+    assert str(node_dir / "db" / "data.mdb") in message
+    assert "disk full" in message
+    (small_fs / "filler").unlink()
+    node.close()
