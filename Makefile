@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
+	@bash scripts/ensure-minio.sh
 	@touch $(STAMP)
 
 # Two workers, one test file each at a time (module fixtures such as a SparkSession stay per file):
