@@ -56,6 +56,23 @@ _TAIL_PEEK_RECORDS = 64
 """Records read from the head of the node's active segment to find its first data record."""
 
 
+def fix_mmap_threshold(threshold_bytes: int = 128 * 1024) -> None:
+    """For a process that runs the daemon (``cdcd run``): keep glibc from moving its mmap threshold
+    up after the reader frees a 1 MiB buffer: the buffers would then come from the heap and fragment
+    it, and RSS would grow with the backlog. Process-wide, so the library never calls it itself."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt(-3, threshold_bytes)  # M_MMAP_THRESHOLD; setting it also disables the sliding threshold
+    except (OSError, AttributeError):
+        return  # not glibc: nothing to tune
+
+
 class PipelineStalled(Exception):
     """A consumer call or segment read ran past ``consumer_stall_timeout_ms``: the daemon exits (code 6)."""
 
