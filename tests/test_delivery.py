@@ -34,18 +34,9 @@ from cdcd.sinks.jsonl import JsonlConsumer
 from cdcd.wal import WalPointer
 from cdcd.wal.pointer import WalPosition
 from cdcd.wal.records import CacheConfig, CacheOp, CacheRecord, CacheVersion, DataEntry, DataRecord, Op
-from tests.test_daemon_e2e import (
-    CDCD,
-    cdc_links,
-    child_env,
-    read_jsonl,
-    start_daemon,
-    stop_daemon,
-    wait_for,
-    wal_events,
-    wal_records,
-    write_daemon_config,
-)
+from tests.support.config import write_daemon_config
+from tests.support.procs import CDCD, child_env, start_daemon, stop_daemon, wait_for
+from tests.support.wal import cdc_links, read_jsonl, wal_events, wal_records
 
 Pos = list[int]
 

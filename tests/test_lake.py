@@ -2,7 +2,7 @@
 in the Parquet change log ``<lake>/changes`` exactly once; ``cdcd lake compact / verify / show``; ``cdcd demo``;
 the hand-over between the node's realtime worker and the daemon writing one lake; a Spark standalone cluster.
 
-The reference is the WAL (``WalReader`` over archive and work dir, via ``tests.test_daemon_e2e.wal_events``).
+The reference is the WAL (``WalReader`` over archive and work dir, via ``tests.support.wal.wal_events``).
 ``check_lake`` compares a lake with it: the commit log's entries cover disjoint position ranges, each entry's
 files hold exactly the WAL entries of its range, every Parquet file under ``changes/`` is named by an entry (no
 orphan a reader could see), and ``spark.read.parquet(<lake>/changes)`` returns exactly one row per WAL data entry,
@@ -40,21 +40,9 @@ from cdcd.daemon.ops import show_state
 from cdcd.lake import spark as spark_session
 from cdcd.lake.log import LogEntry
 from cdcd.node import Node
-from tests.test_daemon_e2e import (
-    CACHES,
-    CDCD,
-    ROOT,
-    archived_segments,
-    cdcd,
-    child_env,
-    expected_final_state,
-    start_daemon,
-    start_writer,
-    stop_daemon,
-    wait_for,
-    wal_events,
-    writer_count,
-)
+from tests.support.procs import CDCD, ROOT, cdcd, child_env, start_daemon, stop_daemon, wait_for
+from tests.support.wal import archived_segments, wal_events
+from tests.support.writer import CACHES, expected_final_state, start_writer, writer_count
 
 Pos = tuple[int, int, int]
 TEST_MASTER = "local[2]"
@@ -451,14 +439,8 @@ def test_handover_between_node_and_daemon_lands_every_entry_once(tmp_path: Path,
     """With the lake sink on both sides of one lake (node: pyarrow writer, daemon: Spark writer), `cdcd control
     realtime off` / `on` twice under load hands delivery between the node's realtime worker and the daemon: every
     WAL entry lands exactly once, each by the side whose share it is."""
-    from tests.test_realtime import (
-        DAEMON_SETTINGS,
-        NODE_SETTINGS,
-        Rig,
-        StopRealtimeCdcRecord,
-        expected_shares,
-        markers,
-    )
+    from cdcd.wal.records import StopRealtimeCdcRecord
+    from tests.support.realtime import DAEMON_SETTINGS, NODE_SETTINGS, Rig, expected_shares, markers
 
     lake = tmp_path / "lake"
     node_settings = {"realtime_cdc": True, "realtime_close_timeout_ms": 120_000, "realtime_batch_max_events": 5000}
@@ -481,7 +463,7 @@ def test_handover_between_node_and_daemon_lands_every_entry_once(tmp_path: Path,
     try:
         # The node opens with realtime on (its Spark starts before the control socket exists): slow start.
         rig.node_runs += 1
-        code = "import tests.test_realtime as t; t.node_main()"
+        code = "import tests.support.realtime as t; t.node_main()"
         args = [str(rig.node_config), str(rig.ctl), "0", "100", "5", "0"]  # 5 tx (~250 entries) per 100 ms
         with rig.node_log.open("wb") as log:
             rig.node = subprocess.Popen(
@@ -677,7 +659,7 @@ def test_lake_verify_leaves_the_node_alone(tmp_path: Path) -> None:
     from cdcd.daemon.config import DaemonConfig
     from cdcd.daemon.daemon import Daemon
     from cdcd.sinks.null import NullConsumer
-    from tests.test_realtime import markers, node_realtime_state
+    from tests.support.realtime import markers, node_realtime_state
 
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
     fake_compacted_state(lake, "orders", [("2", '"two"')])

@@ -30,14 +30,9 @@ from typing import Any
 import pytest
 
 from cdcd.lake.log import LakeLog
-from tests.test_daemon_e2e import (
-    archived_segments,
-    cdc_links,
-    child_env,
-    make_node,
-    wait_for,
-    wal_events,
-)
+from tests.support.procs import child_env, wait_for
+from tests.support.wal import archived_segments, cdc_links, wal_events
+from tests.support.writer import make_node
 from tests.test_lake import (
     QUICK_START,
     Pos,
@@ -505,7 +500,7 @@ def wal_batch(node_dir: Path) -> Any:
     """All data records of a node's WAL as one EventBatch (what the daemon would hand the sink)."""
     from cdcd.consumer import EventBatch, RecordSlice
     from cdcd.wal import CacheRecord, DataRecord
-    from tests.test_daemon_e2e import wal_records
+    from tests.support.wal import wal_records
 
     names: dict[int, str] = {}
     slices = []

@@ -97,9 +97,9 @@ from cdcd.node.realtime import RealtimeMode
 from cdcd.sinks.jsonl import JsonlConsumer
 from cdcd.sinks.null import NullConsumer
 from cdcd.wal.segment import list_segments
-from tests.bench import pg_arrivals
-from tests.bench.common import VALUE_100B
-from tests.bench.pg_cluster import PgCluster, PgUnavailable, ensure_postgres
+from tests.support import pg_arrivals
+from tests.support.bench import VALUE_100B
+from tests.support.pg_cluster import PgCluster, PgUnavailable, ensure_postgres
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

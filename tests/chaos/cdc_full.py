@@ -23,8 +23,10 @@ import msgspec
 from cdcd.node.snapshot import NodeSnapshot
 from cdcd.wal.dump import jsonable
 from tests.chaos.common import ChaosRig, Ctx, Result, check, rig
-from tests.test_daemon_e2e import CACHES, cdcd, log_events, wait_for, wal_events
-from tests.test_realtime import read_runs
+from tests.support.procs import cdcd, log_events, wait_for
+from tests.support.realtime import read_runs
+from tests.support.wal import wal_events
+from tests.support.writer import CACHES
 
 SEGMENT = 64 * 1024
 MISSING = re.compile(

@@ -24,8 +24,9 @@ from tests.chaos.common import (
     lake_delivery,
     rig,
 )
-from tests.test_daemon_e2e import wait_for, wal_events
-from tests.test_realtime import expected_shares, read_runs
+from tests.support.procs import wait_for
+from tests.support.realtime import expected_shares, read_runs
+from tests.support.wal import wal_events
 
 EARLY_KILL = 0.2
 """Share of kills that hit the process during its start-up (recovery, state loading, link clean-up)."""

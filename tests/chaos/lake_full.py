@@ -24,7 +24,9 @@ from tests.chaos.common import (
     tmpfs,
     track,
 )
-from tests.test_daemon_e2e import archived_segments, error_lines, make_node, start_daemon, stop_daemon, wal_events
+from tests.support.procs import error_lines, start_daemon, stop_daemon
+from tests.support.wal import archived_segments, wal_events
+from tests.support.writer import make_node
 from tests.test_lake import check_log_invariants, position, wait_caught_up, wait_started, write_config
 from tests.test_lake_faults import check_state_matches_lake
 
