@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cdcd.node import Node
-from tests.chaos.common import scrape
+from tests.support.chaos import scrape
 from tests.support.config import jsonl_consumer, write_daemon_config
 from tests.support.procs import (
     child_env,

@@ -491,7 +491,7 @@ def test_processor_follows_a_cache_whose_cdc_setting_changes() -> None:
 
 def test_lake_verify_leaves_out_a_cache_with_cdc_off(tmp_path: Path) -> None:
     """`cdcd lake verify` does not expect a cache with CDC off in the lake (it never gets there)."""
-    from tests.test_lake import fake_compacted_state
+    from tests.support.lake import fake_compacted_state
 
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
     fake_compacted_state(lake, "public", [("1", '"p1"')])

@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.chaos.common import PLUGINS, Ctx, Result, check, jsonl_delivery, rss_kb, track
+from tests.support.chaos import PLUGINS, Ctx, Result, check, jsonl_delivery, rss_kb, track
 from tests.support.config import write_daemon_config
 from tests.support.procs import child_env, polled_position, start_daemon, stop_daemon, wait_for
 from tests.support.wal import archived_segments, read_jsonl, wal_events

@@ -22,7 +22,7 @@ import msgspec
 
 from cdcd.node.snapshot import NodeSnapshot
 from cdcd.wal.dump import jsonable
-from tests.chaos.common import ChaosRig, Ctx, Result, check, rig
+from tests.support.chaos import ChaosRig, Ctx, Result, check, rig
 from tests.support.procs import cdcd, log_events, wait_for
 from tests.support.realtime import read_runs
 from tests.support.wal import archived_segments, wal_events

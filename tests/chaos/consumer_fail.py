@@ -17,7 +17,7 @@ import json
 import time
 from typing import Any
 
-from tests.chaos.common import Ctx, Pos, Result, archived_positions, check, check_exact, committed_or_none, rig
+from tests.support.chaos import Ctx, Pos, Result, archived_positions, check, check_exact, committed_or_none, rig
 from tests.support.config import write_daemon_config
 from tests.support.procs import log_events
 from tests.support.realtime import DAEMON_SETTINGS, read_runs

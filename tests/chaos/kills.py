@@ -3,7 +3,7 @@ and of either one around realtime switches, at random moments (a fifth of them d
 
 Each episode is a fresh node dir: a node process writing ~20k entries/s into 64 KiB segments and a daemon process,
 the victim SIGKILLed and restarted several times, then everything stopped cleanly and checked against the WAL with
-``tests.chaos.common.check_exact`` (each side's file split into runs at its kills: every run a contiguous stretch
+``tests.support.chaos.check_exact`` (each side's file split into runs at its kills: every run a contiguous stretch
 of that side's share, every restart beginning exactly at the position committed before the kill, together exactly
 the WAL). For the lake episodes the change log, read with pyarrow, must hold every WAL entry exactly once.
 """
@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from tests.chaos.common import (
+from tests.support.chaos import (
     ChaosRig,
     Ctx,
     Result,

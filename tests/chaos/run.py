@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.chaos import backpressure, cdc_full, clock, consumer_fail, kills, lake_full, stalls
-from tests.chaos.common import Ctx, Result, run_scenario
+from tests.support.chaos import Ctx, Result, run_scenario
 from tests.support.procs import ROOT
 
 RESULTS_DIR = ROOT / "var" / "chaos"

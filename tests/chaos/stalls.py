@@ -10,7 +10,7 @@ from __future__ import annotations
 import signal
 import time
 
-from tests.chaos.common import Ctx, Result, check, check_exact, rig
+from tests.support.chaos import Ctx, Result, check, check_exact, rig
 from tests.support.procs import stop_daemon, wait_for
 from tests.support.wal import archived_segments
 

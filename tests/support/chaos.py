@@ -35,14 +35,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from cdcd.lake.compact import cache_of
 from cdcd.wal import DataRecord, WalReader
 from tests.support.config import jsonl_consumer, write_daemon_config
+from tests.support.lake import check_log_invariants, staging_contents, visible_files
 from tests.support.procs import ROOT, child_env, error_lines, start_daemon, wait_for
 from tests.support.procs import committed as daemon_committed
 from tests.support.realtime import DAEMON_SETTINGS, Rig, expected_shares, read_runs
 from tests.support.wal import wal_events
-from tests.test_lake import check_log_invariants, staging_contents, visible_files
 
 Pos = tuple[int, int, int]
-CHAOS_DIR = Path(__file__).resolve().parent
+CHAOS_DIR = Path(__file__).resolve().parents[1] / "chaos"
 PLUGINS = CHAOS_DIR / "plugins"
 """``chaos_sinks`` (python consumers); on every child's PYTHONPATH."""
 CLOCKPATCH = CHAOS_DIR / "clockpatch"
