@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -34,6 +35,21 @@ EXIT_BAD_STATE = 7
 def fail(message: str, code: int) -> NoReturn:
     click.echo(f"cdcd: error: {mask_value(message)}", err=True)
     sys.exit(code)
+
+
+def on_stop_signals(stop: Callable[[signal.Signals], None]) -> None:
+    """SIGTERM and SIGINT call ``stop`` (from the signal handler: it must be signal-safe); a second
+    one leaves at once with exit code 128 + its number, as a shell reports a process it killed."""
+    received: list[signal.Signals] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if received:
+            os._exit(128 + signum)
+        received.append(signal.Signals(signum))
+        stop(signal.Signals(signum))
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -137,16 +153,7 @@ def node_run(
     except OSError as exc:
         fail(str(exc), 1)
     stop = threading.Event()
-    signals = {"n": 0}
-
-    def on_signal(signum: int, _frame: object) -> None:
-        signals["n"] += 1
-        if signals["n"] > 1:
-            os._exit(130)  # second signal: leave at once
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    on_stop_signals(lambda _signal: stop.set())
     if config.metrics_address:
         from prometheus_client import start_http_server
 
@@ -277,23 +284,6 @@ def node_diff(node_a: Path, node_b: Path, only: tuple[str, ...], as_json: bool) 
 
 
 # --- daemon ---------------------------------------------------------------------------------------
-def _fixed_mmap_threshold(threshold_bytes: int = 128 * 1024) -> None:
-    """Keep glibc from moving its mmap threshold up after the reader frees a 1 MiB buffer: the
-    buffers would then come from the heap and fragment it, and RSS would grow with the backlog
-    (measured: +24% from a 1M to a 5M backlog; with a fixed threshold +7-10%)."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if not name:
-        return
-    try:
-        libc = ctypes.CDLL(name)
-        libc.mallopt(-3, threshold_bytes)  # M_MMAP_THRESHOLD; setting it also disables the sliding threshold
-    except (OSError, AttributeError):
-        return  # not glibc: nothing to tune
-
-
 def _load_daemon_config(path: Path) -> Any:
     from cdcd.daemon.config import load_daemon_config
 
@@ -324,7 +314,7 @@ def daemon_run(config_path: Path, log_format: str | None) -> None:
     from prometheus_client import start_http_server
 
     from cdcd.daemon.committer import ConsumerFailed
-    from cdcd.daemon.daemon import Daemon, PipelineStalled
+    from cdcd.daemon.daemon import Daemon, PipelineStalled, fix_mmap_threshold
     from cdcd.daemon.state import StateRefused
     from cdcd.lock import LockHeld
     from cdcd.node.identity import BadNodeIdFile
@@ -334,7 +324,7 @@ def daemon_run(config_path: Path, log_format: str | None) -> None:
     fmt = log_format or config.log_format or ("console" if sys.stderr.isatty() else "json")
     configure_logging(fmt)  # type: ignore[arg-type]
     log = structlog.get_logger("cdcd.daemon")
-    _fixed_mmap_threshold()
+    fix_mmap_threshold()
     try:
         consumer = load_consumer(config.consumer, f"{config_path}: consumer")
     except ConfigError as exc:
@@ -346,18 +336,12 @@ def daemon_run(config_path: Path, log_format: str | None) -> None:
         daemon.close()  # its log lines first: the error stays the last line on stderr
         fail(message, code)
 
-    signals = {"n": 0}
-
-    def on_signal(signum: int, _frame: object) -> None:
-        signals["n"] += 1
-        if signals["n"] > 1:
-            os._exit(128 + signum)  # second signal: leave at once
-        log.info("daemon_stopping", signal=signal.Signals(signum).name)
+    def on_stop(signum: signal.Signals) -> None:
+        log.info("daemon_stopping", signal=signum.name)
         daemon.stop()  # thread- and signal-safe; also before run() starts (run() then returns at once)
 
     # Installed before anything else, so a SIGTERM during start-up is a clean stop, not a kill.
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    on_stop_signals(on_stop)
 
     async def main_async() -> None:
         try:
@@ -810,14 +794,7 @@ def demo(seconds: float, rate: int, var: Path, spark_master: str) -> None:
 
     configure_logging("console" if sys.stderr.isatty() else "json", level="warning")
     stop = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        if stop.is_set():
-            os._exit(128 + signum)
-        stop.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    on_stop_signals(lambda _signal: stop.set())
     ok = run_demo(var=var, seconds=seconds, rate=rate, spark_master=spark_master, fresh=True, stop=stop)
     sys.exit(0 if ok else 1)
 

@@ -1,9 +1,10 @@
-"""Shared fixtures: small segments so rollovers happen in tests."""
+"""Shared fixtures: small segments so rollovers happen in tests; the lake tests' SparkSession."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,3 +23,16 @@ def node(node_dir: Path) -> Iterator[Node]:
         yield n
     finally:
         n.close()
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    """One SparkSession per test module (cdcd.lake.spark's process-wide session)."""
+    from cdcd.lake import spark as spark_session
+    from tests.support.lake import TEST_MASTER
+
+    session = spark_session.acquire(TEST_MASTER, "cdcd-tests", {})
+    try:
+        yield session
+    finally:
+        spark_session.release()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.bench.bench_pg import SIDES, WORKLOADS
-from tests.bench.pg_cluster import PgUnavailable, ensure_postgres
+from tests.support.pg_cluster import PgUnavailable, ensure_postgres
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from tests.bench import bench_replication
-from tests.bench.common import run_bench
+from tests.support.bench import run_bench
 
 NAMES = ["replication.catchup", "replication.live", "replication.live.realtime"]
 

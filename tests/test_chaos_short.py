@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from tests.chaos.common import Result, run_scenario
 from tests.chaos.run import DEFAULT_SEED, by_name, format_table
+from tests.support.chaos import Result, run_scenario
 
 
 def run_short(name: str) -> Result:

@@ -111,3 +111,33 @@ def test_node_run_bad_config_and_second_instance(tmp_path: Path) -> None:
         res = run("node", "run", "--config", str(cfg))
     assert res.returncode == 1
     assert f"locked by pid {os.getpid()}" in res.stderr
+
+
+STOP_SIGNALS_CHILD = """
+import sys, time
+from cdcd.cli import on_stop_signals
+on_stop_signals(lambda s: print("stop", s.name, flush=True))
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_stop_signals_first_stops_second_leaves_at_once() -> None:
+    """The one stop-signal handler of `cdcd run`, `cdcd node run` and `cdcd demo`: the first SIGTERM or SIGINT
+    asks to stop, a second one (either) ends the process at once with 128 + its number."""
+    for first, second in ((signal.SIGTERM, signal.SIGINT), (signal.SIGINT, signal.SIGTERM)):
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        proc = subprocess.Popen([sys.executable, "-c", STOP_SIGNALS_CHILD], stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline() == "ready\n"
+            proc.send_signal(first)
+            assert proc.stdout.readline() == f"stop {first.name}\n"
+            assert proc.poll() is None, "the first signal only asks to stop"
+            proc.send_signal(second)
+            assert proc.wait(30) == 128 + second
+            assert proc.stdout.read() == ""
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -15,7 +15,7 @@ from cdcd.node import Node
 from cdcd.wal import SegmentReader, WalPointer, WalReader
 from cdcd.wal.dump import open_records
 from cdcd.wal.segment import list_segments
-from tests.test_daemon_e2e import CDCD, cdcd, child_env, wait_for
+from tests.support.procs import CDCD, cdcd, child_env, wait_for
 
 SETTINGS: dict[str, Any] = {"wal_force_archive_timeout_ms": 0, "wal_segment_size_bytes": 1 << 20, "wal_mode": "fsync"}
 
@@ -148,7 +148,7 @@ def test_lake_verify_before_any_compaction_says_to_compact_first(tmp_path: Path)
 
 def test_lake_path_url_is_refused_and_creates_nothing(tmp_path: Path) -> None:
     """A daemon whose lake sink has `lake_path = "s3://…"` exits 2 naming the key, and no `./s3:` dir appears."""
-    from tests.test_daemon_e2e import write_daemon_config
+    from tests.support.config import write_daemon_config
 
     node_dir = tmp_path / "node"
     with Node.open(node_dir) as node:
@@ -218,7 +218,7 @@ def test_run_log_format_missing_node_dir_and_busy_metrics_port(tmp_path: Path) -
     node_dir is one line, exit 1 and leaves nothing behind; a busy metrics port names `metrics_address`, exit 2."""
     import socket
 
-    from tests.test_daemon_e2e import jsonl_consumer, write_daemon_config
+    from tests.support.config import jsonl_consumer, write_daemon_config
 
     missing = tmp_path / "no-such-node"
     config = write_daemon_config(tmp_path / "cdcd.toml", missing, jsonl_consumer(tmp_path / "out.jsonl"))

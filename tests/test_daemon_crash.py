@@ -22,22 +22,10 @@ from typing import Any
 import lmdb
 import pytest
 
-from cdcd.daemon.config import load_daemon_config
-from cdcd.daemon.ops import show_state
-from tests.test_daemon_e2e import (
-    CACHES,
-    archived_segments,
-    cdc_links,
-    expected_final_state,
-    jsonl_consumer,
-    start_daemon,
-    start_writer,
-    stop_daemon,
-    wait_for,
-    wal_events,
-    write_daemon_config,
-    writer_count,
-)
+from tests.support.config import jsonl_consumer, write_daemon_config
+from tests.support.procs import committed, start_daemon, stop_daemon, wait_for
+from tests.support.wal import archived_segments, cdc_links, wal_events
+from tests.support.writer import CACHES, expected_final_state, start_writer, writer_count
 
 KILLS = 32
 SEED = 104_6
@@ -48,12 +36,6 @@ DAEMON_SETTINGS: dict[str, Any] = {
     "read_chunk_records": 64,
     "queue_max_batches": 2,
 }
-
-
-def committed(config: Path) -> tuple[int, int, int] | None:
-    """The daemon's committed position, read from its state (no daemon runs at this moment)."""
-    parts = show_state(load_daemon_config(config, environ={}))["position_parts"]
-    return tuple(parts) if parts is not None else None
 
 
 @pytest.mark.slow

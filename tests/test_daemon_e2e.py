@@ -4,20 +4,14 @@ The writer commits deterministic transactions (``tx_writes``) over three caches,
 what was written; the WAL itself (read with ``WalReader`` over archive + work dir) is the reference
 the daemon's output is compared with, entry by entry and position by position.
 
-The helpers here (writer, configs, WAL reference, process handling) are shared with
-``test_daemon_crash.py`` and ``test_daemon_errors.py``.
+The helpers (writer, configs, WAL reference, process handling) are in ``tests/support/``.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 import zlib
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,302 +22,20 @@ from cdcd.daemon.config import DaemonConfig, load_daemon_config
 from cdcd.daemon.daemon import Daemon
 from cdcd.node import Node
 from cdcd.sinks.jsonl import JsonlConsumer
-from cdcd.wal import CacheRecord, DataRecord, WalPointer, WalReader
-from cdcd.wal.segment import list_segments
-
-ROOT = Path(__file__).resolve().parent.parent
-CDCD = [sys.executable, "-m", "cdcd"]
-
-CACHES = ("orders", "users", "events")
-KEYSPACE = 5003
-PUTS_PER_TX = 40
-REMOVES_PER_TX = 10
-
-WRITER_NODE_SETTINGS: dict[str, Any] = {
-    "wal_mode": "background",
-    "wal_segment_size_bytes": 64 * 1024,
-    "wal_force_archive_timeout_ms": 100,
-    "archive_max_bytes": 0,
-    "checkpoint_interval_ms": 500,
-}
-
-OP_NAMES = {0: "create", 1: "update", 2: "delete"}
-_msgpack = msgspec.msgpack.Decoder()
-
-
-# --- the deterministic writer ---------------------------------------------------------------------
-def _key(cache: str, k: int) -> Any:
-    if cache == "orders":
-        return k
-    if cache == "users":
-        return f"user-{k}"
-    return [k // 100, k % 100]  # a composite key (a MessagePack array, a JSON list)
-
-
-def tx_writes(n: int) -> list[tuple[str, Any, Any]]:
-    """Writes of transaction ``n`` as (cache, key, value); value None is a remove.
-
-    Puts go to one cache, removes to another, so one DataRecord spans two caches; removes reach
-    keys written by earlier transactions (and write nothing when the key is absent).
-    """
-    put_cache, del_cache = CACHES[n % 3], CACHES[(n + 1) % 3]
-    writes: list[tuple[str, Any, Any]] = []
-    for i in range(PUTS_PER_TX):
-        k = (n * 37 + i * 101) % KEYSPACE
-        writes.append((put_cache, _key(put_cache, k), {"n": n, "i": i, "pad": "x" * (n % 13)}))
-    for i in range(REMOVES_PER_TX):
-        k = (n * 53 + i * 211) % KEYSPACE
-        writes.append((del_cache, _key(del_cache, k), None))
-    return writes
-
-
-def expected_final_state(n_tx: int) -> dict[str, dict[str, Any]]:
-    """Cache contents after transactions 0..n_tx-1 (keys as their JSON text)."""
-    state: dict[str, dict[str, Any]] = {c: {} for c in CACHES}
-    for n in range(n_tx):
-        for cache, key, value in tx_writes(n):
-            k = json.dumps(key)
-            if value is None:
-                state[cache].pop(k, None)
-            else:
-                state[cache][k] = value
-    return state
-
-
-def writer_main() -> None:
-    """Child process: ``node_dir count stop_file pause_ms done_file`` (count 0: until stop_file exists)."""
-    node_dir, count_s, stop_file, pause_ms_s, done_file = sys.argv[1:6]
-    count, pause_s = int(count_s), float(pause_ms_s) / 1000
-    node = Node.open(node_dir, **WRITER_NODE_SETTINGS)
-    n = 0
-    try:
-        while (n < count) if count else not os.path.exists(stop_file):
-            with node.transaction() as tx:
-                for cache, key, value in tx_writes(n):
-                    if value is None:
-                        tx.remove(cache, key)
-                    else:
-                        tx.put(cache, key, value)
-            n += 1
-            if pause_s and n % 10 == 0:
-                time.sleep(pause_s)
-        node.force_archive()  # close() leaves the active segment unarchived: make every write visible to CDC
-    finally:
-        node.close()
-    Path(done_file).write_text(f"{n}\n")
-
-
-def start_writer(tmp: Path, node_dir: Path, *, count: int = 0, pause_ms: float = 0) -> subprocess.Popen[bytes]:
-    code = "import tests.test_daemon_e2e as t; t.writer_main()"
-    args = [str(node_dir), str(count), str(tmp / "writer.stop"), str(pause_ms), str(tmp / "writer.done")]
-    log = (tmp / "writer.log").open("wb")
-    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=log, stderr=log, env=child_env(), cwd=ROOT)
-
-
-def writer_count(tmp: Path) -> int:
-    return int((tmp / "writer.done").read_text())
-
-
-# --- processes, configs, state -------------------------------------------------------------------
-def child_env(*pythonpath: Path) -> dict[str, str]:
-    """The test's environment without any CDCD_* override, importing this checkout's ``cdcd``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CDCD_")}
-    paths = [str(ROOT), *map(str, pythonpath)]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*paths, os.environ.get("PYTHONPATH")]))
-    return env
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
-    return json.dumps(v)
-
-
-def write_daemon_config(path: Path, node_dir: Path, consumer: dict[str, Any], **settings: Any) -> Path:
-    """A daemon TOML config: quick polling, no metrics port, ``settings`` on top."""
-    values: dict[str, Any] = {
-        "node_dir": str(node_dir),
-        "metrics_address": "",
-        "lock_timeout_ms": 2000,
-        "check_interval_ms": 50,
-        "batch_max_delay_ms": 20,
-        **settings,
-    }
-    lines = [f"{k} = {_toml_value(v)}" for k, v in values.items()]
-    lines.append("[consumer]")
-    lines += [f"{k} = {_toml_value(v)}" for k, v in consumer.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def jsonl_consumer(path: Path) -> dict[str, Any]:
-    return {"kind": "jsonl", "path": str(path)}
-
-
-def cdcd(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CDCD, *args], capture_output=True, text=True, timeout=timeout, env=env or child_env())
-
-
-def start_daemon(config: Path, stderr_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """``cdcd run`` with its stderr (JSON log lines, then any error line) in ``stderr_path``."""
-    with stderr_path.open("ab") as err:
-        return subprocess.Popen(
-            [*CDCD, "run", "--config", str(config)],
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-            env=env or child_env(),
-        )
-
-
-def run_daemon_until_exit(config: Path, stderr_path: Path, timeout: float = 30, **kw: Any) -> int:
-    proc = start_daemon(config, stderr_path, **kw)
-    try:
-        return proc.wait(timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def stop_daemon(proc: subprocess.Popen[bytes], timeout: float = 20) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def state_show(config: Path) -> dict[str, Any]:
-    """``cdcd state show --json`` as a dict."""
-    res = cdcd("state", "show", "--config", str(config), "--json")
-    assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout)
-
-
-def state_position(config: Path) -> tuple[int, int, int] | None:
-    parts = state_show(config)["position_parts"]
-    return tuple(parts) if parts is not None else None
-
-
-def polled_position(config: Path) -> tuple[int, int, int] | str | None:
-    """``state_position`` for polling while a daemon may be starting.
-
-    Works around a bug: `cdcd state show` fails with MDB_NOTFOUND while a fresh daemon has created
-    its LMDB file but not yet its named databases (see test_daemon_errors.py); that answer is
-    "unreadable" here, and polling goes on.
-    """
-    res = cdcd("state", "show", "--config", str(config), "--json")
-    if res.returncode != 0 and "MDB_NOTFOUND" in res.stderr:
-        return "unreadable"
-    assert res.returncode == 0, res.stderr
-    parts = json.loads(res.stdout)["position_parts"]
-    return tuple(parts) if parts is not None else None
-
-
-def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
-def log_events(stderr_path: Path) -> list[dict[str, Any]]:
-    """The JSON log lines of a daemon's stderr (the final ``cdcd: error:`` line is not JSON)."""
-    out = []
-    for line in stderr_path.read_text().splitlines():
-        if line.startswith("{"):
-            out.append(json.loads(line))
-    return out
-
-
-def error_lines(stderr_path: Path) -> list[str]:
-    return [line for line in stderr_path.read_text().splitlines() if line.startswith("cdcd: error:")]
-
-
-# --- the reference: what the WAL holds -------------------------------------------------------------
-def wal_records(node_dir: Path) -> Iterator[tuple[WalPointer, Any]]:
-    """Every record of a (closed or running) node's WAL: archive, then the work dir's active segment."""
-    wal = node_dir / "wal"
-    work, _ = list_segments(wal)
-    yield from WalReader([wal / "archive", wal], active_segment=max(work) if work else None)
-
-
-def wal_events(node_dir: Path, *, upto: int | None = None) -> list[dict[str, Any]]:
-    """The data entries of the WAL as the jsonl sink documents them, in WAL order.
-
-    ``upto``: only segments below this index.
-    """
-    names: dict[int, str] = {}
-    out: list[dict[str, Any]] = []
-    for ptr, rec in wal_records(node_dir):
-        if upto is not None and ptr.segment >= upto:
-            break
-        if type(rec) is CacheRecord:
-            names[rec.cache_id] = rec.name
-        elif type(rec) is DataRecord:
-            for i, e in enumerate(rec.entries):
-                v = e.version
-                out.append(
-                    {
-                        "cache": names[e.cache_id],
-                        "op": OP_NAMES[int(e.op)],
-                        "key": _msgpack.decode(e.key),
-                        "value": _msgpack.decode(e.value),
-                        "partition": e.partition,
-                        "primary": e.primary,
-                        "version": {
-                            "order": v.order,
-                            "node_order": v.node_order,
-                            "cluster_id": v.cluster_id,
-                            "topology_version": v.topology_version,
-                        },
-                        "commit_ts_ns": rec.commit_ts_ns,
-                        "pos": [ptr.segment, ptr.offset, i],
-                    }
-                )
-    return out
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    data = path.read_bytes()
-    assert not data or data.endswith(b"\n"), "the jsonl file ends in a partial line"
-    return [json.loads(line) for line in data.splitlines()]
-
-
-def archived_segments(node_dir: Path) -> dict[int, Path]:
-    return list_segments(node_dir / "wal" / "archive")[0]
-
-
-def cdc_links(node_dir: Path) -> dict[int, Path]:
-    return list_segments(node_dir / "cdc")[0]
-
-
-def make_node(node_dir: Path, segments: int, tx_per_segment: int, *, first_tx: int = 0, **settings: Any) -> int:
-    """Write ``segments`` archived segments of ``tx_writes`` transactions in-process; returns the next tx."""
-    opts = {**WRITER_NODE_SETTINGS, "wal_force_archive_timeout_ms": 0, "wal_segment_size_bytes": 1 << 20, **settings}
-    n = first_tx
-    with Node.open(node_dir, **opts) as node:
-        for _ in range(segments):
-            for _ in range(tx_per_segment):
-                with node.transaction() as tx:
-                    for cache, key, value in tx_writes(n):
-                        if value is None:
-                            tx.remove(cache, key)
-                        else:
-                            tx.put(cache, key, value)
-                n += 1
-            node.force_archive()
-    return n
+from tests.support.config import jsonl_consumer, write_daemon_config
+from tests.support.procs import (
+    catch_up_and_stop,
+    cdcd,
+    child_env,
+    log_events,
+    polled_position,
+    start_daemon,
+    state_position,
+    stop_daemon,
+    wait_for,
+)
+from tests.support.wal import archived_segments, cdc_links, read_jsonl, wal_events
+from tests.support.writer import CACHES, expected_final_state, make_node, start_writer, writer_count
 
 
 # --- tests -----------------------------------------------------------------------------------------
@@ -526,14 +238,3 @@ def test_sigterm_mid_backlog_commits_exactly_what_was_written(tmp_path: Path) ->
     catch_up_and_stop(config, tmp_path / "run2.err", (max(archived_segments(node_dir)) + 1, 0, 0))
     assert read_jsonl(out) == expected
     assert cdc_links(node_dir) == {}
-
-
-def catch_up_and_stop(config: Path, err: Path, until: tuple[int, int, int], env: dict[str, str] | None = None) -> None:
-    """Run the daemon until it has committed ``until``, then SIGTERM it and expect exit 0."""
-    proc = start_daemon(config, err, env=env)
-    try:
-        wait_for(lambda: proc.poll() is not None or polled_position(config) == until, 60, f"position {until}")
-        assert proc.poll() is None, err.read_text()[-3000:]
-    finally:
-        rc = stop_daemon(proc)
-    assert rc == 0, err.read_text()[-3000:]

@@ -24,27 +24,23 @@ from cdcd.daemon.daemon import Daemon
 from cdcd.sinks.jsonl import JsonlConsumer
 from cdcd.wal import DataRecord, SegmentReader
 from cdcd.wal.frame import FRAME_HEADER_SIZE
-from tests.test_daemon_e2e import (
-    archived_segments,
+from tests.support.config import jsonl_consumer, write_daemon_config
+from tests.support.procs import (
     catch_up_and_stop,
-    cdc_links,
     cdcd,
     child_env,
     error_lines,
-    jsonl_consumer,
     log_events,
-    make_node,
     polled_position,
-    read_jsonl,
     run_daemon_until_exit,
     start_daemon,
     state_position,
     state_show,
     stop_daemon,
     wait_for,
-    wal_events,
-    write_daemon_config,
 )
+from tests.support.wal import archived_segments, cdc_links, read_jsonl, wal_events
+from tests.support.writer import make_node
 
 MISSING_HINT = (
     "(links were lost; run `cdcd control relink-lost-segments`, or `cdcd control delete-lost-segment-links` and resend)"

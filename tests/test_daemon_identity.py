@@ -8,20 +8,10 @@ import shutil
 from pathlib import Path
 
 from cdcd.node.identity import read_node_id
-from tests.test_daemon_e2e import (
-    archived_segments,
-    catch_up_and_stop,
-    cdc_links,
-    error_lines,
-    jsonl_consumer,
-    log_events,
-    make_node,
-    read_jsonl,
-    run_daemon_until_exit,
-    state_position,
-    wal_events,
-    write_daemon_config,
-)
+from tests.support.config import jsonl_consumer, write_daemon_config
+from tests.support.procs import catch_up_and_stop, error_lines, log_events, run_daemon_until_exit, state_position
+from tests.support.wal import archived_segments, cdc_links, read_jsonl, wal_events
+from tests.support.writer import make_node
 
 
 def only_error_line(err: Path) -> str:
@@ -164,7 +154,7 @@ def test_state_of_a_recreated_node_deletes_nothing(tmp_path: Path) -> None:
     assert read_jsonl(out) == before
     assert not [e for e in log_events(err) if e["event"] == "stale_link_deleted"]
 
-    from tests.test_daemon_e2e import cdcd, state_show
+    from tests.support.procs import cdcd, state_show
 
     res = cdcd("state", "reset", "--config", str(config), "--yes")
     assert res.returncode == 0, res.stderr

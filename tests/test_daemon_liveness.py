@@ -18,24 +18,19 @@ from pathlib import Path
 from typing import Any
 
 from cdcd.node import Node
-from tests.chaos.common import scrape
-from tests.test_daemon_e2e import (
-    cdc_links,
+from tests.support.chaos import scrape
+from tests.support.config import jsonl_consumer, write_daemon_config
+from tests.support.procs import (
     child_env,
     error_lines,
-    jsonl_consumer,
-    make_node,
-    read_jsonl,
     run_daemon_until_exit,
     start_daemon,
-    start_writer,
     state_position,
     stop_daemon,
-    tx_writes,
     wait_for,
-    wal_events,
-    write_daemon_config,
 )
+from tests.support.wal import cdc_links, read_jsonl, wal_events
+from tests.support.writer import make_node, start_writer, tx_writes
 
 CONSUMERS = textwrap.dedent(
     '''

@@ -11,26 +11,22 @@ from pathlib import Path
 import pytest
 
 from cdcd.wal import DataRecord, SegmentReader
-from tests.test_daemon_e2e import (
-    archived_segments,
+from tests.support.config import jsonl_consumer, write_daemon_config
+from tests.support.procs import (
     catch_up_and_stop,
-    cdc_links,
     cdcd,
     error_lines,
-    jsonl_consumer,
     log_events,
-    make_node,
     polled_position,
-    read_jsonl,
     run_daemon_until_exit,
     start_daemon,
     state_position,
     state_show,
     stop_daemon,
     wait_for,
-    wal_events,
-    write_daemon_config,
 )
+from tests.support.wal import archived_segments, cdc_links, read_jsonl, wal_events
+from tests.support.writer import make_node
 
 
 def only_error_line(stderr: str) -> str:
@@ -173,7 +169,7 @@ def test_daemon_without_state_asks_the_running_node_and_delivers(tmp_path: Path)
     the second starting at the first link present."""
     import shutil
 
-    from tests.test_daemon_e2e import start_writer
+    from tests.support.writer import start_writer
 
     node_dir = tmp_path / "node"
     out = tmp_path / "out.jsonl"

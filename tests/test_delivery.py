@@ -34,18 +34,9 @@ from cdcd.sinks.jsonl import JsonlConsumer
 from cdcd.wal import WalPointer
 from cdcd.wal.pointer import WalPosition
 from cdcd.wal.records import CacheConfig, CacheOp, CacheRecord, CacheVersion, DataEntry, DataRecord, Op
-from tests.test_daemon_e2e import (
-    CDCD,
-    cdc_links,
-    child_env,
-    read_jsonl,
-    start_daemon,
-    stop_daemon,
-    wait_for,
-    wal_events,
-    wal_records,
-    write_daemon_config,
-)
+from tests.support.config import write_daemon_config
+from tests.support.procs import CDCD, child_env, start_daemon, stop_daemon, wait_for
+from tests.support.wal import cdc_links, read_jsonl, wal_events, wal_records
 
 Pos = list[int]
 
@@ -391,9 +382,9 @@ def test_daemon_never_delivers_a_cache_with_cdc_off(tmp_path: Path, kind: str) -
     assert {op: events_metric("secret", op) for op in secret_before} == secret_before
 
 
-def test_daemon_jsonl_workers_skip_cdc_off_entries_inside_big_transactions(tmp_path: Path) -> None:
-    """The jsonl sink's encoding workers re-read records from the segment files: entries of a cache with CDC off
-    inside a big mixed transaction must not reach the file through them either."""
+def test_daemon_jsonl_skips_cdc_off_entries_inside_big_transactions(tmp_path: Path) -> None:
+    """Entries of a cache with CDC off inside big mixed transactions (batches of thousands of events) never reach
+    the jsonl file."""
     node_dir = tmp_path / "node"
     with Node.open(node_dir, wal_force_archive_timeout_ms=0, wal_segment_size_bytes=8 << 20) as node:
         node.cache("public")
@@ -406,9 +397,8 @@ def test_daemon_jsonl_workers_skip_cdc_off_entries_inside_big_transactions(tmp_p
     ref = reference(node_dir, ["public"])
     assert len(ref) == 9000
     out = tmp_path / "out.jsonl"
-    consumer = JsonlConsumer(out, fsync=False, workers=2)
+    consumer = JsonlConsumer(out, fsync=False)
     with Daemon(daemon_config(node_dir), consumer) as daemon:
-        assert consumer.worker_pids, "the encoding workers run"
         assert daemon.sync_once() == 9000
     assert events_of(recorded(out)) == ref
 
@@ -501,7 +491,7 @@ def test_processor_follows_a_cache_whose_cdc_setting_changes() -> None:
 
 def test_lake_verify_leaves_out_a_cache_with_cdc_off(tmp_path: Path) -> None:
     """`cdcd lake verify` does not expect a cache with CDC off in the lake (it never gets there)."""
-    from tests.test_lake import fake_compacted_state
+    from tests.support.lake import fake_compacted_state
 
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
     fake_compacted_state(lake, "public", [("1", '"p1"')])

@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.test_daemon_e2e import child_env
+from tests.support.procs import child_env
 
 APP = textwrap.dedent(
     """

@@ -1,7 +1,7 @@
 """The WAL reader's fuzz contract in CI: replay of every saved fuzz input, a short hypothesis fuzz of each
 target, and corrupted archived segments through a real ``cdcd run``.
 
-The long run is ``make fuzz`` (``python -m tests.fuzz.run``); see ``tests/fuzz/wal_fuzz.py`` for the
+The long run is ``make fuzz`` (``python -m tests.fuzz.run``); see ``tests/support/wal_fuzz.py`` for the
 contract each target checks. Files under ``tests/data/fuzz/`` are ``<name>.bin`` (the target's input)
 with a ``<name>.json`` sidecar: ``target``, ``expect`` ("contract": records or a typed error, as the
 target documents) and, for hand-made inputs, the exact ``outcome``.
@@ -23,7 +23,10 @@ from hypothesis import strategies as st
 from cdcd.wal import BadSegmentName, DataRecord, SegmentReader, WalError
 from cdcd.wal.records import RECORD_TYPES
 from cdcd.wal.segment import parse_segment_name
-from tests.fuzz.wal_fuzz import (
+from tests.support.config import jsonl_consumer, write_daemon_config
+from tests.support.procs import error_lines, run_daemon_until_exit
+from tests.support.wal import cdc_links
+from tests.support.wal_fuzz import (
     TARGETS,
     FuzzFailure,
     RandomChooser,
@@ -33,14 +36,7 @@ from tests.fuzz.wal_fuzz import (
     seeds,
     write_segment,
 )
-from tests.test_daemon_e2e import (
-    cdc_links,
-    error_lines,
-    jsonl_consumer,
-    make_node,
-    run_daemon_until_exit,
-    write_daemon_config,
-)
+from tests.support.writer import make_node
 
 DATA = Path(__file__).parent / "data" / "fuzz"
 PROGRAM_MAX = 256

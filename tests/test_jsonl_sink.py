@@ -20,7 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cdcd.sinks.jsonl as jsonl_module
+from cdcd.config import ConfigError
 from cdcd.consumer import OP_NAMES, EventBatch, RecordSlice
+from cdcd.sinks import load_consumer
 from cdcd.sinks.jsonl import JsonlConsumer
 from cdcd.wal.dump import jsonable
 from cdcd.wal.pointer import WalPointer
@@ -203,23 +205,21 @@ def _run(consumer: Any, fd: int, batches: list[EventBatch]) -> tuple[bytes, str 
     | st.lists(_batch(bad=_UNENCODABLE), min_size=1, max_size=2)
     | st.lists(_batch(bad=_MALFORMED), min_size=1, max_size=2),
     write_lines=st.sampled_from([1, 2, 3, 5, 4096]),
-    encode_lines=st.sampled_from([1, 2, 3, 256]),
 )
-def test_on_events_bytes_identical_to_reference(batches: list[EventBatch], write_lines: int, encode_lines: int) -> None:
+def test_on_events_bytes_identical_to_reference(batches: list[EventBatch], write_lines: int) -> None:
     """Random batches (any key/value shape, deletes, several caches, slices from start > 0, bad data) match the
     reference byte for byte, errors included."""
     ref_fd = os.memfd_create("ref")
     new_fd = os.memfd_create("new")
-    saved = jsonl_module._WRITE_LINES, jsonl_module._ENCODE_LINES
+    saved = jsonl_module._WRITE_LINES
     jsonl_module._WRITE_LINES = write_lines  # same write chunks, so even a failed batch leaves the same bytes
-    jsonl_module._ENCODE_LINES = encode_lines
     try:
         expected = _run(ReferenceJsonl(ref_fd, write_lines), ref_fd, batches)
         consumer = JsonlConsumer("/nonexistent/unused.jsonl", fsync=False)
         consumer._fd = new_fd
         got = _run(consumer, new_fd, batches)
     finally:
-        jsonl_module._WRITE_LINES, jsonl_module._ENCODE_LINES = saved
+        jsonl_module._WRITE_LINES = saved
         os.close(ref_fd)
         os.close(new_fd)
     assert got[1] == expected[1]
@@ -281,3 +281,42 @@ def test_real_file_json_lines(tmp_path: Path) -> None:
         [5, 99_900, 9],
     )
     assert [line["key"] for line in lines] == list(range(3, 10_000))
+
+
+def test_options_and_removed_workers_key(tmp_path: Path) -> None:
+    """``path`` and ``fsync`` are the options; ``workers`` (the removed encoding processes) is a one-line error naming
+    it."""
+    consumer = JsonlConsumer.from_options({"path": str(tmp_path / "o.jsonl"), "fsync": False}, "test")
+    assert (consumer.path, consumer.fsync) == (tmp_path / "o.jsonl", False)
+    with pytest.raises(ConfigError, match=r"^test: key 'workers': removed \(") as info:
+        JsonlConsumer.from_options({"path": "x", "workers": 2}, "test")
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"^test: unknown key 'worker'$"):
+        JsonlConsumer.from_options({"path": "x", "worker": 2}, "test")
+    with pytest.raises(ConfigError, match=r"^c\.toml: key 'workers': removed"):
+        load_consumer({"kind": "jsonl", "path": "x", "workers": 0}, "c.toml")
+
+
+def test_restart_appends_after_what_is_there(tmp_path: Path) -> None:
+    """A restarted consumer appends (a re-delivered unconfirmed batch follows the lines, even a partial last line, of
+    the run before): nothing written earlier is lost; the file is private to its owner."""
+    path = tmp_path / "events.jsonl"
+    entry = DataEntry(
+        1, Op.UPDATE, msgspec.Raw(_msgpack.encode(1)), msgspec.Raw(_msgpack.encode("a")), 0, CacheVersion(1, 1, 0, 1)
+    )
+    batch = EventBatch("n", [RecordSlice(WalPointer(0, 40), DataRecord([entry, entry], 7), 0, 1)], {1: "c"})
+    first = JsonlConsumer(path)
+    first.start()
+    assert first.on_events(batch)
+    first.stop()
+    assert path.stat().st_mode & 0o777 == 0o600
+    with path.open("ab") as f:
+        f.write(b'{"cache":"c","op"')  # a run killed in the middle of a line
+    second = JsonlConsumer(path)
+    second.start()
+    assert second.on_events(batch)
+    second.stop()
+    lines = path.read_bytes().split(b"\n")
+    assert lines[0] == lines[1][len(b'{"cache":"c","op"') :]
+    assert json.loads(lines[0])["pos"] == [0, 40, 0], "a slice's stop is respected: one line per run"
+    assert len(lines) == 3 and lines[2] == b""

@@ -30,26 +30,17 @@ from typing import Any
 import pytest
 
 from cdcd.lake.log import LakeLog
-from tests.test_daemon_e2e import (
-    archived_segments,
-    cdc_links,
-    child_env,
-    make_node,
-    wait_for,
-    wal_events,
-)
-from tests.test_lake import (
+from tests.support.lake import (
     QUICK_START,
-    Pos,
     check_lake,
     check_log_invariants,
-    entry_range,
+    check_state_matches_lake,
+    covered_below,
     error_lines,
     position,
     process_tree,
     read_log,
     run_to_end,
-    spark,  # noqa: F401  (the module's SparkSession fixture)
     spark_consumer,
     staging_contents,
     visible_files,
@@ -57,6 +48,9 @@ from tests.test_lake import (
     wait_started,
     write_config,
 )
+from tests.support.procs import child_env, wait_for
+from tests.support.wal import archived_segments, cdc_links, wal_events
+from tests.support.writer import make_node
 
 CDCD = [sys.executable, "-m", "cdcd"]
 
@@ -160,30 +154,6 @@ def log_event_names(err: Path) -> list[str]:
     return [json.loads(line)["event"] for line in err.read_text().splitlines() if line.startswith("{")]
 
 
-def covered_below(lake: Path, positions: list[Pos], until: Pos | None) -> None:
-    """The daemon's committed position ``until`` is never past the lake: every WAL entry before it is in the log."""
-    if until is None:
-        return
-    index = {p: i for i, p in enumerate(positions)}
-    covered = set()
-    for e in read_log(lake):
-        first, last = entry_range(e)
-        covered.update(range(index[first], index[last] + 1))
-    missing = [p for p in positions if p < until and index[p] not in covered]
-    assert not missing, f"the daemon committed {until} but {len(missing)} entries before it are not in the lake"
-
-
-def check_state_matches_lake(lake: Path, positions: list[Pos], state: Pos | None) -> None:
-    """After a consumer failure (not a kill) the daemon's state is exactly where the lake ends: it confirmed every
-    batch that landed (not behind) and none that did not (not past)."""
-    covered_below(lake, positions, state)
-    landed = sum(
-        len(positions[positions.index(a) : positions.index(b) + 1]) for a, b in map(entry_range, read_log(lake))
-    )
-    before = sum(1 for p in positions if state is not None and p < state)
-    assert before == landed, f"the daemon's state {state} covers {before} entries, the lake holds {landed}"
-
-
 @contextmanager
 def tmpfs(path: Path, options: str) -> Iterator[Path]:
     """A tmpfs mounted at ``path`` (skips the test where mounting is not allowed)."""
@@ -211,7 +181,7 @@ def remount(path: Path, options: str) -> None:
 # --- SIGKILL at every step of a batch commit ---------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_sigkill_at_every_commit_step_lands_everything_exactly_once(tmp_path: Path, spark: Any) -> None:  # noqa: F811
+def test_sigkill_at_every_commit_step_lands_everything_exactly_once(tmp_path: Path, spark: Any) -> None:
     """SIGKILLing `cdcd run` 17 times during the Spark write, before/after the log link, between/after the publish
     renames, while recovery publishes and at random, while it works through a backlog, never shows readers an
     unnamed file, never commits the daemon past the lake, and a final clean run leaves every WAL entry in the change
@@ -317,7 +287,7 @@ def test_sigkill_at_every_commit_step_lands_everything_exactly_once(tmp_path: Pa
 
 
 # --- an unwritable lake ------------------------------------------------------------------------------
-def test_unwritable_lake_exits_4_then_lands_everything_once(tmp_path: Path, spark: Any) -> None:  # noqa: F811
+def test_unwritable_lake_exits_4_then_lands_everything_once(tmp_path: Path, spark: Any) -> None:
     """A lake on a read-only mount or below a regular file: `cdcd run` exits 4 with one error line naming the path and
     leaves its state alone; a lake turning read-only mid-run: exit 4, state not past the lake; once writable again a
     restarted daemon lands every entry exactly once."""
@@ -404,7 +374,7 @@ def full_disk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
         yield {"tmp": tmp, "node_dir": node_dir, "mnt": mnt, "lake": lake, "config": config, "err": err, "rc": rc}
 
 
-def test_full_disk_exits_4_then_lands_everything_once(full_disk: dict[str, Any], spark: Any) -> None:  # noqa: F811
+def test_full_disk_exits_4_then_lands_everything_once(full_disk: dict[str, Any], spark: Any) -> None:
     """A lake file system filling up mid-backlog makes `cdcd run` exit 4 with its state not past the lake and no
     partial file visible; after growing the file system a restarted daemon lands every entry exactly once and leaves
     no staging behind."""
@@ -505,7 +475,7 @@ def wal_batch(node_dir: Path) -> Any:
     """All data records of a node's WAL as one EventBatch (what the daemon would hand the sink)."""
     from cdcd.consumer import EventBatch, RecordSlice
     from cdcd.wal import CacheRecord, DataRecord
-    from tests.test_daemon_e2e import wal_records
+    from tests.support.wal import wal_records
 
     names: dict[int, str] = {}
     slices = []
@@ -519,7 +489,7 @@ def wal_batch(node_dir: Path) -> Any:
 
 def test_error_after_the_commit_point_keeps_the_batch_recoverable(
     tmp_path: Path,
-    spark: Any,  # noqa: F811
+    spark: Any,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An I/O error after a batch's log entry is linked (fsync of the log dir fails) fails the batch, but a restarted

@@ -19,17 +19,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cdcd import metrics
-from tests.test_daemon_e2e import (
-    child_env,
-    error_lines,
-    jsonl_consumer,
-    make_node,
-    run_daemon_until_exit,
-    start_daemon,
-    stop_daemon,
-    wait_for,
-    write_daemon_config,
-)
+from tests.support.config import jsonl_consumer, write_daemon_config
+from tests.support.procs import child_env, error_lines, run_daemon_until_exit, start_daemon, stop_daemon, wait_for
+from tests.support.writer import make_node
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "config"

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 from cdcd.node.node import Node
-from tests.test_daemon_e2e import cdcd
+from tests.support.procs import cdcd
 
 
 def _fill(node: Node, variant: int) -> None:

@@ -25,8 +25,8 @@ from cdcd.daemon.ops import show_state
 from cdcd.node import Node
 from cdcd.wal.records import DataRecord, RealtimeCdcRecord, StopRealtimeCdcRecord, TryStartRealtimeCdcRecord
 from cdcd.wal.segment import list_segments
-from tests.test_daemon_e2e import archived_segments, cdc_links, wait_for, wal_events, wal_records
-from tests.test_realtime import (
+from tests.support.procs import wait_for
+from tests.support.realtime import (
     Rig,
     as_pos,
     check_delivery,
@@ -36,6 +36,7 @@ from tests.test_realtime import (
     read_runs,
     rig_maker,
 )
+from tests.support.wal import archived_segments, cdc_links, wal_events, wal_records
 
 SEED = 104
 

@@ -34,17 +34,10 @@ from cdcd.wal.pointer import WalPointer
 from cdcd.wal.reader import WalReader
 from cdcd.wal.records import CacheVersion, DataEntry, DataRecord, Op
 from cdcd.wal.segment import HEADER_SIZE
-from tests.test_daemon_e2e import (
-    CDCD,
-    cdcd,
-    child_env,
-    error_lines,
-    start_daemon,
-    wait_for,
-    wal_records,
-    write_daemon_config,
-)
-from tests.test_replication_endpoint import exchange
+from tests.support.config import write_daemon_config
+from tests.support.procs import CDCD, cdcd, child_env, error_lines, start_daemon, wait_for
+from tests.support.replication import exchange
+from tests.support.wal import wal_records
 
 TOKEN = "replication-token-0123456789abcdef"
 NODE_SETTINGS: dict[str, Any] = {

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import struct
 import subprocess
@@ -20,11 +19,12 @@ from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.node.node import Node
 from cdcd.replication.client import ReplicationClient, TargetRefused
-from cdcd.replication.protocol import Applied, Error, Hello, ReplEntry, Welcome, decode_payload, encode_frame
+from cdcd.replication.protocol import Applied, Error, Hello, ReplEntry, Welcome, encode_frame
 from cdcd.sinks import load_consumer
 from cdcd.sinks.replication import ReplicationConsumer
 from cdcd.wal.records import NIL, CacheVersion, Op
-from tests.test_daemon_e2e import wal_records
+from tests.support.replication import exchange
+from tests.support.wal import wal_records
 
 TOKEN = "replication-token-0123456789abcdef"
 _key = msgspec.msgpack.Encoder(order="deterministic").encode
@@ -55,23 +55,6 @@ def entry(key: Any, value: Any, order: int, cluster: int = 1, op: Op = Op.UPDATE
 
 def sample(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
-def exchange(port: int, data: bytes) -> list[Any]:
-    """Send raw bytes to a replication endpoint; the frames it answers until it closes."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(data)
-        with contextlib.suppress(OSError):  # the node may have answered and closed already
-            s.shutdown(socket.SHUT_WR)
-        buf = b""
-        while part := s.recv(65536):
-            buf += part
-    frames = []
-    while buf:
-        (size,) = struct.unpack(">I", buf[:4])
-        frames.append(decode_payload(buf[4 : 4 + size]))
-        buf = buf[4 + size :]
-    return frames
 
 
 @pytest.fixture

@@ -15,19 +15,18 @@ import pytest
 
 from cdcd.daemon.config import DaemonConfig
 from cdcd.node import Node
-from tests.test_daemon_e2e import (
+from tests.support.config import jsonl_consumer, write_daemon_config
+from tests.support.procs import (
     ROOT,
     cdcd,
     child_env,
     error_lines,
-    jsonl_consumer,
-    make_node,
     run_daemon_until_exit,
     start_daemon,
     stop_daemon,
     wait_for,
-    write_daemon_config,
 )
+from tests.support.writer import make_node
 
 PACKAGE = ROOT / "cdcd"
 FORBIDDEN_MODULES = {"pickle", "cPickle", "_pickle", "marshal", "shelve", "dill", "cloudpickle", "jsonpickle"}

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from cdcd.control import request
-from tests.test_daemon_e2e import log_events, wait_for
-from tests.test_realtime import Rig, check_delivery, rig_maker
+from tests.support.procs import log_events, wait_for
+from tests.support.realtime import Rig, check_delivery, rig_maker
 
 
 @pytest.fixture

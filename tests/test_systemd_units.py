@@ -157,8 +157,9 @@ def test_units_umask_keeps_state_private_and_lets_analysts_read_the_lake(tmp_pat
     import os
     import stat
 
-    from tests.test_daemon_e2e import make_node, start_daemon, stop_daemon, wait_for
-    from tests.test_daemon_e2e import write_daemon_config as write_config
+    from tests.support.config import write_daemon_config as write_config
+    from tests.support.procs import start_daemon, stop_daemon, wait_for
+    from tests.support.writer import make_node
 
     umasks = {unit_settings(u)["UMask"][0] for u in ("cdcd@.service", "cdcd-node@.service")}
     assert len(umasks) == 1

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -56,6 +56,23 @@ _TAIL_PEEK_RECORDS = 64
 """Records read from the head of the node's active segment to find its first data record."""
 
 
+def fix_mmap_threshold(threshold_bytes: int = 128 * 1024) -> None:
+    """For a process that runs the daemon (``cdcd run``): keep glibc from moving its mmap threshold
+    up after the reader frees a 1 MiB buffer: the buffers would then come from the heap and fragment
+    it, and RSS would grow with the backlog. Process-wide, so the library never calls it itself."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt(-3, threshold_bytes)  # M_MMAP_THRESHOLD; setting it also disables the sliding threshold
+    except (OSError, AttributeError):
+        return  # not glibc: nothing to tune
+
+
 class PipelineStalled(Exception):
     """A consumer call or segment read ran past ``consumer_stall_timeout_ms``: the daemon exits (code 6)."""
 
@@ -63,25 +80,6 @@ class PipelineStalled(Exception):
 def daemon_lock(config: DaemonConfig) -> DirLock:
     """One daemon per node: the lock lives in the node dir."""
     return DirLock(Path(config.node_dir) / "cdcd.lock")
-
-
-@runtime_checkable
-class ReadsCdcDir(Protocol):
-    """A consumer that can read a batch's records again from the segment files (the jsonl
-    consumer's workers do): told the CDC dir before ``start``. Every segment of a batch keeps its
-    link there at least until ``on_events`` returns."""
-
-    def attach_cdc_dir(self, cdc_dir: Path) -> None: ...
-
-
-@runtime_checkable
-class PreparesBatches(Protocol):
-    """A consumer that can start on a batch before ``on_events`` gets it (the jsonl consumer's
-    workers encode it while the batch before is committed): ``prepare_batch`` sees each batch as
-    the decoder closes it, in order, from the event loop; it must not block. A batch prepared may
-    never be delivered (the pass ends first); the consumer then gets one it was not told about."""
-
-    def prepare_batch(self, batch: EventBatch) -> None: ...
 
 
 class _Wake(FileSystemEventHandler):
@@ -161,8 +159,6 @@ class Daemon:
                 for seg in delete_links_below(self.cdc_dir, state.position.segment):
                     log.info("stale_link_deleted", segment=seg)
             try:
-                if isinstance(self.consumer, ReadsCdcDir):
-                    self.consumer.attach_cdc_dir(self.cdc_dir)
                 self.consumer.start(REGISTRY)
                 self._consumer_started = True
                 announced = [info for info in caches.values() if info.config.cdc_enabled]
@@ -429,12 +425,6 @@ class Daemon:
         delay_s = config.batch_max_delay_ms / 1000
         stopping = self._stop_event
         assert stopping is not None
-        prepare = self.consumer.prepare_batch if isinstance(self.consumer, PreparesBatches) else None
-
-        async def emit(item: Item) -> None:
-            if prepare is not None and isinstance(item, Batch) and len(item.events):
-                prepare(item.events)
-            await item_q.put(item)
 
         async def reader() -> None:
             while True:
@@ -478,17 +468,17 @@ class Daemon:
                     chunk, timed_out = None, True
                 if isinstance(chunk, WalError):
                     if processor.pending_events or _advanced(processor, committer):
-                        await emit(processor.close_batch())
+                        await item_q.put(processor.close_batch())
                     await item_q.put(chunk)  # type: ignore[arg-type]
                     return
                 if chunk is None:
                     # Caught up (segments arrive whole, waiting adds only lag) or batch_max_delay_ms passed.
                     if processor.pending_events or (not timed_out and _advanced(processor, committer)):
-                        await emit(processor.close_batch())  # or position-only progress (segment ends)
+                        await item_q.put(processor.close_batch())  # or position-only progress (segment ends)
                     continue
                 processor.source_node = follower.node_id
                 for item in processor.feed_many(chunk):  # type: ignore[arg-type]
-                    await emit(item)
+                    await item_q.put(item)
                 if processor.finished:
                     return
 

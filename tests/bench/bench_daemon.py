@@ -39,9 +39,7 @@ import argparse
 import array
 import asyncio
 import atexit
-import contextlib
 import json
-import math
 import os
 import shutil
 import signal
@@ -61,9 +59,22 @@ from cdcd.node.node import Node
 from cdcd.sinks.jsonl import JsonlConsumer
 from cdcd.sinks.null import NullConsumer
 from cdcd.wal.segment import list_segments
-from tests.bench.common import VALUE_100B, Bench, Measurement, Metric
+from tests.support.bench import (
+    DRAIN_TIMEOUT_S,
+    ROOT,
+    VALUE_100B,
+    Bench,
+    Measurement,
+    Metric,
+    _child_env,
+    _kill,
+    _links,
+    _percentile,
+    _run_until,
+    _stop,
+    _tail,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
 SEGMENT_BYTES = 16 << 20
 TX_SIZE = 10
 REPLAY_GOAL = 500_000.0
@@ -73,8 +84,6 @@ LAG_GOAL_MS = LAG_FORCE_ARCHIVE_MS + 150.0
 LAG_IDLE_S = 2.5
 RSS_GOAL_MB = 150.0
 RSS_GROWTH_GOAL_PCT = 10.0
-DRAIN_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 5.0
 
 
 def _bench_dir() -> str | None:
@@ -83,10 +92,6 @@ def _bench_dir() -> str | None:
 
 def _label(n: int) -> str:
     return f"{n // 1_000_000}M" if n % 1_000_000 == 0 else f"{n // 1000}k"
-
-
-def _links(cdc_dir: Path) -> dict[int, Path]:
-    return list_segments(cdc_dir)[0]
 
 
 # --- the backlog ----------------------------------------------------------------------------------
@@ -183,46 +188,6 @@ class Backlog:
 BACKLOG = Backlog()
 
 
-# --- replay in-process ----------------------------------------------------------------------------
-async def _run_until(daemon: Daemon, last_segment: int) -> tuple[float, bool]:
-    """``run()`` as a task until the committed position passes ``last_segment``, then ``stop()``.
-
-    Returns the seconds to get there and whether ``run()`` failed to return after ``stop()`` (a cdcd
-    bug on Python 3.11: a CDC-dir wake-up landing just as the pipeline tasks are cancelled makes the
-    reader swallow its cancellation inside ``asyncio.wait_for`` and block on its full queue). Then
-    the task is cancelled once more, which lets ``run()`` finish.
-    """
-    t0 = time.perf_counter()
-    deadline = time.monotonic() + DRAIN_TIMEOUT_S
-    task = asyncio.create_task(daemon.run(), name="bench-daemon-run")
-    while True:
-        pos = daemon.state.position
-        if pos is not None and pos.segment > last_segment:
-            break
-        if task.done():
-            task.result()
-            raise RuntimeError(f"run() returned at {pos} before passing segment {last_segment}")
-        if time.monotonic() > deadline:
-            daemon.stop()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(task, 10)
-            raise TimeoutError(
-                f"run() stuck at {daemon.state} after {DRAIN_TIMEOUT_S:.0f}s (last segment {last_segment}, "
-                f"{daemon.events_delivered:,} events delivered, links left {sorted(_links(daemon.cdc_dir))})"
-            )
-        await asyncio.sleep(0.005)
-    seconds = time.perf_counter() - t0
-    daemon.stop()
-    done, _ = await asyncio.wait({task}, timeout=STOP_TIMEOUT_S)
-    if done:
-        task.result()
-        return seconds, False
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return seconds, True
-
-
 def run_replay(*, entries: int, form: str, consumer_kind: str) -> Measurement:
     last = BACKLOG.restore(entries)
     assert BACKLOG.root is not None
@@ -264,13 +229,6 @@ def run_replay(*, entries: int, form: str, consumer_kind: str) -> Measurement:
         extra["jsonl_mib"] = round(out_path.stat().st_size / (1 << 20), 1)
         out_path.unlink()
     return Measurement(delivered, seconds, extra)
-
-
-# --- subprocesses ---------------------------------------------------------------------------------
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    return env
 
 
 def _toml_value(v: Any) -> str:
@@ -315,13 +273,6 @@ def _start_daemon(config_path: Path, log_path: Path) -> subprocess.Popen[bytes]:
         )
 
 
-def _tail(path: Path, lines: int = 8) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
 def _wait_links_gone(cdc_dir: Path, proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float) -> None:
     """Until the daemon has consumed (deleted) every link; raises if it exits or times out."""
     deadline = time.monotonic() + timeout_s
@@ -331,36 +282,6 @@ def _wait_links_gone(cdc_dir: Path, proc: subprocess.Popen[bytes], log_path: Pat
         if time.monotonic() > deadline:
             raise TimeoutError(f"links left in {cdc_dir} after {timeout_s:.0f}s: {sorted(_links(cdc_dir))}")
         time.sleep(0.02)
-
-
-def _what(proc: subprocess.Popen[Any]) -> str:
-    """``cdcd run`` or ``tests.bench.bench_daemon lag-writer``: the child's command after the interpreter."""
-    args = proc.args
-    return " ".join(map(str, args[2:4])) if isinstance(args, list) else str(args)
-
-
-def _stop(proc: subprocess.Popen[Any], log_path: Path | None = None, timeout_s: float = 20.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        raise RuntimeError(
-            f"pid {proc.pid} ({_what(proc)}) did not exit {timeout_s:.0f}s after SIGTERM "
-            "(see _run_until: run() can miss stop())"
-        ) from None
-    if proc.returncode != 0:
-        tail = _tail(log_path) if log_path is not None else ""
-        raise RuntimeError(f"pid {proc.pid} ({_what(proc)}) exited {proc.returncode}:\n{tail}")
-
-
-def _kill(proc: subprocess.Popen[Any] | None) -> None:
-    """Error path: end a child of ours without masking the exception in flight."""
-    if proc is not None and proc.poll() is None:
-        proc.kill()
-        proc.wait()
 
 
 def _vm_kib(pid: int, field: str) -> int:
@@ -476,12 +397,6 @@ def _lag_writer(node_dir: str, rate: int, seconds: float, idle_s: float, out: st
     Path(out).write_text(
         json.dumps({"written": written, "seconds": elapsed, "behind_max_ms": round(behind_max * 1000, 1)})
     )
-
-
-def _percentile(sorted_values: list[int], q: float) -> float:
-    """Nearest-rank percentile of an ascending list."""
-    idx = max(0, math.ceil(q / 100 * len(sorted_values)) - 1)
-    return float(sorted_values[idx])
 
 
 def run_lag(*, seconds: float, drop_s: float, rate: int) -> Measurement:

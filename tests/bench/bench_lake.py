@@ -75,7 +75,7 @@ from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.node.node import Node
 from cdcd.wal.segment import list_segments
-from tests.bench.common import Bench, Measurement, Metric
+from tests.support.bench import Bench, Measurement, Metric
 
 ROOT = Path(__file__).resolve().parents[2]
 SPARK_MASTER = "local[2]"

@@ -27,7 +27,7 @@ from typing import Any
 from prometheus_client import REGISTRY
 
 from cdcd.node.node import Node
-from tests.bench.common import VALUE_100B, Bench, Measurement
+from tests.support.bench import VALUE_100B, Bench, Measurement
 
 SEGMENT_BYTES = 64 << 20
 BACKGROUND_GOAL = 150_000.0

@@ -5,7 +5,7 @@ for archive mode, an in-process ``Daemon.run()`` on an asyncio loop in a backgro
 Writers use fresh int keys and 100-byte values; transaction ``g`` is scheduled at
 ``t0 + g / (rate / batch)`` (open loop: a writer that falls behind does not sleep until it has
 caught up). Each writer notes ``perf_counter_ns()`` when ``put``/``put_all`` returns; the
-consumer (``tests.bench.rt_lag_consumer``) notes ``perf_counter_ns()`` when ``on_events`` is
+consumer (``tests.support.rt_lag_consumer``) notes ``perf_counter_ns()`` when ``on_events`` is
 called, and keys match the two. Only transactions that returned inside the measured window
 (after the warm-up) count; afterwards the run waits for all of them to be delivered.
 
@@ -47,12 +47,12 @@ from typing import Any
 from cdcd.daemon import Daemon, DaemonConfig
 from cdcd.node.node import Node
 from cdcd.node.realtime import RealtimeMode
-from tests.bench import rt_lag_consumer
-from tests.bench.common import VALUE_100B, Bench, Measurement, Metric
+from tests.support import rt_lag_consumer
+from tests.support.bench import VALUE_100B, Bench, Measurement, Metric
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-CONSUMER_CLASS = "tests.bench.rt_lag_consumer:LagConsumer"
+CONSUMER_CLASS = "tests.support.rt_lag_consumer:LagConsumer"
 FORCE_ARCHIVE_MS = 1000
 GOAL_P99_MS = 10.0
 """Realtime at 10k entries/s with a 2 ms flush interval: p99 capture lag at most this."""

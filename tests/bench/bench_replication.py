@@ -71,8 +71,18 @@ from cdcd.sinks.replication import ReplicationConsumer
 from cdcd.wal.reader import WalReader
 from cdcd.wal.records import CacheRecord, DataRecord
 from cdcd.wal.segment import list_segments
-from tests.bench.bench_daemon import _child_env, _kill, _percentile, _run_until, _stop, _tail
-from tests.bench.common import VALUE_100B, Bench, Measurement, Metric
+from tests.support.bench import (
+    VALUE_100B,
+    Bench,
+    Measurement,
+    Metric,
+    _child_env,
+    _kill,
+    _percentile,
+    _run_until,
+    _stop,
+    _tail,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SEGMENT_BYTES = 16 << 20

@@ -26,7 +26,7 @@ from cdcd.wal.frame import encode_frame
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import CacheVersion, DataEntry, Op
 from cdcd.wal.writer import SegmentFiles, WalWriter
-from tests.bench.common import VALUE_100B, Bench, Measurement
+from tests.support.bench import VALUE_100B, Bench, Measurement
 
 SEGMENT_BYTES = 64 << 20
 CACHE_ID = zlib.crc32(b"bench") & 0x7FFFFFFF

@@ -12,19 +12,11 @@ import threading
 import time
 from pathlib import Path
 
-from tests.chaos.common import PLUGINS, Ctx, Result, check, jsonl_delivery, rss_kb, track
-from tests.test_daemon_e2e import (
-    archived_segments,
-    child_env,
-    make_node,
-    polled_position,
-    read_jsonl,
-    start_daemon,
-    stop_daemon,
-    wait_for,
-    wal_events,
-    write_daemon_config,
-)
+from tests.support.chaos import PLUGINS, Ctx, Result, check, jsonl_delivery, rss_kb, track
+from tests.support.config import write_daemon_config
+from tests.support.procs import child_env, polled_position, start_daemon, stop_daemon, wait_for
+from tests.support.wal import archived_segments, read_jsonl, wal_events
+from tests.support.writer import make_node
 
 MAX_GROWTH_MB = 30
 DELAY_MS = 100

@@ -16,8 +16,8 @@ import threading
 import time
 from typing import Any
 
-from tests.chaos.common import CLOCKPATCH, Ctx, Result, check, check_exact, free_port, rig, scrape, write_atomic_text
-from tests.test_daemon_e2e import wal_events
+from tests.support.chaos import CLOCKPATCH, Ctx, Result, check, check_exact, free_port, rig, scrape, write_atomic_text
+from tests.support.wal import wal_events
 
 DAY_NS = 86_400 * 10**9
 HOUR_NS = 3_600 * 10**9

@@ -17,9 +17,10 @@ import json
 import time
 from typing import Any
 
-from tests.chaos.common import Ctx, Pos, Result, archived_positions, check, check_exact, committed_or_none, rig
-from tests.test_daemon_e2e import log_events, write_daemon_config
-from tests.test_realtime import DAEMON_SETTINGS, read_runs
+from tests.support.chaos import Ctx, Pos, Result, archived_positions, check, check_exact, committed_or_none, rig
+from tests.support.config import write_daemon_config
+from tests.support.procs import log_events
+from tests.support.realtime import DAEMON_SETTINGS, read_runs
 
 ERROR = "cdcd: error: consumer on_events() raised RuntimeError: injected consumer failure"
 

@@ -3,7 +3,7 @@ and of either one around realtime switches, at random moments (a fifth of them d
 
 Each episode is a fresh node dir: a node process writing ~20k entries/s into 64 KiB segments and a daemon process,
 the victim SIGKILLed and restarted several times, then everything stopped cleanly and checked against the WAL with
-``tests.chaos.common.check_exact`` (each side's file split into runs at its kills: every run a contiguous stretch
+``tests.support.chaos.check_exact`` (each side's file split into runs at its kills: every run a contiguous stretch
 of that side's share, every restart beginning exactly at the position committed before the kill, together exactly
 the WAL). For the lake episodes the change log, read with pyarrow, must hold every WAL entry exactly once.
 """
@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from tests.chaos.common import (
+from tests.support.chaos import (
     ChaosRig,
     Ctx,
     Result,
@@ -24,8 +24,9 @@ from tests.chaos.common import (
     lake_delivery,
     rig,
 )
-from tests.test_daemon_e2e import wait_for, wal_events
-from tests.test_realtime import expected_shares, read_runs
+from tests.support.procs import wait_for
+from tests.support.realtime import expected_shares, read_runs
+from tests.support.wal import wal_events
 
 EARLY_KILL = 0.2
 """Share of kills that hit the process during its start-up (recovery, state loading, link clean-up)."""

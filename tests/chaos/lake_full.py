@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tests.chaos.common import (
+from tests.support.chaos import (
     ChaosFailure,
     Ctx,
     Result,
@@ -24,9 +24,17 @@ from tests.chaos.common import (
     tmpfs,
     track,
 )
-from tests.test_daemon_e2e import archived_segments, error_lines, make_node, start_daemon, stop_daemon, wal_events
-from tests.test_lake import check_log_invariants, position, wait_caught_up, wait_started, write_config
-from tests.test_lake_faults import check_state_matches_lake
+from tests.support.lake import (
+    check_log_invariants,
+    check_state_matches_lake,
+    position,
+    wait_caught_up,
+    wait_started,
+    write_config,
+)
+from tests.support.procs import error_lines, start_daemon, stop_daemon
+from tests.support.wal import archived_segments, wal_events
+from tests.support.writer import make_node
 
 
 def lake_consumer(lake: Path) -> dict[str, object]:

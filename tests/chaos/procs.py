@@ -6,13 +6,13 @@ import os
 
 
 def node_main() -> None:
-    """``tests.test_realtime.node_main`` (same arguments), serving the node's Prometheus metrics on
+    """``tests.support.realtime.node_main`` (same arguments), serving the node's Prometheus metrics on
     ``127.0.0.1:$CHAOS_NODE_METRICS_PORT`` when that is set."""
     port = os.environ.get("CHAOS_NODE_METRICS_PORT")
     if port:
         from prometheus_client import start_http_server
 
         start_http_server(int(port), addr="127.0.0.1")
-    from tests.test_realtime import node_main as realtime_node_main
+    from tests.support.realtime import node_main as realtime_node_main
 
     realtime_node_main()

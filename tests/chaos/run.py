@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from tests.chaos import backpressure, cdc_full, clock, consumer_fail, kills, lake_full, stalls
-from tests.chaos.common import Ctx, Result, run_scenario
-from tests.test_daemon_e2e import ROOT
+from tests.support.chaos import Ctx, Result, run_scenario
+from tests.support.procs import ROOT
 
 RESULTS_DIR = ROOT / "var" / "chaos"
 DEFAULT_SEED = 1046

@@ -10,8 +10,9 @@ from __future__ import annotations
 import signal
 import time
 
-from tests.chaos.common import Ctx, Result, check, check_exact, rig
-from tests.test_daemon_e2e import archived_segments, stop_daemon, wait_for
+from tests.support.chaos import Ctx, Result, check, check_exact, rig
+from tests.support.procs import stop_daemon, wait_for
+from tests.support.wal import archived_segments
 
 
 def sigstop_daemon(ctx: Ctx, res: Result) -> None:

@@ -1,1 +1,2 @@
-"""Fuzzing of the WAL reader: targets in ``wal_fuzz``, the command-line runner in ``run`` (``make fuzz``)."""
+"""Fuzzing of the WAL reader: targets in ``tests.support.wal_fuzz``, the command-line runner in ``run``
+(``make fuzz``)."""

@@ -1,6 +1,6 @@
 """Fuzz the WAL reader: ``python -m tests.fuzz.run --cases N [--seconds S] [--engine random|hypothesis|atheris]``.
 
-The cases are split over the targets of ``tests.fuzz.wal_fuzz`` by weight and run in worker processes
+The cases are split over the targets of ``tests.support.wal_fuzz`` by weight and run in worker processes
 (one per core), each job with its own seed, so a run is reproducible from ``--seed``. Engines:
 
 - ``random`` (default): our own loop, a seeded ``random.Random`` driving the generators; the fast one.
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
-from tests.fuzz.wal_fuzz import (
+from tests.support.wal_fuzz import (
     SCRATCH_ENV,
     TARGETS,
     ByteChooser,

@@ -1,18 +1,27 @@
-"""Shared pieces of the benchmark suite: the benchmark description, timing and repetition."""
+"""Shared pieces of the benchmark suite: the benchmark description, timing and repetition; an
+in-process ``Daemon.run()`` until a segment is passed; child processes (environment, stop, kill)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import cProfile
 import gc
 import io
 import math
+import os
 import pstats
+import signal
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from cdcd.daemon.daemon import Daemon
+from cdcd.wal.segment import list_segments
 
 VALUE_100B = b"v" * 98
 """A value whose MessagePack encoding is exactly 100 bytes (bin8: 2-byte header + 98 bytes)."""
@@ -216,3 +225,102 @@ def fmt_num(x: float | None) -> str:
     if x >= 1000:
         return f"{x / 1000:.1f}k"
     return f"{x:.0f}"
+
+
+ROOT = Path(__file__).resolve().parents[2]
+DRAIN_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 5.0
+
+
+def _links(cdc_dir: Path) -> dict[int, Path]:
+    return list_segments(cdc_dir)[0]
+
+
+# --- replay in-process ----------------------------------------------------------------------------
+async def _run_until(daemon: Daemon, last_segment: int) -> tuple[float, bool]:
+    """``run()`` as a task until the committed position passes ``last_segment``, then ``stop()``.
+
+    Returns the seconds to get there and whether ``run()`` failed to return after ``stop()`` (a cdcd
+    bug on Python 3.11: a CDC-dir wake-up landing just as the pipeline tasks are cancelled makes the
+    reader swallow its cancellation inside ``asyncio.wait_for`` and block on its full queue). Then
+    the task is cancelled once more, which lets ``run()`` finish.
+    """
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    task = asyncio.create_task(daemon.run(), name="bench-daemon-run")
+    while True:
+        pos = daemon.state.position
+        if pos is not None and pos.segment > last_segment:
+            break
+        if task.done():
+            task.result()
+            raise RuntimeError(f"run() returned at {pos} before passing segment {last_segment}")
+        if time.monotonic() > deadline:
+            daemon.stop()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(task, 10)
+            raise TimeoutError(
+                f"run() stuck at {daemon.state} after {DRAIN_TIMEOUT_S:.0f}s (last segment {last_segment}, "
+                f"{daemon.events_delivered:,} events delivered, links left {sorted(_links(daemon.cdc_dir))})"
+            )
+        await asyncio.sleep(0.005)
+    seconds = time.perf_counter() - t0
+    daemon.stop()
+    done, _ = await asyncio.wait({task}, timeout=STOP_TIMEOUT_S)
+    if done:
+        task.result()
+        return seconds, False
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return seconds, True
+
+
+# --- subprocesses ---------------------------------------------------------------------------------
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _tail(path: Path, lines: int = 8) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _what(proc: subprocess.Popen[Any]) -> str:
+    """``cdcd run`` or ``tests.bench.bench_daemon lag-writer``: the child's command after the interpreter."""
+    args = proc.args
+    return " ".join(map(str, args[2:4])) if isinstance(args, list) else str(args)
+
+
+def _stop(proc: subprocess.Popen[Any], log_path: Path | None = None, timeout_s: float = 20.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(
+            f"pid {proc.pid} ({_what(proc)}) did not exit {timeout_s:.0f}s after SIGTERM "
+            "(see _run_until: run() can miss stop())"
+        ) from None
+    if proc.returncode != 0:
+        tail = _tail(log_path) if log_path is not None else ""
+        raise RuntimeError(f"pid {proc.pid} ({_what(proc)}) exited {proc.returncode}:\n{tail}")
+
+
+def _kill(proc: subprocess.Popen[Any] | None) -> None:
+    """Error path: end a child of ours without masking the exception in flight."""
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _percentile(sorted_values: list[int], q: float) -> float:
+    """Nearest-rank percentile of an ascending list."""
+    idx = max(0, math.ceil(q / 100 * len(sorted_values)) - 1)
+    return float(sorted_values[idx])

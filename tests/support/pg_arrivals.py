@@ -16,7 +16,7 @@ from cdcd.consumer import Consumer, EventBatch
 
 __all__ = ["ARRIVALS", "ArrivalConsumer", "read_arrivals"]
 
-CLASS = "tests.bench.pg_arrivals:ArrivalConsumer"
+CLASS = "tests.support.pg_arrivals:ArrivalConsumer"
 
 ARRIVALS: dict[str, ArrivalConsumer] = {}
 """In-process consumers by ``path``: the realtime benchmark polls ``count`` here."""

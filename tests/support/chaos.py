@@ -1,6 +1,6 @@
 """Shared pieces of the chaos suite: results, the scenario context, a process rig, delivery accounting.
 
-The reference is always the WAL (``tests.test_daemon_e2e.wal_events``): every data entry it holds must reach the
+The reference is always the WAL (``tests.support.wal.wal_events``): every data entry it holds must reach the
 consumer (``lost`` counts the ones that did not), every delivered line or row must be equal to its WAL entry, and
 ``duplicates`` counts deliveries beyond the first (at-least-once for JSON lines across crashes, zero for the lake).
 """
@@ -34,22 +34,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cdcd.lake.compact import cache_of
 from cdcd.wal import DataRecord, WalReader
-from tests.test_daemon_crash import committed as daemon_committed
-from tests.test_daemon_e2e import (
-    ROOT,
-    child_env,
-    error_lines,
-    jsonl_consumer,
-    start_daemon,
-    wait_for,
-    wal_events,
-    write_daemon_config,
-)
-from tests.test_lake import check_log_invariants, staging_contents, visible_files
-from tests.test_realtime import DAEMON_SETTINGS, Rig, expected_shares, read_runs
+from tests.support.config import jsonl_consumer, write_daemon_config
+from tests.support.lake import check_log_invariants, staging_contents, visible_files
+from tests.support.procs import ROOT, child_env, error_lines, start_daemon, wait_for
+from tests.support.procs import committed as daemon_committed
+from tests.support.realtime import DAEMON_SETTINGS, Rig, expected_shares, read_runs
+from tests.support.wal import wal_events
 
 Pos = tuple[int, int, int]
-CHAOS_DIR = Path(__file__).resolve().parent
+CHAOS_DIR = Path(__file__).resolve().parents[1] / "chaos"
 PLUGINS = CHAOS_DIR / "plugins"
 """``chaos_sinks`` (python consumers); on every child's PYTHONPATH."""
 CLOCKPATCH = CHAOS_DIR / "clockpatch"
@@ -197,9 +190,9 @@ def check_lake_clean(lake: Path, expected: list[dict[str, Any]]) -> None:
 
 
 def check_exact(r: ChaosRig) -> Delivery:
-    """``tests.test_realtime.check_delivery`` for runs with kills anywhere: the node's and the daemon's JSON-lines
+    """``tests.support.realtime.check_delivery`` for runs with kills anywhere: the node's and the daemon's JSON-lines
     files, split into runs at their SIGKILLs, are exactly their shares of the WAL (from its markers, see
-    ``tests.test_realtime.daemon_intervals``); returns the accounting.
+    ``tests.support.realtime.daemon_intervals``); returns the accounting.
 
     Each run is a contiguous stretch of its side's share, equal to the WAL entry by entry, and begins exactly at the
     position that side had committed before the kill (never later: nothing skipped; earlier only for what was not
@@ -351,7 +344,7 @@ def _stopped(pid: int) -> bool:
 
 # --- the rig: a node process and a daemon process -------------------------------------------------------
 class ChaosRig(Rig):
-    """``tests.test_realtime.Rig`` with: the chaos plugins on the children's PYTHONPATH, any daemon consumer and
+    """``tests.support.realtime.Rig`` with: the chaos plugins on the children's PYTHONPATH, any daemon consumer and
     settings, extra environment per process, start-without-waiting (to kill during start-up), and kills that notice
     a process which died by itself."""
 

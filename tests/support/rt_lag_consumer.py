@@ -1,7 +1,7 @@
 """The consumer of the capture-lag benchmarks (``bench_realtime``): notes when each key reaches it.
 
 The node's realtime worker builds it from ``realtime_consumer = {kind = "python", class =
-"tests.bench.rt_lag_consumer:LagConsumer", options = {channel = ..., source = "node"}}``; the
+"tests.support.rt_lag_consumer:LagConsumer", options = {channel = ..., source = "node"}}``; the
 benchmark hands the daemon an instance of its own (``source = "daemon"``). Both write into the
 in-process ``Recorder`` named by ``channel``, so one benchmark sees who delivered what, and when.
 """
