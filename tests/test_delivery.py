@@ -29,7 +29,7 @@ from cdcd.daemon.daemon import Daemon
 from cdcd.daemon.processor import Batch, CacheChange, Processor
 from cdcd.daemon.state import Mode
 from cdcd.node import Node
-from cdcd.node.realtime import RealtimeMode
+from cdcd.realtime import RealtimeMode
 from cdcd.sinks.jsonl import JsonlConsumer
 from cdcd.wal import WalPointer
 from cdcd.wal.pointer import WalPosition
