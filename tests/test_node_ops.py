@@ -505,8 +505,8 @@ def test_ttl_out_of_range_is_refused_naming_the_cache(tmp_path: Path) -> None:
     written (an expire time that cannot be indexed would fail the next checkpoint)."""
     import msgspec
 
-    from cdcd.replication.protocol import Apply, ReplEntry
     from cdcd.replication.applier import apply_replicated
+    from cdcd.replication.protocol import Apply, ReplEntry
     from cdcd.replication.resolver import ConflictResolver
     from cdcd.replication.server import RequestRefused
     from cdcd.wal.records import CacheVersion, Op
