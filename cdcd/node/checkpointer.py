@@ -109,14 +109,14 @@ class Checkpointer:
             return 0
         by_id = {info.cache_id: info for info in self.caches.values()}
         # A destroyed cache's purge removes its rows.
-        changes = [
-            Change(by_id[cid], full_key[4:], NIL, expire)
+        changes: list[Change] = [
+            (by_id[cid], full_key[4:], NIL, expire, None)
             for expire, full_key in candidates
             if (cid := int.from_bytes(full_key[:4], "big")) in by_id
         ]
 
         def decide(change: Change, current: Current | None) -> tuple[Op, CacheVersion | None] | None:
-            if current is None or current.expire_time_ms != change.expire_time_ms:
+            if current is None or current.expire_time_ms != change[3]:
                 return None  # removed or put again since the last checkpoint
             # An entry replicated from another cluster keeps its origin: every cluster expires its
             # own copy, and none sends its expiry back to the origin.

@@ -15,7 +15,7 @@ import msgspec
 from cdcd import metrics
 from cdcd.node.cache import REMOVE
 from cdcd.node.config import NodeConfig
-from cdcd.node.store import PageStore, cache_prefix
+from cdcd.node.store import _CACHE_PREFIX, PageStore, cache_prefix
 from cdcd.node.wal_log import WalLog
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import NIL, CacheInfo, CacheVersion, DataEntry, DataRecord, Op
@@ -84,15 +84,10 @@ class Current(NamedTuple):
     expire_time_ms: int
 
 
-class Change(NamedTuple):
-    """One write asked for: ``value`` NIL is a remove."""
-
-    info: CacheInfo
-    key_raw: bytes
-    value: msgspec.Raw
-    expire_time_ms: int
-    origin: CacheVersion | None = None
-    """Another cluster's version, kept in the entry's ``other_cluster_version``."""
+Change = tuple[CacheInfo, bytes, msgspec.Raw, int, "CacheVersion | None"]
+"""One write asked for: (cache, key bytes, value (NIL: a remove), expire time in ms (0: never),
+another cluster's version to keep in the entry's ``other_cluster_version`` or None). A plain tuple:
+building a named one cost a third of a single put."""
 
 
 Decide = Callable[[Change, Current | None], "tuple[Op, CacheVersion | None] | None"]
@@ -202,17 +197,6 @@ class WriteCore:
         return merged
 
     # --- the write path ----------------------------------------------------------------------------
-    def prepare(self, info: CacheInfo, key: Any, value: Any, ttl_ms: int | None, now: int) -> Change:
-        """A local put (``value`` REMOVE: a remove) as a Change; needs no lock."""
-        if value is None:
-            raise ValueError(f"cache {info.name!r}: value must not be None (use remove)")
-        key_raw = encode(key_encoder, key, info, "key")
-        if value is REMOVE:
-            return Change(info, key_raw, NIL, 0)
-        return Change(
-            info, key_raw, msgspec.Raw(encode(value_encoder, value, info, "value")), expire_time(info, ttl_ms, now)
-        )
-
     def write(
         self,
         changes: Sequence[Change],
@@ -224,17 +208,17 @@ class WriteCore:
     ) -> tuple[list[DataEntry], WalPointer | None]:
         """Write ``changes`` as one DataRecord; returns the entries written and the WAL end to wait for.
 
-        Without ``decide`` a change is a local put or remove: a put of a live key is an UPDATE,
-        else a CREATE; a remove of a key that is not live writes nothing. Each change sees the
-        earlier changes of the same call. A change of a destroyed cache raises CacheDestroyed (or,
-        ``skip_destroyed``, is dropped)."""
+        Without ``decide`` a change is a local put or remove: a put of a live key (``now`` decides
+        what has expired) is an UPDATE, else a CREATE; a remove of a key that is not live writes
+        nothing. Each change sees the earlier changes of the same call. A change of a destroyed
+        cache raises CacheDestroyed (or, ``skip_destroyed``, is dropped)."""
         if not changes:
             return [], None
         wal = self.wal
         assert wal is not None
         config = self.config
         node_order, cluster_id, topology_version = config.node_order, config.cluster_id, config.topology_version
-        counts = {_CREATE: 0, _UPDATE: 0, _DELETE: 0}
+        prefix = _CACHE_PREFIX.pack
         with self.lock:
             if wait_for_room:
                 dirty = self._room_locked()
@@ -242,77 +226,114 @@ class WriteCore:
                 self.check_open()
                 dirty = self.dirty
             caches = self.caches
-            # Keys repeat within one call only in transactions and foreign senders' requests: only
-            # then must each lookup see the call's own earlier changes.
-            repeats = len(changes) > 1 and len({(c.info.cache_id, c.key_raw) for c in changes}) != len(changes)
-            latest: dict[bytes, Current | None] = {}
+            snapshot = self.snapshot
+            live_stored = self.store.live_locked
+            # Keys repeat within one call only in transactions and foreign senders' requests: a
+            # change sees the call's earlier ones through ``seen`` (live or not) or ``latest``.
+            seen: dict[bytes, bool] | None = {} if len(changes) > 1 else None
+            repeats = decide is not None and len({(c[0].cache_id, c[1]) for c in changes}) != len(changes)
+            latest: dict[bytes, Current | None] = {}  # only filled when keys repeat
             entries: list[DataEntry] = []
             keys: list[bytes] = []
             order = self.order
+            creates = updates = deletes = 0
             for change in changes:
-                info = change.info
+                info, key_raw, value, expire, origin = change
                 if caches.get(info.name) is not info:
                     if skip_destroyed:
                         continue
                     raise CacheDestroyed(f"cache {info.name!r} was destroyed")
-                full_key = cache_prefix(info.cache_id) + change.key_raw
-                origin = change.origin
+                full_key = prefix(info.cache_id) + key_raw
                 if decide is None:
-                    if repeats and full_key in latest:
-                        cur = latest[full_key]
-                        exists = cur is not None and not 0 < cur.expire_time_ms <= now
+                    if seen is not None and full_key in seen:
+                        exists = seen[full_key]
                     else:
-                        exists = self._live_locked(full_key, now)
-                    if change.value is NIL:
+                        e = dirty.get(full_key)
+                        if e is None and snapshot is not None:
+                            e = snapshot.get(full_key)
+                        if e is not None:  # an expired entry counts as gone
+                            exists = e.op is not _DELETE and not 0 < e.expire_time_ms <= now
+                        else:
+                            exists = live_stored(full_key, now)
+                    if value is NIL:
                         if not exists:
                             continue
                         op = _DELETE
+                        deletes += 1
+                    elif exists:
+                        op = _UPDATE
+                        updates += 1
                     else:
-                        op = _UPDATE if exists else _CREATE
+                        op = _CREATE
+                        creates += 1
+                    if seen is not None:
+                        seen[full_key] = op is not _DELETE
                 else:
                     cur = latest[full_key] if repeats and full_key in latest else self.current_locked(full_key)
                     verdict = decide(change, cur)
                     if verdict is None:
                         continue
                     op, origin = verdict
+                    if op is _DELETE:
+                        value = NIL
+                        deletes += 1
+                    elif op is _UPDATE:
+                        updates += 1
+                    else:
+                        creates += 1
                 order += 1
                 version = CacheVersion(order, node_order, cluster_id, topology_version, origin)
-                entry = DataEntry(
-                    info.cache_id,
-                    op,
-                    msgspec.Raw(change.key_raw),
-                    NIL if op is _DELETE else change.value,
-                    zlib.crc32(change.key_raw) % info.config.partitions,
-                    version,
-                    True,
-                    change.expire_time_ms,
-                )
-                entries.append(entry)
-                keys.append(full_key)
-                counts[op] += 1
-                if repeats:
-                    latest[full_key] = (
-                        None if op is _DELETE else Current(bytes(change.value), version, change.expire_time_ms)
+                entries.append(
+                    DataEntry(
+                        info.cache_id,
+                        op,
+                        msgspec.Raw(key_raw),
+                        value,
+                        zlib.crc32(key_raw) % info.config.partitions,
+                        version,
+                        True,
+                        expire,
                     )
+                )
+                keys.append(full_key)
+                if repeats:
+                    latest[full_key] = None if op is _DELETE else Current(bytes(value), version, expire)
             if not entries:
                 return entries, None
             _ptr, end = wal.append(DataRecord(entries, time.time_ns()))
             self.order = order
-            dirty.update(zip(keys, entries, strict=True))
+            if len(keys) == 1:
+                dirty[keys[0]] = entries[0]
+            else:
+                dirty.update(zip(keys, entries, strict=True))
             stats = self.stats
             stats.transactions += 1
-            for op, n in counts.items():
-                stats.entries[op] += n
+            counts = stats.entries
+            if creates:
+                counts[_CREATE] += creates
+            if updates:
+                counts[_UPDATE] += updates
+            if deletes:
+                counts[_DELETE] += deletes
             if len(dirty) >= config.checkpoint_dirty_max_entries:
                 self.checkpoint_wake.set()
         return entries, end
 
     def commit(self, writes: Sequence[tuple[CacheInfo, Any, Any, int | None]]) -> int:
         """Local puts and removes (``value`` REMOVE) as one DataRecord, durable per ``wal_mode``;
-        returns the number of entries written."""
+        returns the number of entries written. ``ttl_ms`` None: the cache's."""
         now = now_ms()
         # Encoding needs no lock: prepare before taking it.
-        changes = [self.prepare(info, key, value, ttl_ms, now) for info, key, value, ttl_ms in writes]
+        changes: list[Change] = []
+        for info, key, value, ttl_ms in writes:
+            if value is None:
+                raise ValueError(f"cache {info.name!r}: value must not be None (use remove)")
+            key_raw = encode(key_encoder, key, info, "key")
+            if value is REMOVE:
+                changes.append((info, key_raw, NIL, 0, None))
+            else:
+                raw = msgspec.Raw(encode(value_encoder, value, info, "value"))
+                changes.append((info, key_raw, raw, expire_time(info, ttl_ms, now), None))
         entries, end = self.write(changes, now=now)
         if end is not None and self.fsync_commits:
             self.wait_durable(end)

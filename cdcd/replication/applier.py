@@ -86,7 +86,7 @@ def stage_replicated(node: Node, request: Apply, resolver: ConflictResolver) -> 
         nonlocal applied, rejected, duplicates
         new = entries[id(change)]
         held = None if current is None else Held(current.value, origin_version(current.version), current.expire_time_ms)
-        verdict = resolve(name, change.key_raw, held, new)
+        verdict = resolve(name, change[1], held, new)
         if verdict.duplicate:
             duplicates += 1
             return None
@@ -99,7 +99,7 @@ def stage_replicated(node: Node, request: Apply, resolver: ConflictResolver) -> 
             return None if current is None else (_DELETE, new.version)
         return (Op.UPDATE if current is not None else Op.CREATE), new.version
 
-    changes = [Change(info, key_raw, e.value, e.expire_time_ms, e.version) for key_raw, e in prepared]
+    changes: list[Change] = [(info, key_raw, e.value, e.expire_time_ms, e.version) for key_raw, e in prepared]
     entries = {id(change): e for change, (_k, e) in zip(changes, prepared, strict=True)}
     try:
         _written, end = node.writes.write(changes, decide)
