@@ -315,7 +315,7 @@ def daemon_run(config_path: Path, log_format: str | None) -> None:
 
     from cdcd.daemon.committer import ConsumerFailed
     from cdcd.daemon.daemon import Daemon, PipelineStalled, fix_mmap_threshold
-    from cdcd.daemon.state import StateRefused
+    from cdcd.daemon_state import StateRefused
     from cdcd.lock import LockHeld
     from cdcd.node.identity import BadNodeIdFile
     from cdcd.sinks import load_consumer
@@ -402,7 +402,7 @@ def state() -> None:
 def state_show(config_path: Path, as_json: bool) -> None:
     """Print the daemon's committed position, mode, caches and the CDC dir's links."""
     from cdcd.daemon.ops import show_state
-    from cdcd.daemon.state import StateRefused
+    from cdcd.daemon_state import StateRefused
 
     try:
         info = show_state(_load_daemon_config(config_path))

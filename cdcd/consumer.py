@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 from prometheus_client import CollectorRegistry
 
-from cdcd.wal.pointer import WalPointer, WalPosition
+from cdcd.wal.pointer import EventAddress, WalPointer
 from cdcd.wal.records import CacheInfo, CacheVersion, DataEntry, DataRecord, Op
 
 __all__ = ["CacheInfo", "CdcEvent", "Consumer", "EventBatch", "RecordSlice", "enabled_slices"]
@@ -31,7 +31,7 @@ class CdcEvent:
 
     __slots__ = ("_entry", "cache_name", "commit_ts_ns", "position")
 
-    def __init__(self, entry: DataEntry, cache_name: str, commit_ts_ns: int, position: WalPosition) -> None:
+    def __init__(self, entry: DataEntry, cache_name: str, commit_ts_ns: int, position: EventAddress) -> None:
         self._entry = entry
         self.cache_name = cache_name
         self.commit_ts_ns = commit_ts_ns
@@ -187,7 +187,7 @@ class EventBatch:
                 e = entries[i]
                 name = names.get(e.cache_id) or f"cache-{e.cache_id}"
                 self._at_entry = i
-                yield CdcEvent(e, name, ts, WalPosition(ptr.segment, ptr.offset, i))
+                yield CdcEvent(e, name, ts, EventAddress(ptr.segment, ptr.offset, i))
         self._whole = True
 
     def split_taken(self) -> tuple[Sequence[RecordSlice], EventBatch | None]:
@@ -209,20 +209,20 @@ class EventBatch:
         return taken, EventBatch(self.source_node, rest, self._names)
 
     @property
-    def first(self) -> WalPosition | None:
-        """Position of the first event."""
+    def first(self) -> EventAddress | None:
+        """Address of the first event."""
         if not self._slices:
             return None
         s = self._slices[0]
-        return WalPosition(s.pointer.segment, s.pointer.offset, s.start)
+        return EventAddress(s.pointer.segment, s.pointer.offset, s.start)
 
     @property
-    def last(self) -> WalPosition | None:
-        """Position of the last event."""
+    def last(self) -> EventAddress | None:
+        """Address of the last event."""
         if not self._slices:
             return None
         s = self._slices[-1]
-        return WalPosition(s.pointer.segment, s.pointer.offset, s.end - 1)
+        return EventAddress(s.pointer.segment, s.pointer.offset, s.end - 1)
 
     @property
     def last_commit_ts_ns(self) -> int:

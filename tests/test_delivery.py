@@ -27,9 +27,9 @@ from cdcd.daemon.committer import ConsumerFailed
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.daemon.processor import Batch, CacheChange, Processor
-from cdcd.daemon.state import Mode
+from cdcd.daemon_state import Mode
 from cdcd.node import Node
-from cdcd.node.realtime import RealtimeMode
+from cdcd.realtime import RealtimeMode
 from cdcd.sinks.jsonl import JsonlConsumer
 from cdcd.wal import WalPointer
 from cdcd.wal.pointer import WalPosition

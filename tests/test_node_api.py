@@ -74,7 +74,7 @@ def test_key_and_value_types(node: Node) -> None:
 def test_keys_and_values_nested_too_deep_to_read_back_are_refused(node: Node, node_dir: Path) -> None:
     """A key or value nested deeper than MAX_NESTING (which readers could not decode) is refused with the cache's name,
     in put and in a transaction, and nothing reaches the WAL; exactly MAX_NESTING levels are accepted and read back."""
-    from cdcd.node.node import MAX_NESTING
+    from cdcd.node.writes import MAX_NESTING
 
     def nested(depth: int) -> object:
         value: object = 0

@@ -505,6 +505,7 @@ def test_ttl_out_of_range_is_refused_naming_the_cache(tmp_path: Path) -> None:
     written (an expire time that cannot be indexed would fail the next checkpoint)."""
     import msgspec
 
+    from cdcd.replication.applier import apply_replicated
     from cdcd.replication.protocol import Apply, ReplEntry
     from cdcd.replication.resolver import ConflictResolver
     from cdcd.replication.server import RequestRefused
@@ -523,7 +524,7 @@ def test_ttl_out_of_range_is_refused_naming_the_cache(tmp_path: Path) -> None:
         for expire in (-1, 2**63):
             bad = Apply(1, "c", [ReplEntry(Op.UPDATE, key, value, CacheVersion(1, 1, 2, 1), expire)])
             with pytest.raises(RequestRefused, match=f"cache 'c' entry 0: expire_time_ms {expire} out of range"):
-                node.apply_replicated(bad, ConflictResolver(1))
+                apply_replicated(node, bad, ConflictResolver(1))
         assert len(c) == 0 and node.caches() == ["c"]
         node.checkpoint()  # still fine
 

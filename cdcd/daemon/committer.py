@@ -20,8 +20,9 @@ import structlog
 from cdcd import failpoints, metrics
 from cdcd.consumer import Consumer, EventBatch, RecordSlice
 from cdcd.daemon.follower import delete_links_below
-from cdcd.daemon.processor import Batch, CacheChange, Item, MarkerCommit, Switch
-from cdcd.daemon.state import DaemonState, Mode, StateStore
+from cdcd.daemon.processor import Item, MarkerCommit, Switch
+from cdcd.daemon_state import DaemonState, Mode, StateStore
+from cdcd.delivery import Batch, CacheChange
 from cdcd.wal.pointer import WalPosition
 from cdcd.wal.records import CacheInfo
 
@@ -113,7 +114,7 @@ class Committer:
             if ok:
                 metrics.DAEMON_BATCHES.labels("committed").inc()
                 self.unconfirmed = False
-                self.commit(item.end if rest is None else rest.first)
+                self.commit(item.end if rest is None or rest.first is None else rest.first.cursor())
             else:
                 metrics.DAEMON_BATCHES.labels("not_committed").inc()
                 self.unconfirmed = True
@@ -146,6 +147,8 @@ class Committer:
                 self.caches.pop(cache_id, None)
                 self._pending_caches.pop(cache_id, None)
                 self._pending_destroyed.append(cache_id)
+        if item.end is None:
+            return  # a batch is open: the registry change is recorded with its commit
         if not self.unconfirmed:
             # PASSIVE: only the node's markers move the position (links it may still need stay);
             # the registry change is recorded with the current position.

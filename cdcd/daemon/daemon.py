@@ -34,7 +34,7 @@ from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.follower import SegmentFollower, delete_links_below
 from cdcd.daemon.processor import Batch, Item, Processor, Switch
 from cdcd.daemon.sdnotify import Notifier
-from cdcd.daemon.state import DaemonState, ForeignState, Mode, StateStore
+from cdcd.daemon_state import DaemonState, ForeignState, Mode, StateStore
 from cdcd.lock import DirLock
 from cdcd.node.identity import read_node_id
 from cdcd.wal.errors import WalError

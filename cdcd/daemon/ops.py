@@ -14,9 +14,9 @@ import structlog
 
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import INITIAL_MODE, daemon_lock
-from cdcd.daemon.processor import record_entries
 from cdcd.daemon.source import ask_node, node_caches
-from cdcd.daemon.state import DaemonState, Mode, StateDamaged, StateStore
+from cdcd.daemon_state import DaemonState, Mode, StateDamaged, StateStore
+from cdcd.delivery import record_entries
 from cdcd.durable import fsync_dir
 from cdcd.node.identity import read_node_id
 from cdcd.secrets import mask_mapping

@@ -5,56 +5,35 @@ ACTIVE: DataRecords become batches; a TryStartRealtimeCdcRecord ends the pass wi
 PASSIVE. PASSIVE: only markers matter; RealtimeCdcRecord commits the node's position,
 StopRealtimeCdcRecord ends the pass with a switch to ACTIVE at the node's last position.
 Entries of caches with ``cdc_enabled = false`` never enter a batch (their positions are passed
-all the same), and the consumer never hears of such a cache.
+all the same), and the consumer never hears of such a cache. Batches, cache changes and the
+position filter are ``cdcd.delivery``'s, shared with the node's realtime worker.
 """
 
 from __future__ import annotations
 
 import operator
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 
-from cdcd.consumer import EventBatch, RecordSlice, enabled_slices
-from cdcd.daemon.state import Mode
+from cdcd.daemon_state import Mode
+from cdcd.delivery import Batch, Batcher, CacheChange, record_entries
 from cdcd.wal.pointer import WalPointer, WalPosition
 from cdcd.wal.records import (
     CacheInfo,
-    CacheOp,
     CacheRecord,
     DataRecord,
     RealtimeCdcRecord,
     Record,
-    SegmentEnd,
     StopRealtimeCdcRecord,
     TryStartRealtimeCdcRecord,
 )
 
+__all__ = ["Batch", "CacheChange", "Item", "MarkerCommit", "Processor", "Switch", "record_entries"]
+
 log = structlog.get_logger("cdcd.daemon")
 
 _cache_id = operator.attrgetter("cache_id")
-
-
-@dataclass(frozen=True)
-class Batch:
-    """Deliver ``events``; once confirmed, everything before ``end`` is committed."""
-
-    events: EventBatch
-    end: WalPosition
-    size_bytes: int
-
-
-@dataclass(frozen=True)
-class CacheChange:
-    """Tell the consumer about caches (before any event of theirs); commit up to ``end``.
-
-    ``quiet``: a cache with CDC off (or switched off): record ``created`` in the registry only."""
-
-    end: WalPosition
-    created: list[CacheInfo] = field(default_factory=list)
-    destroyed: list[int] = field(default_factory=list)
-    quiet: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,11 +55,6 @@ class Switch:
 Item = Batch | CacheChange | MarkerCommit | Switch
 
 
-def record_entries(record: Record) -> int:
-    """How many "entries" a record has for positions: its data entries, or 1 for any other record."""
-    return len(record.entries) if type(record) is DataRecord else 1
-
-
 class Processor:
     def __init__(
         self,
@@ -94,81 +68,74 @@ class Processor:
     ) -> None:
         self.mode = mode
         self.start = position
+        """Records before it were delivered before this pass (the position filter)."""
         self.floor = position
         """The committed position: a marker never moves the daemon behind it (DESIGN §5, crash rule)."""
-        self.position = position
-        """Next thing to process: everything fed before it is accounted for."""
+        self.batcher = Batcher(
+            position=position,
+            caches=caches,
+            source_node=source_node,
+            batch_max_events=batch_max_events,
+            batch_max_bytes=batch_max_bytes,
+        )
         self.caches = caches
-        self.names = {cid: info.name for cid, info in caches.items()}
-        self.disabled = {cid for cid, info in caches.items() if not info.config.cdc_enabled}
-        """Caches with ``cdc_enabled = false``; kept after a destroy (its entries before it stay hidden)."""
-        self.source_node = source_node
-        self.batch_max_events = batch_max_events
-        self.batch_max_bytes = batch_max_bytes
-        self._slices: list[RecordSlice] = []
-        self._events = 0
-        self._bytes = 0
-        self.batch_started: float | None = None
-        """Monotonic time the open batch got its first event (for ``batch_max_delay_ms``)."""
         self.finished = False
 
     @property
-    def pending_events(self) -> int:
-        return self._events
+    def position(self) -> WalPosition | None:
+        """Next thing to process: everything fed before it is accounted for."""
+        return self.batcher.position
 
-    def _already_done(self, ptr: WalPointer, record: Record) -> int:
-        """Entries of this record delivered before the start position (all of them if before it)."""
-        start = self.start
-        if start is None or ptr.segment > start.segment:
-            self.start = None  # past the start: no more checks
-            return 0
-        if (ptr.segment, ptr.offset) < (start.segment, start.offset):
-            return record_entries(record)
-        if (ptr.segment, ptr.offset) == (start.segment, start.offset):
-            return start.entry_index
-        self.start = None
-        return 0
+    @property
+    def source_node(self) -> str:
+        return self.batcher.source_node
+
+    @source_node.setter
+    def source_node(self, node_id: str) -> None:
+        self.batcher.source_node = node_id
+
+    @property
+    def pending_events(self) -> int:
+        return self.batcher.events
+
+    @property
+    def batch_started(self) -> float | None:
+        """Monotonic time the open batch got its first event (for ``batch_max_delay_ms``)."""
+        return self.batcher.batch_started
 
     def feed(self, ptr: WalPointer, record: Record, size: int) -> list[Item]:
         """Process one record; returns the items it completes, in order."""
         if self.finished:
             raise RuntimeError("processor fed after its pass finished")
-        done = self._already_done(ptr, record) if self.start is not None else 0
-        rtype = type(record)
         n = record_entries(record)
-        if done >= n:
+        done = 0
+        start = self.start
+        if start is not None:
+            done = start.entries_done(ptr, n)
+            if ptr > start.pointer:
+                self.start = None  # past the start: no more checks
+            elif done >= n:
+                return []
+        rtype = type(record)
+        batcher = self.batcher
+        if rtype is DataRecord:
+            assert isinstance(record, DataRecord)
+            if self.mode is Mode.ACTIVE:
+                batch = batcher.data(ptr, record, done, size)
+                return [batch] if batch is not None else []
+            batcher.passed(ptr, record)
             return []
         out: list[Item] = []
-        if rtype is DataRecord:
-            if self.mode is Mode.ACTIVE:
-                assert isinstance(record, DataRecord)
-                parts = enabled_slices(ptr, record, done, self.disabled)
-                if parts:
-                    self._slices.extend(parts)
-                    if self.batch_started is None:
-                        self.batch_started = time.monotonic()
-                    self._events += sum(p.end - p.start for p in parts)
-                self._bytes += size
-                self.position = WalPosition(ptr.segment, ptr.offset, n)
-                if self._events >= self.batch_max_events or self._bytes >= self.batch_max_bytes:
-                    out.append(self.close_batch())
-                return out
-            self.position = WalPosition(ptr.segment, ptr.offset, n)
-            return out
-        if rtype is SegmentEnd:
-            self.position = WalPosition(ptr.segment + 1, 0, 0)
-            return out
-        self.position = WalPosition(ptr.segment, ptr.offset, 1)
         if rtype is CacheRecord:
             assert isinstance(record, CacheRecord)
-            if self._slices:
-                out.append(self.close_batch(end=WalPosition(ptr.segment, ptr.offset, 0)))
-            out.append(self._cache_record(record, self.position))
-        elif rtype is TryStartRealtimeCdcRecord:
+            out.extend(batcher.cache_record(ptr, record))
+            return out
+        batcher.passed(ptr, record)
+        if rtype is TryStartRealtimeCdcRecord:
             # The node rolled the segment right after this record and waits for its link to go.
             if self.mode is Mode.ACTIVE:
-                if self._slices:
-                    out.append(self.close_batch(end=WalPosition(ptr.segment, ptr.offset, 0)))
+                if batcher.slices:
+                    out.append(batcher.close(end=WalPosition(ptr.segment, ptr.offset, 0)))
                 out.append(Switch(Mode.PASSIVE, WalPosition(ptr.segment + 1, 0, 0), "try_start_realtime"))
                 self.finished = True
             else:
@@ -213,10 +180,9 @@ class Processor:
         """``feed`` over a chunk, stopping after a switch; the loop for plain DataRecords is inlined
         because it runs once per record of the backlog."""
         out: list[Item] = []
-        slices = self._slices
+        batcher = self.batcher
         active = self.mode is Mode.ACTIVE
-        max_events, max_bytes = self.batch_max_events, self.batch_max_bytes
-        disabled = self.disabled
+        disabled = batcher.disabled
         for ptr, record, size in chunk:
             if (
                 active
@@ -224,52 +190,15 @@ class Processor:
                 and type(record) is DataRecord
                 and (not disabled or disabled.isdisjoint(map(_cache_id, record.entries)))
             ):
-                n = len(record.entries)
-                slices.append(RecordSlice(ptr, record, 0))
-                if self.batch_started is None:
-                    self.batch_started = time.monotonic()
-                self._events += n
-                self._bytes += size
-                self.position = WalPosition(ptr.segment, ptr.offset, n)
-                if self._events >= max_events or self._bytes >= max_bytes:
-                    out.append(self.close_batch())
-                    slices = self._slices
+                batch = batcher.data(ptr, record, 0, size)  # type: ignore[arg-type]
+                if batch is not None:
+                    out.append(batch)
                 continue
             out.extend(self.feed(ptr, record, size))
-            slices = self._slices
             if self.finished:
                 break
         return out
 
-    def _cache_record(self, record: CacheRecord, end: WalPosition) -> CacheChange:
-        info = CacheInfo(record.cache_id, record.name, record.config)
-        cid = record.cache_id
-        if record.op == CacheOp.CREATE:
-            # A CREATE of a known cache with another config changes it from here on; one the
-            # consumer already knows as it is (announced at start) is not announced again.
-            known = self.caches.get(cid)
-            self.caches[cid] = info
-            self.names[cid] = record.name
-            if record.config.cdc_enabled:
-                self.disabled.discard(cid)
-                return CacheChange(end, created=[info], quiet=known == info)
-            self.disabled.add(cid)
-            return CacheChange(end, created=[info], quiet=True)
-        if cid in self.disabled:
-            # Never announced, so never destroyed for the consumer; its registry row stays, so a
-            # pass that starts before this record (a restart, a switch) still hides its entries.
-            return CacheChange(end)
-        # Keep the name for events of this cache still in flight; the registry forgets it.
-        self.caches.pop(cid, None)
-        return CacheChange(end, destroyed=[cid])
-
     def close_batch(self, end: WalPosition | None = None) -> Batch:
         """Close the open batch (possibly empty: it then only advances the position)."""
-        position = end or self.position
-        assert position is not None
-        batch = Batch(EventBatch(self.source_node, self._slices, self.names), position, self._bytes)
-        self._slices = []
-        self._events = 0
-        self._bytes = 0
-        self.batch_started = None
-        return batch
+        return self.batcher.close(end)

@@ -14,9 +14,9 @@ import msgspec
 import structlog
 
 from cdcd.control import request
-from cdcd.daemon.state import StateDamaged, check_lmdb_file
+from cdcd.daemon_state import StateDamaged, check_lmdb_file
 from cdcd.node.config import NodeConfig
-from cdcd.node.realtime import RealtimeState
+from cdcd.node.metastorage import RealtimeState
 from cdcd.wal.pointer import WalPosition
 from cdcd.wal.records import CacheInfo
 

@@ -36,26 +36,26 @@ class Cache:
     def put(self, key: Any, value: Any, *, ttl_ms: int | None = None) -> None:
         """Put ``value``; it expires ``ttl_ms`` after this call (None: the cache's ``ttl_ms``; 0:
         never). A later put sets the expiry anew."""
-        self._node._put_one(self.info, key, value, ttl_ms)
+        self._node.writes.commit([(self.info, key, value, ttl_ms)])
 
     def put_all(self, items: Mapping[Any, Any], *, ttl_ms: int | None = None) -> None:
         info = self.info
-        self._node._commit([(info, k, v, ttl_ms) for k, v in items.items()])
+        self._node.writes.commit([(info, k, v, ttl_ms) for k, v in items.items()])
 
     def remove(self, key: Any) -> bool:
         """Remove ``key``; False if it was not there, or expired (nothing is written then)."""
-        return self._node._commit([(self.info, key, _REMOVE, None)]) > 0
+        return self._node.writes.commit([(self.info, key, _REMOVE, None)]) > 0
 
     def remove_all(self, keys: Iterable[Any]) -> int:
         """Remove the keys that exist; returns how many were removed."""
         info = self.info
-        return self._node._commit([(info, k, _REMOVE, None) for k in keys])
+        return self._node.writes.commit([(info, k, _REMOVE, None) for k in keys])
 
     def get(self, key: Any, default: Any = None) -> Any:
-        return self._node._get(self.info, key, default)
+        return self._node.writes.get(self.info, key, default)
 
     def __contains__(self, key: Any) -> bool:
-        return self._node._get(self.info, key, _MISSING) is not _MISSING
+        return self._node.writes.get(self.info, key, _MISSING) is not _MISSING
 
     def items(self) -> Iterator[tuple[Any, Any]]:
         """Current (key, value) pairs, in key-byte order (a consistent view as of the call)."""

@@ -33,14 +33,14 @@ class Transaction:
         for winfo, wkey, value, _ttl in reversed(self._writes):
             if winfo.cache_id == info.cache_id and wkey == key:
                 return default if value is REMOVE else value
-        return self._node._get(info, key, default)
+        return self._node.writes.get(info, key, default)
 
     def commit(self) -> int:
         """Write everything as one DataRecord; returns the number of entries written."""
         if self._done:
             raise RuntimeError("transaction already finished")
         self._done = True
-        return self._node._commit(self._writes)
+        return self._node.writes.commit(self._writes)
 
     def rollback(self) -> None:
         self._done = True

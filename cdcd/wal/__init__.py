@@ -9,7 +9,7 @@ from cdcd.wal.errors import (
     WalError,
 )
 from cdcd.wal.frame import encode_frame
-from cdcd.wal.pointer import WalPointer, WalPosition
+from cdcd.wal.pointer import EventAddress, WalPointer, WalPosition
 from cdcd.wal.reader import SegmentReader, WalReader
 from cdcd.wal.records import (
     NIL,
@@ -54,6 +54,7 @@ __all__ = [
     "WalError",
     "WalPointer",
     "WalPosition",
+    "EventAddress",
     "WalReader",
     "encode_frame",
     "is_segment_name",

@@ -93,7 +93,7 @@ from cdcd.consumer import Consumer
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.node.node import Node
-from cdcd.node.realtime import RealtimeMode
+from cdcd.realtime import RealtimeMode
 from cdcd.sinks.jsonl import JsonlConsumer
 from cdcd.sinks.null import NullConsumer
 from cdcd.wal.segment import list_segments

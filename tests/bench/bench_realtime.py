@@ -46,7 +46,7 @@ from typing import Any
 
 from cdcd.daemon import Daemon, DaemonConfig
 from cdcd.node.node import Node
-from cdcd.node.realtime import RealtimeMode
+from cdcd.realtime import RealtimeMode
 from tests.support import rt_lag_consumer
 from tests.support.bench import VALUE_100B, Bench, Measurement, Metric
 

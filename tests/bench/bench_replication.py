@@ -391,7 +391,7 @@ def _writer(args: argparse.Namespace) -> None:
     key = 0
     try:
         if realtime:
-            from cdcd.node.realtime import RealtimeMode
+            from cdcd.realtime import RealtimeMode
 
             deadline = time.monotonic() + 10
             while node.realtime.mode is not RealtimeMode.ON:

@@ -16,7 +16,7 @@ from typing import Any
 from cdcd.control import request
 from cdcd.logging import configure as configure_logging
 from cdcd.node import Node
-from cdcd.node.realtime import Metastorage, RealtimeState
+from cdcd.node.metastorage import Metastorage, RealtimeState
 from cdcd.wal import WalPointer
 from cdcd.wal.records import (
     RealtimeCdcRecord,

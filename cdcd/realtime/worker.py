@@ -12,44 +12,38 @@ before). The two sides therefore never deliver interleaved.
 from __future__ import annotations
 
 import enum
-import operator
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import lmdb
-import msgspec
 import structlog
 from prometheus_client import REGISTRY
 
 from cdcd import failpoints, metrics
-from cdcd.consumer import Consumer, EventBatch, RecordSlice, enabled_slices
-from cdcd.node.config import NodeConfig
-from cdcd.node.wal_log import WalLog
-from cdcd.sinks import load_consumer
+from cdcd.consumer import Consumer, EventBatch
+from cdcd.delivery import Batch, Batcher, CacheChange, record_entries
+from cdcd.node.attach import AttachError, NodeParts
+from cdcd.node.metastorage import RealtimeState
 from cdcd.wal.pointer import WalPointer, WalPosition
 from cdcd.wal.reader import WalReader, iter_chunk
 from cdcd.wal.records import (
-    CacheInfo,
-    CacheOp,
     CacheRecord,
     DataRecord,
     RealtimeCdcRecord,
     Record,
-    SegmentEnd,
     StopRealtimeCdcRecord,
     TryStartRealtimeCdcRecord,
 )
 from cdcd.wal.segment import segment_path
 from cdcd.wal.writer import Chunk
 
-log = structlog.get_logger("cdcd.node.realtime")
+log = structlog.get_logger("cdcd.realtime")
 
 _POLL_S = 0.02
-_cache_id = operator.attrgetter("cache_id")
+_NO_BYTE_BOUND = 1 << 62
+"""Realtime batches are bounded by events only (the buffer already bounds the bytes)."""
 
 
 class RealtimeMode(enum.Enum):
@@ -59,52 +53,12 @@ class RealtimeMode(enum.Enum):
     ON = "on"
 
 
-class RealtimeState(msgspec.Struct, frozen=True):
-    """What the metastorage keeps: the committed position, whether realtime is on, a pending try-start."""
-
-    enabled: bool = False
-    position: WalPosition | None = None
-    try_start: WalPointer | None = None
-    updated_ns: int = 0
-
-
-class Metastorage:
-    """A small LMDB env of its own, so realtime commits never queue behind a checkpoint's write txn."""
-
-    _KEY = b"realtime"
-
-    def __init__(self, path: Path) -> None:
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.env = lmdb.open(str(path), map_size=64 << 20, max_dbs=1, mode=0o600)
-        self._enc = msgspec.msgpack.Encoder()
-        self._dec = msgspec.msgpack.Decoder(RealtimeState)
-
-    def get(self) -> RealtimeState | None:
-        with self.env.begin() as txn:
-            raw = txn.get(self._KEY)
-        return self._dec.decode(raw) if raw is not None else None
-
-    def put(self, state: RealtimeState) -> None:
-        state = msgspec.structs.replace(state, updated_ns=time.time_ns())
-        with self.env.begin(write=True) as txn:
-            txn.put(self._KEY, self._enc.encode(state))
-
-    def get_flag(self, key: bytes) -> bool | None:
-        """A node-wide switch kept next to the realtime state (None: never set)."""
-        with self.env.begin() as txn:
-            raw = txn.get(key)
-        return None if raw is None else raw == b"1"
-
-    def put_flag(self, key: bytes, value: bool) -> None:
-        with self.env.begin(write=True) as txn:
-            txn.put(key, b"1" if value else b"0")
-
-    def close(self) -> None:
-        self.env.close()
-
-
-class RealtimeError(RuntimeError):
+class RealtimeError(AttachError):
     pass
+
+
+ConsumerFactory = Callable[[Mapping[str, Any], str], Consumer]
+"""Builds the consumer a ``realtime_consumer`` table describes (``cdcd.sinks.load_consumer``)."""
 
 
 # A buffered source: a flushed chunk (decoded lazily) or records re-read from files at restore.
@@ -112,20 +66,15 @@ _Source = Chunk | list[tuple[WalPointer, Record, int]]
 
 
 class RealtimeWorker:
-    def __init__(
-        self,
-        *,
-        config: NodeConfig,
-        wal: WalLog,
-        metastorage: Metastorage,
-        caches: Callable[[], dict[int, CacheInfo]],
-        node_id: str,
-    ) -> None:
-        self.config = config
-        self.wal = wal
-        self.meta = metastorage
-        self._caches = caches
-        self.node_id = node_id
+    """The node's realtime attachment (``cdcd.node.attach.Realtime``)."""
+
+    def __init__(self, parts: NodeParts, load_consumer: ConsumerFactory) -> None:
+        self.config = config = parts.config
+        self.wal = parts.wal
+        self.meta = metastorage = parts.metastorage
+        self._caches = parts.caches
+        self.node_id = parts.node_id
+        self._load_consumer = load_consumer
         self.buffer_limit_bytes = config.cdc_buffer_limit_bytes
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
@@ -150,10 +99,10 @@ class RealtimeWorker:
         self._last_marker = 0.0
         self._unconfirmed = False
         """The consumer returned False: no position may be committed until it returns True."""
-        self._cdc_seen: dict[int, bool] = {}
-        """``cdc_enabled`` of the caches whose CacheRecord this worker read (WAL order wins)."""
-        self._disabled: set[int] = set()
-        """Caches with ``cdc_enabled = false``: their entries never reach the consumer."""
+        self._batcher: Batcher | None = None
+        """Batches and cache changes of the current run of deliveries (None: a new run begins)."""
+        self._names: dict[int, str] = {}
+        """Names of the node's caches, kept for events of a cache destroyed meanwhile."""
         self._consumer: Consumer | None = None
         self._thread: threading.Thread | None = None
         self._set_mode(RealtimeMode.OFF)
@@ -197,7 +146,7 @@ class RealtimeWorker:
         if self._consumer is None:
             if not self.config.realtime_consumer:
                 raise RealtimeError("realtime CDC needs a realtime_consumer table in the node config")
-            consumer = load_consumer(self.config.realtime_consumer, "realtime_consumer")
+            consumer = self._load_consumer(self.config.realtime_consumer, "realtime_consumer")
             consumer.start(REGISTRY)
             self._consumer = consumer
         return self._consumer
@@ -253,6 +202,16 @@ class RealtimeWorker:
         failpoints.hit("realtime.on.try_start_persisted")
         log.info("realtime_try_start", try_start=str(ptr), buffer_max_bytes=self.buffer_limit_bytes)
         return RealtimeMode.TRY_START
+
+    def switch(self, state: str) -> str:
+        """The control command: ``on`` starts a try-start, ``off`` stops (``stopping`` while a long
+        batch, a big lake write, finishes first)."""
+        if state == "on":
+            return self.request_on().value
+        if state == "off":
+            mode = self.wait_off(self.request_off(), timeout_s=2.0)
+            return "stopping" if mode is not RealtimeMode.OFF else mode.value
+        raise AttachError("realtime: state must be 'on' or 'off'")
 
     def wait_off(self, mode: RealtimeMode, timeout_s: float) -> RealtimeMode:
         """After ``request_off``: give the worker a moment to finish its batch and say OFF."""
@@ -406,81 +365,73 @@ class RealtimeWorker:
             for ptr, record, _rsize in items:
                 done = 0
                 if start is not None:
+                    done = start.entries_done(ptr, record_entries(record))
                     if ptr < start.pointer:
                         continue
-                    if ptr == start.pointer:
-                        done = start.entry_index
                     self._deliver_from = start = None
                 yield ptr, record, done
 
     def _deliver_available(self) -> None:
         """Deliver everything buffered now, in batches of at most ``realtime_batch_max_events``."""
-        max_events = self.config.realtime_batch_max_events
-        slices: list[RecordSlice] = []
-        events = 0
-        position = self.position
-        disabled = self._disabled
-        for cid, info in self._caches().items():  # caches created before what this worker read
-            if not info.config.cdc_enabled and cid not in self._cdc_seen:
-                disabled.add(cid)
+        batcher = self._batcher
+        if batcher is None:
+            # A new run of deliveries: a fresh consumer hears of every cache whose CREATE it reads.
+            batcher = self._batcher = Batcher(
+                position=self.position,
+                caches={},
+                source_node=self.node_id,
+                batch_max_events=self.config.realtime_batch_max_events,
+                batch_max_bytes=_NO_BYTE_BOUND,
+                names=self._names,
+            )
+        batcher.restart(self.position)
+        for cid, info in self._caches().items():
+            self._names[cid] = info.name
+            if not info.config.cdc_enabled and cid not in batcher.caches:  # created before what this worker read
+                batcher.disabled.add(cid)
         skipped = False
         for ptr, record, done in self._records():
             rtype = type(record)
             if rtype is DataRecord:
                 assert isinstance(record, DataRecord)
-                n = len(record.entries)
-                if done >= n:
+                if done >= len(record.entries):
                     continue
-                if disabled and not disabled.isdisjoint(map(_cache_id, record.entries)):
-                    parts = enabled_slices(ptr, record, done, disabled)
-                    slices.extend(parts)
-                    events += sum(p.end - p.start for p in parts)
-                    skipped = skipped or not parts
-                else:
-                    slices.append(RecordSlice(ptr, record, done))
-                    events += n - done
-                position = WalPosition(ptr.segment, ptr.offset, n)
-                if events >= max_events:
-                    self._deliver(slices, position)
-                    slices, events = [], 0
+                before = batcher.events
+                batch = batcher.data(ptr, record, done, 0)
+                if batch is not None:
+                    self._deliver(batch)
+                elif batcher.events == before:
+                    skipped = True
                 continue
             if done:
                 continue  # a marker or cache record already handled before the restart
             if rtype is CacheRecord:
                 assert isinstance(record, CacheRecord)
-                if slices:
-                    self._deliver(slices, WalPosition(ptr.segment, ptr.offset, 0))
-                    slices, events = [], 0
-                self._cache_record(record)
-            position = (
-                WalPosition(ptr.segment + 1, 0, 0) if rtype is SegmentEnd else WalPosition(ptr.segment, ptr.offset, 1)
-            )
-        if slices:
-            assert position is not None
-            self._deliver(slices, position)
-        elif skipped and position is not None and not self._unconfirmed:
+                for item in batcher.cache_record(ptr, record):
+                    if isinstance(item, Batch):
+                        self._deliver(item)
+                    else:
+                        self._cache_change(item)
+            else:
+                batcher.passed(ptr, record)
+        if batcher.slices:
+            self._deliver(batcher.close())
+        elif skipped and batcher.position is not None and not self._unconfirmed:
             # Only entries of caches with CDC off: nothing to deliver, the position moves on all the
             # same (only after data: a marker alone would make the next marker, forever).
-            self._commit(position)
+            self._commit(batcher.position)
 
-    def _cache_record(self, record: CacheRecord) -> None:
+    def _cache_change(self, change: CacheChange) -> None:
         consumer = self._ensure_consumer()
-        cid = record.cache_id
-        if record.op == CacheOp.CREATE:
-            # A CREATE of a known cache with another config changes it from here on.
-            self._cdc_seen[cid] = record.config.cdc_enabled
-            if not record.config.cdc_enabled:
-                self._disabled.add(cid)
-                return
-            self._disabled.discard(cid)
-            consumer.on_cache_change([CacheInfo(cid, record.name, record.config)])
-        elif cid not in self._disabled:  # the consumer never heard of a cache with CDC off
-            consumer.on_cache_destroy([cid])
+        if change.created and not change.quiet:
+            consumer.on_cache_change(change.created)
+        if change.destroyed:  # the consumer never heard of a cache with CDC off
+            consumer.on_cache_destroy(change.destroyed)
 
-    def _deliver(self, slices: list[RecordSlice], end: WalPosition) -> None:
+    def _deliver(self, item: Batch) -> None:
         consumer = self._ensure_consumer()
-        names = {cid: info.name for cid, info in self._caches().items()}
-        rest: EventBatch | None = EventBatch(self.node_id, slices, names)
+        end = item.end
+        rest: EventBatch | None = item.events
         while rest is not None:
             # Ignite's loop: what the consumer did not pull goes to its next call, also from
             # inside a record; a True commits the position after what it took.
@@ -500,7 +451,7 @@ class RealtimeWorker:
                 metrics.RT_EVENTS.inc(took)
             if ok:
                 self._unconfirmed = False
-                self._commit(end if rest is None or rest.first is None else rest.first)
+                self._commit(end if rest is None or rest.first is None else rest.first.cursor())
             else:
                 self._unconfirmed = True  # not committed yet: the next confirmed call commits both
             if rest is not None and not took:
@@ -554,6 +505,7 @@ class RealtimeWorker:
             self._stop_reason = None
             self._deliver_from = None
             self._restore_until = None
+            self._batcher = None
             self._unconfirmed = False
             self._set_mode(RealtimeMode.OFF)
             metrics.RT_BUFFER_BYTES.set(0)
@@ -625,32 +577,6 @@ class RealtimeWorker:
             "stops": dict(self.stops),
             "last_event_commit_ts_ns": self.last_event_ts_ns,
         }
-
-
-def read_daemon_state(state_dir: Path) -> dict[str, Any] | None:
-    """The daemon's committed mode and position, read-only (None when it has no state yet)."""
-    from cdcd.daemon.state import Mode, StateStore
-
-    try:
-        store = StateStore(state_dir, readonly=True)
-    except (FileNotFoundError, lmdb.Error):
-        return None
-    try:
-        state = store.load(Mode.PASSIVE)
-    finally:
-        store.close()
-    return {
-        "mode": state.mode.value,
-        "position": str(state.position) if state.position else None,
-        "position_parts": msgspec.to_builtins(state.position) if state.position else None,
-        "updated_ns": state.updated_ns,
-    }
-
-
-def daemon_position(daemon: dict[str, Any] | None) -> WalPosition | None:
-    if daemon is None or daemon["position_parts"] is None:
-        return None
-    return WalPosition(*daemon["position_parts"])
 
 
 class _Stopped(Exception):

@@ -1,0 +1,172 @@
+"""What the daemon and the node's realtime worker share: the position filter and the batcher.
+
+Pure logic, no I/O. ``slices_from`` drops what lies before a resume cursor (``WalPosition.entries_done``
+decides per record); ``Batcher`` turns WAL records into batches of events and cache changes, in WAL
+order, hiding caches with ``cdc_enabled = false`` (their positions are passed all the same).
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cdcd.consumer import EventBatch, RecordSlice, enabled_slices
+from cdcd.wal.pointer import WalPointer, WalPosition
+from cdcd.wal.records import CacheInfo, CacheOp, CacheRecord, DataRecord, Record, SegmentEnd
+
+_cache_id = operator.attrgetter("cache_id")
+
+
+def record_entries(record: Record) -> int:
+    """How many "entries" a record has for positions: its data entries, or 1 for any other record."""
+    return len(record.entries) if type(record) is DataRecord else 1
+
+
+def cursor_after(ptr: WalPointer, record: Record) -> WalPosition:
+    """The cursor once the record at ``ptr`` is done (a segment's end leads to the next segment)."""
+    if type(record) is SegmentEnd:
+        return WalPosition(ptr.segment + 1, 0, 0)
+    return WalPosition(ptr.segment, ptr.offset, record_entries(record))
+
+
+def slices_from(slices: Sequence[RecordSlice], cursor: WalPosition | None) -> list[RecordSlice]:
+    """The parts of ``slices`` at or after ``cursor`` (what lies before it is a replay)."""
+    if cursor is None:
+        return list(slices)
+    out = []
+    for s in slices:
+        done = cursor.entries_done(s.pointer, s.end)
+        if done >= s.end:
+            continue
+        out.append(RecordSlice(s.pointer, s.record, done, s.stop) if done > s.start else s)
+    return out
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Deliver ``events``; once confirmed, everything before ``end`` is committed."""
+
+    events: EventBatch
+    end: WalPosition
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class CacheChange:
+    """Tell the consumer about caches (before any event of theirs); commit up to ``end``.
+
+    ``end`` None: a batch is open (a new cache does not cut it): the change is recorded with the
+    batch's commit. ``quiet``: a cache with CDC off (or switched off): record ``created`` only."""
+
+    end: WalPosition | None
+    created: list[CacheInfo] = field(default_factory=list)
+    destroyed: list[int] = field(default_factory=list)
+    quiet: bool = False
+
+
+class Batcher:
+    """Collects the events of DataRecords into a batch, closed at ``batch_max_events`` or
+    ``batch_max_bytes``; a CacheRecord becomes a CacheChange. Only a destroy, or a new config of a
+    cache already known, closes the open batch first: a new cache's events join the batch, and
+    its CacheChange comes before it."""
+
+    def __init__(
+        self,
+        *,
+        position: WalPosition | None,
+        caches: dict[int, CacheInfo],
+        source_node: str,
+        batch_max_events: int,
+        batch_max_bytes: int,
+        names: dict[int, str] | None = None,
+    ) -> None:
+        self.position = position
+        """Next thing to process: everything fed before it is accounted for."""
+        self.caches = caches
+        self.names: dict[int, str] = names if names is not None else {cid: i.name for cid, i in caches.items()}
+        """Cache names for the events (the daemon's registry, or the node's caches)."""
+        self.disabled = {cid for cid, info in caches.items() if not info.config.cdc_enabled}
+        """Caches with ``cdc_enabled = false``; kept after a destroy (its entries before it stay hidden)."""
+        self.source_node = source_node
+        self.batch_max_events = batch_max_events
+        self.batch_max_bytes = batch_max_bytes
+        self.slices: list[RecordSlice] = []
+        self.events = 0
+        self._bytes = 0
+        self.batch_started: float | None = None
+        """Monotonic time the open batch got its first event (for ``batch_max_delay_ms``)."""
+
+    def data(self, ptr: WalPointer, record: DataRecord, done: int, size: int) -> Batch | None:
+        """Add the entries ``done..`` of a DataRecord; returns the batch it fills, if any."""
+        disabled = self.disabled
+        if done or (disabled and not disabled.isdisjoint(map(_cache_id, record.entries))):
+            parts = enabled_slices(ptr, record, done, disabled)
+            added = sum(p.end - p.start for p in parts)
+            self.slices.extend(parts)
+        else:
+            added = len(record.entries)
+            self.slices.append(RecordSlice(ptr, record, 0))
+        if added and self.batch_started is None:
+            self.batch_started = time.monotonic()
+        self.events += added
+        self._bytes += size
+        self.position = WalPosition(ptr.segment, ptr.offset, len(record.entries))
+        if self.events >= self.batch_max_events or self._bytes >= self.batch_max_bytes:
+            return self.close()
+        return None
+
+    def passed(self, ptr: WalPointer, record: Record) -> None:
+        """Any record without events for the consumer: the position moves past it."""
+        self.position = cursor_after(ptr, record)
+
+    def cache_record(self, ptr: WalPointer, record: CacheRecord) -> list[Batch | CacheChange]:
+        """The CacheChange of a CacheRecord, after the open batch if the record must cut it."""
+        info = CacheInfo(record.cache_id, record.name, record.config)
+        cid = record.cache_id
+        out: list[Batch | CacheChange] = []
+        known = self.caches.get(cid)
+        if self.slices and (record.op != CacheOp.CREATE or (known is not None and known != info)):
+            out.append(self.close(end=WalPosition(ptr.segment, ptr.offset, 0)))
+        self.passed(ptr, record)
+        end = None if self.slices else self.position
+        if record.op == CacheOp.CREATE:
+            # A CREATE of a known cache with another config changes it from here on; one the
+            # consumer already knows as it is (announced at start) is not announced again.
+            self.caches[cid] = info
+            self.names[cid] = record.name
+            if record.config.cdc_enabled:
+                self.disabled.discard(cid)
+                out.append(CacheChange(end, created=[info], quiet=known == info))
+            else:
+                self.disabled.add(cid)
+                out.append(CacheChange(end, created=[info], quiet=True))
+        elif cid in self.disabled:
+            # Never announced, so never destroyed for the consumer; its registry row stays, so a
+            # pass that starts before this record (a restart, a switch) still hides its entries.
+            out.append(CacheChange(end))
+        else:
+            # Keep the name for events of this cache still in flight; the registry forgets it.
+            self.caches.pop(cid, None)
+            out.append(CacheChange(end, destroyed=[cid]))
+        return out
+
+    def restart(self, position: WalPosition | None) -> None:
+        """Drop an open batch (never delivered) and go on from ``position``."""
+        self.slices = []
+        self.events = 0
+        self._bytes = 0
+        self.batch_started = None
+        self.position = position
+
+    def close(self, end: WalPosition | None = None) -> Batch:
+        """Close the open batch (possibly empty: it then only advances the position)."""
+        position = end or self.position
+        assert position is not None
+        batch = Batch(EventBatch(self.source_node, self.slices, self.names), position, self._bytes)
+        self.slices = []
+        self.events = 0
+        self._bytes = 0
+        self.batch_started = None
+        return batch

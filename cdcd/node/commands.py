@@ -1,0 +1,83 @@
+"""The node's control-socket commands (``cdcd control``) and its status."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from cdcd.control import ControlError
+from cdcd.daemon_state import read_daemon_state
+from cdcd.node.attach import AttachError
+from cdcd.node.diff import digests
+from cdcd.secrets import mask_mapping
+from cdcd.wal.pointer import WalPosition
+
+if TYPE_CHECKING:
+    from cdcd.node.node import Node
+
+
+def status(node: Node) -> dict[str, Any]:
+    """What ``cdcd control status`` prints: realtime state, daemon state, lag."""
+    config = node.config
+    rt = node.realtime.status()
+    wal_pos = node.wal.position
+    daemon = read_daemon_state(config.daemon_state_path)
+    delivering = "node" if rt["mode"] == "on" else "daemon"
+    committed = node.realtime.position if delivering == "node" else _daemon_position(daemon)
+    lag_ms = None
+    if delivering == "node" and rt["last_event_commit_ts_ns"]:
+        lag_ms = max(0.0, (time.time_ns() - rt["last_event_commit_ts_ns"]) / 1e6)
+    return {
+        "node_dir": config.node_dir,
+        "node_id": str(node.node_id),
+        "wal_position": str(wal_pos),
+        "last_archived_segment": node.wal.last_archived,
+        "cdc": "on" if node.cdc_links_on else "off" if config.cdc_enabled else "disabled in config",
+        "cdc_links_skipped": node.cdc_links_skipped,
+        "realtime": rt,
+        "daemon": daemon,
+        "delivering": delivering,
+        "lag_segments": max(0, wal_pos.segment - committed.segment) if committed is not None else None,
+        "lag_ms": lag_ms,
+        "realtime_consumer": mask_mapping(config.realtime_consumer),
+        "cluster_id": config.cluster_id,
+        "replication": node.replication.status() if node.replication is not None else None,
+    }
+
+
+def _daemon_position(daemon: dict[str, Any] | None) -> WalPosition | None:
+    if daemon is None or daemon["position_parts"] is None:
+        return None
+    return WalPosition(*daemon["position_parts"])
+
+
+def handle(node: Node, req: dict[str, Any]) -> dict[str, Any]:
+    """One control request (``{"cmd": ...}``); a refusal is a ControlError."""
+    cmd = req["cmd"]
+    if cmd == "realtime":
+        try:
+            return {"realtime": node.realtime.switch(str(req.get("state")))}
+        except AttachError as exc:
+            raise ControlError(str(exc)) from None
+    if cmd == "cdc":
+        state = req.get("state")
+        if state not in ("on", "off"):
+            raise ControlError("cdc: state must be 'on' or 'off'")
+        try:
+            position = node.set_cdc_links(state == "on")
+        except ValueError as exc:
+            raise ControlError(str(exc)) from None
+        return {"cdc": state, "wal_position": str(position)}
+    if cmd == "status":
+        return status(node)
+    if cmd == "digest":
+        return {"caches": digests(node)}
+    if cmd == "resend":
+        cache = req.get("cache")
+        if not isinstance(cache, str):
+            raise ControlError('resend: expected {"cache": NAME}')
+        try:
+            return {"resent": node.resend(cache), "cache": cache}
+        except ValueError as exc:
+            raise ControlError(str(exc)) from None
+    raise ControlError(f"unknown command {cmd!r} (one of: realtime, cdc, status, resend, digest)")

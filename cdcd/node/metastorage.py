@@ -1,0 +1,55 @@
+"""The node's metastorage: a small LMDB env of its own for the realtime state and node-wide switches."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import lmdb
+import msgspec
+
+from cdcd.wal.pointer import WalPointer, WalPosition
+
+
+class RealtimeState(msgspec.Struct, frozen=True):
+    """What the metastorage keeps: the committed position, whether realtime is on, a pending try-start."""
+
+    enabled: bool = False
+    position: WalPosition | None = None
+    try_start: WalPointer | None = None
+    updated_ns: int = 0
+
+
+class Metastorage:
+    """A small LMDB env of its own, so realtime commits never queue behind a checkpoint's write txn."""
+
+    _KEY = b"realtime"
+
+    def __init__(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.env = lmdb.open(str(path), map_size=64 << 20, max_dbs=1, mode=0o600)
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(RealtimeState)
+
+    def get(self) -> RealtimeState | None:
+        with self.env.begin() as txn:
+            raw = txn.get(self._KEY)
+        return self._dec.decode(raw) if raw is not None else None
+
+    def put(self, state: RealtimeState) -> None:
+        state = msgspec.structs.replace(state, updated_ns=time.time_ns())
+        with self.env.begin(write=True) as txn:
+            txn.put(self._KEY, self._enc.encode(state))
+
+    def get_flag(self, key: bytes) -> bool | None:
+        """A node-wide switch kept next to the realtime state (None: never set)."""
+        with self.env.begin() as txn:
+            raw = txn.get(key)
+        return None if raw is None else raw == b"1"
+
+    def put_flag(self, key: bytes, value: bool) -> None:
+        with self.env.begin(write=True) as txn:
+            txn.put(key, b"1" if value else b"0")
+
+    def close(self) -> None:
+        self.env.close()
