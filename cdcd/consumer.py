@@ -12,16 +12,13 @@ import operator
 from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from itertools import chain, count, repeat
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from prometheus_client import CollectorRegistry
 
 from cdcd.wal.pointer import WalPointer, WalPosition
 from cdcd.wal.records import CacheInfo, CacheVersion, DataEntry, DataRecord, Op
-
-if TYPE_CHECKING:
-    import pyarrow as pa  # imported when used: most consumers never need it
 
 __all__ = ["CacheInfo", "CdcEvent", "Consumer", "EventBatch", "EventSource", "RecordSlice", "enabled_slices"]
 
@@ -264,67 +261,6 @@ class EventBatch:
 
     def cache_name(self, cache_id: int) -> str:
         return self._names.get(cache_id) or f"cache-{cache_id}"
-
-    def to_arrow(self) -> pa.Table:
-        """The batch as an Arrow table, one row per event in order (takes the whole batch).
-
-        Columns: ``cache_id`` (int64), ``cache`` (string), ``op`` (int8, ``Op``), ``key`` and
-        ``value`` (binary: their MessagePack, as ``key_bytes``/``value_bytes``; a DELETE's value is
-        MessagePack nil), ``partition`` (int32), ``commit_ts_ns``, ``segment``, ``offset`` (int64),
-        ``entry_index`` (int32: with segment and offset the event's position), ``primary`` (bool),
-        ``expire_time_ms`` (int64). Built column by column in C: no Python object per event.
-        """
-        import numpy as np
-        import pyarrow as pa
-
-        slices = self.slices  # taking the whole batch
-        entries: list[DataEntry] = []
-        counts, segments, offsets, commit_ns, index = [], [], [], [], []
-        for s in slices:
-            rec_entries = s.record.entries
-            stop = s.end
-            entries.extend(rec_entries if s.start == 0 and stop == len(rec_entries) else rec_entries[s.start : stop])
-            counts.append(stop - s.start)
-            segments.append(s.pointer.segment)
-            offsets.append(s.pointer.offset)
-            commit_ns.append(s.record.commit_ts_ns)
-            index.append(np.arange(s.start, stop, dtype=np.int32))
-        n = len(entries)
-        reps = np.array(counts, np.int64)
-
-        def ints(attr: str, dtype: Any) -> pa.Array:
-            return pa.array(np.fromiter(map(operator.attrgetter(attr), entries), dtype, n))
-
-        def binary(attr: str) -> pa.Array:
-            raws = list(map(operator.attrgetter(attr), entries))
-            ends = np.fromiter(map(len, raws), np.int64, n).cumsum()
-            total = int(ends[-1]) if n else 0
-            if total >= 2**31:
-                raise ValueError(f"{total} bytes of {attr}s in one batch: over Arrow's 2 GiB limit")
-            bounds = np.zeros(n + 1, np.int32)
-            bounds[1:] = ends
-            return pa.BinaryArray.from_buffers(
-                pa.binary(), n, [None, pa.py_buffer(bounds), pa.py_buffer(b"".join(raws))]
-            )
-
-        cache_ids = ints("cache_id", np.int64)
-        ids, which = np.unique(cache_ids.to_numpy(), return_inverse=True)
-        names = pa.array([self.cache_name(int(i)) for i in ids], pa.string())
-        columns = {
-            "cache_id": cache_ids,
-            "cache": pa.DictionaryArray.from_arrays(pa.array(which.astype(np.int32)), names),
-            "op": ints("op", np.int8),
-            "key": binary("key"),
-            "value": binary("value"),
-            "partition": ints("partition", np.int32),
-            "commit_ts_ns": pa.array(np.repeat(np.array(commit_ns, np.int64), reps)),
-            "segment": pa.array(np.repeat(np.array(segments, np.int64), reps)),
-            "offset": pa.array(np.repeat(np.array(offsets, np.int64), reps)),
-            "entry_index": pa.array(np.concatenate(index) if index else np.zeros(0, np.int32)),
-            "primary": ints("primary", np.bool_),
-            "expire_time_ms": ints("expire_time_ms", np.int64),
-        }
-        return pa.table(columns)
 
 
 class Consumer:

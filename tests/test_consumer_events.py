@@ -1,5 +1,5 @@
 """Events and batches as a consumer sees them, over records a real node wrote: every event field,
-``split_taken`` after an iteration stopped inside a record, and ``to_arrow()`` row for row."""
+and ``split_taken`` after an iteration stopped inside a record."""
 
 from __future__ import annotations
 
@@ -125,31 +125,3 @@ def test_a_second_iteration_keeps_how_far_the_first_got(written) -> None:
         WalPosition(records[0][0].segment, records[0][0].offset, i) for i in range(4)
     ]
     assert rest is not None and len(rest) == 3
-
-
-def test_to_arrow_holds_every_event_row_for_row_and_takes_the_batch(written) -> None:
-    records, names = written
-    slices = [RecordSlice(records[0][0], records[0][1], 1, 4), *(RecordSlice(p, r) for p, r in records[1:])]
-    batch = EventBatch("node-1", slices, names)
-    table = batch.to_arrow()
-    events = list(EventBatch("node-1", slices, names))
-    assert table.num_rows == len(events) == 5
-    rows = table.to_pylist()
-    for ev, row in zip(events, rows, strict=True):
-        assert row == {
-            "cache_id": ev.cache_id,
-            "cache": ev.cache_name,
-            "op": int(ev.op),
-            "key": ev.key_bytes,
-            "value": ev.value_bytes,
-            "partition": ev.partition,
-            "commit_ts_ns": ev.commit_ts_ns,
-            "segment": ev.position.segment,
-            "offset": ev.position.offset,
-            "entry_index": ev.position.entry_index,
-            "primary": ev.primary,
-            "expire_time_ms": ev.expire_time_ms,
-        }
-    assert batch.split_taken() == (slices, None)
-    empty = EventBatch("node-1", [], names).to_arrow()
-    assert empty.num_rows == 0 and empty.column_names == table.column_names
