@@ -36,7 +36,7 @@ class EventSource(msgspec.Struct, frozen=True, gc=False):
     names: dict[int, str]
 
 
-class CdcEvent(msgspec.Struct, frozen=True, gc=False):
+class CdcEvent(msgspec.Struct, frozen=True, gc=False, eq=False):
     """One change. Key and value are decoded from MessagePack on each access (read them once).
 
     A Struct built in C from the entry, its record's ``EventSource`` and its index: iterating a

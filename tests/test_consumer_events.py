@@ -83,6 +83,9 @@ def test_events_carry_every_field_of_their_entry_and_record(written) -> None:
     assert events[-1].op is Op.DELETE and events[-1].value is None
     assert events[-2].expire_time_ms > 0
     assert batch.split_taken() == (slices, None)  # iterated to the end: took it all
+    # Events compare and hash by identity, as plain objects do: a consumer may keep them in sets.
+    again = list(EventBatch("node-1", slices, names))
+    assert len({*events, *again}) == 12 and events[0] != again[0] and events[0] == events[0]
 
 
 def test_unknown_cache_ids_get_a_placeholder_name(written) -> None:
