@@ -11,6 +11,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
+from itertools import chain, count, repeat
 from typing import Any
 
 import msgspec
@@ -19,36 +20,60 @@ from prometheus_client import CollectorRegistry
 from cdcd.wal.pointer import EventAddress, WalPointer
 from cdcd.wal.records import CacheInfo, CacheVersion, DataEntry, DataRecord, Op
 
-__all__ = ["CacheInfo", "CdcEvent", "Consumer", "EventBatch", "RecordSlice", "enabled_slices"]
+__all__ = ["CacheInfo", "CdcEvent", "Consumer", "EventBatch", "EventSource", "RecordSlice", "enabled_slices"]
 
-_decoder = msgspec.msgpack.Decoder()
+_decode = msgspec.msgpack.Decoder().decode
 
 OP_NAMES = {Op.CREATE: "create", Op.UPDATE: "update", Op.DELETE: "delete"}
 
 
-class CdcEvent:
-    """One change. Key and value are decoded from MessagePack on first access."""
+class EventSource(msgspec.Struct, frozen=True, gc=False):
+    """What the events of one record slice share: where the record is, its commit time and the
+    batch's cache names (looked up when an event's ``cache_name`` is read)."""
 
-    __slots__ = ("_entry", "cache_name", "commit_ts_ns", "position")
+    pointer: WalPointer
+    commit_ts_ns: int
+    names: dict[int, str]
 
-    def __init__(self, entry: DataEntry, cache_name: str, commit_ts_ns: int, position: EventAddress) -> None:
-        self._entry = entry
-        self.cache_name = cache_name
-        self.commit_ts_ns = commit_ts_ns
-        self.position = position
+
+class CdcEvent(msgspec.Struct, frozen=True, gc=False, eq=False):
+    """One change. Key and value are decoded from MessagePack on each access (read them once).
+
+    A Struct built in C from the entry, its record's ``EventSource`` and its index: iterating a
+    batch creates one small object per event and decodes nothing; cache name and position are
+    derived when read.
+    """
+
+    _entry: DataEntry
+    _source: EventSource
+    _index: int
 
     @property
     def entry(self) -> DataEntry:
         return self._entry
 
     @property
+    def cache_name(self) -> str:
+        cache_id = self._entry.cache_id
+        return self._source.names.get(cache_id) or f"cache-{cache_id}"
+
+    @property
+    def commit_ts_ns(self) -> int:
+        return self._source.commit_ts_ns
+
+    @property
+    def position(self) -> EventAddress:
+        ptr = self._source.pointer
+        return EventAddress(ptr.segment, ptr.offset, self._index)
+
+    @property
     def key(self) -> Any:
-        return _decoder.decode(self._entry.key)
+        return _decode(self._entry.key)
 
     @property
     def value(self) -> Any:
         """The new value; None for a DELETE."""
-        return _decoder.decode(self._entry.value)
+        return _decode(self._entry.value)
 
     @property
     def key_bytes(self) -> bytes:
@@ -142,7 +167,7 @@ class EventBatch:
     caller, which hands the rest to the next ``on_events``.
     """
 
-    __slots__ = ("_at_entry", "_at_slice", "_best", "_count", "_iterated", "_names", "_slices", "_whole", "source_node")
+    __slots__ = ("_at", "_at_slice", "_best", "_count", "_iterated", "_names", "_slices", "_whole", "source_node")
 
     def __init__(self, source_node: str, slices: Sequence[RecordSlice], cache_names: dict[int, str]) -> None:
         self.source_node = source_node
@@ -152,7 +177,8 @@ class EventBatch:
         self._whole = False
         self._iterated = False
         self._at_slice = -1
-        self._at_entry = -1
+        self._at: tuple[Iterator[DataEntry], int] | None = None
+        """The entry iterator of slice ``_at_slice`` and that slice's end: how far it got."""
         self._best = (-1, -1)
 
     @property
@@ -171,24 +197,29 @@ class EventBatch:
 
     def __iter__(self) -> Iterator[CdcEvent]:
         if self._at_slice >= 0:  # an earlier iteration: keep how far it got
-            self._best = max(self._best, (self._at_slice, self._at_entry))
-            self._at_slice = -1
+            self._best = max(self._best, self._pulled())
+            self._at_slice, self._at = -1, None
         self._iterated = True
-        return self._events()
+        # Events are made in C (map over the entries); Python runs once per slice, not per event.
+        return chain.from_iterable(self._slice_events())
 
-    def _events(self) -> Iterator[CdcEvent]:
+    def _slice_events(self) -> Iterator[Iterator[CdcEvent]]:
         names = self._names
         for k, s in enumerate(self._slices):
-            ptr = s.pointer
-            ts = s.record.commit_ts_ns
             entries = s.record.entries
-            self._at_slice = k
-            for i in range(s.start, len(entries) if s.stop is None else s.stop):
-                e = entries[i]
-                name = names.get(e.cache_id) or f"cache-{e.cache_id}"
-                self._at_entry = i
-                yield CdcEvent(e, name, ts, EventAddress(ptr.segment, ptr.offset, i))
+            stop = len(entries) if s.stop is None else s.stop
+            it = iter(entries if s.start == 0 and stop == len(entries) else entries[s.start : stop])
+            self._at_slice, self._at = k, (it, stop)
+            yield map(CdcEvent, it, repeat(EventSource(s.pointer, s.record.commit_ts_ns, names)), count(s.start))
         self._whole = True
+
+    def _pulled(self) -> tuple[int, int]:
+        """(slice, entry index) of the last event the current iteration pulled."""
+        if self._at is None:
+            return (-1, -1)
+        it, stop = self._at
+        # A list iterator knows how many items it has left: the events not yet pulled.
+        return (self._at_slice, stop - operator.length_hint(it) - 1)
 
     def split_taken(self) -> tuple[Sequence[RecordSlice], EventBatch | None]:
         """After ``on_events``: the slices the consumer took, and a batch of the rest (None: it took
@@ -196,7 +227,7 @@ class EventBatch:
         slices = self._slices
         if self._whole or not self._iterated:
             return slices, None
-        k, i = max(self._best, (self._at_slice, self._at_entry))
+        k, i = max(self._best, self._pulled())
         if k < 0:
             return [], EventBatch(self.source_node, slices, self._names)
         s = slices[k]

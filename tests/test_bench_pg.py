@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 POSITIVE = {
     "write": ("rows_per_s", "cpu_s_per_1m"),
     "catchup.null": ("rows_per_s", "cpu_us_per_row"),
+    "catchup.iterate": ("rows_per_s", "cpu_us_per_row"),
     "catchup.file": ("rows_per_s", "cpu_us_per_row", "bytes_per_row"),
     # a realtime consumer may run before put() returns, so its lag percentiles may be <= 0: only max must be > 0
     "live": ("max_ms", "rows_per_s", "transactions"),

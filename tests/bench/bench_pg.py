@@ -24,19 +24,20 @@ Workloads (``--only`` names; rows are 8-byte int keys with 100-byte values on bo
   archiver and checkpointer threads). Opening/closing is untimed; after a PG run an untimed
   ``CHECKPOINT`` keeps its background writes out of the next (cdcd) run.
 
-``catchup.null`` / ``catchup.file`` -- deliver a fully written backlog of the same size.
+``catchup.null`` / ``catchup.iterate`` / ``catchup.file`` -- deliver a fully written backlog of the same size.
   PostgreSQL: before the backlog is loaded (as above) a template slot ``tmpl`` is created; each
   run copies it (``pg_copy_logical_replication_slot``, with the plugin of the run) and times
   ``pg_recvlogical --start --endpos <pg_current_wal_lsn() after the load> --no-loop``, which
   exits by itself after the last row: ``-P pgoutput -o proto_version=1 -o
-  publication_names=bench_pub -f /dev/null`` (null) or ``test_decoding`` (default options)
+  publication_names=bench_pub -f /dev/null`` (null and iterate) or ``test_decoding`` (default options)
   ``-f out.txt`` (file; pg_recvlogical fsyncs it at the end). CPU: cluster (the walsender) plus
   pg_recvlogical.
   cdcd: the backlog is written as in ``write`` and archived; each run hard-links the archived
   segments into the CDC dir, deletes the daemon state and times an in-process ``Daemon.run()``
   (default ``DaemonConfig``) until its committed position passes the last segment, with the
-  ``null`` consumer or the ``jsonl`` consumer (default options: fsync per batch) to a file.
-  CPU: the process (timed section only).
+  ``null`` consumer (never touches an event), ``IterateConsumer`` below (iterates every event and
+  decodes its key and value: what a Python consumer does at the least) or the ``jsonl`` consumer
+  (default options: fsync per batch) to a file. CPU: the process (timed section only).
   Both sides read their WAL from the page cache (just written).
 
 ``live`` -- 500 transactions/s of 10 rows for 20 s (5 s with ``--quick``) plus a warm-up second
@@ -60,9 +61,9 @@ Workloads (``--only`` names; rows are 8-byte int keys with 100-byte values on bo
   ``cdcd run`` subprocess following its CDC dir with ``ArrivalConsumer`` as a python consumer.
 
 Goals (from the medians of the same run): node write >= 1.0x PostgreSQL's INSERT rate; catch-up
-to null >= 2.0x pg_recvlogical/pgoutput; catch-up to a file >= 2.0x test_decoding to a file;
-realtime p99 <= PostgreSQL's p99 and realtime p50 <= 0.5 ms; archive-mode p99 <= force-archive
-timeout + 150 ms.
+to null and to a consumer iterating every event >= 2.0x pg_recvlogical/pgoutput; catch-up to a
+file >= 2.0x test_decoding to a file; realtime p99 <= PostgreSQL's p99 and realtime p50 <= 0.5 ms;
+archive-mode p99 <= force-archive timeout + 150 ms.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from cdcd.consumer import Consumer
+from cdcd.consumer import Consumer, EventBatch
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.node.node import Node
@@ -117,10 +118,11 @@ FORCE_ARCHIVE_MS = 1000
 PUBLICATION = "bench_pub"
 TEMPLATE_SLOT = "tmpl"
 DRAIN_TIMEOUT_S = 120.0
-WORKLOADS = ("write", "catchup.null", "catchup.file", "live")
+WORKLOADS = ("write", "catchup.null", "catchup.iterate", "catchup.file", "live")
 SIDES = {
     "write": ("pg", "cdcd"),
     "catchup.null": ("pg", "cdcd"),
+    "catchup.iterate": ("pg", "cdcd"),
     "catchup.file": ("pg", "cdcd"),
     "live": ("pg", "cdcd_realtime", "cdcd_archive"),
 }
@@ -294,10 +296,11 @@ class PgSide:
         assert self.endpos is not None, "backlog not prepared"
         self._slots += 1
         slot = f"catchup_{self._slots}"
-        plugin = "pgoutput" if kind == "null" else "test_decoding"
+        pgoutput = kind in ("null", "iterate")  # pgoutput's client does nothing with a row either
+        plugin = "pgoutput" if pgoutput else "test_decoding"
         self.pg.sql(f"SELECT pg_copy_logical_replication_slot('{TEMPLATE_SLOT}', '{slot}', false, '{plugin}')")
-        out = Path(os.devnull) if kind == "null" else self.work / "pg-catchup.txt"
-        opts = ["-o", "proto_version=1", "-o", f"publication_names={PUBLICATION}"] if kind == "null" else []
+        out = Path(os.devnull) if pgoutput else self.work / "pg-catchup.txt"
+        opts = ["-o", "proto_version=1", "-o", f"publication_names={PUBLICATION}"] if pgoutput else []
         cmd = self.pg.recvlogical_cmd(slot, "--start", "--endpos", self.endpos, "-f", str(out), *opts)
 
         def recv() -> None:
@@ -528,6 +531,24 @@ def _tail(path: Path, lines: int = 8) -> str:
         return ""
 
 
+class IterateConsumer(Consumer):
+    """Iterates every event and decodes its key and value; sums the keys (ints) to prove it did."""
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.key_sum = 0
+
+    def on_events(self, batch: EventBatch) -> bool:
+        n = total = 0
+        for event in batch:
+            total += event.key
+            _value = event.value
+            n += 1
+        self.events += n
+        self.key_sum += total
+        return True
+
+
 class CdcdSide:
     def __init__(self, work: Path, rows: int) -> None:
         self.work = work
@@ -595,9 +616,16 @@ class CdcdSide:
         self._restore()
         out = self.work / "cdcd-catchup.jsonl"
         out.unlink(missing_ok=True)
-        consumer: Consumer = NullConsumer() if kind == "null" else JsonlConsumer(out, fsync=True)
+        consumer: Consumer
+        if kind == "null":
+            consumer = NullConsumer()
+        elif kind == "iterate":
+            consumer = IterateConsumer()
+        else:
+            consumer = JsonlConsumer(out, fsync=True)
+        kinds = {"null": {"kind": "null"}, "iterate": {"kind": "python", "class": f"{__name__}:IterateConsumer"}}
         config = DaemonConfig(
-            node_dir=str(self.backlog), metrics_address="", consumer={"kind": "null" if kind == "null" else "jsonl"}
+            node_dir=str(self.backlog), metrics_address="", consumer=kinds.get(kind, {"kind": "jsonl"})
         )
         daemon = Daemon(config, consumer, show_progress=False)
         try:
@@ -610,6 +638,8 @@ class CdcdSide:
             daemon.close()
         if delivered != self.rows:
             raise AssertionError(f"the daemon delivered {delivered} events, the backlog holds {self.rows}")
+        if isinstance(consumer, IterateConsumer) and consumer.key_sum != self.rows * (self.rows - 1) // 2:
+            raise AssertionError(f"the consumer read keys summing to {consumer.key_sum}, not those of the backlog")
         sample: Sample = {
             "rows_per_s": round(self.rows / seconds),
             "cpu_us_per_row": round(cpu / self.rows * 1e6, 3),
@@ -759,6 +789,8 @@ ROWS: tuple[Row, ...] = (
     Row("write", "write, 1000-row tx", "cpu_s_per_1m", "CPU s/1M rows", "cdcd"),
     Row("catchup.null", "catch-up -> null", "rows_per_s", "rows/s", "cdcd", "ratio>=", 2.0),
     Row("catchup.null", "catch-up -> null", "cpu_us_per_row", "CPU us/row", "cdcd"),
+    Row("catchup.iterate", "catch-up -> iterate", "rows_per_s", "rows/s", "cdcd", "ratio>=", 2.0),
+    Row("catchup.iterate", "catch-up -> iterate", "cpu_us_per_row", "CPU us/row", "cdcd"),
     # No goal: the jsonl sink is the tests' plain oracle, not tuned to win this row.
     Row("catchup.file", "catch-up -> file", "rows_per_s", "rows/s", "cdcd"),
     Row("catchup.file", "catch-up -> file", "cpu_us_per_row", "CPU us/row", "cdcd"),
@@ -875,7 +907,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     names = {"pg": f"PostgreSQL {doc['postgres']['version']}", "cdcd": "cdcd"}
 
     def bars(ax: Any, get: Callable[[Sample], float], unit: str, title: str, ylabel: str) -> None:
-        groups = [w for w in ("write", "catchup.null", "catchup.file") if w in samples]
+        groups = [w for w in ("write", "catchup.null", "catchup.iterate", "catchup.file") if w in samples]
         width = 0.38
         top = 0.0
         for j, side in enumerate(("pg", "cdcd")):
@@ -894,6 +926,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         labels = {
             "write": "write\n(INSERT / put_all)",
             "catchup.null": "catch-up\n-> null",
+            "catchup.iterate": "catch-up\n-> iterate",
             "catchup.file": "catch-up\n-> file",
         }
         ax.set_xticks(range(len(groups)))
