@@ -15,7 +15,7 @@ from typing import Any
 from cdcd.daemon.config import load_daemon_config
 from cdcd.daemon.ops import show_state
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 CDCD = [sys.executable, "-m", "cdcd"]
