@@ -9,6 +9,7 @@ JVM: the node's realtime worker and small machines); delta-rs commits either way
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import time
@@ -207,7 +208,7 @@ class LakeConsumer(Consumer):
             t0 = time.perf_counter()
             files, stats = self._write(table, new, batch, generation)
             metrics.LAKE_WRITE_SECONDS.observe(time.perf_counter() - t0)
-            meta = {"rows": rows, "first": str(new[0].pointer)}
+            meta = {"rows": rows, "first": str(new[0].pointer), "writer": self.options.writer, "pid": os.getpid()}
             if table.commit(
                 files=files, source=source, read=read, generation=generation, last=new[-1].pointer, metadata=meta
             ):

@@ -1,0 +1,507 @@
+"""The lake sink's writer side on Delta (DESIGN §7): ``<lake>/changes`` against the WAL, exactly once.
+
+The reference is the WAL (``tests.test_daemon_e2e.wal_events``). ``check_lake`` compares a lake with it: the
+table (read with delta-rs) holds exactly one row per WAL data entry, equal to it; every commit lands whole
+DataRecords (no record's rows in two commits); each source's application transaction names the last
+record landed; no Spark output is left in ``_staging``.
+
+Here: the sink in-process (replays, partly new batches, every cache name the node accepts), two processes
+committing to one table at the same moment, a reader polling while ``cdcd run`` writes, a node dir restored
+from a backup, and the hand-over between the node's realtime worker and the daemon. Kills and faults are in
+``test_lake_faults.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from deltalake import DeltaTable
+
+from cdcd.consumer import EventBatch, RecordSlice
+from cdcd.lake.delta import MAX_OFFSET, MAX_SEGMENT, LakeWriteError, app_id, decode_version, encode_version
+from cdcd.node import Node
+from cdcd.sinks.lake import LakeConsumer, LakeOptions
+from cdcd.wal import CacheRecord, DataRecord, WalPointer
+from tests.test_daemon_e2e import (
+    ROOT,
+    archived_segments,
+    child_env,
+    make_node,
+    start_daemon,
+    start_writer,
+    stop_daemon,
+    wait_for,
+    wal_events,
+    wal_records,
+)
+from tests.test_lake import error_lines, position, toml_value, wait_started, write_config
+
+Pos = tuple[int, int, int]
+QUICK_START = {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"}
+
+
+def lake_consumer(lake: Path, writer: str = "deltalake", **options: Any) -> dict[str, Any]:
+    """A ``[consumer]`` table; the Spark writer on ``local[1]`` with a quick-starting JVM."""
+    table = {"kind": "lake", "lake_path": str(lake), "writer": writer, **options}
+    if writer == "spark":
+        table = {"spark_master": "local[1]", "spark_conf": QUICK_START, **table}
+    return table
+
+
+# --- the lake and the reference ----------------------------------------------------------------------
+def delta_commits(lake: Path) -> list[dict[str, Any]]:
+    """Every commit of ``<lake>/changes`` from its JSON log files: version, cdcd's commit info, adds, txns."""
+    out = []
+    for p in sorted((lake / "changes" / "_delta_log").glob("*.json")):
+        actions = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+        info = next((a["commitInfo"] for a in actions if "commitInfo" in a), {})
+        out.append(
+            {
+                "version": int(p.stem),
+                "cdcd": json.loads(info["cdcd"]) if "cdcd" in info else None,
+                "adds": [a["add"] for a in actions if "add" in a],
+                "txns": {a["txn"]["appId"]: a["txn"]["version"] for a in actions if "txn" in a},
+            }
+        )
+    assert [c["version"] for c in out] == list(range(len(out))), "the log's versions are contiguous"
+    return out
+
+
+def lake_rows(lake: Path, version: int | None = None) -> pa.Table:
+    dt = DeltaTable(str(lake / "changes"), version=version)
+    return dt.to_pyarrow_table()
+
+
+def record_sizes(expected: list[dict[str, Any]]) -> Counter[tuple[int, int]]:
+    return Counter((e["pos"][0], e["pos"][1]) for e in expected)
+
+
+def check_whole_records(table: pa.Table, sizes: Counter[tuple[int, int]], what: str) -> int:
+    """Every record with rows in ``table`` has all of them (a reader never sees half a transaction)."""
+    seen = Counter(zip(table.column("wal_segment").to_pylist(), table.column("wal_offset").to_pylist(), strict=True))
+    halves = {p: (n, sizes[p]) for p, n in seen.items() if n != sizes[p]}
+    assert not halves, f"{what}: records with part of their rows: {list(halves.items())[:5]}"
+    return len(seen)
+
+
+def check_lake(
+    lake: Path, node_dir: Path, expected: list[dict[str, Any]] | None = None, source: str | None = None
+) -> list[dict[str, Any]]:
+    """The lake (of ``source``, if given) is exactly the WAL (see the module docstring); returns the commits."""
+    expected = wal_events(node_dir) if expected is None else expected
+    positions = [tuple(e["pos"]) for e in expected]
+    table = lake_rows(lake)
+    if source is not None:
+        table = table.filter(pa.compute.equal(table.column("source_node"), source))
+    rows = table.to_pylist()
+    pos_of = [(r["wal_segment"], r["wal_offset"], r["wal_index"]) for r in rows]
+    dupes = [p for p, n in Counter(pos_of).items() if n > 1]
+    assert not dupes, f"{len(dupes)} WAL entries landed more than once, e.g. {dupes[:5]}"
+    missing = set(positions) - set(pos_of)
+    assert not missing, f"{len(missing)} WAL entries never landed, e.g. {sorted(missing)[:5]}"
+    assert Counter(pos_of) == Counter(positions), "the table's positions are not the WAL's data entries"
+    by_pos = dict(zip(pos_of, rows, strict=True))
+    sources = {r["source_node"] for r in rows}
+    assert len(sources) <= 1
+    for ev in expected:
+        r = by_pos[tuple(ev["pos"])]
+        got = {
+            "cache": r["cache"],
+            "op": r["op"],
+            "key": json.loads(r["key"]),
+            "value": json.loads(r["value"]) if r["value"] is not None else None,
+            "partition": r["partition"],
+            "primary": r["primary"],
+            "version": {
+                "order": r["version_order"],
+                "node_order": r["node_order"],
+                "cluster_id": r["version_cluster_id"],
+                "topology_version": r["topology_version"],
+            },
+            "commit_ts_us": int(r["commit_ts"].timestamp() * 1_000_000),
+        }
+        want = {
+            "cache": ev["cache"],
+            "op": ev["op"],
+            "key": ev["key"],
+            "value": ev["value"] if ev["op"] != "delete" else None,
+            "partition": ev["partition"],
+            "primary": ev["primary"],
+            "version": ev["version"],
+            "commit_ts_us": ev["commit_ts_ns"] // 1000,
+        }
+        assert got == want, f"row at {ev['pos']}"
+        assert r["expire_time_ms"] == 0
+    # Each commit lands whole records, and no record in two commits.
+    commits = [c for c in delta_commits(lake) if source is None or (c["cdcd"] or {}).get("source") == source]
+    live = {a["path"] for a in pa.table(DeltaTable(str(lake / "changes")).get_add_actions(flatten=True)).to_pylist()}
+    sizes = record_sizes(expected)
+    owner: dict[tuple[int, int], int] = {}
+    last_of: dict[str, int] = {}
+    for c in commits:
+        if not c["adds"]:
+            continue
+        assert c["cdcd"] is not None and len(c["txns"]) == 1, f"commit {c['version']}: one source transaction"
+        ptrs: Counter[tuple[int, int]] = Counter()
+        for a in c["adds"]:
+            assert a["path"] in live, f"commit {c['version']} added {a['path']}, not live (append-only table)"
+            t = pq.read_table(lake / "changes" / a["path"], columns=["wal_segment", "wal_offset"])
+            ptrs.update(zip(t.column(0).to_pylist(), t.column(1).to_pylist(), strict=True))
+            assert json.loads(a["stats"])["numRecords"] == t.num_rows
+        for p, n in ptrs.items():
+            assert n == sizes[p], f"commit {c['version']} holds {n} of the {sizes[p]} entries of record {p}"
+            assert p not in owner, f"record {p} in commits {owner[p]} and {c['version']}"
+            owner[p] = c["version"]
+        ((app, version),) = c["txns"].items()
+        assert decode_version(version) == WalPointer(*max(ptrs)), "the transaction names the last record landed"
+        last_of[app] = version
+    if sources:
+        (source,) = sources
+        dt = DeltaTable(str(lake / "changes"))
+        for app, version in last_of.items():
+            assert dt.transaction_version(app) == version, f"{app}: the snapshot keeps the newest transaction"
+        assert any(app == app_id(source, 0) for app in last_of)
+    staging = lake / "_staging"
+    assert not staging.exists() or not any(staging.iterdir()), "no Spark output left in _staging"
+    return commits
+
+
+def wal_batch(node_dir: Path, source: str = "test-node") -> EventBatch:
+    """All data records of a node's WAL as one EventBatch (what the daemon would hand the sink)."""
+    names: dict[int, str] = {}
+    slices = []
+    for ptr, rec in wal_records(node_dir):
+        if type(rec) is CacheRecord:
+            names[rec.cache_id] = rec.name
+        elif type(rec) is DataRecord:
+            slices.append(RecordSlice(ptr, rec, 0))
+    return EventBatch(source, slices, names)
+
+
+def sub_batch(batch: EventBatch, start: int, stop: int) -> EventBatch:
+    return EventBatch(batch.source_node, list(batch.peek_slices()[start:stop]), batch._names)
+
+
+# --- the sink in-process ---------------------------------------------------------------------------------
+def test_version_encoding_orders_like_the_wal_and_refuses_what_it_cannot_hold() -> None:
+    """The application transaction version is strictly increasing with the WAL pointer over the whole range it
+    holds, a non-negative Java long, and a pointer beyond it is an error (never a wrapped, smaller version)."""
+    ptrs = [WalPointer(0, 0), WalPointer(0, 1), WalPointer(0, MAX_OFFSET), WalPointer(1, 0), WalPointer(MAX_SEGMENT, 0)]
+    ptrs.append(WalPointer(MAX_SEGMENT, MAX_OFFSET))
+    versions = [encode_version(p) for p in ptrs]
+    assert versions == sorted(versions) and len(set(versions)) == len(versions)
+    assert 0 <= min(versions) and max(versions) == 2**63 - 1
+    assert [decode_version(v) for v in versions] == ptrs
+    for bad in (WalPointer(MAX_SEGMENT + 1, 0), WalPointer(0, MAX_OFFSET + 1)):
+        with pytest.raises(LakeWriteError, match="keep wal_segment_size_bytes below 4 GiB"):
+            encode_version(bad)
+
+
+def test_replays_and_partly_new_batches_land_once(tmp_path: Path) -> None:
+    """Batches of records, replayed whole, replayed with a new tail, and handed by a second sink on the same table
+    land every WAL entry once; a replay writes no commit; a partly new batch commits only its new records."""
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    make_node(node_dir, segments=3, tx_per_segment=10)
+    whole = wal_batch(node_dir)
+    n = len(whole.peek_slices())
+    sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake"))
+    sink.start()
+    try:
+        assert sink.on_events(sub_batch(whole, 0, 10)) is True
+        v1 = DeltaTable(str(lake / "changes")).version()
+        assert sink.on_events(sub_batch(whole, 0, 10)) is True  # a replay: no commit
+        assert DeltaTable(str(lake / "changes")).version() == v1
+        assert sink.batches_skipped == 1
+        assert sink.on_events(sub_batch(whole, 5, 20)) is True  # partly new: records 10..19 only
+        commits = delta_commits(lake)
+        assert commits[-1]["cdcd"]["first"] == str(whole.peek_slices()[10].pointer)
+        assert commits[-1]["cdcd"]["rows"] == sum(len(s.record.entries) for s in whole.peek_slices()[10:20])
+    finally:
+        sink.stop()
+    other = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake"))
+    other.start()
+    try:
+        assert other.on_events(sub_batch(whole, 15, n)) is True
+    finally:
+        other.stop()
+    check_lake(lake, node_dir)
+    assert len(delta_commits(lake)) == 4  # create + three batches
+
+
+def test_every_cache_name_the_node_accepts_lands(tmp_path: Path) -> None:
+    """Cache names of 255 characters, of 200 x "é" (400 bytes), with "%", spaces, a leading "." or "_" (names
+    readers skip as hidden files): every one lands with
+    its real name in the `cache` column and as the Delta partition value; no directory name exceeds 255 bytes;
+    two names differing only past any prefix get two directories."""
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    names = ["a" * 255, "é" * 200, "50%half", "with space", ".hidden", "_under", "a" * 254 + "b", "plain-name_1.x"]
+    with Node.open(node_dir, wal_force_archive_timeout_ms=0) as node:
+        for i, name in enumerate(names):
+            node.cache(name).put(i, {"name": name})
+        node.force_archive()
+    sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake"))
+    sink.start()
+    try:
+        assert sink.on_events(wal_batch(node_dir)) is True
+    finally:
+        sink.stop()
+    check_lake(lake, node_dir)
+    rows = lake_rows(lake).to_pylist()
+    assert sorted(r["cache"] for r in rows) == sorted(names)
+    assert all(json.loads(r["value"])["name"] == r["cache"] for r in rows)
+    adds = pa.table(DeltaTable(str(lake / "changes")).get_add_actions(flatten=True)).to_pylist()
+    assert sorted(a["partition.cache"] for a in adds) == sorted(names)
+    dirs = {a["path"].split("/")[0] for a in adds}
+    assert len(dirs) == len(names)
+    assert max(len(d.encode()) for d in dirs) <= 255
+    assert "cache=plain-name_1.x" in dirs, "a plain name is its own directory"
+
+
+def test_restored_node_continues_as_a_new_generation(tmp_path: Path) -> None:
+    """A node dir restored from an earlier copy reuses WAL positions the lake already holds: its 10,000 new entries
+    all land (as generation 1 of the source, next to generation 0's rows), none is dropped as a replay, a warning
+    says so, and the records the copy shares with the lake are not landed twice."""
+    node_dir, lake, backup = tmp_path / "node", tmp_path / "lake", tmp_path / "backup"
+    n = make_node(node_dir, segments=2, tx_per_segment=20)
+    shutil.copytree(node_dir, backup)
+    make_node(node_dir, segments=14, tx_per_segment=20, first_tx=n)
+    first = wal_batch(node_dir, "node-a")
+    sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake"))
+    sink.start()
+    try:
+        assert sink.on_events(first) is True
+        landed = lake_rows(lake).num_rows
+        shutil.rmtree(node_dir)
+        shutil.copytree(backup, node_dir)
+        before = len(wal_events(node_dir))
+        make_node(node_dir, segments=12, tx_per_segment=20, first_tx=n + 5000)
+        again = wal_batch(node_dir, "node-a")
+        assert again.peek_slices()[-1].pointer <= first.peek_slices()[-1].pointer, "all at positions the lake holds"
+        assert sink.on_events(again) is True
+    finally:
+        sink.stop()
+    rows = lake_rows(lake).to_pylist()
+    new = [r for r in rows if r["source_generation"] == 1]
+    after = wal_events(node_dir)
+    assert len(rows) == landed + len(after) - before, "every new entry landed, the shared ones once"
+    assert sorted((r["wal_segment"], r["wal_offset"], r["wal_index"]) for r in new) == [
+        tuple(e["pos"]) for e in after[before:]
+    ]
+    assert len(new) >= 10_000
+    dt = DeltaTable(str(lake / "changes"))
+    assert dt.transaction_version(app_id("node-a", 1)) == encode_version(again.peek_slices()[-1].pointer)
+
+
+# --- two processes committing at the same moment -------------------------------------------------------
+def land_main() -> None:
+    """Child process: ``node_dir lake records_per_batch go_file out_file source``: land the node's WAL as
+    ``source`` in batches of ``records_per_batch`` records once ``go_file`` exists; write the sink's counters
+    to ``out_file``."""
+    node_dir, lake, per, go, out, source = sys.argv[1:7]
+    batch = wal_batch(Path(node_dir), source)
+    n = len(batch.peek_slices())
+    sink = LakeConsumer(LakeOptions(lake_path=lake, writer="deltalake"))
+    sink.start()
+    while not Path(go).exists():
+        time.sleep(0.001)
+    k = 0
+    try:
+        while k < n:
+            assert sink.on_events(sub_batch(batch, k, k + int(per))) is True
+            k += int(per)
+    finally:
+        sink.stop()
+    table = sink._table
+    assert table is not None
+    Path(out).write_text(json.dumps({"commits": table.commits, "conflicts": table.conflicts}))
+
+
+def test_processes_committing_at_once_land_exactly_once(tmp_path: Path) -> None:
+    """Three processes commit to one table at the same moment: two land the same WAL as one source (batches of 3
+    and of 5 records), the third lands it as another source. They race for every table version (put-if-absent
+    commits, re-read on a lost race), yet each source has every entry once, in commits of whole records."""
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    make_node(node_dir, segments=4, tx_per_segment=40)
+    go = tmp_path / "go"
+    procs = []
+    runs = [("node-a", 3), ("node-a", 5), ("node-b", 4)]
+    for i, (source, per) in enumerate(runs):
+        code = "import tests.test_lake_delta as t; t.land_main()"
+        args = [str(node_dir), str(lake), str(per), str(go), str(tmp_path / f"out-{i}.json"), source]
+        procs.append(subprocess.Popen([sys.executable, "-c", code, *args], env=child_env(), cwd=ROOT))
+    # All have opened the table (created once, by whichever came first) before they race.
+    wait_for(lambda: (lake / "changes" / "_delta_log").is_dir() or any(p.poll() is not None for p in procs), 60, "")
+    time.sleep(1)
+    go.touch()
+    assert [p.wait(300) for p in procs] == [0, 0, 0]
+    outs = [json.loads((tmp_path / f"out-{i}.json").read_text()) for i in range(len(runs))]
+    commits_a = check_lake(lake, node_dir, source="node-a")
+    commits_b = check_lake(lake, node_dir, source="node-b")
+    assert outs[0]["commits"] + outs[1]["commits"] == sum(1 for c in commits_a if c["adds"])
+    assert outs[2]["commits"] == sum(1 for c in commits_b if c["adds"])
+    assert sum(o["conflicts"] for o in outs) > 0, f"the processes raced for versions: {outs}"
+
+
+# --- a reader polling while the daemon writes ----------------------------------------------------------
+def test_reader_polling_never_sees_half_a_transaction(tmp_path: Path) -> None:
+    """While a node writes transactions that span two caches and `cdcd run` lands them in small batches, a reader
+    polling the table (delta-rs, latest snapshot each time) never sees part of a transaction: 100+ polls over 20+
+    table versions; afterwards every version the log holds, read by time travel, has only whole transactions."""
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    writer = start_writer(tmp_path, node_dir, count=1500, pause_ms=60)
+    wait_for(lambda: (node_dir / "cdc").is_dir() or writer.poll() is not None, 60, "the node's cdc dir")
+    config = write_config(
+        tmp_path / "cdcd.toml", node_dir, lake_consumer(lake), batch_max_events=400, batch_max_delay_ms=50
+    )
+    err = tmp_path / "daemon.err"
+    daemon = start_daemon(config, err)
+    polls, versions = 0, set()
+    seen: list[tuple[int, pa.Table]] = []  # checked once the WAL is complete: reading it per poll is slow
+    try:
+        wait_started(daemon, err)
+        wait_for(lambda: (lake / "changes" / "_delta_log").is_dir(), 60, "the changes table")
+        done_at: float | None = None
+        while True:
+            dt = DeltaTable(str(lake / "changes"))
+            seen.append((dt.version(), dt.to_pyarrow_table(columns=["wal_segment", "wal_offset", "cache"])))
+            polls += 1
+            versions.add(dt.version())
+            if writer.poll() is not None and done_at is None:
+                done_at = time.monotonic()
+            if done_at is not None and polls >= 100 and time.monotonic() - done_at > 2:
+                break
+            assert daemon.poll() is None, err.read_text()[-3000:]
+    finally:
+        writer.wait(120)
+        rc = stop_daemon(daemon, timeout=60)
+    assert rc == 0, err.read_text()[-3000:]
+    assert polls >= 100 and len(versions) >= 20, (polls, len(versions))
+    sizes = record_sizes(wal_events(node_dir))
+    for k, (version, table) in enumerate(seen):
+        check_whole_records(table, sizes, f"poll {k} (version {version})")
+    last = DeltaTable(str(lake / "changes")).version()
+    caches_per_version = []
+    for v in range(1, last + 1):
+        t = lake_rows(lake, v)
+        check_whole_records(t, sizes, f"version {v}")
+        caches_per_version.append(len(set(t.column("cache").to_pylist())))
+    assert max(caches_per_version) >= 2, "transactions span two caches"
+
+
+# --- hand-over between the node's realtime worker and the daemon -------------------------------------------
+def test_handover_between_node_and_daemon_lands_every_entry_once(tmp_path: Path) -> None:
+    """With the lake sink on both sides of one lake (node: delta-rs writer, no JVM; daemon: Spark writer),
+    `cdcd control realtime off` / `on` twice under load hands delivery between the node's realtime worker and the
+    daemon: every WAL entry lands exactly once, each by the side whose share it is."""
+    from tests.test_realtime import (
+        DAEMON_SETTINGS,
+        NODE_SETTINGS,
+        Rig,
+        StopRealtimeCdcRecord,
+        expected_shares,
+        markers,
+    )
+
+    lake = tmp_path / "lake"
+    node_settings = {"realtime_cdc": True, "realtime_close_timeout_ms": 120_000, "realtime_batch_max_events": 5000}
+    rig = Rig(tmp_path, **node_settings)
+    lines = [
+        f"{k} = {toml_value(v)}" for k, v in {"node_dir": str(rig.node_dir), **NODE_SETTINGS, **node_settings}.items()
+    ]
+    node_consumer = lake_consumer(lake, "deltalake")
+    lines += ["[realtime_consumer]", *(f"{k} = {toml_value(v)}" for k, v in node_consumer.items())]
+    rig.node_config.write_text("\n".join(lines) + "\n")
+    rig.daemon_config = write_config(
+        tmp_path / "cdcd-lake.toml", rig.node_dir, lake_consumer(lake, "spark"), **DAEMON_SETTINGS
+    )
+    pids: dict[str, int] = {}
+    try:
+        rig.node_runs += 1
+        code = "import tests.test_realtime as t; t.node_main()"
+        args = [str(rig.node_config), str(rig.ctl), "0", "100", "5", "0"]  # 5 tx (~250 entries) per 100 ms
+        with rig.node_log.open("wb") as log:
+            rig.node = subprocess.Popen(
+                [sys.executable, "-c", code, *args], stdout=log, stderr=log, env=child_env(rig.plugins), cwd=ROOT
+            )
+        wait_for(lambda: rig.socket.exists() or rig.node.poll() is not None, 120, "the node's control socket")
+        assert rig.node.poll() is None, rig.node_log.read_text()[-3000:]
+        pids["node"] = rig.node.pid
+        rig.daemon_runs += 1
+        rig.daemon = start_daemon(rig.daemon_config, rig.daemon_err)
+        wait_started(rig.daemon, rig.daemon_err)
+        pids["daemon"] = rig.daemon.pid
+        st = rig.wait_mode("on", "PASSIVE", timeout=120)
+        assert st["delivering"] == "node"
+        rig.go()
+        for state in ("off", "on", "off", "on"):
+            # Let each side land batches before the next switch (condition, not a fixed sleep).
+            landed = len(delta_commits(lake)) if (lake / "changes" / "_delta_log").is_dir() else 0
+            wait_for(lambda n=landed: len(delta_commits(lake)) >= n + 3, 120, "batches of the delivering side")
+            assert rig.control("realtime", state).strip() in ("realtime: off", "realtime: on", "realtime: try_start")
+            st = rig.wait_mode(state, "ACTIVE" if state == "off" else "PASSIVE", timeout=120)
+            assert st["delivering"] == ("daemon" if state == "off" else "node")
+        landed = len(delta_commits(lake))
+        wait_for(lambda: len(delta_commits(lake)) >= landed + 3, 120, "batches of the node")
+        rig.stop_node()
+        assert rig.final_status()["realtime"]["mode"] == "on"
+        assert rig.final_status()["realtime"]["stops"] == {"command": 2}
+        rc = stop_daemon(rig.daemon, timeout=60)
+        assert rc == 0, rig.daemon_err.read_text()[-3000:]
+        rig.daemon = None
+    finally:
+        rig.close()
+
+    expected = wal_events(rig.node_dir)
+    commits = check_lake(lake, rig.node_dir, expected)
+    node_exp, daemon_exp, intervals = expected_shares(rig.node_dir)
+    stops = [rec.reason for _, rec in markers(rig.node_dir) if isinstance(rec, StopRealtimeCdcRecord)]
+    assert stops == ["node_start_realtime_off", "command", "command"]
+    assert len(intervals) == 3 and all(b is not None for _, b in intervals)
+    writer_of: dict[Pos, int] = {}
+    for c in commits:
+        for a in c["adds"]:
+            t = pq.read_table(lake / "changes" / a["path"], columns=["wal_segment", "wal_offset", "wal_index"])
+            for p in zip(*(t.column(i).to_pylist() for i in range(3)), strict=True):
+                writer_of[p] = c["cdcd"]["pid"]
+    assert set(writer_of.values()) == {pids["node"], pids["daemon"]}
+    by_node = sorted(p for p, pid in writer_of.items() if pid == pids["node"])
+    by_daemon = sorted(p for p, pid in writer_of.items() if pid == pids["daemon"])
+    assert by_node == [tuple(e["pos"]) for e in node_exp], "the node landed other entries than its share"
+    assert by_daemon == [tuple(e["pos"]) for e in daemon_exp], "the daemon landed other than its share"
+    assert len(daemon_exp) > 1000 and len(node_exp) > 1000, (len(node_exp), len(daemon_exp))
+
+
+# --- an old-format lake ---------------------------------------------------------------------------------
+def test_daemon_refuses_a_lake_in_the_old_format(tmp_path: Path) -> None:
+    """`cdcd run` pointed at a lake in the pre-Delta format exits 4 with one line saying how to convert it, and
+    consumes nothing."""
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    make_node(node_dir, segments=1, tx_per_segment=5)
+    (lake / "_cdcd_log").mkdir(parents=True)
+    config = write_config(tmp_path / "cdcd.toml", node_dir, lake_consumer(lake))
+    res = subprocess.run(
+        [sys.executable, "-m", "cdcd", "run", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(),
+    )
+    assert res.returncode == 4, res.stderr[-3000:]
+    assert error_lines(res.stderr) == [
+        "cdcd: error: consumer start() raised OldFormatLake: "
+        f"lake_path {lake} is in the pre-Delta format (_cdcd_log/): convert it once with "
+        f"`cdcd lake migrate --lake {lake}`"
+    ]
+    assert position(config) is None
+    assert not (lake / "changes").exists()
+    assert sorted(archived_segments(node_dir)) == [0]
