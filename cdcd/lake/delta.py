@@ -376,6 +376,7 @@ class ChangeTable:
         )
         dt = self.table
         actions: list[AddAction | RemoveAction] = list(files.adds)
+        hooks = PostCommitHookProperties(create_checkpoint=True, cleanup_expired_logs=False)
         while True:
             read_version = dt.version()
             try:
@@ -385,25 +386,35 @@ class ChangeTable:
                     self.schema,
                     partition_by=self.partition_by,
                     commit_properties=props,
-                    post_commithook_properties=PostCommitHookProperties(
-                        create_checkpoint=True, cleanup_expired_logs=False
-                    ),
+                    post_commithook_properties=hooks,
                 )
                 self.commits += 1
                 return True
-            except CommitFailedError as exc:
-                now = self.refresh()
-                if now == read_version:  # nothing else committed: a real failure
-                    files.discard()
-                    raise LakeWriteError(f"lake {self.path}: commit failed: {_reason(exc)}") from None
             except (DeltaError, OSError) as exc:
+                error = exc
+            # Where did the commit end? Read the log again (an error while doing so keeps the files:
+            # they may be committed; if not, they are orphans vacuum removes).
+            try:
+                now = self.refresh()
+                mark = self.mark(source)
+            except (DeltaError, OSError) as exc:
+                raise LakeWriteError(
+                    f"lake {self.path}: commit failed: {_reason(error)}; then: {_reason(exc)}"
+                ) from None
+            if mark == SourceMark(generation, last):
+                # Landed: ours, failing after its commit point (a checkpoint), or another writer's of
+                # the same records.
+                log.warning("lake_commit_error_after_landing", error=_reason(error), version=now)
+                self.commits += 1
+                return True
+            if now == read_version or not isinstance(error, CommitFailedError):
                 files.discard()
-                raise LakeWriteError(f"lake {self.path}: commit failed: {_reason(exc)}") from None
+                raise LakeWriteError(f"lake {self.path}: commit failed: {_reason(error)}") from None
             self.conflicts += 1
-            if self.mark(source) != read:
+            if mark != read:
                 files.discard()
                 return False
-            log.debug("lake_commit_retry", source=source, version=self.table.version())
+            log.debug("lake_commit_retry", source=source, version=now)
 
     # --- what landed ------------------------------------------------------------------------------
     def landed_rows(self, source: str, generation: int, lo: WalPointer, hi: WalPointer) -> pa.Table:
