@@ -26,11 +26,20 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
 from cdcd.lake.delta import app_id, decode_version
-from tests.test_daemon_e2e import archived_segments, cdc_links, child_env, make_node, wait_for, wal_events
+from tests.test_daemon_e2e import (
+    archived_segments,
+    cdc_links,
+    child_env,
+    make_node,
+    start_writer,
+    wait_for,
+    wal_events,
+)
 from tests.test_lake import error_lines, position, process_tree, run_to_end, wait_gone, wait_started, write_config
 from tests.test_lake_delta import check_lake, check_whole_records, lake_consumer, lake_rows, record_sizes
 
@@ -96,6 +105,19 @@ def start(config: Path, err: Path, env: dict[str, str] | None = None) -> subproc
         )
 
 
+def archived_events(node_dir: Path) -> list[dict[str, Any]]:
+    """``wal_events`` of the archive only (a live node moves its active segment away under a reader)."""
+    import tests.test_daemon_e2e as e2e
+    from cdcd.wal import WalReader
+
+    real = e2e.wal_records
+    e2e.wal_records = lambda d: WalReader([d / "wal" / "archive"])
+    try:
+        return wal_events(node_dir)
+    finally:
+        e2e.wal_records = real
+
+
 def log_event_names(err: Path) -> list[str]:
     return [json.loads(line)["event"] for line in err.read_text().splitlines() if line.startswith("{")]
 
@@ -136,7 +158,8 @@ def orphans(lake: Path) -> set[str]:
     """Parquet files under changes/ that the table does not name (a reader of the table never sees them)."""
     changes = lake / "changes"
     on_disk = {str(p.relative_to(changes)) for p in changes.rglob("*.parquet") if "_delta_log" not in p.parts}
-    return on_disk - set(DeltaTable(str(changes)).files())
+    live = pa.table(DeltaTable(str(changes)).get_add_actions(flatten=True)).column("path").to_pylist()
+    return on_disk - set(live)
 
 
 @contextmanager
@@ -175,15 +198,13 @@ def test_sigkill_during_commits_lands_everything_exactly_once(tmp_path: Path) ->
     rng = random.Random(SEED)
     t0 = time.monotonic()
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
-    make_node(node_dir, segments=24, tx_per_segment=50)  # ~60k entries
-    expected = wal_events(node_dir)
-    positions = [tuple(e["pos"]) for e in expected]
-    sizes = record_sizes(expected)
+    make_node(node_dir, segments=8, tx_per_segment=50)  # a backlog of ~20k entries, then live load
+    load = start_writer(tmp_path, node_dir, pause_ms=400)  # ~25 transactions (~1k entries) a second
     plugins = tmp_path / "plugins"
     plugins.mkdir()
     (plugins / "lake_kill.py").write_text(KILL_PLUGIN)
     env = child_env(plugins)
-    settings = {"batch_max_events": 2000, "batch_max_delay_ms": 50}
+    settings = {"batch_max_events": 2000, "batch_max_delay_ms": 300}
     phases = [("spark-staged", "spark"), ("random", "spark")]
     phases += [(p, w) for p in ("files-written", "committed") for w in ("spark", "deltalake", "deltalake")]
     phases += [("random", "deltalake")] * 4
@@ -192,50 +213,58 @@ def test_sigkill_during_commits_lands_everything_exactly_once(tmp_path: Path) ->
     marker = tmp_path / "killed.json"
     runs: list[dict[str, Any]] = []
     orphaned: set[str] = set()
-    for k, (phase, writer) in enumerate(phases):
-        err = tmp_path / f"daemon-{k}.err"
-        options = lake_consumer(lake, writer, app_name=f"cdcd-kill-{k}")
-        if phase in IN_PROCESS:
-            table = {"kind": "python", "class": "lake_kill:KillingLake"}
-            table["options"] = {"kill_at": phase, "kill_commit": rng.randint(1, 2), "marker": str(marker)}
-            table["options"].update({key: v for key, v in options.items() if key != "kind"})
-            options = table
-        config = write_config(tmp_path / "cdcd.toml", node_dir, options, **settings)
-        before = position(config)
-        proc = start(config, err, env)
-        wait_started(proc, err)
-        jvm = process_tree(proc.pid)
-        assert bool(jvm) == (writer == "spark"), "only the Spark writer runs a JVM under the daemon"
-        if phase == "random":
-            landed = len(landed_positions(lake))
-            # Under way: at least one batch of this run landed, then a random moment of the next ones.
-            wait_for(lambda n=landed: len(landed_positions(lake)) > n or proc.poll() is not None, 180, "a batch")
-            time.sleep(rng.uniform(0, 1.5))
-            proc.send_signal(signal.SIGKILL)
-        rc = proc.wait(300)
-        assert rc == -signal.SIGKILL, f"run {k} ({phase}): exit {rc}\n" + err.read_text()[-3000:]
-        wait_gone(jvm)
-        info: dict[str, Any] = {"phase": phase, "writer": writer, "before": before, "after": position(config)}
-        if phase in IN_PROCESS:
-            assert marker.exists(), f"run {k}: the {phase} hook did not fire"
-            info |= json.loads(marker.read_text())
-            marker.unlink()
-        runs.append(info)
+    try:
+        for k, (phase, writer) in enumerate(phases):
+            err = tmp_path / f"daemon-{k}.err"
+            options = lake_consumer(lake, writer, app_name=f"cdcd-kill-{k}")
+            if phase in IN_PROCESS:
+                table = {"kind": "python", "class": "lake_kill:KillingLake"}
+                table["options"] = {"kill_at": phase, "kill_commit": rng.randint(1, 2), "marker": str(marker)}
+                table["options"].update({key: v for key, v in options.items() if key != "kind"})
+                options = table
+            config = write_config(tmp_path / "cdcd.toml", node_dir, options, **settings)
+            before = position(config)
+            proc = start(config, err, env)
+            wait_started(proc, err)
+            jvm = process_tree(proc.pid)
+            assert bool(jvm) == (writer == "spark"), "only the Spark writer runs a JVM under the daemon"
+            if phase == "random":
+                landed = len(landed_positions(lake))
+                # Under way: at least one batch of this run landed, then a random moment of the next ones.
+                wait_for(lambda n=landed: len(landed_positions(lake)) > n or proc.poll() is not None, 180, "a batch")
+                time.sleep(rng.uniform(0, 1.5))
+                proc.send_signal(signal.SIGKILL)
+            rc = proc.wait(300)
+            assert rc == -signal.SIGKILL, f"run {k} ({phase}): exit {rc}\n" + err.read_text()[-3000:]
+            wait_gone(jvm)
+            info: dict[str, Any] = {"phase": phase, "writer": writer, "before": before, "after": position(config)}
+            if phase in IN_PROCESS:
+                assert marker.exists(), f"run {k}: the {phase} hook did not fire"
+                info |= json.loads(marker.read_text())
+                marker.unlink()
+            runs.append(info)
 
-        check_moment(lake, positions, sizes, info["after"])
-        assert info["after"] is None or before is None or info["after"] >= before
-        if phase == "files-written":
-            assert info["files"] and set(info["files"]) <= orphans(lake), "fsynced, in the table dir, not committed"
-            orphaned |= set(info["files"])
-        elif phase == "committed":
-            dt = DeltaTable(str(lake / "changes"))
-            version = dt.transaction_version(app_id(info["source"], info["generation"]))
-            assert version is not None and str(decode_version(version)) == info["last"], "the commit landed"
-            assert info["after"] is None or info["after"][:2] <= tuple(map(int, info["last"].split(":")))
-        elif phase == "spark-staged":
-            assert Path(info["staging"]).is_dir(), "Spark's output waits in _staging"
+            now = archived_events(node_dir)
+            check_moment(lake, [tuple(e["pos"]) for e in now], record_sizes(now), info["after"])
+            assert info["after"] is None or before is None or info["after"] >= before
+            if phase == "files-written":
+                assert info["files"] and set(info["files"]) <= orphans(lake), "fsynced, in the table dir, not committed"
+                orphaned |= set(info["files"])
+            elif phase == "committed":
+                dt = DeltaTable(str(lake / "changes"))
+                version = dt.transaction_version(app_id(info["source"], info["generation"]))
+                assert version is not None and str(decode_version(version)) == info["last"], "the commit landed"
+                assert info["after"] is None or info["after"][:2] <= tuple(map(int, info["last"].split(":")))
+            elif phase == "spark-staged":
+                assert Path(info["staging"]).is_dir(), "Spark's output waits in _staging"
+    finally:
+        (tmp_path / "writer.stop").touch()
+        load.wait(120)
 
-    # The final run, with the plain config, catches up and stops cleanly.
+    # The load stops; the final run, with the plain config, catches up and stops cleanly.
+    (tmp_path / "writer.stop").touch()
+    assert load.wait(120) == 0
+    expected = wal_events(node_dir)
     config = write_config(tmp_path / "cdcd.toml", node_dir, lake_consumer(lake), **settings)
     final_err = tmp_path / "daemon-final.err"
     run_to_end(config, node_dir, final_err)
@@ -250,7 +279,7 @@ def test_sigkill_during_commits_lands_everything_exactly_once(tmp_path: Path) ->
             assert "lake_replay_dropped" in log_event_names(err), f"run {k} after a kill at {prev['phase']}"
     assert orphaned and orphaned <= orphans(lake)
     removed = DeltaTable(str(lake / "changes")).vacuum(
-        retention_hours=0, enforce_retention_duration=False, dry_run=False
+        retention_hours=0, enforce_retention_duration=False, dry_run=False, full=True
     )
     assert orphans(lake) == set()
     assert {str(Path(p)) for p in removed} >= orphaned
