@@ -14,7 +14,9 @@ from a backup, and the hand-over between the node's realtime worker and the daem
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -44,7 +46,7 @@ from tests.test_daemon_e2e import (
     wal_events,
     wal_records,
 )
-from tests.test_lake import error_lines, position, toml_value, wait_started, write_config
+from tests.test_lake import error_lines, position, run_to_end, toml_value, wait_started, write_config
 
 Pos = tuple[int, int, int]
 QUICK_START = {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"}
@@ -509,3 +511,46 @@ def test_daemon_refuses_a_lake_in_the_old_format(tmp_path: Path) -> None:
     assert position(config) is None
     assert not (lake / "changes").exists()
     assert sorted(archived_segments(node_dir)) == [0]
+
+
+# --- stopping a Spark-writer daemon -----------------------------------------------------------------------
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_spark_writer_daemon_stops_cleanly_on_a_signal_to_its_process_group(tmp_path: Path, signum: int) -> None:
+    """SIGTERM (systemd signals every process of the unit) or SIGINT (Ctrl-C: the terminal's process group) to the
+    process group of a `cdcd run` landing a backlog through Spark: exit 0, the log says "daemon_stopped", no
+    traceback; the JVM's batch in flight is not cut short by the signal; a later run lands the rest exactly once."""
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    make_node(node_dir, segments=16, tx_per_segment=50)
+    config = write_config(
+        tmp_path / "cdcd.toml", node_dir, lake_consumer(lake, "spark"), batch_max_events=3000, batch_max_delay_ms=50
+    )
+    err = tmp_path / "daemon.err"
+    with err.open("ab") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cdcd", "run", "--config", str(config)],
+            stdout=subprocess.DEVNULL,
+            stderr=f,
+            env=child_env(),
+            start_new_session=True,  # its own process group, as under a shell or systemd
+        )
+    try:
+        wait_started(proc, err)
+        wait_for(lambda: len(delta_commits(lake)) > 2 if (lake / "changes" / "_delta_log").is_dir() else False, 180, "")
+        os.killpg(proc.pid, signum)
+        rc = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = err.read_text()
+    assert rc == 0, text[-3000:]
+    assert "Traceback" not in text and "Aborted" not in text and error_lines(text) == [], text[-3000:]
+    events = [json.loads(line)["event"] for line in text.splitlines() if line.startswith("{")]
+    assert "daemon_stopping" in events and events[-1] == "daemon_stopped", events[-5:]
+    after = position(config)
+    assert after is not None and after < (max(archived_segments(node_dir)) + 1, 0, 0), "stopped mid-backlog"
+    landed = lake_rows(lake)
+    expected = wal_events(node_dir)
+    assert landed.num_rows == sum(1 for e in expected if tuple(e["pos"]) < after), "the state is where the lake ends"
+    run_to_end(config, node_dir, tmp_path / "run-2.err")
+    check_lake(lake, node_dir, expected)
