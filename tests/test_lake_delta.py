@@ -13,6 +13,7 @@ from a backup, and the hand-over between the node's realtime worker and the daem
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -97,9 +98,14 @@ def check_whole_records(table: pa.Table, sizes: Counter[tuple[int, int]], what: 
 
 
 def check_lake(
-    lake: Path, node_dir: Path, expected: list[dict[str, Any]] | None = None, source: str | None = None
+    lake: Path,
+    node_dir: Path,
+    expected: list[dict[str, Any]] | None = None,
+    source: str | None = None,
+    migrated_upto: WalPointer | None = None,
 ) -> list[dict[str, Any]]:
-    """The lake (of ``source``, if given) is exactly the WAL (see the module docstring); returns the commits."""
+    """The lake (of ``source``, if given) is exactly the WAL (see the module docstring); returns the commits.
+    ``migrated_upto``: records up to this one came from a pre-Delta lake (no node_order, topology_version)."""
     expected = wal_events(node_dir) if expected is None else expected
     positions = [tuple(e["pos"]) for e in expected]
     table = lake_rows(lake)
@@ -142,6 +148,8 @@ def check_lake(
             "version": ev["version"],
             "commit_ts_us": ev["commit_ts_ns"] // 1000,
         }
+        if migrated_upto is not None and WalPointer(*ev["pos"][:2]) <= migrated_upto:
+            want["version"] = {**ev["version"], "node_order": None, "topology_version": None}
         assert got == want, f"row at {ev['pos']}"
         assert r["expire_time_ms"] == 0
     # Each commit lands whole records, and no record in two commits.
@@ -554,3 +562,88 @@ def test_spark_writer_daemon_stops_cleanly_on_a_signal_to_its_process_group(tmp_
     assert landed.num_rows == sum(1 for e in expected if tuple(e["pos"]) < after), "the state is where the lake ends"
     run_to_end(config, node_dir, tmp_path / "run-2.err")
     check_lake(lake, node_dir, expected)
+
+
+# --- migrating a lake of the pre-Delta format -------------------------------------------------------------
+def old_format_lake(lake: Path, batch: EventBatch, cuts: list[int]) -> None:
+    """Land ``batch`` in the pre-Delta layout (``_cdcd_log`` entries, ``changes/cache=<escaped>/`` Parquet of
+    the old columns) as one log entry per run of records between ``cuts``, the way the old sink did."""
+    from cdcd.lake.arrow import build_table
+    from cdcd.lake.log import CacheStats, LakeLog, LogEntry, new_batch_id
+    from cdcd.lake.parquet import write_partitioned
+    from cdcd.wal.pointer import WalPosition
+
+    log = LakeLog(lake)
+    slices = list(batch.peek_slices())
+    for a, b in itertools.pairwise(cuts):
+        part = slices[a:b]
+        table, stats = build_table(part, batch, batch.source_node, False)
+        table = table.drop_columns(["node_order", "topology_version", "source_generation"])  # not in the old files
+        batch_id = new_batch_id()
+        written = write_partitioned(table, log.staging / batch_id, ["cache"], "part-0")
+        first, last = part[0], part[-1]
+        entry = LogEntry(
+            seq=0,
+            batch=batch_id,
+            source=batch.source_node,
+            first=WalPosition(first.pointer.segment, first.pointer.offset, 0),
+            last=WalPosition(last.pointer.segment, last.pointer.offset, last.end - 1),
+            files=written,
+            caches={name: CacheStats(n, ts) for name, (n, ts) in stats.items()},
+            committed_ns=0,
+        )
+        log.publish(log.commit(entry))
+
+
+def test_migrate_converts_an_old_lake_once_and_the_daemon_goes_on_exactly_once(tmp_path: Path) -> None:
+    """`cdcd lake migrate` converts a lake of the pre-Delta format (cache names that needed escaping included):
+    its rows into the Delta table with the old values, each source's position seeded as its application transaction;
+    a daemon then lands the rest of the WAL, its replay of the last old batch dropped: every entry exactly once.
+    A second migrate says there is nothing to do (exit 2, one line)."""
+    from cdcd.node.identity import read_node_id
+
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    with Node.open(node_dir, wal_force_archive_timeout_ms=0) as node:
+        node.cache("50% off").put(1, {"odd": "name"})
+        node.force_archive()
+    make_node(node_dir, segments=4, tx_per_segment=20)
+    source = str(read_node_id(node_dir))
+    batch = wal_batch(node_dir, source)
+    n = len(batch.peek_slices())
+    old_format_lake(lake, batch, [0, 10, n // 2])
+    old_rows = pq.read_table(lake / "changes").num_rows
+    res = subprocess.run(
+        [sys.executable, "-m", "cdcd", "lake", "migrate", "--lake", str(lake)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_env(),
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.startswith(f"migrated {old_rows:,} rows of 2 batches into {lake / 'changes'} (sources: {source}")
+    assert not (lake / "_cdcd_log").exists() and (lake / "_pre_delta_cdcd_log").is_dir()
+    migrated = lake_rows(lake)
+    assert migrated.num_rows == old_rows
+    assert set(migrated.column("cache").to_pylist()) >= {"50% off"}
+    assert migrated.column("node_order").null_count == old_rows, "not in the old files: null"
+    dt = DeltaTable(str(lake / "changes"))
+    last_old = batch.peek_slices()[n // 2 - 1].pointer
+    assert dt.transaction_version(app_id(source, 0)) == encode_version(last_old)
+
+    # The daemon (state from before: none) delivers the whole WAL; the lake keeps what it has and adds the rest.
+    config = write_config(tmp_path / "cdcd.toml", node_dir, lake_consumer(lake))
+    err = tmp_path / "run.err"
+    run_to_end(config, node_dir, err)
+    assert "lake_replay_dropped" in err.read_text()
+    commits = check_lake(lake, node_dir, migrated_upto=last_old)
+    assert commits[1]["cdcd"]["migrated_from"] == "_cdcd_log"
+
+    again = subprocess.run(
+        [sys.executable, "-m", "cdcd", "lake", "migrate", "--lake", str(lake)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(),
+    )
+    assert again.returncode == 2
+    assert error_lines(again.stderr) == [f"cdcd: error: {lake} is already a Delta lake: nothing to migrate"]

@@ -218,8 +218,10 @@ class ChangeTable:
         self.conflicts = 0
 
     # --- opening ----------------------------------------------------------------------------------
-    def open(self) -> None:
-        refuse_old_format(self.lake)
+    def open(self, *, allow_old_log: bool = False) -> None:
+        """Open the table, creating it if there is none; ``allow_old_log`` for ``lake migrate`` only."""
+        if not allow_old_log:
+            refuse_old_format(self.lake)
         uri = str(self.path)
         if not DeltaTable.is_deltatable(uri):
             self.path.mkdir(parents=True, exist_ok=True)
