@@ -20,7 +20,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from collections import Counter
@@ -43,7 +42,6 @@ from cdcd.node import Node
 from tests.test_daemon_e2e import (
     CACHES,
     CDCD,
-    ROOT,
     archived_segments,
     cdcd,
     child_env,
