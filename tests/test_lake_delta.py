@@ -647,3 +647,19 @@ def test_migrate_converts_an_old_lake_once_and_the_daemon_goes_on_exactly_once(t
     )
     assert again.returncode == 2
     assert error_lines(again.stderr) == [f"cdcd: error: {lake} is already a Delta lake: nothing to migrate"]
+
+
+def test_the_node_realtime_worker_defaults_to_the_jvm_free_writer() -> None:
+    """A `[realtime_consumer]` lake table without `writer` writes with delta-rs (no JVM in the node's process); the
+    daemon's `[consumer]` defaults to Spark; `"spark"` and `"arrow"` are the kind's and the writer's former names."""
+    from cdcd.sinks import load_consumer
+
+    def writer(table: dict[str, Any], source: str) -> str:
+        consumer = load_consumer(table, source)
+        assert isinstance(consumer, LakeConsumer)
+        return consumer.options.writer
+
+    assert writer({"kind": "lake", "lake_path": "/x"}, "realtime_consumer") == "deltalake"
+    assert writer({"kind": "lake", "lake_path": "/x"}, "cdcd.toml: consumer") == "spark"
+    assert writer({"kind": "spark", "lake_path": "/x", "writer": "arrow"}, "cdcd.toml: consumer") == "arrow"
+    assert writer({"kind": "lake", "lake_path": "/x", "writer": "spark"}, "realtime_consumer") == "spark"

@@ -65,8 +65,9 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """At most this many files per batch and partition."""
     writer: Literal["spark", "deltalake", "arrow"] = "spark"
     """Who writes the Parquet files: Spark on ``spark_master`` (default), or pyarrow in this
-    process (``"deltalake"``; ``"arrow"`` is its old name): no JVM, for the node's realtime worker
-    and small machines. Both land the same table, exactly once, and may take turns on it."""
+    process (``"deltalake"``; ``"arrow"`` is its old name): no JVM, for small machines and the
+    node's realtime worker (its default there). Both land the same table, exactly once, and may
+    take turns on it."""
 
     def __post_init__(self) -> None:
         # A URL would otherwise become a relative directory (``./s3:/bucket``) and the data land on a local disk.
@@ -122,6 +123,9 @@ class LakeConsumer(Consumer):
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], source: str) -> LakeConsumer:
+        if "writer" not in options and source.endswith("realtime_consumer"):
+            # In the node's process: no JVM unless asked for.
+            options = {**options, "writer": "deltalake"}
         return cls(convert(options, LakeOptions, source))
 
     def start(self, registry: Any = None) -> None:
