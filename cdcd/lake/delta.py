@@ -107,6 +107,11 @@ def app_id(source_node: str, generation: int) -> str:
     return f"{SOURCE_APP_PREFIX}{source_node}" + (f":g{generation}" if generation else "")
 
 
+def first_app_id(source_node: str, generation: int) -> str:
+    """The application transaction whose version is the first record of a generation (n >= 1)."""
+    return f"{app_id(source_node, generation)}:first"
+
+
 _PLAIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -363,6 +368,7 @@ class ChangeTable:
         read: SourceMark,
         generation: int,
         last: WalPointer,
+        first: WalPointer,
         metadata: Mapping[str, Any],
     ) -> bool:
         """Commit ``files`` with the source's mark moved to ``last`` in ``generation``, provided the
@@ -371,10 +377,13 @@ class ChangeTable:
         True: committed. False: another commit moved this source's mark since it was read; the
         files are deleted and the caller filters the batch again."""
         version = encode_version(last)
-        txn = Transaction(app_id(source, generation), version, int(time.time() * 1000))
+        now_ms = int(time.time() * 1000)
+        txns = [Transaction(app_id(source, generation), version, now_ms)]
+        if generation != read.generation:  # where the new generation's history starts
+            txns.append(Transaction(first_app_id(source, generation), encode_version(first), now_ms))
         info = {"source": source, "generation": generation, "last": str(last), **metadata}
         props = CommitProperties(
-            max_commit_retries=0, app_transactions=[txn], custom_metadata={"cdcd": json.dumps(info)}
+            max_commit_retries=0, app_transactions=txns, custom_metadata={"cdcd": json.dumps(info)}
         )
         dt = self.table
         actions: list[AddAction | RemoveAction] = list(files.adds)
@@ -420,21 +429,34 @@ class ChangeTable:
 
     # --- what landed ------------------------------------------------------------------------------
     def landed_rows(self, source: str, generation: int, lo: WalPointer, hi: WalPointer) -> pa.Table:
-        """The rows of ``source``/``generation`` with pointers in ``lo..hi`` (inclusive)."""
-        ds = self.table.to_pyarrow_dataset()
+        """The rows of ``source`` with pointers in ``lo..hi`` (inclusive), each position's rows of the
+        history that holds it now: the newest generation up to ``generation`` that started at or
+        before it (a generation's history replaces the older ones from its first record on)."""
+        dt = self.table
+        starts = [(0, 0)]
+        for g in range(1, generation + 1):
+            first = dt.transaction_version(first_app_id(source, g))
+            if first is not None:
+                starts.append((g, first))
+        ds = dt.to_pyarrow_dataset()
         # Only columns with statistics in the dataset filter: delta-rs's fragments claim "x >= null"
         # for a column without bounds, which would skip every file for a filter on it.
         f = (
-            (pc.field("source_generation") == generation)
+            (pc.field("source_generation") <= generation)
             & (pc.field("wal_segment") >= lo.segment)
             & (pc.field("wal_segment") <= hi.segment)
         )
-        cols = ["wal_segment", "wal_offset", "wal_index", "op", "key", "value", "source_node"]
+        cols = ["wal_segment", "wal_offset", "wal_index", "op", "key", "value", "source_node", "source_generation"]
         rows = ds.to_table(columns=cols, filter=f)
         rows = rows.filter(pc.equal(rows.column("source_node"), source))
         key = pc.add(pc.multiply(rows.column("wal_segment"), 1 << OFFSET_BITS), rows.column("wal_offset"))
-        keep = pc.and_(
-            pc.greater_equal(key, encode_version(lo)),
-            pc.less_equal(key, encode_version(hi)),
-        )
-        return rows.filter(keep)
+        keep = pc.and_(pc.greater_equal(key, encode_version(lo)), pc.less_equal(key, encode_version(hi)))
+        rows = rows.append_column("_ptr", key).filter(keep)
+        if len(starts) == 1:
+            return rows.filter(pc.equal(rows.column("source_generation"), 0))
+        ptrs = rows.column("_ptr").to_numpy(zero_copy_only=False)
+        holder = np.zeros(len(ptrs), np.int64)
+        for g, first in starts:
+            holder = np.where(ptrs >= first, np.maximum(holder, g), holder)
+        gens = rows.column("source_generation").to_numpy(zero_copy_only=False)
+        return rows.filter(pa.array(gens == holder))

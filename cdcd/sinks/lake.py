@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import msgspec
 import pyarrow as pa
+import pyarrow.compute as pc
 import structlog
 
 from cdcd import metrics
@@ -214,7 +215,13 @@ class LakeConsumer(Consumer):
             metrics.LAKE_WRITE_SECONDS.observe(time.perf_counter() - t0)
             meta = {"rows": rows, "first": str(new[0].pointer), "writer": self.options.writer, "pid": os.getpid()}
             if table.commit(
-                files=files, source=source, read=read, generation=generation, last=new[-1].pointer, metadata=meta
+                files=files,
+                source=source,
+                read=read,
+                generation=generation,
+                last=new[-1].pointer,
+                first=new[0].pointer,
+                metadata=meta,
             ):
                 self.rows_written += rows
                 for name, (n, _ts) in stats.items():
@@ -251,8 +258,6 @@ class LakeConsumer(Consumer):
         names = data.column("cache").unique().to_pylist()
         dir_values = {partition_dir_value(n): n for n in names}
         to_dir = pa.array([partition_dir_value(n) for n in names], pa.string())
-        import pyarrow.compute as pc
-
         cache_dirs = to_dir.take(pc.index_in(data.column("cache"), pa.array(names, pa.string())))
         data = data.set_column(data.schema.get_field_index("cache"), "cache", cache_dirs)
         files = max(1, min(self.options.max_files_per_batch, rows // _ROWS_PER_SPARK_FILE + 1))
