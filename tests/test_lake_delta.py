@@ -674,3 +674,17 @@ def test_the_node_realtime_worker_defaults_to_the_jvm_free_writer() -> None:
     assert writer({"kind": "lake", "lake_path": "/x"}, "cdcd.toml: consumer") == "spark"
     assert writer({"kind": "spark", "lake_path": "/x", "writer": "arrow"}, "cdcd.toml: consumer") == "arrow"
     assert writer({"kind": "lake", "lake_path": "/x", "writer": "spark"}, "realtime_consumer") == "spark"
+
+
+def test_a_table_that_would_expire_application_transactions_is_refused(tmp_path: Path) -> None:
+    """Exactly once depends on every source's application transaction staying in the log: a changes table with
+    `delta.setTransactionRetentionDuration` set is refused at start, naming the property."""
+    lake = tmp_path / "lake"
+    sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake"))
+    sink.start()
+    sink.stop()
+    DeltaTable(str(lake / "changes")).alter.set_table_properties(
+        {"delta.setTransactionRetentionDuration": "interval 7 days"}, raise_if_not_exists=False
+    )
+    with pytest.raises(LakeWriteError, match="setTransactionRetentionDuration = interval 7 days would let"):
+        LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake")).start()

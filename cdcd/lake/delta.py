@@ -250,6 +250,12 @@ class ChangeTable:
                 f"lake {self.path}: the changes table is partitioned by {list(parts)}, this sink by "
                 f"{self.partition_by} (partition_by_day must match the table)"
             )
+        retention = dt.metadata().configuration.get("delta.setTransactionRetentionDuration")
+        if retention:
+            raise LakeWriteError(
+                f"lake {self.path}: delta.setTransactionRetentionDuration = {retention} would let the "
+                "per-source application transactions expire (exactly once depends on them): unset it"
+            )
         have = {f.name for f in dt.schema().fields}
         missing = [n for n in self.schema.names if n not in have]
         if missing:
