@@ -14,6 +14,7 @@ import re
 import shutil
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,7 +28,7 @@ from cdcd.config import convert
 from cdcd.consumer import CacheInfo, Consumer, EventBatch, RecordSlice
 from cdcd.durable import write_atomic
 from cdcd.lake import spark as spark_session
-from cdcd.lake.arrow import build_table
+from cdcd.lake.arrow import build_table, split_slices
 from cdcd.lake.delta import ChangeTable, LakeWriteError, SourceMark, WrittenFiles, partition_dir_value
 from cdcd.lake.log import STAGING_DIR, _owner_alive, check_writable, new_batch_id
 from cdcd.secrets import mask_mapping
@@ -38,6 +39,8 @@ log = structlog.get_logger("cdcd.lake")
 __all__ = ["LakeConsumer", "LakeOptions", "LakeWriteError", "root_cause"]
 
 _ROWS_PER_SPARK_FILE = 250_000
+_MIN_ROWS_PER_FILE = 100_000
+"""Smaller batches are written as one file per partition (smaller files cost readers more)."""
 
 
 def root_cause(exc: BaseException) -> str:
@@ -247,13 +250,39 @@ class LakeConsumer(Consumer):
                 return next(i for i, s in enumerate(replayed) if s.pointer >= wp)
         return None
 
+    def _write_arrow(
+        self, table: ChangeTable, slices: list[RecordSlice], batch: EventBatch, generation: int
+    ) -> tuple[WrittenFiles, dict[str, tuple[int, int]]]:
+        """Up to ``max_files_per_batch`` parts, each built while the previous one is written:
+        pyarrow's Parquet encoding and compression run without the GIL, on the other core."""
+        parts = split_slices(slices, self.options.max_files_per_batch, min_rows=_MIN_ROWS_PER_FILE)
+        stats: dict[str, tuple[int, int]] = {}
+        futures: list[Future[WrittenFiles]] = []
+        with ThreadPoolExecutor(1, thread_name_prefix="cdcd-lake-write") as pool:
+            try:
+                for part in parts:
+                    data, part_stats = build_table(
+                        part, batch, batch.source_node, self.options.partition_by_day, generation
+                    )
+                    futures.append(pool.submit(table.write_arrow, data))
+                    for name, (n, ts) in part_stats.items():
+                        have, max_ts = stats.get(name, (0, 0))
+                        stats[name] = (have + n, max(max_ts, ts))
+                written = [f.result() for f in futures]
+            except BaseException:
+                for f in futures:  # what did get written is never committed: remove it now
+                    if f.done() and f.exception() is None:
+                        f.result().discard()
+                raise
+        return WrittenFiles(table.path, [a for w in written for a in w.adds]), stats
+
     def _write(
         self, table: ChangeTable, slices: list[RecordSlice], batch: EventBatch, generation: int
     ) -> tuple[WrittenFiles, dict[str, tuple[int, int]]]:
         rows = sum(s.end - s.start for s in slices)
-        data, stats = build_table(slices, batch, batch.source_node, self.options.partition_by_day, generation)
         if not self.options.uses_spark:
-            return table.write_arrow(data), stats
+            return self._write_arrow(table, slices, batch, generation)
+        data, stats = build_table(slices, batch, batch.source_node, self.options.partition_by_day, generation)
         staging = self.lake / STAGING_DIR / new_batch_id()
         names = data.column("cache").unique().to_pylist()
         dir_values = {partition_dir_value(n): n for n in names}
