@@ -103,6 +103,7 @@ LAG_RATE = 5000
 LAG_FORCE_ARCHIVE_MS = 1000
 LAG_BATCH_DELAY_MS = 200
 LAG_GOAL_MS = 1500.0
+RT_LAG_GOAL_MS = 300.0
 LAG_IDLE_S = 2.5
 DRAIN_TIMEOUT_S = 120.0
 
@@ -594,6 +595,63 @@ def run_lag(*, seconds: float, drop_s: float, rate: int, lake_writer: str = "spa
     return Measurement(len(kept), window_s, extra, value=extra["p50_ms"])
 
 
+def run_rt_lag(*, seconds: float, drop_s: float, rate: int) -> Measurement:
+    """The node's realtime worker writing the lake (``writer = "deltalake"``, its default there):
+    a node in this process with ``realtime_cdc = true`` and ``cdc_enabled = false`` (no daemon, no
+    hand-over needed), ``wal_mode = "fsync"``, written at ``rate`` entries/s (``put_all`` of 10
+    fresh keys, open loop); lag as in ``lake.lag.live``."""
+    work = Path(tempfile.mkdtemp(prefix="cdcd-bench-lake-rt-", dir=_bench_dir()))
+    try:
+        lake = work / "lake"
+        node = Node.open(
+            work / "node",
+            wal_mode="fsync",
+            wal_segment_size_bytes=SEGMENT_BYTES,
+            cdc_enabled=False,
+            realtime_cdc=True,
+            realtime_consumer={"kind": "lake", "lake_path": str(lake)},
+        )
+        written = 0
+        try:
+            put_all = node.cache("lag").put_all
+            interval = TX_SIZE / rate
+            started = time.monotonic()
+            next_at, key = started, 0
+            while time.monotonic() < started + seconds:
+                delay = next_at - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                put_all({k: lake_value(k) for k in range(key, key + TX_SIZE)})
+                key += TX_SIZE
+                next_at += interval
+            written = key
+            deadline = time.monotonic() + DRAIN_TIMEOUT_S
+            while (_lake_rows(lake) if (lake / "changes" / "_delta_log").is_dir() else 0) < written:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the realtime worker landed {_lake_rows(lake):,} of {written:,} rows")
+                time.sleep(0.05)
+        finally:
+            node.close()
+        ts, lags, batch_rows = _lake_lags(lake)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if len(ts) != written:
+        raise AssertionError(f"the lake holds {len(ts):,} rows, the node wrote {written:,}")
+    cutoff = min(ts) + int(drop_s * 1e9)
+    kept = sorted(lag for t, lag in zip(ts, lags, strict=True) if t >= cutoff)
+    ms = 1e6
+    extra = {
+        "p50_ms": round(_percentile(kept, 50) / ms, 1),
+        "p90_ms": round(_percentile(kept, 90) / ms, 1),
+        "p99_ms": round(_percentile(kept, 99) / ms, 1),
+        "max_ms": round(kept[-1] / ms, 1),
+        "batches": len(batch_rows),
+        "rows_per_batch": round(statistics.fmean(batch_rows)) if batch_rows else 0,
+        "written": written,
+    }
+    return Measurement(len(kept), (max(ts) - cutoff) / 1e9, extra, value=extra["p50_ms"])
+
+
 # --- lake.compact ---------------------------------------------------------------------------------
 class CompactLake:
     """A change log built in setup (``base``); each repetition works on a fresh copy."""
@@ -813,6 +871,22 @@ def benchmarks(quick: bool) -> list[Bench]:
                 },
             )
             for writer in ("spark", "deltalake")
+        ),
+        Bench(
+            name="lake.lag.realtime",
+            description=(
+                f"commit-to-lake lag of the node's realtime worker (writer = deltalake), {LAG_RATE} entries/s, "
+                f"{lag_seconds:.0f}s"
+            ),
+            run_once=functools.partial(run_rt_lag, seconds=lag_seconds, drop_s=lag_drop_s, rate=LAG_RATE),
+            metric="p50",
+            unit="ms",
+            max_repeats=1,
+            more=(
+                Metric("p99", "p99_ms", "ms", RT_LAG_GOAL_MS, lower_is_better=True),
+                Metric("max", "max_ms", "ms"),
+            ),
+            params={"rate": LAG_RATE, "seconds": lag_seconds, "dropped_s": lag_drop_s, "wal_mode": "fsync", **shape},
         ),
         Bench(
             name="lake.compact",
