@@ -253,7 +253,8 @@ def test_replays_and_partly_new_batches_land_once(tmp_path: Path) -> None:
     assert len(delta_commits(lake)) == 4  # create + three batches
 
 
-def test_every_cache_name_the_node_accepts_lands(tmp_path: Path) -> None:
+@pytest.mark.parametrize("writer", ["deltalake", "spark"])
+def test_every_cache_name_the_node_accepts_lands(tmp_path: Path, writer: str) -> None:
     """Cache names of 255 characters, of 200 x "é" (400 bytes), with "%", spaces, a leading "." or "_" (names
     readers skip as hidden files): every one lands with
     its real name in the `cache` column and as the Delta partition value; no directory name exceeds 255 bytes;
@@ -264,7 +265,7 @@ def test_every_cache_name_the_node_accepts_lands(tmp_path: Path) -> None:
         for i, name in enumerate(names):
             node.cache(name).put(i, {"name": name})
         node.force_archive()
-    sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake"))
+    sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer=writer, spark_master="local[1]"))
     sink.start()
     try:
         assert sink.on_events(wal_batch(node_dir)) is True
