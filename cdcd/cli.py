@@ -778,6 +778,28 @@ def lake_show(lake_path: Path, as_json: bool) -> None:
         print_show(rows)
 
 
+@lake.command("migrate")
+@click.option(
+    "--lake", "lake_path", required=True, type=click.Path(path_type=Path, exists=True), help="The lake directory."
+)
+def lake_migrate(lake_path: Path) -> None:
+    """Convert a lake in the pre-Delta format (_cdcd_log/) once: its rows into the Delta table
+    <lake>/changes, each source's position carried over. Stop the daemons writing it first."""
+    from cdcd.lake.delta import LakeWriteError
+    from cdcd.lake.migrate import MigrateError, migrate
+
+    configure_logging("console" if sys.stderr.isatty() else "json", level="warning")
+    try:
+        done = migrate(lake_path)
+    except (MigrateError, LakeWriteError, OSError) as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+    sources = ", ".join(f"{s} at {p}" for s, p in sorted(done.sources.items())) or "none"
+    click.echo(
+        f"migrated {done.rows:,} rows of {done.batches} batches into {lake_path / 'changes'} (sources: {sources}); "
+        f"the old files are in {lake_path}/_pre_delta_*: delete them once satisfied; run `cdcd lake compact`"
+    )
+
+
 @main.command("demo")
 @click.option("--seconds", type=float, default=0, help="Run this long, then verify (0: until Ctrl-C).")
 @click.option("--rate", type=int, default=2000, show_default=True, help="Sample load, entries/s.")

@@ -252,6 +252,11 @@ LAKE_DUPLICATE_BATCHES = Counter(
 LAKE_CONFLICTS = Counter(
     "cdcd_lake_log_conflicts_total", "Commits retried because another writer committed first", registry=LAKE
 )
+LAKE_GENERATIONS = Counter(
+    "cdcd_lake_source_generations_total",
+    "New generations started because a source's history diverged from what the lake landed",
+    registry=LAKE,
+)
 
 # --- replication ------------------------------------------------------------------------------------
 REPL_RECEIVED = Counter(

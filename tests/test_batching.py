@@ -17,7 +17,6 @@ from cdcd.daemon.daemon import Daemon
 from cdcd.daemon.processor import Processor
 from cdcd.daemon_state import DaemonState, Mode
 from cdcd.delivery import Batch, CacheChange, slices_from
-from cdcd.lake.arrow import filter_slices
 from cdcd.node import Node
 from cdcd.realtime import RealtimeMode
 from cdcd.wal.pointer import EventAddress, WalPointer, WalPosition
@@ -96,16 +95,6 @@ def test_slices_from_keeps_exactly_the_events_at_or_after_the_cursor() -> None:
     for cursor in cursors:
         kept = _events(slices_from(slices, cursor))
         assert kept == [e for e in every if not cursor.covers(EventAddress(*e))], cursor
-
-
-def test_the_lake_filter_is_slices_from_the_cursor_after_its_high_water() -> None:
-    """``filter_slices(batch, high_water)`` (the lake's, high water = last landed event) keeps what
-    ``slices_from(slices, high_water.next_cursor())`` keeps: the lake can switch to the shared filter."""
-    slices = _slices()
-    for event in [(0, 0, 0), *_events(slices), (1, 20, 2), (9, 0, 0)]:
-        high_water = EventAddress(*event)
-        lake = filter_slices(EventBatch("n", slices, {}), WalPosition(*event))
-        assert lake == slices_from(slices, high_water.next_cursor()), high_water
 
 
 # --- the batcher: caches do not cut batches ----------------------------------------------------------

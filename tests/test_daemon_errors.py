@@ -350,7 +350,8 @@ def test_second_daemon_exits_1_naming_the_first_ones_pid(tmp_path: Path) -> None
         (
             {},
             {"kind": "kafka"},
-            "consumer: key 'kind': unknown consumer kind 'kafka' (one of: jsonl, null, python, replication, spark)",
+            "consumer: key 'kind': unknown consumer kind 'kafka' "
+            "(one of: jsonl, lake, null, python, replication, spark)",
         ),
         (
             {},

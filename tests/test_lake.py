@@ -19,7 +19,6 @@ import json
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from collections import Counter
@@ -29,22 +28,17 @@ from typing import Any
 
 import pytest
 
-from cdcd.lake.log import LogEntry
 from cdcd.node import Node
 from tests.support.lake import (
-    QUICK_START,
-    Pos,
     check_lake,
-    entry_range,
     error_lines,
     fake_compacted_state,
     spark_consumer,
-    toml_value,
     wait_caught_up,
     wait_started,
     write_config,
 )
-from tests.support.procs import CDCD, ROOT, cdcd, child_env, start_daemon, stop_daemon, wait_for
+from tests.support.procs import CDCD, cdcd, child_env, start_daemon, stop_daemon, wait_for
 from tests.support.wal import wal_events
 from tests.support.writer import CACHES, expected_final_state, start_writer, writer_count
 
@@ -157,101 +151,6 @@ def test_lake_verify_stdout_is_only_its_table(tmp_path: Path) -> None:
 
 
 # --- hand-over: the node's realtime worker and the daemon, one lake -----------------------------------
-def batch_pid(entry: LogEntry) -> int:
-    """The writer's pid from a batch id ``<host>-<pid>-<process start>-<random>`` (the host may contain '-')."""
-    return int(entry.batch.rsplit("-", 3)[1])
-
-
-def writers_of(entries: list[LogEntry], positions: list[Pos]) -> dict[Pos, int]:
-    """Which process (pid) landed each WAL position, from the log entries' ranges."""
-    index = {p: i for i, p in enumerate(positions)}
-    out: dict[Pos, int] = {}
-    for e in entries:
-        first, last = entry_range(e)
-        for p in positions[index[first] : index[last] + 1]:
-            out[p] = batch_pid(e)
-    return out
-
-
-def test_handover_between_node_and_daemon_lands_every_entry_once(tmp_path: Path, spark: Any) -> None:
-    """With the lake sink on both sides of one lake (node: pyarrow writer, daemon: Spark writer), `cdcd control
-    realtime off` / `on` twice under load hands delivery between the node's realtime worker and the daemon: every
-    WAL entry lands exactly once, each by the side whose share it is."""
-    from cdcd.wal.records import StopRealtimeCdcRecord
-    from tests.support.realtime import DAEMON_SETTINGS, NODE_SETTINGS, Rig, expected_shares, markers
-
-    lake = tmp_path / "lake"
-    node_settings = {"realtime_cdc": True, "realtime_close_timeout_ms": 120_000, "realtime_batch_max_events": 5000}
-    rig = Rig(tmp_path, **node_settings)
-    # The node's TOML with a [realtime_consumer] table whose spark_conf keys contain dots (quoted here).
-    lines = [
-        f"{k} = {toml_value(v)}" for k, v in {"node_dir": str(rig.node_dir), **NODE_SETTINGS, **node_settings}.items()
-    ]
-    # The node writes with pyarrow (no JVM in the database process), the daemon through Spark: one lake, both writers.
-    node_consumer = spark_consumer(lake, "local[1]", app_name="cdcd-lake-node", writer="arrow")
-    lines += ["[realtime_consumer]", *(f"{k} = {toml_value(v)}" for k, v in node_consumer.items())]
-    rig.node_config.write_text("\n".join(lines) + "\n")
-    rig.daemon_config = write_config(
-        tmp_path / "cdcd-lake.toml",
-        rig.node_dir,
-        spark_consumer(lake, "local[1]", spark_conf=QUICK_START, writer="spark"),
-        **DAEMON_SETTINGS,
-    )
-    pids: dict[str, int] = {}
-    try:
-        # The node opens with realtime on (its Spark starts before the control socket exists): slow start.
-        rig.node_runs += 1
-        code = "import tests.support.realtime as t; t.node_main()"
-        args = [str(rig.node_config), str(rig.ctl), "0", "100", "5", "0"]  # 5 tx (~250 entries) per 100 ms
-        with rig.node_log.open("wb") as log:
-            rig.node = subprocess.Popen(
-                [sys.executable, "-c", code, *args],
-                stdout=log,
-                stderr=log,
-                env=child_env(rig.plugins),
-                cwd=ROOT,
-            )
-        wait_for(lambda: rig.socket.exists() or rig.node.poll() is not None, 120, "the node's control socket")
-        assert rig.node.poll() is None, rig.node_log.read_text()[-3000:]
-        pids["node"] = rig.node.pid
-        rig.daemon_runs += 1
-        rig.daemon = start_daemon(rig.daemon_config, rig.daemon_err)
-        wait_started(rig.daemon, rig.daemon_err)
-        pids["daemon"] = rig.daemon.pid
-        st = rig.wait_mode("on", "PASSIVE", timeout=120)
-        assert st["delivering"] == "node"
-        rig.go()
-        for state in ("off", "on", "off", "on"):
-            time.sleep(4)
-            # `off` waits 2 s for the in-flight batch (a Spark batch may take longer: the reply then still says on).
-            assert rig.control("realtime", state).strip() in ("realtime: off", "realtime: on", "realtime: try_start")
-            st = rig.wait_mode(state, "ACTIVE" if state == "off" else "PASSIVE", timeout=120)
-            assert st["delivering"] == ("daemon" if state == "off" else "node")
-        time.sleep(4)
-        rig.stop_node()
-        assert rig.final_status()["realtime"]["mode"] == "on"
-        assert rig.final_status()["realtime"]["stops"] == {"command": 2}
-        rc = stop_daemon(rig.daemon, timeout=60)
-        assert rc == 0, rig.daemon_err.read_text()[-3000:]
-        rig.daemon = None
-    finally:
-        rig.close()
-
-    expected = wal_events(rig.node_dir)
-    entries = check_lake(spark, lake, rig.node_dir, expected)
-    node_exp, daemon_exp, intervals = expected_shares(rig.node_dir)
-    stops = [rec.reason for _, rec in markers(rig.node_dir) if isinstance(rec, StopRealtimeCdcRecord)]
-    assert stops == ["node_start_realtime_off", "command", "command"]
-    assert len(intervals) == 3 and all(b is not None for _, b in intervals)
-    writer = writers_of(entries, [tuple(e["pos"]) for e in expected])
-    assert set(writer.values()) == {pids["node"], pids["daemon"]}
-    landed_by_node = sorted(p for p, pid in writer.items() if pid == pids["node"])
-    landed_by_daemon = sorted(p for p, pid in writer.items() if pid == pids["daemon"])
-    assert landed_by_node == [tuple(e["pos"]) for e in node_exp], "the node landed other entries than its share"
-    assert landed_by_daemon == [tuple(e["pos"]) for e in daemon_exp], "the daemon landed other than its share"
-    assert len(daemon_exp) > 2000 and len(node_exp) > 2000, (len(node_exp), len(daemon_exp))
-
-
 # --- scale-out: a Spark standalone cluster on loopback ------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:

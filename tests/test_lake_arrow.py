@@ -127,6 +127,8 @@ def reference_rows(slices: list[RecordSlice], names: EventBatch, source: str) ->
                     "primary": e.primary,
                     "version_order": e.version.order,
                     "version_cluster_id": e.version.cluster_id,
+                    "node_order": e.version.node_order,
+                    "topology_version": e.version.topology_version,
                     "commit_ts": ts,
                     "source_node": source,
                     "wal_segment": s.pointer.segment,
@@ -134,6 +136,7 @@ def reference_rows(slices: list[RecordSlice], names: EventBatch, source: str) ->
                     "wal_index": i,
                     "expire_time_ms": e.expire_time_ms,
                     "cache": names.cache_name(e.cache_id),
+                    "source_generation": 0,
                     "day": ts.strftime("%Y-%m-%d"),
                 }
             )
@@ -217,3 +220,17 @@ def test_pyarrow_writer_files_read_back_as_the_table(tmp_path: Path, spec: list[
         row["cache"] = unquote(str(row["cache"]))
         row["day"] = str(row["day"])
     assert got == table.to_pylist()
+
+
+@given(st.lists(st.text(min_size=1, max_size=255), min_size=1, max_size=20, unique=True))
+def test_delta_partition_directories_are_safe_short_and_distinct(names: list[str]) -> None:
+    """Any cache name (any characters, up to 255 of them, 4 bytes each) gets a partition directory value that is a
+    plain name of at most 64 ASCII bytes ('cache=' plus it fits any file system), the same every time, and one per
+    name; Delta keeps the real name in the log."""
+    from cdcd.lake.delta import partition_dir_value
+
+    dirs = [partition_dir_value(n) for n in names]
+    for d in dirs:
+        assert d.isascii() and len(d) <= 64 and d[0] not in "._-" and all(c.isalnum() or c in "._-" for c in d)
+    assert dirs == [partition_dir_value(n) for n in names]
+    assert len(set(dirs)) == len(dirs)

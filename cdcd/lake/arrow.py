@@ -13,30 +13,12 @@ import pyarrow as pa
 
 from cdcd.consumer import OP_NAMES, EventBatch, RecordSlice
 from cdcd.lake.jsontext import joined, json_texts, to_json_bytes
-from cdcd.wal.pointer import WalPosition
+from cdcd.lake.table import CHANGE_SCHEMA, DAY_FIELD
 from cdcd.wal.records import DataEntry, Op
 
-SCHEMA = pa.schema(
-    [
-        ("op", pa.string()),
-        ("key", pa.string()),
-        ("value", pa.string()),
-        ("partition", pa.int32()),
-        ("primary", pa.bool_()),
-        ("version_order", pa.int64()),
-        ("version_cluster_id", pa.int32()),
-        ("commit_ts", pa.timestamp("us", tz="UTC")),
-        ("source_node", pa.string()),
-        ("wal_segment", pa.int64()),
-        ("wal_offset", pa.int64()),
-        ("wal_index", pa.int32()),
-        ("expire_time_ms", pa.int64()),
-        ("cache", pa.string()),
-    ]
-)
-"""``cache`` (and ``day`` when enabled) become directory partitions: changes/cache=<name>/day=.../
-``expire_time_ms``: when the entry expires (ms since the epoch, 0: never); on a delete, non-zero means
-the entry expired (the node's expirer wrote it)."""
+SCHEMA = CHANGE_SCHEMA
+"""The changes table's columns (cdcd/lake/table.py); ``cache`` (and ``day`` when enabled) are Delta
+partition columns."""
 
 _OPS = pa.array([OP_NAMES[op] for op in sorted(Op)], pa.string())
 """Indexed by the Op value."""
@@ -50,6 +32,8 @@ _primary = attrgetter("primary")
 _version = attrgetter("version")
 _order = attrgetter("order")
 _cluster = attrgetter("cluster_id")
+_node_order = attrgetter("node_order")
+_topology = attrgetter("topology_version")
 _cache_id = attrgetter("cache_id")
 _expire = attrgetter("expire_time_ms")
 
@@ -57,26 +41,6 @@ _expire = attrgetter("expire_time_ms")
 def to_json(raw: bytes | msgspec.Raw) -> str:
     """MessagePack key or value as JSON text (maps with non-string keys get string keys)."""
     return to_json_bytes(raw).decode()
-
-
-def after(position: WalPosition, high_water: WalPosition | None) -> bool:
-    return high_water is None or position > high_water
-
-
-def filter_slices(batch: EventBatch, high_water: WalPosition | None) -> list[RecordSlice]:
-    """Drop every entry at or below ``high_water`` (a replay); a partly new batch keeps its new part."""
-    if high_water is None:
-        return list(batch.slices)
-    out = []
-    for s in batch.slices:
-        ptr = s.pointer
-        if WalPosition(ptr.segment, ptr.offset, s.end - 1) <= high_water:
-            continue
-        start = s.start
-        if (ptr.segment, ptr.offset) == (high_water.segment, high_water.offset):
-            start = max(start, high_water.entry_index + 1)
-        out.append(RecordSlice(ptr, s.record, start, s.stop) if start != s.start else s)
-    return out
 
 
 def split_slices(slices: list[RecordSlice], parts: int, min_rows: int) -> list[list[RecordSlice]]:
@@ -126,6 +90,7 @@ def build_table(
     names: EventBatch,
     source_node: str,
     partition_by_day: bool,
+    generation: int = 0,
 ) -> tuple[pa.Table, dict[str, tuple[int, int]]]:
     """The rows of ``slices`` as one Arrow table, plus (rows, max commit ts ns) per cache.
 
@@ -166,6 +131,8 @@ def build_table(
         primaries,
         orders,
         clusters,
+        pa.array(_ints(map(_node_order, versions), np.int32, n)),
+        pa.array(_ints(map(_topology, versions), np.int64, n)),
         commit_ts,
         pa.array([source_node], pa.string()).take(pa.array(np.zeros(n, np.int32))),
         pa.array(np.repeat(np.array(segments, np.int64), reps)),
@@ -173,6 +140,7 @@ def build_table(
         pa.array(np.array(index, np.int32)),
         pa.array(_ints(map(_expire, entries), np.int64, n)),
         pa.array(cache_names, pa.string()).take(pa.array(which)),
+        pa.array(np.full(n, generation, np.int32)),
     ]
     rows = np.bincount(which, minlength=len(ids))
     max_ts = np.zeros(len(ids), np.int64)
@@ -183,5 +151,5 @@ def build_table(
         day_numbers, day_of_row = np.unique(ts_ns // _DAY_NS, return_inverse=True)
         days = [datetime.fromtimestamp(int(d) * 86400, UTC).strftime("%Y-%m-%d") for d in day_numbers]
         columns.append(pa.array(days, pa.string()).take(pa.array(day_of_row)))
-        schema = schema.append(pa.field("day", pa.string()))
+        schema = schema.append(DAY_FIELD)
     return pa.Table.from_arrays(columns, schema=schema), stats

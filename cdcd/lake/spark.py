@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Mapping
@@ -47,7 +49,7 @@ def acquire(master: str, app_name: str, conf: Mapping[str, str]) -> Any:
             for key, value in conf.items():
                 builder = builder.config(key, value)
             builder = builder.config("spark.driver.extraJavaOptions", java_opts)
-            _session = builder.getOrCreate()
+            _session = _create(builder)
             _session.sparkContext.setLogLevel("WARN")
         _users += 1
         return _session
@@ -61,3 +63,35 @@ def release() -> None:
             _session.stop()
             _session = None
             _users = 0
+
+
+def _jvm_popen(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+    """PySpark's gateway Popen, with SIGTERM and SIGINT ignored in the JVM (as PySpark already does for
+    SIGINT): systemd (every process of the unit's cgroup) and Ctrl-C (the process group) signal the JVM
+    too, which would fail the batch in flight; the daemon stops the JVM itself (session stop, or EOF on
+    the JVM's stdin when the daemon dies)."""
+    inner = kwargs.get("preexec_fn")
+
+    def preexec() -> None:
+        if inner is not None:
+            inner()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    kwargs["preexec_fn"] = preexec
+    return subprocess.Popen(*args, **kwargs)
+
+
+def _create(builder: Any) -> Any:
+    """``builder.getOrCreate()`` keeping this process's SIGINT handler (SparkContext installs one that
+    raises KeyboardInterrupt anywhere; the daemon's handler stops it cleanly instead)."""
+    import pyspark.java_gateway
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if main else None
+    pyspark.java_gateway.Popen = _jvm_popen  # type: ignore[assignment,attr-defined]
+    try:
+        return builder.getOrCreate()
+    finally:
+        if main and previous is not None:
+            signal.signal(signal.SIGINT, previous)

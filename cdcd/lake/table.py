@@ -33,12 +33,15 @@ CHANGE_SCHEMA = pa.schema(
         ("wal_index", pa.int32()),
         ("expire_time_ms", pa.int64()),
         ("cache", pa.string()),
+        ("source_generation", pa.int32()),
     ]
 )
 """``op``: "create" | "update" | "delete". ``key``/``value``: the entry as JSON text (``value`` null
 on a delete). ``expire_time_ms``: when the entry expires (ms since the epoch, 0: never); on a delete,
 non-zero means the node's expirer removed it. ``day`` ("YYYY-MM-DD" of ``commit_ts``) is appended
-when the sink partitions by day."""
+when the sink partitions by day. ``source_generation``: 0, or n when the source's history diverged
+from what the lake had landed n times (a node dir restored from a backup reuses WAL positions): order
+one source's changes by (source_generation, wal_segment, wal_offset, wal_index)."""
 
 DAY_FIELD = pa.field("day", pa.string())
 
@@ -80,3 +83,8 @@ def change_schema(partition_by_day: bool) -> pa.Schema:
 
 def change_partitions(partition_by_day: bool) -> list[str]:
     return [*PARTITION_BY, "day"] if partition_by_day else list(PARTITION_BY)
+
+
+SOURCE_APP_PREFIX = "cdcd:"
+"""Application transaction ids of the changes table: ``cdcd:<source node id>`` for a source's first
+generation, ``cdcd:<source node id>:g<n>`` for generation n (see cdcd/lake/delta.py)."""

@@ -35,18 +35,19 @@ def _replication(options: Mapping[str, Any], source: str) -> Consumer:
     return ReplicationConsumer.from_options(options, source)
 
 
-def _spark(options: Mapping[str, Any], source: str) -> Consumer:
-    from cdcd.sinks.spark import SparkLakeConsumer
+def _lake(options: Mapping[str, Any], source: str) -> Consumer:
+    from cdcd.sinks.lake import LakeConsumer
 
-    return SparkLakeConsumer.from_options(options, source)
+    return LakeConsumer.from_options(options, source)
 
 
 KINDS: dict[str, ConsumerFactory] = {
     "jsonl": _jsonl,
+    "lake": _lake,
     "null": _null,
     "python": _python,
     "replication": _replication,
-    "spark": _spark,
+    "spark": _lake,  # the lake sink's former name
 }
 
 

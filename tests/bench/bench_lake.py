@@ -8,8 +8,9 @@ a 10k-row landing and a small window query, so class loading and code generation
 are out of the timings) are reported separately and never inside a timing.
 Work dirs live under ``$CDCD_BENCH_DIR`` or the system temp dir.
 
-Every lake benchmark runs with the default ``writer = "arrow"`` and, as ``*.spark``, with
-``writer = "spark"`` (``createDataFrame`` + ``write.parquet`` on ``local[2]``).
+Every lake benchmark runs with the default ``writer = "spark"`` (``createDataFrame`` +
+``write.parquet`` on ``local[2]``, delta-rs commits) and, as ``*.deltalake``, with the JVM-free
+``writer = "deltalake"`` (pyarrow writes, delta-rs commits).
 
 - ``lake.ingest``: the backlog (setup, untimed): a node dir written by a ``Node`` in background
   mode with 16 MiB segments, ``wal_force_archive_timeout_ms=0``, ``archive_max_bytes=0``: fresh
@@ -35,7 +36,8 @@ Every lake benchmark runs with the default ``writer = "arrow"`` and, as ``*.spar
   for 20 s (8 s with ``--quick``), idles 2.5 s so its last segment rolls on the timeout like the
   others, and exits; once the daemon has consumed every CDC link it is stopped. Lag of a row =
   its lake log entry's ``committed_ns`` (the commit point; publishing is a rename or two after
-  it) minus the row's ``commit_ts`` read back from the entry's Parquet files with pyarrow. Rows
+  it) minus the row's ``commit_ts`` read back from the entry's Parquet files with pyarrow (Delta: the
+  commit file's mtime, the moment it became visible). Rows
   committed in the first 5 s (3 s) are dropped. p50/p99/max in ms.
 - ``lake.compact``: ``cdcd.lake.compact.compact(spark, lake)`` over a change log of 1M distinct
   keys (100k with ``--quick``) plus 10% updates and 1% deletes: six log entries of up to 200k rows,
@@ -100,7 +102,8 @@ WARMUP_ROWS = 10_000
 LAG_RATE = 5000
 LAG_FORCE_ARCHIVE_MS = 1000
 LAG_BATCH_DELAY_MS = 200
-LAG_GOAL_MS = 2000.0
+LAG_GOAL_MS = 1500.0
+RT_LAG_GOAL_MS = 300.0
 LAG_IDLE_S = 2.5
 DRAIN_TIMEOUT_S = 120.0
 
@@ -195,7 +198,8 @@ class SharedSpark:
             "expire_time_ms": [0] * rows,
             "cache": ["warm"] * rows,
         }
-        table = pa.table({f.name: pa.array(cols[f.name], f.type) for f in SCHEMA}, schema=SCHEMA)
+        columns = {f.name: pa.array(cols.get(f.name, [0] * rows), f.type) for f in SCHEMA}  # the rest: zeros
+        table = pa.table(columns, schema=SCHEMA)
         tmp = Path(tempfile.mkdtemp(prefix="cdcd-bench-lake-warmup-", dir=_bench_dir()))
         try:
             self.session.createDataFrame(table).coalesce(1).write.partitionBy("cache").parquet(str(tmp / "a"))
@@ -252,11 +256,9 @@ def _consumer(lake: Path, writer: str) -> Any:
 
 
 def _lake_rows(lake: Path) -> int:
-    from cdcd.lake.log import LakeLog
+    from deltalake import DeltaTable
 
-    lake_log = LakeLog(lake)
-    lake_log.refresh()
-    return sum(s.rows for e in lake_log.entries for s in e.caches.values())
+    return int(DeltaTable(str(lake / "changes")).count())
 
 
 # --- the backlog ----------------------------------------------------------------------------------
@@ -402,6 +404,7 @@ def run_ingest(
         "py_cpu_us_per_row": round(cpu / entries * 1e6, 2),
         "jvm_cpu_us_per_row": round(jvm / entries * 1e6, 2),
         "lake_mib": round(sum(p.stat().st_size for p in BACKLOG.lake.rglob("*.parquet")) / (1 << 20), 1),
+        "delta_commits": len(list((BACKLOG.lake / "changes" / "_delta_log").glob("*.json"))) - 1,
     }
     return Measurement(entries, seconds, extra)
 
@@ -486,32 +489,36 @@ async def _drive_lag(daemon: Daemon, writer: subprocess.Popen[bytes], go: Path, 
 
 
 def _lake_lags(lake: Path) -> tuple[list[int], list[int], list[int]]:
-    """Per row: commit ts (ns) and lag (committed_ns - commit ts); per log entry: rows."""
+    """Per row: commit ts (ns) and lag (the Delta commit's timestamp - commit ts); per commit: rows.
+
+    The commit's timestamp is taken from its log file's mtime (ns; commitInfo only has ms): the
+    moment the commit became visible to readers."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from cdcd.lake.log import CHANGES_DIR, LakeLog
-
-    lake_log = LakeLog(lake)
-    lake_log.refresh()
+    changes = lake / "changes"
     ts_all: list[int] = []
     lags: list[int] = []
     rows: list[int] = []
-    for entry in lake_log.entries:
+    for commit in sorted((changes / "_delta_log").glob("*.json")):
+        visible_ns = commit.stat().st_mtime_ns
+        adds = [json.loads(line)["add"] for line in commit.read_text().splitlines() if line.startswith('{"add"')]
+        if not adds:
+            continue
         n = 0
-        for rel in entry.files:
-            col = pq.read_table(lake / CHANGES_DIR / rel, columns=["commit_ts"]).column("commit_ts")
+        for add in adds:
+            col = pq.read_table(changes / add["path"], columns=["commit_ts"]).column("commit_ts")
             if col.type.tz is None:
                 col = col.cast(pa.timestamp(col.type.unit, tz="UTC"))
             ts = col.cast(pa.timestamp("ns", tz="UTC")).cast(pa.int64()).to_pylist()
             ts_all += ts
-            lags += [entry.committed_ns - t for t in ts]
+            lags += [visible_ns - t for t in ts]
             n += len(ts)
         rows.append(n)
     return ts_all, lags, rows
 
 
-def run_lag(*, seconds: float, drop_s: float, rate: int, lake_writer: str = "arrow") -> Measurement:
+def run_lag(*, seconds: float, drop_s: float, rate: int, lake_writer: str = "spark") -> Measurement:
     SPARK.ensure()
     work = Path(tempfile.mkdtemp(prefix="cdcd-bench-lake-lag-", dir=_bench_dir()))
     try:
@@ -586,6 +593,63 @@ def run_lag(*, seconds: float, drop_s: float, rate: int, lake_writer: str = "arr
         "writer_behind_max_ms": stats["behind_max_ms"],
     }
     return Measurement(len(kept), window_s, extra, value=extra["p50_ms"])
+
+
+def run_rt_lag(*, seconds: float, drop_s: float, rate: int) -> Measurement:
+    """The node's realtime worker writing the lake (``writer = "deltalake"``, its default there):
+    a node in this process with ``realtime_cdc = true`` and ``cdc_enabled = false`` (no daemon, no
+    hand-over needed), ``wal_mode = "fsync"``, written at ``rate`` entries/s (``put_all`` of 10
+    fresh keys, open loop); lag as in ``lake.lag.live``."""
+    work = Path(tempfile.mkdtemp(prefix="cdcd-bench-lake-rt-", dir=_bench_dir()))
+    try:
+        lake = work / "lake"
+        node = Node.open(
+            work / "node",
+            wal_mode="fsync",
+            wal_segment_size_bytes=SEGMENT_BYTES,
+            cdc_enabled=False,
+            realtime_cdc=True,
+            realtime_consumer={"kind": "lake", "lake_path": str(lake)},
+        )
+        written = 0
+        try:
+            put_all = node.cache("lag").put_all
+            interval = TX_SIZE / rate
+            started = time.monotonic()
+            next_at, key = started, 0
+            while time.monotonic() < started + seconds:
+                delay = next_at - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                put_all({k: lake_value(k) for k in range(key, key + TX_SIZE)})
+                key += TX_SIZE
+                next_at += interval
+            written = key
+            deadline = time.monotonic() + DRAIN_TIMEOUT_S
+            while (_lake_rows(lake) if (lake / "changes" / "_delta_log").is_dir() else 0) < written:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the realtime worker landed {_lake_rows(lake):,} of {written:,} rows")
+                time.sleep(0.05)
+        finally:
+            node.close()
+        ts, lags, batch_rows = _lake_lags(lake)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if len(ts) != written:
+        raise AssertionError(f"the lake holds {len(ts):,} rows, the node wrote {written:,}")
+    cutoff = min(ts) + int(drop_s * 1e9)
+    kept = sorted(lag for t, lag in zip(ts, lags, strict=True) if t >= cutoff)
+    ms = 1e6
+    extra = {
+        "p50_ms": round(_percentile(kept, 50) / ms, 1),
+        "p90_ms": round(_percentile(kept, 90) / ms, 1),
+        "p99_ms": round(_percentile(kept, 99) / ms, 1),
+        "max_ms": round(kept[-1] / ms, 1),
+        "batches": len(batch_rows),
+        "rows_per_batch": round(statistics.fmean(batch_rows)) if batch_rows else 0,
+        "written": written,
+    }
+    return Measurement(len(kept), (max(ts) - cutoff) / 1e9, extra, value=extra["p50_ms"])
 
 
 # --- lake.compact ---------------------------------------------------------------------------------
@@ -751,7 +815,7 @@ def benchmarks(quick: bool) -> list[Bench]:
             name=name,
             description=(
                 f"Daemon.{form}() landing a {_label(entries)}-entry backlog in the lake "
-                + (f"(spark {SPARK_MASTER})" if writer == "spark" else "(writer = arrow)")
+                + (f"(writer = spark, {SPARK_MASTER})" if writer == "spark" else "(writer = deltalake)")
             ),
             run_once=lambda: run_ingest(entries=entries, form=form, writer=writer),
             unit="rows/s",
@@ -773,13 +837,13 @@ def benchmarks(quick: bool) -> list[Bench]:
         )
 
     return [
-        ingest("lake.ingest", "sync_once", INGEST_GOAL, 1 if quick else 2, last=False, writer="arrow"),
-        ingest("lake.ingest.run", "run", INGEST_GOAL, 1, last=False, writer="arrow"),
-        ingest("lake.ingest.spark", "sync_once", INGEST_GOAL, 1 if quick else 2, last=False, writer="spark"),
-        ingest("lake.ingest.spark.run", "run", INGEST_GOAL, 1, last=True, writer="spark"),
+        ingest("lake.ingest", "sync_once", INGEST_GOAL, 1 if quick else 2, last=False, writer="spark"),
+        ingest("lake.ingest.run", "run", INGEST_GOAL, 1, last=False, writer="spark"),
+        ingest("lake.ingest.deltalake", "sync_once", INGEST_GOAL, 1 if quick else 2, last=False, writer="deltalake"),
+        ingest("lake.ingest.deltalake.run", "run", INGEST_GOAL, 1, last=True, writer="deltalake"),
         *(
             Bench(
-                name="lake.lag.live" + ("" if writer == "arrow" else ".spark"),
+                name="lake.lag.live" + ("" if writer == "spark" else ".deltalake"),
                 description=(
                     f"commit-to-lake lag, node writing {LAG_RATE} entries/s (force-archive {LAG_FORCE_ARCHIVE_MS} ms), "
                     f"Daemon.run() + writer = {writer}, {lag_seconds:.0f}s"
@@ -806,7 +870,23 @@ def benchmarks(quick: bool) -> list[Bench]:
                     **shape,
                 },
             )
-            for writer in ("arrow", "spark")
+            for writer in ("spark", "deltalake")
+        ),
+        Bench(
+            name="lake.lag.realtime",
+            description=(
+                f"commit-to-lake lag of the node's realtime worker (writer = deltalake), {LAG_RATE} entries/s, "
+                f"{lag_seconds:.0f}s"
+            ),
+            run_once=functools.partial(run_rt_lag, seconds=lag_seconds, drop_s=lag_drop_s, rate=LAG_RATE),
+            metric="p50",
+            unit="ms",
+            max_repeats=1,
+            more=(
+                Metric("p99", "p99_ms", "ms", RT_LAG_GOAL_MS, lower_is_better=True),
+                Metric("max", "max_ms", "ms"),
+            ),
+            params={"rate": LAG_RATE, "seconds": lag_seconds, "dropped_s": lag_drop_s, "wal_mode": "fsync", **shape},
         ),
         Bench(
             name="lake.compact",

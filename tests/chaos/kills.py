@@ -87,7 +87,7 @@ def episode(
     daemon_consumer = None
     lake_path = tmp / "lake"
     if lake:
-        daemon_consumer = {"kind": "spark", "lake_path": str(lake_path), "writer": "arrow", "spark_master": "local[1]"}
+        daemon_consumer = {"kind": "lake", "lake_path": str(lake_path), "writer": "deltalake"}
     consumer = node_consumer
     if consumer is not None and "options" in consumer:
         options = {**consumer["options"], "path": str(tmp / "node.jsonl"), "busy_flag": str(tmp / "consumer.busy")}
@@ -151,7 +151,7 @@ def kill_daemon(ctx: Ctx, res: Result) -> None:
 
 
 def kill_daemon_lake(ctx: Ctx, res: Result) -> None:
-    """SIGKILL `cdcd run` with the lake sink (arrow writer) while the node writes: zero duplicates in the lake."""
+    """SIGKILL `cdcd run` with the lake sink (deltalake writer) while the node writes: zero duplicates in the lake."""
     res.duplicates_must_be_zero = True
     _episodes(ctx, res, ctx.pick(3, 15), ctx.pick(3, 8), victims=["daemon"], lake=True)
 

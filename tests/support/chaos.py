@@ -29,13 +29,10 @@ from typing import Any
 
 import lmdb
 import pyarrow as pa
-import pyarrow.parquet as pq
 from prometheus_client.parser import text_string_to_metric_families
 
-from cdcd.lake.compact import cache_of
 from cdcd.wal import DataRecord, WalReader
 from tests.support.config import jsonl_consumer, write_daemon_config
-from tests.support.lake import check_log_invariants, staging_contents, visible_files
 from tests.support.procs import ROOT, child_env, error_lines, start_daemon, wait_for
 from tests.support.procs import committed as daemon_committed
 from tests.support.realtime import DAEMON_SETTINGS, Rig, expected_shares, read_runs
@@ -127,17 +124,15 @@ def jsonl_delivery(expected: list[dict[str, Any]], runs: Sequence[list[dict[str,
 
 
 def lake_rows(lake: Path) -> list[dict[str, Any]]:
-    """Every row a reader of ``<lake>/changes`` sees (files under ``_``/``.`` names skipped), with its cache."""
-    rows: list[dict[str, Any]] = []
-    for rel in sorted(visible_files(lake)):
-        path = lake / "changes" / rel
-        table = pq.read_table(path)
-        idx = table.schema.get_field_index("commit_ts")
-        table = table.set_column(idx, "commit_ts", table.column("commit_ts").cast(pa.int64()))
-        cache = next(cache_of(p) for p in Path(rel).parts if p.startswith("cache="))
-        for r in table.to_pylist():
-            r["cache"] = cache
-            rows.append(r)
+    """Every row a reader of the Delta table ``<lake>/changes`` sees (its newest snapshot), commit_ts in µs."""
+    from deltalake import DeltaTable
+
+    if not (lake / "changes" / "_delta_log").is_dir():
+        return []
+    table = DeltaTable(str(lake / "changes")).to_pyarrow_table()
+    idx = table.schema.get_field_index("commit_ts")
+    table = table.set_column(idx, "commit_ts", table.column("commit_ts").cast(pa.int64()))
+    rows: list[dict[str, Any]] = table.to_pylist()
     return rows
 
 
@@ -182,11 +177,16 @@ def lake_delivery(lake: Path, expected: list[dict[str, Any]]) -> Delivery:
 
 
 def check_lake_clean(lake: Path, expected: list[dict[str, Any]]) -> None:
-    """No writer runs: every visible file is named by the log (and vice versa), staging is empty."""
-    entries = check_log_invariants(lake, [tuple(e["pos"]) for e in expected])
-    named = {rel for e in entries for rel in e.files}
-    check(visible_files(lake) == named, f"lake: files named by the log but missing: {named - visible_files(lake)}")
-    check(staging_contents(lake) == [], f"lake: staging left behind: {staging_contents(lake)[:5]}")
+    """No writer runs: every record a commit added is whole (no transaction split across commits), staging is
+    empty."""
+    from tests.support.delta_lake import check_whole_records, record_sizes
+    from tests.support.delta_lake import lake_rows as delta_rows
+
+    if (lake / "changes" / "_delta_log").is_dir():
+        check_whole_records(delta_rows(lake), record_sizes(expected), "lake")
+    staging = lake / "_staging"
+    left = sorted(str(p.relative_to(staging)) for p in staging.rglob("*")) if staging.exists() else []
+    check(left == [], f"lake: staging left behind: {left[:5]}")
 
 
 def check_exact(r: ChaosRig) -> Delivery:

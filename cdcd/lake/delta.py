@@ -1,0 +1,468 @@
+"""Landing change rows in ``<lake>/changes`` (a Delta table), exactly once, for both writers.
+
+Who commits: always delta-rs (``deltalake``), whichever writer made the Parquet files. Its commit
+creates ``_delta_log/<version>.json`` with an atomic put-if-absent (a hard link on a local disk), so
+two *processes* committing at once (the node's realtime worker and the daemon around a hand-over)
+cannot overwrite each other; Spark's log store for local paths only serialises commits inside one
+JVM (a second JVM's rename can replace the first's commit file).
+
+Exactly once: every commit carries a Delta application transaction per source node,
+``cdcd:<node id>`` (``:g<n>`` for generation n), whose version encodes the WAL pointer of the last
+record the commit landed (``encode_version``). Before writing, the writer reads it back and drops
+every record at or below it; commits are made at exactly the table version read plus one
+(``max_commit_retries=0``), and a commit that lost the race re-reads the mark: unchanged (another
+source or a maintenance commit won) it commits the same files at the next version; changed, its
+files are deleted (never named by any commit) and the batch is filtered again. A DataRecord is never
+split across commits: the daemon and the realtime worker hand whole records, and the mark names a
+record, not an entry, so no reader ever sees half of a node transaction.
+
+Generations: records at or below the mark are checked against the rows the lake holds for them; a
+record that differs (a node dir restored from a backup reuses WAL positions) starts generation n+1
+of the source, with its own application transaction, landed from that record on.
+
+Durability: data files are fsynced (and their directories) before the commit that names them; files
+of a batch that never committed are orphans that ``vacuum`` removes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import structlog
+from deltalake import CommitProperties, DeltaTable, Transaction
+from deltalake.exceptions import CommitFailedError, DeltaError
+from deltalake.transaction import AddAction, PostCommitHookProperties, RemoveAction
+
+from cdcd.durable import fsync_dir
+from cdcd.lake.table import (
+    CHANGES,
+    CHANGES_PROPERTIES,
+    SOURCE_APP_PREFIX,
+    change_partitions,
+    change_schema,
+)
+from cdcd.wal.pointer import WalPointer
+
+log = structlog.get_logger("cdcd.lake")
+
+OFFSET_BITS = 32
+"""Application transaction version = ``segment << 32 | offset`` of the last landed record: strictly
+increasing with the WAL position, and a non-negative Java long for every segment below 2**31 and
+every offset below 4 GiB (a segment longer than that is refused, never mis-ordered)."""
+MAX_OFFSET = (1 << OFFSET_BITS) - 1
+MAX_SEGMENT = (1 << (63 - OFFSET_BITS)) - 1
+
+OLD_LOG_DIR = "_cdcd_log"
+
+_STAT_COLUMNS = (
+    "partition",
+    "version_order",
+    "version_cluster_id",
+    "node_order",
+    "topology_version",
+    "wal_segment",
+    "wal_offset",
+    "wal_index",
+    "expire_time_ms",
+    "source_generation",
+)
+"""Columns whose min/max go into each file's Delta statistics (readers skip files by them)."""
+
+
+class LakeWriteError(RuntimeError):
+    """The lake could not take a batch (one line: the path and the root cause)."""
+
+
+class OldFormatLake(RuntimeError):
+    """A lake in the pre-Delta format (``_cdcd_log``)."""
+
+
+def encode_version(ptr: WalPointer) -> int:
+    if not 0 <= ptr.segment <= MAX_SEGMENT or not 0 <= ptr.offset <= MAX_OFFSET:
+        raise LakeWriteError(
+            f"WAL pointer {ptr} is beyond what the lake's application transaction version holds "
+            f"(segment <= {MAX_SEGMENT}, offset <= {MAX_OFFSET}: keep wal_segment_size_bytes below 4 GiB)"
+        )
+    return (ptr.segment << OFFSET_BITS) | ptr.offset
+
+
+def decode_version(version: int) -> WalPointer:
+    return WalPointer(version >> OFFSET_BITS, version & MAX_OFFSET)
+
+
+def app_id(source_node: str, generation: int) -> str:
+    return f"{SOURCE_APP_PREFIX}{source_node}" + (f":g{generation}" if generation else "")
+
+
+def first_app_id(source_node: str, generation: int) -> str:
+    """The application transaction whose version is the first record of a generation (n >= 1)."""
+    return f"{app_id(source_node, generation)}:first"
+
+
+_PLAIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def partition_dir_value(value: str) -> str:
+    """The directory form of a partition value: the value itself when it is short and plain, else a
+    readable prefix and a hash. Delta keeps the real value in the log, so any name the node accepts
+    (255 characters, 200 x "é", "/", "%") lands; readers never parse the directory."""
+    if _PLAIN.match(value):
+        return value
+    prefix = re.sub(r"[^A-Za-z0-9._-]", "_", value)[:40].lstrip("._-")
+    digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:20]
+    return f"{prefix}-{digest}" if prefix else f"h-{digest}"
+
+
+def refuse_old_format(lake: Path) -> None:
+    if (lake / OLD_LOG_DIR).is_dir() and not (lake / CHANGES / "_delta_log").is_dir():
+        raise OldFormatLake(
+            f"lake_path {lake} is in the pre-Delta format ({OLD_LOG_DIR}/): convert it once with "
+            f"`cdcd lake migrate --lake {lake}`"
+        )
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.errno:
+        return os.strerror(exc.errno)
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _stat_value(v: Any) -> Any:
+    return v.as_py() if isinstance(v, pa.Scalar) else v
+
+
+def file_stats(table: pa.Table) -> str:
+    """Delta statistics (``numRecords``, ``minValues``, ``maxValues``, ``nullCount``) of one file's rows."""
+    mins: dict[str, Any] = {}
+    maxs: dict[str, Any] = {}
+    nulls: dict[str, int] = {}
+    for name in table.column_names:
+        col = table.column(name)
+        # A column with a null count but no bounds makes delta-rs's reader skip every file:
+        # either all three, or none.
+        if name in _STAT_COLUMNS and table.num_rows and col.null_count == 0:
+            mm = pc.min_max(col)
+            mins[name] = _stat_value(mm["min"])
+            maxs[name] = _stat_value(mm["max"])
+            nulls[name] = 0
+    return json.dumps({"numRecords": table.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls})
+
+
+def footer_stats(path: Path) -> str:
+    """``file_stats`` from a Parquet file's footer (files another engine wrote)."""
+    meta = pq.read_metadata(path)
+    schema = meta.schema.to_arrow_schema()
+    mins: dict[str, Any] = {}
+    maxs: dict[str, Any] = {}
+    nulls: dict[str, int] = {}
+    for j, field in enumerate(schema):
+        stats = [meta.row_group(i).column(j).statistics for i in range(meta.num_row_groups)]
+        if field.name not in _STAT_COLUMNS or any(s is None or not s.has_min_max or s.null_count for s in stats):
+            continue
+        mins[field.name] = min(s.min for s in stats)
+        maxs[field.name] = max(s.max for s in stats)
+        nulls[field.name] = 0
+    return json.dumps({"numRecords": meta.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls})
+
+
+@dataclass(frozen=True)
+class SourceMark:
+    """What the lake holds of one source: its generation and the pointer of the last landed record."""
+
+    generation: int
+    last: WalPointer | None
+
+
+@dataclass
+class WrittenFiles:
+    """Parquet files of one batch under the table, fsynced, not yet named by any commit."""
+
+    root: Path
+    adds: list[AddAction]
+
+    def discard(self) -> None:
+        for add in self.adds:
+            (self.root / add.path).unlink(missing_ok=True)
+        self.adds = []
+
+
+class ChangeTable:
+    """``<lake>/changes``: open (creating it once), read source marks, write files, commit."""
+
+    def __init__(self, lake: Path, partition_by_day: bool) -> None:
+        self.lake = lake
+        self.path = lake / CHANGES
+        self.partition_by = change_partitions(partition_by_day)
+        self.schema = change_schema(partition_by_day)
+        self.data_columns = [f.name for f in self.schema if f.name not in self.partition_by]
+        self._dt: DeltaTable | None = None
+        self._generations: dict[str, int] = {}
+        self.commits = 0
+        self.conflicts = 0
+
+    # --- opening ----------------------------------------------------------------------------------
+    def open(self, *, allow_old_log: bool = False) -> None:
+        """Open the table, creating it if there is none; ``allow_old_log`` for ``lake migrate`` only."""
+        if not allow_old_log:
+            refuse_old_format(self.lake)
+        uri = str(self.path)
+        if not DeltaTable.is_deltatable(uri):
+            self.path.mkdir(parents=True, exist_ok=True)
+            try:
+                DeltaTable.create(
+                    uri,
+                    self.schema,
+                    mode="error",
+                    partition_by=self.partition_by,
+                    name="cdcd_changes",
+                    description="cdcd change data: one row per WAL data entry",
+                    configuration=CHANGES_PROPERTIES,
+                )
+            except (DeltaError, OSError) as exc:
+                if not DeltaTable.is_deltatable(uri):  # not another writer creating it at the same moment
+                    raise LakeWriteError(f"lake {self.path}: cannot create the changes table: {_reason(exc)}") from None
+        dt = DeltaTable(uri)
+        parts = dt.metadata().partition_columns
+        if list(parts) != self.partition_by:
+            raise LakeWriteError(
+                f"lake {self.path}: the changes table is partitioned by {list(parts)}, this sink by "
+                f"{self.partition_by} (partition_by_day must match the table)"
+            )
+        retention = dt.metadata().configuration.get("delta.setTransactionRetentionDuration")
+        if retention:
+            raise LakeWriteError(
+                f"lake {self.path}: delta.setTransactionRetentionDuration = {retention} would let the "
+                "per-source application transactions expire (exactly once depends on them): unset it"
+            )
+        have = {f.name for f in dt.schema().fields}
+        missing = [n for n in self.schema.names if n not in have]
+        if missing:
+            raise LakeWriteError(f"lake {self.path}: the changes table has no column(s) {missing}")
+        self._dt = dt
+
+    @property
+    def table(self) -> DeltaTable:
+        if self._dt is None:
+            raise RuntimeError("ChangeTable used before open()")
+        return self._dt
+
+    def refresh(self) -> int:
+        dt = self.table
+        dt.update_incremental()
+        return dt.version()
+
+    def mark(self, source: str) -> SourceMark:
+        """The source's newest generation and its last landed record (of the snapshot last refreshed)."""
+        dt = self.table
+        gen = self._generations.get(source, 0)
+        version = dt.transaction_version(app_id(source, gen))
+        while True:
+            newer = dt.transaction_version(app_id(source, gen + 1))
+            if newer is None:
+                break
+            gen, version = gen + 1, newer
+        self._generations[source] = gen
+        return SourceMark(gen, None if version is None else decode_version(version))
+
+    # --- writing files ----------------------------------------------------------------------------
+    def _dir_of(self, values: Sequence[str]) -> Path:
+        return Path(*(f"{c}={partition_dir_value(v)}" for c, v in zip(self.partition_by, values, strict=True)))
+
+    def write_arrow(self, table: pa.Table, max_rows_per_file: int = 1 << 20) -> WrittenFiles:
+        """``table`` as Parquet files, one or more per partition, fsynced with their directories."""
+        out = WrittenFiles(self.path, [])
+        group = np.zeros(table.num_rows, np.int64)
+        for c in self.partition_by:
+            codes = table.column(c).combine_chunks().dictionary_encode()
+            group = group * len(codes.dictionary) + codes.indices.to_numpy(zero_copy_only=False)
+        data = table.select(self.data_columns)
+        dirs: set[Path] = set()
+        try:
+            for gid in np.unique(group):
+                rows = np.flatnonzero(group == gid)
+                part = data if len(rows) == table.num_rows else data.take(pa.array(rows))
+                first = int(rows[0])
+                values = [str(table.column(c)[first].as_py()) for c in self.partition_by]
+                rel_dir = self._dir_of(values)
+                (self.path / rel_dir).mkdir(parents=True, exist_ok=True)
+                for start in range(0, part.num_rows, max_rows_per_file):
+                    chunk = part.slice(start, max_rows_per_file)
+                    rel = rel_dir / f"part-{uuid.uuid4().hex}.c000.zstd.parquet"
+                    full = self.path / rel
+                    pq.write_table(chunk, full, compression="zstd", row_group_size=1 << 20)
+                    fsync_file(full)
+                    st = full.stat()
+                    pv = dict(zip(self.partition_by, values, strict=True))
+                    out.adds.append(
+                        AddAction(str(rel), st.st_size, pv, st.st_mtime_ns // 10**6, True, file_stats(chunk))
+                    )
+                dirs.add(self.path / rel_dir)
+            self._fsync_dirs(dirs)
+        except OSError as exc:
+            out.discard()
+            raise LakeWriteError(f"lake {self.path}: writing {table.num_rows} rows failed: {_reason(exc)}") from None
+        return out
+
+    def adopt_files(self, staging: Path, values_of: Mapping[str, str]) -> WrittenFiles:
+        """Move Parquet files another engine wrote under ``staging`` (``col=<dir value>/...``) into the
+        table, fsynced; ``values_of`` maps each directory value back to the real partition value."""
+        out = WrittenFiles(self.path, [])
+        dirs: set[Path] = set()
+        try:
+            for src in sorted(staging.rglob("*.parquet")):
+                rel = src.relative_to(staging)
+                if any(p.startswith((".", "_")) for p in rel.parts):
+                    continue
+                values = []
+                for part in rel.parts[:-1]:
+                    col, _, dir_value = part.partition("=")
+                    values.append(values_of.get(dir_value, dir_value) if col == self.partition_by[0] else dir_value)
+                rel_dir = self._dir_of(values)
+                dst = self.path / rel_dir / f"part-{uuid.uuid4().hex}.c000.zstd.parquet"
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                fsync_file(src)
+                stats = footer_stats(src)
+                os.rename(src, dst)
+                dirs.add(dst.parent)
+                st = dst.stat()
+                pv = dict(zip(self.partition_by, values, strict=True))
+                out.adds.append(
+                    AddAction(str(dst.relative_to(self.path)), st.st_size, pv, st.st_mtime_ns // 10**6, True, stats)
+                )
+            self._fsync_dirs(dirs)
+        except OSError as exc:
+            out.discard()
+            raise LakeWriteError(f"lake {self.path}: moving files from {staging} failed: {_reason(exc)}") from None
+        return out
+
+    def _fsync_dirs(self, dirs: Iterable[Path]) -> None:
+        parents: set[Path] = set()
+        for d in dirs:
+            fsync_dir(d)
+            parents.update(p for p in d.parents if p == self.path or self.path in p.parents)
+        for p in parents:
+            fsync_dir(p)
+
+    # --- committing -------------------------------------------------------------------------------
+    def commit(
+        self,
+        files: WrittenFiles,
+        *,
+        source: str,
+        read: SourceMark,
+        generation: int,
+        last: WalPointer,
+        first: WalPointer,
+        metadata: Mapping[str, Any],
+    ) -> bool:
+        """Commit ``files`` with the source's mark moved to ``last`` in ``generation``, provided the
+        mark is still ``read`` (what the batch was filtered against).
+
+        True: committed. False: another commit moved this source's mark since it was read; the
+        files are deleted and the caller filters the batch again."""
+        version = encode_version(last)
+        now_ms = int(time.time() * 1000)
+        txns = [Transaction(app_id(source, generation), version, now_ms)]
+        if generation != read.generation:  # where the new generation's history starts
+            txns.append(Transaction(first_app_id(source, generation), encode_version(first), now_ms))
+        info = {"source": source, "generation": generation, "last": str(last), **metadata}
+        props = CommitProperties(
+            max_commit_retries=0, app_transactions=txns, custom_metadata={"cdcd": json.dumps(info)}
+        )
+        dt = self.table
+        actions: list[AddAction | RemoveAction] = list(files.adds)
+        hooks = PostCommitHookProperties(create_checkpoint=True, cleanup_expired_logs=False)
+        while True:
+            read_version = dt.version()
+            try:
+                dt.create_write_transaction(
+                    actions,
+                    "append",
+                    self.schema,
+                    partition_by=self.partition_by,
+                    commit_properties=props,
+                    post_commithook_properties=hooks,
+                )
+                self.commits += 1
+                return True
+            except (DeltaError, OSError) as exc:
+                error = exc
+            # Where did the commit end? Read the log again (an error while doing so keeps the files:
+            # they may be committed; if not, they are orphans vacuum removes).
+            try:
+                now = self.refresh()
+                mark = self.mark(source)
+            except (DeltaError, OSError) as exc:
+                raise LakeWriteError(
+                    f"lake {self.path}: commit failed: {_reason(error)}; then: {_reason(exc)}"
+                ) from None
+            if mark == SourceMark(generation, last):
+                # Landed: ours, failing after its commit point (a checkpoint), or another writer's of
+                # the same records.
+                log.warning("lake_commit_error_after_landing", error=_reason(error), version=now)
+                self.commits += 1
+                return True
+            if now == read_version or not isinstance(error, CommitFailedError):
+                files.discard()
+                raise LakeWriteError(f"lake {self.path}: commit failed: {_reason(error)}") from None
+            self.conflicts += 1
+            if mark != read:
+                files.discard()
+                return False
+            log.debug("lake_commit_retry", source=source, version=now)
+
+    # --- what landed ------------------------------------------------------------------------------
+    def landed_rows(self, source: str, generation: int, lo: WalPointer, hi: WalPointer) -> pa.Table:
+        """The rows of ``source`` with pointers in ``lo..hi`` (inclusive), each position's rows of the
+        history that holds it now: the newest generation up to ``generation`` that started at or
+        before it (a generation's history replaces the older ones from its first record on)."""
+        dt = self.table
+        starts = [(0, 0)]
+        for g in range(1, generation + 1):
+            first = dt.transaction_version(first_app_id(source, g))
+            if first is not None:
+                starts.append((g, first))
+        ds = dt.to_pyarrow_dataset()
+        # Only columns with statistics in the dataset filter: delta-rs's fragments claim "x >= null"
+        # for a column without bounds, which would skip every file for a filter on it.
+        f = (
+            (pc.field("source_generation") <= generation)
+            & (pc.field("wal_segment") >= lo.segment)
+            & (pc.field("wal_segment") <= hi.segment)
+        )
+        cols = ["wal_segment", "wal_offset", "wal_index", "op", "key", "value", "source_node", "source_generation"]
+        rows = ds.to_table(columns=cols, filter=f)
+        rows = rows.filter(pc.equal(rows.column("source_node"), source))
+        key = pc.add(pc.multiply(rows.column("wal_segment"), 1 << OFFSET_BITS), rows.column("wal_offset"))
+        keep = pc.and_(pc.greater_equal(key, encode_version(lo)), pc.less_equal(key, encode_version(hi)))
+        rows = rows.append_column("_ptr", key).filter(keep)
+        if len(starts) == 1:
+            return rows.filter(pc.equal(rows.column("source_generation"), 0))
+        ptrs = rows.column("_ptr").to_numpy(zero_copy_only=False)
+        holder = np.zeros(len(ptrs), np.int64)
+        for g, first in starts:
+            holder = np.where(ptrs >= first, np.maximum(holder, g), holder)
+        gens = rows.column("source_generation").to_numpy(zero_copy_only=False)
+        return rows.filter(pa.array(gens == holder))

@@ -1,0 +1,301 @@
+"""``kind = "lake"`` (alias ``"spark"``): batches into the Delta table ``<lake>/changes``, exactly once.
+
+The Parquet files are written by Spark (``writer = "spark"``, the default: ``createDataFrame`` +
+``write.parquet`` on ``spark_master``) or by pyarrow in this process (``writer = "deltalake"``, no
+JVM: the node's realtime worker and small machines); delta-rs commits either way
+(cdcd/lake/delta.py says why and how the commit is exactly once).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import pyarrow as pa
+import pyarrow.compute as pc
+import structlog
+
+from cdcd import metrics
+from cdcd.config import convert
+from cdcd.consumer import CacheInfo, Consumer, EventBatch, RecordSlice
+from cdcd.delivery import slices_from
+from cdcd.durable import write_atomic
+from cdcd.lake import spark as spark_session
+from cdcd.lake.arrow import build_table, split_slices
+from cdcd.lake.delta import ChangeTable, LakeWriteError, SourceMark, WrittenFiles, partition_dir_value
+from cdcd.lake.log import STAGING_DIR, _owner_alive, check_writable, new_batch_id
+from cdcd.secrets import mask_mapping
+from cdcd.wal.pointer import WalPointer, WalPosition
+
+log = structlog.get_logger("cdcd.lake")
+
+__all__ = ["LakeConsumer", "LakeOptions", "LakeWriteError", "root_cause"]
+
+_ROWS_PER_SPARK_FILE = 250_000
+_MIN_ROWS_PER_FILE = 100_000
+"""Smaller batches are written as one file per partition (smaller files cost readers more)."""
+
+
+def root_cause(exc: BaseException) -> str:
+    """The innermost cause of a (Py4J-wrapped Java) exception, on one line."""
+    java = getattr(exc, "java_exception", None)
+    if java is not None:
+        try:
+            while java.getCause() is not None:
+                java = java.getCause()
+            return str(java.toString()).splitlines()[0]
+        except Exception as inner:  # the JVM may be gone; fall back to the Python text
+            log.debug("java_cause_unavailable", error=str(inner))
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    lake_path: str
+    spark_master: str = "local[*]"
+    """Any Spark master URL: local[N], spark://host:port, yarn, k8s://... (the lake must be a path
+    every executor and this process see, e.g. a shared mount)."""
+    spark_conf: dict[str, str] = msgspec.field(default_factory=dict)
+    app_name: str = "cdcd-lake"
+    partition_by_day: bool = False
+    max_files_per_batch: int = 2
+    """At most this many files per batch and partition."""
+    writer: Literal["spark", "deltalake", "arrow"] = "spark"
+    """Who writes the Parquet files: Spark on ``spark_master`` (default), or pyarrow in this
+    process (``"deltalake"``; ``"arrow"`` is its old name): no JVM, for small machines and the
+    node's realtime worker (its default there). Both land the same table, exactly once, and may
+    take turns on it."""
+
+    def __post_init__(self) -> None:
+        # A URL would otherwise become a relative directory (``./s3:/bucket``) and the data land on a local disk.
+        if _URL_SCHEME.match(self.lake_path):
+            raise msgspec.ValidationError(
+                f"{self.lake_path!r} is a URL; the lake sink writes to a path (mount object storage, "
+                "e.g. with s3fs or a FUSE driver, and give the mount point) - at `$.lake_path`"
+            )
+
+    @property
+    def uses_spark(self) -> bool:
+        return self.writer == "spark"
+
+
+_URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def split_replayed(
+    slices: Sequence[RecordSlice], last: WalPointer | None
+) -> tuple[list[RecordSlice], list[RecordSlice]]:
+    """(slices at or below ``last`` - landed already, if the history is the same -, the new ones).
+
+    The mark names whole records: everything before the record after ``last`` is landed."""
+    if last is None:
+        return [], list(slices)
+    new = slices_from(slices, WalPosition(last.segment, last.offset + 1))
+    return list(slices[: len(slices) - len(new)]), new
+
+
+_COMPARED = ["wal_segment", "wal_offset", "wal_index", "op", "key", "value"]
+
+
+def _by_record(table: pa.Table) -> dict[tuple[int, int], list[tuple[Any, ...]]]:
+    out: dict[tuple[int, int], list[tuple[Any, ...]]] = {}
+    cols = [table.column(c).to_pylist() for c in _COMPARED]
+    for row in zip(*cols, strict=True):
+        out.setdefault((row[0], row[1]), []).append(row[2:])
+    for rows in out.values():
+        rows.sort(key=lambda r: r[0])
+    return out
+
+
+class LakeConsumer(Consumer):
+    def __init__(self, options: LakeOptions) -> None:
+        self.options = options
+        self.lake = Path(options.lake_path)
+        self._table: ChangeTable | None = None
+        self._spark: Any = None
+        self.rows_written = 0
+        self.batches_skipped = 0
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], source: str) -> LakeConsumer:
+        if "writer" not in options and source.endswith("realtime_consumer"):
+            # In the node's process: no JVM unless asked for.
+            options = {**options, "writer": "deltalake"}
+        return cls(convert(options, LakeOptions, source))
+
+    def start(self, registry: Any = None) -> None:
+        metrics.export(metrics.LAKE)
+        check_writable(self.lake)
+        table = ChangeTable(self.lake, self.options.partition_by_day)
+        table.open()
+        self._table = table
+        self._clean_staging()
+        opts = self.options
+        log.info(
+            "lake_sink_starting",
+            lake=str(self.lake),
+            writer=opts.writer,
+            spark_master=opts.spark_master if opts.uses_spark else None,
+            spark_conf=mask_mapping(opts.spark_conf),
+            table_version=table.table.version(),
+        )
+        if opts.uses_spark:
+            self._spark = spark_session.acquire(opts.spark_master, opts.app_name, opts.spark_conf)
+
+    def _clean_staging(self) -> None:
+        """Spark output of writers that died before moving it into the table (never named by a commit)."""
+        staging = self.lake / STAGING_DIR
+        if not staging.is_dir():
+            return
+        for d in staging.iterdir():
+            if not _owner_alive(d.name):
+                log.info("lake_staging_discarded", batch=d.name)
+                shutil.rmtree(d, ignore_errors=True)
+
+    def stop(self) -> None:
+        if self._spark is not None:
+            self._spark = None
+            spark_session.release()
+
+    def on_cache_change(self, caches: Sequence[CacheInfo]) -> None:
+        path = self.lake / "_cdcd_caches.json"
+        known: dict[str, Any] = {}
+        if path.exists():
+            known = json.loads(path.read_text())
+        for info in caches:
+            known[str(info.cache_id)] = {"name": info.name, "partitions": info.config.partitions}
+        write_atomic(path, json.dumps(known, sort_keys=True).encode())
+
+    def on_events(self, batch: EventBatch) -> bool:
+        table = self._table
+        if table is None or (self._spark is None and self.options.uses_spark):
+            raise RuntimeError("lake sink used before start()")
+        source = batch.source_node
+        slices = batch.slices
+        while True:
+            table.refresh()
+            read = table.mark(source)
+            replayed, new = split_replayed(slices, read.last)
+            generation = read.generation
+            if replayed:
+                diverged = self._diverged_at(table, batch, read, replayed)
+                if diverged is None:
+                    metrics.LAKE_DUPLICATE_BATCHES.inc()
+                    self.batches_skipped += 1
+                    log.info(
+                        "lake_replay_dropped",
+                        events=sum(s.end - s.start for s in replayed),
+                        source=source,
+                        landed_until=str(read.last),
+                    )
+                else:
+                    new = replayed[diverged:] + new
+                    generation += 1
+                    metrics.LAKE_GENERATIONS.inc()
+                    log.warning(
+                        "lake_source_diverged",
+                        source=source,
+                        at=str(replayed[diverged].pointer),
+                        landed_until=str(read.last),
+                        generation=generation,
+                        detail="the record at a landed position is not the record the lake holds "
+                        "(node dir restored from a backup?): continuing as a new generation of the source",
+                    )
+            if not new:
+                return True
+            rows = sum(s.end - s.start for s in new)
+            t0 = time.perf_counter()
+            files, stats = self._write(table, new, batch, generation)
+            metrics.LAKE_WRITE_SECONDS.observe(time.perf_counter() - t0)
+            meta = {"rows": rows, "first": str(new[0].pointer), "writer": self.options.writer, "pid": os.getpid()}
+            if table.commit(
+                files=files,
+                source=source,
+                read=read,
+                generation=generation,
+                last=new[-1].pointer,
+                first=new[0].pointer,
+                metadata=meta,
+            ):
+                self.rows_written += rows
+                for name, (n, _ts) in stats.items():
+                    metrics.LAKE_ROWS.labels(name).inc(n)
+                metrics.LAKE_LAG_SECONDS.set(max(0.0, time.time() - batch.last_commit_ts_ns / 1e9))
+                return True
+            metrics.LAKE_CONFLICTS.inc()
+            log.warning("lake_commit_conflict", source=source, detail="another writer landed this source first")
+
+    def _diverged_at(
+        self, table: ChangeTable, batch: EventBatch, read: SourceMark, replayed: list[RecordSlice]
+    ) -> int | None:
+        """Index of the first replayed record that is not what the lake holds at its position (None: all are)."""
+        built, _ = build_table(replayed, batch, batch.source_node, False, read.generation)
+        mine = _by_record(built)
+        landed = _by_record(
+            table.landed_rows(batch.source_node, read.generation, replayed[0].pointer, replayed[-1].pointer)
+        )
+        pointers = sorted(set(mine) | set(landed))
+        for ptr in pointers:
+            if mine.get(ptr) != landed.get(ptr):
+                wp = WalPointer(*ptr)
+                return next(i for i, s in enumerate(replayed) if s.pointer >= wp)
+        return None
+
+    def _write_arrow(
+        self, table: ChangeTable, slices: list[RecordSlice], batch: EventBatch, generation: int
+    ) -> tuple[WrittenFiles, dict[str, tuple[int, int]]]:
+        """Up to ``max_files_per_batch`` parts, each built while the previous one is written:
+        pyarrow's Parquet encoding and compression run without the GIL, on the other core."""
+        parts = split_slices(slices, self.options.max_files_per_batch, min_rows=_MIN_ROWS_PER_FILE)
+        stats: dict[str, tuple[int, int]] = {}
+        futures: list[Future[WrittenFiles]] = []
+        with ThreadPoolExecutor(1, thread_name_prefix="cdcd-lake-write") as pool:
+            try:
+                for part in parts:
+                    data, part_stats = build_table(
+                        part, batch, batch.source_node, self.options.partition_by_day, generation
+                    )
+                    futures.append(pool.submit(table.write_arrow, data))
+                    for name, (n, ts) in part_stats.items():
+                        have, max_ts = stats.get(name, (0, 0))
+                        stats[name] = (have + n, max(max_ts, ts))
+                written = [f.result() for f in futures]
+            except BaseException:
+                for f in futures:  # what did get written is never committed: remove it now
+                    if f.done() and f.exception() is None:
+                        f.result().discard()
+                raise
+        return WrittenFiles(table.path, [a for w in written for a in w.adds]), stats
+
+    def _write(
+        self, table: ChangeTable, slices: list[RecordSlice], batch: EventBatch, generation: int
+    ) -> tuple[WrittenFiles, dict[str, tuple[int, int]]]:
+        rows = sum(s.end - s.start for s in slices)
+        if not self.options.uses_spark:
+            return self._write_arrow(table, slices, batch, generation)
+        data, stats = build_table(slices, batch, batch.source_node, self.options.partition_by_day, generation)
+        staging = self.lake / STAGING_DIR / new_batch_id()
+        names = data.column("cache").unique().to_pylist()
+        dir_values = {partition_dir_value(n): n for n in names}
+        to_dir = pa.array([partition_dir_value(n) for n in names], pa.string())
+        cache_dirs = to_dir.take(pc.index_in(data.column("cache"), pa.array(names, pa.string())))
+        data = data.set_column(data.schema.get_field_index("cache"), "cache", cache_dirs)
+        files = max(1, min(self.options.max_files_per_batch, rows // _ROWS_PER_SPARK_FILE + 1))
+        try:
+            df = self._spark.createDataFrame(data)
+            df.coalesce(files).write.partitionBy(*table.partition_by).parquet(str(staging))
+            return table.adopt_files(staging, dir_values), stats
+        except LakeWriteError:
+            raise
+        except Exception as exc:
+            raise LakeWriteError(f"writing {rows} rows to {staging} failed: {root_cause(exc)}") from None
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
