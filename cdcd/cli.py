@@ -792,9 +792,13 @@ def lake_vacuum(lake_path: Path, retain_hours: float, spark_master: str) -> None
     --retain-hours, and orphans of writes that never committed. Refused while older changes wait
     for compaction."""
     from cdcd.lake import spark as spark_session
-    from cdcd.lake.ops import VacuumRefused, vacuum
+    from cdcd.lake.ops import VacuumRefused, check_vacuum, vacuum
 
     _require_changes(lake_path)
+    try:
+        check_vacuum(lake_path, retain_hours)  # before starting a JVM only to refuse
+    except VacuumRefused as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
     spark = _spark(spark_master, "cdcd-lake-vacuum")
     try:
         left = vacuum(spark, lake_path, retain_hours)

@@ -236,9 +236,7 @@ def test_acquire_loads_delta_from_local_jars_and_resolves_nothing(spark: Any, tm
     append_changes(lake, rows)
     home = tmp_path / "home"
     home.mkdir()
-    offline = f"{QUICK_JVM} " + " ".join(
-        f"-D{p}.proxyHost=127.0.0.1 -D{p}.proxyPort=9" for p in ("http", "https")
-    )
+    offline = f"{QUICK_JVM} " + " ".join(f"-D{p}.proxyHost=127.0.0.1 -D{p}.proxyPort=9" for p in ("http", "https"))
     env = compact_env(HOME=str(home), CDCD_SPARK_JARS_DIR=str(copy), JAVA_TOOL_OPTIONS=offline)
     res = subprocess.run(
         [*CDCD, "lake", "compact", "--lake", str(lake), "--spark-master", TEST_MASTER],

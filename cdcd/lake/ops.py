@@ -158,28 +158,40 @@ def commit_time_ms(table: Path, version: int) -> int:
     return int((table / LOG_DIR / f"{version:020d}.json").stat().st_mtime * 1000)
 
 
+def data_files_on_disk(table: Path) -> list[Path]:
+    """Every Parquet data file under the table's directory, committed or not (what vacuum may delete)."""
+    return [p for p in table.rglob("*.parquet") if LOG_DIR not in p.parts]
+
+
+def check_vacuum(lake: Path, retain_hours: float, now_ms: int | None = None) -> None:
+    """``VacuumRefused`` when changes not yet compacted were committed before the retention horizon."""
+    from deltalake import DeltaTable as RsTable
+
+    if retain_hours < 0:
+        raise VacuumRefused(f"--retain-hours {retain_hours}: must be >= 0")
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    horizon_ms = now_ms - int(retain_hours * 3600 * 1000)
+    changes = lake / CHANGES
+    if not RsTable.is_deltatable(str(changes)):
+        return
+    _, done, behind = state_lag(lake)
+    if behind:
+        first_ms = commit_time_ms(changes, done + 1)
+        if first_ms < horizon_ms:
+            raise VacuumRefused(
+                f"{lake}: changes from version {done + 1} ({iso_ms(first_ms)}) are not compacted yet and "
+                f"older than {retain_hours:g} h: run `cdcd lake compact --lake {lake}` first"
+            )
+
+
 def vacuum(spark: Any, lake: Path, retain_hours: float, now_ms: int | None = None) -> dict[str, int]:
     """Delete files no snapshot within ``retain_hours`` needs (replaced by OPTIMIZE or MERGE, and
     orphans of writes that never committed). Refused (``VacuumRefused``) when changes not yet
     compacted are older than that: their original files may be among those deleted, and the next
     compaction reads them through the change data feed. Returns the data files left per table."""
     from delta.tables import DeltaTable
-    from deltalake import DeltaTable as RsTable
 
-    if retain_hours < 0:
-        raise ValueError(f"--retain-hours {retain_hours}: must be >= 0")
-    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    horizon_ms = now_ms - int(retain_hours * 3600 * 1000)
-    changes = lake / CHANGES
-    if RsTable.is_deltatable(str(changes)):
-        _, done, behind = state_lag(lake)
-        if behind:
-            first_ms = commit_time_ms(changes, done + 1)
-            if first_ms < horizon_ms:
-                raise VacuumRefused(
-                    f"{lake}: changes from version {done + 1} ({iso_ms(first_ms)}) are not compacted yet and "
-                    f"older than {retain_hours:g} h: run `cdcd lake compact --lake {lake}` first"
-                )
+    check_vacuum(lake, retain_hours, now_ms)
     session = spark.newSession()
     if retain_hours < DEFAULT_RETAIN_HOURS:
         # Delta refuses a shorter retention unless told: the operator asked for it explicitly.
@@ -190,7 +202,7 @@ def vacuum(spark: Any, lake: Path, retain_hours: float, now_ms: int | None = Non
         if not DeltaTable.isDeltaTable(session, str(path)):
             continue
         DeltaTable.forPath(session, str(path)).vacuum(retain_hours)
-        left[name] = len(RsTable(str(path)).file_uris())
+        left[name] = len(data_files_on_disk(path))
         log.info("lake_vacuumed", table=name, retain_hours=retain_hours, files=left[name])
     return left
 

@@ -84,8 +84,7 @@ def print_history(table: str, rows: list[dict[str, Any]]) -> None:
 
 
 STATE_QUERY = (
-    "SELECT cache, count(*) AS keys, max(commit_ts) AS last_commit "
-    "FROM delta.`{state}` GROUP BY cache ORDER BY cache"
+    "SELECT cache, count(*) AS keys, max(commit_ts) AS last_commit FROM delta.`{state}` GROUP BY cache ORDER BY cache"
 )
 """The Spark SQL ``make run`` ends with: the state table, as any Spark user would query it."""
 
