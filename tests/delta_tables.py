@@ -93,3 +93,26 @@ def state_rows(lake: Path) -> dict[tuple[str, str], str]:
         assert (cache, key) not in out, f"two state rows for {(cache, key)}"
         out[(cache, key)] = value
     return out
+
+
+def compacted_lake(lake: Path, rows: list[dict[str, Any]]) -> None:
+    """A lake whose ``changes`` hold ``rows`` (one commit) and whose ``state`` is their fold, written
+    with delta-rs as ``lake compact`` would leave it (its application transaction included), no JVM."""
+    from cdcd.lake.compact import COMPACT_APP_ID
+    from cdcd.lake.table import STATE, STATE_PROPERTIES, STATE_SCHEMA
+
+    version = append_changes(lake, rows)
+    latest = expected_state(rows)
+    state_rows_ = [
+        {name: r.get(name) for name in STATE_SCHEMA.names}
+        for r in rows
+        if (r["cache"], r["key"]) in latest and latest[(r["cache"], r["key"])] == r["value"]
+    ]
+    write_deltalake(
+        str(lake / STATE),
+        pa.Table.from_pylist(state_rows_, schema=STATE_SCHEMA),
+        mode="append",
+        partition_by=list(PARTITION_BY),
+        configuration=STATE_PROPERTIES,
+        commit_properties=CommitProperties(app_transactions=[Transaction(app_id=COMPACT_APP_ID, version=version)]),
+    )
