@@ -19,13 +19,16 @@ import pyarrow as pa
 import structlog
 
 from cdcd import failpoints
-from cdcd.lake.deltalog import data_changing_versions
-from cdcd.lake.table import CHANGES, PARTITION_BY, STATE, STATE_PROPERTIES, STATE_SCHEMA
+from cdcd.lake.deltalog import data_changing_versions, rows_added
+from cdcd.lake.table import CHANGE_SCHEMA, CHANGES, PARTITION_BY, STATE, STATE_PROPERTIES, STATE_SCHEMA
 
 log = structlog.get_logger("cdcd.lake")
 
 COMPACT_APP_ID = "cdcd-compact"
 """The state table's application transaction: its version is the changes-table version compacted up to."""
+
+MAX_ROWS_PER_MERGE = 2_000_000
+"""Change rows one MERGE reads into the driver at most (a backlog is compacted in several MERGEs)."""
 
 ORDER_COLUMNS = ("version_order", "wal_segment", "wal_offset", "wal_index")
 """Which change of a key wins: the highest version order, then the latest WAL position."""
@@ -107,23 +110,57 @@ def ensure_state_table(spark: Any, lake: Path) -> None:
     builder.execute()
 
 
-def latest_changes(spark: Any, changes: Path, start: int, end: int) -> Any:
-    """Per (cache, key), the winning change among versions ``start..end`` of the change data feed."""
-    from pyspark.sql import functions as F
+FEED_COLUMNS = ("op", *STATE_COLUMNS)
 
-    feed = (
-        spark.read.format("delta")
-        .option("readChangeFeed", "true")
-        .option("startingVersion", start)
-        .option("endingVersion", end)
-        .load(str(changes))
-        # The table is append-only: every row of its feed is an insert.
-        .where(F.col("_change_type") == "insert")
+
+def read_feed(changes: Path, start: int, end: int) -> pa.Table:
+    """The change data feed of versions ``start..end`` (inserts only: the table is append-only), read
+    with delta-rs: it opens the many small files live traffic writes (one per cache per commit) far
+    faster than Spark's file scan, and the MERGE only needs the few winners per key anyway."""
+    import pyarrow.compute as pc
+    from deltalake import DeltaTable
+
+    reader = DeltaTable(str(changes)).load_cdf(starting_version=start, ending_version=end)
+    # delta-rs hands strings as string_view: back to the contract's types first.
+    schema = pa.schema([*(CHANGE_SCHEMA.field(name) for name in FEED_COLUMNS), ("_change_type", pa.string())])
+    table = pa.table(reader.read_all()).select(schema.names).cast(schema)
+    return table.filter(pc.equal(table["_change_type"], "insert")).select(list(FEED_COLUMNS))
+
+
+def latest_per_key(feed: pa.Table) -> pa.Table:
+    """Per (cache, key), the change with the highest version order, then WAL position."""
+    import pyarrow.compute as pc
+
+    if feed.num_rows == 0:
+        return feed
+    order = [("cache", "ascending"), ("key", "ascending")] + [(c, "ascending") for c in ORDER_COLUMNS]
+    ordered = feed.sort_by(order)
+    n = ordered.num_rows
+    cache = ordered["cache"].combine_chunks()
+    key = ordered["key"].combine_chunks()
+    # The last row of each (cache, key) run: the next row has another cache or key.
+    differs = pc.or_(
+        pc.not_equal(cache.slice(0, n - 1), cache.slice(1)).fill_null(True),
+        pc.not_equal(key.slice(0, n - 1), key.slice(1)).fill_null(True),
     )
-    rest = [c for c in STATE_COLUMNS if c not in ("cache", "key", *ORDER_COLUMNS)]
-    # max of a struct compares field by field: the ordering columns first decide the winner.
-    winner = F.max(F.struct(*[F.col(c) for c in ORDER_COLUMNS], F.col("op"), *[F.col(c) for c in rest]))
-    return feed.groupBy("cache", "key").agg(winner.alias("w")).select("cache", "key", "w.*")
+    last = pa.concat_arrays([differs, pa.array([True])])
+    return ordered.filter(last)
+
+
+def version_ranges(changes: Path, start: int, end: int, max_rows: int) -> list[tuple[int, int]]:
+    """``start..end`` cut into consecutive ranges of at most ``max_rows`` added rows each (a single
+    larger version is a range of its own): what one MERGE holds in memory is bounded."""
+    ranges: list[tuple[int, int]] = []
+    first, rows = start, 0
+    for version in range(start, end + 1):
+        added = rows_added(changes, version)
+        added = max_rows if added is None else added
+        if rows and rows + added > max_rows:
+            ranges.append((first, version - 1))
+            first, rows = version, 0
+        rows += added
+    ranges.append((first, end))
+    return ranges
 
 
 def _newer(source: str, target: str) -> str:
@@ -133,10 +170,9 @@ def _newer(source: str, target: str) -> str:
     return f"struct({cols}) > struct({tcols})"
 
 
-def compact(spark: Any, lake: Path) -> CompactResult:
-    """Fold every change committed to ``<lake>/changes`` since the last compaction into ``<lake>/state``."""
-    from delta.tables import DeltaTable
-
+def compact(spark: Any, lake: Path, *, max_rows_per_merge: int = MAX_ROWS_PER_MERGE) -> CompactResult:
+    """Fold every change committed to ``<lake>/changes`` since the last compaction into ``<lake>/state``:
+    one MERGE per range of at most ``max_rows_per_merge`` change rows (one range unless a backlog)."""
     changes = lake / CHANGES
     end = table_version(changes)
     if end is None:
@@ -147,30 +183,57 @@ def compact(spark: Any, lake: Path) -> CompactResult:
     # Its own session: the application-transaction settings are per session, and the lake sink may
     # commit through the process's main session at the same time.
     session = spark.newSession()
+    session.conf.set("spark.databricks.delta.merge.repartitionBeforeWrite.enabled", "true")
     ensure_state_table(session, lake)
     failpoints.hit("lake.compact.state_table")
-    source = latest_changes(session, changes, done + 1, end).cache()
-    try:
-        rows = source.count()
+    keys = 0
+    for first, last in version_ranges(changes, done + 1, end, max_rows_per_merge):
+        winners = latest_per_key(read_feed(changes, first, last))
+        keys += winners.num_rows
         failpoints.hit("lake.compact.source_read")
-        state = DeltaTable.forPath(session, str(lake / STATE))
-        assignments: dict[str, str | Any] = {c: f"s.`{c}`" for c in STATE_COLUMNS}
-        merge = (
-            state.alias("t")
-            .merge(source.alias("s"), "t.cache = s.cache AND t.key = s.key")
-            .whenMatchedDelete(condition=f"s.op = 'delete' AND {_newer('s', 't')}")
-            .whenMatchedUpdate(condition=f"s.op <> 'delete' AND {_newer('s', 't')}", set=assignments)
-            .whenNotMatchedInsert(condition="s.op <> 'delete'", values=assignments)
-        )
         session.conf.set(_TXN_APP, COMPACT_APP_ID)
-        session.conf.set(_TXN_VERSION, str(end))
-        merge.execute()
+        session.conf.set(_TXN_VERSION, str(last))
+        source = session.createDataFrame(winners)
+        if _is_empty(lake / STATE):
+            # Nothing to match against (the first compaction): a plain append of the live winners,
+            # same application transaction, no join. One writer per cache: one file per cache.
+            live = source.where("op <> 'delete'").select(*STATE_COLUMNS).repartition(*PARTITION_BY)
+            live.write.format("delta").mode("append").save(str(lake / STATE))
+        else:
+            _merge(session, lake, source, winners.column("cache").unique().to_pylist())
         failpoints.hit("lake.compact.committed")
-    finally:
-        source.unpersist()
-    state_version = _state_version(lake)
-    log.info("lake_compacted", changes_from=done + 1, changes_to=end, keys=rows, state_version=state_version)
-    return CompactResult(done + 1, end, rows, state_version)
+        log.info("lake_compacted", changes_from=first, changes_to=last, keys=winners.num_rows)
+    return CompactResult(done + 1, end, keys, _state_version(lake))
+
+
+PRUNE_MAX_CACHES = 1000
+"""Up to this many caches changed: the MERGE names them, so Delta reads only their state partitions."""
+
+
+def _merge(session: Any, lake: Path, source: Any, caches: list[str]) -> None:
+    from delta.tables import DeltaTable
+    from pyspark.sql import functions as F
+
+    condition = (F.col("t.cache") == F.col("s.cache")) & (F.col("t.key") == F.col("s.key"))
+    if len(caches) <= PRUNE_MAX_CACHES:
+        # Literal values (a Column, no SQL text): any cache name is safe here.
+        condition = F.col("t.cache").isin(sorted(caches)) & condition
+    assignments: dict[str, str | Any] = {c: f"s.`{c}`" for c in STATE_COLUMNS}
+    (
+        DeltaTable.forPath(session, str(lake / STATE))
+        .alias("t")
+        .merge(source.alias("s"), condition)
+        .whenMatchedDelete(condition=f"s.op = 'delete' AND {_newer('s', 't')}")
+        .whenMatchedUpdate(condition=f"s.op <> 'delete' AND {_newer('s', 't')}", set=assignments)
+        .whenNotMatchedInsert(condition="s.op <> 'delete'", values=assignments)
+        .execute()
+    )
+
+
+def _is_empty(table: Path) -> bool:
+    from deltalake import DeltaTable
+
+    return not DeltaTable(str(table)).file_uris()
 
 
 def behind(changes: Path, done: int, end: int) -> bool:

@@ -106,3 +106,24 @@ def data_changing_versions(table: Path, after: int, latest: int) -> Iterator[int
             if change is not None and change.get("dataChange", True):
                 yield version
                 break
+
+
+def rows_added(table: Path, version: int) -> int | None:
+    """Rows a commit added (from its files' statistics); None when a file has none or the commit file is gone."""
+    try:
+        actions = read_commit(table, version)
+    except FileNotFoundError:
+        return None
+    total = 0
+    for action in actions:
+        add = action.get("add")
+        if add is None or not add.get("dataChange", True):
+            continue
+        stats = add.get("stats")
+        if not stats:
+            return None
+        try:
+            total += int(json.loads(stats)["numRecords"])
+        except (ValueError, KeyError, TypeError):
+            return None
+    return total
