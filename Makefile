@@ -3,10 +3,11 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
+JARS   := $(VENV)/jars/.fetched-stamp
 
 .PHONY: install test test-under-load lint bench bench-pg fuzz chaos run clean
 
-install: $(STAMP)
+install: $(STAMP) $(JARS)
 
 $(STAMP): pyproject.toml
 	@bash scripts/ensure-java.sh
@@ -15,6 +16,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	@bash scripts/ensure-minio.sh
 	@touch $(STAMP)
+
+# Delta Lake's jars for Spark, from Maven Central once; later runs and tests need no network.
+$(JARS): $(STAMP) scripts/fetch-delta-jars.sh cdcd/lake/spark.py
+	bash scripts/fetch-delta-jars.sh $(BIN)/python
+	@touch $(JARS)
 
 # Two workers, one test file each at a time (module fixtures such as a SparkSession stay per file):
 # most tests wait on processes, so two overlap well even on two cores.

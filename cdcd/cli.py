@@ -681,101 +681,202 @@ def delete_lost_links(config_path: Path, yes: bool) -> None:
     )
 
 
-# --- lake -----------------------------------------------------------------------------------------
+# --- lake ---------------------------------------------------------------------------------------
 @main.group()
 def lake() -> None:
-    """The Parquet lake written by the spark consumer."""
+    """The Delta lake: <lake>/changes (every change) and <lake>/state (latest per key)."""
 
 
 def _spark(master: str, app: str) -> Any:
     from cdcd.lake import spark as spark_session
 
     configure_logging("console" if sys.stderr.isatty() else "json")
-    return spark_session.acquire(master, app, {})
+    try:
+        return spark_session.acquire(master, app, {})
+    except spark_session.DeltaJarsMissing as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+
+
+_Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def _lake_option() -> _Decorator:
+    return click.option(
+        "--lake", "lake_path", required=True, type=click.Path(path_type=Path, exists=True), help="The lake directory."
+    )
+
+
+def _master_option() -> _Decorator:
+    return click.option("--spark-master", default="local[*]", show_default=True, help="Spark master URL.")
+
+
+def _require_changes(lake_path: Path) -> None:
+    from cdcd.lake.compact import table_version
+    from cdcd.lake.table import CHANGES
+
+    if table_version(lake_path / CHANGES) is None:
+        fail(f"{lake_path / CHANGES}: not a Delta table (no _delta_log/): not a cdcd lake", EXIT_BAD_INPUT)
 
 
 @lake.command("compact")
-@click.option(
-    "--lake", "lake_path", required=True, type=click.Path(path_type=Path, exists=True), help="The lake directory."
-)
-@click.option("--cache", default=None, help="Only this cache.")
-@click.option("--spark-master", default="local[*]", show_default=True, help="Spark master URL to compact on.")
-def lake_compact(lake_path: Path, cache: str | None, spark_master: str) -> None:
-    """Fold the change log into current-state tables <lake>/state/cache=<name> (incremental, atomic swap)."""
+@_lake_option()
+@_master_option()
+def lake_compact(lake_path: Path, spark_master: str) -> None:
+    """MERGE the changes committed since the last compaction into <lake>/state (one Spark job for all
+    caches; latest per key by version, then WAL position; deletes applied; idempotent)."""
     from cdcd.lake import spark as spark_session
     from cdcd.lake.compact import compact
-    from cdcd.lake.log import LOG_DIR
 
-    if not (lake_path / LOG_DIR).is_dir():
-        fail(f"{lake_path} is not a cdcd lake (no {LOG_DIR}/ in it)", EXIT_BAD_INPUT)
+    _require_changes(lake_path)
     spark = _spark(spark_master, "cdcd-lake-compact")
     try:
-        done = compact(spark, lake_path, cache)
+        result = compact(spark, lake_path)
     finally:
         spark_session.release()
-    if not done:
-        click.echo("nothing new to compact")
-    for name, meta in done.items():
-        click.echo(f"{name}: state version {meta.version}, {meta.rows:,} rows (log entries up to {meta.seq})")
+    if not result.did_work:
+        click.echo(f"nothing new to compact: state reflects changes version {result.to_version}")
+    else:
+        click.echo(
+            f"state version {result.state_version}: changes versions {result.from_version}..{result.to_version}, "
+            f"{result.keys:,} keys merged"
+        )
+
+
+@lake.command("optimize")
+@_lake_option()
+@_master_option()
+def lake_optimize(lake_path: Path, spark_master: str) -> None:
+    """Bin-pack small files of both tables (Delta OPTIMIZE; no data changes)."""
+    from cdcd.lake import spark as spark_session
+    from cdcd.lake.ops import optimize
+
+    _require_changes(lake_path)
+    spark = _spark(spark_master, "cdcd-lake-optimize")
+    try:
+        done = optimize(spark, lake_path)
+    finally:
+        spark_session.release()
+    for name, m in done.items():
+        click.echo(f"{name}: {m['numFilesRemoved']} files -> {m['numFilesAdded']}")
+
+
+@lake.command("vacuum")
+@_lake_option()
+@click.option(
+    "--retain-hours",
+    type=click.FloatRange(min=0),
+    default=168.0,
+    show_default=True,
+    help="Keep files any snapshot of the last N hours needs (time travel and readers in flight).",
+)
+@_master_option()
+def lake_vacuum(lake_path: Path, retain_hours: float, spark_master: str) -> None:
+    """Delete data files no longer needed: replaced by OPTIMIZE or compaction longer ago than
+    --retain-hours, and orphans of writes that never committed. Refused while older changes wait
+    for compaction."""
+    from cdcd.lake import spark as spark_session
+    from cdcd.lake.ops import VacuumRefused, check_vacuum, vacuum
+
+    _require_changes(lake_path)
+    try:
+        check_vacuum(lake_path, retain_hours)  # before starting a JVM only to refuse
+    except VacuumRefused as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+    spark = _spark(spark_master, "cdcd-lake-vacuum")
+    try:
+        left = vacuum(spark, lake_path, retain_hours)
+    except VacuumRefused as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+    finally:
+        spark_session.release()
+    for name, files in left.items():
+        click.echo(f"{name}: {files} data files after vacuum")
 
 
 @lake.command("verify")
-@click.option(
-    "--lake", "lake_path", required=True, type=click.Path(path_type=Path, exists=True), help="The lake directory."
-)
+@_lake_option()
 @click.option(
     "--node-dir",
+    "node_dirs",
     required=True,
+    multiple=True,
     type=click.Path(path_type=Path, exists=True),
-    help="The node to compare with (stopped).",
+    help="A node whose data lands in the lake (stopped); repeat for several.",
 )
-def lake_verify(lake_path: Path, node_dir: Path) -> None:
-    """Compare the state tables with the node's data (rows and an order-independent checksum per cache).
-    The node must be stopped; compact first. Exit 1 on any mismatch."""
-    from cdcd.demo import print_verify
-    from cdcd.lake.log import LOG_DIR
+def lake_verify(lake_path: Path, node_dirs: tuple[Path, ...]) -> None:
+    """Compare <lake>/state with the nodes' data (rows and an order-independent checksum per cache).
+    The nodes must be stopped; exit 2 when state is behind changes (compact first), 1 on a mismatch."""
+    from contextlib import ExitStack
+
+    from cdcd.lake.compact import state_lag
+    from cdcd.lake.report import print_verify, verify_summary
     from cdcd.lake.verify import verify
     from cdcd.node.node import NodeLocked
     from cdcd.node.snapshot import NodeSnapshot
 
     configure_logging("console" if sys.stderr.isatty() else "json", level="warning")
-    if not (lake_path / LOG_DIR).is_dir():
-        fail(f"{lake_path} is not a cdcd lake (no {LOG_DIR}/ in it)", EXIT_BAD_INPUT)
-    state_dir = lake_path / "state"
-    if not state_dir.is_dir() or not any(p.name.startswith("cache=") for p in state_dir.iterdir()):
-        fail(f"{lake_path}: nothing compacted yet: run `cdcd lake compact --lake {lake_path}` first", EXIT_BAD_INPUT)
-    try:
-        snapshot = NodeSnapshot(node_dir)  # read-only: verifying never writes to the node
-    except NodeLocked as exc:
-        fail(f"{exc}: stop the node first", 1)
-    try:
-        checks = verify(lake_path, snapshot)
-    finally:
-        snapshot.close()
+    _require_changes(lake_path)
+    end, done, behind = state_lag(lake_path)
+    if behind:
+        at = "never compacted" if done < 0 else f"at changes version {done}"
+        fail(
+            f"{lake_path}: state is behind changes ({at}, changes at version {end}): "
+            f"compact first (`cdcd lake compact --lake {lake_path}`)",
+            EXIT_BAD_INPUT,
+        )
+    with ExitStack() as stack:
+        snapshots = []
+        for node_dir in node_dirs:
+            try:
+                snapshots.append(stack.enter_context(NodeSnapshot(node_dir)))  # read-only
+            except NodeLocked as exc:
+                fail(f"{exc}: stop the node first", 1)
+        checks = verify(lake_path, snapshots)
     print_verify(checks)
+    click.echo(verify_summary(checks))
     if not all(c.ok for c in checks):
         sys.exit(1)
 
 
 @lake.command("show")
-@click.option(
-    "--lake", "lake_path", required=True, type=click.Path(path_type=Path, exists=True), help="The lake directory."
-)
+@_lake_option()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def lake_show(lake_path: Path, as_json: bool) -> None:
-    """Per cache: change-log rows, last position, last commit time, compacted state rows."""
-    from cdcd.demo import print_show
-    from cdcd.lake.log import NotALake
-    from cdcd.lake.verify import show
+    """From the Delta logs: table versions, last commit, application transactions (per source, and
+    compaction's), rows per cache in changes and state, whether state is behind."""
+    from cdcd.lake.compact import NotADeltaLake
+    from cdcd.lake.ops import show
+    from cdcd.lake.report import print_show
 
     try:
-        rows = show(lake_path)
-    except NotALake as exc:
+        info = show(lake_path)
+    except NotADeltaLake as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+    if as_json:
+        click.echo(msgspec.json.encode(info).decode())
+    else:
+        print_show(info)
+
+
+@lake.command("history")
+@_lake_option()
+@click.option("--table", type=click.Choice(["changes", "state"]), default="changes", show_default=True)
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True, help="Newest N commits.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def lake_history(lake_path: Path, table: str, limit: int, as_json: bool) -> None:
+    """A table's commits, newest first (Delta's history): version, time, operation, rows, writer."""
+    from cdcd.lake.compact import NotADeltaLake
+    from cdcd.lake.ops import history
+    from cdcd.lake.report import print_history
+
+    try:
+        rows = history(lake_path, table, limit)
+    except NotADeltaLake as exc:
         fail(str(exc), EXIT_BAD_INPUT)
     if as_json:
         click.echo(msgspec.json.encode(rows).decode())
     else:
-        print_show(rows)
+        print_history(table, rows)
 
 
 @lake.command("migrate")

@@ -8,7 +8,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import click
 import structlog
@@ -17,7 +16,9 @@ from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.lake import spark as spark_session
 from cdcd.lake.compact import compact
-from cdcd.lake.verify import show, verify
+from cdcd.lake.ops import show
+from cdcd.lake.report import print_demo_ending, print_show, print_verify
+from cdcd.lake.verify import verify
 from cdcd.node.load import LoadGenerator
 from cdcd.node.node import Node
 from cdcd.node.snapshot import NodeSnapshot
@@ -82,13 +83,14 @@ def run_demo(*, var: Path, seconds: float, rate: int, spark_master: str, fresh: 
         spark = spark_session.acquire(spark_master, "cdcd-demo-compact", {})
         try:
             compact(spark, lake)
+            with NodeSnapshot(node_dir) as snapshot:
+                checks = verify(lake, [snapshot])
+            verified = all(c.ok for c in checks)
+            print_show(show(lake))
+            print_verify(checks)
+            print_demo_ending(spark, lake, checks)
         finally:
             spark_session.release()
-        with NodeSnapshot(node_dir) as snapshot:
-            checks = verify(lake, snapshot)
-        verified = all(c.ok for c in checks)
-        print_show(show(lake))
-        print_verify(checks)
     finally:
         load.stop()
         daemon.stop()
@@ -98,21 +100,3 @@ def run_demo(*, var: Path, seconds: float, rate: int, spark_master: str, fresh: 
         node.close()
         loop.close()
     return verified
-
-
-def print_show(rows: list[dict[str, Any]]) -> None:
-    click.echo(f"{'cache':<16} {'change rows':>12} {'state rows':>11}  {'last position':<22} last commit")
-    for r in rows:
-        state = "-" if r["state_rows"] is None else f"{r['state_rows']:,}"
-        click.echo(
-            f"{r['cache']:<16} {r['rows']:>12,} {state:>11}  {r['last_position'] or '-':<22} {r['last_commit'] or '-'}"
-        )
-
-
-def print_verify(checks: list[Any]) -> None:
-    click.echo(f"{'cache':<16} {'node rows':>10} {'lake rows':>10}  {'node checksum':<18} {'lake checksum':<18} result")
-    for c in checks:
-        click.echo(
-            f"{c.cache:<16} {c.node_rows:>10,} {c.lake_rows:>10,}  {c.node_checksum:<18x} {c.lake_checksum:<18x} "
-            f"{'OK' if c.ok else 'MISMATCH'}"
-        )

@@ -129,20 +129,23 @@ def test_dump_of_a_live_node_never_fails(tmp_path: Path) -> None:
 
 
 def test_lake_verify_before_any_compaction_says_to_compact_first(tmp_path: Path) -> None:
-    """`lake verify` on a lake with a change log but no compacted state: exit 2, one line saying to compact first,
+    """`lake verify` on a lake with changes but no compacted state: exit 2, one line saying to compact first,
     and the node is not touched (no lock taken, nothing written)."""
+    from tests.support.delta_tables import append_changes, change
+
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
-    (lake / "_cdcd_log").mkdir(parents=True)
+    append_changes(lake, [change("orders", "1", '"one"', 1)])
     with Node.open(node_dir) as node:
         node.cache("orders").put(1, "one")
     res = cdcd("lake", "verify", "--lake", str(lake), "--node-dir", str(node_dir))
     assert (res.returncode, res.stdout) == (2, "")
     assert res.stderr.splitlines() == [
-        f"cdcd: error: {lake}: nothing compacted yet: run `cdcd lake compact --lake {lake}` first"
+        f"cdcd: error: {lake}: state is behind changes (never compacted, changes at version 0): "
+        f"compact first (`cdcd lake compact --lake {lake}`)"
     ]
     res = cdcd("lake", "verify", "--lake", str(tmp_path), "--node-dir", str(node_dir))
     assert res.returncode == 2 and res.stderr.splitlines() == [
-        f"cdcd: error: {tmp_path} is not a cdcd lake (no _cdcd_log/ in it)"
+        f"cdcd: error: {tmp_path / 'changes'}: not a Delta table (no _delta_log/): not a cdcd lake"
     ]
 
 

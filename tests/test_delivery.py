@@ -491,10 +491,10 @@ def test_processor_follows_a_cache_whose_cdc_setting_changes() -> None:
 
 def test_lake_verify_leaves_out_a_cache_with_cdc_off(tmp_path: Path) -> None:
     """`cdcd lake verify` does not expect a cache with CDC off in the lake (it never gets there)."""
-    from tests.support.lake import fake_compacted_state
+    from tests.support.delta_tables import change, compacted_lake
 
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
-    fake_compacted_state(lake, "public", [("1", '"p1"')])
+    compacted_lake(lake, [change("public", "1", '"p1"', 1)])
     with Node.open(node_dir) as node:
         node.cache("public").put(1, "p1")
         node.cache("secret", cdc_enabled=False).put(1, "s1")

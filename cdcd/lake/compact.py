@@ -1,122 +1,293 @@
-"""``cdcd lake compact``: fold the change log into current-state tables, incrementally.
+"""``cdcd lake compact``: MERGE the changes since the last compaction into ``<lake>/state``.
 
-``<lake>/state/cache=<name>`` is a symlink to ``state/_versions/cache=<name>/<n>``; a compaction writes
-version n+1 from the previous state plus the change files committed since, then swaps the link
-atomically, so readers always see one complete version.
+One Spark job for all caches. It reads the change data feed of ``<lake>/changes`` from the version
+after the last compacted one up to the table's current version, keeps per (cache, key) the change
+with the highest version order, then WAL position, and MERGEs that into ``state``: deletes remove
+the row, anything else replaces an older one. The MERGE commit carries the application
+transaction ``(COMPACT_APP_ID, changes version compacted up to)``: Delta skips a commit whose
+version is not above the recorded one, so a compaction that died (anywhere, even after its commit)
+and runs again either finds nothing left to do or redoes exactly the uncommitted range.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-import msgspec
+import pyarrow as pa
+import pyarrow.parquet as pq
 import structlog
 
-from cdcd.durable import write_atomic
-from cdcd.lake.log import CHANGES_DIR, LakeLog
-from cdcd.lake.parquet import escape_partition
+from cdcd import failpoints
+from cdcd.lake.deltalog import DeltaLogError, data_changing_versions, read_commit, rows_added
+from cdcd.lake.table import CHANGE_SCHEMA, CHANGES, PARTITION_BY, STATE, STATE_PROPERTIES, STATE_SCHEMA
 
 log = structlog.get_logger("cdcd.lake")
 
-STATE_DIR = "state"
-COMPACT_META_DIR = "_cdcd_compact"
-STATE_COLUMNS = ["key", "value", "version_order", "commit_ts", "source_node", "wal_segment", "wal_offset", "wal_index"]
+COMPACT_APP_ID = "cdcd-compact"
+"""The state table's application transaction: its version is the changes-table version compacted up to."""
+
+MAX_ROWS_PER_MERGE = 2_000_000
+"""Change rows one MERGE reads into the driver at most (a backlog is compacted in several MERGEs)."""
+
+ORDER_COLUMNS = ("version_order", "wal_segment", "wal_offset", "wal_index")
+"""Which change of a key wins: the highest version order, then the latest WAL position."""
+
+STATE_COLUMNS = tuple(STATE_SCHEMA.names)
+_TXN_APP = "spark.databricks.delta.write.txnAppId"
+_TXN_VERSION = "spark.databricks.delta.write.txnVersion"
 
 
-class CompactMeta(msgspec.Struct):
-    seq: int = -1
-    """Last lake-log entry folded in."""
-    version: int = 0
-    rows: int = 0
+class NotADeltaLake(ValueError):
+    """``<lake>/changes`` is not a Delta table."""
 
 
-def _meta_path(lake: Path, cache: str) -> Path:
-    return lake / COMPACT_META_DIR / f"{cache_dir(cache)}.json"
+@dataclass(frozen=True)
+class CompactResult:
+    from_version: int
+    """First changes-table version folded in (-1: nothing to do)."""
+    to_version: int
+    """The changes-table version ``state`` now reflects (the compact application transaction)."""
+    keys: int
+    """Distinct (cache, key) merged."""
+    state_version: int
+    """The state table's version after the MERGE (unchanged when nothing was new)."""
+
+    @property
+    def did_work(self) -> bool:
+        return self.from_version >= 0
 
 
-def read_meta(lake: Path, cache: str) -> CompactMeta:
-    path = _meta_path(lake, cache)
-    if not path.exists():
-        return CompactMeta()
-    return msgspec.json.decode(path.read_bytes(), type=CompactMeta)
+def spark_type(t: pa.DataType) -> str:
+    """Spark SQL type of a table-contract column (the contract uses only these)."""
+    if pa.types.is_string(t):
+        return "STRING"
+    if pa.types.is_int32(t):
+        return "INT"
+    if pa.types.is_int64(t):
+        return "BIGINT"
+    if pa.types.is_boolean(t):
+        return "BOOLEAN"
+    if pa.types.is_timestamp(t):
+        return "TIMESTAMP"
+    raise TypeError(f"no Spark type for {t}")
 
 
-def _write_meta(lake: Path, cache: str, meta: CompactMeta) -> None:
-    path = _meta_path(lake, cache)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, msgspec.json.encode(meta))
+def spark_ddl(schema: pa.Schema) -> str:
+    return ", ".join(f"`{f.name}` {spark_type(f.type)}" for f in schema)
 
 
-def cache_dir(cache: str) -> str:
-    """``cache=<name>``, escaped as Spark does: any cache name is one safe path component."""
-    return f"cache={escape_partition(cache)}"
+def table_version(path: Path) -> int | None:
+    """The latest version of the Delta table at ``path`` (None: no table there). Reads the log only."""
+    from deltalake import DeltaTable
+
+    if not DeltaTable.is_deltatable(str(path)):
+        return None
+    return DeltaTable(str(path)).version()
 
 
-def cache_of(component: str) -> str:
-    """The cache name of a ``cache=<name>`` path component."""
-    return unquote(component.removeprefix("cache="))
+def compacted_version(lake: Path) -> int:
+    """The changes-table version ``state`` reflects (-1: never compacted)."""
+    from deltalake import DeltaTable
+
+    state = lake / STATE
+    if not DeltaTable.is_deltatable(str(state)):
+        return -1
+    version = DeltaTable(str(state)).transaction_version(COMPACT_APP_ID)
+    return -1 if version is None else int(version)
 
 
-def state_path(lake: Path, cache: str) -> Path:
-    return lake / STATE_DIR / cache_dir(cache)
+def ensure_state_table(spark: Any, lake: Path) -> None:
+    """Create ``<lake>/state`` (empty, the contract's schema, partitioning and properties) if absent."""
+    from delta.tables import DeltaTable
+
+    builder = DeltaTable.createIfNotExists(spark).location(str(lake / STATE))
+    for field in STATE_SCHEMA:
+        builder = builder.addColumn(field.name, spark_type(field.type))
+    builder = builder.partitionedBy(*PARTITION_BY)
+    for key, value in STATE_PROPERTIES.items():
+        builder = builder.property(key, value)
+    builder.execute()
 
 
-def compact(spark: Any, lake: Path, only: str | None = None) -> dict[str, CompactMeta]:
-    """Compact every cache (or ``only``); returns the new metadata per compacted cache."""
-    from pyspark.sql import Window
+FEED_COLUMNS = ("op", *STATE_COLUMNS)
+
+
+def read_feed(changes: Path, start: int, end: int) -> pa.Table:
+    """The change data feed of versions ``start..end``: on this append-only table, exactly the rows
+    of the files those commits added. Read straight from the log and the files with pyarrow: live
+    traffic leaves one small file per cache per commit, which this opens far faster than a Spark
+    file scan (and delta-rs's ``load_cdf`` misreads partition directories it had to escape)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    schema = pa.schema([CHANGE_SCHEMA.field(name) for name in FEED_COLUMNS])
+    data_columns = [name for name in FEED_COLUMNS if name not in PARTITION_BY]
+    files: list[tuple[Path, dict[str, str | None]]] = []
+    for version in range(start, end + 1):
+        try:
+            actions = read_commit(changes, version)
+        except FileNotFoundError as exc:
+            raise DeltaLogError(
+                f"{changes}: commit {version} is no longer in the log (older than delta.logRetentionDuration): "
+                "its changes cannot be compacted incrementally"
+            ) from exc
+        for action in actions:
+            for kind in ("remove", "cdc"):
+                if kind in action and action[kind].get("dataChange", True):
+                    raise DeltaLogError(f"{changes} version {version}: a {kind} action in an append-only table")
+            add = action.get("add")
+            if add is not None and add.get("dataChange", True):
+                files.append((_data_file(changes, add["path"]), add.get("partitionValues") or {}))
+
+    def read(item: tuple[Path, dict[str, str | None]]) -> pa.Table:
+        path, partitions = item
+        table = pq.read_table(path, columns=data_columns)
+        for name in PARTITION_BY:
+            table = table.append_column(name, pa.array([partitions.get(name)] * table.num_rows, pa.string()))
+        return table.select(list(FEED_COLUMNS)).cast(schema)
+
+    if not files:
+        return schema.empty_table()
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return pa.concat_tables(list(pool.map(read, files)))
+
+
+def _data_file(table: Path, path: str) -> Path:
+    """An add action's file: a path relative to the table, or an absolute URI (both percent-encoded)."""
+    from urllib.parse import urlparse
+
+    if "://" in path or path.startswith("file:"):
+        return Path(unquote(urlparse(path).path))
+    return table / unquote(path)
+
+
+def latest_per_key(feed: pa.Table) -> pa.Table:
+    """Per (cache, key), the change with the highest version order, then WAL position."""
+    import pyarrow.compute as pc
+
+    if feed.num_rows == 0:
+        return feed
+    order = [("cache", "ascending"), ("key", "ascending")] + [(c, "ascending") for c in ORDER_COLUMNS]
+    ordered = feed.sort_by(order)
+    n = ordered.num_rows
+    cache = ordered["cache"].combine_chunks()
+    key = ordered["key"].combine_chunks()
+    # The last row of each (cache, key) run: the next row has another cache or key.
+    differs = pc.or_(
+        pc.not_equal(cache.slice(0, n - 1), cache.slice(1)).fill_null(True),
+        pc.not_equal(key.slice(0, n - 1), key.slice(1)).fill_null(True),
+    )
+    last = pa.concat_arrays([differs, pa.array([True])])
+    return ordered.filter(last)
+
+
+def version_ranges(changes: Path, start: int, end: int, max_rows: int) -> list[tuple[int, int]]:
+    """``start..end`` cut into consecutive ranges of at most ``max_rows`` added rows each (a single
+    larger version is a range of its own): what one MERGE holds in memory is bounded."""
+    ranges: list[tuple[int, int]] = []
+    first, rows = start, 0
+    for version in range(start, end + 1):
+        added = rows_added(changes, version)
+        added = max_rows if added is None else added
+        if rows and rows + added > max_rows:
+            ranges.append((first, version - 1))
+            first, rows = version, 0
+        rows += added
+    ranges.append((first, end))
+    return ranges
+
+
+def _newer(source: str, target: str) -> str:
+    """SQL: the source row's change is later than the target row's (struct comparison, field by field)."""
+    cols = ", ".join(f"{source}.{c}" for c in ORDER_COLUMNS)
+    tcols = ", ".join(f"{target}.{c}" for c in ORDER_COLUMNS)
+    return f"struct({cols}) > struct({tcols})"
+
+
+def compact(spark: Any, lake: Path, *, max_rows_per_merge: int = MAX_ROWS_PER_MERGE) -> CompactResult:
+    """Fold every change committed to ``<lake>/changes`` since the last compaction into ``<lake>/state``:
+    one MERGE per range of at most ``max_rows_per_merge`` change rows (one range unless a backlog)."""
+    changes = lake / CHANGES
+    end = table_version(changes)
+    if end is None:
+        raise NotADeltaLake(f"{changes}: not a Delta table (no _delta_log/): nothing to compact")
+    done = compacted_version(lake)
+    if not behind(changes, done, end):
+        return CompactResult(-1, done, 0, _state_version(lake))
+    # Its own session: the application-transaction settings are per session, and the lake sink may
+    # commit through the process's main session at the same time.
+    session = spark.newSession()
+    session.conf.set("spark.databricks.delta.merge.repartitionBeforeWrite.enabled", "true")
+    ensure_state_table(session, lake)
+    failpoints.hit("lake.compact.state_table")
+    keys = 0
+    for first, last in version_ranges(changes, done + 1, end, max_rows_per_merge):
+        winners = latest_per_key(read_feed(changes, first, last))
+        keys += winners.num_rows
+        failpoints.hit("lake.compact.source_read")
+        session.conf.set(_TXN_APP, COMPACT_APP_ID)
+        session.conf.set(_TXN_VERSION, str(last))
+        source = session.createDataFrame(winners)
+        if _is_empty(lake / STATE):
+            # Nothing to match against (the first compaction): a plain append of the live winners,
+            # same application transaction, no join. One writer per cache: one file per cache.
+            live = source.where("op <> 'delete'").select(*STATE_COLUMNS).repartition(*PARTITION_BY)
+            live.write.format("delta").mode("append").save(str(lake / STATE))
+        else:
+            _merge(session, lake, source, winners.column("cache").unique().to_pylist())
+        failpoints.hit("lake.compact.committed")
+        log.info("lake_compacted", changes_from=first, changes_to=last, keys=winners.num_rows)
+    return CompactResult(done + 1, end, keys, _state_version(lake))
+
+
+PRUNE_MAX_CACHES = 1000
+"""Up to this many caches changed: the MERGE names them, so Delta reads only their state partitions."""
+
+
+def _merge(session: Any, lake: Path, source: Any, caches: list[str]) -> None:
+    from delta.tables import DeltaTable
     from pyspark.sql import functions as F
 
-    lake_log = LakeLog(lake, create=False)
-    lake_log.refresh()
-    by_cache: dict[str, list[tuple[int, str]]] = {}
-    for entry in lake_log.entries:
-        for rel in entry.files:
-            name = cache_of(rel.split("/", 1)[0])
-            by_cache.setdefault(name, []).append((entry.seq, rel))
-    done: dict[str, CompactMeta] = {}
-    for cache, files in sorted(by_cache.items()):
-        if only is not None and cache != only:
-            continue
-        meta = read_meta(lake, cache)
-        new = [rel for seq, rel in files if seq > meta.seq]
-        if not new:
-            continue
-        last_seq = max(seq for seq, _ in files)
-        changes = spark.read.parquet(*[str(lake / CHANGES_DIR / rel) for rel in new]).select("op", *STATE_COLUMNS)
-        current = state_path(lake, cache)
-        if current.exists():
-            prev = spark.read.parquet(str(current)).select(*STATE_COLUMNS).withColumn("op", F.lit("update"))
-            changes = changes.unionByName(prev)
-        latest = Window.partitionBy("key").orderBy(
-            F.col("version_order").desc(),
-            F.col("wal_segment").desc(),
-            F.col("wal_offset").desc(),
-            F.col("wal_index").desc(),
-        )
-        state = (
-            changes.withColumn("_rank", F.row_number().over(latest))
-            .where((F.col("_rank") == 1) & (F.col("op") != "delete"))
-            .select(*STATE_COLUMNS)
-        )
-        version = meta.version + 1
-        target = lake / STATE_DIR / "_versions" / cache_dir(cache) / str(version)
-        shutil.rmtree(target, ignore_errors=True)
-        state.coalesce(max(1, min(8, len(new) // 50 + 1))).write.parquet(str(target))
-        rows = spark.read.parquet(str(target)).count()
-        link = current
-        link.parent.mkdir(parents=True, exist_ok=True)
-        tmp_link = link.with_name(f".{link.name}.tmp")
-        tmp_link.unlink(missing_ok=True)
-        os.symlink(os.path.relpath(target, link.parent), tmp_link)
-        os.replace(tmp_link, link)  # the swap readers see atomically
-        new_meta = CompactMeta(seq=last_seq, version=version, rows=rows)
-        _write_meta(lake, cache, new_meta)
-        old = lake / STATE_DIR / "_versions" / cache_dir(cache) / str(version - 2)
-        shutil.rmtree(old, ignore_errors=True)  # keep one previous version for readers in flight
-        log.info("lake_compacted", cache=cache, version=version, rows=rows, new_files=len(new), seq=last_seq)
-        done[cache] = new_meta
-    return done
+    condition = (F.col("t.cache") == F.col("s.cache")) & (F.col("t.key") == F.col("s.key"))
+    if len(caches) <= PRUNE_MAX_CACHES:
+        # Literal values (a Column, no SQL text): any cache name is safe here.
+        condition = F.col("t.cache").isin(sorted(caches)) & condition
+    assignments: dict[str, str | Any] = {c: f"s.`{c}`" for c in STATE_COLUMNS}
+    (
+        DeltaTable.forPath(session, str(lake / STATE))
+        .alias("t")
+        .merge(source.alias("s"), condition)
+        .whenMatchedDelete(condition=f"s.op = 'delete' AND {_newer('s', 't')}")
+        .whenMatchedUpdate(condition=f"s.op <> 'delete' AND {_newer('s', 't')}", set=assignments)
+        .whenNotMatchedInsert(condition="s.op <> 'delete'", values=assignments)
+        .execute()
+    )
+
+
+def _is_empty(table: Path) -> bool:
+    from deltalake import DeltaTable
+
+    return not DeltaTable(str(table)).file_uris()
+
+
+def behind(changes: Path, done: int, end: int) -> bool:
+    """Whether versions ``done+1..end`` of the changes table hold data ``state`` lacks (commits that
+    only rearrange files, such as OPTIMIZE, do not count)."""
+    return next(data_changing_versions(changes, done, end), None) is not None
+
+
+def state_lag(lake: Path) -> tuple[int, int, bool]:
+    """(changes version, changes version ``state`` reflects, whether ``state`` is behind)."""
+    changes = lake / CHANGES
+    end = table_version(changes)
+    if end is None:
+        raise NotADeltaLake(f"{changes}: not a Delta table (no _delta_log/)")
+    done = compacted_version(lake)
+    return end, done, behind(changes, done, end)
+
+
+def _state_version(lake: Path) -> int:
+    version = table_version(lake / STATE)
+    return -1 if version is None else version

@@ -1,4 +1,9 @@
-"""One SparkSession per process, configured from the sink's options."""
+"""One SparkSession per process, configured from the sink's options, with Delta Lake on.
+
+The Delta jars are never resolved at run time: ``make install`` (``scripts/fetch-delta-jars.sh``)
+fetches them from Maven Central once into ``jars_dir()``, and every session loads them from there
+(``spark.jars``), so the daemon, ``cdcd lake …``, tests and ``make run`` need no network.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +13,79 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 DRIVER_MEMORY = "2g"
 """Default heap of the driver JVM (Spark's own default, 1g, runs out with 500k-row batches)."""
 
+DELTA_VERSION = "4.4.0"
+"""delta-spark's jars (built for Spark 4.2, Scala 2.13). The PyPI package may be a patch ahead
+(4.4.1): its Python side is a thin wrapper over these classes, and Maven Central has 4.4.0."""
+
+DELTA_ARTIFACTS = (
+    ("io.delta", "delta-spark_2.13", DELTA_VERSION),
+    ("io.delta", "delta-storage", DELTA_VERSION),
+)
+"""Only these two: what else delta-spark's POM names is either shipped by pyspark (Jackson, Parquet,
+Hadoop, in newer versions) or used only by Unity Catalog and the Delta kernel, which cdcd does not use."""
+
+JARS_DIR_ENV = "CDCD_SPARK_JARS_DIR"
+
 _lock = threading.Lock()
 _users = 0
 _session: Any = None
+
+
+class DeltaJarsMissing(RuntimeError):
+    """The Delta jars were never fetched (``make install`` was not run in this environment)."""
+
+
+def jars_dir() -> Path:
+    """Where ``make install`` puts the Delta jars: ``$CDCD_SPARK_JARS_DIR``, else ``<venv>/jars``."""
+    override = os.environ.get(JARS_DIR_ENV)
+    return Path(override) if override else Path(sys.prefix) / "jars"
+
+
+def jar_name(org: str, artifact: str, version: str) -> str:
+    """The file name the fetch script retrieves an artifact to (Ivy's ``[organisation]_[artifact]-[revision]``)."""
+    return f"{org}_{artifact}-{version}.jar"
+
+
+def delta_jars(directory: Path | None = None) -> list[Path]:
+    """The local Delta jar files; ``DeltaJarsMissing`` (one line saying how to fix it) if any is absent."""
+    where = jars_dir() if directory is None else directory
+    paths = [where / jar_name(*coords) for coords in DELTA_ARTIFACTS]
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise DeltaJarsMissing(
+            f"{where}: no {', '.join(missing)}: run `make install` (scripts/fetch-delta-jars.sh) once with "
+            f"network, or set {JARS_DIR_ENV} to a directory holding them"
+        )
+    return paths
+
+
+def delta_conf(jars: list[Path], user_jars: str = "") -> dict[str, str]:
+    """The settings that turn Delta on in a session built from local jar files."""
+    listed = [p.as_uri() for p in jars]
+    if user_jars:
+        listed.append(user_jars)
+    return {
+        "spark.jars": ",".join(listed),
+        "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+        "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+    }
+
+
+def _local_defaults(master: str) -> dict[str, str]:
+    """Sizes for a single machine: Delta's snapshot replay (50 partitions) and Spark's shuffles (200)
+    are sized for clusters and cost seconds per job in local mode; cluster masters keep theirs."""
+    if not master.startswith("local"):
+        return {}
+    return {
+        "spark.databricks.delta.snapshotPartitions": "4",
+        "spark.sql.shuffle.partitions": "8",
+    }
 
 
 def acquire(master: str, app_name: str, conf: Mapping[str, str]) -> Any:
@@ -23,6 +93,8 @@ def acquire(master: str, app_name: str, conf: Mapping[str, str]) -> Any:
     global _users, _session
     with _lock:
         if _session is None:
+            # Before any JVM starts: a missing jar is one clear line, not a ClassNotFoundException.
+            jars = delta_jars()
             # Executors (local or on a cluster) must run the same interpreter and packages.
             os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
             os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -46,7 +118,11 @@ def acquire(master: str, app_name: str, conf: Mapping[str, str]) -> Any:
             if "OutOfMemoryError" not in java_opts:
                 java_opts = f"{java_opts} -XX:+ExitOnOutOfMemoryError".strip()
             builder = builder.config("spark.driver.memory", DRIVER_MEMORY)
+            for key, value in _local_defaults(master).items():
+                builder = builder.config(key, value)
             for key, value in conf.items():
+                builder = builder.config(key, value)
+            for key, value in delta_conf(jars, conf.get("spark.jars", "")).items():
                 builder = builder.config(key, value)
             builder = builder.config("spark.driver.extraJavaOptions", java_opts)
             _session = _create(builder)
@@ -95,3 +171,15 @@ def _create(builder: Any) -> Any:
     finally:
         if main and previous is not None:
             signal.signal(signal.SIGINT, previous)
+
+
+def main() -> None:
+    """``python -m cdcd.lake.spark``: print the jar directory and the Maven coordinates, one per line
+    (``scripts/fetch-delta-jars.sh`` reads them: one source of truth for versions)."""
+    print(jars_dir())
+    for org, artifact, version in DELTA_ARTIFACTS:
+        print(org, artifact, version)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,18 +1,15 @@
-"""``cdcd lake verify`` and ``cdcd lake show``: compare the lake with the node; summarise the lake."""
+"""``cdcd lake verify``: compare ``<lake>/state`` with the node, cache by cache (rows and an
+order-independent checksum), read with delta-rs (no JVM)."""
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import pyarrow.dataset as ds
-
 from cdcd.lake.arrow import to_json
-from cdcd.lake.compact import cache_of, read_meta, state_path
-from cdcd.lake.log import LakeLog
+from cdcd.lake.table import STATE
 
 _MASK = (1 << 64) - 1
 
@@ -35,15 +32,20 @@ class CacheCheck:
         return self.node_rows == self.lake_rows and self.node_checksum == self.lake_checksum
 
 
-def lake_checksums(lake: Path, cache: str) -> tuple[int, int]:
-    path = state_path(lake, cache)
-    if not path.exists():
-        return 0, 0
-    table = ds.dataset(str(path.resolve()), format="parquet").to_table(columns=["key", "value"])
-    total = 0
-    for key, value in zip(table.column("key").to_pylist(), table.column("value").to_pylist(), strict=True):
-        total = (total + row_hash(key, value)) & _MASK
-    return table.num_rows, total
+def lake_checksums(lake: Path) -> dict[str, tuple[int, int]]:
+    """Per cache of the state table: (rows, checksum)."""
+    from deltalake import DeltaTable
+
+    path = lake / STATE
+    if not DeltaTable.is_deltatable(str(path)):
+        return {}
+    out: dict[str, tuple[int, int]] = {}
+    scanner = DeltaTable(str(path)).to_pyarrow_dataset().scanner(columns=["cache", "key", "value"])
+    for batch in scanner.to_batches():
+        for cache, key, value in zip(*(batch.column(i).to_pylist() for i in range(3)), strict=True):
+            rows, total = out.get(cache, (0, 0))
+            out[cache] = (rows + 1, (total + row_hash(key, value)) & _MASK)
+    return out
 
 
 def node_checksums(node: Any, cache: str) -> tuple[int, int]:
@@ -55,44 +57,28 @@ def node_checksums(node: Any, cache: str) -> tuple[int, int]:
     return rows, total
 
 
-def verify(lake: Path, node: Any) -> list[CacheCheck]:
-    """``node``: a NodeSnapshot (or anything with ``caches()``/``raw_items()``). A cache with
-    ``cdc_enabled = false`` is checked only if the lake has it, against nothing (it must not be there)."""
-    infos = node.cache_infos() if hasattr(node, "cache_infos") else {}
-    off = {name for name, info in infos.items() if not info.config.cdc_enabled}
-    caches = sorted((set(node.caches()) - off) | set(_lake_caches(lake)))
-    out = []
+def verify(lake: Path, nodes: list[Any]) -> list[CacheCheck]:
+    """``nodes``: NodeSnapshots (or anything with ``caches()``/``raw_items()``), one per node whose
+    data lands in this lake. A cache on several nodes is checked against the union of their entries
+    (an entry held by two nodes, as a backup copy, counts once). A cache with ``cdc_enabled = false``
+    is checked only if the lake has it, against nothing (it must not be there)."""
+    lake_sums = lake_checksums(lake)
+    off: set[str] = set()
+    for node in nodes:
+        infos = node.cache_infos() if hasattr(node, "cache_infos") else {}
+        off |= {name for name, info in infos.items() if not info.config.cdc_enabled}
+    node_sums: dict[str, tuple[int, int]] = {}
+    caches = sorted({c for node in nodes for c in node.caches()} - off)
     for cache in caches:
-        n_rows, n_sum = (0, 0) if cache in off else node_checksums(node, cache)
-        l_rows, l_sum = lake_checksums(lake, cache)
-        out.append(CacheCheck(cache, n_rows, l_rows, n_sum, l_sum))
-    return out
-
-
-def _lake_caches(lake: Path) -> list[str]:
-    state = lake / "state"
-    if not state.exists():
-        return []
-    return [cache_of(p.name) for p in state.iterdir() if p.name.startswith("cache=")]
-
-
-def show(lake: Path) -> list[dict[str, Any]]:
-    """Per cache: change-log rows, last position and commit time, compacted state rows."""
-    lake_log = LakeLog(lake, create=False)
-    lake_log.refresh()
-    caches: dict[str, dict[str, Any]] = {}
-    for entry in lake_log.entries:
-        for name, stats in entry.caches.items():
-            row = caches.setdefault(name, {"cache": name, "rows": 0, "last_position": None, "last_commit": 0})
-            row["rows"] += stats.rows
-            row["last_position"] = str(entry.last)
-            row["last_commit"] = max(row["last_commit"], stats.max_commit_ts_ns)
+        holders = [node for node in nodes if cache in node.caches()]
+        if len(holders) == 1:
+            node_sums[cache] = node_checksums(holders[0], cache)
+            continue
+        entries = {(to_json(k), to_json(v)) for node in holders for k, v in node.raw_items(cache)}
+        node_sums[cache] = (len(entries), sum(row_hash(k, v) for k, v in entries) & _MASK)
     out = []
-    for name in sorted(caches):
-        row = caches[name]
-        ts = row["last_commit"]
-        row["last_commit"] = datetime.fromtimestamp(ts / 1e9, UTC).isoformat(timespec="milliseconds") if ts else None
-        meta = read_meta(lake, name)
-        row["state_rows"] = meta.rows if meta.version else None
-        out.append(row)
+    for cache in sorted(set(node_sums) | set(lake_sums)):
+        n_rows, n_sum = node_sums.get(cache, (0, 0))
+        l_rows, l_sum = lake_sums.get(cache, (0, 0))
+        out.append(CacheCheck(cache, n_rows, l_rows, n_sum, l_sum))
     return out

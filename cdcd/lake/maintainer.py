@@ -1,0 +1,172 @@
+"""Scheduled lake maintenance inside a process that already has a SparkSession (the lake sink):
+``compact`` every ``compact_interval_s`` and ``optimize`` every ``optimize_interval_s``.
+
+One owned background thread. A failed run is logged with its exception and counted; the next run
+is tried at its normal time (a manual ``cdcd lake compact`` committing at the same moment makes
+one MERGE lose, harmlessly). ``max_consecutive_failures`` failures in a row stop the thread:
+``alive()`` turns False and ``check()`` raises ``MaintenanceFailed`` naming the last error, so the
+owner (the sink's ``alive()``/``on_events``) fails loudly instead of a lake whose state silently
+stops advancing. Every step is idempotent (compaction through its application transaction), so
+cancelling a run at ``stop()`` loses nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from cdcd.lake.compact import CompactResult, compact
+from cdcd.lake.ops import optimize
+
+log = structlog.get_logger("cdcd.lake")
+
+
+class MaintenanceFailed(RuntimeError):
+    """Scheduled maintenance gave up after ``max_consecutive_failures`` failures in a row."""
+
+
+@dataclass(frozen=True)
+class MaintainerOptions:
+    compact_interval_s: float = 60.0
+    """Seconds between compactions (changes -> state by MERGE); 0: never."""
+    optimize_interval_s: float = 3600.0
+    """Seconds between OPTIMIZE runs on both tables (small files bin-packed); 0: never."""
+    max_consecutive_failures: int = 3
+    """Failed runs in a row (of either kind) after which the Maintainer stops and reports failure."""
+
+    def __post_init__(self) -> None:
+        for name in ("compact_interval_s", "optimize_interval_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} = {getattr(self, name)}: must be >= 0 (0 turns it off)")
+        if self.max_consecutive_failures < 1:
+            raise ValueError(f"max_consecutive_failures = {self.max_consecutive_failures}: must be >= 1")
+
+
+class Maintainer:
+    """``Maintainer(lake, spark, options)``; ``start()`` once, ``stop()`` once (idempotent).
+
+    ``spark``: the owner's SparkSession (it stays the owner's: the Maintainer never stops it).
+    ``compact_fn``/``optimize_fn``: what runs (tests pass wrappers); default the lake's own."""
+
+    def __init__(
+        self,
+        lake: Path,
+        spark: Any,
+        options: MaintainerOptions | None = None,
+        *,
+        compact_fn: Callable[[Any, Path], CompactResult] = compact,
+        optimize_fn: Callable[[Any, Path], object] = optimize,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.lake = lake
+        self.options = options or MaintainerOptions()
+        self._spark = spark
+        self._compact = compact_fn
+        self._optimize = optimize_fn
+        self._clock = clock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._group = f"cdcd-lake-maintainer-{id(self):x}"
+        self.compactions = 0
+        self.optimizations = 0
+        self.failures = 0
+        self.last_compact: CompactResult | None = None
+        self.error: BaseException | None = None
+        """The exception that stopped the Maintainer (None while healthy)."""
+        self.last_failure: BaseException | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("Maintainer.start() called twice")
+        opts = self.options
+        if not opts.compact_interval_s and not opts.optimize_interval_s:
+            return  # both off: nothing to run, no thread
+        self._thread = threading.Thread(target=self._run, name="cdcd-lake-maintainer", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Stop the thread; a run in progress is cancelled (its Spark jobs) and its partial work
+        discarded by Delta (nothing is committed). Waits up to ``timeout_s``."""
+        self._stop.set()
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return
+        try:
+            self._spark.sparkContext.cancelJobGroup(self._group)
+        except Exception:  # the session may already be stopped by its owner
+            log.debug("lake_maintainer_cancel_failed", exc_info=True)
+        thread.join(timeout_s)
+        if thread.is_alive():
+            raise TimeoutError(f"lake maintainer did not stop within {timeout_s:g} s")
+
+    def alive(self) -> bool:
+        """False once it gave up (``error`` set); True while running, or when never started/stopped cleanly."""
+        return self.error is None
+
+    def check(self) -> None:
+        """Raise ``MaintenanceFailed`` if the Maintainer gave up."""
+        if self.error is not None:
+            raise MaintenanceFailed(
+                f"{self.lake}: scheduled lake maintenance failed {self.options.max_consecutive_failures} times "
+                f"in a row, last: {type(self.error).__name__}: {self.error}"
+            ) from self.error
+
+    # --- the thread --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        opts = self.options
+        now = self._clock()
+        due = {
+            "compact": now + opts.compact_interval_s if opts.compact_interval_s else None,
+            "optimize": now + opts.optimize_interval_s if opts.optimize_interval_s else None,
+        }
+        consecutive = 0
+        sc = self._spark.sparkContext
+        sc.setJobGroup(self._group, "cdcd lake maintenance", interruptOnCancel=True)
+        while not self._stop.is_set():
+            pending = {k: v for k, v in due.items() if v is not None}
+            task = min(pending, key=lambda k: pending[k])
+            wait_s = pending[task] - self._clock()
+            if wait_s > 0 and self._stop.wait(wait_s):
+                break
+            try:
+                self._run_one(task)
+                consecutive = 0
+            except Exception as exc:
+                if self._stop.is_set():
+                    break  # cancelled by stop(): idempotent work, nothing to report
+                consecutive += 1
+                self.failures += 1
+                self.last_failure = exc
+                log.error("lake_maintenance_failed", task=task, consecutive=consecutive, exc_info=exc)
+                if consecutive >= opts.max_consecutive_failures:
+                    self.error = exc
+                    log.error("lake_maintenance_stopped", lake=str(self.lake), failures=consecutive)
+                    return
+            interval = opts.compact_interval_s if task == "compact" else opts.optimize_interval_s
+            # From the end of the run: a run longer than its interval is followed by the next at once,
+            # never by a backlog of missed ones.
+            due[task] = self._clock() + interval
+
+    def _run_one(self, task: str) -> None:
+        started = self._clock()
+        if task == "compact":
+            result = self._compact(self._spark, self.lake)
+            self.last_compact = result
+            self.compactions += 1
+            log.info(
+                "lake_maintenance_compacted",
+                to_version=result.to_version,
+                keys=result.keys,
+                seconds=round(self._clock() - started, 3),
+            )
+        else:
+            self._optimize(self._spark, self.lake)
+            self.optimizations += 1
+            log.info("lake_maintenance_optimized", seconds=round(self._clock() - started, 3))

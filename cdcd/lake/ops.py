@@ -1,0 +1,210 @@
+"""Maintenance and inspection of the Delta lake: ``cdcd lake optimize / vacuum / show / history``.
+
+``show`` and ``history`` read the Delta logs (delta-rs and ``deltalog``: no JVM); ``optimize`` and
+``vacuum`` are Spark jobs (the Maintainer runs them inside the sink's session).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import structlog
+
+from cdcd.lake.compact import COMPACT_APP_ID, NotADeltaLake, compacted_version, state_lag
+from cdcd.lake.deltalog import LOG_DIR, AppTransaction, app_transactions, read_commit
+from cdcd.lake.table import CHANGES, STATE
+
+log = structlog.get_logger("cdcd.lake")
+
+TABLES = (CHANGES, STATE)
+
+DEFAULT_RETAIN_HOURS = 168.0
+"""Delta's own default (7 days): files a reader of an older snapshot may still need are kept that long."""
+
+
+class VacuumRefused(ValueError):
+    """Vacuuming now would delete files the next compaction still has to read."""
+
+
+def iso_ms(ts_ms: int | None) -> str | None:
+    if ts_ms is None:
+        return None
+    return datetime.fromtimestamp(ts_ms / 1000, UTC).isoformat(timespec="milliseconds")
+
+
+@dataclass
+class TableInfo:
+    name: str
+    version: int
+    last_commit: str | None
+    last_operation: str | None
+    files: int
+    rows: int
+    rows_per_cache: dict[str, int] = field(default_factory=dict)
+    app_transactions: dict[str, int] = field(default_factory=dict)
+    """app id -> version (the changes table: per source node; state: ``cdcd-compact``)."""
+
+
+@dataclass
+class LakeInfo:
+    lake: str
+    tables: list[TableInfo]
+    compacted_to: int
+    """The changes-table version ``state`` reflects (-1: never compacted)."""
+    state_behind: bool | None
+    """None when there is no changes table."""
+
+
+def _table_info(path: Path, name: str) -> TableInfo | None:
+    from deltalake import DeltaTable
+
+    if not DeltaTable.is_deltatable(str(path)):
+        return None
+    table = DeltaTable(str(path))
+    version = table.version()
+    last = table.history(1)
+    adds = pa.table(table.get_add_actions(flatten=True))
+    per_cache: dict[str, int] = {}
+    caches = adds.column("partition.cache").to_pylist() if "partition.cache" in adds.column_names else []
+    counts = adds.column("num_records").to_pylist() if "num_records" in adds.column_names else []
+    missing_stats = any(c is None for c in counts)
+    if missing_stats:
+        # A writer that recorded no statistics: count for real (reads the files).
+        data = table.to_pyarrow_dataset().to_table(columns=["cache"]).column("cache").to_pylist()
+        for cache in data:
+            per_cache[cache] = per_cache.get(cache, 0) + 1
+    else:
+        for cache, n in zip(caches, counts, strict=True):
+            per_cache[cache] = per_cache.get(cache, 0) + int(n)
+    txns: dict[str, AppTransaction] = app_transactions(path, version)
+    return TableInfo(
+        name=name,
+        version=version,
+        last_commit=iso_ms(last[0].get("timestamp")) if last else None,
+        last_operation=last[0].get("operation") if last else None,
+        files=adds.num_rows,
+        rows=sum(per_cache.values()),
+        rows_per_cache=dict(sorted(per_cache.items())),
+        app_transactions={app: t.version for app, t in sorted(txns.items())},
+    )
+
+
+def show(lake: Path) -> LakeInfo:
+    """Both tables from their logs; ``NotADeltaLake`` when neither is a Delta table."""
+    tables = [info for name in TABLES if (info := _table_info(lake / name, name)) is not None]
+    if not tables:
+        raise NotADeltaLake(f"{lake}: no Delta table ({CHANGES}/ or {STATE}/ with a _delta_log/)")
+    behind: bool | None = None
+    if any(t.name == CHANGES for t in tables):
+        behind = state_lag(lake)[2]
+    return LakeInfo(str(lake), tables, compacted_version(lake), behind)
+
+
+def history(lake: Path, table: str, limit: int | None) -> list[dict[str, Any]]:
+    """The table's commits, newest first: version, time, operation, its parameters and metrics."""
+    from deltalake import DeltaTable
+
+    path = lake / table
+    if not DeltaTable.is_deltatable(str(path)):
+        raise NotADeltaLake(f"{path}: not a Delta table (no _delta_log/)")
+    out = []
+    for commit in DeltaTable(str(path)).history(limit):
+        out.append(
+            {
+                "version": commit.get("version"),
+                "time": iso_ms(commit.get("timestamp")),
+                "operation": commit.get("operation"),
+                "parameters": commit.get("operationParameters") or {},
+                "metrics": commit.get("operationMetrics") or {},
+                "engine": commit.get("engineInfo") or commit.get("clientVersion"),
+            }
+        )
+    return out
+
+
+def optimize(spark: Any, lake: Path) -> dict[str, dict[str, Any]]:
+    """Bin-pack each table's small files (Delta OPTIMIZE, per partition). The commits change no data
+    (readers, the change data feed and compaction see the same rows); returns Delta's metrics per table."""
+    from delta.tables import DeltaTable
+
+    session = spark.newSession()
+    out: dict[str, dict[str, Any]] = {}
+    for name in TABLES:
+        path = lake / name
+        if not DeltaTable.isDeltaTable(session, str(path)):
+            continue
+        row = DeltaTable.forPath(session, str(path)).optimize().executeCompaction().collect()[0]
+        metrics = row["metrics"].asDict(recursive=True)
+        out[name] = {k: metrics.get(k) for k in ("numFilesAdded", "numFilesRemoved", "totalConsideredFiles")}
+        log.info("lake_optimized", table=name, **out[name])
+    return out
+
+
+def commit_time_ms(table: Path, version: int) -> int:
+    """When a commit was made (its commitInfo; 0 when its log file is gone: older than any horizon)."""
+    try:
+        actions = read_commit(table, version)
+    except FileNotFoundError:
+        return 0
+    for action in actions:
+        info = action.get("commitInfo")
+        if info is not None and "timestamp" in info:
+            return int(info["timestamp"])
+    return int((table / LOG_DIR / f"{version:020d}.json").stat().st_mtime * 1000)
+
+
+def data_files_on_disk(table: Path) -> list[Path]:
+    """Every Parquet data file under the table's directory, committed or not (what vacuum may delete)."""
+    return [p for p in table.rglob("*.parquet") if LOG_DIR not in p.parts]
+
+
+def check_vacuum(lake: Path, retain_hours: float, now_ms: int | None = None) -> None:
+    """``VacuumRefused`` when changes not yet compacted were committed before the retention horizon."""
+    from deltalake import DeltaTable as RsTable
+
+    if retain_hours < 0:
+        raise VacuumRefused(f"--retain-hours {retain_hours}: must be >= 0")
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    horizon_ms = now_ms - int(retain_hours * 3600 * 1000)
+    changes = lake / CHANGES
+    if not RsTable.is_deltatable(str(changes)):
+        return
+    _, done, behind = state_lag(lake)
+    if behind:
+        first_ms = commit_time_ms(changes, done + 1)
+        if first_ms < horizon_ms:
+            raise VacuumRefused(
+                f"{lake}: changes from version {done + 1} ({iso_ms(first_ms)}) are not compacted yet and "
+                f"older than {retain_hours:g} h: run `cdcd lake compact --lake {lake}` first"
+            )
+
+
+def vacuum(spark: Any, lake: Path, retain_hours: float, now_ms: int | None = None) -> dict[str, int]:
+    """Delete files no snapshot within ``retain_hours`` needs (replaced by OPTIMIZE or MERGE, and
+    orphans of writes that never committed). Refused (``VacuumRefused``) when changes not yet
+    compacted are older than that: their original files may be among those deleted, and the next
+    compaction reads them through the change data feed. Returns the data files left per table."""
+    from delta.tables import DeltaTable
+
+    check_vacuum(lake, retain_hours, now_ms)
+    session = spark.newSession()
+    if retain_hours < DEFAULT_RETAIN_HOURS:
+        # Delta refuses a shorter retention unless told: the operator asked for it explicitly.
+        session.conf.set("spark.databricks.delta.retentionDurationCheck.enabled", "false")
+    left: dict[str, int] = {}
+    for name in TABLES:
+        path = lake / name
+        if not DeltaTable.isDeltaTable(session, str(path)):
+            continue
+        DeltaTable.forPath(session, str(path)).vacuum(retain_hours)
+        left[name] = len(data_files_on_disk(path))
+        log.info("lake_vacuumed", table=name, retain_hours=retain_hours, files=left[name])
+    return left
+
+
+__all__ = ["COMPACT_APP_ID", "LakeInfo", "TableInfo", "VacuumRefused", "history", "optimize", "show", "vacuum"]

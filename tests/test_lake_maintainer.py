@@ -1,0 +1,105 @@
+"""The lake Maintainer on its own (the sink wires it in): it compacts every ``compact_interval_s`` and
+optimizes every ``optimize_interval_s`` while changes keep arriving; a failure is logged, retried at
+the next interval, and after ``max_consecutive_failures`` in a row it stops and says so; stop() ends
+its thread."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cdcd.lake import spark as spark_session
+from cdcd.lake.compact import NotADeltaLake, compacted_version, table_version
+from cdcd.lake.maintainer import Maintainer, MaintainerOptions, MaintenanceFailed
+from cdcd.lake.table import CHANGES
+from tests.support.delta_tables import append_changes, change, expected_state, state_rows
+
+DEADLINE_S = 300.0
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    session = spark_session.acquire("local[2]", "cdcd-tests-maintainer", {})
+    try:
+        yield session
+    finally:
+        spark_session.release()
+
+
+def wait_for(cond: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def operations(table: Path) -> list[str]:
+    from deltalake import DeltaTable
+
+    return [h["operation"] for h in DeltaTable(str(table)).history()]
+
+
+def test_compacts_and_optimizes_on_schedule_while_changes_arrive(spark: Any, tmp_path: Path) -> None:
+    lake = tmp_path / "lake"
+    rows = [change("orders", "0", '"first"', 1)]
+    append_changes(lake, rows)
+    m = Maintainer(lake, spark, MaintainerOptions(compact_interval_s=0.2, optimize_interval_s=2.0))
+    m.start()
+    try:
+        for i in range(1, 4):  # each batch is picked up by a later scheduled compaction
+            batch = [
+                change("orders", str(i), f'"v{i}"', 10 + i),
+                change("orders", "0", None if i == 3 else f'"{i}"', 20 + i),
+            ]
+            rows += batch
+            version = append_changes(lake, batch)
+            wait_for(lambda v=version: compacted_version(lake) >= v, f"compaction up to changes version {version}")
+            assert state_rows(lake) == expected_state(rows)
+        wait_for(lambda: "OPTIMIZE" in operations(lake / CHANGES), "a scheduled OPTIMIZE of changes")
+        # The counters follow the commits (a run counts once it returned).
+        wait_for(lambda: m.compactions >= 3 and m.optimizations >= 1, "the runs to be counted")
+        assert m.alive() and m.error is None and m.failures == 0
+        m.check()
+    finally:
+        m.stop()
+    assert not any(t.name == "cdcd-lake-maintainer" for t in __import__("threading").enumerate())
+    # The OPTIMIZE changed no data: the state still equals every change folded, nothing left to compact.
+    assert state_rows(lake) == expected_state(rows)
+    assert compacted_version(lake) <= (table_version(lake / CHANGES) or 0)
+
+
+def test_failures_are_logged_retried_then_surfaced(
+    spark: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lake whose changes table is not a Delta table: every compaction fails; each failure is logged
+    with its exception, and after three in a row the Maintainer stops: alive() False, check() raises
+    naming the error."""
+    lake = tmp_path / "lake"
+    (lake / CHANGES).mkdir(parents=True)
+    m = Maintainer(
+        lake, spark, MaintainerOptions(compact_interval_s=0.05, optimize_interval_s=0, max_consecutive_failures=3)
+    )
+    with caplog.at_level(logging.ERROR, logger="cdcd.lake"):
+        m.start()
+        wait_for(lambda: not m.alive(), "the maintainer to give up")
+        m.stop()
+    assert m.failures == 3
+    assert isinstance(m.error, NotADeltaLake)
+    with pytest.raises(MaintenanceFailed, match=r"failed 3 times in a row, last: NotADeltaLake: .*not a Delta table"):
+        m.check()
+    failed = [r for r in caplog.records if "lake_maintenance_failed" in r.getMessage()]
+    assert len(failed) == 3
+    assert all("NotADeltaLake" in r.getMessage() and "not a Delta table" in r.getMessage() for r in failed)
+    assert any("lake_maintenance_stopped" in r.getMessage() for r in caplog.records)
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"compact_interval_s = -1: must be >= 0"):
+        MaintainerOptions(compact_interval_s=-1)
+    with pytest.raises(ValueError, match=r"max_consecutive_failures = 0"):
+        MaintainerOptions(max_consecutive_failures=0)
