@@ -7,6 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 .PHONY: install test test-under-load lint bench bench-pg fuzz chaos run clean
 
 install: $(STAMP)
+	@bash scripts/ensure-kafka.sh
 
 $(STAMP): pyproject.toml
 	@bash scripts/ensure-java.sh
