@@ -1,0 +1,178 @@
+"""The Kafka sink against a real broker: Debezium's envelope, tombstones, metadata, the stored
+position (what is at or below it is not sent again), exactly once across SIGKILLs of the daemon
+and a broker restart, and bad settings as one line."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from prometheus_client import REGISTRY
+
+from cdcd.daemon.config import DaemonConfig
+from cdcd.daemon.daemon import Daemon
+from cdcd.kafka.sink import KafkaSink
+from cdcd.node import Node
+from cdcd.consumer import EventBatch, RecordSlice
+from cdcd.wal.records import CacheRecord, DataEntry, DataRecord
+from tests.kafka_broker import Broker, kafka_broker, read_topic
+from tests.test_daemon_e2e import (
+    cdcd,
+    error_lines,
+    start_daemon,
+    start_writer,
+    wait_for,
+    wal_events,
+    wal_records,
+    write_daemon_config,
+    writer_count,
+)
+
+__all__ = ["kafka_broker"]  # the fixture, used by name
+
+ENVELOPE_FIELDS = ["before", "after", "source", "op", "ts_ms", "transaction"]
+SOURCE_FIELDS = [
+    "version",
+    "connector",
+    "name",
+    "node",
+    "cache",
+    "partition",
+    "segment",
+    "offset",
+    "entry_index",
+    "ts_ms",
+    "snapshot",
+    "primary",
+    "cache_version",
+]
+
+
+def sink_options(broker: Broker, topic: str, **extra: Any) -> dict[str, Any]:
+    return {"bootstrap_servers": broker.bootstrap, "topic": topic, "topic_partitions": 4, **extra}
+
+
+def sample(v: float, name: str, labels: dict[str, str] | None = None) -> float:
+    return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+
+
+def test_envelope_tombstones_metadata_and_stored_position(kafka_broker: Broker, tmp_path: Path) -> None:
+    """Each change is one message in Debezium's envelope, keyed by cache and key, in Kafka partition
+    cache partition % topic_partitions; a delete is followed by a tombstone; cache creation is in
+    the metadata topic; a second run over the same WAL (the daemon's own state wiped) sends nothing,
+    since the position stored in Kafka covers it."""
+    node_dir = tmp_path / "node"
+    t0 = time.time_ns()
+    with Node.open(node_dir, wal_segment_size_bytes=64 * 1024, wal_force_archive_timeout_ms=0, partitions=64) as node:
+        orders = node.cache("orders")
+        node.cache("tags", partitions=8)
+        orders.put(1, {"total": 9.5, "items": ["a", "b"]})
+        orders.put(1, {"total": 10})
+        orders.put_all({2: "two", 3: b"\x00\xff"})
+        with node.transaction() as tx:
+            tx.remove("orders", 2)
+            tx.put("tags", ("k", 1), {5: "int-keyed map", "nested": {7: None}})
+            tx.put("orders", 4, {"total": 1})
+        node_id = node.node_id
+        node.force_archive()
+    t1 = time.time_ns()
+    topic = "envelope"
+    config = DaemonConfig(node_dir=str(node_dir), metrics_address="")
+    sent_before = sample(0, "cdcd_kafka_sent_events_total", {"cache": "orders"})
+    with Daemon(config, KafkaSink.from_options(sink_options(kafka_broker, topic), "consumer")) as daemon:
+        assert daemon.sync_once() == 7
+    assert sample(0, "cdcd_kafka_sent_events_total", {"cache": "orders"}) - sent_before == 6
+
+    parts = read_topic(kafka_broker.bootstrap, topic)
+    assert sorted(parts) == [0, 1, 2, 3]
+    msgs = sorted((m for ms in parts.values() for m in ms), key=lambda m: (m.timestamp()[1], m.partition(), m.offset()))
+    data = [m for m in msgs if m.value() is not None]
+    tombs = [m for m in msgs if m.value() is None]
+    assert len(data) == 7 and len(tombs) == 1
+    events = wal_events(node_dir)
+    by_pos = {}
+    for m in data:
+        v = json.loads(m.value())
+        assert list(v) == ENVELOPE_FIELDS
+        assert list(v["source"]) == SOURCE_FIELDS
+        s = v["source"]
+        by_pos[(s["segment"], s["offset"], s["entry_index"])] = (m, v)
+    assert sorted(by_pos) == sorted(tuple(e["pos"]) for e in events)
+    ops = {"create": "c", "update": "u", "delete": "d"}
+    for e in events:
+        m, v = by_pos[tuple(e["pos"])]
+        s = v["source"]
+        assert (s["connector"], s["name"], s["node"], s["cache"]) == ("cdcd", topic, str(node_id), e["cache"])
+        assert s["partition"] == e["partition"] and m.partition() == e["partition"] % 4
+        assert s["snapshot"] == "false" and s["primary"] is True
+        assert s["cache_version"] == e["version"]
+        assert t0 // 1_000_000 <= s["ts_ms"] <= t1 // 1_000_000
+        assert s["ts_ms"] == e["commit_ts_ns"] // 1_000_000
+        assert v["op"] == ops[e["op"]] and v["before"] is None
+        assert json.loads(m.key()) == {"cache": e["cache"], "key": _json_key(e["key"])}
+        tx = v["transaction"]
+        assert tx["id"] == f"{node_id!s}:{e['pos'][0]}:{e['pos'][1]}" and tx["total_order"] == e["pos"][2] + 1
+        # the exact entry rides along for kafka-to-node
+        headers = dict(m.headers())
+        assert headers["cdcd.cache"] == e["cache"].encode()
+        entry = msgspec.msgpack.decode(headers["cdcd.entry"], type=DataEntry)
+        assert msgspec.msgpack.decode(entry.key) == e["key"] or list(msgspec.msgpack.decode(entry.key)) == e["key"]
+    # non-record values are wrapped, records are the row
+    afters = {(v["source"]["cache"], m.key()): v["after"] for m, v in by_pos.values() if v["op"] != "d"}
+    assert afters[("orders", b'{"cache":"orders","key":1}')] in ({"total": 9.5, "items": ["a", "b"]}, {"total": 10})
+    assert afters[("orders", b'{"cache":"orders","key":2}')] == {"value": "two"}
+    assert afters[("orders", b'{"cache":"orders","key":3}')] == {"value": "AP8="}  # binary: base64
+    assert afters[("tags", b'{"cache":"tags","key":["k",1]}')] == {"value": {"5": "int-keyed map", "nested": {"7": None}}}
+    # data_collection_order counts per cache inside the node transaction
+    delete_tx = next(v["transaction"]["id"] for _m, v in by_pos.values() if v["op"] == "d")
+    last_tx = sorted(
+        (v["transaction"]["total_order"], v["source"]["cache"], v["transaction"]["data_collection_order"])
+        for _m, v in by_pos.values()
+        if v["transaction"]["id"] == delete_tx
+    )
+    assert last_tx == [(1, "orders", 1), (2, "tags", 1), (3, "orders", 2)]
+    # the delete: after null, then a tombstone of the same key in the same partition right after it
+    (dm, dv) = next((m, v) for m, v in by_pos.values() if v["op"] == "d")
+    assert dv["after"] is None
+    (tomb,) = tombs
+    assert (tomb.key(), tomb.partition(), tomb.offset()) == (dm.key(), dm.partition(), dm.offset() + 1)
+    assert not tomb.headers()
+
+    meta = [json.loads(m.value()) for ms in read_topic(kafka_broker.bootstrap, f"{topic}.metadata").values() for m in ms]
+    assert {(r["op"], r["name"], r.get("partitions")) for r in meta} == {("create", "orders", 64), ("create", "tags", 8)}
+
+    # the same entries again (a daemon that crashed before its own commit re-delivers them), to a
+    # new sink: the position stored in Kafka covers them, nothing is sent; a partly new batch sends
+    # only its new part
+    skipped_before = sample(0, "cdcd_kafka_skipped_events_total", {"reason": "already_sent"})
+    sink = KafkaSink.from_options(sink_options(kafka_broker, topic), "consumer")
+    sink.start(REGISTRY)
+    try:
+        assert sink.on_events(wal_batch(node_dir, str(node_id))) is True
+    finally:
+        sink.stop()
+    assert sample(0, "cdcd_kafka_skipped_events_total", {"reason": "already_sent"}) - skipped_before == 7
+    again = read_topic(kafka_broker.bootstrap, topic)
+    assert sum(len(ms) for ms in again.values()) == 8
+
+
+def wal_batch(node_dir: Path, source_node: str) -> EventBatch:
+    """Every data record of the node's WAL as one batch, as the daemon would hand it over."""
+    names: dict[int, str] = {}
+    slices = []
+    for ptr, rec in wal_records(node_dir):
+        if type(rec) is CacheRecord:
+            names[rec.cache_id] = rec.name
+        elif type(rec) is DataRecord:
+            slices.append(RecordSlice(ptr, rec))
+    return EventBatch(source_node, slices, names)
+
+
+def _json_key(key: Any) -> Any:
+    return list(key) if isinstance(key, tuple) else key
