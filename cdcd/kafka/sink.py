@@ -29,7 +29,7 @@ import structlog
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from cdcd import metrics
+from cdcd import failpoints, metrics
 from cdcd.config import ConfigError
 from cdcd.consumer import CacheInfo, Consumer, EventBatch
 from cdcd.kafka import envelope, offsets
@@ -397,6 +397,7 @@ class KafkaSink(Consumer):
         )
         t0 = time.perf_counter()
         p.commit_transaction(opts.transaction_timeout_ms / 1000)
+        failpoints.hit("kafka.committed")  # in Kafka, not yet in the caller's state: a re-delivery follows
         metrics.KAFKA_COMMIT_SECONDS.observe(time.perf_counter() - t0)
         self._committed = last
         metrics.KAFKA_TRANSACTIONS.inc()
