@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from confluent_kafka.admin import AdminClient
 from prometheus_client import REGISTRY
 
 from cdcd.daemon.config import DaemonConfig
@@ -129,7 +130,9 @@ def test_envelope_tombstones_metadata_and_stored_position(kafka_broker: Broker, 
     assert afters[("orders", b'{"cache":"orders","key":1}')] in ({"total": 9.5, "items": ["a", "b"]}, {"total": 10})
     assert afters[("orders", b'{"cache":"orders","key":2}')] == {"value": "two"}
     assert afters[("orders", b'{"cache":"orders","key":3}')] == {"value": "AP8="}  # binary: base64
-    assert afters[("tags", b'{"cache":"tags","key":["k",1]}')] == {"value": {"5": "int-keyed map", "nested": {"7": None}}}
+    assert afters[("tags", b'{"cache":"tags","key":["k",1]}')] == {
+        "value": {"5": "int-keyed map", "nested": {"7": None}}
+    }
     # data_collection_order counts per cache inside the node transaction
     delete_tx = next(v["transaction"]["id"] for _m, v in by_pos.values() if v["op"] == "d")
     last_tx = sorted(
@@ -145,8 +148,13 @@ def test_envelope_tombstones_metadata_and_stored_position(kafka_broker: Broker, 
     assert (tomb.key(), tomb.partition(), tomb.offset()) == (dm.key(), dm.partition(), dm.offset() + 1)
     assert not tomb.headers()
 
-    meta = [json.loads(m.value()) for ms in read_topic(kafka_broker.bootstrap, f"{topic}.metadata").values() for m in ms]
-    assert {(r["op"], r["name"], r.get("partitions")) for r in meta} == {("create", "orders", 64), ("create", "tags", 8)}
+    meta = [
+        json.loads(m.value()) for ms in read_topic(kafka_broker.bootstrap, f"{topic}.metadata").values() for m in ms
+    ]
+    assert {(r["op"], r["name"], r.get("partitions")) for r in meta} == {
+        ("create", "orders", 64),
+        ("create", "tags", 8),
+    }
 
     # the same entries again (a daemon that crashed before its own commit re-delivers them), to a
     # new sink: the position stored in Kafka covers them, nothing is sent; a partly new batch sends
@@ -195,8 +203,10 @@ def _positions(parts: dict[int, list[Any]]) -> dict[int, list[tuple[int, int, in
 def _stored_position(broker: Broker, node_dir: Path) -> tuple[int, int, int] | None:
     from cdcd.kafka.offsets import read_position
 
-    node_id = (node_dir / "node_id").read_text().strip() if (node_dir / "node_id").exists() else None
-    assert node_id is not None
+    node_id = (node_dir / "node_id").read_text().strip()
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+    if "cdcd-offsets" not in admin.list_topics(timeout=30).topics:
+        return None  # no sink has started yet
     pos = read_position({"bootstrap.servers": broker.bootstrap}, "cdcd-offsets", 1, node_id, 60)
     return None if pos is None else (pos.segment, pos.offset, pos.entry_index)
 
@@ -262,3 +272,69 @@ def test_sigkills_and_broker_restart_deliver_every_entry_exactly_once(kafka_brok
     # each entry in the partition its cache partition says
     part_of = {tuple(e["pos"]): e["partition"] % 4 for e in events}
     assert all(part_of[pos] == p for p, ps in parts.items() for pos in ps)
+
+
+def test_bad_settings_fail_with_one_line_and_nothing_advanced(kafka_broker: Broker, tmp_path: Path) -> None:
+    """An unreachable broker, an unknown key and a change over max_message_bytes each stop `cdcd run`
+    with one error line naming the setting and a non-zero exit; the too-large change's batch is not
+    committed (the stored position stays where the earlier batches left it) and the daemon keeps
+    its own position too (the next run meets the same change)."""
+    node_dir = tmp_path / "node"
+    with Node.open(node_dir, wal_force_archive_timeout_ms=0) as node:
+        node.cache("small").put_all({i: {"v": i} for i in range(5)})
+        node.force_archive()
+    base = {"kind": "kafka", **sink_options(kafka_broker, "bad", max_message_bytes=2048, max_retry_s=5)}
+
+    unreachable = write_daemon_config(
+        tmp_path / "a.toml", node_dir, {**base, "bootstrap_servers": "127.0.0.1:9", "connect_timeout_ms": 1500}
+    )
+    res = cdcd("run", "--config", str(unreachable))
+    assert res.returncode == 4
+    (line,) = [x for x in res.stderr.splitlines() if x.startswith("cdcd: error:")]
+    assert "key 'bootstrap_servers': cannot reach 127.0.0.1:9" in line
+
+    unknown = write_daemon_config(tmp_path / "b.toml", node_dir, {**base, "linger": 5})
+    res = cdcd("run", "--config", str(unknown))
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1] == f"cdcd: error: {unknown}: consumer: unknown key 'linger'"
+
+    secret = write_daemon_config(
+        tmp_path / "s.toml",
+        node_dir,
+        {
+            **base,
+            "security_protocol": "sasl_plaintext",
+            "sasl_mechanism": "PLAIN",
+            "sasl_username": "u",
+            "sasl_password": "hunter2-secret",
+            "connect_timeout_ms": 1500,
+        },
+    )
+    res = cdcd("run", "--config", str(secret))
+    assert res.returncode != 0 and "hunter2-secret" not in res.stderr + res.stdout
+
+    good = write_daemon_config(tmp_path / "c.toml", node_dir, base)
+    err = tmp_path / "good.err"
+    proc = start_daemon(good, err)
+    try:
+        wait_for(
+            lambda: _stored_position(kafka_broker, node_dir) is not None or proc.poll() is not None, 120, "delivery"
+        )
+        assert proc.poll() is None, err.read_text()[-2000:]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    before = _stored_position(kafka_broker, node_dir)
+    with Node.open(node_dir, wal_force_archive_timeout_ms=0) as node:
+        node.cache("small").put(100, {"v": 100})
+        node.cache("small").put(101, {"big": "x" * 4000})
+        node.force_archive()
+    for attempt in range(2):
+        err = tmp_path / f"big-{attempt}.err"
+        res = cdcd("run", "--config", str(good), timeout=120)
+        assert res.returncode == 4, res.stderr[-2000:]
+        (line,) = [x for x in res.stderr.splitlines() if x.startswith("cdcd: error:")]
+        assert "key 'max_message_bytes'" in line and "MSG_SIZE_TOO_LARGE" in line, line
+        assert _stored_position(kafka_broker, node_dir) == before
+    msgs = [m for ms in read_topic(kafka_broker.bootstrap, "bad").values() for m in ms]
+    assert sorted(json.loads(m.key())["key"] for m in msgs) == [0, 1, 2, 3, 4]

@@ -50,9 +50,18 @@ def read_position(conf: dict[str, Any], topic: str, partitions: int, node: str, 
     part = partition_of(node, partitions)
     tp = TopicPartition(topic, part)
     base = {**conf, "group.id": "cdcd-offsets-reader", "enable.auto.commit": False}
+    deadline = time.monotonic() + timeout_s
     probe = Consumer({**base, "isolation.level": "read_uncommitted"})
     try:
-        _low, high = probe.get_watermark_offsets(tp, timeout=timeout_s)
+        while True:
+            try:
+                _low, high = probe.get_watermark_offsets(tp, timeout=max(0.1, deadline - time.monotonic()))
+                break
+            except KafkaException as exc:
+                # a topic just created, a leader moving: its metadata settles in a moment
+                if not exc.args[0].retriable() or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
     finally:
         probe.close()
     if high <= 0:
@@ -60,7 +69,6 @@ def read_position(conf: dict[str, Any], topic: str, partitions: int, node: str, 
     reader = Consumer({**base, "isolation.level": "read_committed", "enable.partition.eof": True})
     found: WalPosition | None = None
     key = node.encode()
-    deadline = time.monotonic() + timeout_s
     try:
         reader.assign([TopicPartition(topic, part, OFFSET_BEGINNING)])
         while True:
