@@ -16,17 +16,16 @@ import pytest
 from confluent_kafka.admin import AdminClient
 from prometheus_client import REGISTRY
 
+from cdcd.consumer import EventBatch, RecordSlice
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.kafka.sink import KafkaSink
 from cdcd.node import Node
-from cdcd.consumer import EventBatch, RecordSlice
 from cdcd.wal.records import CacheRecord, DataEntry, DataRecord
 from tests.kafka_broker import Broker, kafka_broker, read_topic
 from tests.test_daemon_e2e import (
     cdcd,
     child_env,
-    error_lines,
     start_daemon,
     start_writer,
     wait_for,

@@ -84,7 +84,7 @@ def read_position(conf: dict[str, Any], topic: str, partitions: int, node: str, 
             err = msg.error()
             if err is not None:
                 if err.code() == KafkaError._PARTITION_EOF:
-                    if msg.offset() >= high:
+                    if (msg.offset() or 0) >= high:
                         return found
                     continue
                 raise KafkaException(err)
@@ -95,7 +95,7 @@ def read_position(conf: dict[str, Any], topic: str, partitions: int, node: str, 
                 else:
                     s = _decode(value)
                     found = WalPosition(s.segment, s.offset, s.entry_index)
-            if msg.offset() + 1 >= high:
+            if (msg.offset() or 0) + 1 >= high:
                 return found
     finally:
         reader.close()

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 import structlog
 from confluent_kafka import KafkaError, KafkaException, Producer
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from cdcd import failpoints, metrics
 from cdcd.config import ConfigError
@@ -373,7 +373,10 @@ class KafkaSink(Consumer):
                 schemas=schemas,
             )
             part = e.partition % nparts
-            headers = [("cdcd.cache", cache.encode()), ("cdcd.entry", _entry_encoder.encode(e))]
+            headers: list[tuple[str, str | bytes | None]] = [
+                ("cdcd.cache", cache.encode()),
+                ("cdcd.entry", _entry_encoder.encode(e)),
+            ]
             self._produce(p, topic, key, value, part=part, headers=headers)
             if tombstones and e.op == Op.DELETE:
                 self._produce(p, topic, key, None, part=part, headers=None)
@@ -415,7 +418,7 @@ class KafkaSink(Consumer):
         value: bytes | None,
         *,
         part: int,
-        headers: list[tuple[str, bytes]] | None,
+        headers: list[tuple[str, str | bytes | None]] | None,
     ) -> None:
         while True:
             try:
