@@ -337,3 +337,33 @@ def test_bad_settings_fail_with_one_line_and_nothing_advanced(kafka_broker: Brok
         assert _stored_position(kafka_broker, node_dir) == before
     msgs = [m for ms in read_topic(kafka_broker.bootstrap, "bad").values() for m in ms]
     assert sorted(json.loads(m.key())["key"] for m in msgs) == [0, 1, 2, 3, 4]
+
+
+def test_embedded_schema(kafka_broker: Broker, tmp_path: Path) -> None:
+    """schemas = true: key and value are Kafka Connect JSON ({"schema", "payload"}), the payload
+    what the schemaless message holds, the schema naming each row field with its type."""
+    node_dir = tmp_path / "node"
+    with Node.open(node_dir, wal_force_archive_timeout_ms=0) as node:
+        node.cache("people").put(7, {"name": "ada", "age": 36, "score": 1.5, "tags": ["x"], "ok": True})
+        node.cache("people").remove(7)
+        node.force_archive()
+    config = DaemonConfig(node_dir=str(node_dir), metrics_address="")
+    opts = sink_options(kafka_broker, "schemas", schemas=True, tombstones=False)
+    with Daemon(config, KafkaSink.from_options(opts, "consumer")) as daemon:
+        assert daemon.sync_once() == 2
+    msgs = sorted(
+        (m for ms in read_topic(kafka_broker.bootstrap, "schemas").values() for m in ms), key=lambda m: m.offset()
+    )
+    assert len(msgs) == 2  # no tombstone
+    put, delete = (json.loads(m.value()) for m in msgs)
+    assert list(put) == ["schema", "payload"] and put["payload"]["op"] == "c"
+    assert put["payload"]["after"] == {"name": "ada", "age": 36, "score": 1.5, "tags": ["x"], "ok": True}
+    fields = {f["field"]: f for f in put["schema"]["fields"]}
+    assert list(fields) == ENVELOPE_FIELDS
+    after = {f["field"]: f["type"] for f in fields["after"]["fields"]}
+    assert after == {"name": "string", "age": "int64", "score": "double", "tags": "array", "ok": "boolean"}
+    assert fields["source"]["name"] == "io.cdcd.connector.Source"
+    assert delete["payload"]["op"] == "d" and delete["payload"]["after"] is None
+    key = json.loads(msgs[0].key())
+    assert key["payload"] == {"cache": "people", "key": 7}
+    assert [f["field"] for f in key["schema"]["fields"]] == ["cache", "key"]
