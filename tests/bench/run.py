@@ -20,11 +20,19 @@ from pathlib import Path
 from typing import Any
 
 from cdcd.logging import configure as configure_logging
-from tests.bench import bench_daemon, bench_lake, bench_node, bench_realtime, bench_replication, bench_wal_read
+from tests.bench import (
+    bench_daemon,
+    bench_kafka,
+    bench_lake,
+    bench_node,
+    bench_realtime,
+    bench_replication,
+    bench_wal_read,
+)
 from tests.bench.common import Bench, Result, fmt_value, run_bench
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-SUITES = (bench_node, bench_wal_read, bench_daemon, bench_realtime, bench_lake, bench_replication)
+SUITES = (bench_node, bench_wal_read, bench_daemon, bench_realtime, bench_lake, bench_replication, bench_kafka)
 
 
 def _log(msg: str) -> None:
