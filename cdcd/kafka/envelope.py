@@ -46,11 +46,55 @@ def row(raw: bytes | msgspec.Raw) -> dict[str, Any]:
     return {"value": jsonable(value)}
 
 
+class _Key(msgspec.Struct):
+    cache: str
+    key: Any
+
+
+class _CacheVersion(msgspec.Struct):
+    order: int
+    node_order: int
+    cluster_id: int
+    topology_version: int
+
+
+class _Source(msgspec.Struct):
+    version: str
+    connector: str
+    name: str
+    node: str
+    cache: str
+    partition: int
+    segment: int
+    offset: int
+    entry_index: int
+    ts_ms: int
+    snapshot: str
+    primary: bool
+    cache_version: _CacheVersion
+
+
+class _Transaction(msgspec.Struct):
+    id: str
+    total_order: int
+    data_collection_order: int
+
+
+class _Envelope(msgspec.Struct):
+    before: None
+    after: dict[str, Any] | None
+    source: _Source
+    op: str
+    ts_ms: int
+    transaction: _Transaction
+
+
 def key_bytes(cache: str, raw_key: bytes | msgspec.Raw, schemas: bool) -> bytes:
-    payload = {"cache": cache, "key": jsonable(_decode(raw_key))}
+    key = jsonable(_decode(raw_key))
     if schemas:
+        payload = {"cache": cache, "key": key}
         return _encode({"schema": _struct_schema(payload, f"cdcd.{cache}.Key", optional=False), "payload": payload})
-    return _encode(payload)
+    return _encode(_Key(cache, key))
 
 
 def value_bytes(
@@ -72,40 +116,31 @@ def value_bytes(
     schemas: bool,
 ) -> bytes:
     after = None if raw_value is None else row(raw_value)
-    payload = {
-        "before": None,
-        "after": after,
-        "source": {
-            "version": __version__,
-            "connector": "cdcd",
-            "name": name,
-            "node": node,
-            "cache": cache,
-            "partition": partition,
-            "segment": segment,
-            "offset": offset,
-            "entry_index": entry_index,
-            "ts_ms": commit_ts_ns // 1_000_000,
-            "snapshot": "true" if op == SNAPSHOT_OP else "false",
-            "primary": primary,
-            "cache_version": {
-                "order": version.order,
-                "node_order": version.node_order,
-                "cluster_id": version.cluster_id,
-                "topology_version": version.topology_version,
-            },
-        },
-        "op": op,
-        "ts_ms": now_ms,
-        "transaction": {
-            "id": f"{node}:{segment}:{offset}",
-            "total_order": entry_index + 1,
-            "data_collection_order": data_collection_order,
-        },
-    }
+    envelope = _Envelope(
+        None,
+        after,
+        _Source(
+            __version__,
+            "cdcd",
+            name,
+            node,
+            cache,
+            partition,
+            segment,
+            offset,
+            entry_index,
+            commit_ts_ns // 1_000_000,
+            "true" if op == SNAPSHOT_OP else "false",
+            primary,
+            _CacheVersion(version.order, version.node_order, version.cluster_id, version.topology_version),
+        ),
+        op,
+        now_ms,
+        _Transaction(f"{node}:{segment}:{offset}", entry_index + 1, data_collection_order),
+    )
     if not schemas:
-        return _encode(payload)
-    return _encode({"schema": envelope_schema(cache, after), "payload": payload})
+        return _encode(envelope)
+    return _encode({"schema": envelope_schema(cache, after), "payload": envelope})
 
 
 # --- Kafka Connect JSON schemas ----------------------------------------------------------------
