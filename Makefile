@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install test test-under-load lint bench bench-pg fuzz chaos run clean
+.PHONY: install test test-kafka-cluster test-under-load lint bench bench-pg fuzz chaos run clean
 
 install: $(STAMP)
 	@bash scripts/ensure-kafka.sh
@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml
 PYTEST_WORKERS ?= 2
 test: install
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+
+# Three Kafka brokers, replication factor 3, a partition leader SIGKILLed mid-stream (~3 min).
+test-kafka-cluster: install
+	CDCD_KAFKA_CLUSTER=1 $(BIN)/pytest -q tests/test_kafka_cluster.py
 
 # The same suite with every core kept busy by other processes: timing luck must not matter.
 test-under-load: install

@@ -39,22 +39,30 @@ def _free_port_pair() -> int:
 
 
 class Broker:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, node_id: int = 1) -> None:
         self.dir = directory
         self.port = _free_port_pair()
+        self.node_id = node_id
+        self.cluster: list[str] = []
+        """kafka.sh start arguments of a cluster member (--voters, --cluster-id, --replication)."""
 
     @property
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def _start_args(self) -> list[str]:
+        return [
+            "bash", str(SCRIPT), "start", "--dir", str(self.dir), "--port", str(self.port),
+            "--node-id", str(self.node_id), *self.cluster,
+        ]  # fmt: skip
+
     def start(self) -> None:
-        res = subprocess.run(
-            ["bash", str(SCRIPT), "start", "--dir", str(self.dir), "--port", str(self.port)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        res = subprocess.run(self._start_args(), capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, f"kafka.sh start failed: {res.stderr[-3000:]}"
+
+    def start_async(self) -> subprocess.Popen[str]:
+        """Start without waiting (cluster members wait for each other's quorum)."""
+        return subprocess.Popen(self._start_args(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def stop(self, *, kill: bool = False) -> None:
         args = ["bash", str(SCRIPT), "stop", "--dir", str(self.dir)] + (["--kill"] if kill else [])
@@ -76,6 +84,46 @@ def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
         yield broker
     finally:
         broker.stop()
+
+
+class Cluster:
+    """``size`` brokers (each also a controller voter), internal topics replicated ``size`` times."""
+
+    def __init__(self, directory: Path, size: int) -> None:
+        self.brokers = [Broker(directory / f"b{i}", node_id=i) for i in range(1, size + 1)]
+        voters = ",".join(f"{b.node_id}@127.0.0.1:{b.port + 1}" for b in self.brokers)
+        cluster_id = "cdcdTestKafkaClusterAA"  # any 22-character base64 id; the same for every member
+        for b in self.brokers:
+            b.cluster = ["--voters", voters, "--cluster-id", cluster_id, "--replication", str(size)]
+
+    @property
+    def bootstrap(self) -> str:
+        return ",".join(b.bootstrap for b in self.brokers)
+
+    def start(self) -> None:
+        procs = [b.start_async() for b in self.brokers]
+        for p in procs:
+            _out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, f"kafka.sh start failed: {err[-3000:]}"
+
+    def stop(self) -> None:
+        for b in self.brokers:
+            b.stop()
+
+    def broker(self, node_id: int) -> Broker:
+        return next(b for b in self.brokers if b.node_id == node_id)
+
+
+@pytest.fixture(scope="module")
+def kafka_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    if not LIBS.is_dir():
+        pytest.fail(f"{LIBS} missing: run `make install` (scripts/ensure-kafka.sh) first")
+    cluster = Cluster(tmp_path_factory.mktemp("kafka-cluster"), 3)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 def read_topic(bootstrap: str, topic: str, *, timeout_s: float = 120) -> dict[int, list[Any]]:

@@ -51,19 +51,20 @@ def read_position(conf: dict[str, Any], topic: str, partitions: int, node: str, 
     tp = TopicPartition(topic, part)
     base = {**conf, "group.id": "cdcd-offsets-reader", "enable.auto.commit": False}
     deadline = time.monotonic() + timeout_s
-    probe = Consumer({**base, "isolation.level": "read_uncommitted"})
-    try:
-        while True:
-            try:
-                _low, high = probe.get_watermark_offsets(tp, timeout=max(0.1, deadline - time.monotonic()))
-                break
-            except KafkaException as exc:
-                # a topic just created, a leader moving: its metadata settles in a moment
-                if not exc.args[0].retriable() or time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.2)
-    finally:
-        probe.close()
+    while True:
+        # a new client per attempt: one that timed out against a dead leader may keep asking it
+        probe = Consumer({**base, "isolation.level": "read_uncommitted"})
+        try:
+            _low, high = probe.get_watermark_offsets(tp, timeout=min(5.0, max(0.1, deadline - time.monotonic())))
+            break
+        except KafkaException as exc:
+            # a topic just created, a leader moving or down: its metadata settles in a moment
+            err = exc.args[0]
+            if not (err.retriable() or err.code() == KafkaError._TIMED_OUT) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
+        finally:
+            probe.close()
     if high <= 0:
         return None
     reader = Consumer({**base, "isolation.level": "read_committed", "enable.partition.eof": True})
