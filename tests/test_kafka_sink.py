@@ -405,3 +405,25 @@ def test_realtime_and_daemon_switching_under_load_exactly_once(kafka_broker: Bro
     assert len(got) > 3000
     for p, ps in parts.items():
         assert ps == sorted(ps), f"partition {p} out of WAL order"
+
+
+def test_options_log_line_masks_secrets() -> None:
+    """What the sink logs at start (``describe()``) holds no password, also inside client_config."""
+    from cdcd.kafka.options import KafkaSinkOptions
+
+    opts = KafkaSinkOptions.load(
+        {
+            "bootstrap_servers": "k:9092",
+            "topic": "t",
+            "security_protocol": "sasl_ssl",
+            "sasl_mechanism": "SCRAM-SHA-512",
+            "sasl_username": "cdcd",
+            "sasl_password": "pw-1234567",
+            "ssl_key_password": "pw-7654321",
+            "client_config": {"sasl.oauthbearer.client.secret": "pw-0000000"},
+        },
+        "consumer",
+    )
+    text = json.dumps(opts.describe())
+    assert "pw-" not in text and '"sasl_username": "cdcd"' in text
+    assert opts.librdkafka("consumer")["sasl.password"] == "pw-1234567"
