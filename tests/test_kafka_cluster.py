@@ -28,7 +28,7 @@ def _stored(cluster: Cluster, node_dir: Path) -> tuple[int, int, int] | None:
 
     node_id = (node_dir / "node_id").read_text().strip()
     pos = read_position({"bootstrap.servers": cluster.bootstrap}, "cdcd-offsets", 1, node_id, 60)
-    return None if pos is None else (pos.segment, pos.offset, pos.entry_index)
+    return pos
 
 
 def _leader(cluster: Cluster, topic: str, partition: int) -> int:

@@ -30,10 +30,10 @@ from tests.test_daemon_e2e import (
     start_writer,
     wait_for,
     wal_events,
-    wal_records,
     write_daemon_config,
     writer_count,
 )
+from tests.test_replication import wal_records
 
 __all__ = ["kafka_broker"]  # the fixture, used by name
 
@@ -207,7 +207,7 @@ def _stored_position(broker: Broker, node_dir: Path) -> tuple[int, int, int] | N
     if "cdcd-offsets" not in admin.list_topics(timeout=30).topics:
         return None  # no sink has started yet
     pos = read_position({"bootstrap.servers": broker.bootstrap}, "cdcd-offsets", 1, node_id, 60)
-    return None if pos is None else (pos.segment, pos.offset, pos.entry_index)
+    return pos
 
 
 KILLS = 12
@@ -374,7 +374,6 @@ def test_realtime_and_daemon_switching_under_load_exactly_once(kafka_broker: Bro
     (one transactional id per source node: whoever delivers fences the other and re-reads the
     stored position), realtime switched off, on, off, on under load: every WAL entry is in the
     topic exactly once."""
-    from tests.test_realtime import DAEMON_SETTINGS as RT_DAEMON_SETTINGS
     from tests.test_realtime import Rig, rig_maker
 
     kafka = {"kind": "kafka", **sink_options(kafka_broker, "switch", max_retry_s=60)}
@@ -382,7 +381,9 @@ def test_realtime_and_daemon_switching_under_load_exactly_once(kafka_broker: Bro
     make = next(rigs)
     try:
         rig: Rig = make(realtime_cdc=True, consumer=kafka)
-        rig.daemon_config = write_daemon_config(tmp_path / "cdcd-kafka.toml", rig.node_dir, kafka, **RT_DAEMON_SETTINGS)
+        rig.daemon_config = write_daemon_config(
+            tmp_path / "cdcd-kafka.toml", rig.node_dir, kafka, check_interval_ms=100, batch_max_delay_ms=20
+        )
         rig.start_node(pause_ms=30)
         rig.start_daemon()
         rig.wait_mode("on", "PASSIVE")

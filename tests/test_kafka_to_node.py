@@ -20,8 +20,8 @@ from cdcd.daemon.daemon import Daemon
 from cdcd.kafka.sink import KafkaSink
 from cdcd.node.snapshot import NodeSnapshot
 from tests.kafka_broker import Broker, kafka_broker, read_topic
-from tests.test_daemon_e2e import CDCD, cdcd, child_env, make_node, wait_for, wal_events
-from tests.test_replication import NodeProc, Procs, free_port, procs, split_entries
+from tests.test_daemon_e2e import cdcd, child_env, make_node, wait_for, wal_events
+from tests.test_replication import CDCD, NodeProc, Procs, free_port, procs, split_entries
 
 __all__ = ["kafka_broker", "procs"]  # fixtures, used by name
 

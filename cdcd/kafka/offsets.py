@@ -2,7 +2,7 @@
 
 The offsets topic is compacted, keyed by source node (Kafka Connect's exactly-once source
 connectors keep their offsets the same way). The value is JSON ``{"segment", "offset",
-"entry_index"}``: the WAL position of the last entry the committed transactions hold. A reader
+"entry_index"}``: the WAL address of the last entry the committed transactions hold (inclusive). A reader
 sees only committed records (``read_committed``), so the position it finds and the data in the
 topic always agree.
 """
@@ -16,7 +16,8 @@ from typing import Any
 import msgspec
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
-from cdcd.wal.pointer import WalPosition
+Address = tuple[int, int, int]
+"""``(segment, offset, entry_index)`` of the last entry in Kafka (inclusive: that entry is sent)."""
 
 
 class _Stored(msgspec.Struct, frozen=True):
@@ -36,11 +37,11 @@ def partition_of(node: str, partitions: int) -> int:
     return zlib.crc32(node.encode()) % partitions
 
 
-def encode(node: str, position: WalPosition) -> bytes:
-    return _encode(_Stored(position.segment, position.offset, position.entry_index, node))
+def encode(node: str, address: Address) -> bytes:
+    return _encode(_Stored(*address, node))
 
 
-def read_position(conf: dict[str, Any], topic: str, partitions: int, node: str, timeout_s: float) -> WalPosition | None:
+def read_position(conf: dict[str, Any], topic: str, partitions: int, node: str, timeout_s: float) -> Address | None:
     """The newest committed position of ``node`` (None: it never delivered).
 
     Reads the node's partition to its end as it was when called: up to the high watermark of
@@ -68,7 +69,7 @@ def read_position(conf: dict[str, Any], topic: str, partitions: int, node: str, 
     if high <= 0:
         return None
     reader = Consumer({**base, "isolation.level": "read_committed", "enable.partition.eof": True})
-    found: WalPosition | None = None
+    found: Address | None = None
     key = node.encode()
     try:
         reader.assign([TopicPartition(topic, part, OFFSET_BEGINNING)])
@@ -95,7 +96,7 @@ def read_position(conf: dict[str, Any], topic: str, partitions: int, node: str, 
                     found = None
                 else:
                     s = _decode(value)
-                    found = WalPosition(s.segment, s.offset, s.entry_index)
+                    found = (s.segment, s.offset, s.entry_index)
             if (msg.offset() or 0) + 1 >= high:
                 return found
     finally:
