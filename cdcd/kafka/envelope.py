@@ -22,13 +22,18 @@ schema inferred from each message (what ``JsonConverter`` with ``schemas.enable`
 
 from __future__ import annotations
 
+from importlib import metadata
 from typing import Any
 
 import msgspec
 
-from cdcd import __version__
 from cdcd.wal.dump import jsonable
 from cdcd.wal.records import CacheVersion, Op
+
+try:  # not ``cdcd.__version__``: the package root is the composition root, above every layer
+    __version__ = metadata.version("cdcd")
+except metadata.PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "unknown"
 
 OPS = {Op.CREATE: "c", Op.UPDATE: "u", Op.DELETE: "d"}
 SNAPSHOT_OP = "r"
