@@ -5,9 +5,10 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 JARS   := $(VENV)/jars/.fetched-stamp
 
-.PHONY: install test test-under-load lint bench bench-pg fuzz chaos run clean
+.PHONY: install test test-kafka-cluster test-under-load lint bench bench-pg fuzz chaos run clean
 
 install: $(STAMP) $(JARS)
+	@bash scripts/ensure-kafka.sh
 
 $(STAMP): pyproject.toml
 	@bash scripts/ensure-java.sh
@@ -27,6 +28,10 @@ $(JARS): $(STAMP) scripts/fetch-delta-jars.sh cdcd/lake/spark.py
 PYTEST_WORKERS ?= 2
 test: install
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+
+# Three Kafka brokers, replication factor 3, a partition leader SIGKILLed mid-stream (~3 min).
+test-kafka-cluster: install
+	CDCD_KAFKA_CLUSTER=1 $(BIN)/pytest -q tests/test_kafka_cluster.py
 
 # The same suite with every core kept busy by other processes: timing luck must not matter.
 test-under-load: install

@@ -922,5 +922,60 @@ def demo(seconds: float, rate: int, var: Path, spark_master: str) -> None:
     sys.exit(0 if ok else 1)
 
 
+# --- kafka-to-node ----------------------------------------------------------------------------------
+@main.command("kafka-to-node")
+@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="kafka-to-node TOML.")
+@click.option("--partitions", default=None, metavar="FROM-TO", help="Kafka partitions to read (overrides the config).")
+@click.option("--threads", type=click.IntRange(1, 256), default=None, help="Reader threads (overrides the config).")
+@click.option("--log-format", type=click.Choice(["json", "console"]), default=None, help="Default: console on a TTY.")
+def kafka_to_node(config_path: Path, partitions: str | None, threads: int | None, log_format: str | None) -> None:
+    """Apply a cdcd Kafka topic to a node through its replication endpoint (kafka-to-ignite's twin).
+
+    Offsets are committed after the target confirmed; a restart re-applies at most the last
+    batches, which the target's resolver counts as duplicates. Exit codes: 0 stopped (SIGTERM),
+    1 Kafka or the target failing past max_retry_s, 2 bad config (or metrics port in use).
+    """
+    from cdcd.config import read_toml
+    from cdcd.kafka.options import KafkaToNodeOptions
+    from cdcd.kafka.to_node import KafkaToNode, KafkaToNodeError
+
+    configure_logging(log_format or ("console" if sys.stderr.isatty() else "json"))  # type: ignore[arg-type]
+    try:
+        table = read_toml(config_path)
+        if partitions is not None:
+            table["partitions"] = partitions
+        if threads is not None:
+            table["threads"] = threads
+        opts = KafkaToNodeOptions.load(table, str(config_path))
+        app = KafkaToNode(opts, str(config_path))
+    except ConfigError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if app.stopping.is_set():
+            os._exit(128 + signum)  # second signal: leave at once
+        app.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if opts.metrics_address:
+        from prometheus_client import start_http_server
+
+        from cdcd import metrics
+
+        metrics.export(metrics.KAFKA_TO_NODE)
+        metrics.export(metrics.REPLICATION_SENDER)
+        host, port = split_host_port(opts.metrics_address, min_port=0)
+        try:
+            start_http_server(port, addr=host)
+        except OSError as exc:
+            address = opts.metrics_address
+            fail(f"{config_path}: key 'metrics_address': cannot listen on {address}: {exc}", EXIT_BAD_INPUT)
+    try:
+        app.run()
+    except (KafkaToNodeError, ConfigError) as exc:
+        fail(str(exc), 1)
+
+
 if __name__ == "__main__":
     main()

@@ -313,3 +313,71 @@ REPL_CONFLICTS = Counter(
     "Entries the target's resolver rejected (from its replies)",
     registry=REPLICATION_SENDER,
 )
+
+# --- Kafka (cdcd/kafka/): the sink, and kafka-to-node ---------------------------------------------
+KAFKA_SINK = CollectorRegistry(auto_describe=True)
+"""The Kafka sink, wherever it runs (daemon or the node's realtime worker)."""
+KAFKA_TO_NODE = CollectorRegistry(auto_describe=True)
+"""``cdcd kafka-to-node`` (Ignite's kafka-to-ignite metrics)."""
+
+KAFKA_SENT_EVENTS = Counter(
+    "cdcd_kafka_sent_events_total", "Changes in committed Kafka transactions", ["cache"], registry=KAFKA_SINK
+)
+KAFKA_SKIPPED_EVENTS = Counter(
+    "cdcd_kafka_skipped_events_total",
+    "Changes not sent: already in Kafka (at or below the stored position), backup copies, caches not selected",
+    ["reason"],
+    registry=KAFKA_SINK,
+)
+KAFKA_TRANSACTIONS = Counter(
+    "cdcd_kafka_transactions_total", "Kafka transactions committed", registry=KAFKA_SINK
+)
+KAFKA_RETRIES = Counter(
+    "cdcd_kafka_retries_total", "Batches retried with a new producer after a Kafka error", registry=KAFKA_SINK
+)
+KAFKA_METADATA_RECORDS = Counter(
+    "cdcd_kafka_metadata_records_total",
+    "Cache created/destroyed records sent to the metadata topic",
+    registry=KAFKA_SINK,
+)
+KAFKA_LAST_COMMIT = Gauge(
+    "cdcd_kafka_last_commit_timestamp_seconds", "Wall time of the last committed transaction", registry=KAFKA_SINK
+)
+KAFKA_COMMIT_SECONDS = Histogram(
+    "cdcd_kafka_commit_seconds",
+    "commit_transaction() duration (the flush of the transaction's messages included)",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+    registry=KAFKA_SINK,
+)
+
+K2N_RECEIVED = Counter(
+    "cdcd_kafka_to_node_events_received_total", "Messages read from the data topic", registry=KAFKA_TO_NODE
+)
+K2N_APPLIED = Counter(
+    "cdcd_kafka_to_node_events_applied_total", "Changes the target applied", registry=KAFKA_TO_NODE
+)
+K2N_IGNORED = Counter(
+    "cdcd_kafka_to_node_events_ignored_total",
+    "Changes the target already had (a replay after a restart): neither applied nor conflicts",
+    registry=KAFKA_TO_NODE,
+)
+K2N_REJECTED = Counter(
+    "cdcd_kafka_to_node_events_rejected_total", "Changes the target's resolver rejected", registry=KAFKA_TO_NODE
+)
+K2N_SKIPPED = Counter(
+    "cdcd_kafka_to_node_skipped_messages_total",
+    "Messages not applied: tombstones, caches not selected",
+    ["reason"],
+    registry=KAFKA_TO_NODE,
+)
+K2N_MARKERS = Counter(
+    "cdcd_kafka_to_node_markers_total", "Metadata records (cache created/destroyed) read", registry=KAFKA_TO_NODE
+)
+K2N_LAST_BATCH = Gauge(
+    "cdcd_kafka_to_node_last_batch_timestamp_seconds",
+    "Wall time of the last batch applied and committed",
+    registry=KAFKA_TO_NODE,
+)
+K2N_RETRIES = Counter(
+    "cdcd_kafka_to_node_retries_total", "Batches retried after a failing target", registry=KAFKA_TO_NODE
+)

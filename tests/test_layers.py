@@ -17,7 +17,7 @@ LAYERS: list[set[str]] = [
     {"cdcd.delivery"},
     {"cdcd.node"},
     {"cdcd.replication", "cdcd.realtime", "cdcd.daemon"},
-    {"cdcd.lake"},
+    {"cdcd.lake", "cdcd.kafka"},
     {"cdcd.sinks"},
     {"cdcd", "cdcd.demo"},
     {"cdcd.cli"},

@@ -16,7 +16,7 @@ import pytest
 UNITS = Path(__file__).parent.parent / "systemd"
 
 
-@pytest.mark.parametrize("unit", ["cdcd@.service", "cdcd-node@.service"])
+@pytest.mark.parametrize("unit", ["cdcd@.service", "cdcd-node@.service", "cdcd-kafka-to-node@.service"])
 def test_unit_verifies(unit: str, tmp_path: Path) -> None:
     """`systemd-analyze verify` reports nothing for the unit (ExecStart pointed at this checkout's cdcd)."""
     tool = shutil.which("systemd-analyze")
@@ -86,7 +86,7 @@ SECURITY_MAX_EXPOSURE = 3.5
 """`systemd-analyze security` exposure (0 = locked down, 10 = unprotected); both units score 3.2 on systemd 252."""
 
 
-@pytest.mark.parametrize("unit", ["cdcd@.service", "cdcd-node@.service"])
+@pytest.mark.parametrize("unit", ["cdcd@.service", "cdcd-node@.service", "cdcd-kafka-to-node@.service"])
 def test_unit_security_exposure_stays_low(unit: str, tmp_path: Path) -> None:
     """`systemd-analyze security --offline=yes` rates the unit's sandbox at or below the recorded exposure."""
     tool = shutil.which("systemd-analyze")

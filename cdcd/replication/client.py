@@ -6,7 +6,7 @@ import collections
 import socket
 import ssl
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 
 from cdcd import metrics
@@ -122,9 +122,12 @@ class ReplicationClient:
             raise ProtocolError(f"replication target {self.target} sent a {type(frame).__name__} frame")
         return frame
 
-    def apply_all(self, requests: Iterable[tuple[str, list[ReplEntry]]]) -> Applied:
+    def apply_all(
+        self, requests: Iterable[tuple[str, list[ReplEntry]]], partitions: Mapping[str, int] | None = None
+    ) -> Applied:
         """Send ``(cache, entries)`` requests, at most ``max_in_flight`` unanswered at a time;
-        returns the summed replies once every request is answered."""
+        returns the summed replies once every request is answered. ``partitions``: the origin's
+        partition count per cache, for a target that has to create it."""
         sock = self._sock
         if sock is None:
             raise ConnectionError(f"replication target {self.target}: not connected")
@@ -133,7 +136,7 @@ class ReplicationClient:
         try:
             for cache, entries in requests:
                 self._seq += 1
-                data = encode_frame(Apply(self._seq, cache, entries))
+                data = encode_frame(Apply(self._seq, cache, entries, (partitions or {}).get(cache, 0)))
                 if len(data) - 4 > self.max_frame_bytes:
                     raise TargetRefused(f"an apply request of {len(data)} bytes is over the frame limit")
                 sock.sendall(data)

@@ -17,6 +17,12 @@ def _jsonl(options: Mapping[str, Any], source: str) -> Consumer:
     return JsonlConsumer.from_options(options, source)
 
 
+def _kafka(options: Mapping[str, Any], source: str) -> Consumer:
+    from cdcd.kafka.sink import load
+
+    return load(options, source)
+
+
 def _null(options: Mapping[str, Any], source: str) -> Consumer:
     from cdcd.sinks.null import NullConsumer
 
@@ -43,6 +49,7 @@ def _lake(options: Mapping[str, Any], source: str) -> Consumer:
 
 KINDS: dict[str, ConsumerFactory] = {
     "jsonl": _jsonl,
+    "kafka": _kafka,
     "lake": _lake,
     "null": _null,
     "python": _python,

@@ -22,6 +22,7 @@ from typing import Any
 from cdcd.logging import configure as configure_logging
 from tests.bench import (
     bench_daemon,
+    bench_kafka,
     bench_lake,
     bench_lake_merge,
     bench_node,
@@ -32,7 +33,16 @@ from tests.bench import (
 from tests.support.bench import Bench, Result, fmt_value, run_bench
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-SUITES = (bench_node, bench_wal_read, bench_daemon, bench_realtime, bench_lake, bench_lake_merge, bench_replication)
+SUITES = (
+    bench_node,
+    bench_wal_read,
+    bench_daemon,
+    bench_realtime,
+    bench_lake,
+    bench_lake_merge,
+    bench_replication,
+    bench_kafka,
+)
 
 
 def _log(msg: str) -> None:

@@ -1,0 +1,103 @@
+"""Each source node's delivered position in Kafka, written in the same transaction as the data.
+
+The offsets topic is compacted, keyed by source node (Kafka Connect's exactly-once source
+connectors keep their offsets the same way). The value is JSON ``{"segment", "offset",
+"entry_index"}``: the WAL address of the last entry the committed transactions hold (inclusive). A reader
+sees only committed records (``read_committed``), so the position it finds and the data in the
+topic always agree.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from typing import Any
+
+import msgspec
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+
+Address = tuple[int, int, int]
+"""``(segment, offset, entry_index)`` of the last entry in Kafka (inclusive: that entry is sent)."""
+
+
+class _Stored(msgspec.Struct, frozen=True):
+    segment: int
+    offset: int
+    entry_index: int
+    node: str = ""
+
+
+_decode = msgspec.json.Decoder(_Stored).decode
+_encode = msgspec.json.Encoder().encode
+
+
+def partition_of(node: str, partitions: int) -> int:
+    """The offsets topic partition of a node's record (explicit: librdkafka's and Java's default
+    partitioners differ)."""
+    return zlib.crc32(node.encode()) % partitions
+
+
+def encode(node: str, address: Address) -> bytes:
+    return _encode(_Stored(*address, node))
+
+
+def read_position(conf: dict[str, Any], topic: str, partitions: int, node: str, timeout_s: float) -> Address | None:
+    """The newest committed position of ``node`` (None: it never delivered).
+
+    Reads the node's partition to its end as it was when called: up to the high watermark of
+    everything written, committed or not, so a transaction still open elsewhere on the partition
+    (another node's) is waited for rather than stopping the read before this node's newest record.
+    """
+    part = partition_of(node, partitions)
+    tp = TopicPartition(topic, part)
+    base = {**conf, "group.id": "cdcd-offsets-reader", "enable.auto.commit": False}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        # a new client per attempt: one that timed out against a dead leader may keep asking it
+        probe = Consumer({**base, "isolation.level": "read_uncommitted"})
+        try:
+            _low, high = probe.get_watermark_offsets(tp, timeout=min(5.0, max(0.1, deadline - time.monotonic())))
+            break
+        except KafkaException as exc:
+            # a topic just created, a leader moving or down: its metadata settles in a moment
+            err = exc.args[0]
+            if not (err.retriable() or err.code() == KafkaError._TIMED_OUT) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
+        finally:
+            probe.close()
+    if high <= 0:
+        return None
+    reader = Consumer({**base, "isolation.level": "read_committed", "enable.partition.eof": True})
+    found: Address | None = None
+    key = node.encode()
+    try:
+        reader.assign([TopicPartition(topic, part, OFFSET_BEGINNING)])
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"offsets topic {topic} partition {part}: not read to offset {high} in {timeout_s:g} s "
+                    "(a transaction left open?)"
+                )
+            msg = reader.poll(min(remaining, 1.0))
+            if msg is None:
+                continue
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    if (msg.offset() or 0) >= high:
+                        return found
+                    continue
+                raise KafkaException(err)
+            if msg.key() == key:
+                value = msg.value()
+                if value is None:
+                    found = None
+                else:
+                    s = _decode(value)
+                    found = (s.segment, s.offset, s.entry_index)
+            if (msg.offset() or 0) + 1 >= high:
+                return found
+    finally:
+        reader.close()

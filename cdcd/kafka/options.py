@@ -1,0 +1,269 @@
+"""Options of the Kafka sink (``[consumer] kind = "kafka"``) and of ``cdcd kafka-to-node``.
+
+Both speak to a cluster through librdkafka (confluent-kafka); the connection and security keys
+are shared. Secrets (``sasl_password``, ``ssl_key_password``) are never logged: every log line and
+error goes through ``cdcd.secrets``, and ``describe()`` masks them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+
+from cdcd.config import ConfigError, check_ranges, convert
+from cdcd.secrets import mask_mapping
+
+MiB = 1 << 20
+
+_LIBRDKAFKA_LOG = logging.getLogger("cdcd.kafka.librdkafka")
+
+_SECURITY_PROTOCOLS = ("plaintext", "ssl", "sasl_plaintext", "sasl_ssl")
+_SASL_MECHANISMS = ("", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
+
+
+class ClientOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """How to reach the cluster (shared by the sink and kafka-to-node)."""
+
+    bootstrap_servers: str
+    """host:port[,host:port...] of one or more brokers."""
+    security_protocol: str = "plaintext"
+    """plaintext, ssl, sasl_plaintext or sasl_ssl."""
+    ssl_ca_location: str = ""
+    """CA bundle that signed the brokers' certificates (default: the system's CAs)."""
+    ssl_certificate_location: str = ""
+    ssl_key_location: str = ""
+    ssl_key_password: str = ""
+    """Client certificate, its key and the key's password (brokers with ssl.client.auth)."""
+    sasl_mechanism: str = ""
+    """PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (with a sasl_* security_protocol)."""
+    sasl_username: str = ""
+    sasl_password: str = ""
+    sasl_password_file: str = ""
+    """A file (mode 0600) holding the SASL password, instead of ``sasl_password`` in the config."""
+    client_config: dict[str, str] = msgspec.field(default_factory=dict)
+    """More librdkafka properties (``{"socket.keepalive.enable" = "true"}``); not the ones above."""
+    connect_timeout_ms: int = 10_000
+    """How long to wait for the cluster's metadata at start before failing."""
+
+    def _check_client(self, source: str) -> None:
+        if not self.bootstrap_servers.strip():
+            raise ConfigError(f"{source}: key 'bootstrap_servers': empty")
+        if self.security_protocol not in _SECURITY_PROTOCOLS:
+            choices = ", ".join(_SECURITY_PROTOCOLS)
+            raise ConfigError(f"{source}: key 'security_protocol': {self.security_protocol!r} is not one of {choices}")
+        if self.sasl_mechanism not in _SASL_MECHANISMS:
+            choices = ", ".join(_SASL_MECHANISMS[1:])
+            raise ConfigError(f"{source}: key 'sasl_mechanism': {self.sasl_mechanism!r} is not one of {choices}")
+        if self.security_protocol.startswith("sasl") and not self.sasl_mechanism:
+            protocol = self.security_protocol
+            raise ConfigError(f"{source}: key 'sasl_mechanism': required with security_protocol {protocol}")
+        if self.sasl_password and self.sasl_password_file:
+            raise ConfigError(f"{source}: key 'sasl_password_file': give sasl_password or sasl_password_file, not both")
+        for key in self.client_config:
+            if key.replace(".", "_") in ClientOptions.__struct_fields__ or key in _OWN_PROPERTIES:
+                raise ConfigError(f"{source}: key 'client_config.{key}': set by cdcd itself or by its own key")
+        if self.connect_timeout_ms < 1:
+            raise ConfigError(f"{source}: key 'connect_timeout_ms': out of range: {self.connect_timeout_ms}")
+
+    def librdkafka(self, source: str) -> dict[str, Any]:
+        """The librdkafka properties for these options (a password file is read here)."""
+        conf: dict[str, Any] = {
+            "bootstrap.servers": self.bootstrap_servers,
+            "security.protocol": self.security_protocol,
+            "client.id": "cdcd",
+            # librdkafka's own log lines go through logging (the library writes nothing to stdio)
+            "logger": _LIBRDKAFKA_LOG,
+        }
+        for key in ("ssl_ca_location", "ssl_certificate_location", "ssl_key_location", "ssl_key_password"):
+            value = getattr(self, key)
+            if value:
+                conf[key.replace("_", ".")] = value
+        if self.sasl_mechanism:
+            conf["sasl.mechanism"] = self.sasl_mechanism
+            conf["sasl.username"] = self.sasl_username
+            password = self.sasl_password
+            if self.sasl_password_file:
+                from cdcd.replication import credentials
+
+                password = credentials.read_token(self.sasl_password_file, "sasl_password_file", source).decode()
+            conf["sasl.password"] = password
+        conf.update(self.client_config)
+        return conf
+
+    def describe(self) -> dict[str, Any]:
+        """The options for a log line: secrets masked."""
+        return mask_mapping(msgspec.structs.asdict(self))
+
+
+_OWN_PROPERTIES = frozenset(
+    {
+        "transactional.id",
+        "enable.idempotence",
+        "isolation.level",
+        "enable.auto.commit",
+        "group.id",
+        "acks",
+    }
+)
+"""librdkafka properties exactly once depends on: not overridable through ``client_config``."""
+
+
+class KafkaSinkOptions(ClientOptions, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    topic: str
+    """The data topic: one Debezium-envelope message per change."""
+    metadata_topic: str = ""
+    """Cache created/destroyed records (default: ``<topic>.metadata``)."""
+    offsets_topic: str = "cdcd-offsets"
+    """Compacted topic holding each source node's delivered position (written in the same
+    transaction as the data). Shared by every cdcd of a cluster; one key per source node."""
+    topic_partitions: int = 16
+    """Partitions of the data topic when cdcd creates it; an existing topic must have at least
+    this many. The Kafka partition of a change is its cache partition modulo this."""
+    replication_factor: int = -1
+    """Replication factor of the topics cdcd creates (-1: the brokers' default)."""
+    name: str = ""
+    """``source.name`` of the envelope (default: the topic)."""
+    caches: list[str] | str = msgspec.field(default_factory=list)
+    """Cache names to send, or one regular expression matching whole names ([]: all)."""
+    only_primary: bool = True
+    """Send only changes of primary copies (backups are the same changes again)."""
+    schemas: bool = False
+    """Embed a Kafka Connect JSON schema in each message (``{"schema", "payload"}``), as
+    JsonConverter with ``schemas.enable=true`` expects."""
+    tombstones: bool = True
+    """After a delete, a message with the same key and a null value (compaction drops the key)."""
+    transactional_id: str = ""
+    """Default ``cdcd-<source node>``: one per source node, so a new producer (the daemon after
+    the realtime worker, a restart) fences the old one."""
+    max_events_per_transaction: int = 50_000
+    """Changes per Kafka transaction; the rest of a bigger batch goes in the next one."""
+    linger_ms: int = 5
+    batch_size_bytes: int = 1 * MiB
+    """librdkafka's per-partition batch (``batch.size``)."""
+    max_message_bytes: int = 1 * MiB
+    """Largest message (``message.max.bytes``); a bigger change fails the batch with an error."""
+    compression: str = "lz4"
+    """none, gzip, snappy, lz4 or zstd."""
+    transaction_timeout_ms: int = 60_000
+    request_timeout_ms: int = 30_000
+    max_retry_s: float = 60.0
+    """Retry a failing cluster this long, then fail (the daemon exits; systemd restarts it)."""
+
+    def __post_init__(self) -> None:
+        checks = {
+            "topic_partitions": 1 <= self.topic_partitions <= 100_000,
+            "replication_factor": self.replication_factor == -1 or 1 <= self.replication_factor <= 32,
+            "max_events_per_transaction": self.max_events_per_transaction >= 1,
+            "linger_ms": 0 <= self.linger_ms <= 60_000,
+            "batch_size_bytes": self.batch_size_bytes >= 1024,
+            "max_message_bytes": 1024 <= self.max_message_bytes <= 1_000_000_000,
+            "compression": self.compression in ("none", "gzip", "snappy", "lz4", "zstd"),
+            "transaction_timeout_ms": self.transaction_timeout_ms >= 1000,
+            "request_timeout_ms": self.request_timeout_ms >= 1,
+            "max_retry_s": self.max_retry_s >= 0,
+        }
+        check_ranges(self, checks)
+
+    @property
+    def metadata_topic_name(self) -> str:
+        return self.metadata_topic or f"{self.topic}.metadata"
+
+    @classmethod
+    def load(cls, options: Mapping[str, Any], source: str) -> KafkaSinkOptions:
+        opts = convert(options, cls, source)
+        opts._check_client(source)
+        for key in ("topic", "metadata_topic", "offsets_topic"):
+            value = getattr(opts, key)
+            if (value or key == "topic") and not _TOPIC_NAME.fullmatch(value):
+                raise ConfigError(f"{source}: key '{key}': {value!r} is not a valid topic name")
+        if len({opts.topic, opts.metadata_topic_name, opts.offsets_topic}) != 3:
+            raise ConfigError(f"{source}: key 'metadata_topic': topic, metadata_topic and offsets_topic must differ")
+        cache_filter(opts.caches, source)
+        return opts
+
+
+def cache_filter(spec: list[str] | str, source: str) -> Callable[[str], bool]:
+    """``caches`` as a predicate on cache names."""
+    if isinstance(spec, str):
+        try:
+            pattern = re.compile(spec)
+        except re.error as exc:
+            raise ConfigError(f"{source}: key 'caches': bad regular expression {spec!r}: {exc}") from None
+        return lambda name: pattern.fullmatch(name) is not None
+    if not spec:
+        return lambda name: True
+    return frozenset(spec).__contains__
+
+
+def parse_partitions(spec: str, key: str) -> tuple[int, int]:
+    """``FROM-TO`` (inclusive, as kafka-to-ignite's ``kafkaPartsFrom``/``kafkaPartsTo``) or one number."""
+    m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", spec)
+    if m is None:
+        raise ConfigError(f"{key}: {spec!r} is not FROM-TO (e.g. 0-15)")
+    lo = int(m.group(1))
+    hi = int(m.group(2)) if m.group(2) is not None else lo
+    if hi < lo:
+        raise ConfigError(f"{key}: {spec!r}: FROM is above TO")
+    return lo, hi
+
+
+class KafkaToNodeOptions(ClientOptions, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The ``cdcd kafka-to-node`` TOML file."""
+
+    topic: str
+    metadata_topic: str = ""
+    """Default ``<topic>.metadata``, as the sink's."""
+    partitions: str = ""
+    """Kafka partitions to read, ``FROM-TO`` inclusive (default: all of the topic's)."""
+    threads: int = 1
+    """Reader threads; each takes an equal share of the partitions and has its own connection to
+    the target."""
+    group_id: str = "cdcd-kafka-to-node"
+    """Consumer group whose committed offsets say where to resume; metadata is read by
+    ``<group_id>-metadata``."""
+    target: str
+    """host:port of the target node's ``replication_listen``."""
+    token_file: str
+    tls: bool = False
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_server_name: str = ""
+    caches: list[str] | str = msgspec.field(default_factory=list)
+    """Cache names to apply, or one regular expression matching whole names ([]: all)."""
+    max_batch_events: int = 2048
+    """Messages read before one apply + offset commit."""
+    poll_timeout_ms: int = 200
+    request_timeout_ms: int = 30_000
+    max_retry_s: float = 60.0
+    """Retry a failing target or cluster this long, then exit non-zero (systemd restarts it)."""
+    metrics_address: str = "127.0.0.1:9470"
+    """host:port of the Prometheus listener ("" for none)."""
+
+    def __post_init__(self) -> None:
+        checks = {
+            "threads": 1 <= self.threads <= 256,
+            "max_batch_events": self.max_batch_events >= 1,
+            "poll_timeout_ms": self.poll_timeout_ms >= 1,
+            "request_timeout_ms": self.request_timeout_ms >= 1,
+            "max_retry_s": self.max_retry_s >= 0,
+        }
+        check_ranges(self, checks)
+
+    @property
+    def metadata_topic_name(self) -> str:
+        return self.metadata_topic or f"{self.topic}.metadata"
+
+    @classmethod
+    def load(cls, options: Mapping[str, Any], source: str) -> KafkaToNodeOptions:
+        opts = convert(options, cls, source)
+        opts._check_client(source)
+        if opts.partitions:
+            parse_partitions(opts.partitions, f"{source}: key 'partitions'")
+        cache_filter(opts.caches, source)
+        return opts

@@ -1,0 +1,435 @@
+"""``kind = "kafka"``: every change into a Kafka topic exactly once, in Debezium's envelope
+(Ignite's ``IgniteToKafkaCdcStreamer`` twin).
+
+Exactly once: a transactional producer (``transactional.id`` per source node) sends a batch's
+messages and the WAL position of its last entry (to the compacted offsets topic, see
+``offsets``) in one Kafka transaction. When a producer starts it fences any older one of the same
+id, then reads that position back; entries at or below it are skipped, so whatever the daemon
+re-delivers after a crash (its own position is committed after ours) is not sent twice. Any error
+inside a transaction drops the producer: the next attempt starts a new one, which aborts what
+the old one left open and re-reads the position. A producer fenced by another (the realtime
+worker and the daemon hand over) does the same: it re-takes the id and the position.
+
+A change goes to Kafka partition ``cache partition % topic_partitions`` (Ignite's rule), keyed
+``{"cache", "key"}``; a delete is followed by a tombstone. Headers ``cdcd.entry`` (the WAL entry,
+MessagePack) and ``cdcd.cache`` let ``cdcd kafka-to-node`` apply the exact bytes. Cache
+created/destroyed records go to the metadata topic before the changes of the cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+import structlog
+from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+from cdcd import failpoints, metrics
+from cdcd.config import ConfigError
+from cdcd.consumer import CacheInfo, Consumer, EventBatch
+from cdcd.kafka import envelope, offsets
+from cdcd.kafka.errors import KafkaSetupError, describe, error_of, setting_of
+from cdcd.kafka.options import KafkaSinkOptions, cache_filter
+from cdcd.wal.records import Op
+
+log = structlog.get_logger("cdcd.kafka.sink")
+
+_entry_encoder = msgspec.msgpack.Encoder()
+OFFSETS_TOPIC_PARTITIONS = 1
+
+
+class MetadataRecord(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A value of the metadata topic (keyed by cache name)."""
+
+    op: str
+    """create or destroy"""
+    cache_id: int
+    name: str = ""
+    partitions: int = 0
+    cdc_enabled: bool = True
+    ttl_ms: int = 0
+    node: str = ""
+
+
+def ensure_topics(
+    admin: AdminClient, wanted: Mapping[str, tuple[int, dict[str, str]]], opts: KafkaSinkOptions, source: str
+) -> None:
+    """Create the topics that are missing; an existing data topic must have enough partitions."""
+    timeout_s = opts.connect_timeout_ms / 1000
+    try:
+        meta = admin.list_topics(timeout=timeout_s)
+    except KafkaException as exc:
+        raise KafkaSetupError(
+            f"{source}: key 'bootstrap_servers': cannot reach {opts.bootstrap_servers} "
+            f"in {timeout_s:g} s: {describe(exc)}"
+        ) from None
+    missing = [
+        NewTopic(name, parts, opts.replication_factor, config=config)
+        for name, (parts, config) in wanted.items()
+        if name not in meta.topics
+    ]
+    if missing:
+        for name, fut in admin.create_topics(missing, request_timeout=timeout_s).items():
+            try:
+                fut.result()
+            except KafkaException as exc:
+                err = error_of(exc)
+                if err is not None and err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                    continue  # another process made it meanwhile
+                key = {opts.topic: "topic", opts.metadata_topic_name: "metadata_topic"}.get(name, "offsets_topic")
+                raise KafkaSetupError(f"{source}: key '{key}': cannot create topic {name}: {describe(exc)}") from None
+            log.info("kafka_topic_created", topic=name, partitions=wanted[name][0])
+        meta = admin.list_topics(timeout=timeout_s)
+    data = meta.topics.get(opts.topic)
+    if data is not None and data.error is None and len(data.partitions) < opts.topic_partitions:
+        raise KafkaSetupError(
+            f"{source}: key 'topic_partitions': topic {opts.topic} has {len(data.partitions)} partitions, "
+            f"fewer than topic_partitions = {opts.topic_partitions}"
+        )
+
+
+class KafkaSink(Consumer):
+    def __init__(self, options: KafkaSinkOptions, source: str) -> None:
+        self.options = options
+        self.source = source
+        self._base = options.librdkafka(source)
+        self._selected = cache_filter(options.caches, source)
+        self._selected_cache: dict[str, bool] = {}
+        self._producer: Producer | None = None
+        self._node = ""
+        self._committed: offsets.Address | None = None
+        self._offsets_partitions = OFFSETS_TOPIC_PARTITIONS
+        self._delivery_error: KafkaError | None = None
+        self._alive = True
+        self._interrupted = threading.Event()
+        self._meta_producer: Producer | None = None
+        self.sent = 0
+        self._pulled: offsets.Address | None = None
+        """The furthest entry an attempt's iteration reached: a retry goes at least as far (the
+        batch counts everything an iteration pulled as taken)."""
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], source: str) -> KafkaSink:
+        return cls(KafkaSinkOptions.load(options, source), source)
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    def start(self, registry: Any = None) -> None:
+        metrics.export(metrics.KAFKA_SINK)
+        opts = self.options
+        try:
+            admin = AdminClient({**self._base, "socket.connection.setup.timeout.ms": opts.connect_timeout_ms})
+        except KafkaException as exc:
+            raise KafkaSetupError(f"{self.source}: key 'client_config': {describe(exc)}") from None
+        compact = {"cleanup.policy": "compact"}
+        ensure_topics(
+            admin,
+            {
+                opts.topic: (opts.topic_partitions, {}),
+                opts.metadata_topic_name: (1, compact),
+                opts.offsets_topic: (OFFSETS_TOPIC_PARTITIONS, compact),
+            },
+            opts,
+            self.source,
+        )
+        meta = admin.list_topics(topic=opts.offsets_topic, timeout=opts.connect_timeout_ms / 1000)
+        self._offsets_partitions = len(meta.topics[opts.offsets_topic].partitions)
+        log.info("kafka_sink_started", options=opts.describe())
+
+    def stop(self) -> None:
+        p, self._producer = self._producer, None
+        if p is not None:
+            # nothing of ours should be open; if something is (or the cluster is away), the next
+            # producer's init aborts it: never wait long here
+            with contextlib.suppress(KafkaException):
+                p.abort_transaction(1.0)
+        m, self._meta_producer = self._meta_producer, None
+        if m is not None:
+            m.flush(5.0)
+
+    def alive(self) -> bool:
+        return self._alive
+
+    def interrupt(self) -> None:
+        self._interrupted.set()
+
+    # --- metadata -----------------------------------------------------------------------------------
+
+    def _send_metadata(self, records: Sequence[MetadataRecord]) -> None:
+        """Idempotent, not transactional: a record sent twice says the same thing again, and it must
+        be in the topic before the first change of its cache (sent after this returns)."""
+        if self._meta_producer is None:
+            self._meta_producer = Producer({**self._base, "enable.idempotence": True, "acks": "all"})
+        p = self._meta_producer
+        errors: list[KafkaError] = []
+
+        def delivered(err: KafkaError | None, _msg: Any) -> None:
+            if err is not None:
+                errors.append(err)
+
+        for rec in records:
+            p.produce(
+                self.options.metadata_topic_name,
+                key=(rec.name or str(rec.cache_id)).encode(),
+                value=msgspec.json.encode(rec),
+                partition=0,
+                on_delivery=delivered,
+            )
+        left = p.flush(self.options.max_retry_s or 1.0)
+        if errors or left:
+            reason = f"{errors[0].name()}: {errors[0].str()}" if errors else f"{left} records not confirmed"
+            self._alive = False
+            raise ConnectionError(
+                f"{self.source}: key 'metadata_topic': cannot write to {self.options.metadata_topic_name}: {reason}"
+            )
+        metrics.KAFKA_METADATA_RECORDS.inc(len(records))
+
+    def on_cache_change(self, caches: Sequence[CacheInfo]) -> None:
+        recs = [
+            MetadataRecord(
+                "create", c.cache_id, c.name, c.config.partitions, c.config.cdc_enabled, c.config.ttl_ms, self._node
+            )
+            for c in caches
+        ]
+        if recs:
+            self._send_metadata(recs)
+
+    def on_cache_destroy(self, cache_ids: Sequence[int]) -> None:
+        if cache_ids:
+            self._send_metadata([MetadataRecord("destroy", cid, node=self._node) for cid in cache_ids])
+
+    # --- data -------------------------------------------------------------------------------------
+
+    def _open(self, node: str) -> None:
+        """A new producer for ``node``: fences older ones, then reads back the stored position."""
+        opts = self.options
+        self._drop_producer()
+        conf = {
+            **self._base,
+            "transactional.id": opts.transactional_id or f"cdcd-{node}",
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": opts.linger_ms,
+            "batch.size": opts.batch_size_bytes,
+            "message.max.bytes": opts.max_message_bytes,
+            "compression.type": opts.compression,
+            "transaction.timeout.ms": opts.transaction_timeout_ms,
+            "request.timeout.ms": opts.request_timeout_ms,
+            "queue.buffering.max.messages": min(2 * opts.max_events_per_transaction + 1000, 2_000_000),
+        }
+        p = Producer(conf)
+        p.init_transactions(opts.transaction_timeout_ms / 1000)
+        self._committed = offsets.read_position(
+            self._base, opts.offsets_topic, self._offsets_partitions, node, opts.transaction_timeout_ms / 1000
+        )
+        self._producer = p
+        self._node = node
+        log.info("kafka_producer_ready", node=node, position=self._committed)
+
+    def _drop_producer(self) -> None:
+        p, self._producer = self._producer, None
+        if p is not None:
+            # purge what is queued, not flush: the next producer's init aborts the open transaction
+            with contextlib.suppress(KafkaException):  # a fatal producer refuses even that
+                p.purge()
+        self._committed = None
+
+    def _is_selected(self, name: str) -> bool:
+        ok = self._selected_cache.get(name)
+        if ok is None:
+            ok = self._selected_cache[name] = bool(self._selected(name))
+        return ok
+
+    def _on_delivery(self, err: KafkaError | None, _msg: Any) -> None:
+        if err is not None and self._delivery_error is None:
+            self._delivery_error = err
+
+    def on_events(self, batch: EventBatch) -> bool:
+        if not len(batch):
+            return True
+        if self._interrupted.is_set():
+            return False
+        opts = self.options
+        started = time.monotonic()
+        delay_s = 0.1
+        reached: offsets.Address | None = None
+        while True:
+            try:
+                if self._producer is None or self._node != batch.source_node:
+                    self._open(batch.source_node)
+                reached = self._send(batch, reached)
+                return True
+            except KafkaSetupError:
+                self._alive = False
+                raise
+            except (KafkaException, TimeoutError, BufferError) as exc:
+                if self._pulled is not None and (reached is None or self._pulled > reached):
+                    reached = self._pulled
+                err = error_of(exc) or self._delivery_error
+                setting = setting_of(err) if err is not None else None
+                self._drop_producer()
+                if setting is not None and err is not None:
+                    self._alive = False
+                    raise KafkaSetupError(
+                        f"{self.source}: key '{setting}': {err.name()}: {err.str()} (nothing of this batch committed)"
+                    ) from None
+                waited_s = time.monotonic() - started
+                if waited_s >= opts.max_retry_s:
+                    self._alive = False
+                    raise ConnectionError(
+                        f"{self.source}: key 'bootstrap_servers': Kafka at {opts.bootstrap_servers} failing for "
+                        f"{waited_s:.1f} s (max_retry_s = {opts.max_retry_s:g}): {describe(exc)}"
+                    ) from None
+                metrics.KAFKA_RETRIES.inc()
+                log.warning(
+                    "kafka_retry", error=describe(exc), retry_in_s=round(delay_s, 3), failing_for_s=round(waited_s, 1)
+                )
+                if self._interrupted.wait(min(delay_s, max(0.0, opts.max_retry_s - waited_s))):
+                    return False
+                delay_s = min(delay_s * 2, 5.0)
+
+    def _send(self, batch: EventBatch, must_reach: offsets.Address | None) -> offsets.Address | None:
+        """One transaction: the batch's entries above the stored position (at most
+        ``max_events_per_transaction``, but at least up to ``must_reach``, what an earlier
+        attempt's iteration took) and the position of the last. Returns that position."""
+        p = self._producer
+        assert p is not None
+        opts = self.options
+        topic = opts.topic
+        nparts = opts.topic_partitions
+        schemas = opts.schemas
+        tombstones = opts.tombstones
+        only_primary = opts.only_primary
+        name = opts.name or topic
+        node = batch.source_node
+        committed = self._committed
+        self._delivery_error = None
+        self._pulled = None
+        skipped = {"already_sent": 0, "backup": 0, "filtered": 0}
+        sent_per_cache: dict[str, int] = {}
+        now_ms = time.time_ns() // 1_000_000
+        # data_collection_order: the entry's rank among its cache's entries of the record
+        slices = batch.peek_slices()
+        k = -1
+        rec_ptr: tuple[int, int] | None = None
+        counts: dict[int, int] = {}
+        last: offsets.Address | None = None
+        n = 0
+        begun = False
+        for ev in batch:
+            pos = ev.position
+            here = (pos.segment, pos.offset, pos.entry_index)  # the event's own place, as a plain tuple
+            self._pulled = here
+            if committed is not None and here <= committed:
+                skipped["already_sent"] += 1
+                continue
+            last = here
+            e = ev.entry
+            if only_primary and not e.primary:
+                skipped["backup"] += 1
+                continue
+            cache = ev.cache_name
+            if not self._is_selected(cache):
+                skipped["filtered"] += 1
+                continue
+            if (pos.segment, pos.offset) != rec_ptr:
+                rec_ptr = (pos.segment, pos.offset)
+                while True:
+                    k += 1
+                    s = slices[k]
+                    if (s.pointer.segment, s.pointer.offset) == rec_ptr:
+                        break
+                counts = {}
+                for before in s.record.entries[: pos.entry_index]:
+                    counts[before.cache_id] = counts.get(before.cache_id, 0) + 1
+            order = counts[e.cache_id] = counts.get(e.cache_id, 0) + 1
+            if not begun:
+                p.begin_transaction()
+                begun = True
+            op = envelope.OPS[e.op]
+            key = envelope.key_bytes(cache, e.key, schemas)
+            value = envelope.value_bytes(
+                name=name,
+                node=node,
+                cache=cache,
+                op=op,
+                raw_value=None if e.op == Op.DELETE else e.value,
+                partition=e.partition,
+                segment=pos.segment,
+                offset=pos.offset,
+                entry_index=pos.entry_index,
+                commit_ts_ns=ev.commit_ts_ns,
+                primary=e.primary,
+                version=e.version,
+                now_ms=now_ms,
+                data_collection_order=order,
+                schemas=schemas,
+            )
+            part = e.partition % nparts
+            headers: list[tuple[str, str | bytes | None]] = [
+                ("cdcd.cache", cache.encode()),
+                ("cdcd.entry", _entry_encoder.encode(e)),
+            ]
+            self._produce(p, topic, key, value, part=part, headers=headers)
+            if tombstones and e.op == Op.DELETE:
+                self._produce(p, topic, key, None, part=part, headers=None)
+            sent_per_cache[cache] = sent_per_cache.get(cache, 0) + 1
+            n += 1
+            if n >= opts.max_events_per_transaction and (must_reach is None or here >= must_reach):
+                break
+        for reason, count in skipped.items():
+            if count:
+                metrics.KAFKA_SKIPPED_EVENTS.labels(reason).inc(count)
+        if last is None:
+            return must_reach  # everything was in Kafka already
+        if not begun:
+            p.begin_transaction()
+        p.produce(
+            opts.offsets_topic,
+            key=node.encode(),
+            value=offsets.encode(node, last),
+            partition=offsets.partition_of(node, self._offsets_partitions),
+            on_delivery=self._on_delivery,
+        )
+        t0 = time.perf_counter()
+        p.commit_transaction(opts.transaction_timeout_ms / 1000)
+        failpoints.hit("kafka.committed")  # in Kafka, not yet in the caller's state: a re-delivery follows
+        metrics.KAFKA_COMMIT_SECONDS.observe(time.perf_counter() - t0)
+        self._committed = last
+        metrics.KAFKA_TRANSACTIONS.inc()
+        metrics.KAFKA_LAST_COMMIT.set(time.time())
+        for cache, count in sent_per_cache.items():
+            metrics.KAFKA_SENT_EVENTS.labels(cache).inc(count)
+            self.sent += count
+        return last
+
+    def _produce(
+        self,
+        p: Producer,
+        topic: str,
+        key: bytes,
+        value: bytes | None,
+        *,
+        part: int,
+        headers: list[tuple[str, str | bytes | None]] | None,
+    ) -> None:
+        while True:
+            try:
+                p.produce(topic, key=key, value=value, partition=part, headers=headers, on_delivery=self._on_delivery)
+                return
+            except BufferError:
+                p.poll(0.05)  # the local queue is full: let deliveries drain it
+            if self._delivery_error is not None:
+                raise KafkaException(self._delivery_error)
+
+
+def load(options: Mapping[str, Any], source: str) -> KafkaSink:
+    try:
+        return KafkaSink.from_options(options, source)
+    except KafkaException as exc:  # librdkafka refused a property
+        raise ConfigError(f"{source}: key 'client_config': {describe(exc)}") from None

@@ -1,0 +1,352 @@
+"""``cdcd kafka-to-node``: apply a cdcd topic to a node (Ignite's ``kafka-to-ignite`` twin).
+
+Reader threads each take a share of the partitions (``partitions = "FROM-TO"``), read them with
+``read_committed`` from the offsets their consumer group committed, and send each batch's changes
+to the target node's replication endpoint, where its conflict resolver decides. Offsets are
+committed only after the target confirmed the whole batch durable, so a crash re-applies at most
+the last batches: the target recognises a version it already holds and counts it as a duplicate
+(``cdcd_kafka_to_node_events_ignored_total``), never applies it twice.
+
+Changes come from the ``cdcd.entry`` header (the WAL entry, exact bytes and version); tombstones
+and messages without it are skipped. Cache partition counts come from the metadata topic, read
+with a group of its own (``<group_id>-metadata``) from its start and again whenever a change of an
+unknown cache arrives (Ignite's metadata markers, IGNITE-20954).
+"""
+
+from __future__ import annotations
+
+import ssl
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import msgspec
+import structlog
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
+
+from cdcd import failpoints, metrics
+from cdcd.config import ConfigError, split_host_port
+from cdcd.kafka.errors import describe
+from cdcd.kafka.options import KafkaToNodeOptions, cache_filter, parse_partitions
+from cdcd.replication import credentials
+from cdcd.replication.client import ReplicationClient, TargetRefused
+from cdcd.replication.protocol import ProtocolError, ReplEntry
+from cdcd.wal.records import DataEntry
+
+log = structlog.get_logger("cdcd.kafka.to_node")
+
+_entry_decoder = msgspec.msgpack.Decoder(DataEntry)
+
+
+class KafkaToNodeError(Exception):
+    """Fatal: the one line ``cdcd kafka-to-node`` prints before exiting non-zero."""
+
+
+class _Metadata(msgspec.Struct):
+    op: str
+    cache_id: int
+    name: str = ""
+    partitions: int = 0
+
+
+_meta_decoder = msgspec.json.Decoder(_Metadata)
+
+
+class MetadataReader:
+    """Cache name -> partition count, from the metadata topic (shared by the reader threads)."""
+
+    def __init__(self, opts: KafkaToNodeOptions, base: dict[str, Any]) -> None:
+        self._opts = opts
+        self._conf = {
+            **base,
+            "group.id": f"{opts.group_id}-metadata",
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+        }
+        self._lock = threading.Lock()
+        self.partitions: dict[str, int] = {}
+        self.read_to = -1
+
+    def refresh(self) -> None:
+        """Read the topic from its start to its current end."""
+        with self._lock:
+            topic = self._opts.metadata_topic_name
+            c = Consumer(self._conf)
+            try:
+                meta = c.list_topics(topic, timeout=self._opts.connect_timeout_ms / 1000)
+                t = meta.topics.get(topic)
+                if t is None or t.error is not None or not t.partitions:
+                    return  # no sink wrote one yet
+                highs = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in t.partitions}
+                pending = {p for p, h in highs.items() if h > 0}
+                c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in pending])
+                deadline = time.monotonic() + 60
+                found: dict[str, int] = {}
+                n = 0
+                while pending:
+                    if time.monotonic() > deadline:
+                        raise KafkaToNodeError(f"metadata topic {topic}: not read to its end in 60 s")
+                    msg = c.poll(0.5)
+                    if msg is None:
+                        continue
+                    err = msg.error()
+                    if err is not None:
+                        part, offset = msg.partition() or 0, msg.offset() or 0
+                        if err.code() == KafkaError._PARTITION_EOF:
+                            if offset >= highs[part]:
+                                pending.discard(part)
+                            continue
+                        raise KafkaException(err)
+                    value = msg.value()
+                    if value is not None:
+                        rec = _meta_decoder.decode(value)
+                        n += 1
+                        if rec.op == "create" and rec.name:
+                            found[rec.name] = rec.partitions
+                    part, offset = msg.partition() or 0, msg.offset() or 0
+                    if offset + 1 >= highs[part]:
+                        pending.discard(part)
+                self.partitions = found
+                metrics.K2N_MARKERS.inc(n)
+            finally:
+                c.close()
+
+
+class _Worker:
+    def __init__(self, app: KafkaToNode, index: int, partitions: Sequence[int]) -> None:
+        self.app = app
+        self.index = index
+        self.partitions = list(partitions)
+        opts = app.opts
+        self.client = ReplicationClient(
+            app.address,
+            app.token,
+            tls=app.tls,
+            tls_server_name=opts.tls_server_name,
+            request_timeout_s=opts.request_timeout_ms / 1000,
+            sender_node=f"kafka:{opts.topic}",
+        )
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # handed to the main thread, which exits with it
+            self.app.fail(exc)
+        finally:
+            self.client.close()
+
+    def _run(self) -> None:
+        app = self.app
+        opts = app.opts
+        consumer = Consumer(
+            {
+                **app.base,
+                "group.id": opts.group_id,
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+                "auto.offset.reset": "earliest",
+            }
+        )
+        try:
+            tps = [TopicPartition(opts.topic, p) for p in self.partitions]
+            committed = consumer.committed(tps, timeout=opts.connect_timeout_ms / 1000)
+            start = [
+                TopicPartition(opts.topic, c.partition, c.offset if c.offset >= 0 else OFFSET_BEGINNING)
+                for c in committed
+            ]
+            consumer.assign(start)
+            log.info(
+                "kafka_to_node_reading",
+                thread=self.index,
+                partitions=self.partitions,
+                offsets={c.partition: c.offset for c in committed},
+            )
+            while not app.stopping.is_set():
+                msgs = consumer.consume(opts.max_batch_events, opts.poll_timeout_ms / 1000)
+                if msgs:
+                    self._batch(consumer, msgs)
+        finally:
+            consumer.close()
+
+    def _batch(self, consumer: Consumer, msgs: list[Message]) -> None:
+        app = self.app
+        next_offsets: dict[int, int] = {}
+        entries: list[tuple[str, DataEntry]] = []
+        skipped = {"tombstone": 0, "filtered": 0, "replicated": 0}
+        for m in msgs:
+            err = m.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    continue
+                raise KafkaException(err)
+            next_offsets[m.partition() or 0] = (m.offset() or 0) + 1
+            headers: dict[str, Any] = dict(m.headers() or ())
+            raw = headers.get("cdcd.entry")
+            if m.value() is None or not isinstance(raw, bytes):
+                skipped["tombstone"] += 1
+                continue
+            cache = bytes(headers.get("cdcd.cache") or b"").decode()
+            e = _entry_decoder.decode(raw)
+            if e.version.other_cluster_version is not None:
+                skipped["replicated"] += 1  # came from another cluster: applying it would loop back
+                continue
+            if not app.selected(cache):
+                skipped["filtered"] += 1
+                continue
+            entries.append((cache, e))
+        metrics.K2N_RECEIVED.inc(len(msgs))
+        for reason, n in skipped.items():
+            if n:
+                metrics.K2N_SKIPPED.labels(reason).inc(n)
+        failpoints.hit("kafka_to_node.received")  # read, neither applied nor committed
+        if entries:
+            if any(cache not in app.metadata.partitions for cache, _e in entries):
+                app.metadata.refresh()
+            self._apply(entries)
+        failpoints.hit("kafka_to_node.applied")  # on the target, offsets not committed: a replay follows
+        # only now: everything before these offsets is durable on the target
+        consumer.commit(
+            offsets=[TopicPartition(app.opts.topic, p, o) for p, o in next_offsets.items()], asynchronous=False
+        )
+        metrics.K2N_LAST_BATCH.set(time.time())
+
+    def _requests(self, entries: list[tuple[str, DataEntry]]) -> Iterator[tuple[str, list[ReplEntry]]]:
+        """Per-cache requests in topic order; a key that comes again closes its cache's request
+        (one request never holds two changes of a key)."""
+        pending: dict[str, tuple[list[ReplEntry], set[bytes]]] = {}
+        for cache, e in entries:
+            slot = pending.get(cache)
+            key = bytes(e.key)
+            if slot is not None and key in slot[1]:
+                yield cache, slot[0]
+                slot = None
+            if slot is None:
+                slot = pending[cache] = ([], set())
+            slot[0].append(ReplEntry(e.op, e.key, e.value, e.version, e.expire_time_ms))
+            slot[1].add(key)
+        for cache, (out, _keys) in pending.items():
+            if out:
+                yield cache, out
+
+    def _apply(self, entries: list[tuple[str, DataEntry]]) -> None:
+        app = self.app
+        opts = app.opts
+        started = time.monotonic()
+        delay_s = 0.1
+        while True:
+            try:
+                if not self.client.connected:
+                    self.client.sender_cluster_id = entries[0][1].version.cluster_id
+                    welcome = self.client.connect()
+                    log.info(
+                        "kafka_to_node_connected",
+                        thread=self.index,
+                        target=self.client.target,
+                        target_cluster=welcome.cluster_id,
+                    )
+                result = self.client.apply_all(self._requests(entries), partitions=app.metadata.partitions)
+                break
+            except TargetRefused as exc:
+                raise KafkaToNodeError(f"key 'target': {exc}") from None
+            except (OSError, ProtocolError) as exc:
+                waited_s = time.monotonic() - started
+                if waited_s >= opts.max_retry_s or app.stopping.is_set():
+                    raise KafkaToNodeError(
+                        f"key 'target': replication target {self.client.target} failing for {waited_s:.1f} s "
+                        f"(max_retry_s = {opts.max_retry_s:g}): {type(exc).__name__}: {exc}"
+                    ) from None
+                metrics.K2N_RETRIES.inc()
+                log.warning("kafka_to_node_retry", thread=self.index, error=f"{type(exc).__name__}: {exc}")
+                app.stopping.wait(delay_s)
+                delay_s = min(delay_s * 2, 5.0)
+        metrics.K2N_APPLIED.inc(result.applied)
+        metrics.K2N_IGNORED.inc(result.duplicates)
+        metrics.K2N_REJECTED.inc(result.rejected)
+
+
+class KafkaToNode:
+    def __init__(self, opts: KafkaToNodeOptions, source: str) -> None:
+        self.opts = opts
+        self.source = source
+        self.base = opts.librdkafka(source)
+        try:
+            self.address = split_host_port(opts.target)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: key 'target': {exc}") from None
+        self.token = credentials.read_token(opts.token_file, "token_file", source)
+        self.tls: ssl.SSLContext | None = None
+        if opts.tls or opts.tls_ca or opts.tls_cert or opts.tls_key:
+            self.tls = credentials.client_context(opts.tls_ca, opts.tls_cert, opts.tls_key, source)
+        self._filter = cache_filter(opts.caches, source)
+        self._selected: dict[str, bool] = {}
+        self.metadata = MetadataReader(opts, self.base)
+        self.stopping = threading.Event()
+        self._failure: BaseException | None = None
+        self._failed = threading.Event()
+
+    def selected(self, cache: str) -> bool:
+        ok = self._selected.get(cache)
+        if ok is None:
+            ok = self._selected[cache] = bool(self._filter(cache))
+        return ok
+
+    def fail(self, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = exc
+        self._failed.set()
+        self.stopping.set()
+
+    def stop(self) -> None:
+        """Stop after the batches in hand (callable from a signal handler)."""
+        self.stopping.set()
+
+    def partition_plan(self) -> list[list[int]]:
+        """The partitions each thread reads (contiguous shares of the range, as kafka-to-ignite)."""
+        opts = self.opts
+        timeout_s = opts.connect_timeout_ms / 1000
+        probe = Consumer({**self.base, "group.id": opts.group_id})
+        try:
+            try:
+                meta = probe.list_topics(opts.topic, timeout=timeout_s)
+            except KafkaException as exc:
+                servers = opts.bootstrap_servers
+                raise KafkaToNodeError(
+                    f"{self.source}: key 'bootstrap_servers': cannot reach {servers} "
+                    f"in {timeout_s:g} s: {describe(exc)}"
+                ) from None
+        finally:
+            probe.close()
+        t = meta.topics.get(opts.topic)
+        if t is None or t.error is not None:
+            why = t.error.str() if t is not None and t.error is not None else "no such topic"
+            raise KafkaToNodeError(f"{self.source}: key 'topic': {opts.topic}: {why}")
+        count = len(t.partitions)
+        lo, hi = (
+            parse_partitions(opts.partitions, f"{self.source}: key 'partitions'") if opts.partitions else (0, count - 1)
+        )
+        if hi >= count:
+            raise KafkaToNodeError(f"{self.source}: key 'partitions': {lo}-{hi}, but topic {opts.topic} has {count}")
+        parts = list(range(lo, hi + 1))
+        n = min(opts.threads, len(parts))
+        return [parts[i * len(parts) // n : (i + 1) * len(parts) // n] for i in range(n)]
+
+    def run(self) -> None:
+        """Read and apply until ``stop()``; raises the first thread's failure."""
+        plan = self.partition_plan()
+        self.metadata.refresh()
+        workers = [_Worker(self, i, parts) for i, parts in enumerate(plan)]
+        threads = [threading.Thread(target=w.run, name=f"kafka-to-node-{w.index}", daemon=True) for w in workers]
+        for t in threads:
+            t.start()
+        log.info("kafka_to_node_started", threads=len(threads), plan=plan, options=self.opts.describe())
+        for t in threads:
+            t.join()
+        if self._failure is not None:
+            exc = self._failure
+            if isinstance(exc, KafkaToNodeError):
+                raise exc
+            if isinstance(exc, KafkaException):
+                raise KafkaToNodeError(f"{self.source}: key 'bootstrap_servers': {describe(exc)}") from exc
+            raise KafkaToNodeError(f"{type(exc).__name__}: {exc}") from exc

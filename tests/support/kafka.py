@@ -1,0 +1,183 @@
+"""A real Apache Kafka broker (KRaft, scripts/kafka.sh) for the Kafka tests, and a reader.
+
+``kafka_broker`` starts one broker per test module on free ports and stops it after; tests may
+stop, SIGKILL and restart it (same data dir). ``read_topic`` reads a topic the way any consumer
+with ``isolation.level = read_committed`` would.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "kafka.sh"
+LIBS = ROOT / "var" / "kafka" / "libs"
+
+
+def _free_port_pair() -> int:
+    """A port P with P+1 free too (broker and controller listeners)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port >= 65535:
+            continue
+        with socket.socket() as s2:
+            try:
+                s2.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair")
+
+
+class Broker:
+    def __init__(self, directory: Path, node_id: int = 1) -> None:
+        self.dir = directory
+        self.port = _free_port_pair()
+        self.node_id = node_id
+        self.cluster: list[str] = []
+        """kafka.sh start arguments of a cluster member (--voters, --cluster-id, --replication)."""
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _start_args(self) -> list[str]:
+        return [
+            "bash", str(SCRIPT), "start", "--dir", str(self.dir), "--port", str(self.port),
+            "--node-id", str(self.node_id), *self.cluster,
+        ]  # fmt: skip
+
+    def start(self) -> None:
+        res = subprocess.run(self._start_args(), capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, f"kafka.sh start failed: {res.stderr[-3000:]}"
+
+    def start_async(self) -> subprocess.Popen[str]:
+        """Start without waiting (cluster members wait for each other's quorum)."""
+        return subprocess.Popen(self._start_args(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def stop(self, *, kill: bool = False) -> None:
+        args = ["bash", str(SCRIPT), "stop", "--dir", str(self.dir)] + (["--kill"] if kill else [])
+        res = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr
+
+    def restart(self, *, kill: bool = False) -> None:
+        self.stop(kill=kill)
+        self.start()
+
+
+@pytest.fixture(scope="module")
+def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    if not LIBS.is_dir():
+        pytest.fail(f"{LIBS} missing: run `make install` (scripts/ensure-kafka.sh) first")
+    broker = Broker(tmp_path_factory.mktemp("kafka"))
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+class Cluster:
+    """``size`` brokers (each also a controller voter), internal topics replicated ``size`` times."""
+
+    def __init__(self, directory: Path, size: int) -> None:
+        self.brokers = [Broker(directory / f"b{i}", node_id=i) for i in range(1, size + 1)]
+        voters = ",".join(f"{b.node_id}@127.0.0.1:{b.port + 1}" for b in self.brokers)
+        cluster_id = "cdcdTestKafkaClusterAA"  # any 22-character base64 id; the same for every member
+        for b in self.brokers:
+            b.cluster = ["--voters", voters, "--cluster-id", cluster_id, "--replication", str(size)]
+
+    @property
+    def bootstrap(self) -> str:
+        return ",".join(b.bootstrap for b in self.brokers)
+
+    def start(self) -> None:
+        procs = [b.start_async() for b in self.brokers]
+        for p in procs:
+            _out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, f"kafka.sh start failed: {err[-3000:]}"
+
+    def stop(self) -> None:
+        for b in self.brokers:
+            b.stop()
+
+    def broker(self, node_id: int) -> Broker:
+        return next(b for b in self.brokers if b.node_id == node_id)
+
+
+@pytest.fixture(scope="module")
+def kafka_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    if not LIBS.is_dir():
+        pytest.fail(f"{LIBS} missing: run `make install` (scripts/ensure-kafka.sh) first")
+    cluster = Cluster(tmp_path_factory.mktemp("kafka-cluster"), 3)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def read_topic(bootstrap: str, topic: str, *, timeout_s: float = 120) -> dict[int, list[Any]]:
+    """Every committed message of ``topic`` per partition, in offset order (read_committed, up to
+    the high watermark as it was when called). A missing topic reads as no partitions."""
+    base = {"bootstrap.servers": bootstrap, "group.id": "test-reader", "enable.auto.commit": False}
+    probe = Consumer({**base, "isolation.level": "read_uncommitted"})
+    try:
+        meta = probe.list_topics(topic, timeout=30)
+        t = meta.topics.get(topic)
+        if t is None or t.error is not None:
+            return {}
+        highs = {p: probe.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in t.partitions}
+    finally:
+        probe.close()
+    out: dict[int, list[Any]] = {p: [] for p in highs}
+    pending = {p for p, h in highs.items() if h > 0}
+    if not pending:
+        return out
+    reader = Consumer({**base, "isolation.level": "read_committed", "enable.partition.eof": True})
+    try:
+        reader.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in pending])
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            assert time.monotonic() < deadline, f"{topic}: partitions {sorted(pending)} not read to their end"
+            msg = reader.poll(1.0)
+            if msg is None:
+                continue
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    if msg.offset() >= highs[msg.partition()]:
+                        pending.discard(msg.partition())
+                    continue
+                raise KafkaException(err)
+            out[msg.partition()].append(msg)
+            if msg.offset() + 1 >= highs[msg.partition()]:
+                pending.discard(msg.partition())
+    finally:
+        reader.close()
+    return out
+
+
+def positions_of(parts: dict[int, list[Any]]) -> dict[int, list[tuple[int, int, int]]]:
+    """The WAL positions of the data messages, per Kafka partition in offset order."""
+    out: dict[int, list[tuple[int, int, int]]] = {}
+    for p, msgs in parts.items():
+        out[p] = []
+        for m in msgs:
+            if m.value() is None:
+                continue
+            s = json.loads(m.value())["source"]
+            out[p].append((s["segment"], s["offset"], s["entry_index"]))
+    return out

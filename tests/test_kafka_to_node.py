@@ -1,0 +1,190 @@
+"""`cdcd kafka-to-node` against a real broker and a real target node process: node A's WAL goes to
+Kafka through the sink, kafka-to-node applies the topic to node B through B's replication endpoint,
+killed mid-stream (after an apply, before its offset commit) several times; B ends equal to A, the
+replays are counted by B's resolver as duplicates, and a full replay under a new group changes
+nothing B holds."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from cdcd.daemon.config import DaemonConfig
+from cdcd.daemon.daemon import Daemon
+from cdcd.kafka.sink import KafkaSink
+from cdcd.node.snapshot import NodeSnapshot
+from tests.support.kafka import Broker, kafka_broker, read_topic
+from tests.support.procs import CDCD, cdcd, child_env, wait_for
+from tests.support.replication_rig import NodeProc, Procs, free_port, procs, split_entries
+from tests.support.wal import wal_events
+from tests.support.writer import make_node
+
+__all__ = ["kafka_broker", "procs"]  # fixtures, used by name
+
+
+def _toml(values: dict[str, Any]) -> str:
+    out = []
+    for k, v in values.items():
+        out.append(f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"')
+    return "\n".join(out).replace("True", "true").replace("False", "false") + "\n"
+
+
+class Applier:
+    """`cdcd kafka-to-node` runs with one config; stderr per run."""
+
+    def __init__(self, procs: Procs, tmp: Path, name: str, **values: Any) -> None:
+        self.procs = procs
+        self.tmp = tmp
+        self.name = name
+        self.metrics_port = free_port()
+        self.config = tmp / f"{name}.toml"
+        self.config.write_text(_toml({**values, "metrics_address": f"127.0.0.1:{self.metrics_port}"}))
+        self.runs: list[Path] = []
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        err = self.tmp / f"{self.name}-{len(self.runs) + 1}.err"
+        self.runs.append(err)
+        with err.open("wb") as f:
+            self.proc = self.procs.track(
+                subprocess.Popen(
+                    [*CDCD, "kafka-to-node", "--config", str(self.config), "--log-format", "json", *args],
+                    stdout=subprocess.DEVNULL,
+                    stderr=f,
+                    env=env or child_env(),
+                )
+            )
+        return self.proc
+
+    def metric(self, name: str) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+
+    def tail(self) -> str:
+        return self.runs[-1].read_text()[-3000:]
+
+
+def test_kafka_to_node_killed_mid_stream_then_full_replay(kafka_broker: Broker, tmp_path: Path, procs: Procs) -> None:
+    rng = random.Random(20954)
+    a_dir = tmp_path / "a"
+    make_node(a_dir, 6, 40, cluster_id=1, partitions=64)
+    topic = "k2n"
+    sink = KafkaSink.from_options(
+        {"bootstrap_servers": kafka_broker.bootstrap, "topic": topic, "topic_partitions": 6}, "consumer"
+    )
+    with Daemon(DaemonConfig(node_dir=str(a_dir), metrics_address=""), sink) as daemon:
+        while daemon.sync_once():
+            pass
+    total = len(wal_events(a_dir))
+    in_topic = sum(1 for ms in read_topic(kafka_broker.bootstrap, topic).values() for m in ms if m.value() is not None)
+    assert in_topic == total > 10_000
+
+    b = NodeProc(procs, tmp_path, "b", 2)
+    b.start()
+    common = {
+        "bootstrap_servers": kafka_broker.bootstrap,
+        "topic": topic,
+        "target": b.target,
+        "token_file": str(b.token),
+        "max_batch_events": 150,
+        "max_retry_s": 60,
+    }
+    app = Applier(procs, tmp_path, "k2n", **common, group_id="g1")
+
+    # killed after an apply and before its offset commit (the next run re-applies that batch), or
+    # after reading a batch, before applying it (the next run must read it again)
+    for k in range(4):
+        before = b.processed()
+        point = "kafka_to_node.applied" if k % 2 == 0 else "kafka_to_node.received"
+        env = {**child_env(), "CDCD_FAILPOINTS": f"{point}@{rng.randint(3, 8)}"}
+        proc = app.start("--threads", "2", "--partitions", "0-5", env=env)
+        assert proc.wait(120) == -signal.SIGKILL, app.tail()
+        assert b.processed() > before
+    proc = app.start("--threads", "3")
+    wait_for(lambda: node_diff_rc(a_dir, b) == 0 or proc.poll() is not None, 180, "B equal to A")
+    assert proc.poll() is None, app.tail()
+    wait_for(lambda: app.metric("cdcd_kafka_to_node_last_batch_timestamp_seconds") > 0, 30, "metrics")
+    received = b.received()
+    # replays were recognised: the re-applied versions are counted as duplicates, none rejected
+    assert received["duplicate"] > 0 and received["rejected"] == 0 and received["local"] == 0
+    assert app.metric("cdcd_kafka_to_node_events_received_total") > 0
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0, app.tail()
+
+    # every entry of A reached B (set of origin versions), and B holds what A holds
+    b_local, b_repl_1 = split_entries(b)
+    a_local, _ = split_entries_of(a_dir)
+    assert b_local == []
+    assert {e.version.other_cluster_version for e in b_repl_1} == {e.version for e in a_local}
+
+    # a full replay (a new group: from the topic's start): a change B holds is ignored, an older
+    # version of a key B holds newer is rejected; only keys A deleted see their put and delete
+    # again (the resolver keeps no tombstones); B ends as it was
+    replay = Applier(procs, tmp_path, "replay", **common, group_id="g2")
+    dup_before = b.received()["duplicate"]
+    proc = replay.start("--threads", "2")
+    wait_for(lambda: replay_done(replay, total) or proc.poll() is not None, 180, "the replay to read the whole topic")
+    assert proc.poll() is None, replay.tail()
+    try:
+        wait_for(lambda: replay_applied(replay) == total, 60, "every replayed change decided")
+    except AssertionError:
+        names = ["received", "applied", "ignored", "rejected"]
+        got = {n: replay.metric(f"cdcd_kafka_to_node_events_{n}_total") for n in names}
+        raise AssertionError(f"{got} total {total} b {b.received()}") from None
+    ignored = replay.metric("cdcd_kafka_to_node_events_ignored_total")
+    assert ignored > total // 2
+    assert b.received()["duplicate"] - dup_before == ignored
+    assert replay.metric("cdcd_kafka_to_node_events_received_total") == total + n_deletes(a_dir)  # + tombstones
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0, replay.tail()
+    _, b_repl_2 = split_entries(b)
+    new = b_repl_2[len(b_repl_1) :]
+    deleted_on_a = {(e.cache_id, bytes(e.key)) for e in a_local if e.op == 2}
+    assert all((e.cache_id, bytes(e.key)) in deleted_on_a for e in new) or not new
+    assert node_diff_rc(a_dir, b) == 0
+    b.stop()
+    assert node_raw(a_dir) == node_raw(b.dir)
+
+
+def replay_done(app: Applier, total: int) -> bool:
+    try:
+        return app.metric("cdcd_kafka_to_node_events_received_total") >= total
+    except OSError:
+        return False
+
+
+def replay_applied(app: Applier) -> float:
+    """Changes the target decided on: applied, ignored (had it) or rejected (holds a newer version)."""
+    return sum(app.metric(f"cdcd_kafka_to_node_events_{n}_total") for n in ("applied", "ignored", "rejected"))
+
+
+def node_diff_rc(a_dir: Path, b: NodeProc) -> int:
+    res = cdcd("node", "diff", str(a_dir), str(b.dir), "--json", timeout=120)
+    assert res.returncode in (0, 1), res.stdout + res.stderr
+    return res.returncode
+
+
+def n_deletes(a_dir: Path) -> int:
+    return sum(1 for e in wal_events(a_dir) if e["op"] == "delete")
+
+
+class _Dir:
+    def __init__(self, d: Path) -> None:
+        self.dir = d
+
+
+def split_entries_of(d: Path) -> Any:
+    return split_entries(_Dir(d))  # type: ignore[arg-type]
+
+
+def node_raw(d: Path) -> dict[str, dict[bytes, bytes]]:
+    """A stopped node's caches, key and value bytes as stored."""
+    with NodeSnapshot(d) as snap:
+        return {c: {bytes(k): bytes(v) for k, v in snap.raw_items(c)} for c in snap.caches()}
