@@ -1,16 +1,10 @@
-"""The Spark lake sink (DESIGN §7) end to end, with real Spark: ``cdcd run`` processes land the WAL's data entries
-in the Parquet change log ``<lake>/changes`` exactly once; ``cdcd lake compact / verify / show``; ``cdcd demo``;
-the hand-over between the node's realtime worker and the daemon writing one lake; a Spark standalone cluster.
+"""The lake sink on Delta (docs/lake.md) end to end, with real Spark: ``cdcd run`` processes land the WAL's
+data entries in ``<lake>/changes`` exactly once; ``cdcd lake compact / verify / show``; ``cdcd demo``; a Spark
+standalone cluster on loopback.
 
-The reference is the WAL (``WalReader`` over archive and work dir, via ``tests.support.wal.wal_events``).
-``check_lake`` compares a lake with it: the commit log's entries cover disjoint position ranges, each entry's
-files hold exactly the WAL entries of its range, every Parquet file under ``changes/`` is named by an entry (no
-orphan a reader could see), and ``spark.read.parquet(<lake>/changes)`` returns exactly one row per WAL data entry,
-equal to it column by column.
-
-The test process reads the lake with one SparkSession per module (``spark`` fixture); daemons, ``cdcd lake
-compact`` and the node's realtime worker run as subprocesses with their own Spark. Fault injection (SIGKILL
-during commits, an unwritable lake, a full disk) lives in ``test_lake_faults.py``; the helpers here are shared.
+The reference is the WAL (``tests.support.wal.wal_events``); ``tests.support.delta_lake.check_lake`` compares
+the Delta table with it. Kills and faults are in ``test_lake_faults.py``, the writer's own properties in
+``test_lake_delta.py``, compaction in ``test_lake_compact.py``, the other lake commands in ``test_lake_ops.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +13,6 @@ import json
 import signal
 import socket
 import subprocess
-import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -29,23 +22,18 @@ from typing import Any
 import pytest
 
 from cdcd.node import Node
-from tests.support.lake import (
-    check_lake,
-    error_lines,
-    fake_compacted_state,
-    spark_consumer,
-    wait_caught_up,
-    wait_started,
-    write_config,
-)
+from tests.support.delta_lake import check_lake, lake_consumer
+from tests.support.delta_tables import change, compacted_lake
+from tests.support.lake import error_lines, wait_caught_up, wait_started, write_config
 from tests.support.procs import CDCD, cdcd, child_env, start_daemon, stop_daemon, wait_for
 from tests.support.wal import wal_events
 from tests.support.writer import CACHES, expected_final_state, start_writer, writer_count
 
 
 def state_table(spark: Any, lake: Path, cache: str) -> dict[str, Any]:
-    """The compacted current state of ``cache``: key (as ``json.dumps`` text) -> value."""
-    rows = spark.read.parquet(str(lake / "state" / f"cache={cache}")).select("key", "value").collect()
+    """The compacted current state of ``cache`` as Spark reads the Delta table: key (``json.dumps`` text) -> value."""
+    df = spark.read.format("delta").load(str(lake / "state"))
+    rows = df.where(df.cache == cache).select("key", "value").collect()
     out = {json.dumps(json.loads(r["key"])): json.loads(r["value"]) for r in rows}
     assert len(out) == len(rows), "one state row per key"
     return out
@@ -55,18 +43,19 @@ def verify_results(stdout: str) -> dict[str, str]:
     """Cache -> OK/MISMATCH from the table `lake verify` (and `demo`) print (the lines after its header)."""
     lines = stdout.splitlines()
     header = max(i for i, line in enumerate(lines) if line.startswith("cache ") and "node rows" in line)
-    return {line.split()[0]: line.split()[-1] for line in lines[header + 1 :]}
+    return {line.split()[0]: line.split()[-1] for line in lines[header + 1 :] if not line.startswith("verified:")}
 
 
 # --- tests -----------------------------------------------------------------------------------------
 def test_daemon_lands_100k_entries_exactly_once_then_compact_and_verify(tmp_path: Path, spark: Any) -> None:
-    """A `cdcd run` process with the Spark sink follows a node writing 100k+ creates, updates and deletes into a
-    change log holding exactly one row per WAL data entry; `lake show`, `lake compact` and `lake verify` agree."""
+    """A `cdcd run` process with the lake sink (Spark writer) follows a node writing 100k+ creates, updates and
+    deletes into a Delta change table holding exactly one row per WAL data entry; `lake show`, `lake compact` and
+    `lake verify` agree, and verify notices a node write the lake does not have."""
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
     n_tx = 2100  # ~51 entries each (40 puts, removes of present keys): > 100k entries
     writer = start_writer(tmp_path, node_dir, count=n_tx, pause_ms=5)
     wait_for(lambda: (node_dir / "cdc").is_dir() or writer.poll() is not None, 30, "the node's cdc dir")
-    config = write_config(tmp_path / "cdcd.toml", node_dir, spark_consumer(lake), batch_max_delay_ms=500)
+    config = write_config(tmp_path / "cdcd.toml", node_dir, lake_consumer(lake, "spark"), batch_max_delay_ms=500)
     err = tmp_path / "daemon.err"
     proc = start_daemon(config, err)
     try:
@@ -82,41 +71,37 @@ def test_daemon_lands_100k_entries_exactly_once_then_compact_and_verify(tmp_path
     assert len(expected) >= 100_000
     ops = Counter(e["op"] for e in expected)
     assert ops["create"] and ops["update"] > 10_000 and ops["delete"] > 10_000, ops
-    entries = check_lake(spark, lake, node_dir, expected)
-    assert len(entries) > 1
+    commits = check_lake(lake, node_dir, expected)
+    assert len(commits) > 1
     events = [json.loads(line)["event"] for line in err.read_text().splitlines() if line.startswith("{")]
-    assert "lake_sink_starting" in events and events[-1] == "daemon_stopped"
+    assert events[-1] == "daemon_stopped"
     assert "lake_replay_dropped" not in events, "a clean run re-delivers nothing"
 
-    # lake show: rows per cache from the log; no state yet.
+    # lake show: rows per cache from the Delta log; no state yet.
     res = cdcd("lake", "show", "--lake", str(lake), "--json")
     assert res.returncode == 0, res.stderr
-    per_cache = Counter(e["cache"] for e in expected)
-    last = max(tuple(e["pos"]) for e in expected)
     shown = json.loads(res.stdout)
-    assert {r["cache"]: r["rows"] for r in shown} == dict(per_cache)
-    assert all(r["state_rows"] is None for r in shown)
-    assert max(tuple(int(x) for x in r["last_position"].replace("#", ":").split(":")) for r in shown) == last
+    assert shown["tables"][0]["rows_per_cache"] == dict(Counter(e["cache"] for e in expected))
+    assert shown["state_behind"] is True
+
+    res = cdcd("lake", "verify", "--lake", str(lake), "--node-dir", str(node_dir))
+    assert res.returncode == 2 and "compact first" in res.stderr, res.stdout + res.stderr
 
     res = cdcd("lake", "compact", "--lake", str(lake), "--spark-master", "local[2]", timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.startswith("state version "), res.stdout
     final = expected_final_state(n_tx)
-    last_seq = {c: max(e.seq for e in entries if c in e.caches) for c in CACHES}
-    assert sorted(res.stdout.splitlines()) == sorted(
-        f"{c}: state version 1, {len(final[c]):,} rows (log entries up to {last_seq[c]})" for c in CACHES
-    )
     for cache in CACHES:
         assert state_table(spark, lake, cache) == final[cache], f"state of {cache} != the writer's final state"
-        assert (lake / "state" / f"cache={cache}").is_symlink()
 
     res = cdcd("lake", "verify", "--lake", str(lake), "--node-dir", str(node_dir))
     assert res.returncode == 0, res.stdout + res.stderr
     assert verify_results(res.stdout) == {c: "OK" for c in CACHES}
+    keys = sum(len(final[c]) for c in CACHES)
+    assert res.stdout.splitlines()[-1] == f"verified: {keys:,} keys, OK"
 
-    res = cdcd("lake", "show", "--lake", str(lake), "--json")
-    assert {r["cache"]: r["state_rows"] for r in json.loads(res.stdout)} == {c: len(final[c]) for c in CACHES}
     res = cdcd("lake", "compact", "--lake", str(lake), "--spark-master", "local[1]", timeout=300)
-    assert res.returncode == 0 and res.stdout.strip() == "nothing new to compact", res.stdout + res.stderr
+    assert res.returncode == 0 and res.stdout.startswith("nothing new to compact"), res.stdout + res.stderr
 
     # verify notices a difference: one more write on the node, not in the lake.
     with Node.open(node_dir) as node:
@@ -126,28 +111,30 @@ def test_daemon_lands_100k_entries_exactly_once_then_compact_and_verify(tmp_path
     assert verify_results(res.stdout) == {"events": "OK", "orders": "OK", "users": "MISMATCH"}
 
 
-def test_demo_runs_end_to_end(tmp_path: Path, spark: Any) -> None:
-    """`cdcd demo --seconds 10` runs a node, load, daemon and Spark sink, compacts and verifies (exit 0), and its
-    change log is exactly the demo node's WAL."""
-    t0 = time.monotonic()
+def test_demo_runs_end_to_end(tmp_path: Path) -> None:
+    """`cdcd demo --seconds 10` runs a node, load, daemon and lake sink, compacts and verifies (exit 0), ends with
+    the lake path, a Spark SQL query over state and `verified: N keys, OK`, and its change table is exactly the
+    demo node's WAL."""
     res = cdcd("demo", "--seconds", "10", "--var", str(tmp_path), timeout=400)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
-    results = verify_results(res.stdout)
-    assert results == {"load": "OK"}, res.stdout
-    check_lake(spark, tmp_path / "demo" / "lake", tmp_path / "demo" / "node")
-    print(f"\ndemo: {time.monotonic() - t0:.0f}s")
+    lines = res.stdout.splitlines()
+    assert any(line.startswith("lake: ") for line in lines), res.stdout
+    assert any(line.startswith("spark.sql> SELECT") for line in lines), res.stdout
+    assert lines[-1].startswith("verified: ") and lines[-1].endswith(" keys, OK"), res.stdout
+    check_lake(tmp_path / "demo" / "lake", tmp_path / "demo" / "node")
 
 
 def test_lake_verify_stdout_is_only_its_table(tmp_path: Path) -> None:
-    """`cdcd lake verify` prints only its result table on stdout (log lines belong on stderr)."""
+    """`cdcd lake verify` prints only its result table and summary line on stdout (log lines belong on stderr)."""
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
-    fake_compacted_state(lake, "orders", [("2", '"two"')])
+    compacted_lake(lake, [change("orders", "2", '"two"', 1)])
     with Node.open(node_dir) as node:
         node.cache("orders").put(1, "one")
     res = cdcd("lake", "verify", "--lake", str(lake), "--node-dir", str(node_dir))
     assert res.returncode == 1  # the lake's "orders" differs
-    assert res.stdout.splitlines()[0].startswith("cache "), res.stdout
-    assert len(res.stdout.splitlines()) == 2, res.stdout
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("cache "), res.stdout
+    assert len(lines) == 3 and lines[2].startswith("verified: "), res.stdout
 
 
 # --- hand-over: the node's realtime worker and the daemon, one lake -----------------------------------
@@ -246,13 +233,13 @@ def test_standalone_cluster_lands_exactly_once(tmp_path: Path, spark: Any, stand
         "spark.executor.memory": "512m",
         "spark.cores.max": "1",
     }
-    consumer = spark_consumer(
+    consumer = lake_consumer(
         lake,
-        cluster["url"],
+        "spark",
+        spark_master=cluster["url"],
         spark_conf=spark_conf,
         app_name="cdcd-lake-cluster-test",
         partition_by_day=True,
-        writer="spark",
     )
     config = write_config(tmp_path / "cdcd.toml", node_dir, consumer, batch_max_events=5000, batch_max_delay_ms=500)
     err = tmp_path / "daemon.err"
@@ -273,7 +260,7 @@ def test_standalone_cluster_lands_exactly_once(tmp_path: Path, spark: Any, stand
 
     expected = wal_events(node_dir)
     assert len(expected) > 15_000
-    check_lake(spark, lake, node_dir, expected)
+    check_lake(lake, node_dir, expected)
     res = subprocess.run(
         [*CDCD, "lake", "compact", "--lake", str(lake), "--spark-master", cluster["url"]],
         capture_output=True,
@@ -299,7 +286,7 @@ def test_lake_verify_leaves_the_node_alone(tmp_path: Path) -> None:
     from tests.support.realtime import markers, node_realtime_state
 
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
-    fake_compacted_state(lake, "orders", [("2", '"two"')])
+    compacted_lake(lake, [change("orders", "2", '"two"', 1)])
     settings = {
         "wal_segment_size_bytes": 64 * 1024,
         "wal_force_archive_timeout_ms": 0,
@@ -320,7 +307,7 @@ def test_lake_verify_leaves_the_node_alone(tmp_path: Path) -> None:
 
 
 def test_lake_show_refuses_a_directory_that_is_not_a_lake(tmp_path: Path) -> None:
-    """`cdcd lake show --lake DIR` on a directory without a commit log fails with one error line and creates nothing."""
+    """`cdcd lake show --lake DIR` on a directory without a Delta table: one error line, nothing created."""
     res = cdcd("lake", "show", "--lake", str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "show created files in a directory it only reads"
     assert res.returncode != 0
