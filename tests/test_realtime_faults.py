@@ -25,7 +25,7 @@ from cdcd.daemon.ops import show_state
 from cdcd.node import Node
 from cdcd.wal.records import DataRecord, RealtimeCdcRecord, StopRealtimeCdcRecord, TryStartRealtimeCdcRecord
 from cdcd.wal.segment import list_segments
-from tests.support.procs import wait_for
+from tests.support.procs import log_events, wait_for
 from tests.support.realtime import (
     Rig,
     as_pos,
@@ -238,17 +238,23 @@ def test_restore_while_the_active_segment_is_archived(rig_factory: Any) -> None:
         return seg2 == seg and 4096 < size <= size2 < 48 * 1024
 
     time.sleep(0.3)
-    wait_for(steady_and_partly_filled, 20, "a partly filled active segment, the flusher caught up")
+    wait_for(steady_and_partly_filled, 60, "a partly filled active segment, the flusher caught up")
     rig.kill_node()
     rig.start_node(first_tx=100_000, pause_ms=0)  # that segment fills (and is archived) in a few ms
-    opened = [e for e in rig.node_log_events() if e["event"] == "node_opened"][-1]
+
+    def this_run() -> list[dict[str, Any]]:
+        """The restarted node's own log lines (the first run's would satisfy the waits below at once)."""
+        return log_events(rig.tmp / f"node-{rig.node_runs}.log")
+
+    wait_for(lambda: any(e["event"] == "node_opened" for e in this_run()), 60, "the restarted node's node_opened")
+    opened = next(e for e in this_run() if e["event"] == "node_opened")
     assert not opened["wal_position"].endswith(":0"), f"precondition: reopened inside a segment, {opened}"
     wait_for(
-        lambda: any(e["event"] in ("realtime_restored", "realtime_restore_failed") for e in rig.node_log_events()),
-        20,
+        lambda: any(e["event"] in ("realtime_restored", "realtime_restore_failed") for e in this_run()),
+        60,
         "the end of the restore",
     )
-    failed = [e["error"] for e in rig.node_log_events() if e["event"] == "realtime_restore_failed"]
+    failed = [e["error"] for e in this_run() if e["event"] == "realtime_restore_failed"]
     st = rig.status()["realtime"]
     assert failed == [] and st["mode"] == "try_start" and st["stops"] == {}, (failed, st)
 
