@@ -33,7 +33,7 @@ from tests.support.writer import CACHES, expected_final_state, start_writer, wri
 def state_table(spark: Any, lake: Path, cache: str) -> dict[str, Any]:
     """The compacted current state of ``cache`` as Spark reads the Delta table: key (``json.dumps`` text) -> value."""
     df = spark.read.format("delta").load(str(lake / "state"))
-    rows = df.where(df.cache == cache).select("key", "value").collect()
+    rows = df.where(df["cache"] == cache).select("key", "value").collect()
     out = {json.dumps(json.loads(r["key"])): json.loads(r["value"]) for r in rows}
     assert len(out) == len(rows), "one state row per key"
     return out
