@@ -33,6 +33,7 @@ import re
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake.exceptions import CommitFailedError, DeltaError
 from deltalake.transaction import AddAction, PostCommitHookProperties, RemoveAction
 
-from cdcd.durable import fsync_dir
+from cdcd.durable import fsync_dir, sync_filesystem
 from cdcd.lake.table import (
     CHANGES,
     CHANGES_PROPERTIES,
@@ -66,6 +67,9 @@ MAX_OFFSET = (1 << OFFSET_BITS) - 1
 MAX_SEGMENT = (1 << (63 - OFFSET_BITS)) - 1
 
 OLD_LOG_DIR = "_cdcd_log"
+
+_FSYNC_EACH_MAX_FILES = 16
+"""Above this many files in one batch, one syncfs of the file system is cheaper than an fsync each."""
 
 _STAT_COLUMNS = (
     "partition",
@@ -291,35 +295,55 @@ class ChangeTable:
         return Path(*(f"{c}={partition_dir_value(v)}" for c, v in zip(self.partition_by, values, strict=True)))
 
     def write_arrow(self, table: pa.Table, max_rows_per_file: int = 1 << 20) -> WrittenFiles:
-        """``table`` as Parquet files, one or more per partition, fsynced with their directories."""
+        """``table`` as Parquet files, one or more per partition, durable before this returns: each
+        fsynced with its directory, or, when a batch spans many partitions (many caches), one
+        ``syncfs`` of the table's file system instead of an fsync per file."""
         out = WrittenFiles(self.path, [])
         group = np.zeros(table.num_rows, np.int64)
         for c in self.partition_by:
             codes = table.column(c).combine_chunks().dictionary_encode()
             group = group * len(codes.dictionary) + codes.indices.to_numpy(zero_copy_only=False)
         data = table.select(self.data_columns)
-        dirs: set[Path] = set()
+        # One stable sort instead of a scan of every row per partition: rows of a group stay in WAL order.
+        order = np.argsort(group, kind="stable")
+        bounds = np.flatnonzero(np.diff(group[order])) + 1
+        tasks: list[tuple[Path, pa.Table, list[str]]] = []
+        for rows in np.split(order, bounds) if table.num_rows else []:
+            part = data if len(rows) == table.num_rows else data.take(pa.array(rows))
+            first = int(rows[0])
+            values = [str(table.column(c)[first].as_py()) for c in self.partition_by]
+            rel_dir = self._dir_of(values)
+            for start in range(0, part.num_rows, max_rows_per_file):
+                tasks.append((rel_dir, part.slice(start, max_rows_per_file), values))
+        per_file_fsync = len(tasks) <= _FSYNC_EACH_MAX_FILES
+
+        def write(task: tuple[Path, pa.Table, list[str]]) -> None:
+            rel_dir, chunk, values = task
+            (self.path / rel_dir).mkdir(parents=True, exist_ok=True)
+            rel = rel_dir / f"part-{uuid.uuid4().hex}.c000.zstd.parquet"
+            full = self.path / rel
+            pq.write_table(chunk, full, compression="zstd", row_group_size=1 << 20)
+            if per_file_fsync:
+                fsync_file(full)
+            st = full.stat()
+            pv = dict(zip(self.partition_by, values, strict=True))
+            # list.append is atomic: a failed batch still knows every file it must discard.
+            out.adds.append(AddAction(str(rel), st.st_size, pv, st.st_mtime_ns // 10**6, True, file_stats(chunk)))
+
         try:
-            for gid in np.unique(group):
-                rows = np.flatnonzero(group == gid)
-                part = data if len(rows) == table.num_rows else data.take(pa.array(rows))
-                first = int(rows[0])
-                values = [str(table.column(c)[first].as_py()) for c in self.partition_by]
-                rel_dir = self._dir_of(values)
-                (self.path / rel_dir).mkdir(parents=True, exist_ok=True)
-                for start in range(0, part.num_rows, max_rows_per_file):
-                    chunk = part.slice(start, max_rows_per_file)
-                    rel = rel_dir / f"part-{uuid.uuid4().hex}.c000.zstd.parquet"
-                    full = self.path / rel
-                    pq.write_table(chunk, full, compression="zstd", row_group_size=1 << 20)
-                    fsync_file(full)
-                    st = full.stat()
-                    pv = dict(zip(self.partition_by, values, strict=True))
-                    out.adds.append(
-                        AddAction(str(rel), st.st_size, pv, st.st_mtime_ns // 10**6, True, file_stats(chunk))
-                    )
-                dirs.add(self.path / rel_dir)
-            self._fsync_dirs(dirs)
+            if len(tasks) > 1:
+                # pyarrow encodes and writes without the GIL: two threads keep both cores busy.
+                with ThreadPoolExecutor(max_workers=2, thread_name_prefix="cdcd-lake-write") as pool:
+                    for _ in pool.map(write, tasks):
+                        pass
+            else:
+                for task in tasks:
+                    write(task)
+            if per_file_fsync or not sync_filesystem(self.path):
+                if not per_file_fsync:
+                    for add in out.adds:
+                        fsync_file(self.path / add.path)
+                self._fsync_dirs({self.path / rel_dir for rel_dir, _, _ in tasks})
         except OSError as exc:
             out.discard()
             raise LakeWriteError(f"lake {self.path}: writing {table.num_rows} rows failed: {_reason(exc)}") from None
