@@ -39,13 +39,7 @@ Every lake benchmark runs with the default ``writer = "spark"`` (``createDataFra
   it) minus the row's ``commit_ts`` read back from the entry's Parquet files with pyarrow (Delta: the
   commit file's mtime, the moment it became visible). Rows
   committed in the first 5 s (3 s) are dropped. p50/p99/max in ms.
-- ``lake.compact``: ``cdcd.lake.compact.compact(spark, lake)`` over a change log of 1M distinct
-  keys (100k with ``--quick``) plus 10% updates and 1% deletes: six log entries of up to 200k rows,
-  one Parquet file each, in the sink's layout (``changes/cache=bench/``), written in setup with
-  pyarrow straight from ``cdcd.lake.arrow.SCHEMA`` (not through Spark: that would take longer
-  than the compaction). Every repetition compacts a fresh copy from scratch (the number), then
-  adds one entry of 10k changes (5k updates, 3k creates, 2k deletes) and compacts again
-  (``incremental_s``). The state's row count is checked both times.
+- Compaction (``lake.merge``, ``lake.compact_caches``) is in ``bench_lake_merge.py``.
 
 Run as a script, this module is the lag benchmark's writer:
 ``python -m tests.bench.bench_lake lag-writer --node-dir D --rate 5000 --seconds 20 --go-file G --out F``.
@@ -107,9 +101,6 @@ RT_LAG_GOAL_MS = 300.0
 LAG_IDLE_S = 2.5
 DRAIN_TIMEOUT_S = 120.0
 
-COMPACT_BATCH_ROWS = 200_000
-COMPACT_INCREMENT = (5000, 3000, 2000)
-"""Updates, creates, deletes of the incremental re-compaction."""
 
 
 def _bench_dir() -> str | None:
@@ -652,153 +643,10 @@ def run_rt_lag(*, seconds: float, drop_s: float, rate: int) -> Measurement:
     return Measurement(len(kept), (max(ts) - cutoff) / 1e9, extra, value=extra["p50_ms"])
 
 
-# --- lake.compact ---------------------------------------------------------------------------------
-class CompactLake:
-    """A change log built in setup (``base``); each repetition works on a fresh copy."""
-
-    def __init__(self) -> None:
-        self.root: Path | None = None
-        self.keys = 0
-        self.order = 0
-        self.expected = 0
-        self.setup_s = 0.0
-
-    @property
-    def base(self) -> Path:
-        assert self.root is not None
-        return self.root / "base"
-
-    def ensure(self, keys: int) -> None:
-        SPARK.ensure()
-        if self.root is not None and self.keys == keys:
-            return
-        self.cleanup()
-        self.root = Path(tempfile.mkdtemp(prefix="cdcd-bench-lake-compact-", dir=_bench_dir()))
-        atexit.register(self.cleanup)
-        t0 = time.perf_counter()
-        changes: list[tuple[str, int]] = [("create", k) for k in range(keys)]
-        changes += [("update", k) for k in range(5, keys, 10)]
-        changes += [("delete", k) for k in range(0, keys, 100)]
-        self.order = 0
-        for start in range(0, len(changes), COMPACT_BATCH_ROWS):
-            self._append(self.base, changes[start : start + COMPACT_BATCH_ROWS])
-        self.keys = keys
-        self.expected = keys - len(range(0, keys, 100))
-        self.setup_s = time.perf_counter() - t0
-
-    def increment(self, lake: Path) -> int:
-        """Append one entry of 5k updates, 3k creates, 2k deletes; returns the expected state rows."""
-        updates, creates, deletes = COMPACT_INCREMENT
-        upd = [("update", k) for k in range(1, self.keys, self.keys // updates)][:updates]
-        dels = [("delete", k) for k in range(3, self.keys, self.keys // deletes) if k % 100][:deletes]
-        new = [("create", k) for k in range(self.keys, self.keys + creates)]
-        self._append(lake, upd + new + dels)
-        return self.expected + len(new) - len(dels)
-
-    def _append(self, lake: Path, changes: list[tuple[str, int]]) -> None:
-        """One lake log entry holding ``changes`` as one Parquet file, the way the sink lays it out."""
-        import msgspec
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        from cdcd.lake.arrow import SCHEMA
-        from cdcd.lake.log import CacheStats, LakeLog, LogEntry, new_batch_id
-        from cdcd.wal.pointer import WalPosition
-
-        lake_log = LakeLog(lake)
-        lake_log.refresh()
-        n = len(changes)
-        first_order = self.order  # the base's last: an increment (on a copy) comes after all of it
-        orders = list(range(first_order + 1, first_order + n + 1))
-        encode = msgspec.json.encode
-        base_ts = 1_700_000_000_000_000
-        seg = [o // 100_000 for o in orders]
-        off = [(o % 100_000) // TX_SIZE * 1500 for o in orders]
-        idx = [o % TX_SIZE for o in orders]
-        cols = {
-            "op": [op for op, _ in changes],
-            "key": [str(k) for _, k in changes],
-            "value": [None if op == "delete" else encode(lake_value(k)).decode() for op, k in changes],
-            "partition": [k % 1024 for _, k in changes],
-            "primary": [True] * n,
-            "version_order": orders,
-            "version_cluster_id": [0] * n,
-            "commit_ts": [base_ts + o // TX_SIZE for o in orders],
-            "source_node": ["bench-node"] * n,
-            "wal_segment": seg,
-            "wal_offset": off,
-            "wal_index": idx,
-            "expire_time_ms": [0] * n,
-        }
-        schema = pa.schema([f for f in SCHEMA if f.name != "cache"])
-        table = pa.table({f.name: pa.array(cols[f.name], f.type) for f in schema}, schema=schema)
-        batch = new_batch_id()
-        rel = f"cache=bench/part-00000-{batch}.zstd.parquet"
-        path = lake_log.staging / batch / rel
-        path.parent.mkdir(parents=True)
-        pq.write_table(table, path, compression="zstd")
-        entry = LogEntry(
-            seq=0,
-            batch=batch,
-            source="bench-node",
-            first=WalPosition(seg[0], off[0], idx[0]),
-            last=WalPosition(seg[-1], off[-1], idx[-1]),
-            files=[rel],
-            caches={"bench": CacheStats(n, (base_ts + orders[-1] // TX_SIZE) * 1000)},
-            committed_ns=0,
-        )
-        lake_log.publish(lake_log.commit(entry))
-        if lake == self.base:
-            self.order = orders[-1]
-
-    def cleanup(self) -> None:
-        if self.root is not None:
-            shutil.rmtree(self.root, ignore_errors=True)
-            self.root = None
-            self.keys = 0
-
-
-COMPACT = CompactLake()
-
-
-def run_compact(*, keys: int) -> Measurement:
-    from cdcd.lake.compact import compact
-
-    spark = SPARK.ensure()
-    assert COMPACT.root is not None
-    lake = COMPACT.root / "work"
-    shutil.rmtree(lake, ignore_errors=True)
-    shutil.copytree(COMPACT.base, lake, symlinks=True)
-    try:
-        t0 = time.perf_counter()
-        full = compact(spark, lake)
-        full_s = time.perf_counter() - t0
-        if full["bench"].rows != COMPACT.expected:
-            raise AssertionError(f"full compaction: {full['bench'].rows:,} rows, expected {COMPACT.expected:,}")
-        expected = COMPACT.increment(lake)
-        t0 = time.perf_counter()
-        again = compact(spark, lake)
-        incr_s = time.perf_counter() - t0
-        if again["bench"].rows != expected:
-            raise AssertionError(f"incremental compaction: {again['bench'].rows:,} rows, expected {expected:,}")
-        state_mib = sum(p.stat().st_size for p in (lake / "state").rglob("*.parquet")) / (1 << 20) / 2
-    finally:
-        shutil.rmtree(lake, ignore_errors=True)
-    extra = {
-        "incremental_s": round(incr_s, 2),
-        "state_rows": expected,
-        "state_mib": round(state_mib, 1),
-        "spark_startup_s": SPARK.startup_s,
-        "spark_warmup_s": SPARK.warmup_s,
-    }
-    return Measurement(keys, full_s, extra, value=round(full_s, 2))
-
-
 # --- registration ---------------------------------------------------------------------------------
 def benchmarks(quick: bool) -> list[Bench]:
     entries = 200_000 if quick else 2_000_000
     lag_seconds, lag_drop_s = (8.0, 3.0) if quick else (20.0, 5.0)
-    compact_keys = 100_000 if quick else 1_000_000
     spark = {"spark_master": SPARK_MASTER}
     shape = {"tx_size": TX_SIZE, "value": "dict, 99 B msgpack", "wal_segment_size_bytes": SEGMENT_BYTES}
 
@@ -887,26 +735,6 @@ def benchmarks(quick: bool) -> list[Bench]:
                 Metric("max", "max_ms", "ms"),
             ),
             params={"rate": LAG_RATE, "seconds": lag_seconds, "dropped_s": lag_drop_s, "wal_mode": "fsync", **shape},
-        ),
-        Bench(
-            name="lake.compact",
-            description=f"compact() of a change log of {_label(compact_keys)} keys (+10% updates, 1% deletes)",
-            run_once=lambda: run_compact(keys=compact_keys),
-            metric="full",
-            unit="s",
-            lower_is_better=True,
-            setup=lambda: COMPACT.ensure(compact_keys),
-            teardown=COMPACT.cleanup,
-            max_repeats=1 if quick else 2,
-            more=(Metric("incremental_10k", "incremental_s", "s", lower_is_better=True),),
-            params={
-                "keys": compact_keys,
-                "updates": len(range(5, compact_keys, 10)),
-                "deletes": len(range(0, compact_keys, 100)),
-                "increment": dict(zip(("updates", "creates", "deletes"), COMPACT_INCREMENT, strict=True)),
-                "rows_per_file": COMPACT_BATCH_ROWS,
-                **spark,
-            },
         ),
     ]
 
