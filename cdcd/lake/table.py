@@ -45,23 +45,8 @@ one source's changes by (source_generation, wal_segment, wal_offset, wal_index).
 
 DAY_FIELD = pa.field("day", pa.string())
 
-STATE_SCHEMA = pa.schema(
-    [
-        ("key", pa.string()),
-        ("value", pa.string()),
-        ("version_order", pa.int64()),
-        ("version_cluster_id", pa.int32()),
-        ("node_order", pa.int32()),
-        ("topology_version", pa.int64()),
-        ("commit_ts", pa.timestamp("us", tz="UTC")),
-        ("source_node", pa.string()),
-        ("wal_segment", pa.int64()),
-        ("wal_offset", pa.int64()),
-        ("wal_index", pa.int32()),
-        ("expire_time_ms", pa.int64()),
-        ("cache", pa.string()),
-    ]
-)
+_CHANGE_ONLY = ("op", "partition", "primary", "source_generation")
+STATE_SCHEMA = pa.schema([CHANGE_SCHEMA.field(name) for name in CHANGE_SCHEMA.names if name not in _CHANGE_ONLY])
 """One row per live (cache, key): the change with the highest version, then WAL position."""
 
 PARTITION_BY = ("cache",)
