@@ -349,9 +349,9 @@ def test_second_daemon_exits_1_naming_the_first_ones_pid(tmp_path: Path) -> None
         ({}, {"kind": "jsonl", "path": "x.jsonl", "fsynk": True}, "consumer: unknown key 'fsynk'"),
         (
             {},
-            {"kind": "kafka"},
-            "consumer: key 'kind': unknown consumer kind 'kafka' "
-            "(one of: jsonl, lake, null, python, replication, spark)",
+            {"kind": "pulsar"},
+            "consumer: key 'kind': unknown consumer kind 'pulsar' "
+            "(one of: jsonl, kafka, lake, null, python, replication, spark)",
         ),
         (
             {},

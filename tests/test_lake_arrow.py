@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 from cdcd.consumer import OP_NAMES, EventBatch, RecordSlice
 from cdcd.lake.arrow import SCHEMA, build_table, split_slices, to_json
-from cdcd.lake.compact import cache_dir, cache_of
 from cdcd.lake.parquet import escape_partition, write_partitioned
 from cdcd.wal.dump import json_key, jsonable
 from cdcd.wal.pointer import WalPointer
@@ -183,15 +182,6 @@ def test_split_keeps_every_entry_in_order_within_the_bounds(spec: list[Any], par
     assert [s for part in out for s in part] == slices
     assert all(out)
     assert len(out) <= max(1, min(parts, total // min_rows))
-
-
-@given(st.text(min_size=1, max_size=20))
-def test_any_cache_name_is_one_safe_path_component(name: str) -> None:
-    """A cache name, however odd ('..', '/', '=', '%', control characters), maps to one directory entry and back."""
-    component = cache_dir(name)
-    assert "/" not in component and component not in (".", "..") and "\0" not in component
-    assert cache_of(component) == name
-    assert unquote(escape_partition(name)) == name
 
 
 def test_partition_escaping_matches_spark() -> None:

@@ -100,20 +100,24 @@ def test_compact_keeps_the_latest_change_per_key_and_applies_deletes(spark: Any,
 
 
 def test_compact_commits_its_application_transaction_atomically_with_the_merge(spark: Any, tmp_path: Path) -> None:
-    """The MERGE commit itself carries (cdcd-compact, changes version): no separate progress file."""
+    """Each compaction's own commit carries (cdcd-compact, changes version) - the first one's append
+    and a later one's MERGE: no separate progress file."""
     import json
+
+    def last_commit() -> tuple[list[str], list[tuple[str, int]]]:
+        commits = sorted((lake / STATE / "_delta_log").glob("*.json"))
+        actions = [json.loads(line) for line in commits[-1].read_text().splitlines() if line.strip()]
+        ops = [a["commitInfo"]["operation"] for a in actions if "commitInfo" in a]
+        return ops, [(a["txn"]["appId"], a["txn"]["version"]) for a in actions if "txn" in a]
 
     lake = tmp_path / "lake"
     append_changes(lake, [change("c", "1", '"x"', 1)])
     append_changes(lake, [change("c", "2", '"y"', 2)])
     compact(spark, lake)
-    log = lake / STATE / "_delta_log"
-    commits = sorted(log.glob("*.json"))
-    last = [json.loads(line) for line in commits[-1].read_text().splitlines() if line.strip()]
-    ops = [a["commitInfo"]["operation"] for a in last if "commitInfo" in a]
-    txns = [a["txn"] for a in last if "txn" in a]
-    assert ops == ["MERGE"]
-    assert [(t["appId"], t["version"]) for t in txns] == [(COMPACT_APP_ID, 1)]
+    assert last_commit() == (["WRITE"], [(COMPACT_APP_ID, 1)])
+    append_changes(lake, [change("c", "1", '"x2"', 3)])
+    compact(spark, lake)
+    assert last_commit() == (["MERGE"], [(COMPACT_APP_ID, 2)])
     assert not list(lake.glob("_cdcd*")), "no side files next to the tables"
 
 

@@ -131,15 +131,16 @@ def test_show_reads_versions_sources_rows_per_cache_from_the_logs(spark: Any, tm
 def test_history_lists_commits_newest_first(spark: Any, tmp_path: Path) -> None:
     lake = tmp_path / "lake"
     append_changes(lake, [change("c", "1", '"x"', 1)])
+    compact(spark, lake)  # the first compaction appends
     append_changes(lake, [change("c", "2", '"y"', 2)])
-    compact(spark, lake)
+    compact(spark, lake)  # later ones MERGE
     res = cdcd("lake", "history", "--lake", str(lake), "--json")
     assert res.returncode == 0, res.stderr
     assert [(h["version"], h["operation"]) for h in json.loads(res.stdout)] == [(1, "WRITE"), (0, "WRITE")]
     res = cdcd("lake", "history", "--lake", str(lake), "--table", "state")
     assert res.returncode == 0, res.stderr
     ops = [ln.split()[1:4:2] for ln in res.stdout.splitlines()[1:]]
-    assert [v for v, _ in ops] == ["1", "0"]
+    assert [v for v, _ in ops] == ["2", "1", "0"]
     assert "MERGE" in res.stdout.splitlines()[1]
 
 

@@ -35,12 +35,15 @@ from tests.support.replication_rig import (
     node_data,
     node_diff,
     origin,
+    procs,
     split_entries,
     stop_all,
     version_text,
     wait_caught_up,
     write_token,
 )
+
+__all__ = ["procs"]  # a fixture, used by name
 
 
 def test_one_way_replication_under_load(tmp_path: Path, procs: Procs) -> None:
