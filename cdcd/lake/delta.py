@@ -47,6 +47,7 @@ from deltalake.exceptions import CommitFailedError, DeltaError
 from deltalake.transaction import AddAction, PostCommitHookProperties, RemoveAction
 
 from cdcd.durable import fsync_dir
+from cdcd.lake.storage import LakeDir, ObjectPath, as_location_arg
 from cdcd.lake.table import (
     CHANGES,
     CHANGES_PROPERTIES,
@@ -126,8 +127,8 @@ def partition_dir_value(value: str) -> str:
     return f"{prefix}-{digest}" if prefix else f"h-{digest}"
 
 
-def refuse_old_format(lake: Path) -> None:
-    if (lake / OLD_LOG_DIR).is_dir() and not (lake / CHANGES / "_delta_log").is_dir():
+def refuse_old_format(lake: LakeDir) -> None:
+    if isinstance(lake, Path) and (lake / OLD_LOG_DIR).is_dir() and not (lake / CHANGES / "_delta_log").is_dir():
         raise OldFormatLake(
             f"lake_path {lake} is in the pre-Delta format ({OLD_LOG_DIR}/): convert it once with "
             f"`cdcd lake migrate --lake {lake}`"
@@ -187,6 +188,17 @@ def footer_stats(path: Path) -> str:
     return json.dumps({"numRecords": meta.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls})
 
 
+def _write_parquet(chunk: pa.Table, full: LakeDir) -> tuple[int, int]:
+    """Write one data file (fsynced when local); (size in bytes, modification time in ms)."""
+    if isinstance(full, ObjectPath):
+        pq.write_table(chunk, full.fs_path, filesystem=full.fs, compression="zstd", row_group_size=1 << 20)
+        return full.size(), int(time.time() * 1000)
+    pq.write_table(chunk, full, compression="zstd", row_group_size=1 << 20)
+    fsync_file(full)
+    st = full.stat()
+    return st.st_size, st.st_mtime_ns // 10**6
+
+
 @dataclass(frozen=True)
 class SourceMark:
     """What the lake holds of one source: its generation and the pointer of the last landed record."""
@@ -199,7 +211,7 @@ class SourceMark:
 class WrittenFiles:
     """Parquet files of one batch under the table, fsynced, not yet named by any commit."""
 
-    root: Path
+    root: LakeDir
     adds: list[AddAction]
 
     def discard(self) -> None:
@@ -211,7 +223,7 @@ class WrittenFiles:
 class ChangeTable:
     """``<lake>/changes``: open (creating it once), read source marks, write files, commit."""
 
-    def __init__(self, lake: Path, partition_by_day: bool) -> None:
+    def __init__(self, lake: LakeDir, partition_by_day: bool) -> None:
         self.lake = lake
         self.path = lake / CHANGES
         self.partition_by = change_partitions(partition_by_day)
@@ -227,8 +239,8 @@ class ChangeTable:
         """Open the table, creating it if there is none; ``allow_old_log`` for ``lake migrate`` only."""
         if not allow_old_log:
             refuse_old_format(self.lake)
-        uri = str(self.path)
-        if not DeltaTable.is_deltatable(uri):
+        uri, options = as_location_arg(self.path)
+        if not DeltaTable.is_deltatable(uri, storage_options=options):
             self.path.mkdir(parents=True, exist_ok=True)
             try:
                 DeltaTable.create(
@@ -239,11 +251,14 @@ class ChangeTable:
                     name="cdcd_changes",
                     description="cdcd change data: one row per WAL data entry",
                     configuration=CHANGES_PROPERTIES,
+                    storage_options=options,
                 )
             except (DeltaError, OSError) as exc:
-                if not DeltaTable.is_deltatable(uri):  # not another writer creating it at the same moment
+                if not DeltaTable.is_deltatable(
+                    uri, storage_options=options
+                ):  # not another writer creating it at the same moment
                     raise LakeWriteError(f"lake {self.path}: cannot create the changes table: {_reason(exc)}") from None
-        dt = DeltaTable(uri)
+        dt = DeltaTable(uri, storage_options=options)
         parts = dt.metadata().partition_columns
         if list(parts) != self.partition_by:
             raise LakeWriteError(
@@ -298,7 +313,7 @@ class ChangeTable:
             codes = table.column(c).combine_chunks().dictionary_encode()
             group = group * len(codes.dictionary) + codes.indices.to_numpy(zero_copy_only=False)
         data = table.select(self.data_columns)
-        dirs: set[Path] = set()
+        dirs: set[LakeDir] = set()
         try:
             for gid in np.unique(group):
                 rows = np.flatnonzero(group == gid)
@@ -311,13 +326,9 @@ class ChangeTable:
                     chunk = part.slice(start, max_rows_per_file)
                     rel = rel_dir / f"part-{uuid.uuid4().hex}.c000.zstd.parquet"
                     full = self.path / rel
-                    pq.write_table(chunk, full, compression="zstd", row_group_size=1 << 20)
-                    fsync_file(full)
-                    st = full.stat()
+                    size, mtime_ms = _write_parquet(chunk, full)
                     pv = dict(zip(self.partition_by, values, strict=True))
-                    out.adds.append(
-                        AddAction(str(rel), st.st_size, pv, st.st_mtime_ns // 10**6, True, file_stats(chunk))
-                    )
+                    out.adds.append(AddAction(rel.as_posix(), size, pv, mtime_ms, True, file_stats(chunk)))
                 dirs.add(self.path / rel_dir)
             self._fsync_dirs(dirs)
         except OSError as exc:
@@ -328,7 +339,10 @@ class ChangeTable:
     def adopt_files(self, staging: Path, values_of: Mapping[str, str]) -> WrittenFiles:
         """Move Parquet files another engine wrote under ``staging`` (``col=<dir value>/...``) into the
         table, fsynced; ``values_of`` maps each directory value back to the real partition value."""
-        out = WrittenFiles(self.path, [])
+        if not isinstance(self.path, Path):
+            raise LakeWriteError(f"lake {self.path}: files written elsewhere are adopted on a local lake only")
+        root = self.path
+        out = WrittenFiles(root, [])
         dirs: set[Path] = set()
         try:
             for src in sorted(staging.rglob("*.parquet")):
@@ -340,7 +354,7 @@ class ChangeTable:
                     col, _, dir_value = part.partition("=")
                     values.append(values_of.get(dir_value, dir_value) if col == self.partition_by[0] else dir_value)
                 rel_dir = self._dir_of(values)
-                dst = self.path / rel_dir / f"part-{uuid.uuid4().hex}.c000.zstd.parquet"
+                dst = root / rel_dir / f"part-{uuid.uuid4().hex}.c000.zstd.parquet"
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 fsync_file(src)
                 stats = footer_stats(src)
@@ -349,7 +363,7 @@ class ChangeTable:
                 st = dst.stat()
                 pv = dict(zip(self.partition_by, values, strict=True))
                 out.adds.append(
-                    AddAction(str(dst.relative_to(self.path)), st.st_size, pv, st.st_mtime_ns // 10**6, True, stats)
+                    AddAction(str(dst.relative_to(root)), st.st_size, pv, st.st_mtime_ns // 10**6, True, stats)
                 )
             self._fsync_dirs(dirs)
         except OSError as exc:
@@ -357,9 +371,12 @@ class ChangeTable:
             raise LakeWriteError(f"lake {self.path}: moving files from {staging} failed: {_reason(exc)}") from None
         return out
 
-    def _fsync_dirs(self, dirs: Iterable[Path]) -> None:
+    def _fsync_dirs(self, dirs: Iterable[LakeDir]) -> None:
+        if not isinstance(self.path, Path):
+            return  # an object is durable once its PUT returned; a store has no directories
         parents: set[Path] = set()
         for d in dirs:
+            assert isinstance(d, Path)
             fsync_dir(d)
             parents.update(p for p in d.parents if p == self.path or self.path in p.parents)
         for p in parents:
