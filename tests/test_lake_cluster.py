@@ -30,6 +30,8 @@ pytestmark = pytest.mark.skipif(not MINIO_BIN.exists(), reason="MinIO not built:
 
 LAKE = "s3://lake/cluster"
 NODES = 3
+WRITES = 1500
+"""Transactions per node (50 entries each), written while the daemons run."""
 
 
 @pytest.fixture
@@ -108,7 +110,7 @@ def test_three_nodes_land_exactly_once_through_kills_and_a_store_outage(tmp_path
     writers = []
     for i, d in enumerate(dirs):
         (tmp_path / f"w{i}").mkdir()
-        writers.append(start_writer(tmp_path / f"w{i}", d, count=400, pause_ms=30))
+        writers.append(start_writer(tmp_path / f"w{i}", d, count=WRITES, pause_ms=40))
     wait_for(lambda: all((d / "cdc").is_dir() for d in dirs), 120, "the nodes' cdc dirs")
     # Credentials three ways: the [consumer.storage] table, the environment, an AWS credentials file.
     cred_file = tmp_path / "aws-credentials"
@@ -146,7 +148,10 @@ def test_three_nodes_land_exactly_once_through_kills_and_a_store_outage(tmp_path
         outage = time.monotonic()
         wait_for(
             lambda: time.monotonic() - outage > 3
-            and all(len(list((d / "cdc").glob("*.wal"))) > n for d, n in zip(dirs, before, strict=True)),
+            and all(
+                len(list((d / "cdc").glob("*.wal"))) > n or w.poll() is not None
+                for d, n, w in zip(dirs, before, writers, strict=True)
+            ),
             120,
             "the nodes to archive during the outage",
         )
@@ -186,7 +191,7 @@ def test_three_nodes_land_exactly_once_through_kills_and_a_store_outage(tmp_path
         assert decode_version(dt.transaction_version(app_id(node, 0))) == last_data
         total += sum(expected.values())
     assert rows.num_rows == total
-    assert all(writer_count(tmp_path / f"w{i}") == 400 for i in range(NODES))
+    assert all(writer_count(tmp_path / f"w{i}") == WRITES for i in range(NODES))
     killed = [sum(1 for e in log_events(err) if e.get("event") == "daemon_started") for err in errs]
     assert killed[0] >= 2, "daemon 0 ran twice (SIGKILLed, restarted)"
     print(f"\n{total} entries of {NODES} nodes landed in {land_s:.0f}s (restarts {restarts}, starts {killed})")
