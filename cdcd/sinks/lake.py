@@ -61,8 +61,8 @@ def root_cause(exc: BaseException) -> str:
 class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lake_path: str
     spark_master: str = "local[*]"
-    """Any Spark master URL: local[N], spark://host:port, yarn, k8s://... (the lake must be a path
-    every executor and this process see, e.g. a shared mount)."""
+    """Any Spark master URL: local[N], spark://host:port, yarn, k8s://... (with the Spark writer the
+    lake must be a path every executor and this process see, e.g. a shared mount)."""
     spark_conf: dict[str, str] = msgspec.field(default_factory=dict)
     app_name: str = "cdcd-lake"
     partition_by_day: bool = False
