@@ -20,17 +20,46 @@ sys.path.insert(0, str(ROOT))
 from tests.support.lake import caught_up, position, write_config  # noqa: E402
 from tests.support.procs import child_env, start_daemon, stop_daemon  # noqa: E402
 from tests.support.servers import MINIO_PASSWORD, MINIO_USER, MinioServer, SparkStandalone  # noqa: E402
-from tests.support.writer import start_writer  # noqa: E402
+from tests.support.writer import WRITER_NODE_SETTINGS  # noqa: E402
 
 LAKE = "s3://lake/cluster"
 NODES = 3
+
+
+def node_main(node_dir: str, cache: str, rate: int, stop_file: str) -> None:
+    """A node under the built-in load into its own cache (disjoint keys, as Ignite nodes own disjoint
+    partitions) until ``stop_file`` exists; then every write is archived (visible to CDC)."""
+    from cdcd.node.load import LoadGenerator
+    from cdcd.node.node import Node
+
+    node = Node.open(node_dir, **WRITER_NODE_SETTINGS)
+    load = LoadGenerator(node, rate, cache=cache, keyspace=20_000)
+    load.start()
+    try:
+        while not os.path.exists(stop_file):
+            time.sleep(0.2)
+    finally:
+        load.stop()
+        node.force_archive()
+        node.close()
+
+
+def start_node(var: Path, i: int, rate: int) -> subprocess.Popen[bytes]:
+    args = [str(var / f"node{i}"), f"load-node{i}", str(rate), str(var / f"node{i}.stop")]
+    log = (var / f"node{i}.log").open("wb")
+    return subprocess.Popen([sys.executable, __file__, "--node", *args], stdout=log, stderr=log, env=child_env())
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seconds", type=float, default=0, help="stop after this long (0: at Ctrl-C)")
     ap.add_argument("--var", type=Path, default=ROOT / "var" / "cluster")
+    ap.add_argument("--rate", type=int, default=3000, help="entries/s per node")
+    ap.add_argument("--node", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.node:
+        node_main(args.node[0], args.node[1], int(args.node[2]), args.node[3])
+        return 0
     var: Path = args.var
     shutil.rmtree(var, ignore_errors=True)
     var.mkdir(parents=True)
@@ -51,8 +80,7 @@ def main() -> int:
         configs, errs = [], []
         storage = {"endpoint": minio.endpoint, "path_style": True}
         for i, d in enumerate(dirs):
-            (var / f"load{i}").mkdir()
-            writers.append(start_writer(var / f"load{i}", d, pause_ms=20))
+            writers.append(start_node(var, i, args.rate))
             consumer = {"kind": "lake", "lake_path": LAKE, "writer": "deltalake", "storage": storage}
             configs.append(write_config(var / f"cdcd{i}.toml", d, consumer, batch_max_events=20000))
             errs.append(var / f"daemon{i}.log")
@@ -63,14 +91,14 @@ def main() -> int:
         print("running: Ctrl-C stops the load, catches up, compacts on the cluster and verifies", flush=True)
         while not stop["now"] and not (args.seconds and time.monotonic() - t0 > args.seconds):
             time.sleep(2)
-            status = "  ".join(f"node{i} at {position(c)}" for i, c in enumerate(configs))
+            status = "  ".join(f"node{i} landed to {position(c)}" for i, c in enumerate(configs))
             print(f"[{time.monotonic() - t0:5.0f}s] {status}", flush=True)
             for i, p in enumerate(daemons):
                 if p.poll() is not None:
                     print(f"daemon {i} exited {p.returncode}: see {errs[i]}", flush=True)
                     return 1
         for i in range(NODES):
-            (var / f"load{i}" / "writer.stop").touch()
+            (var / f"node{i}.stop").touch()
         for w in writers:
             w.wait(120)
         for i, d in enumerate(dirs):
