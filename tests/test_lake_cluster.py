@@ -215,3 +215,16 @@ def test_s3a_jars_are_fetched_by_make_install() -> None:
     for coords in S3A_ARTIFACTS:
         assert (jars_dir() / jar_name(*coords)).is_file(), f"{jar_name(*coords)}: run make install"
     assert os.path.getsize(jars_dir() / jar_name(*S3A_ARTIFACTS[0])) > 100_000
+
+
+def test_on_an_object_store_the_writer_is_deltalake() -> None:
+    import msgspec
+
+    from cdcd.sinks.lake import LakeConsumer, LakeOptions
+
+    with pytest.raises(msgspec.ValidationError, match=r"writer = \"deltalake\".*\$\.writer"):
+        msgspec.convert({"lake_path": "s3://b/p", "writer": "spark"}, LakeOptions)
+    with pytest.raises(msgspec.ValidationError, match="unknown scheme 'ftp'"):
+        msgspec.convert({"lake_path": "ftp://b/p", "writer": "deltalake"}, LakeOptions)
+    sink = LakeConsumer.from_options({"lake_path": "s3://b/p", "storage": {"region": "eu-west-1"}}, "consumer")
+    assert sink.options.writer == "deltalake" and str(sink.lake) == "s3://b/p"
