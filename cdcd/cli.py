@@ -921,7 +921,7 @@ def lake_show(lake_path: Path, as_json: bool) -> None:
 
 @lake.command("history")
 @_lake_option()
-@click.option("--table", type=click.Choice(["changes", "state"]), default="changes", show_default=True)
+@click.option("--table", type=click.Choice(["changes", "state"]), default="changes", show_default=True, help="Table.")
 @click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True, help="Newest N commits.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def lake_history(lake_path: Path, table: str, limit: int, as_json: bool) -> None:
