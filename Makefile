@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 JARS   := $(VENV)/jars/.fetched-stamp
 
-.PHONY: install test test-kafka-cluster test-under-load lint bench bench-pg fuzz chaos run clean
+.PHONY: install test test-kafka-cluster test-under-load lint bench bench-pg fuzz chaos run run-cluster clean
 
 install: $(STAMP) $(JARS)
 	@bash scripts/ensure-kafka.sh
@@ -62,6 +62,10 @@ chaos: install
 
 run: install
 	$(BIN)/cdcd demo --rate 2000
+
+# Three nodes, three daemons, one Delta lake on MinIO, a Spark standalone cluster; Ctrl-C verifies (docs/cluster.md).
+run-cluster: install
+	$(BIN)/python scripts/run-cluster.py
 
 clean:
 	rm -rf var .pytest_cache .mypy_cache .ruff_cache

@@ -687,12 +687,14 @@ def lake() -> None:
     """The Delta lake: <lake>/changes (every change) and <lake>/state (latest per key)."""
 
 
-def _spark(master: str, app: str) -> Any:
+def _spark(master: str, app: str, lake_root: Any = None) -> Any:
     from cdcd.lake import spark as spark_session
+    from cdcd.lake.storage import ObjectPath
 
     configure_logging("console" if sys.stderr.isatty() else "json")
+    conf = lake_root.location.spark_conf if isinstance(lake_root, ObjectPath) else {}
     try:
-        return spark_session.acquire(master, app, {})
+        return spark_session.acquire(master, app, conf)
     except spark_session.DeltaJarsMissing as exc:
         fail(str(exc), EXIT_BAD_INPUT)
 
@@ -700,10 +702,69 @@ def _spark(master: str, app: str) -> Any:
 _Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
+def _lake_root(ctx: click.Context, _param: click.Parameter, value: str) -> Any:
+    """``--lake`` (a directory or an object-store URL) with the ``--storage-*`` settings: the lake's root."""
+    from cdcd.lake.storage import LakeLocation, LakeStorageError, StorageOptions
+
+    settings: dict[str, Any] = {}
+    config = ctx.meta.get("cdcd_storage_config")
+    if config is not None:
+        import tomllib
+
+        try:
+            settings.update(tomllib.loads(Path(config).read_text()).get("consumer", {}).get("storage", {}))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            fail(f"{config}: cannot read [consumer.storage]: {exc}", EXIT_BAD_INPUT)
+    settings.update({k: v for k, v in ctx.meta.get("cdcd_storage", {}).items() if v})
+    try:
+        location = LakeLocation(value, msgspec.convert(settings, StorageOptions))
+        if location.is_local:
+            if not Path(value.removeprefix("file://")).exists():
+                raise click.BadParameter(f"directory {value!r} does not exist")
+        else:
+            location.check()
+    except (LakeStorageError, msgspec.ValidationError) as exc:
+        where = f" ({config} [consumer.storage])" if config is not None else ""
+        fail(f"--lake {value}{where}: {exc}", EXIT_BAD_INPUT)
+    return location.root()
+
+
+def _storage_meta(name: str) -> Callable[[click.Context, click.Parameter, Any], None]:
+    def store(ctx: click.Context, _param: click.Parameter, value: Any) -> None:
+        if name == "config":
+            ctx.meta["cdcd_storage_config"] = value
+        else:
+            ctx.meta.setdefault("cdcd_storage", {})[name] = value
+
+    return store
+
+
 def _lake_option() -> _Decorator:
-    return click.option(
-        "--lake", "lake_path", required=True, type=click.Path(path_type=Path, exists=True), help="The lake directory."
-    )
+    def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
+        f = click.option(
+            "--lake",
+            "lake_path",
+            required=True,
+            callback=_lake_root,
+            help="The lake: a directory, or s3://bucket/prefix (also abfss://, gs://).",
+        )(f)
+        extra = [
+            ("--storage-config", "config", "A daemon config file whose [consumer.storage] reaches the store."),
+            ("--storage-endpoint", "endpoint", "S3 compatibles: the endpoint URL (else AWS_ENDPOINT_URL)."),
+            ("--storage-region", "region", "The store's region (else AWS_REGION)."),
+        ]
+        for flag, name, text in extra:
+            f = click.option(flag, is_eager=True, expose_value=False, callback=_storage_meta(name), help=text)(f)
+        return click.option(
+            "--storage-path-style",
+            is_flag=True,
+            is_eager=True,
+            expose_value=False,
+            callback=_storage_meta("path_style"),
+            help="Address buckets as endpoint/bucket (MinIO and most S3 compatibles).",
+        )(f)
+
+    return wrap
 
 
 def _master_option() -> _Decorator:
@@ -728,7 +789,7 @@ def lake_compact(lake_path: Path, spark_master: str) -> None:
     from cdcd.lake.compact import compact
 
     _require_changes(lake_path)
-    spark = _spark(spark_master, "cdcd-lake-compact")
+    spark = _spark(spark_master, "cdcd-lake-compact", lake_path)
     try:
         result = compact(spark, lake_path)
     finally:
@@ -751,7 +812,7 @@ def lake_optimize(lake_path: Path, spark_master: str) -> None:
     from cdcd.lake.ops import optimize
 
     _require_changes(lake_path)
-    spark = _spark(spark_master, "cdcd-lake-optimize")
+    spark = _spark(spark_master, "cdcd-lake-optimize", lake_path)
     try:
         done = optimize(spark, lake_path)
     finally:
@@ -782,7 +843,7 @@ def lake_vacuum(lake_path: Path, retain_hours: float, spark_master: str) -> None
         check_vacuum(lake_path, retain_hours)  # before starting a JVM only to refuse
     except VacuumRefused as exc:
         fail(str(exc), EXIT_BAD_INPUT)
-    spark = _spark(spark_master, "cdcd-lake-vacuum")
+    spark = _spark(spark_master, "cdcd-lake-vacuum", lake_path)
     try:
         left = vacuum(spark, lake_path, retain_hours)
     except VacuumRefused as exc:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fetch the Delta Lake jars for Spark from Maven Central once, into the venv (<venv>/jars), with the
+# Fetch the Delta Lake jars and Hadoop's s3a ones (hadoop-aws, the AWS SDK bundle) for Spark from Maven Central once, into the venv (<venv>/jars), with the
 # Ivy that pyspark ships (checksums verified). Sessions load them from there: no resolution at run time.
 # Usage: scripts/fetch-delta-jars.sh [PYTHON]   (default .venv/bin/python)
 set -euo pipefail

@@ -149,14 +149,15 @@ def test_lake_verify_before_any_compaction_says_to_compact_first(tmp_path: Path)
     ]
 
 
-def test_lake_path_url_is_refused_and_creates_nothing(tmp_path: Path) -> None:
-    """A daemon whose lake sink has `lake_path = "s3://…"` exits 2 naming the key, and no `./s3:` dir appears."""
+def test_lake_path_of_an_unknown_scheme_is_refused_and_creates_nothing(tmp_path: Path) -> None:
+    """A daemon whose lake sink has `lake_path = "ftp://…"` (not a directory, not an object store cdcd
+    reaches) exits 2 naming the key, and no `./ftp:` dir appears (s3://, abfss://, gs://: docs/cluster.md)."""
     from tests.support.config import write_daemon_config
 
     node_dir = tmp_path / "node"
     with Node.open(node_dir) as node:
         node.cache("orders").put(1, "one")
-    config = write_daemon_config(tmp_path / "cdcd.toml", node_dir, {"kind": "spark", "lake_path": "s3://bucket/lake"})
+    config = write_daemon_config(tmp_path / "cdcd.toml", node_dir, {"kind": "spark", "lake_path": "ftp://bucket/lake"})
     work = tmp_path / "cwd"
     work.mkdir()
     res = subprocess.run(
@@ -164,9 +165,8 @@ def test_lake_path_url_is_refused_and_creates_nothing(tmp_path: Path) -> None:
     )
     assert res.returncode == 2
     assert res.stderr.splitlines() == [
-        f"cdcd: error: {config}: consumer: key 'lake_path': 's3://bucket/lake' is a URL; "
-        "the lake sink writes to a path (mount object storage, e.g. with s3fs or a FUSE driver, "
-        "and give the mount point)"
+        f"cdcd: error: {config}: consumer: lake_path 'ftp://bucket/lake': unknown scheme 'ftp' "
+        "(known: abfs, abfss, az, gs, s3, s3a, or a directory)"
     ]
     assert list(work.iterdir()) == []
     assert not (node_dir / "cdcd.lock").exists() and not (node_dir / "cdcd-state").exists()

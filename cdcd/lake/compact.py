@@ -22,6 +22,7 @@ import structlog
 
 from cdcd import failpoints
 from cdcd.lake.deltalog import DeltaLogError, data_changing_versions, read_commit, rows_added
+from cdcd.lake.storage import LakeDir, ObjectPath, file_source, is_delta, open_delta, spark_path
 from cdcd.lake.table import CHANGE_SCHEMA, CHANGES, PARTITION_BY, STATE, STATE_PROPERTIES, STATE_SCHEMA
 
 log = structlog.get_logger("cdcd.lake")
@@ -79,31 +80,27 @@ def spark_ddl(schema: pa.Schema) -> str:
     return ", ".join(f"`{f.name}` {spark_type(f.type)}" for f in schema)
 
 
-def table_version(path: Path) -> int | None:
+def table_version(path: LakeDir) -> int | None:
     """The latest version of the Delta table at ``path`` (None: no table there). Reads the log only."""
-    from deltalake import DeltaTable
-
-    if not DeltaTable.is_deltatable(str(path)):
+    if not is_delta(path):
         return None
-    return DeltaTable(str(path)).version()
+    return int(open_delta(path).version())
 
 
-def compacted_version(lake: Path) -> int:
+def compacted_version(lake: LakeDir) -> int:
     """The changes-table version ``state`` reflects (-1: never compacted)."""
-    from deltalake import DeltaTable
-
     state = lake / STATE
-    if not DeltaTable.is_deltatable(str(state)):
+    if not is_delta(state):
         return -1
-    version = DeltaTable(str(state)).transaction_version(COMPACT_APP_ID)
+    version = open_delta(state).transaction_version(COMPACT_APP_ID)
     return -1 if version is None else int(version)
 
 
-def ensure_state_table(spark: Any, lake: Path) -> None:
+def ensure_state_table(spark: Any, lake: LakeDir) -> None:
     """Create ``<lake>/state`` (empty, the contract's schema, partitioning and properties) if absent."""
     from delta.tables import DeltaTable
 
-    builder = DeltaTable.createIfNotExists(spark).location(str(lake / STATE))
+    builder = DeltaTable.createIfNotExists(spark).location(spark_path(lake / STATE))
     for field in STATE_SCHEMA:
         builder = builder.addColumn(field.name, spark_type(field.type))
     builder = builder.partitionedBy(*PARTITION_BY)
@@ -115,7 +112,7 @@ def ensure_state_table(spark: Any, lake: Path) -> None:
 FEED_COLUMNS = ("op", *STATE_COLUMNS)
 
 
-def read_feed(changes: Path, start: int, end: int) -> pa.Table:
+def read_feed(changes: LakeDir, start: int, end: int) -> pa.Table:
     """The change data feed of versions ``start..end``: on this append-only table, exactly the rows
     of the files those commits added. Read straight from the log and the files with pyarrow: live
     traffic leaves one small file per cache per commit, which this opens far faster than a Spark
@@ -124,7 +121,7 @@ def read_feed(changes: Path, start: int, end: int) -> pa.Table:
 
     schema = pa.schema([CHANGE_SCHEMA.field(name) for name in FEED_COLUMNS])
     data_columns = [name for name in FEED_COLUMNS if name not in PARTITION_BY]
-    files: list[tuple[Path, dict[str, str | None]]] = []
+    files: list[tuple[LakeDir, dict[str, str | None]]] = []
     for version in range(start, end + 1):
         try:
             actions = read_commit(changes, version)
@@ -141,9 +138,9 @@ def read_feed(changes: Path, start: int, end: int) -> pa.Table:
             if add is not None and add.get("dataChange", True):
                 files.append((_data_file(changes, add["path"]), add.get("partitionValues") or {}))
 
-    def read(item: tuple[Path, dict[str, str | None]]) -> pa.Table:
+    def read(item: tuple[LakeDir, dict[str, str | None]]) -> pa.Table:
         path, partitions = item
-        table = pq.read_table(path, columns=data_columns)
+        table = pq.read_table(file_source(path), columns=data_columns)
         for name in PARTITION_BY:
             table = table.append_column(name, pa.array([partitions.get(name)] * table.num_rows, pa.string()))
         return table.select(list(FEED_COLUMNS)).cast(schema)
@@ -154,10 +151,12 @@ def read_feed(changes: Path, start: int, end: int) -> pa.Table:
         return pa.concat_tables(list(pool.map(read, files)))
 
 
-def _data_file(table: Path, path: str) -> Path:
+def _data_file(table: LakeDir, path: str) -> LakeDir:
     """An add action's file: a path relative to the table, or an absolute URI (both percent-encoded)."""
     from urllib.parse import urlparse
 
+    if isinstance(table, ObjectPath) and "://" in path:
+        raise DeltaLogError(f"{table}: add action with an absolute path {path!r} (not written by cdcd)")
     if "://" in path or path.startswith("file:"):
         return Path(unquote(urlparse(path).path))
     return table / unquote(path)
@@ -183,7 +182,7 @@ def latest_per_key(feed: pa.Table) -> pa.Table:
     return ordered.filter(last)
 
 
-def version_ranges(changes: Path, start: int, end: int, max_rows: int) -> list[tuple[int, int]]:
+def version_ranges(changes: LakeDir, start: int, end: int, max_rows: int) -> list[tuple[int, int]]:
     """``start..end`` cut into consecutive ranges of at most ``max_rows`` added rows each (a single
     larger version is a range of its own): what one MERGE holds in memory is bounded."""
     ranges: list[tuple[int, int]] = []
@@ -206,7 +205,7 @@ def _newer(source: str, target: str) -> str:
     return f"struct({cols}) > struct({tcols})"
 
 
-def compact(spark: Any, lake: Path, *, max_rows_per_merge: int = MAX_ROWS_PER_MERGE) -> CompactResult:
+def compact(spark: Any, lake: LakeDir, *, max_rows_per_merge: int = MAX_ROWS_PER_MERGE) -> CompactResult:
     """Fold every change committed to ``<lake>/changes`` since the last compaction into ``<lake>/state``:
     one MERGE per range of at most ``max_rows_per_merge`` change rows (one range unless a backlog)."""
     changes = lake / CHANGES
@@ -234,7 +233,7 @@ def compact(spark: Any, lake: Path, *, max_rows_per_merge: int = MAX_ROWS_PER_ME
             # Nothing to match against (the first compaction): a plain append of the live winners,
             # same application transaction, no join. One writer per cache: one file per cache.
             live = source.where("op <> 'delete'").select(*STATE_COLUMNS).repartition(*PARTITION_BY)
-            live.write.format("delta").mode("append").save(str(lake / STATE))
+            live.write.format("delta").mode("append").save(spark_path(lake / STATE))
         else:
             _merge(session, lake, source, winners.column("cache").unique().to_pylist())
         failpoints.hit("lake.compact.committed")
@@ -246,7 +245,7 @@ PRUNE_MAX_CACHES = 1000
 """Up to this many caches changed: the MERGE names them, so Delta reads only their state partitions."""
 
 
-def _merge(session: Any, lake: Path, source: Any, caches: list[str]) -> None:
+def _merge(session: Any, lake: LakeDir, source: Any, caches: list[str]) -> None:
     from delta.tables import DeltaTable
     from pyspark.sql import functions as F
 
@@ -256,7 +255,7 @@ def _merge(session: Any, lake: Path, source: Any, caches: list[str]) -> None:
         condition = F.col("t.cache").isin(sorted(caches)) & condition
     assignments: dict[str, str | Any] = {c: f"s.`{c}`" for c in STATE_COLUMNS}
     (
-        DeltaTable.forPath(session, str(lake / STATE))
+        DeltaTable.forPath(session, spark_path(lake / STATE))
         .alias("t")
         .merge(source.alias("s"), condition)
         .whenMatchedDelete(condition=f"s.op = 'delete' AND {_newer('s', 't')}")
@@ -266,19 +265,17 @@ def _merge(session: Any, lake: Path, source: Any, caches: list[str]) -> None:
     )
 
 
-def _is_empty(table: Path) -> bool:
-    from deltalake import DeltaTable
-
-    return not DeltaTable(str(table)).file_uris()
+def _is_empty(table: LakeDir) -> bool:
+    return not open_delta(table).file_uris()
 
 
-def behind(changes: Path, done: int, end: int) -> bool:
+def behind(changes: LakeDir, done: int, end: int) -> bool:
     """Whether versions ``done+1..end`` of the changes table hold data ``state`` lacks (commits that
     only rearrange files, such as OPTIMIZE, do not count)."""
     return next(data_changing_versions(changes, done, end), None) is not None
 
 
-def state_lag(lake: Path) -> tuple[int, int, bool]:
+def state_lag(lake: LakeDir) -> tuple[int, int, bool]:
     """(changes version, changes version ``state`` reflects, whether ``state`` is behind)."""
     changes = lake / CHANGES
     end = table_version(changes)
@@ -288,6 +285,6 @@ def state_lag(lake: Path) -> tuple[int, int, bool]:
     return end, done, behind(changes, done, end)
 
 
-def _state_version(lake: Path) -> int:
+def _state_version(lake: LakeDir) -> int:
     version = table_version(lake / STATE)
     return -1 if version is None else version

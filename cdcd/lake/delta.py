@@ -48,6 +48,7 @@ from deltalake.exceptions import CommitFailedError, DeltaError
 from deltalake.transaction import AddAction, PostCommitHookProperties, RemoveAction
 
 from cdcd.durable import fsync_dir, sync_filesystem
+from cdcd.lake.storage import LakeDir, ObjectPath, as_location_arg
 from cdcd.lake.table import (
     CHANGES,
     CHANGES_PROPERTIES,
@@ -130,8 +131,8 @@ def partition_dir_value(value: str) -> str:
     return f"{prefix}-{digest}" if prefix else f"h-{digest}"
 
 
-def refuse_old_format(lake: Path) -> None:
-    if (lake / OLD_LOG_DIR).is_dir() and not (lake / CHANGES / "_delta_log").is_dir():
+def refuse_old_format(lake: LakeDir) -> None:
+    if isinstance(lake, Path) and (lake / OLD_LOG_DIR).is_dir() and not (lake / CHANGES / "_delta_log").is_dir():
         raise OldFormatLake(
             f"lake_path {lake} is in the pre-Delta format ({OLD_LOG_DIR}/): convert it once with "
             f"`cdcd lake migrate --lake {lake}`"
@@ -191,6 +192,18 @@ def footer_stats(path: Path) -> str:
     return json.dumps({"numRecords": meta.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls})
 
 
+def _write_parquet(chunk: pa.Table, full: LakeDir, *, fsync: bool = True) -> tuple[int, int]:
+    """Write one data file (fsynced when local and ``fsync``); (size in bytes, modification time in ms)."""
+    if isinstance(full, ObjectPath):
+        pq.write_table(chunk, full.fs_path, filesystem=full.fs, compression="zstd", row_group_size=1 << 20)
+        return full.size(), int(time.time() * 1000)
+    pq.write_table(chunk, full, compression="zstd", row_group_size=1 << 20)
+    if fsync:
+        fsync_file(full)
+    st = full.stat()
+    return st.st_size, st.st_mtime_ns // 10**6
+
+
 @dataclass(frozen=True)
 class SourceMark:
     """What the lake holds of one source: its generation and the pointer of the last landed record."""
@@ -203,7 +216,7 @@ class SourceMark:
 class WrittenFiles:
     """Parquet files of one batch under the table, fsynced, not yet named by any commit."""
 
-    root: Path
+    root: LakeDir
     adds: list[AddAction]
 
     def discard(self) -> None:
@@ -215,7 +228,7 @@ class WrittenFiles:
 class ChangeTable:
     """``<lake>/changes``: open (creating it once), read source marks, write files, commit."""
 
-    def __init__(self, lake: Path, partition_by_day: bool) -> None:
+    def __init__(self, lake: LakeDir, partition_by_day: bool) -> None:
         self.lake = lake
         self.path = lake / CHANGES
         self.partition_by = change_partitions(partition_by_day)
@@ -231,8 +244,8 @@ class ChangeTable:
         """Open the table, creating it if there is none; ``allow_old_log`` for ``lake migrate`` only."""
         if not allow_old_log:
             refuse_old_format(self.lake)
-        uri = str(self.path)
-        if not DeltaTable.is_deltatable(uri):
+        uri, options = as_location_arg(self.path)
+        if not DeltaTable.is_deltatable(uri, storage_options=options):
             self.path.mkdir(parents=True, exist_ok=True)
             try:
                 DeltaTable.create(
@@ -243,11 +256,14 @@ class ChangeTable:
                     name="cdcd_changes",
                     description="cdcd change data: one row per WAL data entry",
                     configuration=CHANGES_PROPERTIES,
+                    storage_options=options,
                 )
             except (DeltaError, OSError) as exc:
-                if not DeltaTable.is_deltatable(uri):  # not another writer creating it at the same moment
+                if not DeltaTable.is_deltatable(
+                    uri, storage_options=options
+                ):  # not another writer creating it at the same moment
                     raise LakeWriteError(f"lake {self.path}: cannot create the changes table: {_reason(exc)}") from None
-        dt = DeltaTable(uri)
+        dt = DeltaTable(uri, storage_options=options)
         parts = dt.metadata().partition_columns
         if list(parts) != self.partition_by:
             raise LakeWriteError(
@@ -315,20 +331,17 @@ class ChangeTable:
             rel_dir = self._dir_of(values)
             for start in range(0, part.num_rows, max_rows_per_file):
                 tasks.append((rel_dir, part.slice(start, max_rows_per_file), values))
-        per_file_fsync = len(tasks) <= _FSYNC_EACH_MAX_FILES
+        local = isinstance(self.path, Path)
+        per_file_fsync = local and len(tasks) <= _FSYNC_EACH_MAX_FILES
 
         def write(task: tuple[Path, pa.Table, list[str]]) -> None:
             rel_dir, chunk, values = task
             (self.path / rel_dir).mkdir(parents=True, exist_ok=True)
             rel = rel_dir / f"part-{uuid.uuid4().hex}.c000.zstd.parquet"
-            full = self.path / rel
-            pq.write_table(chunk, full, compression="zstd", row_group_size=1 << 20)
-            if per_file_fsync:
-                fsync_file(full)
-            st = full.stat()
+            size, mtime_ms = _write_parquet(chunk, self.path / rel, fsync=per_file_fsync)
             pv = dict(zip(self.partition_by, values, strict=True))
             # list.append is atomic: a failed batch still knows every file it must discard.
-            out.adds.append(AddAction(str(rel), st.st_size, pv, st.st_mtime_ns // 10**6, True, file_stats(chunk)))
+            out.adds.append(AddAction(rel.as_posix(), size, pv, mtime_ms, True, file_stats(chunk)))
 
         try:
             if len(tasks) > 1:
@@ -339,10 +352,12 @@ class ChangeTable:
             else:
                 for task in tasks:
                     write(task)
-            if per_file_fsync or not sync_filesystem(self.path):
-                if not per_file_fsync:
+            root = self.path
+            synced = isinstance(root, Path) and not per_file_fsync and sync_filesystem(root)
+            if not synced:
+                if isinstance(root, Path) and not per_file_fsync:
                     for add in out.adds:
-                        fsync_file(self.path / add.path)
+                        fsync_file(root / add.path)
                 self._fsync_dirs({self.path / rel_dir for rel_dir, _, _ in tasks})
         except OSError as exc:
             out.discard()
@@ -352,7 +367,10 @@ class ChangeTable:
     def adopt_files(self, staging: Path, values_of: Mapping[str, str]) -> WrittenFiles:
         """Move Parquet files another engine wrote under ``staging`` (``col=<dir value>/...``) into the
         table, fsynced; ``values_of`` maps each directory value back to the real partition value."""
-        out = WrittenFiles(self.path, [])
+        if not isinstance(self.path, Path):
+            raise LakeWriteError(f"lake {self.path}: files written elsewhere are adopted on a local lake only")
+        root = self.path
+        out = WrittenFiles(root, [])
         dirs: set[Path] = set()
         try:
             for src in sorted(staging.rglob("*.parquet")):
@@ -364,7 +382,7 @@ class ChangeTable:
                     col, _, dir_value = part.partition("=")
                     values.append(values_of.get(dir_value, dir_value) if col == self.partition_by[0] else dir_value)
                 rel_dir = self._dir_of(values)
-                dst = self.path / rel_dir / f"part-{uuid.uuid4().hex}.c000.zstd.parquet"
+                dst = root / rel_dir / f"part-{uuid.uuid4().hex}.c000.zstd.parquet"
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 fsync_file(src)
                 stats = footer_stats(src)
@@ -373,7 +391,7 @@ class ChangeTable:
                 st = dst.stat()
                 pv = dict(zip(self.partition_by, values, strict=True))
                 out.adds.append(
-                    AddAction(str(dst.relative_to(self.path)), st.st_size, pv, st.st_mtime_ns // 10**6, True, stats)
+                    AddAction(str(dst.relative_to(root)), st.st_size, pv, st.st_mtime_ns // 10**6, True, stats)
                 )
             self._fsync_dirs(dirs)
         except OSError as exc:
@@ -381,9 +399,12 @@ class ChangeTable:
             raise LakeWriteError(f"lake {self.path}: moving files from {staging} failed: {_reason(exc)}") from None
         return out
 
-    def _fsync_dirs(self, dirs: Iterable[Path]) -> None:
+    def _fsync_dirs(self, dirs: Iterable[LakeDir]) -> None:
+        if not isinstance(self.path, Path):
+            return  # an object is durable once its PUT returned; a store has no directories
         parents: set[Path] = set()
         for d in dirs:
+            assert isinstance(d, Path)
             fsync_dir(d)
             parents.update(p for p in d.parents if p == self.path or self.path in p.parents)
         for p in parents:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+
+from cdcd.lake.storage import LakeDir, file_source
 
 LOG_DIR = "_delta_log"
 
@@ -30,26 +31,27 @@ class AppTransaction:
     last_updated_ms: int | None
 
 
-def _commit_path(table: Path, version: int) -> Path:
+def _commit_path(table: LakeDir, version: int) -> LakeDir:
     return table / LOG_DIR / f"{version:020d}.json"
 
 
-def read_commit(table: Path, version: int) -> list[dict[str, Any]]:
+def read_commit(table: LakeDir, version: int) -> list[dict[str, Any]]:
     """The actions of one commit (one JSON object per line)."""
     path = _commit_path(table, version)
     actions = []
     with path.open("rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                actions.append(json.loads(line))
-            except ValueError as exc:
-                raise DeltaLogError(f"{path} line {lineno}: not JSON ({exc})") from exc
+        data = f.read()
+    for lineno, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            actions.append(json.loads(line))
+        except ValueError as exc:
+            raise DeltaLogError(f"{path} line {lineno}: not JSON ({exc})") from exc
     return actions
 
 
-def last_checkpoint(table: Path) -> tuple[int, list[Path]] | None:
+def last_checkpoint(table: LakeDir) -> tuple[int, list[LakeDir]] | None:
     """The newest checkpoint named by ``_last_checkpoint``: its version and part files."""
     pointer = table / LOG_DIR / "_last_checkpoint"
     if not pointer.exists():
@@ -68,7 +70,7 @@ def last_checkpoint(table: Path) -> tuple[int, list[Path]] | None:
     return version, files
 
 
-def app_transactions(table: Path, latest: int) -> dict[str, AppTransaction]:
+def app_transactions(table: LakeDir, latest: int) -> dict[str, AppTransaction]:
     """Every application transaction of the table as of version ``latest``: the newest checkpoint's,
     then the commits after it (a later txn of the same app replaces the earlier)."""
     txns: dict[str, AppTransaction] = {}
@@ -77,10 +79,10 @@ def app_transactions(table: Path, latest: int) -> dict[str, AppTransaction]:
     if checkpoint is not None and checkpoint[0] <= latest:
         version, files = checkpoint
         for file in files:
-            columns = pq.read_schema(file).names
+            columns = pq.read_schema(file_source(file)).names
             if "txn" not in columns:
                 continue
-            for row in pq.read_table(file, columns=["txn"]).column("txn").to_pylist():
+            for row in pq.read_table(file_source(file), columns=["txn"]).column("txn").to_pylist():
                 if row is not None:
                     txns[row["appId"]] = AppTransaction(row["appId"], int(row["version"]), row.get("lastUpdated"))
         start = version + 1
@@ -92,7 +94,7 @@ def app_transactions(table: Path, latest: int) -> dict[str, AppTransaction]:
     return txns
 
 
-def data_changing_versions(table: Path, after: int, latest: int) -> Iterator[int]:
+def data_changing_versions(table: LakeDir, after: int, latest: int) -> Iterator[int]:
     """Versions in ``after+1..latest`` that add or remove data (``dataChange``): not an OPTIMIZE,
     not a property change. A commit file already cleaned up counts as changing data (it cannot be
     told otherwise, and a caller must not assume it was empty)."""
@@ -108,7 +110,7 @@ def data_changing_versions(table: Path, after: int, latest: int) -> Iterator[int
                 break
 
 
-def rows_added(table: Path, version: int) -> int | None:
+def rows_added(table: LakeDir, version: int) -> int | None:
     """Rows a commit added (from its files' statistics); None when a file has none or the commit file is gone."""
     try:
         actions = read_commit(table, version)

@@ -17,6 +17,7 @@ import structlog
 
 from cdcd.lake.compact import COMPACT_APP_ID, NotADeltaLake, compacted_version, state_lag
 from cdcd.lake.deltalog import LOG_DIR, AppTransaction, app_transactions, read_commit
+from cdcd.lake.storage import LakeDir, is_delta, open_delta, spark_path
 from cdcd.lake.table import CHANGES, STATE
 
 log = structlog.get_logger("cdcd.lake")
@@ -60,12 +61,10 @@ class LakeInfo:
     """None when there is no changes table."""
 
 
-def _table_info(path: Path, name: str) -> TableInfo | None:
-    from deltalake import DeltaTable
-
-    if not DeltaTable.is_deltatable(str(path)):
+def _table_info(path: LakeDir, name: str) -> TableInfo | None:
+    if not is_delta(path):
         return None
-    table = DeltaTable(str(path))
+    table = open_delta(path)
     version = table.version()
     last = table.history(1)
     adds = pa.table(table.get_add_actions(flatten=True))
@@ -94,7 +93,7 @@ def _table_info(path: Path, name: str) -> TableInfo | None:
     )
 
 
-def show(lake: Path) -> LakeInfo:
+def show(lake: LakeDir) -> LakeInfo:
     """Both tables from their logs; ``NotADeltaLake`` when neither is a Delta table."""
     tables = [info for name in TABLES if (info := _table_info(lake / name, name)) is not None]
     if not tables:
@@ -105,15 +104,13 @@ def show(lake: Path) -> LakeInfo:
     return LakeInfo(str(lake), tables, compacted_version(lake), behind)
 
 
-def history(lake: Path, table: str, limit: int | None) -> list[dict[str, Any]]:
+def history(lake: LakeDir, table: str, limit: int | None) -> list[dict[str, Any]]:
     """The table's commits, newest first: version, time, operation, its parameters and metrics."""
-    from deltalake import DeltaTable
-
     path = lake / table
-    if not DeltaTable.is_deltatable(str(path)):
+    if not is_delta(path):
         raise NotADeltaLake(f"{path}: not a Delta table (no _delta_log/)")
     out = []
-    for commit in DeltaTable(str(path)).history(limit):
+    for commit in open_delta(path).history(limit):
         out.append(
             {
                 "version": commit.get("version"),
@@ -127,7 +124,7 @@ def history(lake: Path, table: str, limit: int | None) -> list[dict[str, Any]]:
     return out
 
 
-def optimize(spark: Any, lake: Path) -> dict[str, dict[str, Any]]:
+def optimize(spark: Any, lake: LakeDir) -> dict[str, dict[str, Any]]:
     """Bin-pack each table's small files (Delta OPTIMIZE, per partition). The commits change no data
     (readers, the change data feed and compaction see the same rows); returns Delta's metrics per table."""
     from delta.tables import DeltaTable
@@ -136,16 +133,16 @@ def optimize(spark: Any, lake: Path) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name in TABLES:
         path = lake / name
-        if not DeltaTable.isDeltaTable(session, str(path)):
+        if not DeltaTable.isDeltaTable(session, spark_path(path)):
             continue
-        row = DeltaTable.forPath(session, str(path)).optimize().executeCompaction().collect()[0]
+        row = DeltaTable.forPath(session, spark_path(path)).optimize().executeCompaction().collect()[0]
         metrics = row["metrics"].asDict(recursive=True)
         out[name] = {k: metrics.get(k) for k in ("numFilesAdded", "numFilesRemoved", "totalConsideredFiles")}
         log.info("lake_optimized", table=name, **out[name])
     return out
 
 
-def commit_time_ms(table: Path, version: int) -> int:
+def commit_time_ms(table: LakeDir, version: int) -> int:
     """When a commit was made (its commitInfo; 0 when its log file is gone: older than any horizon)."""
     try:
         actions = read_commit(table, version)
@@ -155,24 +152,25 @@ def commit_time_ms(table: Path, version: int) -> int:
         info = action.get("commitInfo")
         if info is not None and "timestamp" in info:
             return int(info["timestamp"])
-    return int((table / LOG_DIR / f"{version:020d}.json").stat().st_mtime * 1000)
+    commit_file = table / LOG_DIR / f"{version:020d}.json"
+    if not isinstance(commit_file, Path):
+        return 0
+    return int(commit_file.stat().st_mtime * 1000)
 
 
-def data_files_on_disk(table: Path) -> list[Path]:
+def data_files_on_disk(table: LakeDir) -> list[Any]:
     """Every Parquet data file under the table's directory, committed or not (what vacuum may delete)."""
     return [p for p in table.rglob("*.parquet") if LOG_DIR not in p.parts]
 
 
-def check_vacuum(lake: Path, retain_hours: float, now_ms: int | None = None) -> None:
+def check_vacuum(lake: LakeDir, retain_hours: float, now_ms: int | None = None) -> None:
     """``VacuumRefused`` when changes not yet compacted were committed before the retention horizon."""
-    from deltalake import DeltaTable as RsTable
-
     if retain_hours < 0:
         raise VacuumRefused(f"--retain-hours {retain_hours}: must be >= 0")
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     horizon_ms = now_ms - int(retain_hours * 3600 * 1000)
     changes = lake / CHANGES
-    if not RsTable.is_deltatable(str(changes)):
+    if not is_delta(changes):
         return
     _, done, behind = state_lag(lake)
     if behind:
@@ -184,7 +182,7 @@ def check_vacuum(lake: Path, retain_hours: float, now_ms: int | None = None) -> 
             )
 
 
-def vacuum(spark: Any, lake: Path, retain_hours: float, now_ms: int | None = None) -> dict[str, int]:
+def vacuum(spark: Any, lake: LakeDir, retain_hours: float, now_ms: int | None = None) -> dict[str, int]:
     """Delete files no snapshot within ``retain_hours`` needs (replaced by OPTIMIZE or MERGE, and
     orphans of writes that never committed). Refused (``VacuumRefused``) when changes not yet
     compacted are older than that: their original files may be among those deleted, and the next
@@ -199,9 +197,9 @@ def vacuum(spark: Any, lake: Path, retain_hours: float, now_ms: int | None = Non
     left: dict[str, int] = {}
     for name in TABLES:
         path = lake / name
-        if not DeltaTable.isDeltaTable(session, str(path)):
+        if not DeltaTable.isDeltaTable(session, spark_path(path)):
             continue
-        DeltaTable.forPath(session, str(path)).vacuum(retain_hours)
+        DeltaTable.forPath(session, spark_path(path)).vacuum(retain_hours)
         left[name] = len(data_files_on_disk(path))
         log.info("lake_vacuumed", table=name, retain_hours=retain_hours, files=left[name])
     return left

@@ -30,6 +30,14 @@ DELTA_ARTIFACTS = (
 """Only these two: what else delta-spark's POM names is either shipped by pyspark (Jackson, Parquet,
 Hadoop, in newer versions) or used only by Unity Catalog and the Delta kernel, which cdcd does not use."""
 
+S3A_ARTIFACTS = (
+    ("org.apache.hadoop", "hadoop-aws", "3.5.0"),
+    ("software.amazon.awssdk", "bundle", "2.35.4"),
+    ("software.amazon.s3.analyticsaccelerator", "analyticsaccelerator-s3", "1.3.1"),
+)
+"""Hadoop's ``s3a`` file system for pyspark's Hadoop (3.5.0) and the AWS SDK it was built against: Spark
+reaches a lake on S3 (and its compatibles) through these. Loaded only by sessions that use ``s3a``."""
+
 JARS_DIR_ENV = "CDCD_SPARK_JARS_DIR"
 
 _lock = threading.Lock()
@@ -52,10 +60,12 @@ def jar_name(org: str, artifact: str, version: str) -> str:
     return f"{org}_{artifact}-{version}.jar"
 
 
-def delta_jars(directory: Path | None = None) -> list[Path]:
-    """The local Delta jar files; ``DeltaJarsMissing`` (one line saying how to fix it) if any is absent."""
+def delta_jars(directory: Path | None = None, s3a: bool = False) -> list[Path]:
+    """The local Delta jar files (and the ``s3a`` ones); ``DeltaJarsMissing`` (one line saying how to
+    fix it) if any is absent."""
     where = jars_dir() if directory is None else directory
-    paths = [where / jar_name(*coords) for coords in DELTA_ARTIFACTS]
+    wanted = DELTA_ARTIFACTS + (S3A_ARTIFACTS if s3a else ())
+    paths = [where / jar_name(*coords) for coords in wanted]
     missing = [p.name for p in paths if not p.is_file()]
     if missing:
         raise DeltaJarsMissing(
@@ -65,11 +75,26 @@ def delta_jars(directory: Path | None = None) -> list[Path]:
     return paths
 
 
-def delta_conf(jars: list[Path], user_jars: str = "") -> dict[str, str]:
-    """The settings that turn Delta on in a session built from local jar files."""
+def delta_conf(jars: list[Path], user_jars: str = "", master: str = "local") -> dict[str, str]:
+    """The settings that turn Delta on in a session built from local jar files. On a cluster the
+    jars are put on the driver's and executors' class paths from the same local path (the AWS SDK
+    alone is hundreds of MB: shipping it to every executor through ``spark.jars`` costs more than
+    installing it at the same path on each machine, which ``make install`` does)."""
     listed = [p.as_uri() for p in jars]
     if user_jars:
         listed.append(user_jars)
+    if not master.startswith("local"):
+        local = [p for p in jars if p.name.split("_", 1)[0] != "io.delta"]
+        if local:
+            delta = [p.as_uri() for p in jars if p not in local]
+            classpath = ":".join(str(p) for p in local)
+            return {
+                "spark.jars": ",".join(delta + ([user_jars] if user_jars else [])),
+                "spark.driver.extraClassPath": classpath,
+                "spark.executor.extraClassPath": classpath,
+                "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+                "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+            }
     return {
         "spark.jars": ",".join(listed),
         "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
@@ -94,7 +119,7 @@ def acquire(master: str, app_name: str, conf: Mapping[str, str]) -> Any:
     with _lock:
         if _session is None:
             # Before any JVM starts: a missing jar is one clear line, not a ClassNotFoundException.
-            jars = delta_jars()
+            jars = delta_jars(s3a=any(k.startswith("spark.hadoop.fs.s3a.") for k in conf))
             # Executors (local or on a cluster) must run the same interpreter and packages.
             os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
             os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -122,7 +147,7 @@ def acquire(master: str, app_name: str, conf: Mapping[str, str]) -> Any:
                 builder = builder.config(key, value)
             for key, value in conf.items():
                 builder = builder.config(key, value)
-            for key, value in delta_conf(jars, conf.get("spark.jars", "")).items():
+            for key, value in delta_conf(jars, conf.get("spark.jars", ""), master).items():
                 builder = builder.config(key, value)
             builder = builder.config("spark.driver.extraJavaOptions", java_opts)
             _session = _create(builder)
@@ -177,7 +202,7 @@ def main() -> None:
     """``python -m cdcd.lake.spark``: print the jar directory and the Maven coordinates, one per line
     (``scripts/fetch-delta-jars.sh`` reads them: one source of truth for versions)."""
     print(jars_dir())
-    for org, artifact, version in DELTA_ARTIFACTS:
+    for org, artifact, version in DELTA_ARTIFACTS + S3A_ARTIFACTS:
         print(org, artifact, version)
 
 

@@ -61,6 +61,7 @@ class LakeLocation:
     def __init__(self, lake_path: str, storage: StorageOptions | None = None, env: Mapping[str, str] | None = None):
         self.raw = lake_path
         self.storage = storage or StorageOptions()
+        self._fs: Any = None
         env = os.environ if env is None else env
         parts = urlsplit(lake_path)
         scheme = parts.scheme.lower()
@@ -214,6 +215,50 @@ class LakeLocation:
             f"{path} [{profile}]",
         )
 
+    # --- files -----------------------------------------------------------------------------------------
+    def root(self) -> LakeDir:
+        """The lake directory: a ``Path`` when local, else an ``ObjectPath`` on the store."""
+        if self.local_path is not None:
+            return self.local_path
+        return ObjectPath(self, "")
+
+    def filesystem(self, timeout_s: float = 30.0) -> Any:
+        """A pyarrow file system reaching the store (paths ``bucket/prefix/...``)."""
+        if self._fs is not None:
+            return self._fs
+        import pyarrow.fs as pafs
+
+        if self.store != "s3":
+            # ABFS and GCS: pyarrow's own clients read their standard environment.
+            fs, _ = pafs.FileSystem.from_uri(self.uri())
+            self._fs = fs
+            return fs
+        self._fs = self._s3_filesystem(timeout_s, attempts=5)
+        return self._fs
+
+    def _s3_filesystem(self, timeout_s: float, attempts: int) -> Any:
+        import pyarrow.fs as pafs
+
+        o = self._delta_options
+        endpoint = o.get("AWS_ENDPOINT_URL", "")
+        split = urlsplit(endpoint) if endpoint else None
+        return pafs.S3FileSystem(
+            access_key=o.get("AWS_ACCESS_KEY_ID") or None,
+            secret_key=o.get("AWS_SECRET_ACCESS_KEY") or None,
+            session_token=o.get("AWS_SESSION_TOKEN") or None,
+            region=o.get("AWS_REGION"),
+            endpoint_override=split.netloc if split else None,
+            scheme=split.scheme if split else "https",
+            force_virtual_addressing=not self.storage.path_style and not endpoint,
+            connect_timeout=timeout_s,
+            request_timeout=timeout_s,
+            retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=attempts),
+        )
+
+    def fs_path(self, rel: str = "") -> str:
+        """``rel`` (below the lake) as a path of ``filesystem()``."""
+        return "/".join(p for p in (self.bucket, self.prefix, rel) if p)
+
     # --- reachability ---------------------------------------------------------------------------------
     def check(self, timeout_s: float = 10.0) -> None:
         """Raise LakeStorageError (one line naming the endpoint or bucket) when the store cannot be
@@ -225,19 +270,7 @@ class LakeLocation:
 
         o = self._delta_options
         endpoint = o.get("AWS_ENDPOINT_URL", "")
-        split = urlsplit(endpoint) if endpoint else None
-        fs = pafs.S3FileSystem(
-            access_key=o.get("AWS_ACCESS_KEY_ID") or None,
-            secret_key=o.get("AWS_SECRET_ACCESS_KEY") or None,
-            session_token=o.get("AWS_SESSION_TOKEN") or None,
-            region=o.get("AWS_REGION"),
-            endpoint_override=split.netloc if split else None,
-            scheme=split.scheme if split else "https",
-            force_virtual_addressing=not self.storage.path_style and not endpoint,
-            connect_timeout=timeout_s,
-            request_timeout=timeout_s,
-            retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=2),
-        )
+        fs = self._s3_filesystem(timeout_s, attempts=2)
         where = f"s3://{self.bucket} at {endpoint or 'AWS S3'}"
         try:
             info = fs.get_file_info(self.bucket)
@@ -261,3 +294,160 @@ def _aws_reason(text: str) -> str:
     if "invalidaccesskeyid" in low or "signaturedoesnotmatch" in low:
         return "credentials refused (check access_key_id/secret_access_key)"
     return " ".join(text.split())[:300]
+
+
+class ObjectPath:
+    """A file or directory on the lake's object store, with the few ``pathlib.Path`` calls the lake
+    code makes (``/``, ``exists``, ``open``, ``read_bytes``, ``unlink`` ...), so one code path serves
+    a local lake and one on S3. ``str()`` is the URL (no secrets)."""
+
+    def __init__(self, location: LakeLocation, rel: str) -> None:
+        self.location = location
+        self.rel = rel.strip("/")
+
+    def __truediv__(self, part: str | Path) -> ObjectPath:
+        return ObjectPath(self.location, f"{self.rel}/{part}" if self.rel else str(part))
+
+    def __str__(self) -> str:
+        return self.location.uri(self.rel)
+
+    def __repr__(self) -> str:
+        return f"ObjectPath({self})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ObjectPath) and str(other) == str(self)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    @property
+    def name(self) -> str:
+        return self.rel.rsplit("/", 1)[-1]
+
+    @property
+    def fs(self) -> Any:
+        return self.location.filesystem()
+
+    @property
+    def fs_path(self) -> str:
+        return self.location.fs_path(self.rel)
+
+    @property
+    def storage_options(self) -> dict[str, str]:
+        return self.location.delta_options
+
+    @property
+    def spark_uri(self) -> str:
+        return self.location.spark_uri(self.rel)
+
+    def _type(self) -> Any:
+        return self.fs.get_file_info(self.fs_path).type
+
+    def exists(self) -> bool:
+        import pyarrow.fs as pafs
+
+        return bool(self._type() != pafs.FileType.NotFound)
+
+    def is_file(self) -> bool:
+        import pyarrow.fs as pafs
+
+        return bool(self._type() == pafs.FileType.File)
+
+    def is_dir(self) -> bool:
+        import pyarrow.fs as pafs
+
+        return bool(self._type() == pafs.FileType.Directory)
+
+    def open(self, mode: str = "rb") -> Any:
+        if mode != "rb":
+            raise ValueError(f"{self}: object store paths open for reading only")
+        try:
+            return self.fs.open_input_stream(self.fs_path)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            if "NoSuchKey" in str(exc) or "not found" in str(exc).lower():
+                raise FileNotFoundError(str(self)) from None
+            raise
+
+    def read_bytes(self) -> bytes:
+        with self.open() as f:
+            return bytes(f.read())
+
+    def write_bytes(self, data: bytes) -> None:
+        with self.fs.open_output_stream(self.fs_path) as f:
+            f.write(data)
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        try:
+            self.fs.delete_file(self.fs_path)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+
+    def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
+        """Object stores have no directories: nothing to create."""
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return tuple(self.rel.split("/")) if self.rel else ()
+
+    def rglob(self, pattern: str) -> list[ObjectPath]:
+        """Files below this prefix whose name matches ``pattern`` (``fnmatch``)."""
+        import fnmatch
+
+        import pyarrow.fs as pafs
+
+        base = self.fs_path
+        sel = pafs.FileSelector(base, allow_not_found=True, recursive=True)
+        out = []
+        for info in self.fs.get_file_info(sel):
+            if info.type == pafs.FileType.File and fnmatch.fnmatch(info.base_name, pattern):
+                out.append(self / info.path[len(base) :].lstrip("/"))
+        return out
+
+    def size(self) -> int:
+        return int(self.fs.get_file_info(self.fs_path).size)
+
+
+LakeDir = Path | ObjectPath
+"""Where a lake (or a table, a file in it) is: a local path or an object on a store."""
+
+
+def as_location_arg(path: LakeDir) -> tuple[str, dict[str, str] | None]:
+    """(uri, storage_options) for delta-rs."""
+    if isinstance(path, ObjectPath):
+        return str(path), path.storage_options
+    return str(path), None
+
+
+def spark_path(path: LakeDir) -> str:
+    """The location for Spark (``s3a://`` on S3, the plain path locally)."""
+    return path.spark_uri if isinstance(path, ObjectPath) else str(path)
+
+
+def file_source(path: LakeDir) -> Any:
+    """What pyarrow's readers take for ``path``: the path itself, or an open stream on the store."""
+    if isinstance(path, ObjectPath):
+        return path.fs.open_input_file(path.fs_path)
+    return path
+
+
+def lake_root(lake_path: str | Path, storage: StorageOptions | None = None) -> LakeDir:
+    """``lake_path`` (a directory or a URL) as the lake's root; LakeStorageError on a bad URL."""
+    return LakeLocation(str(lake_path), storage).root()
+
+
+def open_delta(path: LakeDir) -> Any:
+    """delta-rs's ``DeltaTable`` at ``path`` (with the store's options)."""
+    from deltalake import DeltaTable
+
+    uri, options = as_location_arg(path)
+    return DeltaTable(uri, storage_options=options)
+
+
+def is_delta(path: LakeDir) -> bool:
+    from deltalake import DeltaTable
+
+    uri, options = as_location_arg(path)
+    return bool(DeltaTable.is_deltatable(uri, storage_options=options))

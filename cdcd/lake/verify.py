@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from cdcd.lake.arrow import to_json
+from cdcd.lake.storage import LakeDir, is_delta, open_delta
 from cdcd.lake.table import STATE
 
 _MASK = (1 << 64) - 1
@@ -32,15 +32,13 @@ class CacheCheck:
         return self.node_rows == self.lake_rows and self.node_checksum == self.lake_checksum
 
 
-def lake_checksums(lake: Path) -> dict[str, tuple[int, int]]:
+def lake_checksums(lake: LakeDir) -> dict[str, tuple[int, int]]:
     """Per cache of the state table: (rows, checksum)."""
-    from deltalake import DeltaTable
-
     path = lake / STATE
-    if not DeltaTable.is_deltatable(str(path)):
+    if not is_delta(path):
         return {}
     out: dict[str, tuple[int, int]] = {}
-    scanner = DeltaTable(str(path)).to_pyarrow_dataset().scanner(columns=["cache", "key", "value"])
+    scanner = open_delta(path).to_pyarrow_dataset().scanner(columns=["cache", "key", "value"])
     for batch in scanner.to_batches():
         for cache, key, value in zip(*(batch.column(i).to_pylist() for i in range(3)), strict=True):
             rows, total = out.get(cache, (0, 0))
@@ -57,7 +55,7 @@ def node_checksums(node: Any, cache: str) -> tuple[int, int]:
     return rows, total
 
 
-def verify(lake: Path, nodes: list[Any]) -> list[CacheCheck]:
+def verify(lake: LakeDir, nodes: list[Any]) -> list[CacheCheck]:
     """``nodes``: NodeSnapshots (or anything with ``caches()``/``raw_items()``), one per node whose
     data lands in this lake. A cache on several nodes is checked against the union of their entries
     (an entry held by two nodes, as a backup copy, counts once). A cache with ``cdc_enabled = false``

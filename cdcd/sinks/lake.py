@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 from collections.abc import Mapping, Sequence
@@ -32,6 +31,7 @@ from cdcd.lake import spark as spark_session
 from cdcd.lake.arrow import build_table, split_slices
 from cdcd.lake.delta import ChangeTable, LakeWriteError, SourceMark, WrittenFiles, partition_dir_value
 from cdcd.lake.log import STAGING_DIR, _owner_alive, check_writable, new_batch_id
+from cdcd.lake.storage import LakeDir, LakeLocation, LakeStorageError, ObjectPath, StorageOptions
 from cdcd.secrets import mask_mapping
 from cdcd.wal.pointer import WalPointer, WalPosition
 
@@ -61,8 +61,8 @@ def root_cause(exc: BaseException) -> str:
 class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lake_path: str
     spark_master: str = "local[*]"
-    """Any Spark master URL: local[N], spark://host:port, yarn, k8s://... (the lake must be a path
-    every executor and this process see, e.g. a shared mount)."""
+    """Any Spark master URL: local[N], spark://host:port, yarn, k8s://... (with the Spark writer the
+    lake must be a path every executor and this process see, e.g. a shared mount)."""
     spark_conf: dict[str, str] = msgspec.field(default_factory=dict)
     app_name: str = "cdcd-lake"
     partition_by_day: bool = False
@@ -74,12 +74,19 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     node's realtime worker (its default there). Both land the same table, exactly once, and may
     take turns on it."""
 
+    storage: StorageOptions = msgspec.field(default_factory=StorageOptions)
+    """``[consumer.storage]``: endpoint, region, credentials of an object store (``lake_path = "s3://..."``)."""
+
     def __post_init__(self) -> None:
-        # A URL would otherwise become a relative directory (``./s3:/bucket``) and the data land on a local disk.
-        if _URL_SCHEME.match(self.lake_path):
+        try:
+            location = LakeLocation(self.lake_path, self.storage)
+        except LakeStorageError as exc:
+            raise msgspec.ValidationError(str(exc)) from None
+        if not location.is_local and self.uses_spark:
+            # Spark's output is moved into the table, which an object store can only do by copying.
             raise msgspec.ValidationError(
-                f"{self.lake_path!r} is a URL; the lake sink writes to a path (mount object storage, "
-                "e.g. with s3fs or a FUSE driver, and give the mount point) - at `$.lake_path`"
+                f'lake_path {location}: on an object store the files are written by writer = "deltalake" '
+                "(Spark runs compaction and maintenance there) - at `$.writer`"
             )
 
     @property
@@ -87,7 +94,8 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.writer == "spark"
 
 
-_URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+def _is_url(text: str) -> bool:
+    return "://" in text and not text.startswith("file://")
 
 
 def split_replayed(
@@ -118,7 +126,8 @@ def _by_record(table: pa.Table) -> dict[tuple[int, int], list[tuple[Any, ...]]]:
 class LakeConsumer(Consumer):
     def __init__(self, options: LakeOptions) -> None:
         self.options = options
-        self.lake = Path(options.lake_path)
+        self.location = LakeLocation(options.lake_path, options.storage)
+        self.lake: LakeDir = self.location.root()
         self._table: ChangeTable | None = None
         self._spark: Any = None
         self.rows_written = 0
@@ -126,6 +135,8 @@ class LakeConsumer(Consumer):
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], source: str) -> LakeConsumer:
+        if "writer" not in options and _is_url(str(options.get("lake_path", ""))):
+            options = {**options, "writer": "deltalake"}  # the writer on object stores
         if "writer" not in options and source.endswith("realtime_consumer"):
             # In the node's process: no JVM unless asked for.
             options = {**options, "writer": "deltalake"}
@@ -133,7 +144,10 @@ class LakeConsumer(Consumer):
 
     def start(self, registry: Any = None) -> None:
         metrics.export(metrics.LAKE)
-        check_writable(self.lake)
+        if isinstance(self.lake, Path):
+            check_writable(self.lake)
+        else:
+            self.location.check()  # no such bucket, credentials refused, endpoint down: one line
         table = ChangeTable(self.lake, self.options.partition_by_day)
         table.open()
         self._table = table
@@ -142,6 +156,7 @@ class LakeConsumer(Consumer):
         log.info(
             "lake_sink_starting",
             lake=str(self.lake),
+            storage=self.location.masked(),
             writer=opts.writer,
             spark_master=opts.spark_master if opts.uses_spark else None,
             spark_conf=mask_mapping(opts.spark_conf),
@@ -152,6 +167,8 @@ class LakeConsumer(Consumer):
 
     def _clean_staging(self) -> None:
         """Spark output of writers that died before moving it into the table (never named by a commit)."""
+        if not isinstance(self.lake, Path):
+            return  # the Spark writer (the only one staging files) writes local lakes only
         staging = self.lake / STAGING_DIR
         if not staging.is_dir():
             return
@@ -169,10 +186,14 @@ class LakeConsumer(Consumer):
         path = self.lake / "_cdcd_caches.json"
         known: dict[str, Any] = {}
         if path.exists():
-            known = json.loads(path.read_text())
+            known = json.loads(path.read_bytes())
         for info in caches:
             known[str(info.cache_id)] = {"name": info.name, "partitions": info.config.partitions}
-        write_atomic(path, json.dumps(known, sort_keys=True).encode())
+        data = json.dumps(known, sort_keys=True).encode()
+        if isinstance(path, ObjectPath):
+            path.write_bytes(data)  # a PUT replaces the object whole
+        else:
+            write_atomic(path, data)
 
     def on_events(self, batch: EventBatch) -> bool:
         table = self._table
@@ -279,7 +300,7 @@ class LakeConsumer(Consumer):
         self, table: ChangeTable, slices: list[RecordSlice], batch: EventBatch, generation: int
     ) -> tuple[WrittenFiles, dict[str, tuple[int, int]]]:
         rows = sum(s.end - s.start for s in slices)
-        if not self.options.uses_spark:
+        if not self.options.uses_spark or not isinstance(self.lake, Path):
             return self._write_arrow(table, slices, batch, generation)
         data, stats = build_table(slices, batch, batch.source_node, self.options.partition_by_day, generation)
         staging = self.lake / STAGING_DIR / new_batch_id()

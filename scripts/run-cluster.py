@@ -1,0 +1,129 @@
+"""``make run-cluster``: three nodes under a sample load, a `cdcd run` daemon per node, one Delta lake on
+MinIO (s3://lake/cluster), a Spark standalone cluster (master + two workers on loopback), live status;
+Ctrl-C (or --seconds) stops the load, lets every daemon catch up, runs `cdcd lake compact` on the cluster,
+`lake show` and `lake verify` over the three nodes, and stops everything (exit 1 if verification fails)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.support.lake import caught_up, position, write_config  # noqa: E402
+from tests.support.procs import child_env, start_daemon, stop_daemon  # noqa: E402
+from tests.support.servers import MINIO_PASSWORD, MINIO_USER, MinioServer, SparkStandalone  # noqa: E402
+from tests.support.writer import WRITER_NODE_SETTINGS  # noqa: E402
+
+LAKE = "s3://lake/cluster"
+NODES = 3
+
+
+def node_main(node_dir: str, cache: str, rate: int, stop_file: str) -> None:
+    """A node under the built-in load into its own cache (disjoint keys, as Ignite nodes own disjoint
+    partitions) until ``stop_file`` exists; then every write is archived (visible to CDC)."""
+    from cdcd.node.load import LoadGenerator
+    from cdcd.node.node import Node
+
+    node = Node.open(node_dir, **WRITER_NODE_SETTINGS)
+    load = LoadGenerator(node, rate, cache=cache, keyspace=20_000)
+    load.start()
+    try:
+        while not os.path.exists(stop_file):
+            time.sleep(0.2)
+    finally:
+        load.stop()
+        node.force_archive()
+        node.close()
+
+
+def start_node(var: Path, i: int, rate: int) -> subprocess.Popen[bytes]:
+    args = [str(var / f"node{i}"), f"load-node{i}", str(rate), str(var / f"node{i}.stop")]
+    log = (var / f"node{i}.log").open("wb")
+    return subprocess.Popen([sys.executable, __file__, "--node", *args], stdout=log, stderr=log, env=child_env())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seconds", type=float, default=0, help="stop after this long (0: at Ctrl-C)")
+    ap.add_argument("--var", type=Path, default=ROOT / "var" / "cluster")
+    ap.add_argument("--rate", type=int, default=3000, help="entries/s per node")
+    ap.add_argument("--node", nargs=4, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.node:
+        node_main(args.node[0], args.node[1], int(args.node[2]), args.node[3])
+        return 0
+    var: Path = args.var
+    shutil.rmtree(var, ignore_errors=True)
+    var.mkdir(parents=True)
+    env = {**child_env(), "AWS_ACCESS_KEY_ID": MINIO_USER, "AWS_SECRET_ACCESS_KEY": MINIO_PASSWORD}
+    minio = MinioServer(var / "minio" / "data")
+    cluster = SparkStandalone(var / "spark", workers=2)
+    writers: list[subprocess.Popen[bytes]] = []
+    daemons: list[subprocess.Popen[bytes]] = []
+    stop = {"now": False}
+    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
+    try:
+        minio.start()
+        minio.create_bucket("lake")
+        print(f"MinIO at {minio.endpoint}, lake {LAKE}", flush=True)
+        cluster.start()
+        print(f"Spark standalone at {cluster.master_url} (2 workers)", flush=True)
+        dirs = [var / f"node{i}" for i in range(NODES)]
+        configs, errs = [], []
+        storage = {"endpoint": minio.endpoint, "path_style": True}
+        for i, d in enumerate(dirs):
+            writers.append(start_node(var, i, args.rate))
+            consumer = {"kind": "lake", "lake_path": LAKE, "writer": "deltalake", "storage": storage}
+            configs.append(write_config(var / f"cdcd{i}.toml", d, consumer, batch_max_events=20000))
+            errs.append(var / f"daemon{i}.log")
+        while not all((d / "cdc").is_dir() for d in dirs):
+            time.sleep(0.1)
+        daemons = [start_daemon(c, e, env=env) for c, e in zip(configs, errs, strict=True)]
+        t0 = time.monotonic()
+        print("running: Ctrl-C stops the load, catches up, compacts on the cluster and verifies", flush=True)
+        while not stop["now"] and not (args.seconds and time.monotonic() - t0 > args.seconds):
+            time.sleep(2)
+            status = "  ".join(f"node{i} landed to {position(c)}" for i, c in enumerate(configs))
+            print(f"[{time.monotonic() - t0:5.0f}s] {status}", flush=True)
+            for i, p in enumerate(daemons):
+                if p.poll() is not None:
+                    print(f"daemon {i} exited {p.returncode}: see {errs[i]}", flush=True)
+                    return 1
+        for i in range(NODES):
+            (var / f"node{i}.stop").touch()
+        for w in writers:
+            w.wait(120)
+        for i, d in enumerate(dirs):
+            until = caught_up(d)
+            while position(configs[i]) != until:
+                time.sleep(0.25)
+        for p in daemons:
+            stop_daemon(p, timeout=60)
+        where = ["--lake", LAKE, "--storage-endpoint", minio.endpoint, "--storage-path-style"]
+        cdcd = [sys.executable, "-m", "cdcd", "lake"]
+        t1 = time.monotonic()
+        subprocess.run([*cdcd, "compact", *where, "--spark-master", cluster.master_url], env=env, check=True)
+        print(f"compacted on the cluster in {time.monotonic() - t1:.0f}s", flush=True)
+        subprocess.run([*cdcd, "show", *where], env=env, check=True)
+        nodes = [a for d in dirs for a in ("--node-dir", str(d))]
+        return subprocess.run([*cdcd, "verify", *where, *nodes], check=False, env=env).returncode
+    finally:
+        for p in [*writers, *daemons]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        cluster.stop()
+        minio.stop()
+
+
+if __name__ == "__main__":
+    os.chdir(ROOT)
+    sys.exit(main())
