@@ -113,21 +113,26 @@ class WalLog:
     def append_end(self, record: Record, durable: bool) -> WalPointer | None:
         """``append`` for the write path: returns the pointer to wait on when ``durable``, else None
         (no pointer objects are built for a write nobody waits on)."""
-        with self._lock:
-            self._append_locked(record)
-            if durable:
-                return WalPointer(self._writer._segment, self._writer._offset)
-            return None
+        with self._lock:  # _append_locked inlined: a call is a tenth of an append
+            if self._failure is not None:
+                self._check_failed()
+            writer = self._writer
+            while writer._buffered >= writer.buffer_bytes:
+                self._wait_for_room_locked()
+            offset = writer.place(record)
+            self.appends += 1
+            if type(record) is not Checkpoint:
+                self._news_segment = writer._segment
+            if offset <= HEADER_SIZE or self._segment_data_since is None:
+                self._segment_data_since = time.monotonic()
+            return WalPointer(writer._segment, writer._offset) if durable else None
 
     def _append_locked(self, record: Record) -> int:
         if self._failure is not None:
             self._check_failed()
         writer = self._writer
         while writer._buffered >= writer.buffer_bytes:
-            self._flush_requested = True
-            self._wake.notify()
-            self._durable_cv.wait()
-            self._check_failed()
+            self._wait_for_room_locked()
         offset = writer.place(record)
         self.appends += 1
         if type(record) is not Checkpoint:
@@ -137,6 +142,13 @@ class WalLog:
             # segment: its force-archive clock starts now.
             self._segment_data_since = time.monotonic()
         return offset
+
+    def _wait_for_room_locked(self) -> None:
+        """Back-pressure: the append buffer is full, wait for the flusher to take it."""
+        self._flush_requested = True
+        self._wake.notify()
+        self._durable_cv.wait()
+        self._check_failed()
 
     def append_and_roll(self, record: Record) -> tuple[WalPointer, WalPointer]:
         """Append ``record`` as the last record of its segment (nothing can slip in after it)."""

@@ -123,6 +123,9 @@ class WriteCore:
         self.order = order
         self.stats = stats
         self.check_open = check_open
+        self.accepting = True
+        """False once the node is closing or failed (then ``check_open`` raises): the put fast path
+        reads this flag instead of calling ``check_open``."""
         self.wal: WalLog | None = None
         self.lock = threading.Lock()
         self.room = threading.Condition(self.lock)  # writers wait here while the dirty map is full
@@ -363,7 +366,8 @@ class WriteCore:
         assert wal is not None
         config = self.config
         with self.lock:
-            self.check_open()
+            if not self.accepting:
+                self.check_open()
             dirty = self.dirty
             if len(dirty) >= self._hard_limit:
                 dirty = self._room_locked()
