@@ -221,6 +221,29 @@ def test_checkpoint_bounds_replay(node_dir: Path) -> None:
         assert len(n.cache("c")) == 1001
 
 
+def test_checkpoint_writes_exactly_the_live_rows(node_dir: Path) -> None:
+    """A checkpoint mixing puts, updates and removes leaves LMDB holding exactly the live rows,
+    with each row's newest value and version (no WAL replay involved: read straight from LMDB)."""
+    with Node.open(node_dir, checkpoint_interval_ms=3_600_000) as n:
+        c = n.cache("c")
+        c.put_all({i: i for i in range(300)})
+        n.checkpoint()
+        for i in range(0, 300, 3):
+            c.remove(i)
+        for i in range(1, 300, 3):
+            c.put(i, -i)
+        c.put_all({i: i for i in range(300, 350)})
+        c.remove(301)
+        n.checkpoint()
+        n._store.renew_reader()
+        stored = {msgspec.msgpack.decode(k): v for k, v in n._store.items(c.cache_id)}
+        expected = {i: (-i if i % 3 == 1 and i < 300 else i) for i in range(350) if i % 3 and i != 301}
+        expected |= {i: i for i in range(300, 350, 3)}
+        assert {k: msgspec.msgpack.decode(v.value) for k, v in stored.items()} == expected
+        assert stored[1].version.order > stored[2].version.order  # the update's own version
+        assert all(v.expire_time_ms == 0 for v in stored.values())
+
+
 def test_torn_active_tail_is_truncated_on_open(node_dir: Path) -> None:
     """Garbage appended to the active segment (a torn write) is cut off on open and logged; data survives."""
     n = Node.open(node_dir)

@@ -25,6 +25,7 @@ import shutil
 import socket
 import stat
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,14 +33,18 @@ from typing import Any
 
 import pytest
 
+from cdcd.node import Node
+from cdcd.realtime import RealtimeMode
 from cdcd.wal.records import (
+    RealtimeCdcRecord,
     StopRealtimeCdcRecord,
 )
+from tests.support import rt_lag_consumer
 from tests.support.procs import (
     cdcd,
     wait_for,
 )
-from tests.support.realtime import Rig, as_pos, check_delivery, entries_in, markers, rig_maker
+from tests.support.realtime import Rig, as_pos, check_delivery, entries_in, markers, node_realtime_state, rig_maker
 from tests.support.wal import wal_events
 from tests.support.writer import expected_final_state
 
@@ -296,3 +301,63 @@ def test_control_socket(rig_factory: Any, tmp_path: Path) -> None:
         assert e["version"] == latest[key]["version"], "the resent entry keeps the version of its last write"
         assert e["partition"] == latest[key]["partition"]
     assert {json.dumps(e["key"]) for e in resent} == set(users)
+
+
+class _StalledMetastorage:
+    """The node's real metastorage whose synced write of an *enabled* state blocks until released:
+    a disk that takes its time over one fsync."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.release = threading.Event()
+        self.stalled = threading.Event()
+
+    def put(self, state: Any) -> None:
+        if state.enabled and not self.release.is_set():
+            self.stalled.set()
+            self.release.wait(60)
+        self.inner.put(state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_slow_position_write_does_not_hold_up_delivery(tmp_path: Path) -> None:
+    """The realtime worker persists its position (a synced LMDB write) on the marker cadence; while
+    that write is stuck, records flushed meanwhile are still delivered, and once it completes the
+    marker follows it: persisted state first, then the RealtimeCdcRecord, never ahead of each other."""
+    channel = f"stall-{os.getpid()}"
+    rec = rt_lag_consumer.recorder(channel, fresh=True)
+    consumer = {"kind": "python", "class": "tests.support.rt_lag_consumer:LagConsumer", "options": {"channel": channel}}
+    node = Node.open(
+        tmp_path / "node",
+        wal_mode="fsync",
+        realtime_cdc=True,
+        realtime_consumer=consumer,
+        cdc_enabled=False,
+        realtime_commit_record_interval_ms=0,
+    )
+    try:
+        wait_for(lambda: node.realtime.mode is RealtimeMode.ON, 30, "realtime on")
+        meta = _StalledMetastorage(node.realtime.meta)
+        node.realtime.meta = meta
+        cache = node.cache("c")
+        cache.put(1, "a")
+        wait_for(meta.stalled.is_set, 30, "the position write to start")
+        for key in range(2, 12):
+            cache.put(key, "b")
+        wait_for(lambda: rec.delivered() >= 11, 30, "delivery while the position write is stuck")
+        assert not meta.release.is_set()
+        meta.release.set()
+        wait_for(lambda: meta.inner.get().enabled, 30, "the position write to finish")
+    finally:
+        meta_release = getattr(node.realtime.meta, "release", None)
+        if meta_release is not None:
+            meta_release.set()
+        node.close()
+        rt_lag_consumer.drop(channel)
+    state = node_realtime_state(tmp_path / "node")
+    marks = [m for _, m in markers(tmp_path / "node") if isinstance(m, RealtimeCdcRecord)]
+    assert state.enabled and marks
+    assert as_pos(marks[-1].last) <= as_pos(state.position)
+    assert sorted(k for _, _, keys in rec.snapshot() for k in keys) == list(range(1, 12))

@@ -36,7 +36,7 @@ class Cache:
     def put(self, key: Any, value: Any, *, ttl_ms: int | None = None) -> None:
         """Put ``value``; it expires ``ttl_ms`` after this call (None: the cache's ``ttl_ms``; 0:
         never). A later put sets the expiry anew."""
-        self._node.writes.commit([(self.info, key, value, ttl_ms)])
+        self._node.writes.put(self.info, key, value, ttl_ms)
 
     def put_all(self, items: Mapping[Any, Any], *, ttl_ms: int | None = None) -> None:
         info = self.info

@@ -218,6 +218,7 @@ class Node:
         if self._closed:
             return
         self._closed = True
+        self.writes.accepting = False
         self._checkpointer.join()
         with self.writes.lock:
             self.writes.room.notify_all()  # writers waiting for room (no checkpointer now) see the close and fail
@@ -252,6 +253,7 @@ class Node:
 
     def _fail(self, exc: BaseException) -> None:
         self._failure = exc
+        self.writes.accepting = False
 
     # --- checkpoints -----------------------------------------------------------------------------
     def checkpoint(self) -> WalPointer | None:

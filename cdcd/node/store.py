@@ -11,6 +11,8 @@ import os
 import struct
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
+from itertools import compress
+from operator import attrgetter
 from pathlib import Path
 
 import lmdb
@@ -53,6 +55,10 @@ class CheckpointMeta(msgspec.Struct, frozen=True, array_like=True):
 
 
 _enc = msgspec.msgpack.Encoder()
+_op_of = attrgetter("op")
+_version_of = attrgetter("version")
+_value_of = attrgetter("value")
+_expire_of = attrgetter("expire_time_ms")
 _stored_dec = msgspec.msgpack.Decoder(StoredValue)
 _cache_dec = msgspec.msgpack.Decoder(CacheInfo)
 _cp_dec = msgspec.msgpack.Decoder(CheckpointMeta)
@@ -223,18 +229,11 @@ class PageStore:
         with self.env.begin(write=True) as txn:
             for cid in purge_cache_ids:
                 self._purge(txn, cid)
-            data = self._data
-            delete = Op.DELETE
-            put = txn.put
             # The expiry index costs a read of each replaced value: only once any entry has an expire time.
-            if txn.stat(self._expiry)["entries"] or any(e.expire_time_ms for e in entries.values()):
+            if txn.stat(self._expiry)["entries"] or any(map(_expire_of, entries.values())):
                 self._write_tracking_expiry(txn, entries)
             else:
-                for key, e in entries.items():
-                    if e.op == delete:
-                        txn.delete(key, db=data)
-                    else:
-                        put(key, _enc.encode(StoredValue(e.version, e.value, e.expire_time_ms)), db=data)
+                self._write_plain(txn, entries)
             cur = txn.cursor(db=self._caches)
             existing = {bytes(k).decode() for k in cur.iternext(keys=True, values=False)}
             for name in existing - set(caches):
@@ -242,6 +241,22 @@ class PageStore:
             for name, info in caches.items():
                 txn.put(name.encode(), _enc.encode(info), db=self._caches)
             txn.put(b"checkpoint", _enc.encode(meta), db=self._meta)
+
+    def _write_plain(self, txn: lmdb.Transaction, entries: Mapping[bytes, DataEntry]) -> None:
+        """Entries without expire times. One C-level pipeline (attribute getters, StoredValue,
+        encode, ``putmulti``) instead of a Python loop: the checkpoint holds the GIL the writers need."""
+        data = self._data
+        delete = Op.DELETE
+        keys: Iterable[bytes] = entries.keys()
+        values: Iterable[DataEntry] = entries.values()
+        ops = list(map(_op_of, values))
+        if delete in ops:
+            for key in compress(keys, map(delete.__eq__, ops)):
+                txn.delete(key, db=data)
+            kept = list(map(delete.__ne__, ops))
+            keys, values = compress(keys, kept), list(compress(values, kept))
+        stored = map(StoredValue, map(_version_of, values), map(_value_of, values), map(_expire_of, values))
+        txn.cursor(db=data).putmulti(zip(keys, map(_enc.encode, stored), strict=True))
 
     def _write_tracking_expiry(self, txn: lmdb.Transaction, entries: Mapping[bytes, DataEntry]) -> None:
         data, expiry = self._data, self._expiry

@@ -106,23 +106,49 @@ class WalLog:
     def append(self, record: Record) -> tuple[WalPointer, WalPointer]:
         """Buffer one record; returns (its pointer, the pointer to wait on for durability)."""
         with self._lock:
-            self._check_failed()
+            offset = self._append_locked(record)
+            writer = self._writer
+            return WalPointer(writer._segment, offset), WalPointer(writer._segment, writer._offset)
+
+    def append_end(self, record: Record, durable: bool) -> WalPointer | None:
+        """``append`` for the write path: returns the pointer to wait on when ``durable``, else None
+        (no pointer objects are built for a write nobody waits on)."""
+        with self._lock:  # _append_locked inlined: a call is a tenth of an append
+            if self._failure is not None:
+                self._check_failed()
             writer = self._writer
             while writer._buffered >= writer.buffer_bytes:
-                self._flush_requested = True
-                self._wake.notify()
-                self._durable_cv.wait()
-                self._check_failed()
-            seg = writer._segment
-            fresh = writer._offset <= HEADER_SIZE
-            ptr = writer.append_record(record)
+                self._wait_for_room_locked()
+            offset = writer.place(record)
             self.appends += 1
             if type(record) is not Checkpoint:
-                self._news_segment = ptr.segment
-            if fresh or ptr.segment != seg or self._segment_data_since is None:
-                # Also after a restart into a partly filled segment: its clock starts now.
+                self._news_segment = writer._segment
+            if offset <= HEADER_SIZE or self._segment_data_since is None:
                 self._segment_data_since = time.monotonic()
-            return ptr, WalPointer(writer._segment, writer._offset)
+            return WalPointer(writer._segment, writer._offset) if durable else None
+
+    def _append_locked(self, record: Record) -> int:
+        if self._failure is not None:
+            self._check_failed()
+        writer = self._writer
+        while writer._buffered >= writer.buffer_bytes:
+            self._wait_for_room_locked()
+        offset = writer.place(record)
+        self.appends += 1
+        if type(record) is not Checkpoint:
+            self._news_segment = writer._segment
+        if offset <= HEADER_SIZE or self._segment_data_since is None:
+            # The segment's first record (fresh or just rolled), or a restart into a partly filled
+            # segment: its force-archive clock starts now.
+            self._segment_data_since = time.monotonic()
+        return offset
+
+    def _wait_for_room_locked(self) -> None:
+        """Back-pressure: the append buffer is full, wait for the flusher to take it."""
+        self._flush_requested = True
+        self._wake.notify()
+        self._durable_cv.wait()
+        self._check_failed()
 
     def append_and_roll(self, record: Record) -> tuple[WalPointer, WalPointer]:
         """Append ``record`` as the last record of its segment (nothing can slip in after it)."""

@@ -79,6 +79,11 @@ class RealtimeWorker:
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._meta_lock = threading.Lock()
+        self._marker_lock = threading.Lock()
+        """Held across every metastorage write and the marker or Stop record that follows it (taken
+        before ``_meta_lock``): a marker being written finishes before a Stop is persisted."""
+        self._marker_due = threading.Event()
+        self._marker_thread: threading.Thread | None = None
         self._buffer: deque[_Source] = deque()
         self._buffered_bytes = 0
         self.buffer_max_used_bytes = 0
@@ -134,6 +139,8 @@ class RealtimeWorker:
                 self.request_on()
         self._thread = threading.Thread(target=self._run, name="cdcd-realtime", daemon=True)
         self._thread.start()
+        self._marker_thread = threading.Thread(target=self._run_markers, name="cdcd-realtime-marker", daemon=True)
+        self._marker_thread.start()
 
     def _enter(self, mode: RealtimeMode, deliver_from: WalPosition, open_position: WalPointer) -> None:
         self._ensure_consumer()
@@ -463,26 +470,55 @@ class RealtimeWorker:
 
     def _commit(self, end: WalPosition) -> None:
         """The consumer confirmed everything before ``end``: make it the position (and on the
-        marker cadence persist it and tell the daemon)."""
+        marker cadence have the marker thread persist it and tell the daemon)."""
         with self._meta_lock:
             if self.mode is not RealtimeMode.ON:
                 return  # stopped while this batch ran (close timed out): the Stop record already went out
             self.position = end
             interval_s = self.config.realtime_commit_record_interval_ms / 1000
             if time.monotonic() - self._last_marker >= interval_s:
-                # The synced metastorage write cost half the worker's time when done per batch; on this
-                # cadence a crash re-delivers at most one interval (at-least-once; the lake drops it).
-                # Persist first: the marker lets the daemon delete links, so it must never be ahead.
                 self._last_marker = time.monotonic()
-                self._persist_locked(enabled=True)
-                self.wal.append(RealtimeCdcRecord(end))
+                self._marker_due.set()
         metrics.RT_COMMITTED_SEGMENT.set(end.segment)
         metrics.RT_COMMITTED_OFFSET.set(end.offset)
         metrics.RT_LAG_SEGMENTS.set(max(0, self.wal.position.segment - end.segment))
 
+    def _run_markers(self) -> None:
+        """The marker thread: persist the committed position, then write ``RealtimeCdcRecord`` for it.
+        The synced metastorage write cost half the worker's time when done per batch, and on the
+        delivery thread every record flushed during it waited: here deliveries go on meanwhile.
+        On this cadence a crash re-delivers at most one interval (at-least-once; the lake drops it)."""
+        while True:
+            self._marker_due.wait()
+            self._marker_due.clear()
+            if self._closing:
+                return  # close() writes the last marker itself
+            try:
+                self._write_marker()
+            except Exception as exc:  # never die silently: say why, fall back to the daemon
+                log.error("realtime_marker_failed", error=f"{type(exc).__name__}: {exc}")
+                try:
+                    self._stop("worker_error")
+                except Exception as stop_exc:
+                    log.error("realtime_stop_failed", error=f"{type(stop_exc).__name__}: {stop_exc}")
+                return
+
+    def _write_marker(self) -> None:
+        # Persist first: the marker lets the daemon delete links, so it must never be ahead.
+        with self._marker_lock:
+            with self._meta_lock:
+                if self.mode is not RealtimeMode.ON or self.position is None:
+                    return
+                state = RealtimeState(True, self.position, self.try_start)
+            # Outside ``_meta_lock``: the worker commits further batches during the synced write.
+            self.meta.put(state)
+            self.state = state
+            assert state.position is not None
+            self.wal.append(RealtimeCdcRecord(state.position))
+
     def _persist(self, *, enabled: bool) -> None:
         """Synced LMDB write; never called under ``_lock`` (the flusher must not wait for it)."""
-        with self._meta_lock:
+        with self._marker_lock, self._meta_lock:
             self._persist_locked(enabled=enabled)
 
     def _persist_locked(self, *, enabled: bool) -> None:
@@ -509,7 +545,9 @@ class RealtimeWorker:
             self._unconfirmed = False
             self._set_mode(RealtimeMode.OFF)
             metrics.RT_BUFFER_BYTES.set(0)
-        with self._meta_lock:  # after this, no delivery still in flight persists or marks anything
+        # After this, no delivery still in flight persists or marks anything (a marker being
+        # written finishes first: it is for a position before this Stop's).
+        with self._marker_lock, self._meta_lock:
             self._persist_locked(enabled=False)
             failpoints.hit("realtime.off.persisted")
             _ptr, end = self.wal.append(StopRealtimeCdcRecord(self.position, reason))
@@ -554,8 +592,11 @@ class RealtimeWorker:
                     interrupt()
                     self._thread.join(5.0)
                 self._stop("close_timeout")
+        self._marker_due.set()  # with _closing set: the marker thread ends
+        if self._marker_thread is not None:
+            self._marker_thread.join()
         end = None
-        with self._meta_lock:
+        with self._marker_lock, self._meta_lock:
             if self.mode is RealtimeMode.ON and self.position is not None:
                 self._persist_locked(enabled=True)
                 _ptr, end = self.wal.append(RealtimeCdcRecord(self.position))

@@ -118,27 +118,33 @@ class WalWriter:
 
     def append_record(self, record: Record) -> WalPointer:
         """Encode and frame ``record`` into the buffer; returns its pointer."""
+        offset = self.place(record)
+        return WalPointer(self._segment, offset)
+
+    def place(self, record: Record) -> int:
+        """``append_record`` without the pointer: returns the record's offset in ``segment`` (read
+        after the call: placing may roll)."""
         payload = _encoder.encode(record)
         size = FRAME_HEADER_SIZE + len(payload)
-        if self._offset + size + _END_SIZE > self.segment_size_bytes:
+        offset = self._offset
+        if offset + size + _END_SIZE > self.segment_size_bytes:
             if HEADER_SIZE + size + _END_SIZE > self.segment_size_bytes:
                 raise RecordTooLarge(
                     f"record of {size} bytes does not fit in a segment of wal_segment_size_bytes="
                     f"{self.segment_size_bytes}"
                 )
             self.roll()
+            offset = self._offset
         cur = self._current
         if cur is None or cur.segment != self._segment:
-            cur = Chunk(self._segment, self._offset, bytearray())
+            cur = Chunk(self._segment, offset, bytearray())
             self._chunks.append(cur)
             self._current = cur
-        data = cur.data
-        data += _pack_header(len(payload), record.TYPE, _crc32(payload))
-        data += payload
-        ptr = WalPointer(self._segment, self._offset)
-        self._offset += size
+        # One append of header + payload: a second bytearray append cost more than the concatenation.
+        cur.data += _pack_header(len(payload), record.TYPE, _crc32(payload)) + payload
+        self._offset = offset + size
         self._buffered += size
-        return ptr
+        return offset
 
     def roll(self) -> int:
         """Close the current segment with SegmentEnd and start the next; returns the closed index."""

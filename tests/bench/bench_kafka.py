@@ -29,7 +29,7 @@ from cdcd.daemon.daemon import Daemon
 from cdcd.kafka.sink import KafkaSink
 from cdcd.node import Node
 from cdcd.wal.segment import list_segments
-from tests.bench.common import VALUE_100B, Bench, Measurement, Metric
+from tests.support.bench import VALUE_100B, Bench, Measurement, Metric
 from tests.support.kafka import LIBS, ROOT, Broker
 
 TX_SIZE = 1000

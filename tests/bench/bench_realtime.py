@@ -308,6 +308,7 @@ def run_lag(
         "lag_p50_ms": _ms(_pct(lags, 50)),
         "lag_p90_ms": _ms(_pct(lags, 90)),
         "lag_p99_ms": _ms(p99),
+        "lag_p999_ms": _ms(_pct(lags, 99.9)),
         "lag_max_ms": _ms(lags[-1]),
         "lag_min_ms": _ms(lags[0]),
         "lag_negative": sum(1 for x in lags if x < 0),
@@ -506,6 +507,7 @@ def _plot(points: list[tuple[float, float, str]], spec: SwitchRun, extra: dict[s
 # --- the suite ------------------------------------------------------------------------------------------
 _LAG_ROWS = (
     Metric("lag p50", "lag_p50_ms", "ms", lower_is_better=True),
+    Metric("lag p99.9", "lag_p999_ms", "ms", lower_is_better=True),
     Metric("lag max", "lag_max_ms", "ms", lower_is_better=True),
     Metric("achieved rate", "rate", "entries/s"),
 )
