@@ -103,3 +103,34 @@ def test_options_are_checked() -> None:
         MaintainerOptions(compact_interval_s=-1)
     with pytest.raises(ValueError, match=r"max_consecutive_failures = 0"):
         MaintainerOptions(max_consecutive_failures=0)
+
+
+def test_the_lake_sink_runs_it_and_fails_when_it_gave_up(spark: Any, tmp_path: Path) -> None:
+    """`compact_interval_s` in the sink's options: the JVM-free writer lands a node's WAL and the sink's
+    Maintainer (on the process's SparkSession) compacts it into `state` without an operator; a Maintainer
+    that gave up makes `alive()` false and the next batch fail with its error."""
+    from cdcd.node import Node
+    from cdcd.sinks.lake import LakeConsumer, LakeOptions
+    from tests.support.delta_lake import wal_batch
+
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    with Node.open(node_dir) as node:
+        node.cache("orders").put_all({i: {"n": i} for i in range(50)})
+        node.cache("orders").remove(7)
+    opts = LakeOptions(lake_path=str(lake), writer="deltalake", spark_master="local[2]", compact_interval_s=0.5)
+    sink = LakeConsumer(opts)
+    sink.start()
+    try:
+        assert sink.on_events(wal_batch(node_dir)) is True
+        changes_version = table_version(lake / CHANGES)
+        wait_for(lambda: compacted_version(lake) == changes_version, "the sink's scheduled compaction")
+        assert {key for _, key in state_rows(lake)} == {str(i) for i in range(50) if i != 7}
+        assert sink.alive()
+        maintainer = sink._maintainer
+        assert maintainer is not None
+        maintainer.error = RuntimeError("disk on fire")  # what the thread sets after max failures in a row
+        assert not sink.alive()
+        with pytest.raises(MaintenanceFailed, match="disk on fire"):
+            sink.on_events(wal_batch(node_dir))
+    finally:
+        sink.stop()

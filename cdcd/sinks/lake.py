@@ -31,6 +31,7 @@ from cdcd.lake import spark as spark_session
 from cdcd.lake.arrow import build_table, split_slices
 from cdcd.lake.delta import ChangeTable, LakeWriteError, SourceMark, WrittenFiles, partition_dir_value
 from cdcd.lake.log import STAGING_DIR, _owner_alive, check_writable, new_batch_id
+from cdcd.lake.maintainer import Maintainer, MaintainerOptions
 from cdcd.lake.storage import LakeDir, LakeLocation, LakeStorageError, ObjectPath, StorageOptions
 from cdcd.secrets import mask_mapping
 from cdcd.wal.pointer import WalPointer, WalPosition
@@ -76,8 +77,19 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     storage: StorageOptions = msgspec.field(default_factory=StorageOptions)
     """``[consumer.storage]``: endpoint, region, credentials of an object store (``lake_path = "s3://..."``)."""
+    compact_interval_s: float = 0.0
+    """Run ``lake compact`` (MERGE into ``state``) from the daemon every this many seconds; 0: never.
+    It runs on Spark (``spark_master``), also when the writer is ``deltalake``."""
+    optimize_interval_s: float = 0.0
+    """Bin-pack small files of both tables every this many seconds; 0: never."""
+    maintenance_max_failures: int = 3
+    """Scheduled runs failing in a row before the sink fails (the daemon exits 4 naming the error)."""
 
     def __post_init__(self) -> None:
+        try:
+            self.maintainer_options()
+        except ValueError as exc:
+            raise msgspec.ValidationError(str(exc)) from None
         try:
             location = LakeLocation(self.lake_path, self.storage)
         except LakeStorageError as exc:
@@ -92,6 +104,9 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def uses_spark(self) -> bool:
         return self.writer == "spark"
+
+    def maintainer_options(self) -> MaintainerOptions:
+        return MaintainerOptions(self.compact_interval_s, self.optimize_interval_s, self.maintenance_max_failures)
 
 
 def _is_url(text: str) -> bool:
@@ -130,6 +145,7 @@ class LakeConsumer(Consumer):
         self.lake: LakeDir = self.location.root()
         self._table: ChangeTable | None = None
         self._spark: Any = None
+        self._maintainer: Maintainer | None = None
         self.rows_written = 0
         self.batches_skipped = 0
 
@@ -164,6 +180,12 @@ class LakeConsumer(Consumer):
         )
         if opts.uses_spark:
             self._spark = spark_session.acquire(opts.spark_master, opts.app_name, opts.spark_conf)
+        if opts.compact_interval_s or opts.optimize_interval_s:
+            if self._spark is None:
+                conf = {**self.location.spark_conf, **opts.spark_conf}
+                self._spark = spark_session.acquire(opts.spark_master, opts.app_name, conf)
+            self._maintainer = Maintainer(self.lake, self._spark, opts.maintainer_options())  # type: ignore[arg-type]
+            self._maintainer.start()
 
     def _clean_staging(self) -> None:
         """Spark output of writers that died before moving it into the table (never named by a commit)."""
@@ -177,7 +199,13 @@ class LakeConsumer(Consumer):
                 log.info("lake_staging_discarded", batch=d.name)
                 shutil.rmtree(d, ignore_errors=True)
 
+    def alive(self) -> bool:
+        return self._maintainer is None or self._maintainer.alive()
+
     def stop(self) -> None:
+        if self._maintainer is not None:
+            self._maintainer.stop()
+            self._maintainer = None
         if self._spark is not None:
             self._spark = None
             spark_session.release()
@@ -199,6 +227,8 @@ class LakeConsumer(Consumer):
         table = self._table
         if table is None or (self._spark is None and self.options.uses_spark):
             raise RuntimeError("lake sink used before start()")
+        if self._maintainer is not None:
+            self._maintainer.check()  # scheduled maintenance gave up: fail with its error
         source = batch.source_node
         slices = batch.slices
         while True:
