@@ -5,7 +5,7 @@ lands it in a table (parquet) equal, change for change, to the node's WAL."""
 from __future__ import annotations
 
 import json
-import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,7 @@ from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.kafka.sink import KafkaSink
 from tests.support.kafka import ROOT, Broker, kafka_broker
+from tests.support.procs import child_env
 from tests.support.wal import wal_events
 from tests.support.writer import make_node
 
@@ -28,6 +29,51 @@ ENVELOPE = (
     "`offset`: BIGINT, entry_index: INT, ts_ms: BIGINT, snapshot: STRING>, "
     "transaction STRUCT<id: STRING, total_order: BIGINT, data_collection_order: BIGINT>"
 )
+
+
+READER = """
+import json, sys
+from pyspark.sql import SparkSession
+from pyspark.sql.functions import col, from_json
+bootstrap, jars, tmp, out_json = sys.argv[1:5]
+ENVELOPE = sys.argv[5]
+spark = (
+    SparkSession.builder.master("local[1]")
+    .appName("cdcd-kafka-reader")
+    .config("spark.ui.enabled", "false")
+    .config("spark.ui.showConsoleProgress", "false")
+    .config("spark.jars", jars)
+    .config("spark.sql.shuffle.partitions", "2")
+    .config("spark.driver.memory", "1g")
+    .getOrCreate()
+)
+try:
+    stream = (
+        spark.readStream.format("kafka")
+        .option("kafka.bootstrap.servers", bootstrap)
+        .option("subscribe", "spark")
+        .option("startingOffsets", "earliest")
+        .option("kafka.isolation.level", "read_committed")
+        .load()
+        .where(col("value").isNotNull())  # tombstones
+        .select(col("key").cast("string").alias("k"), from_json(col("value").cast("string"), ENVELOPE).alias("e"))
+        .select("k", "e.*")
+    )
+    query = (
+        stream.writeStream.format("parquet")
+        .option("path", tmp + "/table")
+        .option("checkpointLocation", tmp + "/checkpoint")
+        .trigger(availableNow=True)
+        .start()
+    )
+    assert query.awaitTermination(600)
+    assert query.exception() is None
+    rows = [r.asDict(recursive=True) for r in spark.read.parquet(tmp + "/table").collect()]
+finally:
+    spark.stop()
+with open(out_json, "w") as f:
+    json.dump(rows, f)
+"""
 
 
 @pytest.mark.slow
@@ -43,46 +89,19 @@ def test_spark_structured_streaming_reads_the_topic(kafka_broker: Broker, tmp_pa
         while daemon.sync_once():
             pass
 
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
-    from pyspark.sql.functions import col, from_json
-
+    # A child process: a JVM an earlier test module of this worker started cannot see data sources
+    # added later through spark.jars ("Failed to find data source: kafka").
+    out_json = tmp_path / "rows.json"
     jars = ",".join(str(p) for p in sorted(SPARK_JARS.glob("*.jar")))
-    spark = (
-        SparkSession.builder.master("local[1]")
-        .appName("cdcd-kafka-reader")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.jars", jars)
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.driver.memory", "1g")
-        .getOrCreate()
+    res = subprocess.run(
+        [sys.executable, "-c", READER, kafka_broker.bootstrap, jars, str(tmp_path), str(out_json), ENVELOPE],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**child_env(), "PYSPARK_PYTHON": sys.executable},
     )
-    try:
-        stream = (
-            spark.readStream.format("kafka")
-            .option("kafka.bootstrap.servers", kafka_broker.bootstrap)
-            .option("subscribe", "spark")
-            .option("startingOffsets", "earliest")
-            .option("kafka.isolation.level", "read_committed")
-            .load()
-            .where(col("value").isNotNull())  # tombstones
-            .select(col("key").cast("string").alias("k"), from_json(col("value").cast("string"), ENVELOPE).alias("e"))
-            .select("k", "e.*")
-        )
-        out = tmp_path / "table"
-        query = (
-            stream.writeStream.format("parquet")
-            .option("path", str(out))
-            .option("checkpointLocation", str(tmp_path / "checkpoint"))
-            .trigger(availableNow=True)
-            .start()
-        )
-        assert query.awaitTermination(600)
-        assert query.exception() is None
-        rows = spark.read.parquet(str(out)).collect()
-    finally:
-        spark.stop()
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(out_json.read_text())
 
     events = wal_events(node_dir)
     ops = {"create": "c", "update": "u", "delete": "d"}

@@ -26,6 +26,7 @@ of a batch that never committed are orphans that ``vacuum`` removes.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -144,6 +145,24 @@ def _reason(exc: BaseException) -> str:
         return os.strerror(exc.errno)
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+_NEARLY_FULL_BYTES = 16 * 1024 * 1024
+
+
+def _commit_reason(root: LakeDir, exc: BaseException) -> str:
+    """``_reason``, naming a full disk: delta-rs reports a failed local write as a "Generic
+    LocalFileSystem error" without its errno."""
+    reason = _reason(exc)
+    if isinstance(root, Path) and not (isinstance(exc, OSError) and exc.errno):
+        try:
+            st = os.statvfs(root)
+        except OSError:
+            return reason
+        free = st.f_bavail * st.f_frsize
+        if free < _NEARLY_FULL_BYTES:
+            return f"{reason} ({os.strerror(errno.ENOSPC)}: {free} bytes free)"
+    return reason
 
 
 def fsync_file(path: Path) -> None:
@@ -461,7 +480,7 @@ class ChangeTable:
                 mark = self.mark(source)
             except (DeltaError, OSError) as exc:
                 raise LakeWriteError(
-                    f"lake {self.path}: commit failed: {_reason(error)}; then: {_reason(exc)}"
+                    f"lake {self.path}: commit failed: {_commit_reason(self.path, error)}; then: {_reason(exc)}"
                 ) from None
             if mark == SourceMark(generation, last):
                 # Landed: ours, failing after its commit point (a checkpoint), or another writer's of
@@ -471,7 +490,7 @@ class ChangeTable:
                 return True
             if now == read_version or not isinstance(error, CommitFailedError):
                 files.discard()
-                raise LakeWriteError(f"lake {self.path}: commit failed: {_reason(error)}") from None
+                raise LakeWriteError(f"lake {self.path}: commit failed: {_commit_reason(self.path, error)}") from None
             self.conflicts += 1
             if mark != read:
                 files.discard()
