@@ -180,10 +180,9 @@ def test_hung_consumer_lag_grows_pending_links_counted_then_stall_exits_6(tmp_pa
         lines = error_lines(err)
         assert len(lines) == 1, err.read_text()[-3000:]
         entered2 = json.loads((tmp_path / "entered.json").read_text())
-        # The unconfirmed batch came again from its first event; it may have grown with what the node
-        # wrote meanwhile (batches are not cut by cache creation), never shrunk.
+        # The unconfirmed batch came again from its first event (its size depends on what was
+        # readable when it was cut, which differs between the two runs).
         assert (entered2["first"], entered2["first_ts_ns"]) == (entered["first"], entered["first_ts_ns"])
-        assert entered2["events"] >= entered["events"]
         match = re.fullmatch(
             r"cdcd: error: pipeline stalled: consumer on_events\(\) with (\d+) events from (\S+) has not returned "
             r"for ([\d.]+) s \(consumer_stall_timeout_ms = 1000, consumer\); (\d+) segment link\(s\) pending",

@@ -220,7 +220,11 @@ def test_restore_while_the_active_segment_is_archived(rig_factory: Any) -> None:
     """A node restarted in try_start with a long stretch to restore, writing at full speed at once, restores it while
     its active segment is rolled and archived underneath, and stays in try_start (no restore_failed stop)."""
     # Segments roll only when full; a small WAL buffer keeps the flusher close behind the writer.
-    rig: Rig = rig_factory(realtime_cdc=True, wal_force_archive_timeout_ms=0, wal_buffer_bytes=256 * 1024)
+    # A buffer that holds the whole restore even when a loaded machine delays delivery (an overflow
+    # would stop realtime: another test's subject).
+    rig: Rig = rig_factory(
+        realtime_cdc=True, wal_force_archive_timeout_ms=0, wal_buffer_bytes=256 * 1024, cdc_buffer_bytes=512 << 20
+    )
     rig.start_node(pause_ms=30, every=1)  # no daemon: the try-start waits
     rig.wait_mode("try_start", None)
     rig.burst()
