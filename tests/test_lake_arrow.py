@@ -4,19 +4,15 @@ against a row-by-row reference, batch splitting, partition directory names and t
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
 
 import msgspec
 import pyarrow as pa
-import pyarrow.dataset as ds
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from cdcd.consumer import OP_NAMES, EventBatch, RecordSlice
 from cdcd.lake.arrow import SCHEMA, build_table, split_slices, to_json
-from cdcd.lake.parquet import escape_partition, write_partitioned
 from cdcd.wal.dump import json_key, jsonable
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import CacheVersion, DataEntry, DataRecord, Op
@@ -182,34 +178,6 @@ def test_split_keeps_every_entry_in_order_within_the_bounds(spec: list[Any], par
     assert [s for part in out for s in part] == slices
     assert all(out)
     assert len(out) <= max(1, min(parts, total // min_rows))
-
-
-def test_partition_escaping_matches_spark() -> None:
-    """Characters Spark escapes in partition directories are escaped the same way (%XX, upper-case hex); others stay."""
-    assert escape_partition("a/b:c=d%e f") == "a%2Fb%3Ac%3Dd%25e f"
-    assert escape_partition("caché-1_x.y") == "caché-1_x.y"
-
-
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(records)
-def test_pyarrow_writer_files_read_back_as_the_table(tmp_path: Path, spec: list[Any]) -> None:
-    """write_partitioned lays files out as cache=<name>/day=<day>/; a hive-partitioned read returns each row once."""
-    slices = make_slices(spec, 1_700_000_000 * 10**9)
-    names = EventBatch("n", slices, {1: "orders", 2: "a/b:c"})
-    table, _ = build_table(slices, names, "n", partition_by_day=True)
-    root = tmp_path / f"w{abs(hash(str(spec)))}"
-    files = write_partitioned(table, root, ["cache", "day"], "part-x")
-    assert sorted(files) == sorted(str(p.relative_to(root)) for p in root.rglob("*.parquet"))
-    for rel in files:
-        cache_part, day_part, name = rel.split("/")
-        assert cache_part.startswith("cache=") and day_part.startswith("day=") and name.endswith(".zstd.parquet")
-    read = ds.dataset(str(root), format="parquet", partitioning="hive").to_table()
-    got = sorted(read.to_pylist(), key=lambda r: (r["wal_segment"], r["wal_offset"], r["wal_index"]))
-    # hive partition values come back URL-decoded and as inferred types; compare as text
-    for row in got:
-        row["cache"] = unquote(str(row["cache"]))
-        row["day"] = str(row["day"])
-    assert got == table.to_pylist()
 
 
 @given(st.lists(st.text(min_size=1, max_size=255), min_size=1, max_size=20, unique=True))

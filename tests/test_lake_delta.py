@@ -408,8 +408,8 @@ def old_format_lake(lake: Path, batch: EventBatch, cuts: list[int]) -> None:
     the old columns) as one log entry per run of records between ``cuts``, the way the old sink did."""
     from cdcd.lake.arrow import build_table
     from cdcd.lake.log import CacheStats, LakeLog, LogEntry, new_batch_id
-    from cdcd.lake.parquet import write_partitioned
     from cdcd.wal.pointer import WalPosition
+    from tests.support.old_lake import write_partitioned
 
     log = LakeLog(lake)
     slices = list(batch.peek_slices())

@@ -113,19 +113,9 @@ class WalLog:
     def append_end(self, record: Record, durable: bool) -> WalPointer | None:
         """``append`` for the write path: returns the pointer to wait on when ``durable``, else None
         (no pointer objects are built for a write nobody waits on)."""
-        with self._lock:  # _append_locked inlined: a call is a tenth of an append
-            if self._failure is not None:
-                self._check_failed()
-            writer = self._writer
-            while writer._buffered >= writer.buffer_bytes:
-                self._wait_for_room_locked()
-            offset = writer.place(record)
-            self.appends += 1
-            if type(record) is not Checkpoint:
-                self._news_segment = writer._segment
-            if offset <= HEADER_SIZE or self._segment_data_since is None:
-                self._segment_data_since = time.monotonic()
-            return WalPointer(writer._segment, writer._offset) if durable else None
+        with self._lock:
+            self._append_locked(record)
+            return WalPointer(self._writer._segment, self._writer._offset) if durable else None
 
     def _append_locked(self, record: Record) -> int:
         if self._failure is not None:

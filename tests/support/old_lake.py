@@ -1,8 +1,5 @@
-"""Change files written with pyarrow, in the layout Spark's ``partitionBy`` gives (``writer = "arrow"``).
-
-The same schema, directory partitions, compression and timestamp encoding as the Spark writer, so
-readers (and ``lake compact``) cannot tell the two apart; no JVM round trip per batch.
-"""
+"""Change files in the layout of the lake before Delta (``_cdcd_log`` plus Spark-style ``cache=<name>/``
+directories), for the tests of ``cdcd lake migrate``: cdcd itself no longer writes it."""
 
 from __future__ import annotations
 
