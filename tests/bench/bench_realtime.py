@@ -56,6 +56,8 @@ CONSUMER_CLASS = "tests.support.rt_lag_consumer:LagConsumer"
 FORCE_ARCHIVE_MS = 1000
 GOAL_P99_MS = 10.0
 """Realtime at 10k entries/s with a 2 ms flush interval: p99 capture lag at most this."""
+GOAL_P999_MS = 1.0
+"""... and p99.9 at most this (issue 18), on a quiet machine."""
 
 # rate (entries/s) -> (entries per transaction, writer threads)
 LOAD_SHAPES = {1_000: (1, 1), 10_000: (10, 2), 50_000: (10, 24)}
@@ -529,7 +531,12 @@ def benchmarks(quick: bool) -> list[Bench]:
             goal=goal,
             lower_is_better=True,
             max_repeats=1 if goal is None else 3,  # ~7 s a run: repeat only the one with a goal
-            more=_LAG_ROWS,
+            more=_LAG_ROWS
+            if goal is None
+            else tuple(
+                Metric(m.metric, m.key, m.unit, GOAL_P999_MS, lower_is_better=True) if m.key == "lag_p999_ms" else m
+                for m in _LAG_ROWS
+            ),
             params=params,
         )
 
