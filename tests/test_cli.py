@@ -11,6 +11,7 @@ from pathlib import Path
 
 from cdcd.node import Node
 from cdcd.wal.segment import segment_name
+from tests.support.procs import reap
 
 CDCD = [sys.executable, "-m", "cdcd"]
 
@@ -98,7 +99,9 @@ def test_node_run_with_load_and_clean_stop(tmp_path: Path) -> None:
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     events = [json.loads(line)["event"] for line in [*lines, *err.splitlines()]]
-    assert events[0] == "node_opened" and events[-1] == "node_closed"
+    # The Stop record written at open can be archived (by the flusher thread) before the opening
+    # thread logs node_opened: order only the last line.
+    assert "node_opened" in events and events[-1] == "node_closed"
     assert events.count("segment_archived") >= 2
     with Node.open(tmp_path / "n") as n:
         assert len(n.cache("load")) > 0
@@ -143,6 +146,4 @@ def test_stop_signals_first_stops_second_leaves_at_once() -> None:
             assert proc.wait(30) == 128 + second
             assert proc.stdout.read() == ""
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            reap(proc)

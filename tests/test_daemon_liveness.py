@@ -23,6 +23,7 @@ from tests.support.config import jsonl_consumer, write_daemon_config
 from tests.support.procs import (
     child_env,
     error_lines,
+    reap,
     run_daemon_until_exit,
     start_daemon,
     state_position,
@@ -217,9 +218,7 @@ def test_idle_daemon_polls_alive_and_exits_4_when_it_turns_false(tmp_path: Path)
         (tmp_path / "dead").touch()
         assert proc.wait(60) == 4
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        reap(proc)
     assert error_lines(err) == ["cdcd: error: consumer reports alive() == False"]
 
 

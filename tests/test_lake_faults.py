@@ -40,7 +40,7 @@ from tests.support.delta_lake import (
     record_sizes,
 )
 from tests.support.lake import error_lines, position, process_tree, run_to_end, wait_gone, wait_started, write_config
-from tests.support.procs import child_env, wait_for
+from tests.support.procs import child_env, reap, wait_for
 from tests.support.wal import archived_segments, cdc_links, wal_events
 from tests.support.writer import make_node, start_writer
 
@@ -306,9 +306,7 @@ def test_unwritable_lake_exits_4_then_lands_everything_once(tmp_path: Path) -> N
             remount(mnt, "ro")
             rc = proc.wait(120)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            reap(proc)
         assert rc == 4, err.read_text()[-3000:]
         lines = error_lines(err.read_text())
         assert len(lines) == 1 and lines[0].startswith("cdcd: error: consumer on_events() raised"), lines
@@ -341,9 +339,7 @@ def test_full_disk_exits_4_then_lands_everything_once(tmp_path: Path) -> None:
         try:
             rc = proc.wait(300)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            reap(proc)
         assert rc == 4, err.read_text()[-3000:]
         text = err.read_text()
         lines = error_lines(text)

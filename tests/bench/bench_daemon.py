@@ -67,13 +67,13 @@ from tests.support.bench import (
     Measurement,
     Metric,
     _child_env,
-    _kill,
     _links,
     _percentile,
     _run_until,
     _stop,
     _tail,
 )
+from tests.support.procs import reap
 
 SEGMENT_BYTES = 16 << 20
 TX_SIZE = 10
@@ -307,7 +307,7 @@ def _rss_once(entries: int, work: Path) -> tuple[float, float]:
         seconds = time.perf_counter() - t0
         peak_kib = _vm_kib(proc.pid, "VmHWM")
     except BaseException:
-        _kill(proc)
+        reap(proc)
         raise
     _stop(proc, log_path)
     return peak_kib * 1024 / 1e6, seconds
@@ -449,8 +449,8 @@ def run_lag(*, seconds: float, drop_s: float, rate: int) -> Measurement:
                 raise RuntimeError(f"lag writer exited {writer.returncode}:\n{_tail(writer_log)}")
             _wait_links_gone(node_dir / "cdc", daemon, daemon_log, 30)
         except BaseException:
-            _kill(writer)
-            _kill(daemon)
+            reap(writer)
+            reap(daemon)
             raise
         _stop(daemon, daemon_log)  # consumer.stop() writes the samples
         stats = json.loads(writer_out.read_text())

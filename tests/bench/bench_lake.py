@@ -102,7 +102,6 @@ LAG_IDLE_S = 2.5
 DRAIN_TIMEOUT_S = 120.0
 
 
-
 def _bench_dir() -> str | None:
     return os.environ.get("CDCD_BENCH_DIR") or None
 

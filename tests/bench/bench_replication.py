@@ -77,12 +77,12 @@ from tests.support.bench import (
     Measurement,
     Metric,
     _child_env,
-    _kill,
     _percentile,
     _run_until,
     _stop,
     _tail,
 )
+from tests.support.procs import reap
 
 ROOT = Path(__file__).resolve().parents[2]
 SEGMENT_BYTES = 16 << 20
@@ -166,7 +166,7 @@ class Target:
         try:
             self.address = self._wait_listening()
         except BaseException:
-            _kill(self.proc)
+            reap(self.proc)
             raise
 
     def _wait_listening(self) -> str:
@@ -188,7 +188,7 @@ class Target:
         _stop(self.proc, self.log_path)
 
     def kill(self) -> None:
-        _kill(self.proc)
+        reap(self.proc)
 
 
 def _consumer(target: Target, token_file: Path) -> ReplicationConsumer:
@@ -531,7 +531,7 @@ def run_live(*, realtime: bool, seconds: float, drop_s: float, rate: int) -> Mea
             sender_cpu = time.process_time() - cpu0 if not realtime else stats["cpu_s"]
             apply = hist.since() if not realtime else {k: v for k, v in stats.items() if k.startswith("apply_")}
         except BaseException:
-            _kill(writer)
+            reap(writer)
             target.kill()
             raise
         finally:

@@ -313,13 +313,6 @@ def _stop(proc: subprocess.Popen[Any], log_path: Path | None = None, timeout_s: 
         raise RuntimeError(f"pid {proc.pid} ({_what(proc)}) exited {proc.returncode}:\n{tail}")
 
 
-def _kill(proc: subprocess.Popen[Any] | None) -> None:
-    """Error path: end a child of ours without masking the exception in flight."""
-    if proc is not None and proc.poll() is None:
-        proc.kill()
-        proc.wait()
-
-
 def _percentile(sorted_values: list[int], q: float) -> float:
     """Nearest-rank percentile of an ascending list."""
     idx = max(0, math.ceil(q / 100 * len(sorted_values)) - 1)

@@ -22,6 +22,14 @@ CDCD = [sys.executable, "-m", "cdcd"]
 
 
 # --- processes, configs, state -------------------------------------------------------------------
+def reap(proc: subprocess.Popen[Any] | None) -> None:
+    """SIGKILL a child of ours that is still running and wait for it (the ``finally`` of every test
+    that starts one: no process outlives its test, and no exception in flight is masked)."""
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def child_env(*pythonpath: Path) -> dict[str, str]:
     """The test's environment without any CDCD_* override, importing this checkout's ``cdcd``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CDCD_")}
@@ -50,9 +58,7 @@ def run_daemon_until_exit(config: Path, stderr_path: Path, timeout: float = 30, 
     try:
         return proc.wait(timeout)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        reap(proc)
 
 
 def stop_daemon(proc: subprocess.Popen[bytes], timeout: float = 20) -> int:
@@ -60,9 +66,7 @@ def stop_daemon(proc: subprocess.Popen[bytes], timeout: float = 20) -> int:
     try:
         return proc.wait(timeout)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        reap(proc)
 
 
 def state_show(config: Path) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from tests.support.procs import (
     child_env,
     log_events,
     polled_position,
+    reap,
     start_daemon,
     stop_daemon,
     wait_for,
@@ -412,9 +413,7 @@ class Rig:
 
     def close(self) -> None:
         for proc in (self.node, self.daemon):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            reap(proc)
 
 
 def rig_maker(tmp_path: Path) -> Iterator[Callable[..., Rig]]:

@@ -23,7 +23,7 @@ from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import CacheVersion, DataEntry, DataRecord
 from cdcd.wal.segment import HEADER_SIZE
 from tests.support.config import write_daemon_config
-from tests.support.procs import CDCD, cdcd, child_env, start_daemon, wait_for
+from tests.support.procs import CDCD, cdcd, child_env, reap, start_daemon, wait_for
 from tests.support.wal import wal_records
 
 TOKEN = "replication-token-0123456789abcdef"
@@ -79,9 +79,7 @@ class Procs:
 
     def cleanup(self) -> None:
         for proc in self.started:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            reap(proc)
 
 
 @pytest.fixture
@@ -172,9 +170,7 @@ class NodeProc:
         try:
             rc = self.proc.wait(60)
         finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
+            reap(self.proc)
         assert rc == 0, f"node {self.name} exited {rc}:\n{_tail(self.err)}"
 
     def kill(self) -> None:
@@ -275,9 +271,7 @@ class DaemonProc:
         try:
             rc = self.proc.wait(30)
         finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
+            reap(self.proc)
         assert rc == 0, f"daemon {self.name} exited {rc}:\n{_tail(self.err)}"
 
     def kill(self) -> None:

@@ -62,13 +62,29 @@ class MinioServer:
         if not MINIO_BIN.exists():
             raise RuntimeError(f"{MINIO_BIN} missing: run `make install` (scripts/ensure-minio.sh builds it)")
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "MINIO_ROOT_USER": MINIO_USER, "MINIO_ROOT_PASSWORD": MINIO_PASSWORD,
-               "MINIO_BROWSER": "off", "MINIO_UPDATE": "off"}
+        env = {
+            **os.environ,
+            "MINIO_ROOT_USER": MINIO_USER,
+            "MINIO_ROOT_PASSWORD": MINIO_PASSWORD,
+            "MINIO_BROWSER": "off",
+            "MINIO_UPDATE": "off",
+        }
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [str(MINIO_BIN), "server", str(self.data_dir), "--quiet",
-                 "--address", f"127.0.0.1:{self.port}", "--console-address", f"127.0.0.1:{self.console_port}"],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                [
+                    str(MINIO_BIN),
+                    "server",
+                    str(self.data_dir),
+                    "--quiet",
+                    "--address",
+                    f"127.0.0.1:{self.port}",
+                    "--console-address",
+                    f"127.0.0.1:{self.console_port}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
             )
         wait_until(lambda: _http_ok(f"{self.endpoint}/minio/health/ready"), "MinIO ready", proc=self.proc)
 
@@ -85,8 +101,14 @@ class MinioServer:
     def create_bucket(self, name: str) -> None:
         import pyarrow.fs as pafs
 
-        fs = pafs.S3FileSystem(access_key=MINIO_USER, secret_key=MINIO_PASSWORD, endpoint_override=self.endpoint,
-                               scheme="http", region="us-east-1", allow_bucket_creation=True)
+        fs = pafs.S3FileSystem(
+            access_key=MINIO_USER,
+            secret_key=MINIO_PASSWORD,
+            endpoint_override=self.endpoint,
+            scheme="http",
+            region="us-east-1",
+            allow_bucket_creation=True,
+        )
         fs.create_dir(name)
 
 
@@ -111,12 +133,23 @@ class SparkStandalone:
         return f"spark://127.0.0.1:{self.port}"
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "SPARK_HOME": str(self.spark_home), "SPARK_LOCAL_IP": "127.0.0.1",
-               "SPARK_NO_DAEMONIZE": "1", "SPARK_LOG_DIR": str(self.work_dir)}
+        env = {
+            **os.environ,
+            "SPARK_HOME": str(self.spark_home),
+            "SPARK_LOCAL_IP": "127.0.0.1",
+            "SPARK_NO_DAEMONIZE": "1",
+            "SPARK_LOG_DIR": str(self.work_dir),
+        }
         log = open(self.work_dir / f"{name}.log", "ab")
         try:
-            return subprocess.Popen([str(self.spark_home / "bin" / "spark-class"), *args], stdout=log,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=self.work_dir)
+            return subprocess.Popen(
+                [str(self.spark_home / "bin" / "spark-class"), *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                cwd=self.work_dir,
+            )
         finally:
             log.close()
 
@@ -130,9 +163,18 @@ class SparkStandalone:
 
     def start(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        self.master_proc = self._spawn("master", [
-            "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(self.port),
-            "--webui-port", str(self.ui_port)])
+        self.master_proc = self._spawn(
+            "master",
+            [
+                "org.apache.spark.deploy.master.Master",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--webui-port",
+                str(self.ui_port),
+            ],
+        )
         wait_until(lambda: self.alive_workers() >= 0, "the Spark master", proc=self.master_proc)
         for i in range(self.workers):
             self.start_worker(i)
@@ -141,10 +183,23 @@ class SparkStandalone:
     def start_worker(self, i: int) -> None:
         wdir = self.work_dir / f"worker-{i}"
         wdir.mkdir(exist_ok=True)
-        proc = self._spawn(f"worker-{i}", [
-            "org.apache.spark.deploy.worker.Worker", self.master_url, "--host", "127.0.0.1",
-            "--cores", str(self.cores_per_worker), "--memory", self.memory, "--webui-port", str(free_port()),
-            "--work-dir", str(wdir)])
+        proc = self._spawn(
+            f"worker-{i}",
+            [
+                "org.apache.spark.deploy.worker.Worker",
+                self.master_url,
+                "--host",
+                "127.0.0.1",
+                "--cores",
+                str(self.cores_per_worker),
+                "--memory",
+                self.memory,
+                "--webui-port",
+                str(free_port()),
+                "--work-dir",
+                str(wdir),
+            ],
+        )
         if i < len(self.worker_procs):
             self.worker_procs[i] = proc
         else:
