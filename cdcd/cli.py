@@ -895,9 +895,10 @@ def lake_verify(lake_path: Path, node_dirs: tuple[Path, ...]) -> None:
         checks = verify(lake_path, snapshots)
     print_verify(checks)
     click.echo(verify_summary(checks))
-    # Once in a CI run the interpreter's shutdown aborted in a native thread pool (SIGABRT,
-    # "terminate called without an active exception") after this result was printed: the result
-    # and its exit code are what matter, so leave without that shutdown.
+    # Once in a CI run the interpreter's shutdown aborted (SIGABRT, "terminate called without an
+    # active exception") after this result was printed: Arrow's and delta-rs' native thread pools
+    # can be torn down while a worker is still joinable (apache/arrow#34314, delta-io/delta-rs#2184).
+    # The result and its exit code are what matter, so leave without that shutdown.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if all(c.ok for c in checks) else 1)
