@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from cdcd.lake.storage import LakeLocation, StorageOptions
 from cdcd.node.node import Node
 from tests.support.bench import Bench, Measurement, Metric
 from tests.support.lake import caught_up, position, write_config
-from tests.support.servers import MINIO_BIN, MINIO_PASSWORD, MINIO_USER, MinioServer
+from tests.support.servers import MINIO_BIN, MINIO_PASSWORD, MINIO_USER, MinioServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 NODES = 3
@@ -157,8 +158,9 @@ def _location(server: MinioServer, lake: str) -> LakeLocation:
 
 
 # --- lake.cluster.lag -----------------------------------------------------------------------------------
-def _commit_lags(server: MinioServer, lake: str) -> tuple[list[int], list[int]]:
-    """Per row of the changes table: commit_ts (ms) and lag (its commit's timestamp - commit_ts, ms)."""
+def _commit_lags(server: MinioServer, lake: str) -> tuple[list[int], list[int], list[int]]:
+    """Per row of the changes table: commit_ts (ms) and lag (its commit's timestamp - commit_ts, ms);
+    per commit: the lag of its newest row (the time from the newest row to the commit)."""
     import pyarrow.fs as pafs
     import pyarrow.parquet as pq
 
@@ -167,20 +169,24 @@ def _commit_lags(server: MinioServer, lake: str) -> tuple[list[int], list[int]]:
     log_dir = loc.fs_path("changes/_delta_log")
     ts_all: list[int] = []
     lags: list[int] = []
+    newest: list[int] = []
     infos = fs.get_file_info(pafs.FileSelector(log_dir))
     for info in sorted(i.path for i in infos if i.path.endswith(".json")):
         with fs.open_input_stream(info) as f:
             actions = [json.loads(line) for line in f.read().decode().splitlines() if line]
         commit_ms = next((a["commitInfo"]["timestamp"] for a in actions if "commitInfo" in a), None)
+        commit_ts: list[int] = []
         for a in actions:
             if "add" not in a:
                 continue
             assert commit_ms is not None, f"{info}: no commitInfo"
             col = pq.read_table(loc.fs_path(f"changes/{a['add']['path']}"), columns=["commit_ts"], filesystem=fs)
-            ts = [int(t.timestamp() * 1000) for t in col.column("commit_ts").to_pylist()]
-            ts_all += ts
-            lags += [commit_ms - t for t in ts]
-    return ts_all, lags
+            commit_ts += [int(t.timestamp() * 1000) for t in col.column("commit_ts").to_pylist()]
+        if commit_ts and commit_ms is not None:
+            ts_all += commit_ts
+            lags += [commit_ms - t for t in commit_ts]
+            newest.append(commit_ms - max(commit_ts))
+    return ts_all, lags, newest
 
 
 def run_lag(*, seconds: float, drop_s: float, rate: int) -> Measurement:
@@ -220,8 +226,15 @@ def run_lag(*, seconds: float, drop_s: float, rate: int) -> Measurement:
             if any(w.poll() is not None for w in writers) or time.monotonic() > deadline:
                 raise RuntimeError(f"a lag writer did not open its node:\n{_tail(work / 'writer0.log')}")
             time.sleep(0.05)
+        ports = [free_port() for _ in range(NODES)]
         configs = [
-            write_config(work / f"cdcd{i}.toml", work / f"n{i}", _consumer(server, lake), batch_max_delay_ms=200)
+            write_config(
+                work / f"cdcd{i}.toml",
+                work / f"n{i}",
+                _consumer(server, lake),
+                batch_max_delay_ms=200,
+                metrics_address=f"127.0.0.1:{ports[i]}",
+            )
             for i in range(NODES)
         ]
         daemons = [_start_daemon(c, e) for c, e in zip(configs, errs, strict=True)]
@@ -241,10 +254,11 @@ def run_lag(*, seconds: float, drop_s: float, rate: int) -> Measurement:
                 if daemons[i].poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"daemon {i} did not land {until}:\n{_tail(errs[i])}")
                 time.sleep(0.1)
+        scraped = [_scrape(p) for p in ports]
         _stop(daemons, errs)
         written = sum(json.loads((work / f"w{i}.json").read_text())["written"] for i in range(NODES))
         behind = max(json.loads((work / f"w{i}.json").read_text())["behind_max_ms"] for i in range(NODES))
-        ts, lags = _commit_lags(server, lake)
+        ts, lags, newest = _commit_lags(server, lake)
     finally:
         for p in [*writers, *daemons]:
             if p.poll() is None:
@@ -263,10 +277,45 @@ def run_lag(*, seconds: float, drop_s: float, rate: int) -> Measurement:
         "max_ms": float(kept[-1]),
         "mean_ms": round(statistics.fmean(kept), 1),
         "written": written,
+        "commits": len(newest),
+        "rows_per_commit": round(len(ts) / len(newest)) if newest else 0,
+        "newest_row_p50_ms": _percentile(sorted(newest), 50) if newest else None,
+        "newest_row_p99_ms": _percentile(sorted(newest), 99) if newest else None,
         "writer_behind_max_ms": behind,
+        **_daemon_totals(scraped),
         "loadavg": list(os.getloadavg()),
     }
     return Measurement(len(kept), (max(ts) - cutoff) / 1000, extra, value=extra["p99_ms"])
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """The daemon's Prometheus metrics (samples without labels summed by name)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def _daemon_totals(scraped: list[dict[str, float]]) -> dict[str, Any]:
+    """Where a batch's time went, over the three daemons: the sink's on_events (files + commit), its
+    file writing alone, and commits that lost a race to another daemon."""
+
+    def total(name: str) -> float:
+        return sum(m.get(name, 0.0) for m in scraped)
+
+    calls = total("cdcd_daemon_consumer_call_seconds_count")
+    writes = total("cdcd_lake_spark_write_seconds_count")
+    return {
+        "batches": int(calls),
+        "on_events_ms_mean": round(total("cdcd_daemon_consumer_call_seconds_sum") / calls * 1e3, 1) if calls else None,
+        "file_write_ms_mean": round(total("cdcd_lake_spark_write_seconds_sum") / writes * 1e3, 1) if writes else None,
+        "commit_conflicts": int(total("cdcd_lake_log_conflicts_total")),
+    }
 
 
 # --- lake.cluster.backlog -------------------------------------------------------------------------------
