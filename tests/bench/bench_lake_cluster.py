@@ -303,7 +303,8 @@ def _scrape(port: int) -> dict[str, float]:
 
 def _daemon_totals(scraped: list[dict[str, float]]) -> dict[str, Any]:
     """Where a batch's time went, over the three daemons: the sink's on_events (files + commit), its
-    file writing alone, and commits that lost a race to another daemon."""
+    file writing alone, and ``cdcd_lake_log_conflicts_total`` (batches filtered again after another
+    writer moved their source's mark; a lost version race that only re-commits is not counted)."""
 
     def total(name: str) -> float:
         return sum(m.get(name, 0.0) for m in scraped)
