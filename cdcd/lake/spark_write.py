@@ -90,6 +90,8 @@ def write_on_executors(
 
     The parts travel as Arrow IPC in an RDD (no DataFrame: no type conversion through Spark's types,
     and no pandas, which PySpark's Arrow UDFs require)."""
+    if data.num_rows == 0:
+        return WrittenFiles(table.path, [])
     n = max(1, min(tasks, data.num_rows))
     step = -(-data.num_rows // n)
     parts = [_ipc(data.slice(i, step)) for i in range(0, data.num_rows, step)]
