@@ -36,7 +36,7 @@ from cdcd.lake.storage import LakeLocation, StorageOptions
 from cdcd.node.node import Node
 from tests.support.bench import Bench, Measurement, Metric
 from tests.support.lake import caught_up, position, write_config
-from tests.support.servers import MINIO_BIN, MINIO_PASSWORD, MINIO_USER, MinioServer, free_port
+from tests.support.servers import MINIO_BIN, MINIO_PASSWORD, MINIO_USER, MinioServer, SparkStandalone, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 NODES = 3
@@ -332,6 +332,7 @@ class Backlogs:
         if self.root is not None and self.entries == entries:
             return
         self.cleanup()
+        atexit.register(self.cleanup)
         self.root = Path(tempfile.mkdtemp(prefix="cdcd-bench-cluster-backlog-", dir=_bench_dir()))
         for i in range(NODES):
             node = Node.open(
@@ -366,8 +367,11 @@ class Backlogs:
 BACKLOGS = Backlogs()
 
 
-def _land(nodes: list[int], lake: str, work: Path) -> tuple[float, list[float]]:
-    """Daemons for copies of ``nodes`` started at once into ``lake``; (seconds to the last caught up, each's)."""
+def _land(
+    nodes: list[int], lake: str, work: Path, consumer: dict[str, Any] | None = None
+) -> tuple[float, list[float], float]:
+    """Daemons for copies of ``nodes`` started at once into ``lake``: (seconds to the last caught up,
+    each's, seconds until the last daemon had started: its sink, Spark session included)."""
     assert BACKLOGS.root is not None
     server = STORE.ensure()
     dirs = [BACKLOGS.copy(i, work / f"n{i}") for i in nodes]
@@ -375,7 +379,7 @@ def _land(nodes: list[int], lake: str, work: Path) -> tuple[float, list[float]]:
         write_config(
             work / f"cdcd{i}.toml",
             d,
-            _consumer(server, lake),
+            {**_consumer(server, lake), **(consumer or {})},
             batch_max_events=BACKLOG_BATCH_EVENTS,
             batch_max_bytes=1 << 30,
         )
@@ -386,10 +390,13 @@ def _land(nodes: list[int], lake: str, work: Path) -> tuple[float, list[float]]:
     t0 = time.perf_counter()
     daemons = [_start_daemon(c, e) for c, e in zip(configs, errs, strict=True)]
     done: list[float | None] = [None] * len(nodes)
+    started: list[float | None] = [None] * len(nodes)
     try:
         deadline = time.monotonic() + DEADLINE_S
         while None in done:
             for k, c in enumerate(configs):
+                if started[k] is None and errs[k].exists() and b"daemon_started" in errs[k].read_bytes():
+                    started[k] = time.perf_counter() - t0
                 if done[k] is None and position(c) == until[k]:
                     done[k] = time.perf_counter() - t0
                 if daemons[k].poll() is not None and done[k] is None:
@@ -404,7 +411,7 @@ def _land(nodes: list[int], lake: str, work: Path) -> tuple[float, list[float]]:
                 p.kill()
                 p.wait()
     each = [float(s) for s in done if s is not None]
-    return max(each), each
+    return max(each), each, max(float(s) for s in started if s is not None)
 
 
 def _lake_rows(lake: str) -> int:
@@ -423,8 +430,8 @@ def run_backlog() -> Measurement:
         one_lake, three_lake = f"s3://bench/one-{stamp}", f"s3://bench/three-{stamp}"
         (work / "one").mkdir()
         (work / "three").mkdir()
-        one_s, _ = _land([0], one_lake, work / "one")
-        three_s, each = _land(list(range(NODES)), three_lake, work / "three")
+        one_s, _, _ = _land([0], one_lake, work / "one")
+        three_s, each, _ = _land(list(range(NODES)), three_lake, work / "three")
         rows_one, rows_three = _lake_rows(one_lake), _lake_rows(three_lake)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -445,7 +452,57 @@ def run_backlog() -> Measurement:
     return Measurement(NODES * entries, three_s, extra)
 
 
+class Cluster:
+    """A Spark standalone master and two one-core workers (started in setup, stopped in teardown)."""
+
+    def __init__(self) -> None:
+        self.work: Path | None = None
+        self.cluster: SparkStandalone | None = None
+
+    def setup(self) -> None:
+        if self.cluster is None:
+            atexit.register(self.cleanup)
+            self.work = Path(tempfile.mkdtemp(prefix="cdcd-bench-spark-", dir=_bench_dir()))
+            self.cluster = SparkStandalone(self.work, workers=2, cores_per_worker=1, memory="1g")
+            self.cluster.start()
+
+    def cleanup(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
+        if self.work is not None:
+            shutil.rmtree(self.work, ignore_errors=True)
+            self.work = None
+
+
+CLUSTER = Cluster()
+SPARK_WRITER_CONF = {"spark.cores.max": "2", "spark.executor.cores": "1", "spark.executor.memory": "512m"}
+
+
+def run_backlog_spark() -> Measurement:
+    """One node's backlog with ``writer = "spark"`` on the standalone cluster (its tasks write the files)."""
+    assert CLUSTER.cluster is not None
+    entries = BACKLOGS.entries
+    work = Path(tempfile.mkdtemp(prefix="cdcd-bench-cluster-spark-", dir=_bench_dir()))
+    spark = {"writer": "spark", "spark_master": CLUSTER.cluster.master_url, "spark_conf": SPARK_WRITER_CONF}
+    try:
+        lake = f"s3://bench/spark-{time.monotonic_ns()}"
+        total_s, _, start_s = _land([0], lake, work, spark)
+        rows = _lake_rows(lake)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if rows != entries:
+        raise AssertionError(f"the lake holds {rows:,} rows, expected {entries:,}")
+    extra = {
+        "start_s": round(start_s, 1),
+        "after_start_rows_s": round(entries / (total_s - start_s)),
+        "loadavg": list(os.getloadavg()),
+    }
+    return Measurement(entries, total_s, extra)
+
+
 def _teardown() -> None:
+    CLUSTER.cleanup()
     BACKLOGS.cleanup()
     STORE.cleanup()
 
@@ -453,6 +510,11 @@ def _teardown() -> None:
 def benchmarks(quick: bool) -> list[Bench]:
     entries = 200_000 if quick else 1_000_000
     seconds, drop_s = (8.0, 3.0) if quick else (20.0, 5.0)
+
+    def spark_setup() -> None:
+        BACKLOGS.ensure(entries)
+        CLUSTER.setup()
+
     return [
         Bench(
             name="lake.cluster.lag",
@@ -487,15 +549,35 @@ def benchmarks(quick: bool) -> list[Bench]:
             run_once=run_backlog,
             unit="rows/s",
             setup=lambda: BACKLOGS.ensure(entries),
-            teardown=_teardown,
             max_repeats=1,
             more=(Metric("one_node", "one_node_rows_s", "rows/s"), Metric("scaling_1_to_3", "scaling", "x")),
             params={
                 "nodes": NODES,
                 "entries_per_node": entries,
+                "writer": "deltalake",
                 "batch_max_events": BACKLOG_BATCH_EVENTS,
                 "tx_size": TX_SIZE,
                 "wal_segment_size_bytes": SEGMENT_BYTES,
+                "store": "MinIO, loopback",
+            },
+        ),
+        Bench(
+            name="lake.cluster.backlog.spark",
+            description=(
+                f"one node's {entries // 1000}k-entry backlog into the lake on MinIO with writer = spark on a "
+                "Spark standalone cluster (2 workers x 1 core; the tasks write the files)"
+            ),
+            run_once=run_backlog_spark,
+            unit="rows/s",
+            setup=spark_setup,
+            teardown=_teardown,
+            max_repeats=1,
+            more=(Metric("after_start", "after_start_rows_s", "rows/s"), Metric("start", "start_s", "s")),
+            params={
+                "entries": entries,
+                "writer": "spark",
+                "spark_conf": SPARK_WRITER_CONF,
+                "batch_max_events": BACKLOG_BATCH_EVENTS,
                 "store": "MinIO, loopback",
             },
         ),
