@@ -24,6 +24,7 @@ from tests.support.writer import WRITER_NODE_SETTINGS  # noqa: E402
 
 LAKE = "s3://lake/cluster"
 NODES = 3
+SPARK_WRITER_CONF = {"spark.cores.max": "2", "spark.executor.cores": "1", "spark.executor.memory": "512m"}
 
 
 def node_main(node_dir: str, cache: str, rate: int, stop_file: str) -> None:
@@ -75,13 +76,16 @@ def main() -> int:
         minio.create_bucket("lake")
         print(f"MinIO at {minio.endpoint}, lake {LAKE}", flush=True)
         cluster.start()
-        print(f"Spark standalone at {cluster.master_url} (2 workers)", flush=True)
+        print(f"Spark standalone at {cluster.master_url} (2 workers; node0's daemon writes through it)", flush=True)
         dirs = [var / f"node{i}" for i in range(NODES)]
         configs, errs = [], []
         storage = {"endpoint": minio.endpoint, "path_style": True}
         for i, d in enumerate(dirs):
             writers.append(start_node(var, i, args.rate))
             consumer = {"kind": "lake", "lake_path": LAKE, "writer": "deltalake", "storage": storage}
+            if i == 0:
+                # One daemon writes through the cluster (its application takes both workers' cores).
+                consumer.update(writer="spark", spark_master=cluster.master_url, spark_conf=SPARK_WRITER_CONF)
             configs.append(write_config(var / f"cdcd{i}.toml", d, consumer, batch_max_events=20000))
             errs.append(var / f"daemon{i}.log")
         while not all((d / "cdc").is_dir() for d in dirs):

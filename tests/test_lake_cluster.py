@@ -1,8 +1,10 @@
-"""Many nodes, one Delta lake on an object store: real MinIO on loopback, one `cdcd run` daemon per node,
-SIGKILLed daemons and a stopped store, then `cdcd lake compact` through Spark's s3a and `lake verify`."""
+"""Many nodes, one Delta lake on an object store: real MinIO on loopback, one `cdcd run` daemon per node
+(one with the Spark writer on a Spark standalone cluster), SIGKILLed daemons, a SIGKILLed Spark worker
+and a stopped store, then `cdcd lake compact` on the cluster through Spark's s3a and `lake verify`."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,11 +20,12 @@ from deltalake import DeltaTable
 
 from cdcd.lake.delta import app_id, decode_version
 from cdcd.lake.spark import S3A_ARTIFACTS, jar_name, jars_dir
+from cdcd.lake.spark_write import PAUSE_DIR_ENV, PAUSE_POINT
 from cdcd.lake.storage import LakeLocation, StorageOptions
 from cdcd.node.identity import read_node_id
 from tests.support.lake import caught_up, position, write_config
 from tests.support.procs import cdcd, child_env, log_events, start_daemon, stop_daemon, wait_for
-from tests.support.servers import MINIO_BIN, MINIO_PASSWORD, MINIO_USER, MinioServer
+from tests.support.servers import MINIO_BIN, MINIO_PASSWORD, MINIO_USER, MinioServer, SparkStandalone
 from tests.support.wal import wal_events, wal_records
 from tests.support.writer import start_writer, writer_count
 
@@ -43,6 +46,16 @@ def minio(tmp_path: Path) -> Iterator[MinioServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def spark_cluster(tmp_path: Path) -> Iterator[SparkStandalone]:
+    cluster = SparkStandalone(tmp_path / "spark", workers=2, cores_per_worker=1, memory="1g")
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 def storage_table(server: MinioServer, **over: Any) -> dict[str, Any]:
@@ -99,12 +112,21 @@ def landed(server: MinioServer) -> Any:
     return t
 
 
-def test_three_nodes_land_exactly_once_through_kills_and_a_store_outage(tmp_path: Path, minio: MinioServer) -> None:
-    """Three nodes under load, each with its own daemon, into one lake on MinIO. Daemon 0 is SIGKILLed and
-    restarted once it has committed; MinIO is stopped for a while and started again (a daemon whose batch
-    failed exits non-zero and is restarted, as systemd would). Every entry of every node is in the lake
-    exactly once (per source application transaction), and after `lake compact` `state` is the union of
-    the nodes (`lake verify` with three `--node-dir`)."""
+def test_three_nodes_land_exactly_once_through_kills_and_a_store_outage(
+    tmp_path: Path, minio: MinioServer, spark_cluster: SparkStandalone
+) -> None:
+    """Three nodes under load, each with its own daemon, into one lake on MinIO; daemon 1 writes with Spark
+    on a standalone cluster (master + two one-core workers). Daemon 0 is SIGKILLed and restarted once it has
+    committed; the Spark worker running daemon 1's first write task is SIGKILLed (with its executor) after
+    the task wrote its files and before it returned them, and started again; MinIO is stopped for a while
+    and started again (a daemon whose batch failed exits non-zero and is restarted, as systemd would).
+    Every entry of every node is in the lake exactly once (per source application transaction), the killed
+    task's files are orphans no commit names, and after `lake compact` on the cluster `state` is the union
+    of the nodes (`lake verify` with three `--node-dir`).
+
+    Only daemon 1 uses the cluster: its application takes both cores (one executor per worker, so a
+    killed worker leaves one to retry on), and `lake compact` runs as the next application once the
+    daemons stopped; a second writer application would wait for cores the first holds."""
     t0 = time.monotonic()
     dirs = [tmp_path / f"n{i}" for i in range(NODES)]
     writers = []
@@ -121,9 +143,23 @@ def test_three_nodes_land_exactly_once_through_kills_and_a_store_outage(tmp_path
         storage_table(minio, credentials_file=str(cred_file), profile="lake"),
     ]
     envs = [creds_env("nobody", "nothing"), creds_env(), creds_env("", "")]
+    pause_dir = tmp_path / "pause"
+    pause_dir.mkdir()
+    on_cluster = {
+        "writer": "spark",
+        "spark_master": spark_cluster.master_url,
+        "spark_conf": {
+            "spark.cores.max": "2",
+            "spark.executor.cores": "1",
+            "spark.executor.memory": "512m",
+            f"spark.executorEnv.{PAUSE_DIR_ENV}": str(pause_dir),
+        },
+    }
     configs, errs = [], []
     for i, d in enumerate(dirs):
         consumer = {"kind": "lake", "lake_path": LAKE, "writer": "deltalake", "storage": storages[i]}
+        if i == 1:
+            consumer.update(on_cluster)
         configs.append(write_config(tmp_path / f"cdcd{i}.toml", d, consumer, batch_max_events=2000))
         errs.append(tmp_path / f"daemon{i}.err")
     daemons = [start_daemon(c, e, env=envs[i]) for i, (c, e) in enumerate(zip(configs, errs, strict=True))]
@@ -142,15 +178,29 @@ def test_three_nodes_land_exactly_once_through_kills_and_a_store_outage(tmp_path
         daemons[0].send_signal(signal.SIGKILL)
         daemons[0].wait(30)
         daemons[0] = start_daemon(configs[0], errs[0], env=envs[0])
+        # SIGKILL the Spark worker (and its executor) whose task wrote daemon 1's files and has not returned.
+        paused = pause_dir / PAUSE_POINT
+        wait_for(lambda: paused.is_file() and paused.read_text() != "", 300, "daemon 1's first Spark write task")
+        task_pid = int(paused.read_text())
+        worker = spark_cluster.worker_running(task_pid)
+        assert worker is not None, f"task pid {task_pid} runs under no Spark worker"
+        spark_cluster.kill_worker(worker)
+        try:
+            os.kill(task_pid, signal.SIGKILL)  # in the executor's Python daemon's own process group
+        except ProcessLookupError:
+            pass
+        spark_cluster.start_worker(worker)
         # Stop the store while the nodes keep writing; start it again once each node archived more.
         before = [len(list((d / "cdc").glob("*.wal"))) for d in dirs]
         minio.stop()
         outage = time.monotonic()
         wait_for(
-            lambda: time.monotonic() - outage > 3
-            and all(
-                len(list((d / "cdc").glob("*.wal"))) > n or w.poll() is not None
-                for d, n, w in zip(dirs, before, writers, strict=True)
+            lambda: (
+                time.monotonic() - outage > 3
+                and all(
+                    len(list((d / "cdc").glob("*.wal"))) > n or w.poll() is not None
+                    for d, n, w in zip(dirs, before, writers, strict=True)
+                )
             ),
             120,
             "the nodes to archive during the outage",
@@ -198,7 +248,20 @@ def test_three_nodes_land_exactly_once_through_kills_and_a_store_outage(tmp_path
     print(f"\n{total} entries of {NODES} nodes landed in {land_s:.0f}s (restarts {restarts}, starts {killed})")
 
     # compact through Spark's s3a, then state == the union of the nodes.
-    out = lake_cli(minio, "compact", "--spark-master", "local[1]", timeout=600)
+    # The killed task's files: on the store, named by no commit (vacuum's to remove).
+    in_table = {u.rsplit("/changes/", 1)[1] for u in dt.file_uris()}
+    root = LakeLocation(LAKE, StorageOptions(**storage_table(minio)), env=creds_env()).root() / "changes"
+    on_store = {p.rel.split("changes/", 1)[1] for p in root.rglob("*.parquet")}
+    orphans = {p for p in on_store - in_table if not p.startswith("_delta_log/")}
+    assert orphans, "the killed task wrote no file"
+    # A full vacuum (Spark's `lake vacuum` lists the directory too) would delete exactly these.
+    vacuumed = dt.vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=True, full=True)
+    assert orphans <= {v.rsplit("changes/", 1)[-1] for v in vacuumed}, (orphans, vacuumed)
+    writers = Counter(json.loads(c["cdcd"])["writer"] for c in dt.history() if "cdcd" in c)
+    assert writers["spark"] > 0 and writers["deltalake"] > 0, writers
+    assert spark_cluster.alive_workers() == 2
+
+    out = lake_cli(minio, "compact", "--spark-master", spark_cluster.master_url, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     out = lake_cli(minio, "verify", *[a for d in dirs for a in ("--node-dir", str(d))])
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
@@ -217,13 +280,12 @@ def test_s3a_jars_are_fetched_by_make_install() -> None:
     assert os.path.getsize(jars_dir() / jar_name(*S3A_ARTIFACTS[0])) > 100_000
 
 
-def test_on_an_object_store_the_writer_is_deltalake() -> None:
+def test_on_an_object_store_the_default_writer_is_deltalake_and_spark_is_accepted() -> None:
     import msgspec
 
     from cdcd.sinks.lake import LakeConsumer, LakeOptions
 
-    with pytest.raises(msgspec.ValidationError, match=r"writer = \"deltalake\".*\$\.writer"):
-        msgspec.convert({"lake_path": "s3://b/p", "writer": "spark"}, LakeOptions)
+    assert msgspec.convert({"lake_path": "s3://b/p", "writer": "spark"}, LakeOptions).uses_spark
     with pytest.raises(msgspec.ValidationError, match="unknown scheme 'ftp'"):
         msgspec.convert({"lake_path": "ftp://b/p", "writer": "deltalake"}, LakeOptions)
     sink = LakeConsumer.from_options({"lake_path": "s3://b/p", "storage": {"region": "eu-west-1"}}, "consumer")

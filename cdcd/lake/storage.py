@@ -94,6 +94,10 @@ class LakeLocation:
         self._delta_options.update(self.storage.options)
         self._spark_conf.update(self.storage.spark_conf)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled into Spark tasks (cdcd/lake/spark_write.py): the open client stays behind.
+        return {**self.__dict__, "_fs": None}
+
     # --- what each writer needs --------------------------------------------------------------------
     @property
     def is_local(self) -> bool:

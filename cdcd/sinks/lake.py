@@ -1,9 +1,10 @@
 """``kind = "lake"`` (alias ``"spark"``): batches into the Delta table ``<lake>/changes``, exactly once.
 
 The Parquet files are written by Spark (``writer = "spark"``, the default: ``createDataFrame`` +
-``write.parquet`` on ``spark_master``) or by pyarrow in this process (``writer = "deltalake"``, no
-JVM: the node's realtime worker and small machines); delta-rs commits either way
-(cdcd/lake/delta.py says why and how the commit is exactly once).
+``write.parquet`` on ``spark_master``; on an object store the Spark tasks write the files in place,
+cdcd/lake/spark_write.py) or by pyarrow in this process (``writer = "deltalake"``, no JVM: the node's
+realtime worker and small machines); delta-rs commits either way (cdcd/lake/delta.py says why and how
+the commit is exactly once).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from cdcd.lake.arrow import build_table, split_slices
 from cdcd.lake.delta import ChangeTable, LakeWriteError, SourceMark, WrittenFiles, partition_dir_value
 from cdcd.lake.log import STAGING_DIR, _owner_alive, check_writable, new_batch_id
 from cdcd.lake.maintainer import Maintainer, MaintainerOptions
+from cdcd.lake.spark_write import write_on_executors
 from cdcd.lake.storage import LakeDir, LakeLocation, LakeStorageError, ObjectPath, StorageOptions
 from cdcd.secrets import mask_mapping
 from cdcd.wal.pointer import WalPointer, WalPosition
@@ -62,8 +64,8 @@ def root_cause(exc: BaseException) -> str:
 class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lake_path: str
     spark_master: str = "local[*]"
-    """Any Spark master URL: local[N], spark://host:port, yarn, k8s://... (with the Spark writer the
-    lake must be a path every executor and this process see, e.g. a shared mount)."""
+    """Any Spark master URL: local[N], spark://host:port, yarn, k8s://... (with the Spark writer on a
+    cluster the lake is an object store, or a path every executor and this process see)."""
     spark_conf: dict[str, str] = msgspec.field(default_factory=dict)
     app_name: str = "cdcd-lake"
     partition_by_day: bool = False
@@ -91,15 +93,9 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         except ValueError as exc:
             raise msgspec.ValidationError(str(exc)) from None
         try:
-            location = LakeLocation(self.lake_path, self.storage)
+            LakeLocation(self.lake_path, self.storage)
         except LakeStorageError as exc:
             raise msgspec.ValidationError(str(exc)) from None
-        if not location.is_local and self.uses_spark:
-            # Spark's output is moved into the table, which an object store can only do by copying.
-            raise msgspec.ValidationError(
-                f'lake_path {location}: on an object store the files are written by writer = "deltalake" '
-                "(Spark runs compaction and maintenance there) - at `$.writer`"
-            )
 
     @property
     def uses_spark(self) -> bool:
@@ -178,11 +174,11 @@ class LakeConsumer(Consumer):
             spark_conf=mask_mapping(opts.spark_conf),
             table_version=table.table.version(),
         )
+        conf = {**self.location.spark_conf, **opts.spark_conf}
         if opts.uses_spark:
-            self._spark = spark_session.acquire(opts.spark_master, opts.app_name, opts.spark_conf)
+            self._spark = spark_session.acquire(opts.spark_master, opts.app_name, conf)
         if opts.compact_interval_s or opts.optimize_interval_s:
             if self._spark is None:
-                conf = {**self.location.spark_conf, **opts.spark_conf}
                 self._spark = spark_session.acquire(opts.spark_master, opts.app_name, conf)
             self._maintainer = Maintainer(self.lake, self._spark, opts.maintainer_options())  # type: ignore[arg-type]
             self._maintainer.start()
@@ -190,7 +186,7 @@ class LakeConsumer(Consumer):
     def _clean_staging(self) -> None:
         """Spark output of writers that died before moving it into the table (never named by a commit)."""
         if not isinstance(self.lake, Path):
-            return  # the Spark writer (the only one staging files) writes local lakes only
+            return  # only the Spark writer on a local lake stages files (on a store its tasks write in place)
         staging = self.lake / STAGING_DIR
         if not staging.is_dir():
             return
@@ -330,16 +326,25 @@ class LakeConsumer(Consumer):
         self, table: ChangeTable, slices: list[RecordSlice], batch: EventBatch, generation: int
     ) -> tuple[WrittenFiles, dict[str, tuple[int, int]]]:
         rows = sum(s.end - s.start for s in slices)
-        if not self.options.uses_spark or not isinstance(self.lake, Path):
+        if not self.options.uses_spark:
             return self._write_arrow(table, slices, batch, generation)
         data, stats = build_table(slices, batch, batch.source_node, self.options.partition_by_day, generation)
+        files = max(1, min(self.options.max_files_per_batch, rows // _ROWS_PER_SPARK_FILE + 1))
+        if not isinstance(self.lake, Path):
+            # No rename on an object store: the executors write into the table (cdcd/lake/spark_write.py).
+            try:
+                written = write_on_executors(
+                    self._spark, table, self.location, data, tasks=files, max_rows_per_file=_ROWS_PER_SPARK_FILE
+                )
+            except Exception as exc:
+                raise LakeWriteError(f"writing {rows} rows to {table.path} failed: {root_cause(exc)}") from None
+            return written, stats
         staging = self.lake / STAGING_DIR / new_batch_id()
         names = data.column("cache").unique().to_pylist()
         dir_values = {partition_dir_value(n): n for n in names}
         to_dir = pa.array([partition_dir_value(n) for n in names], pa.string())
         cache_dirs = to_dir.take(pc.index_in(data.column("cache"), pa.array(names, pa.string())))
         data = data.set_column(data.schema.get_field_index("cache"), "cache", cache_dirs)
-        files = max(1, min(self.options.max_files_per_batch, rows // _ROWS_PER_SPARK_FILE + 1))
         try:
             df = self._spark.createDataFrame(data)
             df.coalesce(files).write.partitionBy(*table.partition_by).parquet(str(staging))

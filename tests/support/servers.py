@@ -133,12 +133,15 @@ class SparkStandalone:
         return f"spark://127.0.0.1:{self.port}"
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        # Executors run Python tasks that import this checkout's cdcd (the Spark writer's tasks).
+        pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         env = {
             **os.environ,
             "SPARK_HOME": str(self.spark_home),
             "SPARK_LOCAL_IP": "127.0.0.1",
             "SPARK_NO_DAEMONIZE": "1",
             "SPARK_LOG_DIR": str(self.work_dir),
+            "PYTHONPATH": pythonpath,
         }
         log = open(self.work_dir / f"{name}.log", "ab")
         try:
@@ -204,6 +207,25 @@ class SparkStandalone:
             self.worker_procs[i] = proc
         else:
             self.worker_procs.append(proc)
+
+    def worker_running(self, pid: int) -> int | None:
+        """The index of the worker whose process tree holds ``pid`` (its executors' Python tasks)."""
+        pids = {p.pid: i for i, p in enumerate(self.worker_procs) if p.poll() is None}
+        while pid > 1:
+            if pid in pids:
+                return pids[pid]
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    pid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                return None
+        return None
+
+    def kill_worker(self, i: int) -> None:
+        """SIGKILL worker ``i`` with its executors (its process group)."""
+        proc = self.worker_procs[i]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
 
     def stop(self) -> None:
         for p in [*self.worker_procs, self.master_proc]:

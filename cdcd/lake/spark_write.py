@@ -1,0 +1,101 @@
+"""The Spark writer on an object store: the executors write the Parquet files straight into the table.
+
+On a local lake the Spark writer writes into a staging directory that the driver then moves into the
+table (``ChangeTable.adopt_files``). An object store has no rename (a "move" is a copy of every byte),
+and Hadoop's output committers for Parquet rename their task output into place, so here each Spark
+task writes its rows itself: the batch goes to the executors in parts (Arrow IPC), where
+``ChangeTaskWriter`` writes each part's rows as Parquet files under ``<table>/<partition dirs>/`` with
+names unique per file (``part-<uuid>``, exactly what the JVM-free writer writes) and returns one row
+per file: its path, size, partition values and statistics. The driver collects those rows as Delta
+``AddAction``s, and delta-rs commits them with the source's application transaction exactly as for
+any other batch (cdcd/lake/delta.py).
+
+Files that no commit names are orphans that ``vacuum`` removes (after the retention period), never
+rows of the table: a task attempt that died (its executor or worker SIGKILLed) or lost to another
+attempt, or a job that failed, leaves files only the driver could have named, and it named none of
+them. The executors need this package installed in the Python ``spark.pyspark.python`` names (they
+import this module to run the task), and reach the store with the lake's storage settings, which
+travel in the task (as Spark's own ``spark.hadoop.fs.s3a.*`` settings do).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from deltalake.transaction import AddAction
+
+from cdcd.lake.delta import ChangeTable, WrittenFiles
+from cdcd.lake.storage import LakeLocation
+
+PAUSE_POINT = "lake.spark_task.written"
+PAUSE_DIR_ENV = "CDCD_TEST_PAUSE_DIR"
+"""Tests only: with ``$CDCD_TEST_PAUSE_DIR`` set in the executors' environment, the first task (of
+all executors, once: a file ``<dir>/lake.spark_task.written`` created exclusively holds its pid) stops
+after writing its files and before returning them, until it is killed: the test SIGKILLs the Spark
+worker running it mid-write."""
+
+
+def _pause_once() -> None:
+    where = os.environ.get(PAUSE_DIR_ENV)
+    if not where:
+        return
+    try:
+        fd = os.open(Path(where) / PAUSE_POINT, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+class ChangeTaskWriter:
+    """The function each Spark task runs on its executor (pickled with the lake's location): its
+    part of the batch arrives as Arrow IPC bytes and leaves as Parquet files in the table."""
+
+    def __init__(self, location: LakeLocation, partition_by_day: bool, max_rows_per_file: int) -> None:
+        self.location = location
+        self.partition_by_day = partition_by_day
+        self.max_rows_per_file = max_rows_per_file
+
+    def __call__(self, parts: Iterator[bytes]) -> Iterator[tuple[str, int, str, int, str]]:
+        table = ChangeTable(self.location.root(), self.partition_by_day)
+        for part in parts:
+            rows = pa.ipc.open_stream(part).read_all()
+            written = table.write_arrow(rows, self.max_rows_per_file)
+            _pause_once()
+            for a in written.adds:
+                yield a.path, a.size, json.dumps(a.partition_values), a.modification_time, a.stats
+
+
+def _ipc(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as out:
+        out.write_table(table)
+    return bytes(sink.getvalue())
+
+
+def write_on_executors(
+    spark: Any, table: ChangeTable, location: LakeLocation, data: pa.Table, *, tasks: int, max_rows_per_file: int
+) -> WrittenFiles:
+    """``data`` (rows of the change schema) written by ``tasks`` Spark tasks straight into ``table``;
+    the files, not yet named by any commit.
+
+    The parts travel as Arrow IPC in an RDD (no DataFrame: no type conversion through Spark's types,
+    and no pandas, which PySpark's Arrow UDFs require)."""
+    if data.num_rows == 0:
+        return WrittenFiles(table.path, [])
+    n = max(1, min(tasks, data.num_rows))
+    step = -(-data.num_rows // n)
+    parts = [_ipc(data.slice(i, step)) for i in range(0, data.num_rows, step)]
+    writer = ChangeTaskWriter(location, "day" in table.partition_by, max_rows_per_file)
+    rows = spark.sparkContext.parallelize(parts, len(parts)).mapPartitions(writer).collect()
+    adds = [AddAction(path, size, json.loads(values), mtime, True, stats) for path, size, values, mtime, stats in rows]
+    return WrittenFiles(table.path, adds)
