@@ -639,6 +639,12 @@ def _median(samples: list[Sample], key: str) -> float:
     return float(statistics.median(s[key] for s in samples))
 
 
+def _num(x: float) -> str:
+    if x >= 10_000:
+        return f"{x / 1000:,.1f}k"
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
 def _table(results: dict[str, list[Sample]]) -> str:
     rows = [
         ("backlog rows/s", "rows_per_s", ("debezium.backlog", "cdcd.backlog")),
@@ -659,10 +665,9 @@ def _table(results: dict[str, list[Sample]]) -> str:
             if not results.get(name):
                 continue
             vals = [s[key] for s in results[name]]
-            med = statistics.median(vals)
-            txt = f"{med:,.0f}" if med >= 100 else f"{med:,.2f}"
+            txt = _num(statistics.median(vals))
             if len(vals) > 1:
-                txt += f" ({min(vals):,.4g}-{max(vals):,.4g})"
+                txt += f" ({_num(min(vals))}-{_num(max(vals))})"
             col = "debezium" if name.startswith("debezium") else "cdcd_archive" if name.endswith("archive") else "cdcd"
             cells[col] = txt
         out.append(f"| {label} | {cells['debezium']} | {cells['cdcd']} | {cells['cdcd_archive']} |")
