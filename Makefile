@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 JARS   := $(VENV)/jars/.fetched-stamp
 
-.PHONY: install test test-kafka-cluster test-under-load lint bench bench-pg fuzz chaos run run-cluster clean
+.PHONY: install test test-kafka-cluster test-under-load lint bench bench-pg bench-kafka fuzz chaos run run-cluster clean
 
 install: $(STAMP) $(JARS)
 	@bash scripts/ensure-kafka.sh
@@ -48,6 +48,12 @@ bench: install
 bench-pg: install
 	@bash scripts/ensure-postgres.sh
 	$(BIN)/python -m tests.bench.bench_pg $(ARGS)
+
+# cdcd -> Kafka and Debezium Server (PostgreSQL connector) -> Kafka into one local broker (ARGS="--quick").
+bench-kafka: install
+	@bash scripts/ensure-postgres.sh
+	@bash scripts/ensure-debezium.sh
+	$(BIN)/python -m tests.bench.bench_debezium $(ARGS)
 
 # The WAL reader against a million random and mutated segments (FUZZ_ENGINE=hypothesis|atheris).
 FUZZ_CASES  ?= 1000000

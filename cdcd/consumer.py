@@ -34,6 +34,7 @@ class EventSource(msgspec.Struct, frozen=True, gc=False):
     pointer: WalPointer
     commit_ts_ns: int
     names: dict[int, str]
+    resend: bool = False
 
 
 class CdcEvent(msgspec.Struct, frozen=True, gc=False, eq=False):
@@ -69,6 +70,11 @@ class CdcEvent(msgspec.Struct, frozen=True, gc=False, eq=False):
     @property
     def key(self) -> Any:
         return _decode(self._entry.key)
+
+    @property
+    def resend(self) -> bool:
+        """An existing entry sent again by ``Node.resend`` (a snapshot read), not a change."""
+        return self._source.resend
 
     @property
     def value(self) -> Any:
@@ -210,7 +216,8 @@ class EventBatch:
             stop = len(entries) if s.stop is None else s.stop
             it = iter(entries if s.start == 0 and stop == len(entries) else entries[s.start : stop])
             self._at_slice, self._at = k, (it, stop)
-            yield map(CdcEvent, it, repeat(EventSource(s.pointer, s.record.commit_ts_ns, names)), count(s.start))
+            source = EventSource(s.pointer, s.record.commit_ts_ns, names, s.record.resend)
+            yield map(CdcEvent, it, repeat(source), count(s.start))
         self._whole = True
 
     def _pulled(self) -> tuple[int, int]:

@@ -349,6 +349,51 @@ def test_embedded_schema(kafka_broker: Broker, tmp_path: Path) -> None:
     assert [f["field"] for f in key["schema"]["fields"]] == ["cache", "key"]
 
 
+def test_resent_entries_are_snapshot_reads(kafka_broker: Broker, tmp_path: Path) -> None:
+    """``Node.resend`` writes existing entries again: in the topic they are Debezium snapshot reads
+    (op "r", source.snapshot "true"), exactly the live keys of the resent cache, while the changes
+    before and after it (and those of another cache) keep their c/u/d."""
+    node_dir = tmp_path / "node"
+    with Node.open(node_dir, wal_force_archive_timeout_ms=0, partitions=16) as node:
+        orders, other = node.cache("orders"), node.cache("other")
+        orders.put_all({k: {"n": k} for k in range(10)})
+        orders.put(1, {"n": 100})
+        orders.remove(3)
+        other.put_all({k: k for k in range(5)})
+        assert node.resend("orders") == 9
+        orders.put(2, {"n": 200})
+        other.put(0, -1)
+        node.force_archive()
+    resent_positions = {
+        (ptr.segment, ptr.offset, i)
+        for ptr, rec in wal_records(node_dir)
+        if type(rec) is DataRecord and rec.resend
+        for i in range(len(rec.entries))
+    }
+    assert len(resent_positions) == 9
+    topic = "resend"
+    config = DaemonConfig(node_dir=str(node_dir), metrics_address="")
+    with Daemon(config, KafkaSink.from_options(sink_options(kafka_broker, topic), "consumer")) as daemon:
+        assert daemon.sync_once() == 10 + 1 + 1 + 5 + 9 + 1 + 1
+    values = [
+        json.loads(m.value()) for ms in read_topic(kafka_broker.bootstrap, topic).values() for m in ms if m.value()
+    ]
+    by_pos = {(v["source"]["segment"], v["source"]["offset"], v["source"]["entry_index"]): v for v in values}
+    reads = {pos: v for pos, v in by_pos.items() if v["op"] == "r"}
+    assert set(reads) == resent_positions
+    assert sorted((v["source"]["cache"], v["after"]["n"]) for v in reads.values()) == sorted(
+        [("orders", 0), ("orders", 100)] + [("orders", k) for k in range(2, 10) if k != 3]
+    )
+    assert all(v["source"]["snapshot"] == "true" for v in reads.values())
+    ops = {"create": "c", "update": "u", "delete": "d"}
+    others = [
+        (by_pos[tuple(e["pos"])]["op"], ops[e["op"]]) for e in wal_events(node_dir) if tuple(e["pos"]) not in reads
+    ]
+    assert len(others) == 10 + 1 + 1 + 5 + 1 + 1
+    assert all(got == want for got, want in others)
+    assert all(by_pos[p]["source"]["snapshot"] == "false" for p in by_pos if p not in reads)
+
+
 def test_realtime_and_daemon_switching_under_load_exactly_once(kafka_broker: Broker, tmp_path: Path) -> None:
     """The node's realtime worker and the daemon both deliver into one topic through the kafka sink
     (one transactional id per source node: whoever delivers fences the other and re-reads the

@@ -351,7 +351,7 @@ class KafkaSink(Consumer):
             if not begun:
                 p.begin_transaction()
                 begun = True
-            op = envelope.OPS[e.op]
+            op = envelope.SNAPSHOT_OP if ev.resend else envelope.OPS[e.op]
             key = envelope.key_bytes(cache, e.key, schemas)
             value = envelope.value_bytes(
                 name=name,

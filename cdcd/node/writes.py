@@ -437,7 +437,7 @@ class WriteCore:
                     )
                     size += len(k) + len(value) + 32
                 if entries:
-                    _ptr, end = wal.append(DataRecord(entries, time.time_ns()))
+                    _ptr, end = wal.append(DataRecord(entries, time.time_ns(), resend=True))
                     sent += len(entries)
         return sent, end
 

@@ -54,6 +54,8 @@ def record_to_dict(ptr: WalPointer, record: Record) -> dict[str, Any]:
     if isinstance(record, DataRecord):
         out["commit_ts_ns"] = record.commit_ts_ns
         out["entries"] = [entry_to_dict(e) for e in record.entries]
+        if record.resend:
+            out["resend"] = True
     else:
         fields = {f: getattr(record, f) for f in record.__struct_fields__}
         for name, value in fields.items():

@@ -95,6 +95,8 @@ class DataRecord(_Record, frozen=True, tag=1):
     TYPE: ClassVar[int] = 1
     entries: list[DataEntry]
     commit_ts_ns: int
+    resend: bool = False
+    """Written by ``Node.resend``: existing entries sent again, not changes (Debezium's ``"r"``)."""
 
 
 class CacheRecord(_Record, frozen=True, tag=2):

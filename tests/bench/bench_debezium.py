@@ -1,0 +1,786 @@
+"""cdcd -> Kafka side by side with Debezium's PostgreSQL connector (Debezium Server) -> Kafka: same
+machine, same run, same broker.
+
+``python -m tests.bench.bench_debezium [--quick] [--repeats N] [--only backlog,live,to_node]``
+(``make bench-kafka``; ``scripts/ensure-debezium.sh`` fetches Debezium Server into var/debezium).
+Writes ``tests/bench/results/bench-kafka-<UTC timestamp>.json`` and ``bench-kafka-latest.json``
+and prints one table. Every run records the 1-minute load average (the machine may be shared).
+
+One local Apache Kafka broker (``tests.support.kafka.Broker``, 127.0.0.1). Every topic is created
+before its run with 16 partitions. Rows: 8-byte integer keys, 100-byte values, on both sides.
+
+PostgreSQL: ``tests.support.pg_cluster`` (as ``bench_pg``: ``wal_level=logical``, fsync and
+synchronous_commit on), here also listening on 127.0.0.1 (a free port, ``trust``: the JDBC driver
+Debezium uses has no unix sockets). Debezium Server 2.7 (see ``scripts/ensure-debezium.sh``):
+PostgreSQL connector with ``pgoutput``, a publication of the one table, ``snapshot.mode=no_data``
+on a slot made before the rows (the backlog is what the slot holds), Kafka sink with Kafka's
+producer defaults (with cdcd's wire settings instead, ``linger.ms=5``, ``batch.size`` 1 MiB and
+``lz4``, Debezium Server 2.7 sent about 150 rows/s here against 3.4k with the defaults; not
+investigated further), JSON key and value without embedded schemas (as cdcd's default), HTTP on
+127.0.0.1 only, ``poll.interval.ms=10`` (default 500: an idle connector would sleep that long
+before it looks for new changes, which only adds lag; the backlog is unaffected), everything else
+its default. Debezium's Kafka sink is at-least-once; cdcd's sink is exactly once (Kafka
+transactions carrying its position), so cdcd does more work per batch.
+
+``backlog`` -- 1M rows (100k with ``--quick``) in 1000-row transactions, already written, delivered
+  into Kafka. PostgreSQL: one psql session of 1000-row ``INSERT``s into ``kv (k bigint primary key,
+  v text)`` after a template slot was made; each run copies the template slot and starts Debezium
+  Server on it. cdcd: ``Node.open`` + ``put_all`` of 1000 keys per transaction, archived; each run
+  links the archive into the CDC dir again and starts ``cdcd run`` (a subprocess, like Debezium
+  Server) with ``[consumer] kind = "kafka"``. Rate = rows / (time the last row is in Kafka - time
+  the first is), both watched from here every 50 ms (Debezium: the topic's end offsets reach the
+  row count; cdcd: its sent-events metric, counted after each Kafka commit, does; a transactional
+  topic's end offsets also count commit markers). ``wall_s`` adds process start (JVM/Quarkus for
+  Debezium, Python for cdcd). CPU: the connector process's user+system time from /proc.
+
+``live`` -- 500 transactions/s of 10 rows (5k rows/s) for 20 s (5 s with ``--quick``) after 5 s
+  of warm-up (excluded: a fresh JVM compiles its hot paths first), open loop from one thread
+  (transaction g starts at t0 + g/500 s). Lag per transaction = time its last row is read from
+  the topic by a consumer in this process (assigned to every partition, ``fetch.wait.max.ms=5``,
+  read_committed) - time its commit call returned.
+  PostgreSQL: psycopg, autocommit, one 10-row ``INSERT`` per transaction, Debezium Server streaming.
+  cdcd realtime: ``Node.open(wal_mode="fsync", wal_flush_interval_ms=2, realtime_cdc=True,
+  cdc_enabled=False)`` with the kafka sink as the realtime consumer (in the node process).
+  cdcd archive: the node with realtime off and ``wal_force_archive_timeout_ms=1000`` and a
+  ``cdcd run`` subprocess following its CDC dir (lag bounded by the roll, by design).
+
+``to_node`` -- ``cdcd kafka-to-node`` (2 threads) applies the cdcd backlog topic to a fresh node
+  process through its replication endpoint (process start included).
+
+Goals (medians of the same run): cdcd backlog rate >= 3x Debezium's; cdcd realtime p99 < Debezium's p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from prometheus_client.parser import text_string_to_metric_families
+
+from cdcd.node import Node
+from cdcd.realtime import RealtimeMode
+from cdcd.wal.segment import list_segments
+from tests.support.kafka import LIBS, ROOT, Broker
+from tests.support.pg_cluster import PgCluster, ensure_postgres
+
+DEBEZIUM = ROOT / "var" / "debezium" / "debezium-server"
+RESULTS = ROOT / "tests" / "bench" / "results"
+PARTITIONS = 16
+TX_ROWS = 1000
+LIVE_TX_ROWS = 10
+LIVE_TX_PER_S = 500
+WARMUP_S = 5.0
+FORCE_ARCHIVE_MS = 1000
+DRAIN_TIMEOUT_S = 120
+POLL_S = 0.05
+VALUE = "v" * 100
+"""The value of every row on both sides: 100 characters of text (a PostgreSQL `text`, a cdcd `str`)."""
+
+Sample = dict[str, Any]
+
+
+def _log(msg: str) -> None:
+    print(f"[{dt.datetime.now(dt.UTC):%H:%M:%S}] {msg}", file=sys.stderr, flush=True)
+
+
+def _loadavg() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _child_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _stop(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _pct(values: list[float], q: float) -> float:
+    k = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
+    return values[k]
+
+
+class Kafka:
+    def __init__(self, broker: Broker) -> None:
+        self.bootstrap = broker.bootstrap
+        self.admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        self.probe = Consumer({"bootstrap.servers": self.bootstrap, "group.id": "bench-probe"})
+
+    def create(self, topic: str) -> None:
+        fs = self.admin.create_topics([NewTopic(topic, PARTITIONS, 1)])
+        fs[topic].result(60)
+        deadline = time.monotonic() + 60
+        while True:  # until every partition has a leader that answers
+            try:
+                self.end_offsets(topic)
+                return
+            except KafkaException:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def end_offsets(self, topic: str) -> int:
+        return sum(
+            self.probe.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)[1]
+            for p in range(PARTITIONS)
+        )
+
+    def close(self) -> None:
+        self.probe.close()
+
+
+class Arrivals(threading.Thread):
+    """Reads ``topic`` from the start; notes when each live transaction's last row arrived."""
+
+    def __init__(self, bootstrap: str, topic: str, tx_of: Callable[[bytes], int]) -> None:
+        super().__init__(daemon=True)
+        self.consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": f"arrivals-{topic}",
+                "isolation.level": "read_committed",
+                "fetch.wait.max.ms": 5,
+                "enable.auto.commit": False,
+            }
+        )
+        self.consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(PARTITIONS)])
+        self.tx_of = tx_of
+        self.rows: dict[int, int] = {}
+        self.last_ns: dict[int, int] = {}
+        self.count = 0
+        self.halt = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while not self.halt.is_set():
+                for m in self.consumer.consume(1000, 0.05):
+                    if m.error() is not None or m.value() is None:
+                        continue
+                    now = time.time_ns()
+                    g = self.tx_of(m.key() or b"")
+                    self.rows[g] = self.rows.get(g, 0) + 1
+                    self.last_ns[g] = now
+                    self.count += 1
+        except BaseException as e:  # reported by the caller
+            self.error = e
+        finally:
+            self.consumer.close()
+
+    def complete(self) -> dict[int, int]:
+        return {g: t for g, t in self.last_ns.items() if self.rows[g] >= LIVE_TX_ROWS}
+
+
+def _pace(commit: Callable[[int], None], seconds: float) -> tuple[list[int], int, float]:
+    """``commit(g)`` at ``t0 + g / LIVE_TX_PER_S``; returns commit-return times, t0 (wall ns), late max ms."""
+    n_tx = int(seconds * LIVE_TX_PER_S)
+    commit_ns = [0] * n_tx
+    interval_ns = 1e9 / LIVE_TX_PER_S
+    t0 = time.perf_counter_ns() + 20_000_000
+    start_wall = time.time_ns() + (t0 - time.perf_counter_ns())
+    late_max = 0
+    for g in range(n_tx):
+        ahead = t0 + int(g * interval_ns) - time.perf_counter_ns()
+        if ahead > 0:
+            time.sleep(ahead / 1e9)
+        else:
+            late_max = max(late_max, -ahead)
+        commit(g)
+        commit_ns[g] = time.time_ns()
+    return commit_ns, start_wall, round(late_max / 1e6, 1)
+
+
+def _live_lags(commit: Callable[[int], None], arrivals: Arrivals, seconds: float) -> Sample:
+    commit_ns, start_wall, late_max_ms = _pace(commit, WARMUP_S + seconds)
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    want = len(commit_ns)
+    while len(arrivals.complete()) < want and time.monotonic() < deadline:
+        if arrivals.error is not None:
+            raise arrivals.error
+        time.sleep(0.05)
+    arrivals.halt.set()
+    arrivals.join(30)
+    got = arrivals.complete()
+    lo = start_wall + int(WARMUP_S * 1e9)
+    window = [g for g, t in enumerate(commit_ns) if t >= lo]
+    missing = [g for g in window if g not in got]
+    if missing:
+        raise RuntimeError(f"{len(missing)} of {len(window)} transactions never arrived (first: {missing[0]})")
+    lags = sorted((got[g] - commit_ns[g]) / 1e6 for g in window)
+    return {
+        "p50_ms": round(_pct(lags, 50), 2),
+        "p99_ms": round(_pct(lags, 99), 2),
+        "max_ms": round(lags[-1], 2),
+        "mean_ms": round(statistics.fmean(lags), 2),
+        "transactions": len(window),
+        "rows_per_s": round(len(window) * LIVE_TX_ROWS / seconds),
+        "driver_late_max_ms": late_max_ms,
+    }
+
+
+def _watch(
+    first: Callable[[], bool], done: Callable[[], bool], proc: subprocess.Popen[bytes], log: Path, timeout_s: float
+) -> tuple[float, float]:
+    """perf_counter times when ``first()`` and then ``done()`` became true (polled every POLL_S)."""
+    t_first: float | None = None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.pid} exited {proc.returncode}:\n{_tail(log)}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not done after {timeout_s:.0f} s:\n{_tail(log)}")
+        now = time.perf_counter()
+        if t_first is None and first():
+            t_first = now
+        if t_first is not None and done():
+            return t_first, time.perf_counter()
+        time.sleep(POLL_S)
+
+
+# --- Debezium ------------------------------------------------------------------------------------------
+class DebeziumSide:
+    def __init__(self, work: Path, kafka: Kafka, pg: PgCluster, pg_port: int) -> None:
+        self.work = work
+        self.kafka = kafka
+        self.pg = pg
+        self.pg_port = pg_port
+        self.runs = 0
+        self.rows = 0
+
+    def load_backlog(self, rows: int) -> None:
+        pg = self.pg
+        pg.sql("CREATE TABLE kv (k bigint PRIMARY KEY, v text)")
+        pg.sql("CREATE PUBLICATION dbz_kv FOR TABLE kv")
+        pg.sql("SELECT pg_create_logical_replication_slot('tmpl', 'pgoutput')")
+        script = self.work / "load.sql"
+        with script.open("w") as f:
+            for start in range(0, rows, TX_ROWS):
+                vals = ",".join(f"({k},'{VALUE}')" for k in range(start, min(start + TX_ROWS, rows)))
+                f.write(f"INSERT INTO kv (k, v) VALUES {vals};\n")
+        subprocess.run(pg.psql_cmd("-X", "-q", "-v", "ON_ERROR_STOP=1", "-f", str(script)), check=True)
+        script.unlink()
+        pg.sql("CHECKPOINT")
+        self.rows = rows
+
+    def _start(self, prefix: str, slot: str, publication: str, table: str) -> tuple[subprocess.Popen[bytes], Path]:
+        self.runs += 1
+        run_dir = self.work / f"dbz-{self.runs}"
+        conf = run_dir / "conf"
+        conf.mkdir(parents=True)
+        props = {
+            "debezium.sink.type": "kafka",
+            "debezium.sink.kafka.producer.bootstrap.servers": self.kafka.bootstrap,
+            "debezium.sink.kafka.producer.key.serializer": "org.apache.kafka.common.serialization.StringSerializer",
+            "debezium.sink.kafka.producer.value.serializer": "org.apache.kafka.common.serialization.StringSerializer",
+            "debezium.source.connector.class": "io.debezium.connector.postgresql.PostgresConnector",
+            "debezium.source.offset.storage.file.filename": str(run_dir / "offsets.dat"),
+            "debezium.source.offset.flush.interval.ms": "1000",
+            "debezium.source.database.hostname": "127.0.0.1",
+            "debezium.source.database.port": str(self.pg_port),
+            "debezium.source.database.user": "postgres",
+            "debezium.source.database.password": "unused-trust-auth",
+            "debezium.source.database.dbname": "postgres",
+            "debezium.source.topic.prefix": prefix,
+            "debezium.source.table.include.list": f"public.{table}",
+            "debezium.source.plugin.name": "pgoutput",
+            "debezium.source.slot.name": slot,
+            "debezium.source.publication.name": publication,
+            "debezium.source.publication.autocreate.mode": "disabled",
+            "debezium.source.snapshot.mode": "no_data",
+            "debezium.source.poll.interval.ms": "10",
+            "debezium.format.key": "json",
+            "debezium.format.value": "json",
+            "debezium.format.key.schemas.enable": "false",
+            "debezium.format.value.schemas.enable": "false",
+            "quarkus.http.host": "127.0.0.1",
+            "quarkus.http.port": str(_free_port()),
+            "quarkus.log.level": "INFO",
+        }
+        (conf / "application.properties").write_text("".join(f"{k}={v}\n" for k, v in props.items()))
+        runner = next(DEBEZIUM.glob("debezium-server-dist-*-runner.jar"))
+        classpath = os.pathsep.join([str(runner), str(conf), str(DEBEZIUM / "lib" / "*")])
+        log = run_dir / "debezium.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                ["java", "-cp", classpath, "io.debezium.server.Main"],
+                cwd=run_dir,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return proc, log
+
+    def backlog(self) -> Sample:
+        slot, prefix = f"dbz_{self.runs + 1}", f"dbz{self.runs + 1}"
+        self.pg.sql(f"SELECT pg_copy_logical_replication_slot('tmpl', '{slot}')")
+        topic = f"{prefix}.public.kv"
+        self.kafka.create(topic)
+        rows = self.rows
+        t0 = time.perf_counter()
+        proc, log = self._start(prefix, slot, "dbz_kv", "kv")
+        try:
+            t_first, t_done = _watch(
+                lambda: self.kafka.end_offsets(topic) > 0,
+                lambda: self.kafka.end_offsets(topic) >= rows,
+                proc,
+                log,
+                600,
+            )
+            cpu = _cpu_s(proc.pid)
+        finally:
+            _stop(proc)
+            self.pg.sql(f"SELECT pg_drop_replication_slot('{slot}')")
+        in_topic = self.kafka.end_offsets(topic)
+        return {
+            "rows_per_s": round(rows / (t_done - t_first)),
+            "seconds": round(t_done - t_first, 2),
+            "wall_s": round(t_done - t0, 2),
+            "cpu_s": round(cpu, 2),
+            "messages": in_topic,
+        }
+
+    def live(self, seconds: float) -> Sample:
+        n = self.runs + 1
+        table, slot, pub, prefix = f"live{n}", f"dbzlive_{n}", f"dbz_live{n}", f"dbzlive{n}"
+        pg = self.pg
+        pg.sql(f"CREATE TABLE {table} (k bigint PRIMARY KEY, v text)")
+        pg.sql(f"CREATE PUBLICATION {pub} FOR TABLE {table}")
+        pg.sql(f"SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')")
+        topic = f"{prefix}.public.{table}"
+        self.kafka.create(topic)
+        import psycopg
+
+        arrivals = Arrivals(self.kafka.bootstrap, topic, lambda key: int(json.loads(key)["k"]) // LIVE_TX_ROWS)
+        proc, log = self._start(prefix, slot, pub, table)
+        try:
+            deadline = time.monotonic() + 120
+            while pg.sql(f"SELECT active FROM pg_replication_slots WHERE slot_name = '{slot}'").strip() != "t":
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"Debezium Server did not start streaming:\n{_tail(log)}")
+                time.sleep(0.1)
+            arrivals.start()
+            stmt = f"INSERT INTO {table} (k, v) VALUES " + ",".join(["(%s, %s)"] * LIVE_TX_ROWS)
+            with psycopg.connect(pg.conninfo(), autocommit=True) as conn:
+                cur = conn.cursor()
+
+                def commit(g: int) -> None:
+                    args: list[Any] = []
+                    for k in range(g * LIVE_TX_ROWS, (g + 1) * LIVE_TX_ROWS):
+                        args += (k, VALUE)
+                    cur.execute(stmt, args, prepare=True)
+
+                return _live_lags(commit, arrivals, seconds)
+        finally:
+            arrivals.halt.set()
+            _stop(proc)
+            pg.sql(f"SELECT pg_drop_replication_slot('{slot}')")
+
+
+# --- cdcd ----------------------------------------------------------------------------------------------
+def _metric(port: int, names: tuple[str, ...]) -> float:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return -1.0
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name in names)
+
+
+def _toml(v: Any) -> str:
+    return json.dumps(v)
+
+
+class CdcdSide:
+    def __init__(self, work: Path, kafka: Kafka) -> None:
+        self.work = work
+        self.kafka = kafka
+        self.runs = 0
+        self.rows = 0
+        self.node_dir = work / "cdcd-node"
+        self.last_topic = ""
+
+    def load_backlog(self, rows: int) -> None:
+        with Node.open(
+            self.node_dir,
+            wal_segment_size_bytes=64 << 20,
+            wal_force_archive_timeout_ms=0,
+            archive_max_bytes=0,
+            partitions=1024,
+        ) as node:
+            put_all = node.cache("kv").put_all
+            for start in range(0, rows, TX_ROWS):
+                put_all({k: VALUE for k in range(start, min(start + TX_ROWS, rows))})
+            node.force_archive()
+        self.rows = rows
+
+    def _sink(self, topic: str) -> dict[str, Any]:
+        return {
+            "kind": "kafka",
+            "bootstrap_servers": self.kafka.bootstrap,
+            "topic": topic,
+            "offsets_topic": f"{topic}.offsets",  # each run starts with nothing stored
+            "metadata_topic": f"{topic}.metadata",
+            "topic_partitions": PARTITIONS,
+        }
+
+    def _daemon(self, node_dir: Path, topic: str, metrics_port: int) -> tuple[subprocess.Popen[bytes], Path]:
+        config = self.work / f"cdcd-{self.runs}.toml"
+        lines = [
+            f"node_dir = {_toml(str(node_dir))}",
+            f'metrics_address = "127.0.0.1:{metrics_port}"',
+            'log_format = "json"',
+            "[consumer]",
+        ]
+        lines += [f"{k} = {_toml(v)}" for k, v in self._sink(topic).items()]
+        config.write_text("\n".join(lines) + "\n")
+        log = self.work / f"cdcd-{self.runs}.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "cdcd", "run", "--config", str(config)],
+                cwd=ROOT,
+                env=_child_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        return proc, log
+
+    def backlog(self) -> Sample:
+        cdc = self.node_dir / "cdc"
+        present = {p.name for p in cdc.iterdir()}
+        for path in list_segments(self.node_dir / "wal" / "archive")[0].values():
+            if path.name not in present:
+                os.link(path, cdc / path.name)
+        shutil.rmtree(self.node_dir / "cdcd-state", ignore_errors=True)
+        self.runs += 1
+        topic = f"cdcd{self.runs}.kv"
+        self.kafka.create(topic)
+        rows = self.rows
+        port = _free_port()
+        sent = ("cdcd_kafka_sent_events_total",)
+        t0 = time.perf_counter()
+        proc, log = self._daemon(self.node_dir, topic, port)
+        try:
+            t_first, t_done = _watch(
+                lambda: self.kafka.end_offsets(topic) > 0, lambda: _metric(port, sent) >= rows, proc, log, 600
+            )
+            cpu = _cpu_s(proc.pid)
+        finally:
+            _stop(proc)
+        self.last_topic = topic
+        return {
+            "rows_per_s": round(rows / (t_done - t_first)),
+            "seconds": round(t_done - t_first, 2),
+            "wall_s": round(t_done - t0, 2),
+            "cpu_s": round(cpu, 2),
+            "messages": self.kafka.end_offsets(topic),
+        }
+
+    def _live_topic(self) -> tuple[str, Arrivals]:
+        self.runs += 1
+        topic = f"cdcdlive{self.runs}.kv"
+        self.kafka.create(topic)
+        arrivals = Arrivals(self.kafka.bootstrap, topic, lambda key: int(json.loads(key)["key"]) // LIVE_TX_ROWS)
+        return topic, arrivals
+
+    def live_realtime(self, seconds: float) -> Sample:
+        topic, arrivals = self._live_topic()
+        node_dir = self.work / f"live-rt-{self.runs}"
+        node = Node.open(
+            node_dir,
+            wal_mode="fsync",
+            wal_flush_interval_ms=2,
+            realtime_cdc=True,
+            realtime_consumer=self._sink(topic),
+            cdc_enabled=False,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while node.realtime.mode is not RealtimeMode.ON:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"realtime mode {node.realtime.mode.value} after 60 s")
+                time.sleep(0.01)
+            arrivals.start()
+            put_all = node.cache("kv").put_all
+
+            def commit(g: int) -> None:
+                put_all({k: VALUE for k in range(g * LIVE_TX_ROWS, (g + 1) * LIVE_TX_ROWS)})
+
+            return _live_lags(commit, arrivals, seconds)
+        finally:
+            arrivals.halt.set()
+            node.close()
+            shutil.rmtree(node_dir, ignore_errors=True)
+
+    def live_archive(self, seconds: float) -> Sample:
+        topic, arrivals = self._live_topic()
+        node_dir = self.work / f"live-archive-{self.runs}"
+        node = Node.open(node_dir, wal_mode="fsync", wal_force_archive_timeout_ms=FORCE_ARCHIVE_MS, archive_max_bytes=0)
+        proc: subprocess.Popen[bytes] | None = None
+        try:
+            port = _free_port()
+            proc, log = self._daemon(node_dir, topic, port)
+            deadline = time.monotonic() + 60
+            while _metric(port, ()) < 0:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"cdcd run did not start:\n{_tail(log)}")
+                time.sleep(0.05)
+            arrivals.start()
+            put_all = node.cache("kv").put_all
+
+            def commit(g: int) -> None:
+                put_all({k: VALUE for k in range(g * LIVE_TX_ROWS, (g + 1) * LIVE_TX_ROWS)})
+
+            return _live_lags(commit, arrivals, seconds)
+        finally:
+            arrivals.halt.set()
+            _stop(proc)
+            node.close()
+            shutil.rmtree(node_dir, ignore_errors=True)
+
+    def to_node(self) -> Sample:
+        """``cdcd kafka-to-node`` (2 threads) applies the last backlog topic to a fresh node process."""
+        self.runs += 1
+        work = self.work / f"k2n-{self.runs}"
+        work.mkdir()
+        token = work / "token"
+        token.write_text("bench-token-0123456789abcdef0123\n")
+        token.chmod(0o600)
+        repl_port, node_metrics, app_metrics = _free_port(), _free_port(), _free_port()
+        node_cfg = work / "node.toml"
+        node_cfg.write_text(
+            f'node_dir = {_toml(str(work / "node"))}\ncluster_id = 2\nwal_mode = "background"\n'
+            f'metrics_address = "127.0.0.1:{node_metrics}"\n'
+            f'replication_listen = "127.0.0.1:{repl_port}"\nreplication_token_file = {_toml(str(token))}\n'
+        )
+        app_cfg = work / "k2n.toml"
+        app_cfg.write_text(
+            f"bootstrap_servers = {_toml(self.kafka.bootstrap)}\ntopic = {_toml(self.last_topic)}\n"
+            f'target = "127.0.0.1:{repl_port}"\ntoken_file = {_toml(str(token))}\nthreads = 2\n'
+            f'group_id = "bench-k2n-{self.runs}"\nmetrics_address = "127.0.0.1:{app_metrics}"\n'
+        )
+        cdcd = [sys.executable, "-m", "cdcd"]
+        decided = (
+            "cdcd_kafka_to_node_events_applied_total",
+            "cdcd_kafka_to_node_events_ignored_total",
+            "cdcd_kafka_to_node_events_rejected_total",
+        )
+        node_log, app_log = work / "node.log", work / "k2n.log"
+        with node_log.open("wb") as err:
+            node = subprocess.Popen([*cdcd, "node", "run", "--config", str(node_cfg)], stderr=err, env=_child_env())
+        app: subprocess.Popen[bytes] | None = None
+        try:
+            deadline = time.monotonic() + 60
+            while _metric(node_metrics, ()) < 0:
+                if node.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"target node did not start:\n{_tail(node_log)}")
+                time.sleep(0.05)
+            t0 = time.perf_counter()
+            with app_log.open("wb") as err:
+                app = subprocess.Popen([*cdcd, "kafka-to-node", "--config", str(app_cfg)], stderr=err, env=_child_env())
+            _watch(lambda: True, lambda: _metric(app_metrics, decided) >= self.rows, app, app_log, 600)
+            seconds = time.perf_counter() - t0
+            applied = _metric(app_metrics, ("cdcd_kafka_to_node_events_applied_total",))
+        finally:
+            _stop(app)
+            _stop(node)
+        if applied != self.rows:
+            raise AssertionError(f"{applied:,.0f} applied of {self.rows:,}")
+        shutil.rmtree(work, ignore_errors=True)
+        return {"rows_per_s": round(self.rows / seconds), "seconds": round(seconds, 2)}
+
+
+# --- the run -------------------------------------------------------------------------------------------
+def _median(samples: list[Sample], key: str) -> float:
+    return float(statistics.median(s[key] for s in samples))
+
+
+def _num(x: float) -> str:
+    if x >= 10_000:
+        return f"{x / 1000:,.1f}k"
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def _table(results: dict[str, list[Sample]]) -> str:
+    rows = [
+        ("backlog rows/s", "rows_per_s", ("debezium.backlog", "cdcd.backlog")),
+        ("backlog wall s (incl. start)", "wall_s", ("debezium.backlog", "cdcd.backlog")),
+        ("backlog process CPU s", "cpu_s", ("debezium.backlog", "cdcd.backlog")),
+        ("live lag p50 ms", "p50_ms", ("debezium.live", "cdcd.live_realtime", "cdcd.live_archive")),
+        ("live lag p99 ms", "p99_ms", ("debezium.live", "cdcd.live_realtime", "cdcd.live_archive")),
+        ("live lag max ms", "max_ms", ("debezium.live", "cdcd.live_realtime", "cdcd.live_archive")),
+        ("kafka-to-node rows/s", "rows_per_s", ("cdcd.to_node",)),
+    ]
+    out = [
+        "| measure | Debezium Server 2.7 | cdcd (backlog: `cdcd run`; live: realtime) | cdcd archive daemon |",
+        "|---|---|---|---|",
+    ]
+    for label, key, names in rows:
+        cells = {"debezium": "", "cdcd": "", "cdcd_archive": ""}
+        for name in names:
+            if not results.get(name):
+                continue
+            vals = [s[key] for s in results[name]]
+            txt = _num(statistics.median(vals))
+            if len(vals) > 1:
+                txt += f" ({_num(min(vals))}-{_num(max(vals))})"
+            col = "debezium" if name.startswith("debezium") else "cdcd_archive" if name.endswith("archive") else "cdcd"
+            cells[col] = txt
+        out.append(f"| {label} | {cells['debezium']} | {cells['cdcd']} | {cells['cdcd_archive']} |")
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if not LIBS.is_dir():
+        raise SystemExit(f"{LIBS} missing: run `make install` first")
+    if not (DEBEZIUM / "run.sh").exists():
+        raise SystemExit(f"{DEBEZIUM} missing: run scripts/ensure-debezium.sh (make bench-kafka does)")
+    rows = 100_000 if args.quick else 1_000_000
+    live_s = 5.0 if args.quick else 20.0
+    only = set(args.only.split(",")) if args.only else {"backlog", "live", "to_node"}
+    bin_dir = ensure_postgres(install=True)
+    work = Path(tempfile.mkdtemp(prefix="cdcd-bench-kafka-"))
+    broker = Broker(work / "broker")
+    pg_port = _free_port()
+    pg = PgCluster(bin_dir, port=pg_port)
+    pg.settings["listen_addresses"] = "'127.0.0.1'"
+    results: dict[str, list[Sample]] = {}
+    kafka: Kafka | None = None
+
+    def record(name: str, fn: Callable[[], Sample]) -> None:
+        load = _loadavg()
+        _log(f"{name} ...")
+        sample = fn()
+        sample["loadavg_1m"] = load
+        _log(f"{name}: {sample}")
+        results.setdefault(name, []).append(sample)
+
+    try:
+        broker.start()
+        pg.start()
+        kafka = Kafka(broker)
+        dbz = DebeziumSide(work, kafka, pg, pg_port)
+        cd = CdcdSide(work, kafka)
+        if only & {"backlog", "to_node"}:
+            _log(f"loading {rows:,} rows into PostgreSQL and into a cdcd node")
+            dbz.load_backlog(rows)
+            cd.load_backlog(rows)
+        for r in range(args.repeats):
+            if "backlog" in only or ("to_node" in only and r == 0):
+                pair = [("debezium.backlog", dbz.backlog), ("cdcd.backlog", cd.backlog)]
+                for name, fn in pair if r % 2 == 0 else pair[::-1]:
+                    record(name, fn)
+            if "live" in only:
+                trio = [
+                    ("debezium.live", lambda: dbz.live(live_s)),
+                    ("cdcd.live_realtime", lambda: cd.live_realtime(live_s)),
+                    ("cdcd.live_archive", lambda: cd.live_archive(live_s)),
+                ]
+                for name, fn in trio if r % 2 == 0 else trio[::-1]:
+                    record(name, fn)
+            if "to_node" in only:
+                record("cdcd.to_node", cd.to_node)
+    finally:
+        if kafka is not None:
+            kafka.close()
+        pg.close()
+        broker.stop()
+        if args.keep:
+            _log(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    doc: dict[str, Any] = {
+        "bench": "bench_kafka_debezium",
+        "utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "params": {
+            "rows": rows,
+            "tx_rows": TX_ROWS,
+            "value_bytes": 100,
+            "topic_partitions": PARTITIONS,
+            "live_rows_per_s": LIVE_TX_ROWS * LIVE_TX_PER_S,
+            "live_tx_rows": LIVE_TX_ROWS,
+            "live_seconds": live_s,
+            "repeats": args.repeats,
+            "postgres": pg.version,
+            "debezium_server": next(DEBEZIUM.glob("debezium-server-dist-*-runner.jar")).name,
+            "cpus": os.cpu_count(),
+        },
+        "results": results,
+    }
+    goals = {}
+    if results.get("debezium.backlog") and results.get("cdcd.backlog"):
+        ratio = _median(results["cdcd.backlog"], "rows_per_s") / _median(results["debezium.backlog"], "rows_per_s")
+        goals["backlog_ratio"] = {"value": round(ratio, 2), "goal": ">= 3", "met": ratio >= 3}
+    if results.get("debezium.live") and results.get("cdcd.live_realtime"):
+        d99 = _median(results["debezium.live"], "p99_ms")
+        c99 = _median(results["cdcd.live_realtime"], "p99_ms")
+        goals["realtime_p99_below_debezium"] = {"value": [c99, d99], "goal": "cdcd < debezium", "met": c99 < d99}
+    doc["goals"] = goals
+    doc["table"] = _table(results)
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--quick", action="store_true", help="100k rows, 5 s of live load")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--keep", action="store_true", help="keep the work dir (logs of every process)")
+    ap.add_argument("--only", default="", help="comma list of backlog, live, to_node")
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    doc = run(args)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    for name in (f"bench-kafka-{stamp}.json", "bench-kafka-latest.json"):
+        (RESULTS / name).write_text(json.dumps(doc, indent=2) + "\n")
+    print(doc["table"])
+    print(json.dumps(doc["goals"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
