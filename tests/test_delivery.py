@@ -430,8 +430,9 @@ def test_resend_of_a_cache_with_cdc_off_fails_clearly(tmp_path: Path) -> None:
     """``resend`` of a cache with CDC off is refused (nothing written to the WAL): the API raises, the control CLI
     exits 1 with one line naming the cache and the setting."""
     node_dir = tmp_path / "node"
-    # No periodic checkpoint record may land in between (a slow run takes longer than the interval).
-    with Node.open(node_dir, checkpoint_interval_ms=3_600_000) as node:
+    # No periodic checkpoint record and no segment roll may land in between (a slow run takes longer
+    # than either interval).
+    with Node.open(node_dir, checkpoint_interval_ms=3_600_000, wal_force_archive_timeout_ms=0) as node:
         write_secret_mix(node)
         node.flush()
         before = node.wal_position
