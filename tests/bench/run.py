@@ -24,6 +24,7 @@ from tests.bench import (
     bench_daemon,
     bench_kafka,
     bench_lake,
+    bench_lake_caches,
     bench_lake_merge,
     bench_node,
     bench_realtime,
@@ -40,6 +41,7 @@ SUITES = (
     bench_realtime,
     bench_lake,
     bench_lake_merge,
+    bench_lake_caches,
     bench_replication,
     bench_kafka,
 )
