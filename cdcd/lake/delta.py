@@ -440,8 +440,12 @@ class ChangeTable:
         root = self.path
         out = WrittenFiles(root, [])
         dirs: set[Path] = set()
+        sources = sorted(staging.rglob("*.parquet"))
+        # Many files (a batch over many caches): one syncfs of the table's file system after the
+        # moves instead of an fsync per file and directory.
+        many = len(sources) > _FSYNC_EACH_MAX_FILES
         try:
-            for src in sorted(staging.rglob("*.parquet")):
+            for src in sources:
                 rel = src.relative_to(staging)
                 if any(p.startswith((".", "_")) for p in rel.parts):
                     continue
@@ -452,7 +456,8 @@ class ChangeTable:
                 rel_dir = self._dir_of(values)
                 dst = root / rel_dir / f"part-{uuid.uuid4().hex}.c000.zstd.parquet"
                 dst.parent.mkdir(parents=True, exist_ok=True)
-                fsync_file(src)
+                if not many:
+                    fsync_file(src)
                 stats = footer_stats(src)
                 os.rename(src, dst)
                 dirs.add(dst.parent)
@@ -461,7 +466,11 @@ class ChangeTable:
                 out.adds.append(
                     AddAction(str(dst.relative_to(root)), st.st_size, pv, st.st_mtime_ns // 10**6, True, stats)
                 )
-            self._fsync_dirs(dirs)
+            if not (many and sync_filesystem(root)):
+                if many:
+                    for add in out.adds:
+                        fsync_file(root / add.path)
+                self._fsync_dirs(dirs)
         except OSError as exc:
             out.discard()
             raise LakeWriteError(f"lake {self.path}: moving files from {staging} failed: {_reason(exc)}") from None
