@@ -209,3 +209,24 @@ def test_verify_table_keeps_one_line_per_cache_with_a_newline_in_its_name(spark:
     assert sorted(ln.split()[0] for ln in lines[1:-1]) == sorted(printable(n) for n in names)
     assert {printable(n) for n in names} == {"a\\nb", "tab\\there", "back\\\\slash", "plain"}
     assert lines[-1] == f"verified: {len(names)} keys, OK"
+
+
+def test_optimize_leaves_files_at_or_above_its_minimum_size_alone(
+    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lake = tmp_path / "lake"
+    for i in range(3):  # three small files in one partition
+        append_changes(lake, [change("orders", str(i), f'"o{i}"', 10 + i)], source_txn=("node-a", i))
+    import pyarrow as pa
+    from deltalake import DeltaTable
+
+    from cdcd.lake import ops
+
+    adds = pa.table(DeltaTable(str(lake / CHANGES)).get_add_actions(flatten=True))
+    sizes = sorted(adds.column("size_bytes").to_pylist())
+    # Every file at the minimum: a frequent scheduled run must not rewrite files that are big enough.
+    monkeypatch.setattr(ops, "OPTIMIZE_MIN_FILE_BYTES", sizes[0])
+    assert optimize(spark, lake)[CHANGES]["numFilesRemoved"] == 0
+    monkeypatch.setattr(ops, "OPTIMIZE_MIN_FILE_BYTES", sizes[-1] + 1)
+    assert optimize(spark, lake)[CHANGES]["numFilesRemoved"] == 3
+    assert len(DeltaTable(str(lake / CHANGES)).file_uris()) == 1

@@ -194,6 +194,30 @@ def file_stats(table: pa.Table) -> str:
     return json.dumps({"numRecords": table.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls})
 
 
+def _slice_stats(data: pa.Table, slices: list[tuple[int, int]]) -> list[str]:
+    """``file_stats`` of each ``data[start:end]``, computed for all slices at once (a batch over
+    many caches is many tiny files: per-file compute calls would cost more than writing them)."""
+    if not slices:
+        return []
+    starts = np.array([lo for lo, _ in slices], np.int64)
+    columns: list[tuple[str, list[Any], list[Any]]] = []
+    for name in data.column_names:
+        col = data.column(name)
+        if name not in _STAT_COLUMNS:
+            continue
+        if col.null_count:  # rare: per slice, nulls exclude the column's statistics
+            return [file_stats(data.slice(lo, hi - lo)) for lo, hi in slices]
+        arr = col.to_numpy()
+        columns.append((name, np.minimum.reduceat(arr, starts).tolist(), np.maximum.reduceat(arr, starts).tolist()))
+    out = []
+    for i, (lo, hi) in enumerate(slices):
+        mins = {name: lo_values[i] for name, lo_values, _ in columns}
+        maxs = {name: hi_values[i] for name, _, hi_values in columns}
+        nulls = {name: 0 for name, _, _ in columns}
+        out.append(json.dumps({"numRecords": hi - lo, "minValues": mins, "maxValues": maxs, "nullCount": nulls}))
+    return out
+
+
 def footer_stats(path: Path) -> str:
     """``file_stats`` from a Parquet file's footer (files another engine wrote)."""
     meta = pq.read_metadata(path)
@@ -211,12 +235,28 @@ def footer_stats(path: Path) -> str:
     return json.dumps({"numRecords": meta.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls})
 
 
+SMALL_FILE_ROWS = 1024
+"""Files of fewer rows (one per cache and commit when a batch spans many caches) are written with
+snappy and no dictionaries: zstd's and the dictionaries' set-up per column cost more than the whole
+file, and OPTIMIZE rewrites such files anyway."""
+
+
+def _codec(chunk: pa.Table) -> str:
+    return "snappy" if chunk.num_rows < SMALL_FILE_ROWS else "zstd"
+
+
+def _parquet_options(chunk: pa.Table) -> dict[str, Any]:
+    if chunk.num_rows < SMALL_FILE_ROWS:
+        return {"compression": "snappy", "use_dictionary": False}
+    return {"compression": "zstd", "row_group_size": 1 << 20}
+
+
 def _write_parquet(chunk: pa.Table, full: LakeDir, *, fsync: bool = True) -> tuple[int, int]:
     """Write one data file (fsynced when local and ``fsync``); (size in bytes, modification time in ms)."""
     if isinstance(full, ObjectPath):
-        pq.write_table(chunk, full.fs_path, filesystem=full.fs, compression="zstd", row_group_size=1 << 20)
+        pq.write_table(chunk, full.fs_path, filesystem=full.fs, **_parquet_options(chunk))
         return full.size(), int(time.time() * 1000)
-    pq.write_table(chunk, full, compression="zstd", row_group_size=1 << 20)
+    pq.write_table(chunk, full, **_parquet_options(chunk))
     if fsync:
         fsync_file(full)
     st = full.stat()
@@ -338,39 +378,48 @@ class ChangeTable:
         for c in self.partition_by:
             codes = table.column(c).combine_chunks().dictionary_encode()
             group = group * len(codes.dictionary) + codes.indices.to_numpy(zero_copy_only=False)
-        data = table.select(self.data_columns)
-        # One stable sort instead of a scan of every row per partition: rows of a group stay in WAL order.
+        # One stable sort and one take instead of a scan of every row per partition: rows of a group
+        # stay in WAL order, each file is a slice of the sorted table.
         order = np.argsort(group, kind="stable")
+        data = table.select(self.data_columns)
+        if table.num_rows and np.any(order[1:] < order[:-1]):
+            data = data.take(pa.array(order))
         bounds = np.flatnonzero(np.diff(group[order])) + 1
+        starts = np.concatenate([[0], bounds]).astype(np.int64) if table.num_rows else np.zeros(0, np.int64)
+        ends = np.append(starts[1:], table.num_rows)
+        firsts = pa.array(order[starts])
+        values_of = [table.column(c).take(firsts).to_pylist() for c in self.partition_by]
+        slices: list[tuple[int, int]] = []
         tasks: list[tuple[Path, pa.Table, list[str]]] = []
-        for rows in np.split(order, bounds) if table.num_rows else []:
-            part = data if len(rows) == table.num_rows else data.take(pa.array(rows))
-            first = int(rows[0])
-            values = [str(table.column(c)[first].as_py()) for c in self.partition_by]
+        for i, (lo, hi) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
+            values = [str(v[i]) for v in values_of]
             rel_dir = self._dir_of(values)
-            for start in range(0, part.num_rows, max_rows_per_file):
-                tasks.append((rel_dir, part.slice(start, max_rows_per_file), values))
+            for start in range(lo, hi, max_rows_per_file):
+                end = min(hi, start + max_rows_per_file)
+                slices.append((start, end))
+                tasks.append((rel_dir, data.slice(start, end - start), values))
+        stats = _slice_stats(data, slices)
         local = isinstance(self.path, Path)
         per_file_fsync = local and len(tasks) <= _FSYNC_EACH_MAX_FILES
 
-        def write(task: tuple[Path, pa.Table, list[str]]) -> None:
-            rel_dir, chunk, values = task
+        def write(index: int) -> None:
+            rel_dir, chunk, values = tasks[index]
             (self.path / rel_dir).mkdir(parents=True, exist_ok=True)
-            rel = rel_dir / f"part-{uuid.uuid4().hex}.c000.zstd.parquet"
+            rel = rel_dir / f"part-{uuid.uuid4().hex}.c000.{_codec(chunk)}.parquet"
             size, mtime_ms = _write_parquet(chunk, self.path / rel, fsync=per_file_fsync)
             pv = dict(zip(self.partition_by, values, strict=True))
             # list.append is atomic: a failed batch still knows every file it must discard.
-            out.adds.append(AddAction(rel.as_posix(), size, pv, mtime_ms, True, file_stats(chunk)))
+            out.adds.append(AddAction(rel.as_posix(), size, pv, mtime_ms, True, stats[index]))
 
         try:
             if len(tasks) > 1:
                 # pyarrow encodes and writes without the GIL: two threads keep both cores busy.
                 with ThreadPoolExecutor(max_workers=2, thread_name_prefix="cdcd-lake-write") as pool:
-                    for _ in pool.map(write, tasks):
+                    for _ in pool.map(write, range(len(tasks))):
                         pass
             else:
-                for task in tasks:
-                    write(task)
+                for index in range(len(tasks)):
+                    write(index)
             root = self.path
             synced = isinstance(root, Path) and not per_file_fsync and sync_filesystem(root)
             if not synced:
@@ -391,8 +440,12 @@ class ChangeTable:
         root = self.path
         out = WrittenFiles(root, [])
         dirs: set[Path] = set()
+        sources = sorted(staging.rglob("*.parquet"))
+        # Many files (a batch over many caches): one syncfs of the table's file system after the
+        # moves instead of an fsync per file and directory.
+        many = len(sources) > _FSYNC_EACH_MAX_FILES
         try:
-            for src in sorted(staging.rglob("*.parquet")):
+            for src in sources:
                 rel = src.relative_to(staging)
                 if any(p.startswith((".", "_")) for p in rel.parts):
                     continue
@@ -403,7 +456,8 @@ class ChangeTable:
                 rel_dir = self._dir_of(values)
                 dst = root / rel_dir / f"part-{uuid.uuid4().hex}.c000.zstd.parquet"
                 dst.parent.mkdir(parents=True, exist_ok=True)
-                fsync_file(src)
+                if not many:
+                    fsync_file(src)
                 stats = footer_stats(src)
                 os.rename(src, dst)
                 dirs.add(dst.parent)
@@ -412,7 +466,11 @@ class ChangeTable:
                 out.adds.append(
                     AddAction(str(dst.relative_to(root)), st.st_size, pv, st.st_mtime_ns // 10**6, True, stats)
                 )
-            self._fsync_dirs(dirs)
+            if not (many and sync_filesystem(root)):
+                if many:
+                    for add in out.adds:
+                        fsync_file(root / add.path)
+                self._fsync_dirs(dirs)
         except OSError as exc:
             out.discard()
             raise LakeWriteError(f"lake {self.path}: moving files from {staging} failed: {_reason(exc)}") from None

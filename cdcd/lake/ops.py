@@ -124,12 +124,21 @@ def history(lake: LakeDir, table: str, limit: int | None) -> list[dict[str, Any]
     return out
 
 
+_MIN_FILE_SIZE = "spark.databricks.delta.optimize.minFileSize"
+OPTIMIZE_MIN_FILE_BYTES = 64 << 20
+"""Files at least this large are left alone by OPTIMIZE (unless ``spark_conf`` sets
+``spark.databricks.delta.optimize.minFileSize``): a frequent scheduled run then rewrites the recent
+small files of a partition, not all of it every time (Delta's default is 1 GiB)."""
+
+
 def optimize(spark: Any, lake: LakeDir) -> dict[str, dict[str, Any]]:
     """Bin-pack each table's small files (Delta OPTIMIZE, per partition). The commits change no data
     (readers, the change data feed and compaction see the same rows); returns Delta's metrics per table."""
     from delta.tables import DeltaTable
 
     session = spark.newSession()
+    if spark.conf.get(_MIN_FILE_SIZE, None) is None:
+        session.conf.set(_MIN_FILE_SIZE, str(OPTIMIZE_MIN_FILE_BYTES))
     out: dict[str, dict[str, Any]] = {}
     for name in TABLES:
         path = lake / name

@@ -65,6 +65,7 @@ def change_table(caches: list[str], keys: list[int], ops: list[str], first_order
         "wal_index": [0] * n,
         "expire_time_ms": [0] * n,
         "cache": caches,
+        "source_generation": [0] * n,
     }
     return pa.table({f.name: pa.array(cols[f.name], f.type) for f in CHANGE_SCHEMA}, schema=CHANGE_SCHEMA)
 

@@ -24,6 +24,7 @@ from tests.bench import (
     bench_daemon,
     bench_kafka,
     bench_lake,
+    bench_lake_caches,
     bench_lake_cluster,
     bench_lake_merge,
     bench_node,
@@ -42,6 +43,7 @@ SUITES = (
     bench_lake,
     bench_lake_merge,
     bench_lake_cluster,
+    bench_lake_caches,
     bench_replication,
     bench_kafka,
 )
