@@ -336,11 +336,22 @@ class LakeConsumer(Consumer):
         staging = self.lake / STAGING_DIR / new_batch_id()
         names = data.column("cache").unique().to_pylist()
         dir_values = {partition_dir_value(n): n for n in names}
-        to_dir = pa.array([partition_dir_value(n) for n in names], pa.string())
-        cache_dirs = to_dir.take(pc.index_in(data.column("cache"), pa.array(names, pa.string())))
-        data = data.set_column(data.schema.get_field_index("cache"), "cache", cache_dirs)
         files = max(1, min(self.options.max_files_per_batch, rows // _ROWS_PER_SPARK_FILE + 1))
+        single = {c: data.column(c).unique() for c in table.partition_by}
         try:
+            if all(len(v) == 1 for v in single.values()):
+                # One partition (the common case): written straight into its directory. partitionBy
+                # would make Spark sort every row by the partition columns first, which costs about
+                # as much as encoding them.
+                where = staging.joinpath(
+                    *(f"{c}={partition_dir_value(str(v[0].as_py()))}" for c, v in single.items())
+                )
+                df = self._spark.createDataFrame(data.drop_columns(table.partition_by))
+                df.coalesce(files).write.parquet(str(where))
+                return table.adopt_files(staging, dir_values), stats
+            to_dir = pa.array([partition_dir_value(n) for n in names], pa.string())
+            cache_dirs = to_dir.take(pc.index_in(data.column("cache"), pa.array(names, pa.string())))
+            data = data.set_column(data.schema.get_field_index("cache"), "cache", cache_dirs)
             df = self._spark.createDataFrame(data)
             df.coalesce(files).write.partitionBy(*table.partition_by).parquet(str(staging))
             return table.adopt_files(staging, dir_values), stats
