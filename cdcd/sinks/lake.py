@@ -46,7 +46,7 @@ _MIN_ROWS_PER_FILE = 100_000
 _NO_DICTIONARY = ("key", "value", "version_order", "wal_offset", "commit_ts")
 """Columns (nearly) unique per row: Parquet's dictionary encoding only ever falls back to plain on
 them, after hashing every value (a fair share of the Spark writer's CPU)."""
-_SPARK_PARQUET_OPTIONS = {f"parquet.enable.dictionary#{c}": "false" for c in _NO_DICTIONARY}
+SPARK_PARQUET_OPTIONS = {f"parquet.enable.dictionary#{c}": "false" for c in _NO_DICTIONARY}
 
 
 def root_cause(exc: BaseException) -> str:
@@ -349,13 +349,13 @@ class LakeConsumer(Consumer):
                 # as much as encoding them.
                 where = staging.joinpath(*(f"{c}={partition_dir_value(str(v[0].as_py()))}" for c, v in single.items()))
                 df = self._spark.createDataFrame(data.drop_columns(table.partition_by))
-                df.coalesce(files).write.options(**_SPARK_PARQUET_OPTIONS).parquet(str(where))
+                df.coalesce(files).write.options(**SPARK_PARQUET_OPTIONS).parquet(str(where))
                 return table.adopt_files(staging, dir_values), stats
             to_dir = pa.array([partition_dir_value(n) for n in names], pa.string())
             cache_dirs = to_dir.take(pc.index_in(data.column("cache"), pa.array(names, pa.string())))
             data = data.set_column(data.schema.get_field_index("cache"), "cache", cache_dirs)
             df = self._spark.createDataFrame(data)
-            writer = df.coalesce(files).write.options(**_SPARK_PARQUET_OPTIONS)
+            writer = df.coalesce(files).write.options(**SPARK_PARQUET_OPTIONS)
             writer.partitionBy(*table.partition_by).parquet(str(staging))
             return table.adopt_files(staging, dir_values), stats
         except LakeWriteError:

@@ -65,6 +65,7 @@ class SharedSpark:
         from pyspark.sql import functions as F
 
         from cdcd.lake.arrow import SCHEMA
+        from cdcd.sinks.lake import SPARK_PARQUET_OPTIONS
 
         cols = {
             "op": ["create"] * rows,
@@ -86,7 +87,11 @@ class SharedSpark:
         table = pa.table(columns, schema=SCHEMA)
         tmp = Path(tempfile.mkdtemp(prefix="cdcd-bench-lake-warmup-", dir=bench_dir()))
         try:
-            self.session.createDataFrame(table).coalesce(1).write.partitionBy("cache").parquet(str(tmp / "a"))
+            # Both ways the sink writes: one partition straight, several through partitionBy.
+            one = self.session.createDataFrame(table.drop_columns(["cache"])).coalesce(1).write
+            one.options(**SPARK_PARQUET_OPTIONS).parquet(str(tmp / "a" / "cache=warm"))
+            many = self.session.createDataFrame(table).coalesce(1).write.options(**SPARK_PARQUET_OPTIONS)
+            many.partitionBy("cache").parquet(str(tmp / "c"))
             df = self.session.read.parquet(str(tmp / "a"))
             w = Window.partitionBy("key").orderBy(F.col("version_order").desc())
             df.withColumn("_rank", F.row_number().over(w)).where(F.col("_rank") == 1).write.parquet(str(tmp / "b"))
