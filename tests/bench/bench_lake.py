@@ -1,6 +1,7 @@
 """The Spark lake sink: backlog ingest rate, live end-to-end lag to the lake, compaction time.
 
-All three share one in-process SparkSession (``cdcd.lake.spark``, master ``local[2]``, the sink's
+All three share one in-process SparkSession (``tests/support/lake_bench.py``, also used by
+``bench_pg``'s ``catchup.lake``; master ``local[2]``, the sink's
 default settings), created once when the first lake benchmark's setup runs and kept until exit
 (the sink's own start()/stop() per repetition then only take and drop a reference). Its cold
 start-up (``spark_startup_s``: session plus a first trivial job) and a warm-up (``spark_warmup_s``:
