@@ -127,6 +127,41 @@ def test_every_cache_name_the_node_accepts_lands(tmp_path: Path, writer: str) ->
     assert "cache=plain-name_1.x" in dirs, "a plain name is its own directory"
 
 
+@pytest.mark.parametrize("partition_by_day", [False, True])
+def test_spark_writer_lands_one_partition_batches_straight_and_mixed_ones_through_partitioning(
+    tmp_path: Path, partition_by_day: bool
+) -> None:
+    """The Spark writer writes a batch of one partition straight into its directory and a batch of
+    several through Spark's partitioning: both land every row once, under the real cache name (odd ones
+    too), with the partition columns only in the Delta log (a file holding them would be read with
+    them twice by some readers)."""
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    names = ["a" * 255, "plain", ".hidden", "é" * 200]
+    with Node.open(node_dir, wal_force_archive_timeout_ms=0) as node:
+        for i, name in enumerate(names):
+            for tx in range(3):
+                node.cache(name).put_all({k: {"name": name, "k": k} for k in range(tx * 4, tx * 4 + 4)})
+        node.force_archive()
+    batch = wal_batch(node_dir)
+    sink = LakeConsumer(LakeOptions(lake_path=str(lake), spark_master="local[1]", partition_by_day=partition_by_day))
+    sink.start()
+    try:
+        for start, stop in ((0, 3), (3, 6), (6, 12)):  # one cache, one cache, two caches
+            assert sink.on_events(sub_batch(batch, start, stop)) is True
+    finally:
+        sink.stop()
+    check_lake(lake, node_dir)
+    rows = lake_rows(lake).to_pylist()
+    assert sorted(r["cache"] for r in rows) == sorted(n for n in names for _ in range(12))
+    assert all(json.loads(r["value"])["name"] == r["cache"] for r in rows)
+    dt = DeltaTable(str(lake / "changes"))
+    adds = pa.table(dt.get_add_actions(flatten=True)).to_pylist()
+    assert sorted({a["partition.cache"] for a in adds}) == sorted(names)
+    for add in adds:
+        meta = pq.read_metadata(lake / "changes" / add["path"])
+        assert "cache" not in meta.schema.names and "day" not in meta.schema.names
+
+
 def test_restored_node_continues_as_a_new_generation(tmp_path: Path) -> None:
     """A node dir restored from an earlier copy reuses WAL positions the lake already holds: its 10,000 new entries
     all land (as generation 1 of the source, next to generation 0's rows), none is dropped as a replay, a warning

@@ -45,6 +45,10 @@ __all__ = ["LakeConsumer", "LakeOptions", "LakeWriteError", "root_cause"]
 _ROWS_PER_SPARK_FILE = 250_000
 _MIN_ROWS_PER_FILE = 100_000
 """Smaller batches are written as one file per partition (smaller files cost readers more)."""
+_NO_DICTIONARY = ("key", "value", "version_order", "wal_offset", "commit_ts")
+"""Columns (nearly) unique per row: Parquet's dictionary encoding only ever falls back to plain on
+them, after hashing every value (a fair share of the Spark writer's CPU)."""
+SPARK_PARQUET_OPTIONS = {f"parquet.enable.dictionary#{c}": "false" for c in _NO_DICTIONARY}
 
 
 def root_cause(exc: BaseException) -> str:
@@ -342,12 +346,23 @@ class LakeConsumer(Consumer):
         staging = self.lake / STAGING_DIR / new_batch_id()
         names = data.column("cache").unique().to_pylist()
         dir_values = {partition_dir_value(n): n for n in names}
-        to_dir = pa.array([partition_dir_value(n) for n in names], pa.string())
-        cache_dirs = to_dir.take(pc.index_in(data.column("cache"), pa.array(names, pa.string())))
-        data = data.set_column(data.schema.get_field_index("cache"), "cache", cache_dirs)
+        files = max(1, min(self.options.max_files_per_batch, rows // _ROWS_PER_SPARK_FILE + 1))
+        single = {c: data.column(c).unique() for c in table.partition_by}
         try:
+            if all(len(v) == 1 for v in single.values()):
+                # One partition (the common case): written straight into its directory. partitionBy
+                # would make Spark sort every row by the partition columns first, which costs about
+                # as much as encoding them.
+                where = staging.joinpath(*(f"{c}={partition_dir_value(str(v[0].as_py()))}" for c, v in single.items()))
+                df = self._spark.createDataFrame(data.drop_columns(table.partition_by))
+                df.coalesce(files).write.options(**SPARK_PARQUET_OPTIONS).parquet(str(where))
+                return table.adopt_files(staging, dir_values), stats
+            to_dir = pa.array([partition_dir_value(n) for n in names], pa.string())
+            cache_dirs = to_dir.take(pc.index_in(data.column("cache"), pa.array(names, pa.string())))
+            data = data.set_column(data.schema.get_field_index("cache"), "cache", cache_dirs)
             df = self._spark.createDataFrame(data)
-            df.coalesce(files).write.partitionBy(*table.partition_by).parquet(str(staging))
+            writer = df.coalesce(files).write.options(**SPARK_PARQUET_OPTIONS)
+            writer.partitionBy(*table.partition_by).parquet(str(staging))
             return table.adopt_files(staging, dir_values), stats
         except LakeWriteError:
             raise

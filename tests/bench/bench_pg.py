@@ -40,6 +40,13 @@ Workloads (``--only`` names; rows are 8-byte int keys with 100-byte values on bo
   (default options: fsync per batch) to a file. CPU: the process (timed section only).
   Both sides read their WAL from the page cache (just written).
 
+``catchup.lake`` -- the same backlog into the lake through the default pipeline: PostgreSQL's side is
+  ``catchup.null``'s pgoutput run; cdcd's lands it with the lake sink (``writer = "spark"``,
+  ``local[2]``, delta-rs commits; batches of ``INGEST_BATCH_EVENTS`` as in ``lake.ingest.run``) into
+  a fresh lake per run and checks the row count of the Delta table. The SparkSession is started and
+  warmed up once before the first run (``tests/support/lake_bench.py``). CPU: the process plus the
+  Spark JVM.
+
 ``live`` -- 500 transactions/s of 10 rows for 20 s (5 s with ``--quick``) plus a warm-up second
   (excluded), from one Python thread on a fixed open-loop schedule (transaction ``g`` starts at
   ``t0 + g/500`` s; a late one does not delay the schedule). Lag per transaction = time its rows
@@ -62,7 +69,8 @@ Workloads (``--only`` names; rows are 8-byte int keys with 100-byte values on bo
 
 Goals (from the medians of the same run): node write >= 1.0x PostgreSQL's INSERT rate; catch-up
 to null and to a consumer iterating every event >= 2.0x pg_recvlogical/pgoutput; catch-up to a
-file >= 2.0x test_decoding to a file; realtime p99 <= PostgreSQL's p99 and realtime p50 <= 0.5 ms;
+file >= 2.0x test_decoding to a file; catch-up into the lake >= 1.0x pgoutput; realtime p99 <=
+PostgreSQL's p99 and realtime p50 <= 0.5 ms;
 archive-mode p99 <= force-archive timeout + 150 ms.
 """
 
@@ -100,6 +108,14 @@ from cdcd.sinks.null import NullConsumer
 from cdcd.wal.segment import list_segments
 from tests.support import pg_arrivals
 from tests.support.bench import VALUE_100B
+from tests.support.lake_bench import (
+    APP_NAME,
+    INGEST_BATCH_BYTES,
+    INGEST_BATCH_DELAY_MS,
+    INGEST_BATCH_EVENTS,
+    SPARK,
+    SPARK_MASTER,
+)
 from tests.support.pg_cluster import PgCluster, PgUnavailable, ensure_postgres
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,12 +134,13 @@ FORCE_ARCHIVE_MS = 1000
 PUBLICATION = "bench_pub"
 TEMPLATE_SLOT = "tmpl"
 DRAIN_TIMEOUT_S = 120.0
-WORKLOADS = ("write", "catchup.null", "catchup.iterate", "catchup.file", "live")
+WORKLOADS = ("write", "catchup.null", "catchup.iterate", "catchup.file", "catchup.lake", "live")
 SIDES = {
     "write": ("pg", "cdcd"),
     "catchup.null": ("pg", "cdcd"),
     "catchup.iterate": ("pg", "cdcd"),
     "catchup.file": ("pg", "cdcd"),
+    "catchup.lake": ("pg", "cdcd"),
     "live": ("pg", "cdcd_realtime", "cdcd_archive"),
 }
 
@@ -296,7 +313,7 @@ class PgSide:
         assert self.endpos is not None, "backlog not prepared"
         self._slots += 1
         slot = f"catchup_{self._slots}"
-        pgoutput = kind in ("null", "iterate")  # pgoutput's client does nothing with a row either
+        pgoutput = kind in ("null", "iterate", "lake")  # pgoutput's client does nothing with a row either
         plugin = "pgoutput" if pgoutput else "test_decoding"
         self.pg.sql(f"SELECT pg_copy_logical_replication_slot('{TEMPLATE_SLOT}', '{slot}', false, '{plugin}')")
         out = Path(os.devnull) if pgoutput else self.work / "pg-catchup.txt"
@@ -616,6 +633,8 @@ class CdcdSide:
         self._restore()
         out = self.work / "cdcd-catchup.jsonl"
         out.unlink(missing_ok=True)
+        if kind == "lake":
+            return self._catchup_lake()
         consumer: Consumer
         if kind == "null":
             consumer = NullConsumer()
@@ -650,6 +669,48 @@ class CdcdSide:
             sample["bytes_per_row"] = round(out.stat().st_size / self.rows, 1)
             out.unlink()
         return sample
+
+    def _catchup_lake(self) -> Sample:
+        """The backlog into a fresh lake through the default lake pipeline (``writer = "spark"`` on
+        ``local[2]``, delta-rs commits), with ``lake.ingest.run``'s batch settings; CPU includes the
+        Spark JVM's."""
+        from cdcd.sinks.lake import LakeConsumer, LakeOptions
+
+        SPARK.ensure()  # started and warmed up once, outside every timing
+        lake = self._dir("lake")
+        consumer = LakeConsumer(LakeOptions(lake_path=str(lake), spark_master=SPARK_MASTER, app_name=APP_NAME))
+        config = DaemonConfig(
+            node_dir=str(self.backlog),
+            metrics_address="",
+            batch_max_events=INGEST_BATCH_EVENTS,
+            batch_max_bytes=INGEST_BATCH_BYTES,
+            batch_max_delay_ms=INGEST_BATCH_DELAY_MS,
+            consumer={"kind": "lake"},
+        )
+        daemon = Daemon(config, consumer, show_progress=False)
+        try:
+            daemon.start()
+            cpu0, jvm0 = time.process_time(), SPARK.jvm_cpu_s()
+            seconds = asyncio.run(_run_until(daemon, self.last_segment))
+            cpu, jvm = time.process_time() - cpu0, SPARK.jvm_cpu_s() - jvm0
+            delivered = daemon.events_delivered
+        finally:
+            daemon.close()
+        try:
+            from deltalake import DeltaTable
+
+            landed = int(DeltaTable(str(lake / "changes")).count())
+        finally:
+            shutil.rmtree(lake, ignore_errors=True)
+        if delivered != self.rows or landed != self.rows:
+            raise AssertionError(f"delivered {delivered}, landed {landed} rows; the backlog holds {self.rows}")
+        return {
+            "rows_per_s": round(self.rows / seconds),
+            "cpu_us_per_row": round((cpu + jvm) / self.rows * 1e6, 3),
+            "seconds": round(seconds, 3),
+            "process_cpu_s": round(cpu, 2),
+            "jvm_cpu_s": round(jvm, 2),
+        }
 
     def live_realtime(self, seconds: float, warmup_s: float) -> Sample:
         node_dir = self._dir("live-rt")
@@ -795,6 +856,8 @@ ROWS: tuple[Row, ...] = (
     Row("catchup.file", "catch-up -> file", "rows_per_s", "rows/s", "cdcd"),
     Row("catchup.file", "catch-up -> file", "cpu_us_per_row", "CPU us/row", "cdcd"),
     Row("catchup.file", "catch-up -> file", "bytes_per_row", "B/row", "cdcd"),
+    Row("catchup.lake", "catch-up -> lake (Spark) vs pgoutput", "rows_per_s", "rows/s", "cdcd", "ratio>=", 1.0),
+    Row("catchup.lake", "catch-up -> lake (Spark) vs pgoutput", "cpu_us_per_row", "CPU us/row", "cdcd"),
     Row("live", "live lag, realtime", "p50_ms", "ms", "cdcd_realtime", "<=", 0.5),
     Row("live", "live lag, realtime", "p99_ms", "ms", "cdcd_realtime", "<=pg"),
     Row("live", "live lag, realtime", "p999_ms", "ms", "cdcd_realtime"),
@@ -907,7 +970,9 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     names = {"pg": f"PostgreSQL {doc['postgres']['version']}", "cdcd": "cdcd"}
 
     def bars(ax: Any, get: Callable[[Sample], float], unit: str, title: str, ylabel: str) -> None:
-        groups = [w for w in ("write", "catchup.null", "catchup.iterate", "catchup.file") if w in samples]
+        groups = [
+            w for w in ("write", "catchup.null", "catchup.iterate", "catchup.file", "catchup.lake") if w in samples
+        ]
         width = 0.38
         top = 0.0
         for j, side in enumerate(("pg", "cdcd")):
@@ -928,6 +993,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
             "catchup.null": "catch-up\n-> null",
             "catchup.iterate": "catch-up\n-> iterate",
             "catchup.file": "catch-up\n-> file",
+            "catchup.lake": "catch-up\n-> lake",
         }
         ax.set_xticks(range(len(groups)))
         ax.set_xticklabels([labels[w] for w in groups])

@@ -1,0 +1,120 @@
+"""The lake benchmarks' shared SparkSession (``tests/bench/bench_lake.py`` and the lake row of
+``tests/bench/bench_pg.py``): one reference held across benchmarks, its cold start-up and a
+warm-up landing kept out of every timing, and the JVM's CPU time."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SPARK_MASTER = "local[2]"
+APP_NAME = "cdcd-bench-lake"
+WARMUP_ROWS = 10_000
+
+INGEST_BATCH_EVENTS = 500_000
+"""The best of a sweep over a 1M backlog with sync_once (2 rounds, a busy 2-CPU host): 100k 37k,
+200k 36-40k, 300k 28-45k, 500k 42-75k rows/s. From 250k rows on the sink writes two files
+(``max_files_per_batch=2``), so both local cores write; fewer batches also mean fewer Spark jobs."""
+INGEST_BATCH_BYTES = 1 << 30
+"""Never the limit (500k entries are ~70 MB of records)."""
+INGEST_BATCH_DELAY_MS = 1000
+"""``run()`` only: the decoder closes a batch once it is this old whenever the reader is slower than
+that for a moment (GIL contention with the sink), even mid-backlog: with the default 100 ms a 1M
+backlog landed in ~20 batches of ~50k instead of 2-3 (16-28k vs 28-38k rows/s, JVM CPU 19-26 vs
+7-10 us/row). A backlog's last, partial batch does not wait for it (a caught-up reader closes it)."""
+
+
+def bench_dir() -> str | None:
+    return os.environ.get("CDCD_BENCH_DIR") or None
+
+
+class SharedSpark:
+    """One reference to the process's SparkSession held across benchmarks, so a sink's start()/stop()
+    per repetition never starts or stops Spark; released at exit."""
+
+    def __init__(self) -> None:
+        self.session: Any = None
+        self.startup_s: float | None = None
+        self.warmup_s: float | None = None
+        self._jvm_pid: int | None = None
+
+    def ensure(self) -> Any:
+        if self.session is None:
+            from cdcd.lake import spark as spark_session
+
+            t0 = time.perf_counter()
+            self.session = spark_session.acquire(SPARK_MASTER, APP_NAME, {})
+            self.session.range(1).count()  # the first job, so the number is "ready to work"
+            self.startup_s = round(time.perf_counter() - t0, 2)
+            atexit.register(self.release)
+            t0 = time.perf_counter()
+            self._warm_up()
+            self.warmup_s = round(time.perf_counter() - t0, 2)
+        return self.session
+
+    def _warm_up(self, rows: int = WARMUP_ROWS) -> None:
+        """A small landing (Arrow -> DataFrame -> partitioned Parquet) and a small compaction-like
+        window query: class loading and code generation of both paths happen here, not in a timing."""
+        import pyarrow as pa
+        from pyspark.sql import Window
+        from pyspark.sql import functions as F
+
+        from cdcd.lake.arrow import SCHEMA
+        from cdcd.sinks.lake import SPARK_PARQUET_OPTIONS
+
+        cols = {
+            "op": ["create"] * rows,
+            "key": [str(k) for k in range(rows)],
+            "value": ['{"v":1}'] * rows,
+            "partition": [0] * rows,
+            "primary": [True] * rows,
+            "version_order": list(range(rows)),
+            "version_cluster_id": [0] * rows,
+            "commit_ts": [1_700_000_000_000_000] * rows,
+            "source_node": ["warm-up"] * rows,
+            "wal_segment": [0] * rows,
+            "wal_offset": list(range(rows)),
+            "wal_index": [0] * rows,
+            "expire_time_ms": [0] * rows,
+            "cache": ["warm"] * rows,
+        }
+        columns = {f.name: pa.array(cols.get(f.name, [0] * rows), f.type) for f in SCHEMA}  # the rest: zeros
+        table = pa.table(columns, schema=SCHEMA)
+        tmp = Path(tempfile.mkdtemp(prefix="cdcd-bench-lake-warmup-", dir=bench_dir()))
+        try:
+            # Both ways the sink writes: one partition straight, several through partitionBy.
+            one = self.session.createDataFrame(table.drop_columns(["cache"])).coalesce(1).write
+            one.options(**SPARK_PARQUET_OPTIONS).parquet(str(tmp / "a" / "cache=warm"))
+            many = self.session.createDataFrame(table).coalesce(1).write.options(**SPARK_PARQUET_OPTIONS)
+            many.partitionBy("cache").parquet(str(tmp / "c"))
+            df = self.session.read.parquet(str(tmp / "a"))
+            w = Window.partitionBy("key").orderBy(F.col("version_order").desc())
+            df.withColumn("_rank", F.row_number().over(w)).where(F.col("_rank") == 1).write.parquet(str(tmp / "b"))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def jvm_cpu_s(self) -> float:
+        """CPU seconds (user + system) the Spark JVM has used so far (it runs in a child process)."""
+        if self.session is None:
+            return 0.0
+        if self._jvm_pid is None:
+            self._jvm_pid = int(self.session._jvm.java.lang.ProcessHandle.current().pid())
+        with open(f"/proc/{self._jvm_pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def release(self) -> None:
+        if self.session is not None:
+            from cdcd.lake import spark as spark_session
+
+            self.session = None
+            self._jvm_pid = None
+            spark_session.release()
+
+
+SPARK = SharedSpark()
