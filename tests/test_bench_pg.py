@@ -19,6 +19,7 @@ POSITIVE = {
     "catchup.null": ("rows_per_s", "cpu_us_per_row"),
     "catchup.iterate": ("rows_per_s", "cpu_us_per_row"),
     "catchup.file": ("rows_per_s", "cpu_us_per_row", "bytes_per_row"),
+    "catchup.lake": ("rows_per_s", "cpu_us_per_row"),
     # a realtime consumer may run before put() returns, so its lag percentiles may be <= 0: only max must be > 0
     "live": ("max_ms", "rows_per_s", "transactions"),
 }
