@@ -23,7 +23,7 @@ from cdcd.kafka.sink import KafkaSink
 from cdcd.node import Node
 from cdcd.wal.records import CacheRecord, DataEntry, DataRecord
 from tests.support.config import write_daemon_config
-from tests.support.kafka import Broker, kafka_broker, positions_of, read_topic
+from tests.support.kafka import Broker, explain_missing, kafka_broker, positions_of, read_topic
 from tests.support.procs import cdcd, child_env, start_daemon, wait_for
 from tests.support.wal import wal_events, wal_records
 from tests.support.writer import start_writer, writer_count
@@ -245,7 +245,7 @@ def test_sigkills_and_broker_restart_deliver_every_entry_exactly_once(kafka_brok
     got = [pos for ps in parts.values() for pos in ps]
     expected = [tuple(e["pos"]) for e in events]
     assert len(got) == len(set(got)), f"{len(got) - len(set(got))} duplicates"
-    assert set(got) == set(expected)
+    assert set(got) == set(expected), explain_missing(kafka_broker, topic, set(expected) - set(got))
     for p, ps in parts.items():
         assert ps == sorted(ps), f"partition {p} out of WAL order"
     # each entry in the partition its cache partition says

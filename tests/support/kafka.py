@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -181,3 +182,85 @@ def positions_of(parts: dict[int, list[Any]]) -> dict[int, list[tuple[int, int, 
             s = json.loads(m.value())["source"]
             out[p].append((s["segment"], s["offset"], s["entry_index"]))
     return out
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    shift = value = 0
+    while True:
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return (value >> 1) ^ -(value & 1), i
+        shift += 7
+
+
+def log_batches(partition_dir: Path) -> list[dict[str, Any]]:
+    """The record batch headers of a partition's log segments as the broker wrote them: offsets,
+    producer id and epoch, transactional/control flags and, for a control batch, COMMIT or ABORT
+    (the ground truth a read_committed reader's filtering can be checked against)."""
+    out: list[dict[str, Any]] = []
+    for seg in sorted(partition_dir.glob("*.log")):
+        data = seg.read_bytes()
+        i = 0
+        while i + 61 <= len(data):
+            base, length = struct.unpack_from(">qi", data, i)
+            if length <= 0:
+                break
+            attrs, last_delta = struct.unpack_from(">hi", data, i + 21)
+            pid, epoch = struct.unpack_from(">qh", data, i + 43)
+            control = bool(attrs & 0x20)
+            marker = None
+            if control:  # one record, key = (version int16, type int16)
+                j = _varint(data, i + 61)[1] + 1  # length, attributes
+                j = _varint(data, _varint(data, _varint(data, j)[1])[1])[1]  # timestamp, offset deltas, key length
+                marker = {0: "ABORT", 1: "COMMIT"}.get(struct.unpack_from(">hh", data, j)[1], "?")
+            out.append(
+                {"base": base, "last": base + last_delta, "pid": pid, "epoch": epoch,
+                 "transactional": bool(attrs & 0x10), "marker": marker}
+            )  # fmt: skip
+            i += 12 + length
+    return out
+
+
+def explain_missing(broker: Broker, topic: str, missing: set[tuple[int, int, int]], *, limit: int = 20) -> str:
+    """Where WAL entries missing from a read_committed read are in the broker's log: not written at
+    all, or in a batch whose producer's next marker is ABORT, COMMIT (the reader lost committed
+    data) or none (an open transaction)."""
+    if not missing:
+        return ""
+    base = {"bootstrap.servers": broker.bootstrap, "group.id": "test-explainer", "enable.auto.commit": False}
+    probe = Consumer({**base, "isolation.level": "read_uncommitted", "enable.partition.eof": True})
+    found: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    try:
+        meta = probe.list_topics(topic, timeout=30).topics[topic]
+        probe.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in meta.partitions])
+        pending = set(meta.partitions)
+        while pending:
+            msg = probe.poll(5.0)
+            if msg is None:
+                break
+            if msg.error() is not None:
+                pending.discard(msg.partition())
+                continue
+            value, part, off = msg.value(), msg.partition(), msg.offset()
+            if value is not None and part is not None and off is not None:
+                s = json.loads(value)["source"]
+                pos = (s["segment"], s["offset"], s["entry_index"])
+                if pos in missing:
+                    found.setdefault(pos, []).append((part, off))
+    finally:
+        probe.close()
+    batches = {p: log_batches(broker.dir / "data" / f"{topic}-{p}") for p in meta.partitions}
+    lines = [f"{len(missing)} WAL entries missing from the read_committed read; in the broker's log:"]
+    for pos in sorted(missing)[:limit]:
+        where = []
+        for p, off in found.get(pos, []):
+            bs = batches[p]
+            k = next(k for k, b in enumerate(bs) if b["base"] <= off <= b["last"])
+            b = bs[k]
+            end = next((c for c in bs[k + 1 :] if c["marker"] and c["pid"] == b["pid"]), None)
+            fate = f"{end['marker']} at {end['base']}" if end else "no marker"
+            where.append(f"p{p}@{off} in batch {b['base']}-{b['last']} pid {b['pid']}.{b['epoch']} -> {fate}")
+        lines.append(f"  {pos}: {'; '.join(where) or 'not in the log'}")
+    return "\n".join(lines)
