@@ -65,6 +65,7 @@ fuzz: install
 # Fault injection across node, daemon and sinks (CHAOS_ARGS="--short --only 'kill-*' --seed 7"; root for tmpfs).
 chaos: install
 	$(BIN)/python -m tests.chaos.run $(CHAOS_ARGS)
+	$(MAKE) test-kafka-cluster
 
 run: install
 	$(BIN)/cdcd demo --rate 2000
