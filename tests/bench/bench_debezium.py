@@ -58,7 +58,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -77,8 +76,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from cdcd.node import Node
 from cdcd.realtime import RealtimeMode
 from cdcd.wal.segment import list_segments
-from tests.support.kafka import LIBS, ROOT, Broker
+from tests.support.kafka import LIBS, ROOT, Broker, apply_topic_to_node
 from tests.support.pg_cluster import PgCluster, ensure_postgres
+from tests.support.servers import free_port
 
 DEBEZIUM = ROOT / "var" / "debezium" / "debezium-server"
 RESULTS = ROOT / "tests" / "bench" / "results"
@@ -102,13 +102,6 @@ def _log(msg: str) -> None:
 
 def _loadavg() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _cpu_s(pid: int) -> float:
@@ -336,7 +329,7 @@ class DebeziumSide:
             "debezium.format.key.schemas.enable": "false",
             "debezium.format.value.schemas.enable": "false",
             "quarkus.http.host": "127.0.0.1",
-            "quarkus.http.port": str(_free_port()),
+            "quarkus.http.port": str(free_port()),
             "quarkus.log.level": "INFO",
         }
         (conf / "application.properties").write_text("".join(f"{k}={v}\n" for k, v in props.items()))
@@ -500,7 +493,7 @@ class CdcdSide:
         topic = f"cdcd{self.runs}.kv"
         self.kafka.create(topic)
         rows = self.rows
-        port = _free_port()
+        port = free_port()
         sent = ("cdcd_kafka_sent_events_total",)
         t0 = time.perf_counter()
         proc, log = self._daemon(self.node_dir, topic, port)
@@ -562,7 +555,7 @@ class CdcdSide:
         node = Node.open(node_dir, wal_mode="fsync", wal_force_archive_timeout_ms=FORCE_ARCHIVE_MS, archive_max_bytes=0)
         proc: subprocess.Popen[bytes] | None = None
         try:
-            port = _free_port()
+            port = free_port()
             proc, log = self._daemon(node_dir, topic, port)
             deadline = time.monotonic() + 60
             while _metric(port, ()) < 0:
@@ -586,50 +579,7 @@ class CdcdSide:
         """``cdcd kafka-to-node`` (2 threads) applies the last backlog topic to a fresh node process."""
         self.runs += 1
         work = self.work / f"k2n-{self.runs}"
-        work.mkdir()
-        token = work / "token"
-        token.write_text("bench-token-0123456789abcdef0123\n")
-        token.chmod(0o600)
-        repl_port, node_metrics, app_metrics = _free_port(), _free_port(), _free_port()
-        node_cfg = work / "node.toml"
-        node_cfg.write_text(
-            f'node_dir = {_toml(str(work / "node"))}\ncluster_id = 2\nwal_mode = "background"\n'
-            f'metrics_address = "127.0.0.1:{node_metrics}"\n'
-            f'replication_listen = "127.0.0.1:{repl_port}"\nreplication_token_file = {_toml(str(token))}\n'
-        )
-        app_cfg = work / "k2n.toml"
-        app_cfg.write_text(
-            f"bootstrap_servers = {_toml(self.kafka.bootstrap)}\ntopic = {_toml(self.last_topic)}\n"
-            f'target = "127.0.0.1:{repl_port}"\ntoken_file = {_toml(str(token))}\nthreads = 2\n'
-            f'group_id = "bench-k2n-{self.runs}"\nmetrics_address = "127.0.0.1:{app_metrics}"\n'
-        )
-        cdcd = [sys.executable, "-m", "cdcd"]
-        decided = (
-            "cdcd_kafka_to_node_events_applied_total",
-            "cdcd_kafka_to_node_events_ignored_total",
-            "cdcd_kafka_to_node_events_rejected_total",
-        )
-        node_log, app_log = work / "node.log", work / "k2n.log"
-        with node_log.open("wb") as err:
-            node = subprocess.Popen([*cdcd, "node", "run", "--config", str(node_cfg)], stderr=err, env=_child_env())
-        app: subprocess.Popen[bytes] | None = None
-        try:
-            deadline = time.monotonic() + 60
-            while _metric(node_metrics, ()) < 0:
-                if node.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"target node did not start:\n{_tail(node_log)}")
-                time.sleep(0.05)
-            t0 = time.perf_counter()
-            with app_log.open("wb") as err:
-                app = subprocess.Popen([*cdcd, "kafka-to-node", "--config", str(app_cfg)], stderr=err, env=_child_env())
-            _watch(lambda: True, lambda: _metric(app_metrics, decided) >= self.rows, app, app_log, 600)
-            seconds = time.perf_counter() - t0
-            applied = _metric(app_metrics, ("cdcd_kafka_to_node_events_applied_total",))
-        finally:
-            _stop(app)
-            _stop(node)
-        if applied != self.rows:
-            raise AssertionError(f"{applied:,.0f} applied of {self.rows:,}")
+        seconds = apply_topic_to_node(work, self.kafka.bootstrap, self.last_topic, f"bench-k2n-{self.runs}", self.rows)
         shutil.rmtree(work, ignore_errors=True)
         return {"rows_per_s": round(self.rows / seconds), "seconds": round(seconds, 2)}
 
@@ -685,7 +635,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bin_dir = ensure_postgres(install=True)
     work = Path(tempfile.mkdtemp(prefix="cdcd-bench-kafka-"))
     broker = Broker(work / "broker")
-    pg_port = _free_port()
+    pg_port = free_port()
     pg = PgCluster(bin_dir, port=pg_port)
     pg.settings["listen_addresses"] = "'127.0.0.1'"
     results: dict[str, list[Sample]] = {}

@@ -10,19 +10,12 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
-from prometheus_client.parser import text_string_to_metric_families
 
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
@@ -30,7 +23,7 @@ from cdcd.kafka.sink import KafkaSink
 from cdcd.node import Node
 from cdcd.wal.segment import list_segments
 from tests.support.bench import VALUE_100B, Bench, Measurement, Metric
-from tests.support.kafka import LIBS, ROOT, Broker
+from tests.support.kafka import LIBS, Broker, apply_topic_to_node
 
 TX_SIZE = 1000
 PARTITIONS = 16
@@ -147,33 +140,6 @@ def run_replay(entries: int) -> Measurement:
 
 
 # --- kafka-to-node ------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _metric(port: int, names: tuple[str, ...]) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name in names)
-
-
-def _wait(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.05)
-
-
-def _up(port: int) -> bool:
-    try:
-        _metric(port, ())
-    except OSError:
-        return False
-    return True
 
 
 def run_to_node(entries: int) -> Measurement:
@@ -184,59 +150,10 @@ def run_to_node(entries: int) -> Measurement:
         RIG.source_topic = f"bench-{RIG.runs}"
     RIG.runs += 1
     work = RIG.root / f"k2n-{RIG.runs}"
-    work.mkdir()
-    token = work / "token"
-    token.write_text("bench-token-0123456789abcdef0123\n")
-    token.chmod(0o600)
-    repl_port, node_metrics, app_metrics = _free_port(), _free_port(), _free_port()
-    node_cfg = work / "node.toml"
-    node_cfg.write_text(
-        f'node_dir = "{work / "node"}"\ncluster_id = 2\nwal_mode = "background"\n'
-        f'metrics_address = "127.0.0.1:{node_metrics}"\n'
-        f'replication_listen = "127.0.0.1:{repl_port}"\nreplication_token_file = "{token}"\n'
-    )
-    app_cfg = work / "k2n.toml"
-    app_cfg.write_text(
-        f'bootstrap_servers = "{RIG.broker.bootstrap}"\ntopic = "{RIG.source_topic}"\n'
-        f'target = "127.0.0.1:{repl_port}"\ntoken_file = "{token}"\nthreads = 2\n'
-        f'group_id = "bench-{RIG.runs}"\nmetrics_address = "127.0.0.1:{app_metrics}"\n'
-    )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cdcd = [sys.executable, "-m", "cdcd"]
-    with (work / "node.err").open("wb") as err:
-        node = subprocess.Popen([*cdcd, "node", "run", "--config", str(node_cfg)], stderr=err, env=env)
-    app: subprocess.Popen[bytes] | None = None
     try:
-        _wait(lambda: node.poll() is not None or _up(node_metrics), 60, "the target node")
-        decided = (
-            "cdcd_kafka_to_node_events_applied_total",
-            "cdcd_kafka_to_node_events_ignored_total",
-            "cdcd_kafka_to_node_events_rejected_total",
-        )
-        t0 = time.perf_counter()
-        with (work / "k2n.err").open("wb") as err:
-            app = subprocess.Popen([*cdcd, "kafka-to-node", "--config", str(app_cfg)], stderr=err, env=env)
-        _wait(
-            lambda: app.poll() is not None or (_up(app_metrics) and _metric(app_metrics, decided) >= entries),
-            600,
-            "kafka-to-node to apply the topic",
-        )
-        seconds = time.perf_counter() - t0
-        if app.poll() is not None:
-            raise RuntimeError(f"kafka-to-node exited {app.returncode}: {(work / 'k2n.err').read_text()[-2000:]}")
-        applied = _metric(app_metrics, ("cdcd_kafka_to_node_events_applied_total",))
+        seconds = apply_topic_to_node(work, RIG.broker.bootstrap, RIG.source_topic, f"bench-{RIG.runs}", entries)
     finally:
-        for proc in (app, node):
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
         shutil.rmtree(work, ignore_errors=True)
-    if applied != entries:
-        raise AssertionError(f"{applied:,.0f} applied of {entries:,}")
     return Measurement(entries, seconds, {"process_start_included": True})
 
 

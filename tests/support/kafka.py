@@ -11,12 +11,19 @@ import json
 import socket
 import struct
 import subprocess
+import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.procs import child_env, reap
+from tests.support.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "kafka.sh"
@@ -148,8 +155,6 @@ def read_topic(bootstrap: str, topic: str, *, timeout_s: float = 120) -> dict[in
     reader = Consumer({**base, "isolation.level": "read_committed", "enable.partition.eof": True})
     try:
         reader.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in pending])
-        import time
-
         deadline = time.monotonic() + timeout_s
         while pending:
             assert time.monotonic() < deadline, f"{topic}: partitions {sorted(pending)} not read to their end"
@@ -287,3 +292,85 @@ def skipped_markers(broker: Broker) -> list[str]:
     if not log.exists():
         return []
     return [line for line in log.read_text(errors="replace").splitlines() if SKIPPED_MARKERS in line]
+
+
+# --- kafka-to-node for the benchmarks -----------------------------------------------------------------
+_DECIDED = (
+    "cdcd_kafka_to_node_events_applied_total",
+    "cdcd_kafka_to_node_events_ignored_total",
+    "cdcd_kafka_to_node_events_rejected_total",
+)
+
+
+def _metric_sum(port: int, names: tuple[str, ...]) -> float:
+    """The sum of ``names`` on ``127.0.0.1:port/metrics``; -1 while nothing answers there."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return -1.0
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name in names)
+
+
+def apply_topic_to_node(work: Path, bootstrap: str, topic: str, group_id: str, rows: int) -> float:
+    """``cdcd kafka-to-node`` (2 threads) applies ``topic`` to a fresh ``cdcd node run`` process in
+    ``work``; returns the seconds from starting it until all ``rows`` were decided (process start
+    included). Raises unless exactly ``rows`` were applied; both processes are stopped."""
+    work.mkdir()
+    token = work / "token"
+    token.write_text("bench-token-0123456789abcdef0123\n")
+    token.chmod(0o600)
+    repl_port, node_metrics, app_metrics = free_port(), free_port(), free_port()
+    node_cfg = work / "node.toml"
+    node_cfg.write_text(
+        f'node_dir = {json.dumps(str(work / "node"))}\ncluster_id = 2\nwal_mode = "background"\n'
+        f'metrics_address = "127.0.0.1:{node_metrics}"\n'
+        f'replication_listen = "127.0.0.1:{repl_port}"\nreplication_token_file = {json.dumps(str(token))}\n'
+    )
+    app_cfg = work / "k2n.toml"
+    app_cfg.write_text(
+        f"bootstrap_servers = {json.dumps(bootstrap)}\ntopic = {json.dumps(topic)}\n"
+        f'target = "127.0.0.1:{repl_port}"\ntoken_file = {json.dumps(str(token))}\nthreads = 2\n'
+        f'group_id = {json.dumps(group_id)}\nmetrics_address = "127.0.0.1:{app_metrics}"\n'
+    )
+    cdcd = [sys.executable, "-m", "cdcd"]
+    node_log, app_log = work / "node.log", work / "k2n.log"
+
+    def tail(path: Path) -> str:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-15:])
+
+    def stop(proc: subprocess.Popen[bytes] | None) -> None:
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            finally:
+                reap(proc)
+
+    with node_log.open("wb") as err:
+        node = subprocess.Popen([*cdcd, "node", "run", "--config", str(node_cfg)], stderr=err, env=child_env())
+    app: subprocess.Popen[bytes] | None = None
+    try:
+        deadline = time.monotonic() + 60
+        while _metric_sum(node_metrics, ()) < 0:
+            if node.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"target node did not start:\n{tail(node_log)}")
+            time.sleep(0.05)
+        t0 = time.perf_counter()
+        with app_log.open("wb") as err:
+            app = subprocess.Popen([*cdcd, "kafka-to-node", "--config", str(app_cfg)], stderr=err, env=child_env())
+        deadline = time.monotonic() + 600
+        while _metric_sum(app_metrics, _DECIDED) < rows:
+            if app.poll() is not None:
+                raise RuntimeError(f"kafka-to-node exited {app.returncode}:\n{tail(app_log)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"kafka-to-node: {rows:,} rows not decided after 600 s:\n{tail(app_log)}")
+            time.sleep(0.05)
+        seconds = time.perf_counter() - t0
+        applied = _metric_sum(app_metrics, ("cdcd_kafka_to_node_events_applied_total",))
+    finally:
+        stop(app)
+        stop(node)
+    if applied != rows:
+        raise AssertionError(f"{applied:,.0f} applied of {rows:,}")
+    return seconds
