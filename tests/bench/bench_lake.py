@@ -80,6 +80,7 @@ from tests.support.lake_bench import (
     INGEST_BATCH_EVENTS,
     SPARK,
     SPARK_MASTER,
+    lake_value,
 )
 from tests.support.lake_bench import bench_dir as _bench_dir
 
@@ -99,18 +100,6 @@ DRAIN_TIMEOUT_S = 120.0
 
 def _label(n: int) -> str:
     return f"{n // 1_000_000}M" if n % 1_000_000 == 0 else f"{n // 1000}k"
-
-
-def lake_value(k: int) -> dict[str, Any]:
-    """A ~100-byte dict value (99 bytes of MessagePack, ~130 of JSON)."""
-    return {
-        "id": k,
-        "name": f"user-{k:08d}",
-        "email": f"user{k:08d}@example.com",
-        "score": k * 0.25,
-        "active": True,
-        "tags": ["bench", "lake"],
-    }
 
 
 def _links(cdc_dir: Path) -> dict[int, Path]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import math
 import os
 import shutil
 import statistics
@@ -34,8 +33,9 @@ from typing import Any
 
 from cdcd.lake.storage import LakeLocation, StorageOptions
 from cdcd.node.node import Node
-from tests.support.bench import Bench, Measurement, Metric
+from tests.support.bench import Bench, Measurement, Metric, _percentile
 from tests.support.lake import caught_up, position, write_config
+from tests.support.lake_bench import lake_value
 from tests.support.servers import MINIO_BIN, MINIO_PASSWORD, MINIO_USER, MinioServer, SparkStandalone, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,23 +65,6 @@ def _tail(path: Path, lines: int = 8) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
-
-
-def _percentile(sorted_values: list[int], q: float) -> float:
-    """Nearest-rank percentile of an ascending list."""
-    return float(sorted_values[max(0, math.ceil(q / 100 * len(sorted_values)) - 1)])
-
-
-def _value(k: int) -> dict[str, Any]:
-    """The ~100-byte dict value of the other lake benchmarks (99 bytes of MessagePack)."""
-    return {
-        "id": k,
-        "name": f"user-{k:08d}",
-        "email": f"user{k:08d}@example.com",
-        "score": k * 0.25,
-        "active": True,
-        "tags": ["bench", "lake"],
-    }
 
 
 class Store:
@@ -345,7 +328,7 @@ class Backlogs:
             try:
                 put_all = node.cache("bench").put_all
                 for start in range(0, entries, TX_SIZE):
-                    put_all({k: _value(k) for k in range(start, start + TX_SIZE)})
+                    put_all({k: lake_value(k) for k in range(start, start + TX_SIZE)})
                 node.force_archive()
             finally:
                 node.close()

@@ -118,3 +118,15 @@ class SharedSpark:
 
 
 SPARK = SharedSpark()
+
+
+def lake_value(k: int) -> dict[str, Any]:
+    """A ~100-byte dict value (99 bytes of MessagePack, ~130 of JSON)."""
+    return {
+        "id": k,
+        "name": f"user-{k:08d}",
+        "email": f"user{k:08d}@example.com",
+        "score": k * 0.25,
+        "active": True,
+        "tags": ["bench", "lake"],
+    }
