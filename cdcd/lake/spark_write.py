@@ -1,21 +1,25 @@
-"""The Spark writer on an object store: the executors write the Parquet files straight into the table.
+"""The Spark writer: Spark tasks write the batch's Parquet files straight into the table.
 
-On a local lake the Spark writer writes into a staging directory that the driver then moves into the
-table (``ChangeTable.adopt_files``). An object store has no rename (a "move" is a copy of every byte),
-and Hadoop's output committers for Parquet rename their task output into place, so here each Spark
-task writes its rows itself: the batch goes to the executors in parts (Arrow IPC), where
-``ChangeTaskWriter`` writes each part's rows as Parquet files under ``<table>/<partition dirs>/`` with
-names unique per file (``part-<uuid>``, exactly what the JVM-free writer writes) and returns one row
-per file: its path, size, partition values and statistics. The driver collects those rows as Delta
-``AddAction``s, and delta-rs commits them with the source's application transaction exactly as for
-any other batch (cdcd/lake/delta.py).
+The driver (the daemon) builds each part of a batch as Arrow columns with the entries' keys and
+values still MessagePack (``build_table(json_text=False)``) and hands it to a Spark task as Arrow
+IPC. ``ChangeTaskWriter``, running in the task on an executor, turns keys and values into the lake's
+JSON text (the one per-row cost no vector kernel takes: it runs on the executors' cores, not the
+daemon's) and writes the rows as Parquet files under ``<table>/<partition dirs>/`` with names unique
+per file (``part-<uuid>``, what the JVM-free writer writes), fsynced on a local disk, and returns one
+row per file: its path, size, partition values and statistics. The driver collects those rows as
+Delta ``AddAction``s, and delta-rs commits them with the source's application transaction exactly as
+for any other batch (cdcd/lake/delta.py).
 
-Files that no commit names are orphans that ``vacuum`` removes (after the retention period), never
-rows of the table: a task attempt that died (its executor or worker SIGKILLed) or lost to another
-attempt, or a job that failed, leaves files only the driver could have named, and it named none of
-them. The executors need this package installed in the Python ``spark.pyspark.python`` names (they
-import this module to run the task), and reach the store with the lake's storage settings, which
-travel in the task (as Spark's own ``spark.hadoop.fs.s3a.*`` settings do).
+Nothing is renamed or copied, so the same path serves a local lake and an object store (which has no
+rename: a "move" is a copy of every byte), and no file goes through Hadoop's local file system
+(which forks ``chmod`` for every file it creates when Hadoop's native library is absent, as in
+pyspark's wheels: seconds per thousand partitions). Files that no commit names are orphans that
+``vacuum`` removes (after the retention period), never rows of the table: a task attempt that died
+(its executor or worker SIGKILLed) or lost to another attempt, or a job that failed, leaves files
+only the driver could have named, and it named none of them. The executors need this package
+installed in the Python ``spark.pyspark.python`` names (they import this module to run the task),
+and reach an object store with the lake's storage settings, which travel in the task (as Spark's own
+``spark.hadoop.fs.s3a.*`` settings do).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 import pyarrow as pa
 from deltalake.transaction import AddAction
 
+from cdcd.lake.arrow import with_json_text
 from cdcd.lake.delta import ChangeTable, WrittenFiles
 from cdcd.lake.storage import LakeLocation
 
@@ -58,7 +63,8 @@ def _pause_once() -> None:
 
 class ChangeTaskWriter:
     """The function each Spark task runs on its executor (pickled with the lake's location): its
-    part of the batch arrives as Arrow IPC bytes and leaves as Parquet files in the table."""
+    part of the batch arrives as Arrow IPC bytes (keys and values MessagePack or JSON text) and
+    leaves as Parquet files in the table."""
 
     def __init__(self, location: LakeLocation, partition_by_day: bool, max_rows_per_file: int) -> None:
         self.location = location
@@ -68,25 +74,33 @@ class ChangeTaskWriter:
     def __call__(self, parts: Iterator[bytes]) -> Iterator[tuple[str, int, str, int, str]]:
         table = ChangeTable(self.location.root(), self.partition_by_day)
         for part in parts:
-            rows = pa.ipc.open_stream(part).read_all()
+            rows = with_json_text(pa.ipc.open_stream(part).read_all())
             written = table.write_arrow(rows, self.max_rows_per_file)
             _pause_once()
             for a in written.adds:
                 yield a.path, a.size, json.dumps(a.partition_values), a.modification_time, a.stats
 
 
+_IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="zstd")
+"""The parts travel inside the tasks (the driver JVM serialises each to its executor, which hands it
+to the Python worker): compressed, they are a fraction of the bytes for the JVM to copy, for a few
+milliseconds of (multi-threaded) zstd on the driver."""
+
+
 def _ipc(table: pa.Table) -> bytes:
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as out:
-        out.write_table(table)
+    # One chunk per column: keys and values are slices of one shared buffer, which the IPC writer
+    # copies far more slowly than a contiguous column.
+    with pa.ipc.new_stream(sink, table.schema, options=_IPC_OPTIONS) as out:
+        out.write_table(table.combine_chunks())
     return bytes(sink.getvalue())
 
 
 def write_on_executors(
     spark: Any, table: ChangeTable, location: LakeLocation, data: pa.Table, *, tasks: int, max_rows_per_file: int
 ) -> WrittenFiles:
-    """``data`` (rows of the change schema) written by ``tasks`` Spark tasks straight into ``table``;
-    the files, not yet named by any commit.
+    """``data`` (rows of the change schema, keys and values MessagePack or JSON text) written by
+    ``tasks`` Spark tasks straight into ``table``; the files, not yet named by any commit.
 
     The parts travel as Arrow IPC in an RDD (no DataFrame: no type conversion through Spark's types,
     and no pandas, which PySpark's Arrow UDFs require)."""

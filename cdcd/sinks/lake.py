@@ -1,10 +1,10 @@
 """``kind = "lake"`` (alias ``"spark"``): batches into the Delta table ``<lake>/changes``, exactly once.
 
-The Parquet files are written by Spark (``writer = "spark"``, the default: ``createDataFrame`` +
-``write.parquet`` on ``spark_master``; on an object store the Spark tasks write the files in place,
-cdcd/lake/spark_write.py) or by pyarrow in this process (``writer = "deltalake"``, no JVM: the node's
-realtime worker and small machines); delta-rs commits either way (cdcd/lake/delta.py says why and how
-the commit is exactly once).
+The Parquet files are written by Spark tasks on ``spark_master`` (``writer = "spark"``, the default:
+each task writes its part of the batch straight into the table, cdcd/lake/spark_write.py) or by
+pyarrow in this process (``writer = "deltalake"``, no JVM: the node's realtime worker and small
+machines); delta-rs commits either way (cdcd/lake/delta.py says why and how the commit is exactly
+once).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Any, Literal
 
 import msgspec
 import pyarrow as pa
-import pyarrow.compute as pc
 import structlog
 
 from cdcd import metrics
@@ -30,8 +29,8 @@ from cdcd.delivery import slices_from
 from cdcd.durable import write_atomic
 from cdcd.lake import spark as spark_session
 from cdcd.lake.arrow import build_table, split_slices
-from cdcd.lake.delta import ChangeTable, LakeWriteError, SourceMark, WrittenFiles, partition_dir_value
-from cdcd.lake.log import STAGING_DIR, _owner_alive, check_writable, new_batch_id
+from cdcd.lake.delta import ChangeTable, LakeWriteError, SourceMark, WrittenFiles
+from cdcd.lake.log import STAGING_DIR, _owner_alive, check_writable
 from cdcd.lake.maintainer import Maintainer, MaintainerOptions
 from cdcd.lake.spark_write import write_on_executors
 from cdcd.lake.storage import LakeDir, LakeLocation, LakeStorageError, ObjectPath, StorageOptions
@@ -42,13 +41,9 @@ log = structlog.get_logger("cdcd.lake")
 
 __all__ = ["LakeConsumer", "LakeOptions", "LakeWriteError", "root_cause"]
 
-_ROWS_PER_SPARK_FILE = 250_000
+_ROWS_PER_SPARK_FILE = 1 << 20
 _MIN_ROWS_PER_FILE = 100_000
 """Smaller batches are written as one file per partition (smaller files cost readers more)."""
-_NO_DICTIONARY = ("key", "value", "version_order", "wal_offset", "commit_ts")
-"""Columns (nearly) unique per row: Parquet's dictionary encoding only ever falls back to plain on
-them, after hashing every value (a fair share of the Spark writer's CPU)."""
-SPARK_PARQUET_OPTIONS = {f"parquet.enable.dictionary#{c}": "false" for c in _NO_DICTIONARY}
 
 
 def root_cause(exc: BaseException) -> str:
@@ -74,7 +69,8 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     app_name: str = "cdcd-lake"
     partition_by_day: bool = False
     max_files_per_batch: int = 2
-    """At most this many files per batch and partition."""
+    """A batch is written in up to this many parts (of at least 100k rows), each one file per
+    partition: the parts are written side by side (two cores, or Spark tasks on free executors)."""
     writer: Literal["spark", "deltalake", "arrow"] = "spark"
     """Who writes the Parquet files: Spark on ``spark_master`` (default), or pyarrow in this
     process (``"deltalake"``; ``"arrow"`` is its old name): no JVM, for small machines and the
@@ -188,9 +184,10 @@ class LakeConsumer(Consumer):
             self._maintainer.start()
 
     def _clean_staging(self) -> None:
-        """Spark output of writers that died before moving it into the table (never named by a commit)."""
+        """``_staging/``: Spark output that earlier versions of this sink wrote there and died before
+        moving into the table (never named by a commit). Nothing writes there any more."""
         if not isinstance(self.lake, Path):
-            return  # only the Spark writer on a local lake stages files (on a store its tasks write in place)
+            return
         staging = self.lake / STAGING_DIR
         if not staging.is_dir():
             return
@@ -300,21 +297,29 @@ class LakeConsumer(Consumer):
                 return next(i for i, s in enumerate(replayed) if s.pointer >= wp)
         return None
 
-    def _write_arrow(
+    def _write(
         self, table: ChangeTable, slices: list[RecordSlice], batch: EventBatch, generation: int
     ) -> tuple[WrittenFiles, dict[str, tuple[int, int]]]:
-        """Up to ``max_files_per_batch`` parts, each built while the previous one is written:
-        pyarrow's Parquet encoding and compression run without the GIL, on the other core."""
+        """The batch as Parquet files in the table, not yet committed: up to ``max_files_per_batch``
+        parts, each built while the previous one is written (by pyarrow without the GIL on the other
+        core, or by a Spark task, cdcd/lake/spark_write.py); the per-cache (rows, max commit ts)."""
+        spark = self.options.uses_spark
         parts = split_slices(slices, self.options.max_files_per_batch, min_rows=_MIN_ROWS_PER_FILE)
         stats: dict[str, tuple[int, int]] = {}
         futures: list[Future[WrittenFiles]] = []
-        with ThreadPoolExecutor(1, thread_name_prefix="cdcd-lake-write") as pool:
+        # Spark: one job per part, so the daemon builds the next part (and decodes the next batch)
+        # while the executors write; the parts' jobs run side by side on free executors.
+        with ThreadPoolExecutor(len(parts) if spark else 1, thread_name_prefix="cdcd-lake-write") as pool:
             try:
                 for part in parts:
+                    by_day = self.options.partition_by_day
                     data, part_stats = build_table(
-                        part, batch, batch.source_node, self.options.partition_by_day, generation
+                        part, batch, batch.source_node, by_day, generation, json_text=not spark
                     )
-                    futures.append(pool.submit(table.write_arrow, data))
+                    if spark:
+                        futures.append(pool.submit(self._write_on_spark, table, data))
+                    else:
+                        futures.append(pool.submit(table.write_arrow, data))
                     for name, (n, ts) in part_stats.items():
                         have, max_ts = stats.get(name, (0, 0))
                         stats[name] = (have + n, max(max_ts, ts))
@@ -326,47 +331,10 @@ class LakeConsumer(Consumer):
                 raise
         return WrittenFiles(table.path, [a for w in written for a in w.adds]), stats
 
-    def _write(
-        self, table: ChangeTable, slices: list[RecordSlice], batch: EventBatch, generation: int
-    ) -> tuple[WrittenFiles, dict[str, tuple[int, int]]]:
-        rows = sum(s.end - s.start for s in slices)
-        if not self.options.uses_spark:
-            return self._write_arrow(table, slices, batch, generation)
-        data, stats = build_table(slices, batch, batch.source_node, self.options.partition_by_day, generation)
-        files = max(1, min(self.options.max_files_per_batch, rows // _ROWS_PER_SPARK_FILE + 1))
-        if not isinstance(self.lake, Path):
-            # No rename on an object store: the executors write into the table (cdcd/lake/spark_write.py).
-            try:
-                written = write_on_executors(
-                    self._spark, table, self.location, data, tasks=files, max_rows_per_file=_ROWS_PER_SPARK_FILE
-                )
-            except Exception as exc:
-                raise LakeWriteError(f"writing {rows} rows to {table.path} failed: {root_cause(exc)}") from None
-            return written, stats
-        staging = self.lake / STAGING_DIR / new_batch_id()
-        names = data.column("cache").unique().to_pylist()
-        dir_values = {partition_dir_value(n): n for n in names}
-        files = max(1, min(self.options.max_files_per_batch, rows // _ROWS_PER_SPARK_FILE + 1))
-        single = {c: data.column(c).unique() for c in table.partition_by}
+    def _write_on_spark(self, table: ChangeTable, data: pa.Table) -> WrittenFiles:
         try:
-            if all(len(v) == 1 for v in single.values()):
-                # One partition (the common case): written straight into its directory. partitionBy
-                # would make Spark sort every row by the partition columns first, which costs about
-                # as much as encoding them.
-                where = staging.joinpath(*(f"{c}={partition_dir_value(str(v[0].as_py()))}" for c, v in single.items()))
-                df = self._spark.createDataFrame(data.drop_columns(table.partition_by))
-                df.coalesce(files).write.options(**SPARK_PARQUET_OPTIONS).parquet(str(where))
-                return table.adopt_files(staging, dir_values), stats
-            to_dir = pa.array([partition_dir_value(n) for n in names], pa.string())
-            cache_dirs = to_dir.take(pc.index_in(data.column("cache"), pa.array(names, pa.string())))
-            data = data.set_column(data.schema.get_field_index("cache"), "cache", cache_dirs)
-            df = self._spark.createDataFrame(data)
-            writer = df.coalesce(files).write.options(**SPARK_PARQUET_OPTIONS)
-            writer.partitionBy(*table.partition_by).parquet(str(staging))
-            return table.adopt_files(staging, dir_values), stats
-        except LakeWriteError:
-            raise
+            return write_on_executors(
+                self._spark, table, self.location, data, tasks=1, max_rows_per_file=_ROWS_PER_SPARK_FILE
+            )
         except Exception as exc:
-            raise LakeWriteError(f"writing {rows} rows to {staging} failed: {root_cause(exc)}") from None
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            raise LakeWriteError(f"writing {data.num_rows} rows to {table.path} failed: {root_cause(exc)}") from None

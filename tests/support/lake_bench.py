@@ -58,41 +58,42 @@ class SharedSpark:
         return self.session
 
     def _warm_up(self, rows: int = WARMUP_ROWS) -> None:
-        """A small landing (Arrow -> DataFrame -> partitioned Parquet) and a small compaction-like
-        window query: class loading and code generation of both paths happen here, not in a timing."""
+        """A small landing through the Spark writer's tasks (Python workers started, cdcd imported
+        there) and a small compaction-like window query: class loading, worker start-up and code
+        generation happen here, not in a timing."""
+        import msgspec
         import pyarrow as pa
         from pyspark.sql import Window
         from pyspark.sql import functions as F
 
-        from cdcd.lake.arrow import SCHEMA
-        from cdcd.sinks.lake import SPARK_PARQUET_OPTIONS
+        from cdcd.lake.arrow import RAW_SCHEMA
+        from cdcd.lake.delta import ChangeTable
+        from cdcd.lake.spark_write import write_on_executors
+        from cdcd.lake.storage import LakeLocation
 
+        value = msgspec.msgpack.encode({"v": 1})
         cols = {
             "op": ["create"] * rows,
-            "key": [str(k) for k in range(rows)],
-            "value": ['{"v":1}'] * rows,
-            "partition": [0] * rows,
+            "key": [msgspec.msgpack.encode(k) for k in range(rows)],
+            "value": [value] * rows,
             "primary": [True] * rows,
             "version_order": list(range(rows)),
-            "version_cluster_id": [0] * rows,
             "commit_ts": [1_700_000_000_000_000] * rows,
             "source_node": ["warm-up"] * rows,
-            "wal_segment": [0] * rows,
             "wal_offset": list(range(rows)),
-            "wal_index": [0] * rows,
-            "expire_time_ms": [0] * rows,
             "cache": ["warm"] * rows,
         }
-        columns = {f.name: pa.array(cols.get(f.name, [0] * rows), f.type) for f in SCHEMA}  # the rest: zeros
-        table = pa.table(columns, schema=SCHEMA)
+        columns = {f.name: pa.array(cols.get(f.name, [0] * rows), f.type) for f in RAW_SCHEMA}  # the rest: zeros
+        table = pa.table(columns, schema=RAW_SCHEMA)
         tmp = Path(tempfile.mkdtemp(prefix="cdcd-bench-lake-warmup-", dir=bench_dir()))
         try:
-            # Both ways the sink writes: one partition straight, several through partitionBy.
-            one = self.session.createDataFrame(table.drop_columns(["cache"])).coalesce(1).write
-            one.options(**SPARK_PARQUET_OPTIONS).parquet(str(tmp / "a" / "cache=warm"))
-            many = self.session.createDataFrame(table).coalesce(1).write.options(**SPARK_PARQUET_OPTIONS)
-            many.partitionBy("cache").parquet(str(tmp / "c"))
-            df = self.session.read.parquet(str(tmp / "a"))
+            changes = ChangeTable(tmp / "a", False)
+            changes.open()
+            for _ in range(2):  # both local cores' Python workers
+                write_on_executors(
+                    self.session, changes, LakeLocation(str(tmp / "a")), table, tasks=2, max_rows_per_file=rows
+                )
+            df = self.session.read.parquet(str(tmp / "a" / "changes" / "cache=warm"))
             w = Window.partitionBy("key").orderBy(F.col("version_order").desc())
             df.withColumn("_rank", F.row_number().over(w)).where(F.col("_rank") == 1).write.parquet(str(tmp / "b"))
         finally:
