@@ -230,6 +230,10 @@ def test_acquire_loads_delta_from_local_jars_and_resolves_nothing(spark: Any, tm
     }
     assert spark.conf.get("spark.jars.packages", None) in (None, "")
     assert spark.conf.get("spark.sql.extensions") == "io.delta.sql.DeltaSparkSessionExtension"
+    # Hadoop's local file system without a forked chmod per file (the jar is on the JVM's class path).
+    hadoop = spark._jsc.hadoopConfiguration()
+    local_fs = spark._jvm.org.apache.hadoop.fs.FileSystem.getLocal(hadoop)
+    assert local_fs.getClass().getName() == spark_session.LOCAL_FS_CLASS
 
     copy = tmp_path / "jars"
     copy.mkdir()
@@ -272,7 +276,8 @@ def test_missing_delta_jars_is_one_line_naming_the_directory(tmp_path: Path) -> 
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("cdcd: error:")]
     assert lines == [
         f"cdcd: error: {empty}: no io.delta_delta-spark_2.13-{spark_session.DELTA_VERSION}.jar, "
-        f"io.delta_delta-storage-{spark_session.DELTA_VERSION}.jar: run `make install` "
+        f"io.delta_delta-storage-{spark_session.DELTA_VERSION}.jar, "
+        f"{spark_session.jar_name(*spark_session.LOCAL_FS_ARTIFACT)}: run `make install` "
         "(scripts/fetch-delta-jars.sh) once with network, or set CDCD_SPARK_JARS_DIR to a directory holding them"
     ], res.stderr
 

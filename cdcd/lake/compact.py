@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import structlog
@@ -138,17 +139,24 @@ def read_feed(changes: LakeDir, start: int, end: int) -> pa.Table:
             if add is not None and add.get("dataChange", True):
                 files.append((_data_file(changes, add["path"]), add.get("partitionValues") or {}))
 
+    data_schema = pa.schema([schema.field(name) for name in data_columns])
+
     def read(item: tuple[LakeDir, dict[str, str | None]]) -> pa.Table:
-        path, partitions = item
-        table = pq.read_table(file_source(path), columns=data_columns)
-        for name in PARTITION_BY:
-            table = table.append_column(name, pa.array([partitions.get(name)] * table.num_rows, pa.string()))
-        return table.select(list(FEED_COLUMNS)).cast(schema)
+        # ParquetFile, not read_table: no dataset discovery per file (many caches: many tiny files).
+        table = pq.ParquetFile(file_source(item[0])).read(columns=data_columns).select(data_columns)
+        return table if table.schema.equals(data_schema) else table.cast(data_schema)
 
     if not files:
         return schema.empty_table()
     with ThreadPoolExecutor(max_workers=4) as pool:
-        return pa.concat_tables(list(pool.map(read, files)))
+        tables = list(pool.map(read, files))
+    data = pa.concat_tables(tables)
+    # Partition values are in the log, not the files: one column for all files at once.
+    of_row = pa.array(np.repeat(np.arange(len(files)), [t.num_rows for t in tables]))
+    for name in PARTITION_BY:
+        values = pa.array([partitions.get(name) for _, partitions in files], pa.string())
+        data = data.append_column(name, values.take(of_row))
+    return data.select(list(FEED_COLUMNS)).cast(schema)
 
 
 def _data_file(table: LakeDir, path: str) -> LakeDir:

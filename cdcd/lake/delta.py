@@ -432,50 +432,6 @@ class ChangeTable:
             raise LakeWriteError(f"lake {self.path}: writing {table.num_rows} rows failed: {_reason(exc)}") from None
         return out
 
-    def adopt_files(self, staging: Path, values_of: Mapping[str, str]) -> WrittenFiles:
-        """Move Parquet files another engine wrote under ``staging`` (``col=<dir value>/...``) into the
-        table, fsynced; ``values_of`` maps each directory value back to the real partition value."""
-        if not isinstance(self.path, Path):
-            raise LakeWriteError(f"lake {self.path}: files written elsewhere are adopted on a local lake only")
-        root = self.path
-        out = WrittenFiles(root, [])
-        dirs: set[Path] = set()
-        sources = sorted(staging.rglob("*.parquet"))
-        # Many files (a batch over many caches): one syncfs of the table's file system after the
-        # moves instead of an fsync per file and directory.
-        many = len(sources) > _FSYNC_EACH_MAX_FILES
-        try:
-            for src in sources:
-                rel = src.relative_to(staging)
-                if any(p.startswith((".", "_")) for p in rel.parts):
-                    continue
-                values = []
-                for part in rel.parts[:-1]:
-                    col, _, dir_value = part.partition("=")
-                    values.append(values_of.get(dir_value, dir_value) if col == self.partition_by[0] else dir_value)
-                rel_dir = self._dir_of(values)
-                dst = root / rel_dir / f"part-{uuid.uuid4().hex}.c000.zstd.parquet"
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                if not many:
-                    fsync_file(src)
-                stats = footer_stats(src)
-                os.rename(src, dst)
-                dirs.add(dst.parent)
-                st = dst.stat()
-                pv = dict(zip(self.partition_by, values, strict=True))
-                out.adds.append(
-                    AddAction(str(dst.relative_to(root)), st.st_size, pv, st.st_mtime_ns // 10**6, True, stats)
-                )
-            if not (many and sync_filesystem(root)):
-                if many:
-                    for add in out.adds:
-                        fsync_file(root / add.path)
-                self._fsync_dirs(dirs)
-        except OSError as exc:
-            out.discard()
-            raise LakeWriteError(f"lake {self.path}: moving files from {staging} failed: {_reason(exc)}") from None
-        return out
-
     def _fsync_dirs(self, dirs: Iterable[LakeDir]) -> None:
         if not isinstance(self.path, Path):
             return  # an object is durable once its PUT returned; a store has no directories

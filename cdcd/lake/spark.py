@@ -30,6 +30,14 @@ DELTA_ARTIFACTS = (
 """Only these two: what else delta-spark's POM names is either shipped by pyspark (Jackson, Parquet,
 Hadoop, in newer versions) or used only by Unity Catalog and the Delta kernel, which cdcd does not use."""
 
+LOCAL_FS_ARTIFACT = ("com.globalmentor", "hadoop-bare-naked-local-fs", "0.1.0")
+LOCAL_FS_CLASS = "com.globalmentor.apache.hadoop.fs.BareLocalFileSystem"
+"""Hadoop's ``file:`` file system with permissions set through java.nio. Hadoop's own forks a
+``chmod`` process for every file and directory it creates when Hadoop's native library is absent,
+as it is from pyspark's wheels: that was most of the time of a compaction over thousands of cache
+partitions (one state file each). It must be on the JVM's class path from the start (Hadoop
+resolves ``fs.file.impl`` before ``spark.jars`` are loaded), on the driver and every executor."""
+
 S3A_ARTIFACTS = (
     ("org.apache.hadoop", "hadoop-aws", "3.5.0"),
     ("software.amazon.awssdk", "bundle", "2.35.4"),
@@ -64,7 +72,7 @@ def delta_jars(directory: Path | None = None, s3a: bool = False) -> list[Path]:
     """The local Delta jar files (and the ``s3a`` ones); ``DeltaJarsMissing`` (one line saying how to
     fix it) if any is absent."""
     where = jars_dir() if directory is None else directory
-    wanted = DELTA_ARTIFACTS + (S3A_ARTIFACTS if s3a else ())
+    wanted = (*DELTA_ARTIFACTS, LOCAL_FS_ARTIFACT) + (S3A_ARTIFACTS if s3a else ())
     paths = [where / jar_name(*coords) for coords in wanted]
     missing = [p.name for p in paths if not p.is_file()]
     if missing:
@@ -75,31 +83,31 @@ def delta_jars(directory: Path | None = None, s3a: bool = False) -> list[Path]:
     return paths
 
 
-def delta_conf(jars: list[Path], user_jars: str = "", master: str = "local") -> dict[str, str]:
-    """The settings that turn Delta on in a session built from local jar files. On a cluster the
-    jars are put on the driver's and executors' class paths from the same local path (the AWS SDK
-    alone is hundreds of MB: shipping it to every executor through ``spark.jars`` costs more than
-    installing it at the same path on each machine, which ``make install`` does)."""
-    listed = [p.as_uri() for p in jars]
-    if user_jars:
-        listed.append(user_jars)
-    if not master.startswith("local"):
-        local = [p for p in jars if p.name.split("_", 1)[0] != "io.delta"]
-        if local:
-            delta = [p.as_uri() for p in jars if p not in local]
-            classpath = ":".join(str(p) for p in local)
-            return {
-                "spark.jars": ",".join(delta + ([user_jars] if user_jars else [])),
-                "spark.driver.extraClassPath": classpath,
-                "spark.executor.extraClassPath": classpath,
-                "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
-                "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
-            }
-    return {
-        "spark.jars": ",".join(listed),
+def delta_conf(jars: list[Path], user_conf: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The settings that turn Delta (and the fork-free local file system) on in a session built
+    from local jar files. Jars other than Delta's go on the driver's and executors' class paths
+    from the same local path: the local file system is needed before ``spark.jars`` load, and on a
+    cluster the AWS SDK alone is hundreds of MB, which costs more to ship to every executor than to
+    install at the same path on each machine (``make install`` does). The user's own
+    ``spark.jars`` and class paths are kept, after these."""
+    user = dict(user_conf or {})
+    delta = [p for p in jars if p.name.split("_", 1)[0] == "io.delta"]
+    local = [p for p in jars if p not in delta]
+
+    def joined(key: str, sep: str, ours: list[str]) -> str:
+        return sep.join(ours + ([user[key]] if user.get(key) else []))
+
+    classpath = [str(p) for p in local]
+    conf = {
+        "spark.jars": joined("spark.jars", ",", [p.as_uri() for p in delta]),
+        "spark.driver.extraClassPath": joined("spark.driver.extraClassPath", ":", classpath),
+        "spark.executor.extraClassPath": joined("spark.executor.extraClassPath", ":", classpath),
         "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
         "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
     }
+    if any(p.name == jar_name(*LOCAL_FS_ARTIFACT) for p in local):
+        conf.setdefault("spark.hadoop.fs.file.impl", LOCAL_FS_CLASS)
+    return conf
 
 
 def _local_defaults(master: str) -> dict[str, str]:
@@ -147,7 +155,9 @@ def acquire(master: str, app_name: str, conf: Mapping[str, str]) -> Any:
                 builder = builder.config(key, value)
             for key, value in conf.items():
                 builder = builder.config(key, value)
-            for key, value in delta_conf(jars, conf.get("spark.jars", ""), master).items():
+            for key, value in delta_conf(jars, conf).items():
+                if key == "spark.hadoop.fs.file.impl" and key in conf:
+                    continue  # the user's choice stands
                 builder = builder.config(key, value)
             builder = builder.config("spark.driver.extraJavaOptions", java_opts)
             _session = _create(builder)
@@ -202,7 +212,7 @@ def main() -> None:
     """``python -m cdcd.lake.spark``: print the jar directory and the Maven coordinates, one per line
     (``scripts/fetch-delta-jars.sh`` reads them: one source of truth for versions)."""
     print(jars_dir())
-    for org, artifact, version in DELTA_ARTIFACTS + S3A_ARTIFACTS:
+    for org, artifact, version in (*DELTA_ARTIFACTS, LOCAL_FS_ARTIFACT, *S3A_ARTIFACTS):
         print(org, artifact, version)
 
 

@@ -62,19 +62,22 @@ def _pause_once() -> None:
 
 
 class ChangeTaskWriter:
-    """The function each Spark task runs on its executor (pickled with the lake's location): its
-    part of the batch arrives as Arrow IPC bytes (keys and values MessagePack or JSON text) and
-    leaves as Parquet files in the table."""
+    """The function each Spark task runs on its executor (pickled with the lake's location and the
+    broadcast variables holding the parts): part ``i`` of the batch arrives as Arrow IPC bytes (keys
+    and values MessagePack or JSON text) and leaves as Parquet files in the table."""
 
-    def __init__(self, location: LakeLocation, partition_by_day: bool, max_rows_per_file: int) -> None:
+    def __init__(
+        self, location: LakeLocation, partition_by_day: bool, max_rows_per_file: int, parts: list[Any]
+    ) -> None:
         self.location = location
         self.partition_by_day = partition_by_day
         self.max_rows_per_file = max_rows_per_file
+        self.parts = parts
 
-    def __call__(self, parts: Iterator[bytes]) -> Iterator[tuple[str, int, str, int, str]]:
+    def __call__(self, indexes: Iterator[int]) -> Iterator[tuple[str, int, str, int, str]]:
         table = ChangeTable(self.location.root(), self.partition_by_day)
-        for part in parts:
-            rows = with_json_text(pa.ipc.open_stream(part).read_all())
+        for i in indexes:
+            rows = with_json_text(pa.ipc.open_stream(self.parts[i].value).read_all())
             written = table.write_arrow(rows, self.max_rows_per_file)
             _pause_once()
             for a in written.adds:
@@ -82,8 +85,7 @@ class ChangeTaskWriter:
 
 
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="zstd")
-"""The parts travel inside the tasks (the driver JVM serialises each to its executor, which hands it
-to the Python worker): compressed, they are a fraction of the bytes for the JVM to copy, for a few
+"""Compressed, a part is a fraction of the bytes for the JVM and the network to carry, for a few
 milliseconds of (multi-threaded) zstd on the driver."""
 
 
@@ -102,14 +104,21 @@ def write_on_executors(
     """``data`` (rows of the change schema, keys and values MessagePack or JSON text) written by
     ``tasks`` Spark tasks straight into ``table``; the files, not yet named by any commit.
 
-    The parts travel as Arrow IPC in an RDD (no DataFrame: no type conversion through Spark's types,
-    and no pandas, which PySpark's Arrow UDFs require)."""
+    The parts travel as Arrow IPC in broadcast variables, one per task (no DataFrame: no type
+    conversion through Spark's types, and no pandas, which PySpark's Arrow UDFs require). Broadcast
+    rather than inside the tasks: Spark ships a broadcast in blocks, and in local mode the Python
+    worker reads it from the file the driver wrote, where a task's own data is copied by the JVM."""
     if data.num_rows == 0:
         return WrittenFiles(table.path, [])
     n = max(1, min(tasks, data.num_rows))
     step = -(-data.num_rows // n)
-    parts = [_ipc(data.slice(i, step)) for i in range(0, data.num_rows, step)]
-    writer = ChangeTaskWriter(location, "day" in table.partition_by, max_rows_per_file)
-    rows = spark.sparkContext.parallelize(parts, len(parts)).mapPartitions(writer).collect()
+    sc = spark.sparkContext
+    parts = [sc.broadcast(_ipc(data.slice(i, step))) for i in range(0, data.num_rows, step)]
+    try:
+        writer = ChangeTaskWriter(location, "day" in table.partition_by, max_rows_per_file, parts)
+        rows = sc.parallelize(range(len(parts)), len(parts)).mapPartitions(writer).collect()
+    finally:
+        for part in parts:
+            part.destroy()
     adds = [AddAction(path, size, json.loads(values), mtime, True, stats) for path, size, values, mtime, stats in rows]
     return WrittenFiles(table.path, adds)
