@@ -168,7 +168,8 @@ def one_round(ctx: Ctx, res: Result, k: int) -> None:
             # Another gap, if any, is among the segments archived by now: the daemon has either hit it (and exited)
             # once its position passes them, or there is none. (A fixed wait here decided by the sink's speed.)
             passed = max(archived_segments(r.node_dir)) + 1
-            r.start_daemon()
+            # Not start_daemon(): it may deliver up to the next gap and exit 3 before it is seen started.
+            r.spawn_daemon()
             daemon = r.daemon
             assert daemon is not None
 
