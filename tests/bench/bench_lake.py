@@ -28,7 +28,8 @@ Every lake benchmark runs with the default ``writer = "spark"`` (``createDataFra
   ``cdcd_lake_spark_write_seconds``), ``build_commit_s`` (the rest of the sink's ``on_events``:
   ``build_table``, lake log commit and publish) and ``daemon_s`` (the rest: reading, decoding,
   the daemon's own commits; with ``run()`` these overlap the sink), and CPU per row of this
-  process (``py_cpu_us_per_row``, all threads) and of the Spark JVM (``jvm_cpu_us_per_row``):
+  process (``py_cpu_us_per_row``, all threads) and of the Spark JVM with its Python workers, which
+  run the writer's tasks (``jvm_cpu_us_per_row``):
   on a busy machine these move far less than the wall-clock rate.
 - ``lake.lag.live``: a writer subprocess (this module's ``lag-writer``: a node with
   ``wal_mode=fsync``, ``wal_force_archive_timeout_ms=1000``, ``put_all`` of 10 fresh keys with

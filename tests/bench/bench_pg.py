@@ -45,7 +45,7 @@ Workloads (``--only`` names; rows are 8-byte int keys with 100-byte values on bo
   ``local[2]``, delta-rs commits; batches of ``INGEST_BATCH_EVENTS`` as in ``lake.ingest.run``) into
   a fresh lake per run and checks the row count of the Delta table. The SparkSession is started and
   warmed up once before the first run (``tests/support/lake_bench.py``). CPU: the process plus the
-  Spark JVM.
+  Spark JVM and its Python workers (which run the writer's tasks).
 
 ``live`` -- 500 transactions/s of 10 rows for 20 s (5 s with ``--quick``) plus a warm-up second
   (excluded), from one Python thread on a fixed open-loop schedule (transaction ``g`` starts at
@@ -673,7 +673,7 @@ class CdcdSide:
     def _catchup_lake(self) -> Sample:
         """The backlog into a fresh lake through the default lake pipeline (``writer = "spark"`` on
         ``local[2]``, delta-rs commits), with ``lake.ingest.run``'s batch settings; CPU includes the
-        Spark JVM's."""
+        Spark JVM's and its Python workers'."""
         from cdcd.sinks.lake import LakeConsumer, LakeOptions
 
         SPARK.ensure()  # started and warmed up once, outside every timing

@@ -100,14 +100,46 @@ class SharedSpark:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def jvm_cpu_s(self) -> float:
-        """CPU seconds (user + system) the Spark JVM has used so far (it runs in a child process)."""
+        """CPU seconds (user + system) the Spark JVM and its processes (the Python workers that run
+        the writer's tasks) have used so far: the JVM's own, its reaped children's, and each live
+        descendant's."""
         if self.session is None:
             return 0.0
         if self._jvm_pid is None:
             self._jvm_pid = int(self.session._jvm.java.lang.ProcessHandle.current().pid())
-        with open(f"/proc/{self._jvm_pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return sum(map(_cpu_s, _descendants(self._jvm_pid)))
+
+
+def _stat(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()
+
+
+def _cpu_s(pid: int) -> float:
+    """utime + stime + cutime + cstime (its reaped children) of ``pid``; 0 if it is gone. A live
+    child is counted by its own entry, a reaped one in its parent's: never twice."""
+    try:
+        fields = _stat(pid)
+    except OSError:
+        return 0.0
+    ticks = sum(int(f) for f in fields[11:15])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _descendants(root: int) -> list[int]:
+    """``root`` and every live process below it."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent[int(entry)] = int(_stat(int(entry))[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, frontier = [root], [root]
+    while frontier:
+        frontier = [pid for pid, ppid in parent.items() if ppid in frontier]
+        out.extend(frontier)
+    return out
 
     def release(self) -> None:
         if self.session is not None:
