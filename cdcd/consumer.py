@@ -269,6 +269,11 @@ class EventBatch:
     def cache_name(self, cache_id: int) -> str:
         return self._names.get(cache_id) or f"cache-{cache_id}"
 
+    @property
+    def cache_names(self) -> dict[int, str]:
+        """Cache id -> name, what ``cache_name`` looks up (read it, never change it)."""
+        return self._names
+
 
 class Consumer:
     """Base class of consumers; override what you need. ``start``/``stop`` run once each."""

@@ -60,7 +60,7 @@ from cdcd.sinks.lake import LakeConsumer, LakeOptions
 class KillingLake(LakeConsumer):
     def __init__(self, kill_at, kill_commit, marker, **options):
         super().__init__(LakeOptions(**options))
-        self.kill_at = kill_at  # part-written | files-written | committed
+        self.kill_at = kill_at  # spark-written | files-written | committed
         self.kill_commit = kill_commit  # the n-th batch of this process (1-based)
         self.marker = Path(marker)
         self.batches = 0
@@ -85,16 +85,16 @@ class KillingLake(LakeConsumer):
 
         table.commit = hooked_commit
 
-    def _write_on_spark(self, table, data):
-        written = super()._write_on_spark(table, data)
-        # A Spark task wrote one part of the batch into the table; the other part may be under way.
-        if self.kill_at == "part-written" and self.batches + 1 == self.kill_commit:
+    def _write_on_spark(self, table, parts, info):
+        written = super()._write_on_spark(table, parts, info)
+        # The Spark tasks wrote the batch into the table; nothing is committed.
+        if self.kill_at == "spark-written" and self.batches + 1 == self.kill_commit:
             self._die(files=[a.path for a in written.adds])
         return written
 '''
 
 SEED = 15_019
-IN_PROCESS = ("part-written", "files-written", "committed")
+IN_PROCESS = ("spark-written", "files-written", "committed")
 
 
 # --- helpers ---------------------------------------------------------------------------------------
@@ -158,8 +158,8 @@ def remount(path: Path, options: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_sigkill_during_commits_lands_everything_exactly_once(tmp_path: Path) -> None:
-    """SIGKILLing `cdcd run` 16 times while it works through a backlog - after a Spark task wrote part of a
-    batch into the table, with a batch's files fsynced in the table but not committed, right after a commit the
+    """SIGKILLing `cdcd run` 16 times while it works through a backlog - after Spark tasks wrote a batch into
+    the table, with a batch's files fsynced in the table but not committed, right after a commit the
     daemon was not told of, and at random moments - with both writers taking turns on one table, never shows a
     reader an entry twice or half a record, never commits the daemon past the lake, and a final clean run leaves
     every WAL entry in the table exactly once; `vacuum` then removes exactly the orphaned files of the
@@ -174,7 +174,7 @@ def test_sigkill_during_commits_lands_everything_exactly_once(tmp_path: Path) ->
     (plugins / "lake_kill.py").write_text(KILL_PLUGIN)
     env = child_env(plugins)
     settings = {"batch_max_events": 2000, "batch_max_delay_ms": 300}
-    phases = [("part-written", "spark"), ("random", "spark")]
+    phases = [("spark-written", "spark"), ("random", "spark")]
     phases += [(p, w) for p in ("files-written", "committed") for w in ("spark", "deltalake", "deltalake")]
     phases += [("random", "deltalake")] * 4
     phases += [(rng.choice(IN_PROCESS[1:]), "deltalake") for _ in range(16 - len(phases))]
@@ -216,7 +216,7 @@ def test_sigkill_during_commits_lands_everything_exactly_once(tmp_path: Path) ->
             now = archived_events(node_dir)
             check_moment(lake, [tuple(e["pos"]) for e in now], record_sizes(now), info["after"])
             assert info["after"] is None or before is None or info["after"] >= before
-            if phase in ("files-written", "part-written"):
+            if phase in ("files-written", "spark-written"):
                 assert info["files"] and set(info["files"]) <= orphans(lake), "fsynced, in the table dir, not committed"
                 orphaned |= set(info["files"])
             elif phase == "committed":

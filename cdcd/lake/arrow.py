@@ -20,11 +20,6 @@ SCHEMA = CHANGE_SCHEMA
 """The changes table's columns (cdcd/lake/table.py); ``cache`` (and ``day`` when enabled) are Delta
 partition columns."""
 
-RAW_SCHEMA = SCHEMA.set(SCHEMA.get_field_index("key"), pa.field("key", pa.binary())).set(
-    SCHEMA.get_field_index("value"), pa.field("value", pa.binary())
-)
-"""``SCHEMA`` with the entries' MessagePack bytes for ``key`` and ``value`` (``build_table(json_text=False)``)."""
-
 _OPS = pa.array([OP_NAMES[op] for op in sorted(Op)], pa.string())
 """Indexed by the Op value."""
 
@@ -67,44 +62,22 @@ def split_slices(slices: list[RecordSlice], parts: int, min_rows: int) -> list[l
 
 
 def _key_value_columns(
-    offsets: np.ndarray[Any, Any], data: bytes, n: int, deletes: np.ndarray[Any, Any], kind: pa.DataType
+    offsets: np.ndarray[Any, Any], data: bytes, n: int, deletes: np.ndarray[Any, Any]
 ) -> tuple[pa.Array, pa.Array]:
-    """Keys and values (null on delete) as two zero-copy slices of one Arrow buffer holding ``n``
-    keys followed by ``n`` values (``pa.array`` over a million Python bytes objects would cost as
-    much again as producing them)."""
+    """Keys and values (null on delete) as two zero-copy slices of one Arrow string buffer holding
+    the JSON texts of ``n`` keys followed by ``n`` values (``pa.array`` over a million Python bytes
+    objects would cost as much again as producing them)."""
     if len(data) >= 2**31:
-        raise ValueError(
-            f"{len(data)} bytes of keys and values in one batch: over Arrow's 2 GiB limit, lower batch_max_bytes"
-        )
+        raise ValueError(f"{len(data)} bytes of JSON in one batch: over Arrow's 2 GiB limit, lower batch_max_bytes")
     offsets_buf = pa.py_buffer(offsets.astype(np.int32))
     data_buf = pa.py_buffer(data)
-    keys = pa.Array.from_buffers(kind, n, [None, offsets_buf, data_buf], 0, 0)
+    keys = pa.StringArray.from_buffers(n, offsets_buf, data_buf, None, 0, 0)
     null_count = int(deletes.sum())
     if not null_count:
-        return keys, pa.Array.from_buffers(kind, n, [None, offsets_buf, data_buf], 0, n)
+        return keys, pa.StringArray.from_buffers(n, offsets_buf, data_buf, None, 0, n)
     valid = np.concatenate([np.ones(n, np.bool_), ~deletes])
     validity = pa.py_buffer(np.packbits(valid, bitorder="little"))
-    return keys, pa.Array.from_buffers(kind, n, [validity, offsets_buf, data_buf], null_count, n)
-
-
-_NIL = b"\xc0"
-"""MessagePack nil: stands in for a deleted entry's value, whose JSON text is then dropped (null)."""
-
-
-def with_json_text(table: pa.Table) -> pa.Table:
-    """``table`` (built with ``json_text=False``) with its MessagePack ``key`` and ``value`` columns
-    turned into the JSON text the lake holds: the part of ``build_table`` that the Spark writer's
-    tasks run, on the executors' cores."""
-    if table.schema.field("key").type == pa.string():
-        return table
-    n = table.num_rows
-    values = table.column("value").combine_chunks()
-    deletes = values.is_null().to_numpy(zero_copy_only=False)
-    raws = table.column("key").to_pylist() + values.fill_null(_NIL).to_pylist()
-    offsets, data = joined(json_texts(raws))
-    keys, texts = _key_value_columns(offsets, data, n, deletes, pa.string())
-    table = table.set_column(table.schema.get_field_index("key"), CHANGE_SCHEMA.field("key"), keys)
-    return table.set_column(table.schema.get_field_index("value"), CHANGE_SCHEMA.field("value"), texts)
+    return keys, pa.StringArray.from_buffers(n, offsets_buf, data_buf, validity, null_count, n)
 
 
 def _ints(values: Iterator[Any], dtype: type, n: int) -> np.ndarray[Any, Any]:
@@ -118,13 +91,8 @@ def build_table(
     source_node: str,
     partition_by_day: bool,
     generation: int = 0,
-    *,
-    json_text: bool = True,
 ) -> tuple[pa.Table, dict[str, tuple[int, int]]]:
     """The rows of ``slices`` as one Arrow table, plus (rows, max commit ts ns) per cache.
-
-    ``json_text=False`` leaves ``key`` and ``value`` as the entries' MessagePack bytes (binary
-    columns): ``with_json_text`` turns them into the lake's JSON text later, elsewhere.
 
     Column by column over the flat entry list (C-level ``map``/``np.fromiter``), per-record
     fields repeated with numpy: no per-row Python tuples, dicts or appends."""
@@ -153,13 +121,8 @@ def build_table(
     primaries = pa.array(_ints(map(_primary, entries), np.bool_, n))
     orders = pa.array(_ints(map(_order, versions), np.int64, n))
     clusters = pa.array(_ints(map(_cluster, versions), np.int32, n))
-    raws = list(map(_key, entries)) + list(map(_value, entries))
-    if json_text:
-        offsets_, data = joined(json_texts(raws))
-    else:
-        offsets_, data = joined(raws)
-    kind = pa.string() if json_text else pa.binary()
-    keys, values = _key_value_columns(offsets_, data, n, ops == Op.DELETE, kind)
+    offsets_, data = joined(json_texts(list(map(_key, entries)) + list(map(_value, entries))))
+    keys, values = _key_value_columns(offsets_, data, n, ops == Op.DELETE)
     columns = [
         _OPS.take(pa.array(ops)),
         keys,
@@ -183,7 +146,7 @@ def build_table(
     max_ts = np.zeros(len(ids), np.int64)
     np.maximum.at(max_ts, which, ts_ns)
     stats = {name: (int(rows[i]), int(max_ts[i])) for i, name in enumerate(cache_names)}
-    schema = SCHEMA if json_text else RAW_SCHEMA
+    schema = SCHEMA
     if partition_by_day:
         day_numbers, day_of_row = np.unique(ts_ns // _DAY_NS, return_inverse=True)
         days = [datetime.fromtimestamp(int(d) * 86400, UTC).strftime("%Y-%m-%d") for d in day_numbers]

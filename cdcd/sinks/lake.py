@@ -32,7 +32,7 @@ from cdcd.lake.arrow import build_table, split_slices
 from cdcd.lake.delta import ChangeTable, LakeWriteError, SourceMark, WrittenFiles
 from cdcd.lake.log import STAGING_DIR, _owner_alive, check_writable
 from cdcd.lake.maintainer import Maintainer, MaintainerOptions
-from cdcd.lake.spark_write import write_on_executors
+from cdcd.lake.spark_write import BatchInfo, write_on_executors
 from cdcd.lake.storage import LakeDir, LakeLocation, LakeStorageError, ObjectPath, StorageOptions
 from cdcd.secrets import mask_mapping
 from cdcd.wal.pointer import WalPointer, WalPosition
@@ -274,7 +274,7 @@ class LakeConsumer(Consumer):
                 metadata=meta,
             ):
                 self.rows_written += rows
-                for name, (n, _ts) in stats.items():
+                for name, n in stats.items():
                     metrics.LAKE_ROWS.labels(name).inc(n)
                 metrics.LAKE_LAG_SECONDS.set(max(0.0, time.time() - batch.last_commit_ts_ns / 1e9))
                 return True
@@ -299,42 +299,49 @@ class LakeConsumer(Consumer):
 
     def _write(
         self, table: ChangeTable, slices: list[RecordSlice], batch: EventBatch, generation: int
-    ) -> tuple[WrittenFiles, dict[str, tuple[int, int]]]:
-        """The batch as Parquet files in the table, not yet committed: up to ``max_files_per_batch``
-        parts, each built while the previous one is written (by pyarrow without the GIL on the other
-        core, or by a Spark task, cdcd/lake/spark_write.py); the per-cache (rows, max commit ts)."""
-        spark = self.options.uses_spark
+    ) -> tuple[WrittenFiles, dict[str, int]]:
+        """The batch as Parquet files in the table, not yet committed, in up to ``max_files_per_batch``
+        parts (each one file per partition); the rows per cache."""
         parts = split_slices(slices, self.options.max_files_per_batch, min_rows=_MIN_ROWS_PER_FILE)
-        stats: dict[str, tuple[int, int]] = {}
+        if self.options.uses_spark:
+            info = BatchInfo(batch.source_node, generation, batch.cache_names)
+            written = self._write_on_spark(table, parts, info)
+            rows: dict[str, int] = {}
+            for add in written.adds:
+                cache = str(add.partition_values["cache"])
+                rows[cache] = rows.get(cache, 0) + json.loads(add.stats)["numRecords"]
+            return written, rows
+        return self._write_arrow(table, parts, batch, generation)
+
+    def _write_on_spark(self, table: ChangeTable, parts: list[list[RecordSlice]], info: BatchInfo) -> WrittenFiles:
+        """One Spark task per part builds its rows and writes them (cdcd/lake/spark_write.py)."""
+        try:
+            return write_on_executors(
+                self._spark, table, self.location, parts, info, max_rows_per_file=_ROWS_PER_SPARK_FILE
+            )
+        except Exception as exc:
+            rows = sum(s.end - s.start for part in parts for s in part)
+            raise LakeWriteError(f"writing {rows} rows to {table.path} failed: {root_cause(exc)}") from None
+
+    def _write_arrow(
+        self, table: ChangeTable, parts: list[list[RecordSlice]], batch: EventBatch, generation: int
+    ) -> tuple[WrittenFiles, dict[str, int]]:
+        """Each part built while the previous one is written: pyarrow's Parquet encoding and
+        compression run without the GIL, on the other core."""
+        rows: dict[str, int] = {}
         futures: list[Future[WrittenFiles]] = []
-        # Spark: one job per part, so the daemon builds the next part (and decodes the next batch)
-        # while the executors write; the parts' jobs run side by side on free executors.
-        with ThreadPoolExecutor(len(parts) if spark else 1, thread_name_prefix="cdcd-lake-write") as pool:
+        with ThreadPoolExecutor(1, thread_name_prefix="cdcd-lake-write") as pool:
             try:
                 for part in parts:
                     by_day = self.options.partition_by_day
-                    data, part_stats = build_table(
-                        part, batch, batch.source_node, by_day, generation, json_text=not spark
-                    )
-                    if spark:
-                        futures.append(pool.submit(self._write_on_spark, table, data))
-                    else:
-                        futures.append(pool.submit(table.write_arrow, data))
-                    for name, (n, ts) in part_stats.items():
-                        have, max_ts = stats.get(name, (0, 0))
-                        stats[name] = (have + n, max(max_ts, ts))
+                    data, part_stats = build_table(part, batch, batch.source_node, by_day, generation)
+                    futures.append(pool.submit(table.write_arrow, data))
+                    for name, (n, _ts) in part_stats.items():
+                        rows[name] = rows.get(name, 0) + n
                 written = [f.result() for f in futures]
             except BaseException:
                 for f in futures:  # what did get written is never committed: remove it now
                     if f.done() and f.exception() is None:
                         f.result().discard()
                 raise
-        return WrittenFiles(table.path, [a for w in written for a in w.adds]), stats
-
-    def _write_on_spark(self, table: ChangeTable, data: pa.Table) -> WrittenFiles:
-        try:
-            return write_on_executors(
-                self._spark, table, self.location, data, tasks=1, max_rows_per_file=_ROWS_PER_SPARK_FILE
-            )
-        except Exception as exc:
-            raise LakeWriteError(f"writing {data.num_rows} rows to {table.path} failed: {root_cause(exc)}") from None
+        return WrittenFiles(table.path, [a for w in written for a in w.adds]), rows

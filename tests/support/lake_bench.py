@@ -62,36 +62,46 @@ class SharedSpark:
         there) and a small compaction-like window query: class loading, worker start-up and code
         generation happen here, not in a timing."""
         import msgspec
-        import pyarrow as pa
         from pyspark.sql import Window
         from pyspark.sql import functions as F
 
-        from cdcd.lake.arrow import RAW_SCHEMA
+        from cdcd.consumer import RecordSlice
         from cdcd.lake.delta import ChangeTable
-        from cdcd.lake.spark_write import write_on_executors
+        from cdcd.lake.spark_write import BatchInfo, write_on_executors
         from cdcd.lake.storage import LakeLocation
+        from cdcd.wal.pointer import WalPointer
+        from cdcd.wal.records import CacheVersion, DataEntry, DataRecord, Op
 
-        value = msgspec.msgpack.encode({"v": 1})
-        cols = {
-            "op": ["create"] * rows,
-            "key": [msgspec.msgpack.encode(k) for k in range(rows)],
-            "value": [value] * rows,
-            "primary": [True] * rows,
-            "version_order": list(range(rows)),
-            "commit_ts": [1_700_000_000_000_000] * rows,
-            "source_node": ["warm-up"] * rows,
-            "wal_offset": list(range(rows)),
-            "cache": ["warm"] * rows,
-        }
-        columns = {f.name: pa.array(cols.get(f.name, [0] * rows), f.type) for f in RAW_SCHEMA}  # the rest: zeros
-        table = pa.table(columns, schema=RAW_SCHEMA)
+        def key(k: int) -> msgspec.Raw:
+            return msgspec.Raw(msgspec.msgpack.encode(k))
+
+        value = msgspec.Raw(msgspec.msgpack.encode(lake_value(0)))
+        records = [
+            RecordSlice(
+                WalPointer(0, 100 * r),
+                DataRecord(
+                    [
+                        DataEntry(1, Op.CREATE, key(k), value, 0, CacheVersion(k, 1, 0, 1))
+                        for k in range(r * 10, r * 10 + 10)
+                    ],
+                    1_700_000_000 * 10**9,
+                ),
+            )
+            for r in range(rows // 10)
+        ]
         tmp = Path(tempfile.mkdtemp(prefix="cdcd-bench-lake-warmup-", dir=bench_dir()))
         try:
             changes = ChangeTable(tmp / "a", False)
             changes.open()
+            half = len(records) // 2
             for _ in range(2):  # both local cores' Python workers
                 write_on_executors(
-                    self.session, changes, LakeLocation(str(tmp / "a")), table, tasks=2, max_rows_per_file=rows
+                    self.session,
+                    changes,
+                    LakeLocation(str(tmp / "a")),
+                    [records[:half], records[half:]],
+                    BatchInfo("warm-up", 0, {1: "warm"}),
+                    max_rows_per_file=rows,
                 )
             df = self.session.read.parquet(str(tmp / "a" / "changes" / "cache=warm"))
             w = Window.partitionBy("key").orderBy(F.col("version_order").desc())
@@ -108,6 +118,14 @@ class SharedSpark:
         if self._jvm_pid is None:
             self._jvm_pid = int(self.session._jvm.java.lang.ProcessHandle.current().pid())
         return sum(map(_cpu_s, _descendants(self._jvm_pid)))
+
+    def release(self) -> None:
+        if self.session is not None:
+            from cdcd.lake import spark as spark_session
+
+            self.session = None
+            self._jvm_pid = None
+            spark_session.release()
 
 
 def _stat(pid: int) -> list[str]:
@@ -140,14 +158,6 @@ def _descendants(root: int) -> list[int]:
         frontier = [pid for pid, ppid in parent.items() if ppid in frontier]
         out.extend(frontier)
     return out
-
-    def release(self) -> None:
-        if self.session is not None:
-            from cdcd.lake import spark as spark_session
-
-            self.session = None
-            self._jvm_pid = None
-            spark_session.release()
 
 
 SPARK = SharedSpark()
