@@ -84,13 +84,39 @@ def ensure_topics(
                 key = {opts.topic: "topic", opts.metadata_topic_name: "metadata_topic"}.get(name, "offsets_topic")
                 raise KafkaSetupError(f"{source}: key '{key}': cannot create topic {name}: {describe(exc)}") from None
             log.info("kafka_topic_created", topic=name, partitions=wanted[name][0])
-        meta = admin.list_topics(timeout=timeout_s)
+        meta = _settled(admin, [t.topic for t in missing], opts, source)
     data = meta.topics.get(opts.topic)
     if data is not None and data.error is None and len(data.partitions) < opts.topic_partitions:
         raise KafkaSetupError(
             f"{source}: key 'topic_partitions': topic {opts.topic} has {len(data.partitions)} partitions, "
             f"fewer than topic_partitions = {opts.topic_partitions}"
         )
+
+
+def _settled(admin: AdminClient, topics: Sequence[str], opts: KafkaSinkOptions, source: str) -> Any:
+    """Cluster metadata once every topic of ``topics`` shows its partitions without an error: right
+    after a topic is created, the broker may still answer with none of them (or with
+    LEADER_NOT_AVAILABLE). KafkaSetupError if that lasts ``connect_timeout_ms`` (the sink does not
+    start; a restart, as systemd's, tries again)."""
+    deadline = time.monotonic() + opts.connect_timeout_ms / 1000
+    while True:
+        try:
+            meta = admin.list_topics(timeout=opts.connect_timeout_ms / 1000)
+        except KafkaException as exc:
+            names = ", ".join(topics)
+            raise KafkaSetupError(f"{source}: key 'bootstrap_servers': metadata of {names}: {describe(exc)}") from None
+        found = meta.topics
+        pending = [t for t in topics if t not in found or found[t].error or not found[t].partitions]
+        if not pending:
+            return meta
+        if time.monotonic() >= deadline:
+            why = "; ".join(f"{t}: {found[t].error}" for t in pending if t in found and found[t].error)
+            raise KafkaSetupError(
+                f"{source}: topic(s) {', '.join(pending)} without partitions in the cluster's metadata after "
+                f"connect_timeout_ms = {opts.connect_timeout_ms}" + (f" ({why})" if why else "") + " (just created, "
+                "the broker may still be electing leaders: start again)"
+            )
+        time.sleep(0.1)
 
 
 class KafkaSink(Consumer):
@@ -137,7 +163,7 @@ class KafkaSink(Consumer):
             opts,
             self.source,
         )
-        meta = admin.list_topics(topic=opts.offsets_topic, timeout=opts.connect_timeout_ms / 1000)
+        meta = _settled(admin, [opts.offsets_topic], opts, self.source)
         self._offsets_partitions = len(meta.topics[opts.offsets_topic].partitions)
         log.info("kafka_sink_started", options=opts.describe())
 

@@ -141,8 +141,10 @@ def write_on_executors(
     if not parts:
         return WrittenFiles(table.path, [])
     sc = spark.sparkContext
-    shipped = [sc.broadcast(ship(part)) for part in parts]
+    shipped: list[Any] = []
     try:
+        for part in parts:
+            shipped.append(sc.broadcast(ship(part)))
         writer = ChangeTaskWriter(location, "day" in table.partition_by, max_rows_per_file, batch, shipped)
         rows = sc.parallelize(range(len(shipped)), len(shipped)).mapPartitions(writer).collect()
     finally:
