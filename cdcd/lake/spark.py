@@ -105,8 +105,8 @@ def delta_conf(jars: list[Path], user_conf: Mapping[str, str] | None = None) -> 
         "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
         "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
     }
-    if any(p.name == jar_name(*LOCAL_FS_ARTIFACT) for p in local):
-        conf.setdefault("spark.hadoop.fs.file.impl", LOCAL_FS_CLASS)
+    if "spark.hadoop.fs.file.impl" not in user and any(p.name == jar_name(*LOCAL_FS_ARTIFACT) for p in local):
+        conf["spark.hadoop.fs.file.impl"] = LOCAL_FS_CLASS  # unless the user chose one
     return conf
 
 
@@ -156,8 +156,6 @@ def acquire(master: str, app_name: str, conf: Mapping[str, str]) -> Any:
             for key, value in conf.items():
                 builder = builder.config(key, value)
             for key, value in delta_conf(jars, conf).items():
-                if key == "spark.hadoop.fs.file.impl" and key in conf:
-                    continue  # the user's choice stands
                 builder = builder.config(key, value)
             builder = builder.config("spark.driver.extraJavaOptions", java_opts)
             _session = _create(builder)

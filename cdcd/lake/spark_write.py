@@ -80,13 +80,11 @@ class ChangeTaskWriter:
         self,
         location: LakeLocation,
         partition_by_day: bool,
-        max_rows_per_file: int,
         batch: BatchInfo,
         parts: list[Any],
     ) -> None:
         self.location = location
         self.partition_by_day = partition_by_day
-        self.max_rows_per_file = max_rows_per_file
         self.batch = batch
         self.parts = parts
 
@@ -97,7 +95,7 @@ class ChangeTaskWriter:
             slices = unship(self.parts[i].value)
             names = EventBatch(info.source_node, slices, info.cache_names)
             rows, _ = build_table(slices, names, info.source_node, self.partition_by_day, info.generation)
-            written = table.write_arrow(rows, self.max_rows_per_file)
+            written = table.write_arrow(rows)
             _pause_once()
             for a in written.adds:
                 yield a.path, a.size, json.dumps(a.partition_values), a.modification_time, a.stats
@@ -127,8 +125,6 @@ def write_on_executors(
     location: LakeLocation,
     parts: list[list[RecordSlice]],
     batch: BatchInfo,
-    *,
-    max_rows_per_file: int,
 ) -> WrittenFiles:
     """The records of ``parts`` written by one Spark task each (one job) straight into ``table``; the
     files, not yet named by any commit.
@@ -145,7 +141,7 @@ def write_on_executors(
     try:
         for part in parts:
             shipped.append(sc.broadcast(ship(part)))
-        writer = ChangeTaskWriter(location, "day" in table.partition_by, max_rows_per_file, batch, shipped)
+        writer = ChangeTaskWriter(location, "day" in table.partition_by, batch, shipped)
         rows = sc.parallelize(range(len(shipped)), len(shipped)).mapPartitions(writer).collect()
     finally:
         for part in shipped:

@@ -41,7 +41,6 @@ log = structlog.get_logger("cdcd.lake")
 
 __all__ = ["LakeConsumer", "LakeOptions", "LakeWriteError", "root_cause"]
 
-_ROWS_PER_SPARK_FILE = 1 << 20
 _MIN_ROWS_PER_FILE = 100_000
 """Smaller batches are written as one file per partition (smaller files cost readers more)."""
 
@@ -316,9 +315,7 @@ class LakeConsumer(Consumer):
     def _write_on_spark(self, table: ChangeTable, parts: list[list[RecordSlice]], info: BatchInfo) -> WrittenFiles:
         """One Spark task per part builds its rows and writes them (cdcd/lake/spark_write.py)."""
         try:
-            return write_on_executors(
-                self._spark, table, self.location, parts, info, max_rows_per_file=_ROWS_PER_SPARK_FILE
-            )
+            return write_on_executors(self._spark, table, self.location, parts, info)
         except Exception as exc:
             rows = sum(s.end - s.start for part in parts for s in part)
             raise LakeWriteError(f"writing {rows} rows to {table.path} failed: {root_cause(exc)}") from None
@@ -330,10 +327,10 @@ class LakeConsumer(Consumer):
         compression run without the GIL, on the other core."""
         rows: dict[str, int] = {}
         futures: list[Future[WrittenFiles]] = []
+        by_day = self.options.partition_by_day
         with ThreadPoolExecutor(1, thread_name_prefix="cdcd-lake-write") as pool:
             try:
                 for part in parts:
-                    by_day = self.options.partition_by_day
                     data, part_stats = build_table(part, batch, batch.source_node, by_day, generation)
                     futures.append(pool.submit(table.write_arrow, data))
                     for name, (n, _ts) in part_stats.items():

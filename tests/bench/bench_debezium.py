@@ -76,6 +76,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cdcd.node import Node
 from cdcd.realtime import RealtimeMode
 from cdcd.wal.segment import list_segments
+from tests.support.bench import _child_env, _tail
 from tests.support.kafka import LIBS, ROOT, Broker, apply_topic_to_node
 from tests.support.pg_cluster import PgCluster, ensure_postgres
 from tests.support.servers import free_port
@@ -107,17 +108,6 @@ def _loadavg() -> float:
 def _cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def _child_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 def _stop(proc: subprocess.Popen[bytes] | None) -> None:
@@ -254,6 +244,17 @@ def _live_lags(commit: Callable[[int], None], arrivals: Arrivals, seconds: float
     }
 
 
+def _node_live_lags(node: Node, arrivals: Arrivals, seconds: float) -> Sample:
+    """``_live_lags`` of ``LIVE_TX_ROWS``-row transactions put into ``node``'s cache ``kv``."""
+    arrivals.start()
+    put_all = node.cache("kv").put_all
+
+    def commit(g: int) -> None:
+        put_all({k: VALUE for k in range(g * LIVE_TX_ROWS, (g + 1) * LIVE_TX_ROWS)})
+
+    return _live_lags(commit, arrivals, seconds)
+
+
 def _watch(
     first: Callable[[], bool], done: Callable[[], bool], proc: subprocess.Popen[bytes], log: Path, timeout_s: float
 ) -> tuple[float, float]:
@@ -262,9 +263,9 @@ def _watch(
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.pid} exited {proc.returncode}:\n{_tail(log)}")
+            raise RuntimeError(f"{proc.pid} exited {proc.returncode}:\n{_tail(log, 15)}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"not done after {timeout_s:.0f} s:\n{_tail(log)}")
+            raise TimeoutError(f"not done after {timeout_s:.0f} s:\n{_tail(log, 15)}")
         now = time.perf_counter()
         if t_first is None and first():
             t_first = now
@@ -393,7 +394,7 @@ class DebeziumSide:
             deadline = time.monotonic() + 120
             while pg.sql(f"SELECT active FROM pg_replication_slots WHERE slot_name = '{slot}'").strip() != "t":
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"Debezium Server did not start streaming:\n{_tail(log)}")
+                    raise RuntimeError(f"Debezium Server did not start streaming:\n{_tail(log, 15)}")
                 time.sleep(0.1)
             arrivals.start()
             stmt = f"INSERT INTO {table} (k, v) VALUES " + ",".join(["(%s, %s)"] * LIVE_TX_ROWS)
@@ -537,13 +538,7 @@ class CdcdSide:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"realtime mode {node.realtime.mode.value} after 60 s")
                 time.sleep(0.01)
-            arrivals.start()
-            put_all = node.cache("kv").put_all
-
-            def commit(g: int) -> None:
-                put_all({k: VALUE for k in range(g * LIVE_TX_ROWS, (g + 1) * LIVE_TX_ROWS)})
-
-            return _live_lags(commit, arrivals, seconds)
+            return _node_live_lags(node, arrivals, seconds)
         finally:
             arrivals.halt.set()
             node.close()
@@ -560,15 +555,9 @@ class CdcdSide:
             deadline = time.monotonic() + 60
             while _metric(port, ()) < 0:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"cdcd run did not start:\n{_tail(log)}")
+                    raise RuntimeError(f"cdcd run did not start:\n{_tail(log, 15)}")
                 time.sleep(0.05)
-            arrivals.start()
-            put_all = node.cache("kv").put_all
-
-            def commit(g: int) -> None:
-                put_all({k: VALUE for k in range(g * LIVE_TX_ROWS, (g + 1) * LIVE_TX_ROWS)})
-
-            return _live_lags(commit, arrivals, seconds)
+            return _node_live_lags(node, arrivals, seconds)
         finally:
             arrivals.halt.set()
             _stop(proc)

@@ -73,7 +73,7 @@ from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.node.node import Node
 from cdcd.wal.segment import list_segments
-from tests.support.bench import Bench, Measurement, Metric
+from tests.support.bench import Bench, Measurement, Metric, _child_env, _tail
 from tests.support.lake_bench import (
     APP_NAME,
     INGEST_BATCH_BYTES,
@@ -81,6 +81,7 @@ from tests.support.lake_bench import (
     INGEST_BATCH_EVENTS,
     SPARK,
     SPARK_MASTER,
+    ingest_config,
     lake_value,
 )
 from tests.support.lake_bench import bench_dir as _bench_dir
@@ -245,14 +246,7 @@ def run_ingest(
     last = BACKLOG.restore()
     SPARK.ensure()
     consumer = _consumer(BACKLOG.lake, writer)
-    config = DaemonConfig(
-        node_dir=str(BACKLOG.node_dir),
-        metrics_address="",
-        batch_max_events=batch_events,
-        batch_max_bytes=INGEST_BATCH_BYTES,
-        batch_max_delay_ms=batch_delay_ms,
-        consumer={"kind": "spark"},
-    )
+    config = ingest_config(BACKLOG.node_dir, batch_events=batch_events, batch_delay_ms=batch_delay_ms)
     daemon = Daemon(config, consumer, show_progress=False)
     try:
         t0 = time.perf_counter()
@@ -298,19 +292,6 @@ def run_ingest(
 
 
 # --- lake.lag.live --------------------------------------------------------------------------------
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    return env
-
-
-def _tail(path: Path, lines: int = 8) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
 def _lag_writer(node_dir: str, rate: int, seconds: float, idle_s: float, go_file: str, out: str) -> None:
     """Open the node, wait for ``go_file``, then write ``rate`` entries/s (``put_all`` of 10 fresh keys)."""
     stop = threading.Event()

@@ -33,7 +33,7 @@ from typing import Any
 
 from cdcd.lake.storage import LakeLocation, StorageOptions
 from cdcd.node.node import Node
-from tests.support.bench import Bench, Measurement, Metric, _percentile
+from tests.support.bench import Bench, Measurement, Metric, _percentile, _tail
 from tests.support.lake import caught_up, position, write_config
 from tests.support.lake_bench import lake_value
 from tests.support.servers import MINIO_BIN, MINIO_PASSWORD, MINIO_USER, MinioServer, SparkStandalone, free_port
@@ -58,13 +58,6 @@ def _env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"] = MINIO_USER, MINIO_PASSWORD
     return env
-
-
-def _tail(path: Path, lines: int = 8) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 class Store:

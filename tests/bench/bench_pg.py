@@ -107,14 +107,12 @@ from cdcd.sinks.jsonl import JsonlConsumer
 from cdcd.sinks.null import NullConsumer
 from cdcd.wal.segment import list_segments
 from tests.support import pg_arrivals
-from tests.support.bench import VALUE_100B
+from tests.support.bench import VALUE_100B, _child_env, _tail
 from tests.support.lake_bench import (
     APP_NAME,
-    INGEST_BATCH_BYTES,
-    INGEST_BATCH_DELAY_MS,
-    INGEST_BATCH_EVENTS,
     SPARK,
     SPARK_MASTER,
+    ingest_config,
 )
 from tests.support.pg_cluster import PgCluster, PgUnavailable, ensure_postgres
 
@@ -535,19 +533,6 @@ async def _run_until(daemon: Daemon, last_segment: int) -> float:
                 await task
 
 
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    return env
-
-
-def _tail(path: Path, lines: int = 8) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
 class IterateConsumer(Consumer):
     """Iterates every event and decodes its key and value; sums the keys (ints) to prove it did."""
 
@@ -679,15 +664,7 @@ class CdcdSide:
         SPARK.ensure()  # started and warmed up once, outside every timing
         lake = self._dir("lake")
         consumer = LakeConsumer(LakeOptions(lake_path=str(lake), spark_master=SPARK_MASTER, app_name=APP_NAME))
-        config = DaemonConfig(
-            node_dir=str(self.backlog),
-            metrics_address="",
-            batch_max_events=INGEST_BATCH_EVENTS,
-            batch_max_bytes=INGEST_BATCH_BYTES,
-            batch_max_delay_ms=INGEST_BATCH_DELAY_MS,
-            consumer={"kind": "lake"},
-        )
-        daemon = Daemon(config, consumer, show_progress=False)
+        daemon = Daemon(ingest_config(self.backlog), consumer, show_progress=False)
         try:
             daemon.start()
             cpu0, jvm0 = time.process_time(), SPARK.jvm_cpu_s()

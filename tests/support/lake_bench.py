@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cdcd.daemon.config import DaemonConfig
+
 SPARK_MASTER = "local[2]"
 APP_NAME = "cdcd-bench-lake"
 WARMUP_ROWS = 10_000
@@ -27,6 +29,21 @@ INGEST_BATCH_DELAY_MS = 1000
 that for a moment (GIL contention with the sink), even mid-backlog: with the default 100 ms a 1M
 backlog landed in ~20 batches of ~50k instead of 2-3 (16-28k vs 28-38k rows/s, JVM CPU 19-26 vs
 7-10 us/row). A backlog's last, partial batch does not wait for it (a caught-up reader closes it)."""
+
+
+def ingest_config(
+    node_dir: Path, *, batch_events: int = INGEST_BATCH_EVENTS, batch_delay_ms: int = INGEST_BATCH_DELAY_MS
+) -> DaemonConfig:
+    """The daemon configuration of the lake ingest benchmarks (``lake.ingest*`` and ``catchup.lake``):
+    no metrics endpoint, the ingest batch settings."""
+    return DaemonConfig(
+        node_dir=str(node_dir),
+        metrics_address="",
+        batch_max_events=batch_events,
+        batch_max_bytes=INGEST_BATCH_BYTES,
+        batch_max_delay_ms=batch_delay_ms,
+        consumer={"kind": "lake"},
+    )
 
 
 def bench_dir() -> str | None:
@@ -101,7 +118,6 @@ class SharedSpark:
                     LakeLocation(str(tmp / "a")),
                     [records[:half], records[half:]],
                     BatchInfo("warm-up", 0, {1: "warm"}),
-                    max_rows_per_file=rows,
                 )
             df = self.session.read.parquet(str(tmp / "a" / "changes" / "cache=warm"))
             w = Window.partitionBy("key").orderBy(F.col("version_order").desc())
