@@ -10,8 +10,10 @@ JARS   := $(VENV)/jars/.fetched-stamp
 install: $(STAMP) $(JARS)
 	@bash scripts/ensure-kafka.sh
 
-$(STAMP): pyproject.toml
+# setup.py and the C source: pip builds cdcd's C module (cdcd/lake/_rows.c) again when they change.
+$(STAMP): pyproject.toml setup.py cdcd/lake/_rows.c
 	@bash scripts/ensure-java.sh
+	@bash scripts/ensure-cc.sh $(PYTHON)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'

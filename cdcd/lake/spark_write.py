@@ -1,16 +1,17 @@
 """The Spark writer: Spark tasks build the batch's rows and write its Parquet files into the table.
 
 The driver (the daemon) hands each part of a batch to a Spark task as the records themselves:
-the ``RecordSlice``s, MessagePack as in the WAL and zstd-compressed, in a broadcast variable, with
-the cache names. ``ChangeTaskWriter``, running in the task on an executor, decodes them, builds
-the Arrow rows (``build_table``: columns, the keys' and values' JSON text) and writes them as
+the ``RecordSlice``s packed (``arrow.pack``: MessagePack, the records as in the WAL) and
+zstd-compressed, in a broadcast variable, with the cache names. ``ChangeTaskWriter``, running in
+the task on an executor, builds the Arrow rows from them (``table_from_packed``: C code reads the
+records into columns, keys and values as JSON text) and writes them as
 Parquet files under ``<table>/<partition dirs>/`` with names unique per file (``part-<uuid>``, what
 the JVM-free writer writes), fsynced on a local disk, and returns one row per file: its path, size,
 partition values and statistics. The driver collects those rows as Delta ``AddAction``s, and
 delta-rs commits them with the source's application transaction exactly as for any other batch
 (cdcd/lake/delta.py). So the daemon decodes the WAL and re-encodes records (C code, a fraction of a
-microsecond per row); the per-row work of the lake (columns, JSON text, Parquet) runs on the
-executors' cores, in parallel, one task per part.
+microsecond per row); the rest of the lake's per-row work (columns, JSON text, Parquet) runs on
+the executors' cores, in parallel, one task per part.
 
 Nothing is renamed or copied, so the same path serves a local lake and an object store (which has no
 rename: a "move" is a copy of every byte), and no file goes through Hadoop's file systems. Files
@@ -35,8 +36,8 @@ import msgspec
 import pyarrow as pa
 from deltalake.transaction import AddAction
 
-from cdcd.consumer import EventBatch, RecordSlice
-from cdcd.lake.arrow import build_table
+from cdcd.consumer import RecordSlice
+from cdcd.lake.arrow import pack, table_from_packed
 from cdcd.lake.delta import ChangeTable, WrittenFiles
 from cdcd.lake.storage import LakeLocation
 
@@ -92,9 +93,9 @@ class ChangeTaskWriter:
         table = ChangeTable(self.location.root(), self.partition_by_day)
         info = self.batch
         for i in indexes:
-            slices = unship(self.parts[i].value)
-            names = EventBatch(info.source_node, slices, info.cache_names)
-            rows, _ = build_table(slices, names, info.source_node, self.partition_by_day, info.generation)
+            packed = unship(self.parts[i].value)
+            by_day = self.partition_by_day
+            rows, _ = table_from_packed(packed, info.cache_names, info.source_node, by_day, info.generation)
             written = table.write_arrow(rows)
             _pause_once()
             for a in written.adds:
@@ -102,21 +103,20 @@ class ChangeTaskWriter:
 
 
 _CODEC = pa.Codec("zstd", compression_level=1)
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(list[RecordSlice])
 
 
 def ship(slices: list[RecordSlice]) -> bytes:
-    """A part of a batch as a task receives it: its records, MessagePack, zstd (the size first)."""
-    raw = _encoder.encode(slices)
-    packed: bytes = _CODEC.compress(raw, asbytes=True)
-    return len(raw).to_bytes(8, "little") + packed
+    """A part of a batch as a task receives it: its records packed (``arrow.pack``), zstd (the size first)."""
+    raw = pack(slices)
+    compressed: bytes = _CODEC.compress(raw, asbytes=True)
+    return len(raw).to_bytes(8, "little") + compressed
 
 
-def unship(data: bytes) -> list[RecordSlice]:
+def unship(data: bytes) -> bytes:
+    """What ``ship`` packed."""
     size = int.from_bytes(data[:8], "little")
     raw: bytes = _CODEC.decompress(data[8:], decompressed_size=size, asbytes=True)
-    return _decoder.decode(raw)
+    return raw
 
 
 def write_on_executors(
