@@ -16,6 +16,9 @@ contract, so the same targets run under our own random loop, hypothesis and athe
   ``WalReader`` must agree with a model built from ``SegmentReader`` and a strict directory scan.
 - ``check_name``: the bytes are a file name: it is a segment iff it is exactly 16 ASCII digits and
   ``.wal``; anything else is ``BadSegmentName`` or refused by the listing.
+- ``check_lake_rows``: the bytes are record slices packed for the lake's C module
+  (``cdcd.lake._rows.columns``): column buffers of exactly one value per row, offsets that cut the
+  text, valid JSON in every key and value, or a ValueError; never a crash.
 
 Generators (``gen_segment``, ``gen_name``, ``gen_program``) turn a ``Chooser`` into a target's input:
 a seeded ``random.Random`` for the fast loop, or a fuzzer's bytes (``ByteChooser``) for hypothesis and
@@ -27,6 +30,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import itertools
 import os
 import random
 import re
@@ -47,6 +51,10 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
+from cdcd.consumer import RecordSlice
+from cdcd.lake import _rows
+from cdcd.lake.arrow import pack
+from cdcd.lake.jsontext import to_json_bytes
 from cdcd.wal.errors import (
     BadSegmentHeader,
     BadSegmentName,
@@ -1223,6 +1231,69 @@ def _check_listing(name: str, expected: int | None) -> None:
 
 
 # --- registry -----------------------------------------------------------------------------------------
+# --- the lake's C module ---------------------------------------------------------------------------------
+_COLUMN_WIDTHS = (1, 4, 1, 8, 4, 4, 8, 8, 8, 8, 8, 4, 8)
+"""Bytes per row of ``_rows.columns``' fixed-width buffers, in its order."""
+
+
+@functools.cache
+def _rows_seed() -> bytes:
+    """Every seed DataRecord packed as the lake packs slices (some starting mid-record, one ending early)."""
+    records = [r for r in (*_all_types_records(), *_big_records()) if isinstance(r, DataRecord)]
+    slices = [
+        RecordSlice(WalPointer(i, 40 + 8 * i), r, i % len(r.entries), len(r.entries) if i % 2 else None)
+        for i, r in enumerate(records)
+    ]
+    return pack(slices)
+
+
+def gen_lake_rows(ch: Chooser) -> bytes:
+    """Packed slices of the seed records, bytes flipped, overwritten, cut, spliced with MessagePack or appended."""
+    d = bytearray(_rows_seed())
+    for _ in range(1 + ch.below(3)):
+        if chance(ch, 4):
+            at = ch.below(len(d) + 1)
+            d[at : at + ch.below(4)] = msgpack_snippet(ch)
+        else:
+            d = pick(ch, (flip_bits, overwrite_bytes, truncate, append_tail))(d, ch)
+    return bytes(d)
+
+
+def check_lake_rows(data: bytes) -> None:
+    """Target: ``data`` as packed record slices for ``cdcd.lake._rows.columns`` (C): rows or ValueError (its
+    own, msgspec's DecodeError, UnicodeDecodeError) or the fallback's TypeError for an extension value or
+    RecursionError for a value nested past msgspec's limit; rows
+    come as buffers of exactly ``rows`` values each, and every key and value text is valid JSON."""
+    with hang_guard():
+        try:
+            n, buffers = _rows.columns(data, to_json_bytes)
+        except (ValueError, TypeError, RecursionError):
+            return  # RecursionError: msgspec's, for a value nested past its limit (through the fallback)
+        except (FuzzHang, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            raise _untyped("_rows.columns", exc) from None
+    for i, width in enumerate(_COLUMN_WIDTHS):
+        if len(buffers[i]) != n * width:
+            raise _fail("lake_rows", "columns", f"buffer {i} holds {len(buffers[i])} bytes for {n} rows")
+    ops = buffers[0]
+    for name, offsets_at, texts_at in (("keys", 13, 14), ("values", 15, 16)):
+        offsets = struct.unpack(f"<{n + 1}i", buffers[offsets_at])
+        text = buffers[texts_at]
+        if offsets[0] != 0 or offsets[-1] != len(text) or any(b < a for a, b in itertools.pairwise(offsets)):
+            raise _fail("lake_rows", name, f"offsets {offsets[:8]}... do not cut {len(text)} bytes of text")
+        for row in range(n):
+            piece = text[offsets[row] : offsets[row + 1]]
+            if name == "values" and ops[row] == Op.DELETE:
+                if piece:
+                    raise _fail("lake_rows", name, f"row {row} is a delete with value text {piece!r}")
+                continue
+            try:
+                msgspec.json.decode(piece)
+            except msgspec.DecodeError:
+                raise _fail("lake_rows", name, f"row {row}: {piece[:80]!r} is not JSON") from None
+
+
 @dataclass(frozen=True)
 class Target:
     name: str
@@ -1239,6 +1310,7 @@ TARGETS: dict[str, Target] = {
         Target("memory", check_memory, gen_segment, 8),
         Target("wal_dir", check_wal_dir, gen_program, 7),
         Target("name", check_name, gen_name, 15),
+        Target("lake_rows", check_lake_rows, gen_lake_rows, 10),
     )
 }
 
