@@ -32,6 +32,7 @@
 
 #define MAX_DEPTH 64
 #define FALLBACK 1
+#define YIELD_ROWS 8192
 
 /* ---- growable output buffers ---------------------------------------------------------------- */
 
@@ -830,8 +831,16 @@ static PyObject *columns(PyObject *self, PyObject *args) {
     }
     if (put_i32(&c[C_KEY_OFFSETS], 0) < 0 || put_i32(&c[C_VALUE_OFFSETS], 0) < 0) goto done;
     if (read_array(&r, &slices, "not an array of record slices") < 0) goto done;
+    Py_ssize_t yielded = 0;
     for (uint32_t i = 0; i < slices; i++) {
         if (slice_rows(&r, c, fallback, &rows) < 0) goto done;
+        if (rows - yielded >= YIELD_ROWS) {
+            /* A batch takes a while: let other threads (the daemon's event loop, a node's writers
+             * when the realtime worker lands) run now and then, as the interpreter would. */
+            yielded = rows;
+            Py_BEGIN_ALLOW_THREADS
+            Py_END_ALLOW_THREADS
+        }
     }
     if (r.p != r.end) {
         bad(&r, "trailing bytes after the last slice");

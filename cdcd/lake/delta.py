@@ -245,10 +245,16 @@ def _codec(chunk: pa.Table) -> str:
     return "snappy" if chunk.num_rows < SMALL_FILE_ROWS else "zstd"
 
 
+_UNIQUE_TEXT = frozenset({"key", "value"})
+"""Columns whose values hardly repeat: a dictionary page costs a hash per value, then pyarrow gives
+up on it anyway, so the write is slower and the file no smaller."""
+
+
 def _parquet_options(chunk: pa.Table) -> dict[str, Any]:
     if chunk.num_rows < SMALL_FILE_ROWS:
         return {"compression": "snappy", "use_dictionary": False}
-    return {"compression": "zstd", "row_group_size": 1 << 20}
+    dictionary = [c for c in chunk.column_names if c not in _UNIQUE_TEXT]
+    return {"compression": "zstd", "row_group_size": 1 << 20, "use_dictionary": dictionary}
 
 
 def _write_parquet(chunk: pa.Table, full: LakeDir, *, fsync: bool = True) -> tuple[int, int]:
