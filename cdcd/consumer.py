@@ -122,7 +122,7 @@ class CdcEvent(msgspec.Struct, frozen=True, gc=False, eq=False):
         return f"CdcEvent({self.cache_name}, {self.op_name}, {self.key!r}, pos={self.position})"
 
 
-class RecordSlice(msgspec.Struct, frozen=True):
+class RecordSlice(msgspec.Struct, frozen=True, gc=False):
     """Entries ``start..stop`` of one DataRecord at ``pointer`` (earlier ones were already delivered;
     ``stop`` None: to the record's end). A record that mixes caches with ``cdc_enabled = false``
     into its transaction comes as several slices, one per run of entries of the others."""

@@ -43,7 +43,7 @@ def wait_for(cond: Callable[[], Any], timeout_s: float, what: str) -> None:
 def _data(cache_id: int, *keys: int) -> DataRecord:
     v = CacheVersion(1, 1, 1, 1)
     raw = [msgspec.Raw(msgspec.msgpack.encode(k)) for k in keys]
-    return DataRecord([DataEntry(cache_id, Op.CREATE, r, r, 0, v) for r in raw], 1)
+    return DataRecord(tuple(DataEntry(cache_id, Op.CREATE, r, r, 0, v) for r in raw), 1)
 
 
 # --- positions -------------------------------------------------------------------------------------

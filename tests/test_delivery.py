@@ -456,7 +456,7 @@ def test_resend_of_a_cache_with_cdc_off_fails_clearly(tmp_path: Path) -> None:
 
 def _data(cache_id: int, *keys: int) -> DataRecord:
     v = CacheVersion(1, 1, 1, 1)
-    return DataRecord([DataEntry(cache_id, Op.CREATE, _raw(k), _raw(k), 0, v) for k in keys], 1)
+    return DataRecord(tuple(DataEntry(cache_id, Op.CREATE, _raw(k), _raw(k), 0, v) for k in keys), 1)
 
 
 def _raw(k: int) -> msgspec.Raw:

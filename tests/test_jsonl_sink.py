@@ -174,7 +174,7 @@ def _batch(draw: st.DrawFn, *, bad: st.SearchStrategy[Any] | None) -> EventBatch
     for _ in range(draw(st.integers(0, 4))):
         entries = draw(st.lists(_entry(bad=bad), min_size=1, max_size=8))
         pointer = WalPointer(draw(st.integers(0, 2**40)), draw(st.integers(0, 2**31)))
-        record = DataRecord(entries, draw(st.integers(0, 2**64 - 1)))
+        record = DataRecord(tuple(entries), draw(st.integers(0, 2**64 - 1)))
         slices.append(RecordSlice(pointer, record, draw(st.integers(0, len(entries) - 1))))
     # 1 and 2 named (one needing escapes), 3 named "" (falls back to cache-3), the rest unknown.
     names = {1: "orders", 2: 'a"b\\c/\u00e9\u2028\U0001f600\x00', 3: ""}
@@ -243,7 +243,7 @@ def test_real_file_json_lines(tmp_path: Path) -> None:
             )
             for j in range(10)
         ]
-        records.append(RecordSlice(WalPointer(5, 100 * r), DataRecord(entries, 1_000 + r), 3 if r == 0 else 0))
+        records.append(RecordSlice(WalPointer(5, 100 * r), DataRecord(tuple(entries), 1_000 + r), 3 if r == 0 else 0))
     consumer = JsonlConsumer(path)
     with pytest.raises(RuntimeError, match=r"on_events before start\(\)"):
         consumer.on_events(EventBatch("n", records[:1], {}))
@@ -304,7 +304,7 @@ def test_restart_appends_after_what_is_there(tmp_path: Path) -> None:
     entry = DataEntry(
         1, Op.UPDATE, msgspec.Raw(_msgpack.encode(1)), msgspec.Raw(_msgpack.encode("a")), 0, CacheVersion(1, 1, 0, 1)
     )
-    batch = EventBatch("n", [RecordSlice(WalPointer(0, 40), DataRecord([entry, entry], 7), 0, 1)], {1: "c"})
+    batch = EventBatch("n", [RecordSlice(WalPointer(0, 40), DataRecord((entry, entry), 7), 0, 1)], {1: "c"})
     first = JsonlConsumer(path)
     first.start()
     assert first.on_events(batch)

@@ -104,7 +104,9 @@ def make_slices(spec: list[tuple[int, list[tuple[int, int]]]], base_ts_ns: int) 
             )
             k += 1
         ts = base_ts_ns + r * 7_200 * 10**9  # two hours apart: batches span days
-        out.append(RecordSlice(WalPointer(r // 3, 40 + 100 * r), DataRecord(data, ts), min(start, len(data) - 1)))
+        out.append(
+            RecordSlice(WalPointer(r // 3, 40 + 100 * r), DataRecord(tuple(data), ts), min(start, len(data) - 1))
+        )
     return out
 
 

@@ -161,7 +161,9 @@ def _entry(i: int, **kw: Any) -> DataEntry:
 
 
 def test_columns_hold_each_field_of_each_entry_in_the_slice() -> None:
-    rec = DataRecord([_entry(i, primary=bool(i % 2), expire_time_ms=i * 7) for i in range(6)], 1_700_000_000 * 10**9)
+    rec = DataRecord(
+        tuple(_entry(i, primary=bool(i % 2), expire_time_ms=i * 7) for i in range(6)), 1_700_000_000 * 10**9
+    )
     slices = [RecordSlice(WalPointer(3, 64), rec, 1, 5), RecordSlice(WalPointer(4, 128), rec, 4)]
     n, buffers = _rows.columns(pack(slices), refuse)
     assert n == 6
@@ -189,7 +191,7 @@ def test_fields_a_later_schema_appends_are_skipped() -> None:
 
 
 def _valid_pack() -> bytes:
-    rec = DataRecord([_entry(i) for i in range(4)], 1_700_000_000 * 10**9)
+    rec = DataRecord(tuple(_entry(i) for i in range(4)), 1_700_000_000 * 10**9)
     return pack([RecordSlice(WalPointer(0, 64), rec), RecordSlice(WalPointer(0, 200), rec, 2)])
 
 

@@ -57,7 +57,7 @@ def entry(i: int, op: Op = Op.CREATE, value: object = "v") -> DataEntry:
 
 
 ALL_RECORDS = [
-    DataRecord([entry(1), entry(2, Op.UPDATE, {"a": [1, 2.5, None, b"x"]}), entry(3, Op.DELETE)], 123),
+    DataRecord((entry(1), entry(2, Op.UPDATE, {"a": [1, 2.5, None, b"x"]}), entry(3, Op.DELETE)), 123),
     CacheRecord(5, "orders", CacheOp.CREATE, CacheConfig(partitions=8, cdc_enabled=False), 9),
     CacheRecord(5, "orders", CacheOp.DESTROY),
     RealtimeCdcRecord(WalPosition(4, 100, 2)),
@@ -116,7 +116,7 @@ def test_round_trip_every_record_type(tmp_path: Path) -> None:
 
 def test_reader_starts_at_any_pointer_across_segments(tmp_path: Path) -> None:
     """Reading from the pointer of record i yields records i.. across segment boundaries."""
-    records = [DataRecord([entry(i)], i) for i in range(300)]
+    records = [DataRecord((entry(i),), i) for i in range(300)]
     ptrs = write_log(tmp_path, records, segment_size=2048)
     assert len({p.segment for p in ptrs}) >= 5
     for i in (0, 1, 37, 150, 299):
@@ -160,7 +160,7 @@ def test_any_transactions_read_back_equal_across_rollovers(
             )
             for k, op, v in tx
         ]
-        records.append(DataRecord(entries, n))
+        records.append(DataRecord(tuple(entries), n))
     write_log(directory, records, segment_size=seg_size)
     got = [r for _, r in read_all(directory)]
     assert got == records
@@ -169,7 +169,7 @@ def test_any_transactions_read_back_equal_across_rollovers(
 
 
 def one_segment(tmp_path: Path, n: int = 5) -> tuple[Path, list[WalPointer]]:
-    ptrs = write_log(tmp_path, [DataRecord([entry(i)], i) for i in range(n)], segment_size=1 << 20)
+    ptrs = write_log(tmp_path, [DataRecord((entry(i),), i) for i in range(n)], segment_size=1 << 20)
     return tmp_path / segment_name(0), ptrs
 
 
@@ -229,7 +229,7 @@ def test_torn_last_record_of_active_segment(tmp_path: Path) -> None:
     path, ptrs = one_segment(tmp_path)
     full = bytearray(path.read_bytes()[: ptrs[4].offset + 1])  # up to record 4 ...
     end = ptrs[4].offset
-    rec4 = encode_frame(DataRecord([entry(4)], 4))
+    rec4 = encode_frame(DataRecord((entry(4),), 4))
     torn = bytearray(rec4)
     torn[-1] ^= 0xFF
     path.write_bytes(bytes(full[:end]) + bytes(torn))
@@ -292,7 +292,7 @@ def test_data_after_segment_end_is_corrupt(tmp_path: Path) -> None:
 
 def test_gap_is_missing_segment(tmp_path: Path) -> None:
     """A hole in the segment numbering raises MissingSegment naming the segment."""
-    ptrs = write_log(tmp_path, [DataRecord([entry(i)], i) for i in range(300)], segment_size=1024)
+    ptrs = write_log(tmp_path, [DataRecord((entry(i),), i) for i in range(300)], segment_size=1024)
     assert ptrs[-1].segment >= 3
     os.unlink(tmp_path / segment_name(2))
     with pytest.raises(MissingSegment, match="missing segment 2"):
@@ -303,10 +303,10 @@ def test_gap_is_missing_segment(tmp_path: Path) -> None:
 
 def test_reader_refuses_symlinks_and_foreign_files(tmp_path: Path) -> None:
     """Symlinks and non-segment names in a directory are never read as segments."""
-    write_log(tmp_path, [DataRecord([entry(1)], 1)], segment_size=4096)
+    write_log(tmp_path, [DataRecord((entry(1),), 1)], segment_size=4096)
     outside = tmp_path / "outside"
     outside.mkdir()
-    write_log(outside, [DataRecord([entry(2)], 2)], segment_size=4096, first_segment=1)
+    write_log(outside, [DataRecord((entry(2),), 2)], segment_size=4096, first_segment=1)
     os.symlink(outside / segment_name(1), tmp_path / segment_name(1))
     (tmp_path / "notes.txt").write_text("hello")
     got = read_all(tmp_path)
@@ -315,7 +315,7 @@ def test_reader_refuses_symlinks_and_foreign_files(tmp_path: Path) -> None:
 
 def test_small_read_buffer_reads_big_records(tmp_path: Path) -> None:
     """Records bigger than the read buffer are read whole (the buffer only bounds memory, not size)."""
-    big = [DataRecord([entry(i, value="x" * 5000)], i) for i in range(5)]
+    big = [DataRecord((entry(i, value="x" * 5000),), i) for i in range(5)]
     write_log(tmp_path, big, segment_size=1 << 20)
     got = [r for _, r in SegmentReader(tmp_path / segment_name(0), read_buffer_bytes=64) if isinstance(r, DataRecord)]
     assert got == big

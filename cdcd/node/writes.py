@@ -304,7 +304,7 @@ class WriteCore:
                     latest[full_key] = None if op is _DELETE else Current(bytes(value), version, expire)
             if not entries:
                 return entries, None
-            end = wal.append_end(DataRecord(entries, time.time_ns()), True)
+            end = wal.append_end(DataRecord(tuple(entries), time.time_ns()), True)
             self.order = order
             if len(keys) == 1:
                 dirty[keys[0]] = entries[0]
@@ -394,7 +394,7 @@ class WriteCore:
                 True,
                 now + ttl if ttl else 0,
             )
-            end = wal.append_end(DataRecord([entry], ts_ns), self.fsync_commits)
+            end = wal.append_end(DataRecord((entry,), ts_ns), self.fsync_commits)
             self.order = order
             dirty[full_key] = entry
             stats = self.stats
@@ -437,7 +437,7 @@ class WriteCore:
                     )
                     size += len(k) + len(value) + 32
                 if entries:
-                    _ptr, end = wal.append(DataRecord(entries, time.time_ns(), resend=True))
+                    _ptr, end = wal.append(DataRecord(tuple(entries), time.time_ns(), resend=True))
                     sent += len(entries)
         return sent, end
 

@@ -1,8 +1,11 @@
 """WAL record types (DESIGN §3).
 
-Entries and versions are ``gc=False`` Structs: they hold only scalars, bytes and each other, so
-they can never be part of a reference cycle, and a backlog of millions of them must not make
-every garbage collection walk them.
+Records, entries and versions are ``gc=False`` Structs: they hold only scalars, bytes, tuples and
+each other, so they can never be part of a reference cycle, and a backlog of millions of them must
+not make every garbage collection walk them. A DataRecord's entries are a tuple, not a list, for
+the same reason: the collector stops tracking a tuple of untracked objects the first time it sees
+it, where a list stays tracked and every older-generation pass would read each of its entries
+again.
 
 Every record is a tagged, frozen, array-like ``msgspec.Struct``; the tag is also the frame's
 type byte. Schema rule: fields are only ever appended, with defaults, so older segments decode.
@@ -85,7 +88,7 @@ class CacheInfo(msgspec.Struct, frozen=True, array_like=True):
     config: CacheConfig = CacheConfig()
 
 
-class _Record(msgspec.Struct, frozen=True, array_like=True, tag_field="t"):
+class _Record(msgspec.Struct, frozen=True, array_like=True, tag_field="t", gc=False):
     TYPE: ClassVar[int]
 
 
@@ -93,7 +96,7 @@ class DataRecord(_Record, frozen=True, tag=1):
     """A committed transaction: all its entries, atomic on recovery."""
 
     TYPE: ClassVar[int] = 1
-    entries: list[DataEntry]
+    entries: tuple[DataEntry, ...]
     commit_ts_ns: int
     resend: bool = False
     """Written by ``Node.resend``: existing entries sent again, not changes (Debezium's ``"r"``)."""

@@ -80,7 +80,7 @@ class WalLogFixture:
                         CacheVersion(order, 1, 1, 1),
                     )
                 )
-            append(DataRecord(entries, time.time_ns()))
+            append(DataRecord(tuple(entries), time.time_ns()))
             if writer.buffered_bytes >= writer.buffer_bytes:
                 files.write(writer.take())
         files.write(writer.take())

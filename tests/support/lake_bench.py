@@ -97,10 +97,10 @@ class SharedSpark:
             RecordSlice(
                 WalPointer(0, 100 * r),
                 DataRecord(
-                    [
+                    tuple(
                         DataEntry(1, Op.CREATE, key(k), value, 0, CacheVersion(k, 1, 0, 1))
                         for k in range(r * 10, r * 10 + 10)
-                    ],
+                    ),
                     1_700_000_000 * 10**9,
                 ),
             )

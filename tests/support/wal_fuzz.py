@@ -222,14 +222,14 @@ def _all_types_records() -> list[Record]:
     ]
     return [
         CacheRecord(CACHE_ID, "orders", CacheOp.CREATE, CacheConfig(partitions=1024, cdc_enabled=True), ts_ns=11),
-        DataRecord(entries, commit_ts_ns=1_795_321_598_142_668_452),
+        DataRecord(tuple(entries), commit_ts_ns=1_795_321_598_142_668_452),
         TryStartRealtimeCdcRecord(ts_ns=12),
         RealtimeCdcRecord(last=WalPosition(4, 40, 2)),
         StopRealtimeCdcRecord(last=WalPosition(5, 40, 1), reason="realtime_cdc_disabled"),
         StopRealtimeCdcRecord(),
         Checkpoint(ts_ns=13, next_order=6),
         CacheRecord(CACHE_ID + 1, "gone", CacheOp.DESTROY, CacheConfig(partitions=8, cdc_enabled=False), ts_ns=14),
-        DataRecord([_entry(6, Op.CREATE, "k", "v")], commit_ts_ns=15),
+        DataRecord((_entry(6, Op.CREATE, "k", "v"),), commit_ts_ns=15),
     ]
 
 
@@ -238,12 +238,12 @@ def _big_records() -> list[Record]:
     entries = [
         _entry(100 + i, Op(i % 3), f"key-{i}", None if i % 3 == 2 else {"v": "x" * 40, "i": i}) for i in range(60)
     ]
-    return [DataRecord(entries, commit_ts_ns=16), DataRecord([_entry(200, Op.CREATE, 0, 0)], commit_ts_ns=17)]
+    return [DataRecord(tuple(entries), commit_ts_ns=16), DataRecord((_entry(200, Op.CREATE, 0, 0),), commit_ts_ns=17)]
 
 
 def _active_records() -> list[Record]:
     entries = [_entry(300, Op.CREATE, "a", 1), _entry(301, Op.DELETE, "b", None)]
-    return [DataRecord(entries, commit_ts_ns=18), Checkpoint(19, 302)]
+    return [DataRecord(tuple(entries), commit_ts_ns=18), Checkpoint(19, 302)]
 
 
 @functools.cache
