@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import uuid
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cdcd.consumer import RecordSlice
 from cdcd.wal import (
     NIL,
     BadSegmentHeader,
@@ -113,6 +115,21 @@ def test_round_trip_every_record_type(tmp_path: Path) -> None:
     assert [p for p, _ in got] == ptrs
     assert ptrs[0] == WalPointer(0, HEADER_SIZE)
 
+
+
+def test_records_read_back_are_not_tracked_by_the_garbage_collector(tmp_path: Path) -> None:
+    """A backlog of decoded records must not make every collection walk its entries: after one
+    collection no record, entry tuple, entry or version of any record type is tracked (a list of
+    entries, or a record type with gc on, would be)."""
+    write_log(tmp_path, ALL_RECORDS, segment_size=1 << 20)
+    got = [r for _, r in read_all(tmp_path)]
+    gc.collect()
+    tracked = [r for r in got if gc.is_tracked(r)]
+    data = [r for r in got if isinstance(r, DataRecord)]
+    tracked += [r.entries for r in data if gc.is_tracked(r.entries)]
+    tracked += [e for r in data for e in r.entries if gc.is_tracked(e) or gc.is_tracked(e.version)]
+    assert data and tracked == []
+    assert not gc.is_tracked(RecordSlice(WalPointer(0, HEADER_SIZE), data[0]))
 
 def test_reader_starts_at_any_pointer_across_segments(tmp_path: Path) -> None:
     """Reading from the pointer of record i yields records i.. across segment boundaries."""
