@@ -622,6 +622,7 @@ def relink_lost(config_path: Path, archive_path: Path | None, yes: bool) -> None
     still has them (nothing is lost, no resend needed). Run before delete-lost-segment-links."""
     from cdcd.daemon.ops import plan_relink, relink_lost_segments
     from cdcd.lock import LockHeld
+    from cdcd.node.archiver import dir_bytes
 
     config = _load_daemon_config(config_path)
     archive = archive_path or Path(config.node_dir) / "wal" / "archive"
@@ -636,7 +637,12 @@ def relink_lost(config_path: Path, archive_path: Path | None, yes: bool) -> None
             done = relink_lost_segments(config, archive, plan)
         except LockHeld as exc:
             fail(f"the daemon is running ({exc}); stop it first", EXIT_LOCKED)
-        click.echo(f"re-linked {len(done)} segment(s); start the daemon: it delivers them in order")
+        linked_mib = dir_bytes(config.cdc_path) / (1 << 20)
+        click.echo(
+            f"re-linked {len(done)} segment(s); start the daemon: it delivers them in order. The CDC dir now holds "
+            f"{linked_mib:.1f} MiB: a node whose cdc_dir_max_bytes is below that skips links of new segments until "
+            "the daemon has worked through them; if the daemon stops at another gap, run this again"
+        )
     if plan.gone:
         click.echo(
             f"{len(plan.gone)} segment(s) ({plan.gone[0]}..{plan.gone[-1]}) are gone from the archive too: "

@@ -121,6 +121,9 @@ def test_relink_lost_segments_restores_the_gap_from_the_archive(tmp_path: Path) 
     res = cdcd("control", "relink-lost-segments", "--config", str(config), "--yes")
     assert res.returncode == 0, res.stderr
     assert "will re-link 2 segment(s) (2..3)" in res.stdout and "re-linked 2 segment(s)" in res.stdout
+    # What the CDC dir holds now, for the operator to compare with the node's cdc_dir_max_bytes.
+    held = sum(p.stat().st_size for p in (node_dir / "cdc").glob("*.wal")) / (1 << 20)
+    assert f"The CDC dir now holds {held:.1f} MiB" in res.stdout, res.stdout
     assert os.path.samefile(node_dir / "cdc" / f"{2:016d}.wal", node_dir / "wal" / "archive" / f"{2:016d}.wal")
     catch_up_and_stop(config, tmp_path / "run2.err", (7, 0, 0))
     assert read_jsonl(out) == expected, "the whole WAL, in order, once"
