@@ -426,8 +426,10 @@ def as_location_arg(path: LakeDir) -> tuple[str, dict[str, str] | None]:
 
 
 def spark_path(path: LakeDir) -> str:
-    """The location for Spark (``s3a://`` on S3, the plain path locally)."""
-    return path.spark_uri if isinstance(path, ObjectPath) else str(path)
+    """The location for Spark (``s3a://`` on S3, the absolute path locally: Delta's table builder takes a
+    relative location for a table name and refuses it, and executors need not share the driver's working
+    directory). Symlinks are not resolved."""
+    return path.spark_uri if isinstance(path, ObjectPath) else os.path.abspath(path)
 
 
 def file_source(path: LakeDir) -> Any:

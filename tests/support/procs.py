@@ -38,8 +38,12 @@ def child_env(*pythonpath: Path) -> dict[str, str]:
     return env
 
 
-def cdcd(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CDCD, *args], capture_output=True, text=True, timeout=timeout, env=env or child_env())
+def cdcd(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CDCD, *args], capture_output=True, text=True, timeout=timeout, env=env or child_env(), cwd=cwd
+    )
 
 
 def start_daemon(config: Path, stderr_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
