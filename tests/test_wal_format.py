@@ -116,7 +116,6 @@ def test_round_trip_every_record_type(tmp_path: Path) -> None:
     assert ptrs[0] == WalPointer(0, HEADER_SIZE)
 
 
-
 def test_records_read_back_are_not_tracked_by_the_garbage_collector(tmp_path: Path) -> None:
     """A backlog of decoded records must not make every collection walk its entries: after one
     collection no record, entry tuple, entry or version of any record type is tracked (a list of
@@ -130,6 +129,7 @@ def test_records_read_back_are_not_tracked_by_the_garbage_collector(tmp_path: Pa
     tracked += [e for r in data for e in r.entries if gc.is_tracked(e) or gc.is_tracked(e.version)]
     assert data and tracked == []
     assert not gc.is_tracked(RecordSlice(WalPointer(0, HEADER_SIZE), data[0]))
+
 
 def test_reader_starts_at_any_pointer_across_segments(tmp_path: Path) -> None:
     """Reading from the pointer of record i yields records i.. across segment boundaries."""
