@@ -242,7 +242,8 @@ file, and OPTIMIZE rewrites such files anyway."""
 
 
 def _codec(chunk: pa.Table) -> str:
-    return "snappy" if chunk.num_rows < SMALL_FILE_ROWS else "zstd"
+    """The compression ``_parquet_options`` chooses, for the file's name."""
+    return str(_parquet_options(chunk)["compression"])
 
 
 _UNIQUE_TEXT = frozenset({"key", "value"})
