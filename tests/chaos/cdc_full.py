@@ -108,6 +108,11 @@ def check_gap_exit(r: ChaosRig) -> int:
     return gap
 
 
+def skipped_segments(r: ChaosRig) -> list[int]:
+    """The segments the node archived without a CDC link so far (its ``cdc_link_skipped`` log lines)."""
+    return [e["segment"] for e in r.node_log_events() if e["event"] == "cdc_link_skipped"]
+
+
 def cdc_dir_full(ctx: Ctx, res: Result) -> None:
     """CDC dir over cdc_dir_max_bytes, daemon down: exit 3, then relink-lost-segments (even rounds: nothing lost) or
     delete-lost-segment-links + resend (odd rounds: live keys recovered), compared with the node's state."""
@@ -143,7 +148,7 @@ def one_round(ctx: Ctx, res: Result, k: int) -> None:
 
         def skipped() -> int:
             r.check_node()
-            return sum(1 for e in r.node_log_events() if e["event"] == "cdc_link_skipped")
+            return len(skipped_segments(r))
 
         wait_for(lambda: skipped() >= 3, 30, "the node to skip CDC links")
         if not busy:
@@ -181,8 +186,7 @@ def one_round(ctx: Ctx, res: Result, k: int) -> None:
                 if daemon.poll() is not None:
                     return True
                 pos = r.daemon_position()
-                skipped_at = [e["segment"] for e in r.node_log_events() if e["event"] == "cdc_link_skipped"]
-                past = max([passed - 1, *skipped_at]) + 1
+                past = max([passed - 1, *skipped_segments(r)]) + 1
                 roomy = dir_bytes(r.node_dir / "cdc") <= limit_segments * SEGMENT // 2
                 return isinstance(pos, tuple) and pos >= (past, 0, 0) and roomy
 
