@@ -38,11 +38,13 @@ from tests.support.writer import start_writer, writer_count
 
 __all__ = ["kafka_broker"]  # the fixture, used by name
 
-ENVELOPE_FIELDS = ["before", "after", "source", "op", "ts_ms", "transaction"]
+ENVELOPE_FIELDS = ["before", "after", "source", "op", "ts_ms", "ts_us", "ts_ns", "transaction"]
 SOURCE_FIELDS = [
     "version",
     "connector",
     "name",
+    "db",
+    "table",
     "node",
     "cache",
     "partition",
@@ -50,6 +52,8 @@ SOURCE_FIELDS = [
     "offset",
     "entry_index",
     "ts_ms",
+    "ts_us",
+    "ts_ns",
     "snapshot",
     "primary",
     "cache_version",
@@ -111,12 +115,17 @@ def test_envelope_tombstones_metadata_and_stored_position(kafka_broker: Broker, 
         m, v = by_pos[tuple(e["pos"])]
         s = v["source"]
         assert (s["connector"], s["name"], s["node"], s["cache"]) == ("cdcd", topic, str(node_id), e["cache"])
+        assert (s["db"], s["table"]) == (str(node_id), e["cache"])  # db: the node unless `db` names one
         assert s["partition"] == e["partition"] and m.partition() == e["partition"] % 4
         assert s["snapshot"] == "false" and s["primary"] is True
         assert s["cache_version"] == e["version"]
         assert t0 // 1_000_000 <= s["ts_ms"] <= t1 // 1_000_000
         assert s["ts_ms"] == e["commit_ts_ns"] // 1_000_000
-        assert v["op"] == ops[e["op"]] and v["before"] is None
+        assert (s["ts_us"], s["ts_ns"]) == (e["commit_ts_ns"] // 1000, e["commit_ts_ns"])
+        assert v["ts_ms"] == v["ts_ns"] // 1_000_000 and v["ts_us"] == v["ts_ns"] // 1000 and v["ts_ns"] >= t1
+        assert v["op"] == ops[e["op"]]
+        # before: the key columns on a delete (Debezium's default replica identity), else null
+        assert v["before"] == ({"key": _json_key(e["key"])} if e["op"] == "delete" else None)
         assert json.loads(m.key()) == {"cache": e["cache"], "key": _json_key(e["key"])}
         tx = v["transaction"]
         assert tx["id"] == f"{node_id!s}:{e['pos'][0]}:{e['pos'][1]}" and tx["total_order"] == e["pos"][2] + 1
@@ -125,13 +134,17 @@ def test_envelope_tombstones_metadata_and_stored_position(kafka_broker: Broker, 
         assert headers["cdcd.cache"] == e["cache"].encode()
         entry = msgspec.msgpack.decode(headers["cdcd.entry"], type=DataEntry)
         assert msgspec.msgpack.decode(entry.key) == e["key"] or list(msgspec.msgpack.decode(entry.key)) == e["key"]
-    # non-record values are wrapped, records are the row
+    # the row: the key's columns (a non-map key wrapped), then the value's (non-record values wrapped)
     afters = {(v["source"]["cache"], m.key()): v["after"] for m, v in by_pos.values() if v["op"] != "d"}
-    assert afters[("orders", b'{"cache":"orders","key":1}')] in ({"total": 9.5, "items": ["a", "b"]}, {"total": 10})
-    assert afters[("orders", b'{"cache":"orders","key":2}')] == {"value": "two"}
-    assert afters[("orders", b'{"cache":"orders","key":3}')] == {"value": "AP8="}  # binary: base64
+    assert afters[("orders", b'{"cache":"orders","key":1}')] in (
+        {"key": 1, "total": 9.5, "items": ["a", "b"]},
+        {"key": 1, "total": 10},
+    )
+    assert afters[("orders", b'{"cache":"orders","key":2}')] == {"key": 2, "value": "two"}
+    assert afters[("orders", b'{"cache":"orders","key":3}')] == {"key": 3, "value": "AP8="}  # binary: base64
     assert afters[("tags", b'{"cache":"tags","key":["k",1]}')] == {
-        "value": {"5": "int-keyed map", "nested": {"7": None}}
+        "key": ["k", 1],
+        "value": {"5": "int-keyed map", "nested": {"7": None}},
     }
     # data_collection_order counts per cache inside the node transaction
     delete_tx = next(v["transaction"]["id"] for _m, v in by_pos.values() if v["op"] == "d")
@@ -354,13 +367,22 @@ def test_embedded_schema(kafka_broker: Broker, tmp_path: Path) -> None:
     assert len(msgs) == 2  # no tombstone
     put, delete = (json.loads(m.value()) for m in msgs)
     assert list(put) == ["schema", "payload"] and put["payload"]["op"] == "c"
-    assert put["payload"]["after"] == {"name": "ada", "age": 36, "score": 1.5, "tags": ["x"], "ok": True}
+    assert put["payload"]["after"] == {"key": 7, "name": "ada", "age": 36, "score": 1.5, "tags": ["x"], "ok": True}
     fields = {f["field"]: f for f in put["schema"]["fields"]}
     assert list(fields) == ENVELOPE_FIELDS
     after = {f["field"]: f["type"] for f in fields["after"]["fields"]}
-    assert after == {"name": "string", "age": "int64", "score": "double", "tags": "array", "ok": "boolean"}
+    assert after == {
+        "key": "int64",
+        "name": "string",
+        "age": "int64",
+        "score": "double",
+        "tags": "array",
+        "ok": "boolean",
+    }
+    assert put["schema"]["name"] == "schemas.people.Envelope" and fields["after"]["name"] == "schemas.people.Value"
     assert fields["source"]["name"] == "io.cdcd.connector.Source"
     assert delete["payload"]["op"] == "d" and delete["payload"]["after"] is None
+    assert delete["payload"]["before"] == {"key": 7}
     key = json.loads(msgs[0].key())
     assert key["payload"] == {"cache": "people", "key": 7}
     assert [f["field"] for f in key["schema"]["fields"]] == ["cache", "key"]

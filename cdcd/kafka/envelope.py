@@ -1,23 +1,31 @@
-"""Debezium's change-event envelope, so Kafka Connect sinks, Flink, ksqlDB and Spark read cdcd's
-topic with what they already have for Debezium.
+"""Debezium's change-event envelope, so Kafka Connect sinks (Debezium's JDBC sink among them), Flink,
+ksqlDB and Spark read cdcd's topics with what they already have for Debezium.
 
-Message key: ``{"cache": NAME, "key": KEY}``. Message value::
+A cache key becomes the row's key columns: a map with string keys is the columns as they are (a
+composite key), any other key is wrapped as ``{"key": K}``. A value becomes the row's other
+columns the same way: a map with string keys as is, anything else (a number, a string, a list, a
+map with other keys, binary) wrapped as ``{"value": V}``. The row (``after``) is the key columns
+followed by the value's (a value column named like a key column gives way to the key's). Inside a
+row, map keys that JSON cannot hold become strings and binary becomes base64, as ``cdcd wal dump``
+prints them.
 
-    {"before": null, "after": ROW | null,
-     "source": {"version", "connector": "cdcd", "name", "node", "cache", "partition",
-                "segment", "offset", "entry_index", "ts_ms", "snapshot": "true"|"false",
-                "primary", "cache_version": {"order", "node_order", "cluster_id", "topology_version"}},
-     "op": "c"|"u"|"d"|"r", "ts_ms",
+Message value::
+
+    {"before": KEY-COLUMNS (deletes) | null, "after": ROW | null,
+     "source": {"version", "connector": "cdcd", "name", "db", "table", "node", "cache", "partition",
+                "segment", "offset", "entry_index", "ts_ms", "ts_us", "ts_ns", "snapshot", "primary",
+                "cache_version": {"order", "node_order", "cluster_id", "topology_version"}},
+     "op": "c"|"u"|"d"|"r", "ts_ms", "ts_us", "ts_ns",
      "transaction": {"id", "total_order", "data_collection_order"}}
 
-``before`` is always null: a cdcd WAL entry holds the new value only (Debezium's PostgreSQL
-connector with ``REPLICA IDENTITY DEFAULT`` does the same for updates). A value that is a map with
-string keys is the row as it is; any other value (a number, a string, a list, a map with other
-keys, binary) is wrapped as ``{"value": V}``. Inside a row, map keys that JSON cannot hold become
-strings and binary becomes base64, as ``cdcd wal dump`` prints them.
+``before`` of a delete holds the key columns, the rest absent: a WAL entry holds the new value
+only, which is what Debezium's PostgreSQL connector sends with ``REPLICA IDENTITY DEFAULT``
+(updates: null). Message key: the key columns with one topic per cache; ``{"cache", "key"}`` in
+the single-topic mode, where keys of different caches share a topic.
 
 With ``schemas = true`` key and value are Kafka Connect JSON (``{"schema", "payload"}``), the
-schema inferred from each message (what ``JsonConverter`` with ``schemas.enable`` expects).
+schema inferred from each message (what ``JsonConverter`` with ``schemas.enable`` expects, and
+what Debezium's JDBC sink needs).
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ from typing import Any
 import msgspec
 
 from cdcd.wal.dump import jsonable
-from cdcd.wal.records import CacheVersion, Op
+from cdcd.wal.pointer import EventAddress
+from cdcd.wal.records import DataEntry, Op
 
 try:  # not ``cdcd.__version__``: the package root is the composition root, above every layer
     __version__ = metadata.version("cdcd")
@@ -37,18 +46,30 @@ except metadata.PackageNotFoundError:  # running from a source tree that was nev
 
 OPS = {Op.CREATE: "c", Op.UPDATE: "u", Op.DELETE: "d"}
 SNAPSHOT_OP = "r"
+KEY_COLUMN = "key"
+VALUE_COLUMN = "value"
 
 _decode = msgspec.msgpack.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
 
-def row(raw: bytes | msgspec.Raw) -> dict[str, Any]:
-    """A MessagePack value as an envelope row (a string-keyed map as is, anything else wrapped)."""
+def columns(raw: bytes | msgspec.Raw, wrap_as: str) -> dict[str, Any]:
+    """A MessagePack key or value as row columns (a string-keyed map as is, anything else wrapped
+    as ``{wrap_as: V}``; an empty map too when it is a key, which needs a column)."""
     value = _decode(raw)
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+    if isinstance(value, dict) and (value or wrap_as != KEY_COLUMN) and all(isinstance(k, str) for k in value):
         out: dict[str, Any] = jsonable(value)
         return out
-    return {"value": jsonable(value)}
+    return {wrap_as: jsonable(value)}
+
+
+def row(key_columns: dict[str, Any], raw_value: bytes | msgspec.Raw) -> dict[str, Any]:
+    """The key columns, then the value's (a value column of a key column's name gives way)."""
+    out = dict(key_columns)
+    for name, v in columns(raw_value, VALUE_COLUMN).items():
+        if name not in out:
+            out[name] = v
+    return out
 
 
 class _Key(msgspec.Struct):
@@ -67,6 +88,8 @@ class _Source(msgspec.Struct):
     version: str
     connector: str
     name: str
+    db: str
+    table: str
     node: str
     cache: str
     partition: int
@@ -74,6 +97,8 @@ class _Source(msgspec.Struct):
     offset: int
     entry_index: int
     ts_ms: int
+    ts_us: int
+    ts_ns: int
     snapshot: str
     primary: bool
     cache_version: _CacheVersion
@@ -86,66 +111,89 @@ class _Transaction(msgspec.Struct):
 
 
 class _Envelope(msgspec.Struct):
-    before: None
+    before: dict[str, Any] | None
     after: dict[str, Any] | None
     source: _Source
     op: str
     ts_ms: int
+    ts_us: int
+    ts_ns: int
     transaction: _Transaction
 
 
-def key_bytes(cache: str, raw_key: bytes | msgspec.Raw, schemas: bool) -> bytes:
-    key = jsonable(_decode(raw_key))
+class Source(msgspec.Struct, frozen=True):
+    """Where a change comes from: what the sink knows of it besides the entry."""
+
+    name: str
+    """``source.name``: the logical server name (the topic prefix)."""
+    db: str
+    node: str
+    cache: str
+    position: EventAddress
+    commit_ts_ns: int
+    resend: bool
+
+
+def change(
+    e: DataEntry, src: Source, now_ns: int, total_order: int, order: int, *, per_cache: bool, schemas: bool
+) -> tuple[bytes, bytes]:
+    """The message key and value of one change (``order``: its ``data_collection_order``)."""
+    cache = src.cache
+    schema_name = f"{src.name}.{cache}"
+    key_columns = columns(e.key, KEY_COLUMN)
+    key: Any
+    if per_cache:
+        key = key_columns
+    elif schemas:
+        key = {"cache": cache, "key": jsonable(_decode(e.key))}
+    else:
+        key = _Key(cache, jsonable(_decode(e.key)))
     if schemas:
-        payload = {"cache": cache, "key": key}
-        return _encode({"schema": _struct_schema(payload, f"cdcd.{cache}.Key", optional=False), "payload": payload})
-    return _encode(_Key(cache, key))
-
-
-def value_bytes(
-    *,
-    name: str,
-    node: str,
-    cache: str,
-    op: str,
-    raw_value: bytes | msgspec.Raw | None,
-    partition: int,
-    segment: int,
-    offset: int,
-    entry_index: int,
-    commit_ts_ns: int,
-    primary: bool,
-    version: CacheVersion,
-    now_ms: int,
-    data_collection_order: int,
-    schemas: bool,
-) -> bytes:
-    after = None if raw_value is None else row(raw_value)
+        key = {"schema": _struct_schema(key, f"{schema_name}.Key", optional=False), "payload": key}
+    deleted = e.op == Op.DELETE
+    after = None if deleted else row(key_columns, e.value)
+    before = key_columns if deleted else None
+    pos = src.position
+    ts_ns = src.commit_ts_ns
+    v = e.version
+    op = SNAPSHOT_OP if src.resend else OPS[e.op]
     envelope = _Envelope(
-        None,
+        before,
         after,
         _Source(
             __version__,
             "cdcd",
-            name,
-            node,
+            src.name,
+            src.db,
             cache,
-            partition,
-            segment,
-            offset,
-            entry_index,
-            commit_ts_ns // 1_000_000,
+            src.node,
+            cache,
+            e.partition,
+            pos.segment,
+            pos.offset,
+            pos.entry_index,
+            ts_ns // 1_000_000,
+            ts_ns // 1_000,
+            ts_ns,
             "true" if op == SNAPSHOT_OP else "false",
-            primary,
-            _CacheVersion(version.order, version.node_order, version.cluster_id, version.topology_version),
+            e.primary,
+            _CacheVersion(v.order, v.node_order, v.cluster_id, v.topology_version),
         ),
         op,
-        now_ms,
-        _Transaction(f"{node}:{segment}:{offset}", entry_index + 1, data_collection_order),
+        now_ns // 1_000_000,
+        now_ns // 1_000,
+        now_ns,
+        _Transaction(transaction_id(src.node, pos.segment, pos.offset), total_order, order),
     )
     if not schemas:
-        return _encode(envelope)
-    return _encode({"schema": envelope_schema(cache, after), "payload": envelope})
+        return _encode(key), _encode(envelope)
+    schema = envelope_schema(schema_name, after if after is not None else before)
+    return _encode(key), _encode({"schema": schema, "payload": envelope})
+
+
+def transaction_id(node: str, segment: int, offset: int) -> str:
+    """A node transaction (one WAL record) by its source node and WAL address."""
+    return f"{node}:{segment}:{offset}"
 
 
 # --- Kafka Connect JSON schemas ----------------------------------------------------------------
@@ -196,6 +244,8 @@ _SOURCE_SCHEMA = {
         _fixed("version", "string"),
         _fixed("connector", "string"),
         _fixed("name", "string"),
+        _fixed("db", "string"),
+        _fixed("table", "string"),
         _fixed("node", "string"),
         _fixed("cache", "string"),
         _fixed("partition", "int32"),
@@ -203,6 +253,8 @@ _SOURCE_SCHEMA = {
         _fixed("offset", "int64"),
         _fixed("entry_index", "int32"),
         _fixed("ts_ms", "int64"),
+        _fixed("ts_us", "int64"),
+        _fixed("ts_ns", "int64"),
         _fixed("snapshot", "string", optional=True),
         _fixed("primary", "boolean"),
         {
@@ -229,11 +281,12 @@ _TRANSACTION_SCHEMA = {
 }
 
 
-def envelope_schema(cache: str, after: dict[str, Any] | None) -> dict[str, Any]:
-    row_schema = _struct_schema(after or {}, f"cdcd.{cache}.Value", optional=True)
+def envelope_schema(schema_name: str, row_: dict[str, Any] | None) -> dict[str, Any]:
+    """``schema_name``: ``<source.name>.<cache>``, Debezium's ``<prefix>.<schema>.<table>``."""
+    row_schema = _struct_schema(row_ or {}, f"{schema_name}.Value", optional=True)
     return {
         "type": "struct",
-        "name": f"cdcd.{cache}.Envelope",
+        "name": f"{schema_name}.Envelope",
         "optional": False,
         "fields": [
             {**row_schema, "field": "before"},
@@ -241,6 +294,8 @@ def envelope_schema(cache: str, after: dict[str, Any] | None) -> dict[str, Any]:
             _SOURCE_SCHEMA,
             _fixed("op", "string"),
             _fixed("ts_ms", "int64", optional=True),
+            _fixed("ts_us", "int64", optional=True),
+            _fixed("ts_ns", "int64", optional=True),
             _TRANSACTION_SCHEMA,
         ],
     }

@@ -2,9 +2,14 @@
 
 The offsets topic is compacted, keyed by source node (Kafka Connect's exactly-once source
 connectors keep their offsets the same way). The value is JSON ``{"segment", "offset",
-"entry_index"}``: the WAL address of the last entry the committed transactions hold (inclusive). A reader
-sees only committed records (``read_committed``), so the position it finds and the data in the
-topic always agree.
+"entry_index", "node"}``: the WAL address of the last entry the committed transactions hold
+(inclusive). A reader sees only committed records (``read_committed``), so the position it finds
+and the data in the topic always agree.
+
+When that entry is inside a node transaction (a WAL record) whose last events are still to come
+(a batch cut at ``max_events_per_transaction``), the record also holds what was sent of it:
+``tx_events`` and ``tx_collections`` (events per data collection). The events after it continue
+their ``total_order``/``data_collection_order`` from there, and its END record counts them all.
 """
 
 from __future__ import annotations
@@ -20,14 +25,31 @@ Address = tuple[int, int, int]
 """``(segment, offset, entry_index)`` of the last entry in Kafka (inclusive: that entry is sent)."""
 
 
-class _Stored(msgspec.Struct, frozen=True):
+class OpenTransaction(msgspec.Struct, frozen=True):
+    """What was sent of the node transaction the stored position is inside (BEGIN sent, END not)."""
+
+    events: int
+    collections: dict[str, int]
+
+
+class Stored(msgspec.Struct, frozen=True, omit_defaults=True):
     segment: int
     offset: int
     entry_index: int
     node: str = ""
+    tx_events: int = 0
+    tx_collections: dict[str, int] = msgspec.field(default_factory=dict)
+
+    @property
+    def address(self) -> Address:
+        return (self.segment, self.offset, self.entry_index)
+
+    @property
+    def open_transaction(self) -> OpenTransaction | None:
+        return OpenTransaction(self.tx_events, self.tx_collections) if self.tx_events else None
 
 
-_decode = msgspec.json.Decoder(_Stored).decode
+_decode = msgspec.json.Decoder(Stored).decode
 _encode = msgspec.json.Encoder().encode
 
 
@@ -37,12 +59,20 @@ def partition_of(node: str, partitions: int) -> int:
     return zlib.crc32(node.encode()) % partitions
 
 
-def encode(node: str, address: Address) -> bytes:
-    return _encode(_Stored(*address, node))
+def encode(node: str, address: Address, open_tx: OpenTransaction | None = None) -> bytes:
+    if open_tx is None:
+        return _encode(Stored(*address, node))
+    return _encode(Stored(*address, node, open_tx.events, open_tx.collections))
 
 
 def read_position(conf: dict[str, Any], topic: str, partitions: int, node: str, timeout_s: float) -> Address | None:
-    """The newest committed position of ``node`` (None: it never delivered).
+    """The newest committed position of ``node`` (None: it never delivered)."""
+    stored = read_stored(conf, topic, partitions, node, timeout_s)
+    return None if stored is None else stored.address
+
+
+def read_stored(conf: dict[str, Any], topic: str, partitions: int, node: str, timeout_s: float) -> Stored | None:
+    """The newest committed record of ``node`` (None: it never delivered).
 
     Reads the node's partition to its end as it was when called: up to the high watermark of
     everything written, committed or not, so a transaction still open elsewhere on the partition
@@ -69,7 +99,7 @@ def read_position(conf: dict[str, Any], topic: str, partitions: int, node: str, 
     if high <= 0:
         return None
     reader = Consumer({**base, "isolation.level": "read_committed", "enable.partition.eof": True})
-    found: Address | None = None
+    found: Stored | None = None
     key = node.encode()
     try:
         reader.assign([TopicPartition(topic, part, OFFSET_BEGINNING)])
@@ -92,11 +122,7 @@ def read_position(conf: dict[str, Any], topic: str, partitions: int, node: str, 
                 raise KafkaException(err)
             if msg.key() == key:
                 value = msg.value()
-                if value is None:
-                    found = None
-                else:
-                    s = _decode(value)
-                    found = (s.segment, s.offset, s.entry_index)
+                found = None if value is None else _decode(value)
             if (msg.offset() or 0) + 1 >= high:
                 return found
     finally:

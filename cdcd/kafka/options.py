@@ -114,10 +114,21 @@ _OWN_PROPERTIES = frozenset(
 
 
 class KafkaSinkOptions(ClientOptions, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    topic: str
-    """The data topic: one Debezium-envelope message per change."""
+    topic: str = ""
+    """One data topic for every cache: one Debezium-envelope message per change."""
+    topic_prefix: str = ""
+    """Instead of ``topic``: one topic per cache, ``<topic_prefix>.<cache>`` (Debezium's naming;
+    ``cdcd.kafka.topics`` maps names Kafka does not allow), keyed by the row's key."""
     metadata_topic: str = ""
-    """Cache created/destroyed records (default: ``<topic>.metadata``)."""
+    """Cache created/destroyed records (default: ``<topic>.metadata``; with ``topic_prefix`` the
+    prefix itself, where Debezium puts its schema changes)."""
+    transaction_metadata: bool = False
+    """BEGIN/END records of each node transaction in ``transaction_topic`` (Debezium's
+    ``provide.transaction.metadata``)."""
+    transaction_topic: str = ""
+    """Default ``<topic_prefix or topic>.transaction``."""
+    db: str = ""
+    """``source.db`` of the envelope (default: the source node's id); give a cluster's nodes one."""
     offsets_topic: str = "cdcd-offsets"
     """Compacted topic holding each source node's delivered position (written in the same
     transaction as the data). Shared by every cdcd of a cluster; one key per source node."""
@@ -171,18 +182,41 @@ class KafkaSinkOptions(ClientOptions, frozen=True, forbid_unknown_fields=True, k
 
     @property
     def metadata_topic_name(self) -> str:
-        return self.metadata_topic or f"{self.topic}.metadata"
+        return self.metadata_topic or (self.topic_prefix or f"{self.topic}.metadata")
+
+    @property
+    def transaction_topic_name(self) -> str:
+        return self.transaction_topic or f"{self.topic_prefix or self.topic}.transaction"
+
+    @property
+    def source_name(self) -> str:
+        """``source.name``: Debezium's logical server name, its topic prefix."""
+        return self.name or self.topic_prefix or self.topic
 
     @classmethod
     def load(cls, options: Mapping[str, Any], source: str) -> KafkaSinkOptions:
         opts = convert(options, cls, source)
         opts._check_client(source)
-        for key in ("topic", "metadata_topic", "offsets_topic"):
+        if bool(opts.topic) == bool(opts.topic_prefix):
+            raise ConfigError(
+                f"{source}: key 'topic': give topic (one topic for all caches) or topic_prefix (one per cache)"
+                + (", not both" if opts.topic else "")
+            )
+        for key in ("topic", "topic_prefix", "metadata_topic", "offsets_topic", "transaction_topic"):
             value = getattr(opts, key)
-            if (value or key == "topic") and not _TOPIC_NAME.fullmatch(value):
+            if value and not _TOPIC_NAME.fullmatch(value):
                 raise ConfigError(f"{source}: key '{key}': {value!r} is not a valid topic name")
-        if len({opts.topic, opts.metadata_topic_name, opts.offsets_topic}) != 3:
-            raise ConfigError(f"{source}: key 'metadata_topic': topic, metadata_topic and offsets_topic must differ")
+        if len(opts.topic_prefix) > 200:
+            raise ConfigError(f"{source}: key 'topic_prefix': longer than 200 characters (topics hold at most 249)")
+        names = [opts.topic or None, opts.metadata_topic_name, opts.offsets_topic]
+        if opts.transaction_metadata:
+            names.append(opts.transaction_topic_name)
+        named = [n for n in names if n is not None]
+        if len(set(named)) != len(named):
+            raise ConfigError(
+                f"{source}: key 'metadata_topic': topic, metadata_topic, offsets_topic and transaction_topic "
+                "must differ"
+            )
         cache_filter(opts.caches, source)
         return opts
 

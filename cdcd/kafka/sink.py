@@ -1,5 +1,5 @@
-"""``kind = "kafka"``: every change into a Kafka topic exactly once, in Debezium's envelope
-(Ignite's ``IgniteToKafkaCdcStreamer`` twin).
+"""``kind = "kafka"``: every change into Kafka exactly once, in Debezium's envelope, into one
+topic or one per cache (Ignite's ``IgniteToKafkaCdcStreamer`` twin).
 
 Exactly once: a transactional producer (``transactional.id`` per source node) sends a batch's
 messages and the WAL position of its last entry (to the compacted offsets topic, see
@@ -11,7 +11,10 @@ the old one left open and re-reads the position. A producer fenced by another (t
 worker and the daemon hand over) does the same: it re-takes the id and the position.
 
 A change goes to Kafka partition ``cache partition % topic_partitions`` (Ignite's rule), keyed
-``{"cache", "key"}``; a delete is followed by a tombstone. Headers ``cdcd.entry`` (the WAL entry,
+``{"cache", "key"}`` (one topic) or by the row's key columns (``topic_prefix``: topic
+``<prefix>.<cache>``, created when the cache is first seen); a delete is followed by a tombstone.
+With ``transaction_metadata`` each node transaction's BEGIN/END records go to the transaction
+topic in the same Kafka transactions as its events (``transactions``). Headers ``cdcd.entry`` (the WAL entry,
 MessagePack) and ``cdcd.cache`` let ``cdcd kafka-to-node`` apply the exact bytes. Cache
 created/destroyed records go to the metadata topic before the changes of the cache.
 """
@@ -32,7 +35,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from cdcd import failpoints, metrics
 from cdcd.config import ConfigError
 from cdcd.consumer import CacheInfo, Consumer, EventBatch
-from cdcd.kafka import envelope, offsets
+from cdcd.kafka import envelope, offsets, topics, transactions
 from cdcd.kafka.errors import KafkaSetupError, describe, error_of, setting_of
 from cdcd.kafka.options import KafkaSinkOptions, cache_filter
 from cdcd.wal.records import Op
@@ -81,16 +84,27 @@ def ensure_topics(
                 err = error_of(exc)
                 if err is not None and err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
                     continue  # another process made it meanwhile
-                key = {opts.topic: "topic", opts.metadata_topic_name: "metadata_topic"}.get(name, "offsets_topic")
+                key = _key_of(name, opts)
                 raise KafkaSetupError(f"{source}: key '{key}': cannot create topic {name}: {describe(exc)}") from None
             log.info("kafka_topic_created", topic=name, partitions=wanted[name][0])
         meta = _settled(admin, [t.topic for t in missing], opts, source)
-    data = meta.topics.get(opts.topic)
-    if data is not None and data.error is None and len(data.partitions) < opts.topic_partitions:
-        raise KafkaSetupError(
-            f"{source}: key 'topic_partitions': topic {opts.topic} has {len(data.partitions)} partitions, "
-            f"fewer than topic_partitions = {opts.topic_partitions}"
-        )
+    for name, (parts, _config) in wanted.items():
+        data = meta.topics.get(name)
+        if data is not None and data.error is None and len(data.partitions) < parts:
+            raise KafkaSetupError(
+                f"{source}: key 'topic_partitions': topic {name} has {len(data.partitions)} partitions, "
+                f"fewer than topic_partitions = {opts.topic_partitions}"
+            )
+
+
+def _key_of(topic: str, opts: KafkaSinkOptions) -> str:
+    """The setting that names a topic of this sink."""
+    named = {
+        opts.metadata_topic_name: "metadata_topic",
+        opts.offsets_topic: "offsets_topic",
+        opts.transaction_topic_name: "transaction_topic",
+    }
+    return "topic" if topic == opts.topic else named.get(topic, "topic_prefix")
 
 
 def _settled(admin: AdminClient, topics: Sequence[str], opts: KafkaSinkOptions, source: str) -> Any:
@@ -129,6 +143,11 @@ class KafkaSink(Consumer):
         self._producer: Producer | None = None
         self._node = ""
         self._committed: offsets.Address | None = None
+        self._open_tx: offsets.OpenTransaction | None = None
+        """What was sent of the node transaction the committed position is inside."""
+        self._admin: AdminClient | None = None
+        self._topics: dict[str, str] = {}
+        """Cache name -> its topic (``topic_prefix``), once the topic exists."""
         self._offsets_partitions = OFFSETS_TOPIC_PARTITIONS
         self._delivery_error: KafkaError | None = None
         self._alive = True
@@ -152,17 +171,17 @@ class KafkaSink(Consumer):
             admin = AdminClient({**self._base, "socket.connection.setup.timeout.ms": opts.connect_timeout_ms})
         except KafkaException as exc:
             raise KafkaSetupError(f"{self.source}: key 'client_config': {describe(exc)}") from None
+        self._admin = admin
         compact = {"cleanup.policy": "compact"}
-        ensure_topics(
-            admin,
-            {
-                opts.topic: (opts.topic_partitions, {}),
-                opts.metadata_topic_name: (1, compact),
-                opts.offsets_topic: (OFFSETS_TOPIC_PARTITIONS, compact),
-            },
-            opts,
-            self.source,
-        )
+        wanted = {
+            opts.metadata_topic_name: (1, compact),
+            opts.offsets_topic: (OFFSETS_TOPIC_PARTITIONS, compact),
+        }
+        if opts.topic:
+            wanted[opts.topic] = (opts.topic_partitions, {})
+        if opts.transaction_metadata:
+            wanted[opts.transaction_topic_name] = (1, {})
+        ensure_topics(admin, wanted, opts, self.source)
         meta = _settled(admin, [opts.offsets_topic], opts, self.source)
         self._offsets_partitions = len(meta.topics[opts.offsets_topic].partitions)
         log.info("kafka_sink_started", options=opts.describe())
@@ -215,7 +234,27 @@ class KafkaSink(Consumer):
             )
         metrics.KAFKA_METADATA_RECORDS.inc(len(records))
 
+    def _topic_of(self, cache: str) -> str:
+        """The data topic of a cache; with ``topic_prefix`` created when first asked for."""
+        topic = self.options.topic or self._topics.get(cache)
+        if topic:
+            return topic
+        opts = self.options
+        try:
+            topic = topics.cache_topic(opts, cache)
+        except topics.TopicNameError as exc:
+            self._alive = False
+            raise KafkaSetupError(f"{self.source}: {exc}") from None
+        assert self._admin is not None, "start() first"
+        ensure_topics(self._admin, {topic: (opts.topic_partitions, {})}, opts, self.source)
+        self._topics[cache] = topic
+        return topic
+
     def on_cache_change(self, caches: Sequence[CacheInfo]) -> None:
+        if self.options.topic_prefix:
+            for c in caches:
+                if self._is_selected(c.name):
+                    self._topic_of(c.name)
         recs = [
             MetadataRecord(
                 "create", c.cache_id, c.name, c.config.partitions, c.config.cdc_enabled, c.config.ttl_ms, self._node
@@ -250,9 +289,11 @@ class KafkaSink(Consumer):
         }
         p = Producer(conf)
         p.init_transactions(opts.transaction_timeout_ms / 1000)
-        self._committed = offsets.read_position(
+        stored = offsets.read_stored(
             self._base, opts.offsets_topic, self._offsets_partitions, node, opts.transaction_timeout_ms / 1000
         )
+        self._committed = None if stored is None else stored.address
+        self._open_tx = None if stored is None else stored.open_transaction
         self._producer = p
         self._node = node
         log.info("kafka_producer_ready", node=node, position=self._committed)
@@ -264,6 +305,7 @@ class KafkaSink(Consumer):
             with contextlib.suppress(KafkaException):  # a fatal producer refuses even that
                 p.purge()
         self._committed = None
+        self._open_tx = None
 
     def _is_selected(self, name: str) -> bool:
         ok = self._selected_cache.get(name)
@@ -326,27 +368,36 @@ class KafkaSink(Consumer):
         p = self._producer
         assert p is not None
         opts = self.options
-        topic = opts.topic
         nparts = opts.topic_partitions
         schemas = opts.schemas
         tombstones = opts.tombstones
         only_primary = opts.only_primary
-        name = opts.name or topic
+        per_cache = bool(opts.topic_prefix)
+        tx_topic = opts.transaction_topic_name if opts.transaction_metadata else ""
+        name = opts.source_name
         node = batch.source_node
+        db = opts.db or node
         committed = self._committed
         self._delivery_error = None
         self._pulled = None
         skipped = {"already_sent": 0, "backup": 0, "filtered": 0}
         sent_per_cache: dict[str, int] = {}
-        now_ms = time.time_ns() // 1_000_000
-        # data_collection_order: the entry's rank among its cache's entries of the record
-        slices = batch.peek_slices()
-        k = -1
-        rec_ptr: tuple[int, int] | None = None
-        counts: dict[int, int] = {}
+        now_ns = time.time_ns()
+        # a record's last entry in the batch (its last slice's end): its node transaction ends there
+        record_ends = {(s.pointer.segment, s.pointer.offset): s.end - 1 for s in batch.peek_slices()}
+        tracker = transactions.Tracker(None if committed is None else committed[:2], self._open_tx)
         last: offsets.Address | None = None
         n = 0
         begun = False
+
+        def end_transaction(ts_ms: int) -> None:
+            rec = tracker.record
+            done = tracker.end()
+            if tx_topic and done is not None and rec is not None:
+                tx_id = envelope.transaction_id(node, *rec)
+                value = transactions.record_bytes("END", tx_id, ts_ms, done, schemas)
+                self._produce(p, tx_topic, transactions.key_bytes(tx_id, schemas), value, part=0, headers=None)
+
         for ev in batch:
             pos = ev.position
             here = (pos.segment, pos.offset, pos.entry_index)  # the event's own place, as a plain tuple
@@ -355,57 +406,42 @@ class KafkaSink(Consumer):
                 skipped["already_sent"] += 1
                 continue
             last = here
-            e = ev.entry
-            if only_primary and not e.primary:
-                skipped["backup"] += 1
-                continue
-            cache = ev.cache_name
-            if not self._is_selected(cache):
-                skipped["filtered"] += 1
-                continue
-            if (pos.segment, pos.offset) != rec_ptr:
-                rec_ptr = (pos.segment, pos.offset)
-                while True:
-                    k += 1
-                    s = slices[k]
-                    if (s.pointer.segment, s.pointer.offset) == rec_ptr:
-                        break
-                counts = {}
-                for before in s.record.entries[: pos.entry_index]:
-                    counts[before.cache_id] = counts.get(before.cache_id, 0) + 1
-            order = counts[e.cache_id] = counts.get(e.cache_id, 0) + 1
+            record = (pos.segment, pos.offset)
+            ts_ms = ev.commit_ts_ns // 1_000_000
             if not begun:
                 p.begin_transaction()
                 begun = True
-            op = envelope.SNAPSHOT_OP if ev.resend else envelope.OPS[e.op]
-            key = envelope.key_bytes(cache, e.key, schemas)
-            value = envelope.value_bytes(
-                name=name,
-                node=node,
-                cache=cache,
-                op=op,
-                raw_value=None if e.op == Op.DELETE else e.value,
-                partition=e.partition,
-                segment=pos.segment,
-                offset=pos.offset,
-                entry_index=pos.entry_index,
-                commit_ts_ns=ev.commit_ts_ns,
-                primary=e.primary,
-                version=e.version,
-                now_ms=now_ms,
-                data_collection_order=order,
-                schemas=schemas,
-            )
-            part = e.partition % nparts
-            headers: list[tuple[str, str | bytes | None]] = [
-                ("cdcd.cache", cache.encode()),
-                ("cdcd.entry", _entry_encoder.encode(e)),
-            ]
-            self._produce(p, topic, key, value, part=part, headers=headers)
-            if tombstones and e.op == Op.DELETE:
-                self._produce(p, topic, key, None, part=part, headers=None)
-            sent_per_cache[cache] = sent_per_cache.get(cache, 0) + 1
-            n += 1
+            if tracker.record is not None and tracker.record != record:
+                end_transaction(ts_ms)  # its last entries were not in a batch (a cdc-disabled cache's)
+            e = ev.entry
+            cache = ev.cache_name
+            if only_primary and not e.primary:
+                skipped["backup"] += 1
+            elif not self._is_selected(cache):
+                skipped["filtered"] += 1
+            else:
+                topic = self._topic_of(cache)
+                begin, total_order, order = tracker.event(record, f"{db}.{cache}")
+                if begin and tx_topic:
+                    tx_id = envelope.transaction_id(node, *record)
+                    value = transactions.record_bytes("BEGIN", tx_id, ts_ms, None, schemas)
+                    self._produce(p, tx_topic, transactions.key_bytes(tx_id, schemas), value, part=0, headers=None)
+                source = envelope.Source(name, db, node, cache, pos, ev.commit_ts_ns, ev.resend)
+                key, value = envelope.change(
+                    e, source, now_ns, total_order, order, per_cache=per_cache, schemas=schemas
+                )
+                part = e.partition % nparts
+                headers: list[tuple[str, str | bytes | None]] = [
+                    ("cdcd.cache", cache.encode()),
+                    ("cdcd.entry", _entry_encoder.encode(e)),
+                ]
+                self._produce(p, topic, key, value, part=part, headers=headers)
+                if tombstones and e.op == Op.DELETE:
+                    self._produce(p, topic, key, None, part=part, headers=None)
+                sent_per_cache[cache] = sent_per_cache.get(cache, 0) + 1
+                n += 1
+            if pos.entry_index == record_ends.get(record):
+                end_transaction(ts_ms)
             if n >= opts.max_events_per_transaction and (must_reach is None or here >= must_reach):
                 break
         for reason, count in skipped.items():
@@ -413,12 +449,11 @@ class KafkaSink(Consumer):
                 metrics.KAFKA_SKIPPED_EVENTS.labels(reason).inc(count)
         if last is None:
             return must_reach  # everything was in Kafka already
-        if not begun:
-            p.begin_transaction()
+        open_tx = tracker.state()
         p.produce(
             opts.offsets_topic,
             key=node.encode(),
-            value=offsets.encode(node, last),
+            value=offsets.encode(node, last, open_tx),
             partition=offsets.partition_of(node, self._offsets_partitions),
             on_delivery=self._on_delivery,
         )
@@ -427,6 +462,7 @@ class KafkaSink(Consumer):
         failpoints.hit("kafka.committed")  # in Kafka, not yet in the caller's state: a re-delivery follows
         metrics.KAFKA_COMMIT_SECONDS.observe(time.perf_counter() - t0)
         self._committed = last
+        self._open_tx = open_tx
         metrics.KAFKA_TRANSACTIONS.inc()
         metrics.KAFKA_LAST_COMMIT.set(time.time())
         for cache, count in sent_per_cache.items():
