@@ -1,0 +1,162 @@
+"""Debezium's layout against a real broker: one topic per cache (``topic_prefix``) with names
+Kafka refuses escaped, the row's key columns as message key, and the transaction topic's
+BEGIN/END records matching the events' ``transaction`` blocks, also when node transactions are
+cut across Kafka transactions and each part is sent by a new producer (the counts continue
+from the stored position)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import REGISTRY
+
+from cdcd.consumer import EventBatch, RecordSlice
+from cdcd.kafka.errors import KafkaSetupError
+from cdcd.kafka.sink import KafkaSink
+from cdcd.kafka.topics import cache_of, suffix_of
+from cdcd.node import Node
+from cdcd.wal.records import CacheRecord, DataRecord
+from tests.support.kafka import Broker, kafka_broker, read_topic
+from tests.support.wal import wal_records
+
+__all__ = ["kafka_broker"]
+
+
+@given(st.text(min_size=1, max_size=60))
+def test_topic_suffix_is_valid_and_reversible(name: str) -> None:
+    suffix = suffix_of(name)
+    assert re.fullmatch(r"[A-Za-z0-9._-]+", suffix)
+    assert cache_of(suffix) == name
+
+
+@given(st.text(min_size=1, max_size=20), st.text(min_size=1, max_size=20))
+def test_topic_suffixes_never_collide(a: str, b: str) -> None:
+    assert (suffix_of(a) == suffix_of(b)) == (a == b)
+
+
+def test_topic_suffix_examples() -> None:
+    assert suffix_of("orders") == "orders" and suffix_of("order_items") == "order_items"
+    assert suffix_of("b c") == "b_20c" and suffix_of("x_1f") == "x_5f1f" and suffix_of("é") == "_c3_a9"
+
+
+def _batch(node_dir: Path, node: str) -> EventBatch:
+    names: dict[int, str] = {}
+    slices = []
+    for ptr, rec in wal_records(node_dir):
+        if type(rec) is CacheRecord:
+            names[rec.cache_id] = rec.name
+        elif type(rec) is DataRecord:
+            slices.append(RecordSlice(ptr, rec))
+    return EventBatch(node, slices, names)
+
+
+def _values(broker: Broker, topic: str) -> list[tuple[Any, Any]]:
+    msgs = [m for ms in read_topic(broker.bootstrap, topic).values() for m in ms]
+    return [(json.loads(m.key()), json.loads(m.value())) for m in msgs if m.value() is not None]
+
+
+def test_per_cache_topics_and_transaction_records(kafka_broker: Broker, tmp_path: Path) -> None:
+    node_dir = tmp_path / "node"
+    with Node.open(node_dir, wal_force_archive_timeout_ms=0, partitions=8) as node:
+        a, bc, x = node.cache("a"), node.cache("b c"), node.cache("x_1f")
+        with node.transaction() as tx:  # five events of two caches in one node transaction
+            tx.put("a", 1, {"n": 1})
+            tx.put("a", 2, {"n": 2})
+            tx.put("b c", {"id": 7, "part": "p"}, "seven")  # a composite key, a non-record value
+            tx.put("a", 3, {"n": 3})
+            tx.put("b c", {"id": 8, "part": "p"}, "eight")
+        a.put_all({4: {"n": 4}, 5: {"n": 5}, 6: {"n": 6}})
+        a.remove(1)
+        x.put("k", {"n": 0})
+        bc.put({"id": 9, "part": "q"}, {"id": 100, "n": 9})  # a value column named like a key column
+        node_id = node.node_id
+        node.force_archive()
+    options = {
+        "bootstrap_servers": kafka_broker.bootstrap,
+        "topic_prefix": "pc",
+        "topic_partitions": 2,
+        "transaction_metadata": True,
+        "tombstones": False,
+        "max_events_per_transaction": 2,
+    }
+    batch: EventBatch | None = _batch(node_dir, str(node_id))
+    rounds = 0
+    while batch is not None:  # a new producer for every Kafka transaction: state only in Kafka
+        sink = KafkaSink.from_options(options, "consumer")
+        sink.start(REGISTRY)
+        try:
+            assert sink.on_events(batch) is True
+        finally:
+            sink.stop()
+        _taken, batch = batch.split_taken()
+        rounds += 1
+    assert rounds == 6  # 11 events, two per Kafka transaction
+
+    topics = {"a": "pc.a", "b c": "pc.b_20c", "x_1f": "pc.x_5f1f"}
+    events: list[tuple[str, Any, Any]] = [
+        (cache, key, value) for cache, topic in topics.items() for key, value in _values(kafka_broker, topic)
+    ]
+    assert len(events) == 11
+    db = str(node_id)
+    for cache, key, v in events:
+        assert v["source"]["table"] == cache and v["source"]["db"] == db and v["source"]["name"] == "pc"
+        row = v["after"] if v["op"] != "d" else v["before"]
+        assert {k: row[k] for k in key} == key  # the message key is the row's key columns
+    keys = sorted(json.dumps(k, sort_keys=True) for c, k, _v in events if c == "b c")
+    assert keys == ['{"id": 7, "part": "p"}', '{"id": 8, "part": "p"}', '{"id": 9, "part": "q"}']
+    rows = {json.dumps(k, sort_keys=True): v["after"] for c, k, v in events if c == "b c"}
+    assert rows['{"id": 7, "part": "p"}'] == {"id": 7, "part": "p", "value": "seven"}
+    assert rows['{"id": 9, "part": "q"}'] == {"id": 9, "part": "q", "n": 9}  # the key's id wins
+    deleted = [v for _c, _k, v in events if v["op"] == "d"]
+    assert [(v["before"], v["after"]) for v in deleted] == [({"key": 1}, None)]
+
+    # every node transaction: BEGIN and END once, END counting its events per data collection,
+    # its events ranked 1..n overall and per collection
+    by_tx: dict[str, list[tuple[str, Any]]] = {}
+    for cache, _k, v in events:
+        by_tx.setdefault(v["transaction"]["id"], []).append((cache, v["transaction"]))
+    records = _values(kafka_broker, "pc.transaction")
+    assert Counter((v["status"], v["id"]) for _k, v in records) == Counter(
+        [("BEGIN", t) for t in by_tx] + [("END", t) for t in by_tx]
+    )
+    assert all(k == {"id": v["id"]} for k, v in records)
+    for _k, v in records:
+        blocks = by_tx[v["id"]]
+        if v["status"] == "BEGIN":
+            assert v["event_count"] is None and v["data_collections"] is None
+            continue
+        assert v["event_count"] == len(blocks)
+        per_cache = Counter(f"{db}.{c}" for c, _b in blocks)
+        assert {d["data_collection"]: d["event_count"] for d in v["data_collections"]} == per_cache
+        assert sorted(b["total_order"] for _c, b in blocks) == list(range(1, len(blocks) + 1))
+        for c in {c for c, _b in blocks}:
+            orders = sorted(b["data_collection_order"] for cc, b in blocks if cc == c)
+            assert orders == list(range(1, len(orders) + 1))
+    assert sorted(len(b) for b in by_tx.values()) == [1, 1, 1, 3, 5]
+
+
+def test_a_cache_named_like_the_transaction_topic_is_refused(kafka_broker: Broker, tmp_path: Path) -> None:
+    node_dir = tmp_path / "node"
+    with Node.open(node_dir, wal_force_archive_timeout_ms=0) as node:
+        node.cache("transaction").put(1, 1)
+        node_id = node.node_id
+        node.force_archive()
+    options = {"bootstrap_servers": kafka_broker.bootstrap, "topic_prefix": "tt", "transaction_metadata": True}
+    sink = KafkaSink.from_options(options, "consumer")
+    sink.start(REGISTRY)
+    try:
+        with pytest.raises(
+            KafkaSetupError,
+            match=r"^consumer: key 'transaction_topic': cache 'transaction' has the topic tt\.transaction",
+        ):
+            sink.on_events(_batch(node_dir, str(node_id)))
+        assert not sink.alive()
+    finally:
+        sink.stop()
