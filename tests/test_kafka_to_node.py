@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.kafka.sink import KafkaSink
+from cdcd.node import Node
 from cdcd.node.snapshot import NodeSnapshot
 from tests.support.kafka import Broker, kafka_broker, read_topic
 from tests.support.procs import CDCD, cdcd, child_env, wait_for
@@ -188,3 +189,53 @@ def node_raw(d: Path) -> dict[str, dict[bytes, bytes]]:
     """A stopped node's caches, key and value bytes as stored."""
     with NodeSnapshot(d) as snap:
         return {c: {bytes(k): bytes(v) for k, v in snap.raw_items(c)} for c in snap.caches()}
+
+
+def test_kafka_to_node_reads_per_cache_topics(kafka_broker: Broker, tmp_path: Path, procs: Procs) -> None:
+    """``topic_prefix``: kafka-to-node reads every ``<prefix>.*`` topic (the transaction topic's
+    records carry no change and are skipped), and picks up the topic of a cache created while it
+    runs; B ends equal to A."""
+    a_dir = tmp_path / "a"
+    make_node(a_dir, 3, 40, cluster_id=1, partitions=16)
+    options = {
+        "bootstrap_servers": kafka_broker.bootstrap,
+        "topic_prefix": "pk",
+        "topic_partitions": 3,
+        "transaction_metadata": True,
+    }
+
+    def deliver() -> None:
+        sink = KafkaSink.from_options(options, "consumer")
+        with Daemon(DaemonConfig(node_dir=str(a_dir), metrics_address=""), sink) as daemon:
+            while daemon.sync_once():
+                pass
+
+    deliver()
+    b = NodeProc(procs, tmp_path, "b", 2)
+    b.start()
+    app = Applier(
+        procs,
+        tmp_path,
+        "k2n-prefix",
+        bootstrap_servers=kafka_broker.bootstrap,
+        topic_prefix="pk",
+        target=b.target,
+        token_file=str(b.token),
+        group_id="gp",
+    )
+    proc = app.start("--threads", "2")
+    wait_for(lambda: node_diff_rc(a_dir, b) == 0 or proc.poll() is not None, 180, "B equal to A")
+    assert proc.poll() is None, app.tail()
+    skipped_before = app.metric("cdcd_kafka_to_node_skipped_messages_total")
+    assert skipped_before > 0  # BEGIN/END records and tombstones
+
+    with Node.open(a_dir, wal_force_archive_timeout_ms=0) as node:  # a new cache: a new topic
+        node.cache("late comer").put_all({k: {"n": k} for k in range(50)})
+        node.force_archive()
+    deliver()
+    wait_for(lambda: node_diff_rc(a_dir, b) == 0 or proc.poll() is not None, 180, "B equal to A with the new cache")
+    assert proc.poll() is None, app.tail()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0, app.tail()
+    b.stop()
+    assert node_raw(a_dir) == node_raw(b.dir)

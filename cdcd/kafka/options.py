@@ -249,9 +249,13 @@ def parse_partitions(spec: str, key: str) -> tuple[int, int]:
 class KafkaToNodeOptions(ClientOptions, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The ``cdcd kafka-to-node`` TOML file."""
 
-    topic: str
+    topic: str = ""
+    """The sink's single topic."""
+    topic_prefix: str = ""
+    """Instead of ``topic``: the sink's per-cache topics ``<topic_prefix>.*``, new ones picked up
+    while running."""
     metadata_topic: str = ""
-    """Default ``<topic>.metadata``, as the sink's."""
+    """Default as the sink's: ``<topic>.metadata``, or the prefix itself."""
     partitions: str = ""
     """Kafka partitions to read, ``FROM-TO`` inclusive (default: all of the topic's)."""
     threads: int = 1
@@ -291,12 +295,17 @@ class KafkaToNodeOptions(ClientOptions, frozen=True, forbid_unknown_fields=True,
 
     @property
     def metadata_topic_name(self) -> str:
-        return self.metadata_topic or f"{self.topic}.metadata"
+        return self.metadata_topic or (self.topic_prefix or f"{self.topic}.metadata")
 
     @classmethod
     def load(cls, options: Mapping[str, Any], source: str) -> KafkaToNodeOptions:
         opts = convert(options, cls, source)
         opts._check_client(source)
+        if bool(opts.topic) == bool(opts.topic_prefix):
+            raise ConfigError(
+                f"{source}: key 'topic': give topic (the sink's one topic) or topic_prefix (its per-cache topics)"
+                + (", not both" if opts.topic else "")
+            )
         if opts.partitions:
             parse_partitions(opts.partitions, f"{source}: key 'partitions'")
         cache_filter(opts.caches, source)

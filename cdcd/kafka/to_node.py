@@ -37,6 +37,8 @@ from cdcd.wal.records import DataEntry
 log = structlog.get_logger("cdcd.kafka.to_node")
 
 _entry_decoder = msgspec.msgpack.Decoder(DataEntry)
+TOPIC_REFRESH_S = 5.0
+"""How often kafka-to-node looks for new per-cache topics (``topic_prefix``)."""
 
 
 class KafkaToNodeError(Exception):
@@ -126,7 +128,7 @@ class _Worker:
             tls=app.tls,
             tls_server_name=opts.tls_server_name,
             request_timeout_s=opts.request_timeout_ms / 1000,
-            sender_node=f"kafka:{opts.topic}",
+            sender_node=f"kafka:{opts.topic or opts.topic_prefix}",
         )
 
     def run(self) -> None:
@@ -149,30 +151,48 @@ class _Worker:
                 "auto.offset.reset": "earliest",
             }
         )
+        assigned: set[tuple[str, int]] = set()
         try:
-            tps = [TopicPartition(opts.topic, p) for p in self.partitions]
-            committed = consumer.committed(tps, timeout=opts.connect_timeout_ms / 1000)
-            start = [
-                TopicPartition(opts.topic, c.partition, c.offset if c.offset >= 0 else OFFSET_BEGINNING)
-                for c in committed
-            ]
-            consumer.assign(start)
-            log.info(
-                "kafka_to_node_reading",
-                thread=self.index,
-                partitions=self.partitions,
-                offsets={c.partition: c.offset for c in committed},
-            )
+            self._assign_new(consumer, app.data_topics(), assigned)
+            looked_s = time.monotonic()
             while not app.stopping.is_set():
                 msgs = consumer.consume(opts.max_batch_events, opts.poll_timeout_ms / 1000)
                 if msgs:
                     self._batch(consumer, msgs)
+                if opts.topic_prefix and time.monotonic() - looked_s >= TOPIC_REFRESH_S:
+                    # a new cache's topic: the sink creates it before its first change
+                    meta = consumer.list_topics(timeout=opts.connect_timeout_ms / 1000)
+                    self._assign_new(consumer, app.topics_of(meta), assigned)
+                    looked_s = time.monotonic()
         finally:
             consumer.close()
 
+    def _assign_new(self, consumer: Consumer, topics: dict[str, int], assigned: set[tuple[str, int]]) -> None:
+        """Read this thread's partitions of ``topics`` not read yet, from the group's offsets."""
+        tps = [
+            TopicPartition(t, p)
+            for t, count in sorted(topics.items())
+            for p in self.partitions
+            if p < count and (t, p) not in assigned
+        ]
+        if not tps:
+            return
+        committed = consumer.committed(tps, timeout=self.app.opts.connect_timeout_ms / 1000)
+        start = [
+            TopicPartition(c.topic, c.partition, c.offset if c.offset >= 0 else OFFSET_BEGINNING) for c in committed
+        ]
+        consumer.incremental_assign(start)
+        assigned.update((c.topic, c.partition) for c in committed)
+        log.info(
+            "kafka_to_node_reading",
+            thread=self.index,
+            partitions=self.partitions,
+            offsets={f"{c.topic}:{c.partition}": c.offset for c in committed},
+        )
+
     def _batch(self, consumer: Consumer, msgs: list[Message]) -> None:
         app = self.app
-        next_offsets: dict[int, int] = {}
+        next_offsets: dict[tuple[str, int], int] = {}
         entries: list[tuple[str, DataEntry]] = []
         skipped = {"tombstone": 0, "filtered": 0, "replicated": 0}
         for m in msgs:
@@ -181,7 +201,7 @@ class _Worker:
                 if err.code() == KafkaError._PARTITION_EOF:
                     continue
                 raise KafkaException(err)
-            next_offsets[m.partition() or 0] = (m.offset() or 0) + 1
+            next_offsets[(m.topic() or "", m.partition() or 0)] = (m.offset() or 0) + 1
             headers: dict[str, Any] = dict(m.headers() or ())
             raw = headers.get("cdcd.entry")
             if m.value() is None or not isinstance(raw, bytes):
@@ -207,9 +227,7 @@ class _Worker:
             self._apply(entries)
         failpoints.hit("kafka_to_node.applied")  # on the target, offsets not committed: a replay follows
         # only now: everything before these offsets is durable on the target
-        consumer.commit(
-            offsets=[TopicPartition(app.opts.topic, p, o) for p, o in next_offsets.items()], asynchronous=False
-        )
+        consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in next_offsets.items()], asynchronous=False)
         metrics.K2N_LAST_BATCH.set(time.time())
 
     def _requests(self, entries: list[tuple[str, DataEntry]]) -> Iterator[tuple[str, list[ReplEntry]]]:
@@ -302,14 +320,30 @@ class KafkaToNode:
         """Stop after the batches in hand (callable from a signal handler)."""
         self.stopping.set()
 
-    def partition_plan(self) -> list[list[int]]:
-        """The partitions each thread reads (contiguous shares of the range, as kafka-to-ignite)."""
+    def topics_of(self, meta: Any) -> dict[str, int]:
+        """The data topics in cluster metadata, with their partition counts: ``topic``, or every
+        ``<topic_prefix>.*`` (the transaction topic's records carry no change: skipped)."""
+        opts = self.opts
+        if opts.topic:
+            t = meta.topics.get(opts.topic)
+            if t is None or t.error is not None:
+                why = t.error.str() if t is not None and t.error is not None else "no such topic"
+                raise KafkaToNodeError(f"{self.source}: key 'topic': {opts.topic}: {why}")
+            return {opts.topic: len(t.partitions)}
+        start = f"{opts.topic_prefix}."
+        return {
+            name: len(t.partitions)
+            for name, t in meta.topics.items()
+            if name.startswith(start) and name != opts.metadata_topic_name and t.error is None and t.partitions
+        }
+
+    def data_topics(self) -> dict[str, int]:
         opts = self.opts
         timeout_s = opts.connect_timeout_ms / 1000
         probe = Consumer({**self.base, "group.id": opts.group_id})
         try:
             try:
-                meta = probe.list_topics(opts.topic, timeout=timeout_s)
+                meta = probe.list_topics(opts.topic or None, timeout=timeout_s)
             except KafkaException as exc:
                 servers = opts.bootstrap_servers
                 raise KafkaToNodeError(
@@ -318,16 +352,24 @@ class KafkaToNode:
                 ) from None
         finally:
             probe.close()
-        t = meta.topics.get(opts.topic)
-        if t is None or t.error is not None:
-            why = t.error.str() if t is not None and t.error is not None else "no such topic"
-            raise KafkaToNodeError(f"{self.source}: key 'topic': {opts.topic}: {why}")
-        count = len(t.partitions)
+        return self.topics_of(meta)
+
+    def partition_plan(self) -> list[list[int]]:
+        """The partitions each thread reads (contiguous shares of the range, as kafka-to-ignite);
+        with ``topic_prefix`` partition numbers of every per-cache topic."""
+        opts = self.opts
+        topics = self.data_topics()
+        if not topics:
+            raise KafkaToNodeError(
+                f"{self.source}: key 'topic_prefix': no topic {opts.topic_prefix}.* yet (the sink makes one per cache)"
+            )
+        count = max(topics.values())
         lo, hi = (
             parse_partitions(opts.partitions, f"{self.source}: key 'partitions'") if opts.partitions else (0, count - 1)
         )
         if hi >= count:
-            raise KafkaToNodeError(f"{self.source}: key 'partitions': {lo}-{hi}, but topic {opts.topic} has {count}")
+            name = opts.topic or f"{opts.topic_prefix}.*"
+            raise KafkaToNodeError(f"{self.source}: key 'partitions': {lo}-{hi}, but topic {name} has {count}")
         parts = list(range(lo, hi + 1))
         n = min(opts.threads, len(parts))
         return [parts[i * len(parts) // n : (i + 1) * len(parts) // n] for i in range(n)]
