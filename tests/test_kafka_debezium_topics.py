@@ -160,3 +160,29 @@ def test_a_cache_named_like_the_transaction_topic_is_refused(kafka_broker: Broke
         assert not sink.alive()
     finally:
         sink.stop()
+
+
+@pytest.mark.parametrize(
+    ("options", "line"),
+    [
+        ({}, "consumer: key 'topic': give topic (one topic for all caches) or topic_prefix (one per cache)"),
+        (
+            {"topic": "t", "topic_prefix": "p"},
+            "consumer: key 'topic': give topic (one topic for all caches) or topic_prefix (one per cache), not both",
+        ),
+        ({"topic_prefix": "a b"}, "consumer: key 'topic_prefix': 'a b' is not a valid topic name"),
+        (
+            {"topic_prefix": "p", "transaction_metadata": True, "transaction_topic": "p"},
+            "consumer: key 'metadata_topic': topic, metadata_topic, offsets_topic and transaction_topic must differ",
+        ),
+    ],
+)
+def test_topic_options_refused_in_one_line(options: dict[str, Any], line: str) -> None:
+    from cdcd.config import ConfigError
+    from cdcd.kafka.options import KafkaSinkOptions, KafkaToNodeOptions
+
+    with pytest.raises(ConfigError) as err:
+        KafkaSinkOptions.load({"bootstrap_servers": "k:9092", **options}, "consumer")
+    assert str(err.value) == line
+    with pytest.raises(ConfigError, match=r"key 'topic': give topic \(the sink's one topic\) or topic_prefix"):
+        KafkaToNodeOptions.load({"bootstrap_servers": "k:9092", "target": "h:1", "token_file": "t"}, "k2n.toml")
