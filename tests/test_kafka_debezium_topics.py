@@ -186,3 +186,73 @@ def test_topic_options_refused_in_one_line(options: dict[str, Any], line: str) -
     assert str(err.value) == line
     with pytest.raises(ConfigError, match=r"key 'topic': give topic \(the sink's one topic\) or topic_prefix"):
         KafkaToNodeOptions.load({"bootstrap_servers": "k:9092", "target": "h:1", "token_file": "t"}, "k2n.toml")
+
+
+def test_restored_node_continues_as_a_new_generation(kafka_broker: Broker, tmp_path: Path) -> None:
+    """A node dir copied back from a backup reuses WAL positions Kafka already holds: its new
+    entries go out as generation 1 (``source.generation``, transaction ids, the stored position),
+    none skipped as already sent, while the entries it shares with the old history are not sent
+    again."""
+    import shutil
+
+    from cdcd.daemon.config import DaemonConfig
+    from cdcd.daemon.daemon import Daemon
+    from cdcd.kafka.offsets import read_stored
+    from tests.support.wal import wal_events
+
+    node_dir, backup = tmp_path / "node", tmp_path / "backup"
+
+    def write(tag: str, keys: range) -> None:
+        with Node.open(node_dir, wal_force_archive_timeout_ms=0, partitions=8) as node:
+            for k in keys:
+                with node.transaction() as tx:
+                    tx.put("c", k, {"tag": tag, "k": k})
+                    tx.put("d", f"k{k}", tag)
+            node.force_archive()
+
+    def deliver() -> int:
+        sink = KafkaSink.from_options({"bootstrap_servers": kafka_broker.bootstrap, "topic": "restore"}, "consumer")
+        with Daemon(DaemonConfig(node_dir=str(node_dir), metrics_address=""), sink) as daemon:
+            n = 0
+            while True:
+                got = daemon.sync_once()
+                if not got:
+                    return n
+                n += got
+
+    write("a", range(0, 20))
+    shutil.copytree(node_dir, backup)  # the backup: before anything was delivered
+    write("b", range(20, 40))
+    deliver()
+    original = wal_events(node_dir)
+    shutil.rmtree(node_dir)
+    shutil.copytree(backup, node_dir)  # restored: the daemon's state too
+    write("c", range(40, 50))
+    deliver()
+    write("d", range(50, 55))
+    assert deliver() == 10  # after the switch, the new generation's position is the stored one
+    restored = wal_events(node_dir)
+
+    def expect(events: list[dict[str, Any]]) -> dict[tuple[int, int, int], Any]:
+        return {tuple(e["pos"]): (e["cache"], e["key"], e["value"]) for e in events}
+
+    shared = expect(original[:40])
+    assert shared == expect(restored[:40])  # the backup's part: one history
+    want = {0: expect(original), 1: expect(restored[40:])}
+    got: dict[int, dict[tuple[int, int, int], Any]] = {0: {}, 1: {}}
+    node_id = (node_dir / "node_id").read_text().strip()
+    for key, v in _values(kafka_broker, "restore"):
+        s = v["source"]
+        pos = (s["segment"], s["offset"], s["entry_index"])
+        assert pos not in got[s["generation"]], f"{pos} twice in generation {s['generation']}"
+        value = {k: x for k, x in v["after"].items() if k != "key"}
+        got[s["generation"]][pos] = (s["cache"], key["key"], value if s["cache"] == "c" else value["value"])
+        prefix = f"{node_id}:g1:" if s["generation"] else f"{node_id}:"
+        assert v["transaction"]["id"] == f"{prefix}{s['segment']}:{s['offset']}"
+    assert got == want
+    assert {tag for _c, _k, val in got[1].values() for tag in [val["tag"] if isinstance(val, dict) else val]} == {
+        "c",
+        "d",
+    }
+    stored = read_stored({"bootstrap.servers": kafka_broker.bootstrap}, "cdcd-offsets", 1, node_id, 60)
+    assert stored is not None and stored.generation == 1 and stored.address == tuple(restored[-1]["pos"])

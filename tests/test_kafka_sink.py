@@ -46,6 +46,7 @@ SOURCE_FIELDS = [
     "db",
     "table",
     "node",
+    "generation",
     "cache",
     "partition",
     "segment",
@@ -116,6 +117,7 @@ def test_envelope_tombstones_metadata_and_stored_position(kafka_broker: Broker, 
         s = v["source"]
         assert (s["connector"], s["name"], s["node"], s["cache"]) == ("cdcd", topic, str(node_id), e["cache"])
         assert (s["db"], s["table"]) == (str(node_id), e["cache"])  # db: the node unless `db` names one
+        assert s["generation"] == 0
         assert s["partition"] == e["partition"] and m.partition() == e["partition"] % 4
         assert s["snapshot"] == "false" and s["primary"] is True
         assert s["cache_version"] == e["version"]

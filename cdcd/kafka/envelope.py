@@ -12,7 +12,7 @@ prints them.
 Message value::
 
     {"before": KEY-COLUMNS (deletes) | null, "after": ROW | null,
-     "source": {"version", "connector": "cdcd", "name", "db", "table", "node", "cache", "partition",
+     "source": {"version", "connector": "cdcd", "name", "db", "table", "node", "generation", "cache", "partition",
                 "segment", "offset", "entry_index", "ts_ms", "ts_us", "ts_ns", "snapshot", "primary",
                 "cache_version": {"order", "node_order", "cluster_id", "topology_version"}},
      "op": "c"|"u"|"d"|"r", "ts_ms", "ts_us", "ts_ns",
@@ -91,6 +91,7 @@ class _Source(msgspec.Struct):
     db: str
     table: str
     node: str
+    generation: int
     cache: str
     partition: int
     segment: int
@@ -128,6 +129,7 @@ class Source(msgspec.Struct, frozen=True):
     """``source.name``: the logical server name (the topic prefix)."""
     db: str
     node: str
+    generation: int
     cache: str
     position: EventAddress
     commit_ts_ns: int
@@ -167,6 +169,7 @@ def change(
             src.db,
             cache,
             src.node,
+            src.generation,
             cache,
             e.partition,
             pos.segment,
@@ -183,7 +186,7 @@ def change(
         now_ns // 1_000_000,
         now_ns // 1_000,
         now_ns,
-        _Transaction(transaction_id(src.node, pos.segment, pos.offset), total_order, order),
+        _Transaction(transaction_id(src.node, src.generation, pos.segment, pos.offset), total_order, order),
     )
     if not schemas:
         return _encode(key), _encode(envelope)
@@ -191,9 +194,9 @@ def change(
     return _encode(key), _encode({"schema": schema, "payload": envelope})
 
 
-def transaction_id(node: str, segment: int, offset: int) -> str:
-    """A node transaction (one WAL record) by its source node and WAL address."""
-    return f"{node}:{segment}:{offset}"
+def transaction_id(node: str, generation: int, segment: int, offset: int) -> str:
+    """A node transaction (one WAL record) by its source node, generation and WAL address."""
+    return f"{node}:{segment}:{offset}" if not generation else f"{node}:g{generation}:{segment}:{offset}"
 
 
 # --- Kafka Connect JSON schemas ----------------------------------------------------------------
@@ -247,6 +250,7 @@ _SOURCE_SCHEMA = {
         _fixed("db", "string"),
         _fixed("table", "string"),
         _fixed("node", "string"),
+        _fixed("generation", "int32"),
         _fixed("cache", "string"),
         _fixed("partition", "int32"),
         _fixed("segment", "int64"),

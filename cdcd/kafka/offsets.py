@@ -39,6 +39,11 @@ class Stored(msgspec.Struct, frozen=True, omit_defaults=True):
     node: str = ""
     tx_events: int = 0
     tx_collections: dict[str, int] = msgspec.field(default_factory=dict)
+    generation: int = 0
+    """The source's generation: one more each time its WAL turned out to be another history
+    (a node dir restored from a backup reuses positions Kafka already holds)."""
+    commit_ts_ns: int = 0
+    """Commit time of the stored entry's node transaction (0: stored before cdcd kept it)."""
 
     @property
     def address(self) -> Address:
@@ -60,9 +65,32 @@ def partition_of(node: str, partitions: int) -> int:
 
 
 def encode(node: str, address: Address, open_tx: OpenTransaction | None = None) -> bytes:
-    if open_tx is None:
-        return _encode(Stored(*address, node))
-    return _encode(Stored(*address, node, open_tx.events, open_tx.collections))
+    return _encode(stored(node, address, open_tx))
+
+
+def stored(
+    node: str, address: Address, open_tx: OpenTransaction | None, generation: int = 0, commit_ts_ns: int = 0
+) -> Stored:
+    events, collections = (open_tx.events, open_tx.collections) if open_tx is not None else (0, {})
+    return Stored(*address, node, events, collections, generation, commit_ts_ns)
+
+
+def encode_stored(record: Stored) -> bytes:
+    return _encode(record)
+
+
+def diverged(record: Stored, address: Address, commit_ts_ns: int) -> bool:
+    """Whether an entry at or below the stored position is of another history than the one Kafka
+    holds: committed after the stored entry, or at its record with another commit time. A node's
+    records get their commit time from the clock as they are written, so a node dir restored from
+    a backup writes its new records at old positions with newer times; replayed records of the
+    same history (a crash between Kafka's commit and the daemon's) keep theirs. Not decidable for
+    a position stored without a commit time (before cdcd kept it): never diverged."""
+    if not record.commit_ts_ns:
+        return False
+    if commit_ts_ns > record.commit_ts_ns:
+        return True
+    return address[:2] == record.address[:2] and commit_ts_ns != record.commit_ts_ns
 
 
 def read_position(conf: dict[str, Any], topic: str, partitions: int, node: str, timeout_s: float) -> Address | None:

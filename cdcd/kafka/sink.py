@@ -84,7 +84,7 @@ def ensure_topics(
                 err = error_of(exc)
                 if err is not None and err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
                     continue  # another process made it meanwhile
-                key = _key_of(name, opts)
+                key = topics.setting_of(name, opts)
                 raise KafkaSetupError(f"{source}: key '{key}': cannot create topic {name}: {describe(exc)}") from None
             log.info("kafka_topic_created", topic=name, partitions=wanted[name][0])
         meta = _settled(admin, [t.topic for t in missing], opts, source)
@@ -95,16 +95,6 @@ def ensure_topics(
                 f"{source}: key 'topic_partitions': topic {name} has {len(data.partitions)} partitions, "
                 f"fewer than topic_partitions = {opts.topic_partitions}"
             )
-
-
-def _key_of(topic: str, opts: KafkaSinkOptions) -> str:
-    """The setting that names a topic of this sink."""
-    named = {
-        opts.metadata_topic_name: "metadata_topic",
-        opts.offsets_topic: "offsets_topic",
-        opts.transaction_topic_name: "transaction_topic",
-    }
-    return "topic" if topic == opts.topic else named.get(topic, "topic_prefix")
 
 
 def _settled(admin: AdminClient, topics: Sequence[str], opts: KafkaSinkOptions, source: str) -> Any:
@@ -142,9 +132,8 @@ class KafkaSink(Consumer):
         self._selected_cache: dict[str, bool] = {}
         self._producer: Producer | None = None
         self._node = ""
-        self._committed: offsets.Address | None = None
-        self._open_tx: offsets.OpenTransaction | None = None
-        """What was sent of the node transaction the committed position is inside."""
+        self._stored: offsets.Stored | None = None
+        """The source's position in Kafka (generation, what is sent of an open node transaction)."""
         self._admin: AdminClient | None = None
         self._topics: dict[str, str] = {}
         """Cache name -> its topic (``topic_prefix``), once the topic exists."""
@@ -289,14 +278,17 @@ class KafkaSink(Consumer):
         }
         p = Producer(conf)
         p.init_transactions(opts.transaction_timeout_ms / 1000)
-        stored = offsets.read_stored(
+        self._stored = stored = offsets.read_stored(
             self._base, opts.offsets_topic, self._offsets_partitions, node, opts.transaction_timeout_ms / 1000
         )
-        self._committed = None if stored is None else stored.address
-        self._open_tx = None if stored is None else stored.open_transaction
         self._producer = p
         self._node = node
-        log.info("kafka_producer_ready", node=node, position=self._committed)
+        log.info(
+            "kafka_producer_ready",
+            node=node,
+            position=stored and stored.address,
+            generation=stored and stored.generation,
+        )
 
     def _drop_producer(self) -> None:
         p, self._producer = self._producer, None
@@ -304,8 +296,7 @@ class KafkaSink(Consumer):
             # purge what is queued, not flush: the next producer's init aborts the open transaction
             with contextlib.suppress(KafkaException):  # a fatal producer refuses even that
                 p.purge()
-        self._committed = None
-        self._open_tx = None
+        self._stored = None
 
     def _is_selected(self, name: str) -> bool:
         ok = self._selected_cache.get(name)
@@ -377,7 +368,9 @@ class KafkaSink(Consumer):
         name = opts.source_name
         node = batch.source_node
         db = opts.db or node
-        committed = self._committed
+        stored = self._stored
+        committed = None if stored is None else stored.address
+        generation = 0 if stored is None else stored.generation
         self._delivery_error = None
         self._pulled = None
         skipped = {"already_sent": 0, "backup": 0, "filtered": 0}
@@ -385,8 +378,9 @@ class KafkaSink(Consumer):
         now_ns = time.time_ns()
         # a record's last entry in the batch (its last slice's end): its node transaction ends there
         record_ends = {(s.pointer.segment, s.pointer.offset): s.end - 1 for s in batch.peek_slices()}
-        tracker = transactions.Tracker(None if committed is None else committed[:2], self._open_tx)
+        tracker = transactions.Tracker.resume(stored)
         last: offsets.Address | None = None
+        last_ts_ns = 0
         n = 0
         begun = False
 
@@ -394,7 +388,7 @@ class KafkaSink(Consumer):
             rec = tracker.record
             done = tracker.end()
             if tx_topic and done is not None and rec is not None:
-                tx_id = envelope.transaction_id(node, *rec)
+                tx_id = envelope.transaction_id(node, generation, *rec)
                 value = transactions.record_bytes("END", tx_id, ts_ms, done, schemas)
                 self._produce(p, tx_topic, transactions.key_bytes(tx_id, schemas), value, part=0, headers=None)
 
@@ -403,9 +397,14 @@ class KafkaSink(Consumer):
             here = (pos.segment, pos.offset, pos.entry_index)  # the event's own place, as a plain tuple
             self._pulled = here
             if committed is not None and here <= committed:
-                skipped["already_sent"] += 1
-                continue
-            last = here
+                assert stored is not None
+                if not offsets.diverged(stored, here, ev.commit_ts_ns):
+                    skipped["already_sent"] += 1
+                    continue
+                generation, committed = generation + 1, None  # from here on: all of it, as a new generation
+                tracker = transactions.Tracker(None, None)  # the old one's open node transaction never ends
+                log.warning("kafka_source_diverged", source=node, at=here, stored=stored.address, generation=generation)
+            last, last_ts_ns = here, ev.commit_ts_ns
             record = (pos.segment, pos.offset)
             ts_ms = ev.commit_ts_ns // 1_000_000
             if not begun:
@@ -423,10 +422,10 @@ class KafkaSink(Consumer):
                 topic = self._topic_of(cache)
                 begin, total_order, order = tracker.event(record, f"{db}.{cache}")
                 if begin and tx_topic:
-                    tx_id = envelope.transaction_id(node, *record)
+                    tx_id = envelope.transaction_id(node, generation, *record)
                     value = transactions.record_bytes("BEGIN", tx_id, ts_ms, None, schemas)
                     self._produce(p, tx_topic, transactions.key_bytes(tx_id, schemas), value, part=0, headers=None)
-                source = envelope.Source(name, db, node, cache, pos, ev.commit_ts_ns, ev.resend)
+                source = envelope.Source(name, db, node, generation, cache, pos, ev.commit_ts_ns, ev.resend)
                 key, value = envelope.change(
                     e, source, now_ns, total_order, order, per_cache=per_cache, schemas=schemas
                 )
@@ -449,11 +448,11 @@ class KafkaSink(Consumer):
                 metrics.KAFKA_SKIPPED_EVENTS.labels(reason).inc(count)
         if last is None:
             return must_reach  # everything was in Kafka already
-        open_tx = tracker.state()
+        new_stored = offsets.stored(node, last, tracker.state(), generation, last_ts_ns)
         p.produce(
             opts.offsets_topic,
             key=node.encode(),
-            value=offsets.encode(node, last, open_tx),
+            value=offsets.encode_stored(new_stored),
             partition=offsets.partition_of(node, self._offsets_partitions),
             on_delivery=self._on_delivery,
         )
@@ -461,8 +460,7 @@ class KafkaSink(Consumer):
         p.commit_transaction(opts.transaction_timeout_ms / 1000)
         failpoints.hit("kafka.committed")  # in Kafka, not yet in the caller's state: a re-delivery follows
         metrics.KAFKA_COMMIT_SECONDS.observe(time.perf_counter() - t0)
-        self._committed = last
-        self._open_tx = open_tx
+        self._stored = new_stored
         metrics.KAFKA_TRANSACTIONS.inc()
         metrics.KAFKA_LAST_COMMIT.set(time.time())
         for cache, count in sent_per_cache.items():

@@ -41,6 +41,16 @@ def cache_of(suffix: str) -> str:
     return re.sub(rb"_([0-9a-f]{2})", lambda m: bytes.fromhex(m.group(1).decode()), suffix.encode()).decode()
 
 
+def setting_of(topic: str, opts: KafkaSinkOptions) -> str:
+    """The setting that names a topic of this sink."""
+    named = {
+        opts.metadata_topic_name: "metadata_topic",
+        opts.offsets_topic: "offsets_topic",
+        opts.transaction_topic_name: "transaction_topic",
+    }
+    return "topic" if topic == opts.topic else named.get(topic, "topic_prefix")
+
+
 def cache_topic(opts: KafkaSinkOptions, cache: str) -> str:
     """The topic of ``cache`` with ``topic_prefix``; TopicNameError naming the setting to change
     when it is too long or is one of the sink's other topics."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from cdcd.kafka.offsets import OpenTransaction
+from cdcd.kafka.offsets import OpenTransaction, Stored
 
 _encode = msgspec.json.Encoder().encode
 
@@ -103,6 +103,13 @@ class Tracker:
         self._record: Pointer | None = at if open_tx is not None else None
         self._events = open_tx.events if open_tx is not None else 0
         self._collections: dict[str, int] = dict(open_tx.collections) if open_tx is not None else {}
+
+    @classmethod
+    def resume(cls, stored: Stored | None) -> Tracker:
+        """From the source's stored position (None: nothing stored)."""
+        if stored is None:
+            return cls(None, None)
+        return cls(stored.address[:2], stored.open_transaction)
 
     @property
     def record(self) -> Pointer | None:
