@@ -111,7 +111,7 @@ class Checkpointer:
         # A destroyed cache's purge removes its rows.
         changes: list[Change] = [
             (by_id[cid], full_key[4:], NIL, expire, None)
-            for expire, full_key in candidates
+            for expire, full_key, _ in candidates
             if (cid := int.from_bytes(full_key[:4], "big")) in by_id
         ]
 
@@ -124,7 +124,7 @@ class Checkpointer:
 
         # No wait for room here: this is the checkpointer's thread, the one that makes room.
         entries, end = self.writes.write(changes, decide, wait_for_room=False, skip_destroyed=True)
-        self._expire_after = _expiry_index_key(*candidates[-1])
+        self._expire_after = candidates[-1][2]
         if entries:
             metrics.TTL_EXPIRED.inc(len(entries))
             log.debug("entries_expired", entries=len(entries), through_ms=candidates[-1][0])
@@ -162,7 +162,3 @@ class Checkpointer:
                 with self.writes.lock:
                     self.writes.room.notify_all()
                 return
-
-
-def _expiry_index_key(expire_time_ms: int, full_key: bytes) -> bytes:
-    return expire_time_ms.to_bytes(8, "big") + full_key
