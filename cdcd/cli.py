@@ -284,11 +284,15 @@ def node_diff(node_a: Path, node_b: Path, only: tuple[str, ...], as_json: bool) 
 
 
 # --- daemon ---------------------------------------------------------------------------------------
+_IGNORED_ENV: list[str] = []
+"""``CDCD_*`` names that are no config key, warned about once logging is set up."""
+
+
 def _load_daemon_config(path: Path) -> Any:
     from cdcd.daemon.config import load_daemon_config
 
     try:
-        return load_daemon_config(path)
+        return load_daemon_config(path, ignored=_IGNORED_ENV)
     except ConfigError as exc:
         fail(str(exc), EXIT_BAD_INPUT)
 
@@ -324,6 +328,8 @@ def daemon_run(config_path: Path, log_format: str | None) -> None:
     fmt = log_format or config.log_format or ("console" if sys.stderr.isatty() else "json")
     configure_logging(fmt)  # type: ignore[arg-type]
     log = structlog.get_logger("cdcd.daemon")
+    for name in _IGNORED_ENV:
+        log.warning("environment_variable_ignored", name=name, reason="not a cdcd config key")
     fix_mmap_threshold()
     try:
         consumer = load_consumer(config.consumer, f"{config_path}: consumer")
