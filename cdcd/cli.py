@@ -188,10 +188,12 @@ def node_run(
             now = time.monotonic()
             if seconds and now - started >= seconds:
                 break
-            failure = the_node.wal.flusher_failure
+            failure = the_node.failure
             if failure is not None:
-                structlog.get_logger("cdcd.node").error("node_failed", error=f"WAL flusher died: {failure}")
-                fail(f"{config.node_dir}: WAL flusher died: {type(failure).__name__}: {failure}", 1)
+                # No more watchdog pings, and exit 1: a node that refuses writes for good says so.
+                what = f"{type(failure).__name__}: {failure}".splitlines()[0]
+                structlog.get_logger("cdcd.node").error("node_failed", error=what)
+                fail(f"{config.node_dir}: the node refuses writes: {what}", 1)
             interval = notifier.watchdog_interval_s
             # A flusher that has not woken up for a ping interval is stuck (fsync hung): no ping, and
             # systemd's watchdog ends the process.
