@@ -188,10 +188,12 @@ def node_run(
             now = time.monotonic()
             if seconds and now - started >= seconds:
                 break
-            failure = the_node.wal.flusher_failure
+            failure = the_node.failure
             if failure is not None:
-                structlog.get_logger("cdcd.node").error("node_failed", error=f"WAL flusher died: {failure}")
-                fail(f"{config.node_dir}: WAL flusher died: {type(failure).__name__}: {failure}", 1)
+                # No more watchdog pings, and exit 1: a node that refuses writes for good says so.
+                what = f"{type(failure).__name__}: {failure}".splitlines()[0]
+                structlog.get_logger("cdcd.node").error("node_failed", error=what)
+                fail(f"{config.node_dir}: the node refuses writes: {what}", 1)
             interval = notifier.watchdog_interval_s
             # A flusher that has not woken up for a ping interval is stuck (fsync hung): no ping, and
             # systemd's watchdog ends the process.
@@ -284,11 +286,15 @@ def node_diff(node_a: Path, node_b: Path, only: tuple[str, ...], as_json: bool) 
 
 
 # --- daemon ---------------------------------------------------------------------------------------
+_IGNORED_ENV: list[str] = []
+"""``CDCD_*`` names that are no config key, warned about once logging is set up."""
+
+
 def _load_daemon_config(path: Path) -> Any:
     from cdcd.daemon.config import load_daemon_config
 
     try:
-        return load_daemon_config(path)
+        return load_daemon_config(path, ignored=_IGNORED_ENV)
     except ConfigError as exc:
         fail(str(exc), EXIT_BAD_INPUT)
 
@@ -324,6 +330,8 @@ def daemon_run(config_path: Path, log_format: str | None) -> None:
     fmt = log_format or config.log_format or ("console" if sys.stderr.isatty() else "json")
     configure_logging(fmt)  # type: ignore[arg-type]
     log = structlog.get_logger("cdcd.daemon")
+    for name in _IGNORED_ENV:
+        log.warning("environment_variable_ignored", name=name, reason="not a cdcd config key")
     fix_mmap_threshold()
     try:
         consumer = load_consumer(config.consumer, f"{config_path}: consumer")

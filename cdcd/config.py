@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import re
 import tomllib
@@ -35,11 +36,36 @@ def _describe(exc: msgspec.ValidationError) -> str:
 
 
 def convert(data: Mapping[str, Any], cls: type[T], source: str) -> T:
-    """Build ``cls`` from a plain mapping; errors become ``ConfigError`` naming source and key."""
+    """Build ``cls`` from a plain mapping; errors become ``ConfigError`` naming source and key.
+
+    A number that is not finite (TOML's ``nan``, ``inf``, or a string that converts to one) is
+    refused for every key: no setting of cdcd means anything at NaN or infinity."""
     try:
-        return msgspec.convert(data, cls, strict=False)
+        result = msgspec.convert(data, cls, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{source}: {_describe(exc)}") from None
+    bad = _non_finite(msgspec.to_builtins(result), "")
+    if bad is not None:
+        key, value = bad
+        raise ConfigError(f"{source}: key '{key}': {value} is not a finite number")
+    return result
+
+
+def _non_finite(value: Any, key: str) -> tuple[str, float] | None:
+    """The first (key path, value) of a NaN or infinite float in a config's builtins."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return key, value
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found = _non_finite(v, f"{key}.{k}" if key else str(k))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _non_finite(v, f"{key}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def import_object(spec: str, source: str, key: str) -> Any:
@@ -90,6 +116,12 @@ def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"{p}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{p}: is a directory, not a config file") from None
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read the config file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: not a TOML file (invalid UTF-8 at byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: invalid TOML: {exc}") from None
 

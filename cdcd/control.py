@@ -82,6 +82,11 @@ class _RequestHandler(socketserver.StreamRequestHandler):
         _pid, uid, _gid = _peer_creds(self.request)
         if uid not in (os.geteuid(), 0):
             log.warning("control_refused", peer_uid=uid)
+            # Read the request first: closing with it unread makes the client's send fail
+            # (EPIPE) before it can read the refusal.
+            self.request.settimeout(5.0)
+            with contextlib.suppress(OSError):
+                self.rfile.readline(MAX_REQUEST_BYTES + 1)
             self._reply({"ok": False, "error": f"uid {uid} is not the node's owner"})
             return
         while True:
@@ -98,6 +103,8 @@ class _RequestHandler(socketserver.StreamRequestHandler):
             request = msgspec.json.decode(line)
         except msgspec.DecodeError as exc:
             return {"ok": False, "error": f"bad request: not JSON ({exc})"}
+        except UnicodeDecodeError as exc:
+            return {"ok": False, "error": f"bad request: invalid UTF-8 at byte {exc.start}"}
         if not isinstance(request, dict) or not isinstance(request.get("cmd"), str):
             return {"ok": False, "error": 'bad request: expected {"cmd": ...}'}
         try:
@@ -174,7 +181,9 @@ def request(path: Path, message: dict[str, Any], timeout_s: float = 30.0) -> dic
         sock.settimeout(timeout_s)
         with _short_path(path) as connect_path:
             sock.connect(connect_path)
-        sock.sendall(msgspec.json.encode(message) + b"\n")
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            # A server that refuses us may close before reading all of it: its reply is still there.
+            sock.sendall(msgspec.json.encode(message) + b"\n")
         data = b""
         while not data.endswith(b"\n"):
             part = sock.recv(65536)

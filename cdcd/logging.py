@@ -4,8 +4,9 @@ The command line configures structlog once at its entry point (``configure``: JS
 console lines, to stderr). A library prints nothing on stdout: when cdcd is embedded (``import
 cdcd`` without the CLI) and the application has not configured structlog itself,
 ``configure_library`` routes cdcd's log events through the standard ``logging`` module, loggers
-``cdcd.*``: an application with logging handlers of its own gets them there, at its levels (set
-the ``cdcd`` logger's level to see more or less); one without any gets info and up on stderr.
+``cdcd.*``, which carry a ``NullHandler`` as the logging guide asks of libraries: an application
+with logging handlers of its own gets them there, at its levels (set the ``cdcd`` logger's level
+to see more or less); one without any hears only warnings and errors, on stderr.
 """
 
 from __future__ import annotations
@@ -59,10 +60,22 @@ _LEVELS = {
 _logfmt = structlog.processors.LogfmtRenderer(key_order=["event"])
 
 
-def _app_levels_or_info(logger: logging.Logger, method_name: str, event: EventDict) -> EventDict:
-    """With handlers of the application's: its levels decide. Without: info and up."""
+def _app_handlers(logger: logging.Logger) -> bool:
+    """True if the application gave ``logger`` or an ancestor a handler (cdcd's NullHandler aside)."""
+    current: logging.Logger | None = logger
+    while current is not None:
+        if any(not isinstance(h, logging.NullHandler) for h in current.handlers):
+            return True
+        if not current.propagate:
+            return False
+        current = current.parent
+    return False
+
+
+def _app_levels_or_warnings(logger: logging.Logger, method_name: str, event: EventDict) -> EventDict:
+    """With handlers of the application's: its levels decide. Without: warnings and up."""
     level = _LEVELS.get(method_name, logging.INFO)
-    enabled = logger.isEnabledFor(level) if logger.hasHandlers() else level >= logging.INFO
+    enabled = logger.isEnabledFor(level) if _app_handlers(logger) else level >= logging.WARNING
     if not enabled:
         raise structlog.DropEvent
     return event
@@ -70,7 +83,7 @@ def _app_levels_or_info(logger: logging.Logger, method_name: str, event: EventDi
 
 def _to_app_or_stderr(logger: logging.Logger, method_name: str, event: EventDict) -> str:
     text = _logfmt(logger, method_name, event)
-    if logger.hasHandlers():
+    if _app_handlers(logger):
         return text  # the stdlib logger hands it to the application's handlers
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     sys.stderr.write(f"{stamp} {method_name.upper()} {logger.name}: {text}\n")
@@ -79,11 +92,14 @@ def _to_app_or_stderr(logger: logging.Logger, method_name: str, event: EventDict
 
 def configure_library() -> None:
     """Embedded use (done on ``import cdcd``); leaves a structlog set-up of the application alone."""
+    library_logger = logging.getLogger("cdcd")
+    if not any(isinstance(h, logging.NullHandler) for h in library_logger.handlers):
+        library_logger.addHandler(logging.NullHandler())
     if structlog.is_configured():
         return
     structlog.configure(
         processors=[
-            _app_levels_or_info,  # type: ignore[list-item]
+            _app_levels_or_warnings,  # type: ignore[list-item]
             structlog.contextvars.merge_contextvars,
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,

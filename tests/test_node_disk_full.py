@@ -107,3 +107,49 @@ def test_checkpoint_on_full_disk_names_it(small_fs: Path) -> None:
     assert "disk full" in message
     (small_fs / "filler").unlink()
     node.close()
+
+
+def test_a_full_disk_during_checkpoints_is_waited_out_and_writes_resume(small_fs: Path, tmp_path: Path) -> None:
+    """Checkpoints failing on a full disk are retried, not fatal: status says the node waits for
+    space, writers wait once the dirty map is full, and everything resumes once space is freed
+    (before, the node refused every write for good after one failed checkpoint). The page store
+    is on the small file system, the WAL elsewhere: only checkpoints meet the full disk."""
+    node_dir = tmp_path / "node"
+    settings = {"db_dir": str(small_fs / "db"), "wal_segment_size_bytes": 1 << 20}
+    node = Node.open(node_dir, checkpoint_interval_ms=20, checkpoint_dirty_max_entries=500, **settings)
+    n_puts = 3000
+    try:
+        cache = node.cache("c")
+        cache.put_all({i: VALUE for i in range(200)})
+        node.checkpoint()
+        filler = fill(small_fs, leave_bytes=0)
+        done: list[int] = []
+        errors: list[BaseException] = []
+
+        def writer() -> None:
+            try:
+                for i in range(200, 200 + n_puts):
+                    cache.put(i, VALUE * 2)
+                    done.append(i)
+            except BaseException as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=writer)
+        t.start()
+        try:
+            wait_for(lambda: node.writes_state().startswith("waiting for disk space"), "checkpoints to wait for space")
+            assert node.status()["writes"].startswith("waiting for disk space:")
+            assert node.failure is None and not errors
+        finally:
+            filler.unlink()
+        t.join(120)
+        assert not t.is_alive() and errors == []
+        assert len(done) == n_puts
+        wait_for(lambda: node.writes_state() == "ok", "checkpoints to resume")
+        cache.put("after", 1)
+        assert node.checkpoint() is not None
+    finally:
+        node.close()
+    with Node.open(node_dir, **settings) as node:
+        expected = {i: VALUE for i in range(200)} | {i: VALUE * 2 for i in range(200, 200 + n_puts)} | {"after": 1}
+        assert dict(node.cache("c").items()) == expected

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,6 +46,8 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     consumer: dict[str, Any] = msgspec.field(default_factory=lambda: {"kind": "null"})
 
     def __post_init__(self) -> None:
+        if not self.node_dir:
+            raise msgspec.ValidationError("must not be empty - at `$.node_dir`")
         checks = {
             "lock_timeout_ms": self.lock_timeout_ms >= 0,
             "check_interval_ms": self.check_interval_ms >= 10,
@@ -75,13 +78,43 @@ def _env_value(text: str) -> Any:
         return text
 
 
-def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    """``CDCD_BATCH_MAX_EVENTS=5`` → ``batch_max_events = 5``; ``CDCD_CONSUMER__PATH=x`` → ``[consumer] path``."""
+NON_CONFIG_ENV: dict[str, str] = {
+    "CDCD_CONFIG": "the config file, for `cdcd run` without --config",
+    "CDCD_FAILPOINTS": "crash points for tests (cdcd/failpoints.py)",
+    "CDCD_SPARK_JARS_DIR": "where the Delta jars are (default <venv>/jars)",
+    "CDCD_LAKE_ROWS": "the lake row builder: c (default) or python",
+    "CDCD_LOG_FORMAT": "json (default) or console",
+    "CDCD_BENCH_DIR": "benchmarks' scratch dir",
+    "CDCD_FUZZ_SCRATCH": "the fuzzer's scratch dir",
+    "CDCD_KAFKA_CLUSTER": "run the three-broker Kafka test",
+}
+"""``CDCD_*`` variables that are not config keys: accepted, never read as config (docs/daemon.md)."""
+
+
+def env_overrides(
+    environ: Mapping[str, str], fields: Iterable[str] | None = None, ignored: list[str] | None = None
+) -> dict[str, Any]:
+    """``CDCD_BATCH_MAX_EVENTS=5`` → ``batch_max_events = 5``; ``CDCD_CONSUMER__PATH=x`` → ``[consumer] path``.
+
+    Only names whose first part is a config key (``fields``, default DaemonConfig's) are read. Any
+    other ``CDCD_*`` name (a deployment's own variable) is appended to ``ignored`` for the caller
+    to warn about once logging is set up, unless it is one of ``NON_CONFIG_ENV``; a name within a
+    typo of a real key is a ConfigError naming both."""
+    known = set(DaemonConfig.__struct_fields__ if fields is None else fields)
     out: dict[str, Any] = {}
     for name, text in environ.items():
-        if not name.startswith(ENV_PREFIX) or name in ("CDCD_CONFIG", "CDCD_FAILPOINTS"):
+        if not name.startswith(ENV_PREFIX) or name in NON_CONFIG_ENV:
             continue
         parts = name[len(ENV_PREFIX) :].lower().split("__")
+        if parts[0] not in known:
+            close = difflib.get_close_matches(parts[0], known, n=1, cutoff=0.85)
+            if close:
+                raise ConfigError(
+                    f"environment: {name} does not name a config key; did you mean CDCD_{close[0].upper()}?"
+                )
+            if ignored is not None:
+                ignored.append(name)
+            continue
         target = out
         for part in parts[:-1]:
             target = target.setdefault(part, {})
@@ -89,13 +122,12 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
-def load_daemon_config(path: str | os.PathLike[str], environ: Mapping[str, str] | None = None) -> DaemonConfig:
+def load_daemon_config(
+    path: str | os.PathLike[str], environ: Mapping[str, str] | None = None, ignored: list[str] | None = None
+) -> DaemonConfig:
+    """The config at ``path`` with ``CDCD_*`` overrides; ``ignored`` collects other ``CDCD_*`` names."""
     data = read_toml(path)
-    env = env_overrides(os.environ if environ is None else environ)
-    known = set(DaemonConfig.__struct_fields__)
-    for key in env:
-        if key not in known:
-            raise ConfigError(f"environment: CDCD_{key.upper()} does not name a config key of {path}")
+    env = env_overrides(os.environ if environ is None else environ, ignored=ignored)
     for key, value in env.items():
         if isinstance(value, dict) and isinstance(data.get(key), dict):
             data[key] = {**data[key], **value}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 from collections.abc import Callable
@@ -19,11 +20,20 @@ from cdcd.wal.records import NIL, CacheInfo, CacheVersion, Checkpoint, Op
 log = structlog.get_logger("cdcd.node")
 
 _DELETE = Op.DELETE
+_TRANSIENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+"""Checkpoint failures that clear by themselves (space freed): retried, not fatal."""
+_RETRY_MAX_S = 5.0
+
+
+def transient(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
 
 
 class Checkpointer:
     """Runs ``checkpoint`` every ``checkpoint_interval_ms`` (or when the dirty map fills) and
-    ``expire_entries`` every ``ttl_expire_interval_ms``; a failure stops it and is kept in ``failure``."""
+    ``expire_entries`` every ``ttl_expire_interval_ms``. A full disk is waited out (``blocked``
+    says why; writers wait once the dirty map is full); any other failure stops it and is handed
+    to ``on_failure`` (the node then refuses writes and ``cdcd node run`` exits 1)."""
 
     def __init__(
         self,
@@ -42,6 +52,8 @@ class Checkpointer:
         self.segment = segment
         """The segment of the last checkpoint: older ones are no longer needed for recovery."""
         self._on_failure = on_failure
+        self.blocked: str | None = None
+        """Why checkpoints wait (a full disk), or None."""
         self.lock = threading.Lock()
         self.stop_event = threading.Event()
         self._expire_after: bytes | None = None
@@ -83,6 +95,13 @@ class Checkpointer:
             try:
                 self.wal.wait_durable(end)  # WAL before data
                 self.store.write_checkpoint(snapshot, caches, CheckpointMeta(ptr, next_order, ts))
+            except BaseException:
+                # The store kept the previous checkpoint: the entries stay in memory for reads and
+                # the next try (the WAL has them for recovery either way). Newer writes win.
+                with self.writes.lock:
+                    snapshot.update(self.writes.dirty)
+                    self.writes.dirty = snapshot
+                raise
             finally:
                 with self.writes.lock:
                     self.writes.snapshot = None
@@ -111,7 +130,7 @@ class Checkpointer:
         # A destroyed cache's purge removes its rows.
         changes: list[Change] = [
             (by_id[cid], full_key[4:], NIL, expire, None)
-            for expire, full_key in candidates
+            for expire, full_key, _ in candidates
             if (cid := int.from_bytes(full_key[:4], "big")) in by_id
         ]
 
@@ -124,7 +143,7 @@ class Checkpointer:
 
         # No wait for room here: this is the checkpointer's thread, the one that makes room.
         entries, end = self.writes.write(changes, decide, wait_for_room=False, skip_destroyed=True)
-        self._expire_after = _expiry_index_key(*candidates[-1])
+        self._expire_after = candidates[-1][2]
         if entries:
             metrics.TTL_EXPIRED.inc(len(entries))
             log.debug("entries_expired", entries=len(entries), through_ms=candidates[-1][0])
@@ -138,14 +157,22 @@ class Checkpointer:
         batch = self.config.ttl_expire_batch_max_entries
         now = time.monotonic()
         next_checkpoint, next_expire = now + interval_s, now + expire_interval_s
+        retry_s = 0.0
         while not self.stop_event.is_set():
-            woken = self.writes.checkpoint_wake.wait(max(0.0, min(next_checkpoint, next_expire) - time.monotonic()))
+            if self.blocked is not None:
+                # Waiting for space: writers' wake-ups must not turn the backoff into a busy loop.
+                if self.stop_event.wait(max(0.0, next_checkpoint - time.monotonic())):
+                    return
+                woken = True
+            else:
+                wake_at = min(next_checkpoint, next_expire)
+                woken = self.writes.checkpoint_wake.wait(max(0.0, wake_at - time.monotonic()))
             self.writes.checkpoint_wake.clear()
             if self.stop_event.is_set():
                 return
             try:
                 now = time.monotonic()
-                if now >= next_expire:
+                if now >= next_expire and self.blocked is None:
                     # A full round may have left more: go again at once (checkpoints still interleave).
                     full = self.expire_entries() >= batch
                     next_expire = now if full else now + expire_interval_s
@@ -156,13 +183,23 @@ class Checkpointer:
                 ):
                     self.checkpoint()
                     next_checkpoint = time.monotonic() + interval_s
+                    if self.blocked is not None:
+                        log.info("checkpoint_disk_space_back", node_dir=self.config.node_dir)
+                        self.blocked, retry_s = None, 0.0
             except Exception as exc:
+                if transient(exc):
+                    if self.blocked is None:
+                        log.warning(
+                            "checkpoint_waiting_for_space",
+                            error=f"{type(exc).__name__}: {exc}",
+                            hint="writes resume once space is freed",
+                        )
+                    self.blocked = str(exc)
+                    retry_s = min(max(retry_s * 2, 0.05), _RETRY_MAX_S)
+                    next_checkpoint = time.monotonic() + retry_s
+                    continue
                 self._on_failure(exc)
                 log.error("checkpoint_failed", error=f"{type(exc).__name__}: {exc}", node_dir=self.config.node_dir)
                 with self.writes.lock:
                     self.writes.room.notify_all()
                 return
-
-
-def _expiry_index_key(expire_time_ms: int, full_key: bytes) -> bytes:
-    return expire_time_ms.to_bytes(8, "big") + full_key

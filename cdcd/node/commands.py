@@ -30,6 +30,7 @@ def status(node: Node) -> dict[str, Any]:
     return {
         "node_dir": config.node_dir,
         "node_id": str(node.node_id),
+        "writes": node.writes_state(),
         "wal_position": str(wal_pos),
         "last_archived_segment": node.wal.last_archived,
         "cdc": "on" if node.cdc_links_on else "off" if config.cdc_enabled else "disabled in config",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -10,6 +11,9 @@ import msgspec
 from cdcd.config import check_address, check_ranges
 
 MiB = 1 << 20
+MAX_SOCKET_NAME_BYTES = 80
+"""A Unix socket address holds ~108 bytes; a deep directory is reached through /proc/self/fd/N/
+(cdcd/control.py), which leaves about this much for the socket's own file name."""
 
 
 class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -117,6 +121,14 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
             "realtime_commit_record_interval_ms": self.realtime_commit_record_interval_ms >= 0,
             "realtime_close_timeout_ms": self.realtime_close_timeout_ms >= 0,
         }
+        if not self.node_dir:
+            raise msgspec.ValidationError("must not be empty - at `$.node_dir`")
+        socket_name = len(os.fsencode(self.control_socket_path.name))
+        if socket_name > MAX_SOCKET_NAME_BYTES:
+            raise msgspec.ValidationError(
+                f"file name of {socket_name} bytes, over the {MAX_SOCKET_NAME_BYTES} a Unix socket "
+                "address leaves (the directory may be long) - at `$.control_socket`"
+            )
         if self.realtime_cdc and not self.realtime_consumer:
             raise msgspec.ValidationError(
                 "realtime_cdc = true needs a realtime_consumer table - at `$.realtime_consumer`"

@@ -69,12 +69,20 @@ class LoadGenerator:
                     removes.append(key)
                 else:
                     puts[key] = {"id": key, "seq": seq, "updated_at": time.time_ns(), "payload": "x" * 48}
-            with self.node.transaction() as tx:
-                for k, v in puts.items():
-                    tx.put(cache.name, k, v)
-                for k in removes:
-                    if k not in puts:
-                        tx.remove(cache.name, k)
+            try:
+                with self.node.transaction() as tx:
+                    for k, v in puts.items():
+                        tx.put(cache.name, k, v)
+                    for k in removes:
+                        if k not in puts:
+                            tx.remove(cache.name, k)
+            except Exception:
+                if self.node.failure is None and not self._stop.is_set():
+                    raise
+                # The node refuses writes (its supervisor reports why and exits) or is closing.
+                log.info("load_stopped", written=self.written, cache=self.cache_name)
+                self.done.set()
+                return
             self.written += len(puts) + len(removes)
             next_at += interval_s
             delay = next_at - time.monotonic()

@@ -19,7 +19,7 @@ from cdcd.lock import DirLock, LockHeld
 from cdcd.node import attach, commands
 from cdcd.node.archiver import Archiver, check_same_filesystem
 from cdcd.node.cache import Cache
-from cdcd.node.checkpointer import Checkpointer
+from cdcd.node.checkpointer import Checkpointer, transient
 from cdcd.node.config import NodeConfig
 from cdcd.node.identity import write_node_id
 from cdcd.node.metastorage import Metastorage
@@ -227,7 +227,13 @@ class Node:
         self._control_server.stop()
         try:
             if self._failure is None:
-                self.checkpoint()
+                try:
+                    self.checkpoint()
+                except OSError as exc:
+                    if not transient(exc):
+                        raise
+                    # Nothing is lost: the WAL holds every write, and the next open replays it.
+                    log.warning("closed_without_checkpoint", error=str(exc), hint="the next open replays the WAL")
             self.realtime.close()
             if self._failure is None:
                 # Ignite rolls over on stop: the daemon sees the last writes (and the markers above)
@@ -254,6 +260,19 @@ class Node:
     def _fail(self, exc: BaseException) -> None:
         self._failure = exc
         self.writes.accepting = False
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the node refuses writes for good (a failed checkpoint, a dead WAL flusher), or None."""
+        return self._failure or self._wal.flusher_failure
+
+    def writes_state(self) -> str:
+        """``ok``, ``waiting for disk space: …`` (resumes by itself) or ``failed: …``."""
+        failure = self.failure
+        if failure is not None:
+            return f"failed: {type(failure).__name__}: {failure}"
+        blocked = self._checkpointer.blocked
+        return f"waiting for disk space: {blocked}" if blocked is not None else "ok"
 
     # --- checkpoints -----------------------------------------------------------------------------
     def checkpoint(self) -> WalPointer | None:

@@ -7,6 +7,7 @@ dirty map and in the WAL, so a crash at any moment leaves a consistent store plu
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import struct
 import uuid
@@ -30,10 +31,33 @@ def cache_prefix(cache_id: int) -> bytes:
     return _CACHE_PREFIX.pack(cache_id)
 
 
+_LMDB_MAX_KEY_BYTES = 511
+"""LMDB's compiled-in key limit (``Environment.max_key_size()``)."""
+_DIRECT_KEY_MAX_BYTES = _LMDB_MAX_KEY_BYTES - 8
+"""Longest full key stored as it is: the expiry index puts an 8-byte expire time before it."""
+_HASHED = b"\xc1"
+"""Marks a hashed key after the cache prefix: 0xc1 is the one byte MessagePack never uses, so no
+key stored as it is (its MessagePack encoding follows the prefix) can begin like a hashed one."""
+
+
+def db_key(full_key: bytes) -> bytes:
+    """Where LMDB keeps ``full_key``: the key itself when it fits, else cache prefix + 0xc1 +
+    SHA-256 of the key (the full key is then kept in the StoredValue beside the value)."""
+    if len(full_key) <= _DIRECT_KEY_MAX_BYTES:
+        return full_key
+    return full_key[:4] + _HASHED + hashlib.sha256(full_key).digest()
+
+
+def _is_hashed(key: bytes) -> bool:
+    return key[4:5] == _HASHED
+
+
 class StoredValue(msgspec.Struct, frozen=True, array_like=True):
     version: CacheVersion
     value: msgspec.Raw
     expire_time_ms: int = 0
+    full_key: bytes = b""
+    """Only for a key stored hashed (``db_key``): the full key, so a scan can give it back."""
 
 
 class _ExpireView(msgspec.Struct, frozen=True, array_like=True):
@@ -42,10 +66,11 @@ class _ExpireView(msgspec.Struct, frozen=True, array_like=True):
     version: msgspec.Raw
     value: msgspec.Raw
     expire_time_ms: int = 0
+    full_key: bytes = b""
 
 
 _EXPIRE = struct.Struct(">Q")
-"""Expiry index keys: big-endian expire time, then the full key (so a cursor walks them in time order)."""
+"""Expiry index keys: big-endian expire time, then the LMDB key (so a cursor walks them in time order)."""
 
 
 class CheckpointMeta(msgspec.Struct, frozen=True, array_like=True):
@@ -114,7 +139,7 @@ class PageStore:
     # --- data ------------------------------------------------------------------------------------
     def get(self, full_key: bytes) -> StoredValue | None:
         with self.env.begin(db=self._data, buffers=True) as txn:
-            raw = txn.get(full_key)
+            raw = txn.get(db_key(full_key))
             return _stored_dec.decode(raw) if raw is not None else None
 
     def get_locked(self, full_key: bytes) -> StoredValue | None:
@@ -123,12 +148,12 @@ class PageStore:
         reader = self._reader
         if reader is None:
             reader = self._reader = self.env.begin(db=self._data, buffers=True)
-        raw = reader.get(full_key)
+        raw = reader.get(db_key(full_key))
         return _stored_dec.decode(raw) if raw is not None else None
 
     def exists(self, full_key: bytes) -> bool:
         with self.env.begin(db=self._data, buffers=True) as txn:
-            return txn.get(full_key) is not None
+            return txn.get(db_key(full_key)) is not None
 
     def exists_locked(self, full_key: bytes) -> bool:
         """Like ``exists`` through one long-lived read txn; the caller serialises calls and
@@ -136,25 +161,25 @@ class PageStore:
         reader = self._reader
         if reader is None:
             reader = self._reader = self.env.begin(db=self._data, buffers=True)
-        return reader.get(full_key) is not None
+        return reader.get(db_key(full_key)) is not None
 
     def live_locked(self, full_key: bytes, now_ms: int) -> bool:
         """Like ``exists_locked``, but an expired entry (still stored until its DELETE) is not live."""
         reader = self._reader
         if reader is None:
             reader = self._reader = self.env.begin(db=self._data, buffers=True)
-        raw = reader.get(full_key)
+        raw = reader.get(db_key(full_key))
         if raw is None:
             return False
         expire = _expire_dec.decode(raw).expire_time_ms
         return not 0 < expire <= now_ms
 
-    def expired(self, now_ms: int, limit: int, after: bytes | None = None) -> list[tuple[int, bytes]]:
-        """Up to ``limit`` (expire time, full key) of stored entries expired at ``now_ms``, oldest
-        first, starting after the index key ``after``; and the index key to continue after."""
-        out: list[tuple[int, bytes]] = []
-        with self.env.begin(db=self._expiry) as txn:
-            cur = txn.cursor()
+    def expired(self, now_ms: int, limit: int, after: bytes | None = None) -> list[tuple[int, bytes, bytes]]:
+        """Up to ``limit`` (expire time, full key, index key) of stored entries expired at
+        ``now_ms``, oldest first, starting after the index key ``after`` (pass the last one's)."""
+        out: list[tuple[int, bytes, bytes]] = []
+        with self.env.begin() as txn:
+            cur = txn.cursor(db=self._expiry)
             found = cur.set_range(after) if after is not None else cur.first()
             if found and after is not None and cur.key() == after:
                 found = cur.next()
@@ -163,7 +188,13 @@ class PageStore:
                 (expire,) = _EXPIRE.unpack_from(k)
                 if expire > now_ms:
                     break
-                out.append((expire, bytes(k[_EXPIRE.size :])))
+                key = bytes(k[_EXPIRE.size :])
+                full_key = key
+                if _is_hashed(key):
+                    raw = txn.get(key, db=self._data)
+                    full_key = _expire_dec.decode(raw).full_key if raw is not None else b""
+                if full_key:
+                    out.append((expire, full_key, bytes(k)))
                 found = cur.next()
         return out
 
@@ -187,7 +218,8 @@ class PageStore:
             for k, v in cur:
                 if not k.startswith(prefix):
                     break
-                yield k[len(prefix) :], _stored_dec.decode(v)
+                stored = _stored_dec.decode(v)
+                yield (stored.full_key if _is_hashed(k) else k)[len(prefix) :], stored
 
     def caches(self) -> dict[str, CacheInfo]:
         with self.env.begin(db=self._caches) as txn:
@@ -247,6 +279,9 @@ class PageStore:
         encode, ``putmulti``) instead of a Python loop: the checkpoint holds the GIL the writers need."""
         data = self._data
         delete = Op.DELETE
+        if entries and max(map(len, entries)) > _DIRECT_KEY_MAX_BYTES:
+            self._write_tracking_expiry(txn, entries)
+            return
         keys: Iterable[bytes] = entries.keys()
         values: Iterable[DataEntry] = entries.values()
         ops = list(map(_op_of, values))
@@ -259,14 +294,17 @@ class PageStore:
         txn.cursor(db=data).putmulti(zip(keys, map(_enc.encode, stored), strict=True))
 
     def _write_tracking_expiry(self, txn: lmdb.Transaction, entries: Mapping[bytes, DataEntry]) -> None:
+        """One entry at a time, keeping the expiry index; also the path for any hashed key."""
         data, expiry = self._data, self._expiry
         delete = Op.DELETE
         pack = _EXPIRE.pack
-        for key, e in entries.items():
+        for full_key, e in entries.items():
+            key = db_key(full_key)
             if e.op == delete:
                 old = txn.pop(key, db=data)
             else:
-                old = txn.replace(key, _enc.encode(StoredValue(e.version, e.value, e.expire_time_ms)), db=data)
+                kept = full_key if key is not full_key else b""
+                old = txn.replace(key, _enc.encode(StoredValue(e.version, e.value, e.expire_time_ms, kept)), db=data)
             if old is not None:
                 old_expire = _expire_dec.decode(old).expire_time_ms
                 if old_expire:

@@ -33,6 +33,11 @@ MAX_NESTING = 256
 levels, less the reader's own stack): a value near that depth would be written fine and then be
 undecodable for every consumer — a permanent poison pill in the WAL."""
 
+MAX_KEY_BYTES = 64 * 1024
+"""Longest key accepted, MessagePack-encoded. LMDB's own limit (511 bytes) is not the user's: the
+page store keeps longer keys hashed, with the full key beside the value (``store.db_key``). This
+bound keeps every key within what each sink carries in one message or frame."""
+
 MAX_EXPIRE_TIME_MS = 2**63 - 1
 """Expire times are stored as unsigned 64-bit numbers; beyond this a peer's value is refused."""
 MAX_TTL_MS = 100 * 365 * 86_400_000
@@ -56,8 +61,14 @@ def too_deep(obj: Any) -> bool:
     return False
 
 
+def key_too_long(info: CacheInfo, size: int) -> ValueError:
+    return ValueError(f"cache {info.name!r}: key is {size} bytes encoded, over the limit of {MAX_KEY_BYTES} bytes")
+
+
 def encode(encoder: msgspec.msgpack.Encoder, obj: Any, info: CacheInfo, what: str) -> bytes:
     raw = encoder.encode(obj)
+    if what == "key" and len(raw) > MAX_KEY_BYTES:
+        raise key_too_long(info, len(raw))
     # Each level costs at least one byte, so only encodings this long can be too deep to read back.
     if len(raw) > MAX_NESTING and too_deep(obj):
         raise ValueError(f"cache {info.name!r}: {what} nests deeper than {MAX_NESTING} levels")
@@ -351,8 +362,11 @@ class WriteCore:
             return
         key_raw = key_encoder.encode(key)
         # Each level costs at least one byte, so only encodings this long can be too deep to read back.
-        if len(key_raw) > MAX_NESTING and too_deep(key):
-            raise ValueError(f"cache {info.name!r}: key nests deeper than {MAX_NESTING} levels")
+        if len(key_raw) > MAX_NESTING:
+            if len(key_raw) > MAX_KEY_BYTES:
+                raise key_too_long(info, len(key_raw))
+            if too_deep(key):
+                raise ValueError(f"cache {info.name!r}: key nests deeper than {MAX_NESTING} levels")
         raw = value_encoder.encode(value)
         if len(raw) > MAX_NESTING and too_deep(value):
             raise ValueError(f"cache {info.name!r}: value nests deeper than {MAX_NESTING} levels")

@@ -11,6 +11,7 @@ from cdcd import metrics
 from cdcd.config import split_host_port
 from cdcd.node.writes import (
     MAX_EXPIRE_TIME_MS,
+    MAX_KEY_BYTES,
     MAX_NESTING,
     CacheDestroyed,
     Change,
@@ -140,6 +141,8 @@ def _prepare(request: Apply) -> list[tuple[bytes, ReplEntry]]:
             if len(value) > MAX_NESTING and too_deep(decoder.decode(value)):
                 raise ValueError(f"value nests deeper than {MAX_NESTING} levels")
             key_raw = key_encoder.encode(key)  # canonical: equal keys, equal bytes, whoever encoded them
+            if len(key_raw) > MAX_KEY_BYTES:
+                raise ValueError(f"key is {len(key_raw)} bytes encoded, over the limit of {MAX_KEY_BYTES} bytes")
         except (msgspec.DecodeError, RecursionError, TypeError, ValueError) as exc:
             raise RequestRefused(f"cache {request.cache!r} entry {i}: {exc}") from None
         out.append((key_raw, e if e.version.other_cluster_version is None else _as_origin(e)))

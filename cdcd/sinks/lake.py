@@ -23,7 +23,7 @@ import pyarrow as pa
 import structlog
 
 from cdcd import metrics
-from cdcd.config import convert
+from cdcd.config import check_ranges, convert
 from cdcd.consumer import CacheInfo, Consumer, EventBatch, RecordSlice
 from cdcd.delivery import slices_from
 from cdcd.durable import write_atomic
@@ -40,6 +40,9 @@ from cdcd.wal.pointer import WalPointer, WalPosition
 log = structlog.get_logger("cdcd.lake")
 
 __all__ = ["LakeConsumer", "LakeOptions", "LakeWriteError", "root_cause"]
+
+MAX_FILES_PER_BATCH = 1024
+"""More parts than this are never faster (each is a task and a file per partition): a typo."""
 
 _MIN_ROWS_PER_FILE = 100_000
 """Smaller batches are written as one file per partition (smaller files cost readers more)."""
@@ -87,6 +90,7 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Scheduled runs failing in a row before the sink fails (the daemon exits 4 naming the error)."""
 
     def __post_init__(self) -> None:
+        check_ranges(self, {"max_files_per_batch": 1 <= self.max_files_per_batch <= MAX_FILES_PER_BATCH})
         try:
             self.maintainer_options()
         except ValueError as exc:
