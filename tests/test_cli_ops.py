@@ -157,7 +157,7 @@ def test_lake_path_of_an_unknown_scheme_is_refused_and_creates_nothing(tmp_path:
     node_dir = tmp_path / "node"
     with Node.open(node_dir) as node:
         node.cache("orders").put(1, "one")
-    config = write_daemon_config(tmp_path / "cdcd.toml", node_dir, {"kind": "spark", "lake_path": "ftp://bucket/lake"})
+    config = write_daemon_config(tmp_path / "cdcd.toml", node_dir, {"kind": "lake", "lake_path": "ftp://bucket/lake"})
     work = tmp_path / "cwd"
     work.mkdir()
     res = subprocess.run(
@@ -256,3 +256,29 @@ def test_run_log_format_missing_node_dir_and_busy_metrics_port(tmp_path: Path) -
     last = res.stderr.splitlines()[-1]
     assert last.startswith(f"cdcd: error: {config}: key 'metrics_address': cannot listen on {address}: "), last
     assert "Address already in use" in last and "Traceback" not in res.stderr
+
+
+def test_control_cdc_realtime_is_control_realtime(tmp_path: Path) -> None:
+    """IEP-104's spelling `cdcd control cdc realtime on|off` is `cdcd control realtime on|off`: the same answers, errors
+    and exit codes, with --node-dir before or after; `cdc on|off` stays the CDC-links switch."""
+    node_dir = tmp_path / "node"
+    with Node.open(node_dir):
+        for state in ("off", "on", "maybe"):
+            plain = cdcd("control", "realtime", state, "--node-dir", str(node_dir))
+            for spelled in (
+                cdcd("control", "cdc", "realtime", state, "--node-dir", str(node_dir)),
+                cdcd("control", "--node-dir", str(node_dir), "cdc", "realtime", state),
+            ):
+                assert (spelled.returncode, spelled.stdout, spelled.stderr) == (
+                    plain.returncode,
+                    plain.stdout,
+                    plain.stderr,
+                )
+            assert plain.returncode == {"off": 0, "on": 1, "maybe": 2}[state], plain.stderr
+        assert plain.returncode == 2 and "'maybe' is not one of 'on', 'off'" in plain.stderr
+        off = cdcd("control", "cdc", "realtime", "off", "--node-dir", str(node_dir))
+        assert off.stdout == "realtime: off\n"
+        links = cdcd("control", "cdc", "off", "--node-dir", str(node_dir))
+        assert links.returncode == 0 and links.stdout.startswith("cdc: off (from WAL position "), links.stderr
+    help_text = cdcd("control", "cdc", "realtime", "-h")
+    assert help_text.returncode == 0 and "Switch realtime CDC" in help_text.stdout
