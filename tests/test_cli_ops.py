@@ -282,3 +282,38 @@ def test_control_cdc_realtime_is_control_realtime(tmp_path: Path) -> None:
         assert links.returncode == 0 and links.stdout.startswith("cdc: off (from WAL position "), links.stderr
     help_text = cdcd("control", "cdc", "realtime", "-h")
     assert help_text.returncode == 0 and "Switch realtime CDC" in help_text.stdout
+
+
+def test_storage_config_is_read_by_the_daemon_config_loader(tmp_path: Path) -> None:
+    """`cdcd lake … --storage-config cdcd.toml` reads `[consumer.storage]` as `cdcd run` does: an unknown key there is
+    one line naming it (exit 2), a `CDCD_CONSUMER__STORAGE__*` variable overrides the file, and the store the
+    settings name is the one tried (an endpoint nothing listens on: exit 2 naming it)."""
+    import socket
+
+    from tests.support.config import write_daemon_config
+
+    def closed_port() -> int:
+        """A port nothing listens on (bound, never listened on, closed)."""
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            return int(probe.getsockname()[1])
+
+    port_file, port_env = closed_port(), closed_port()
+    storage = {"endpoint": f"http://127.0.0.1:{port_file}", "path_style": True, "access_key_id": "k"}
+    consumer = {"kind": "lake", "lake_path": "s3://bucket/lake", "storage": {**storage, "secret_access_key": "s"}}
+    config = write_daemon_config(tmp_path / "cdcd.toml", tmp_path / "node", consumer)
+    lake = ["lake", "show", "--lake", "s3://bucket/lake", "--storage-config", str(config)]
+    res = cdcd(*lake)
+    assert res.returncode == 2 and res.stderr.splitlines() == [
+        f"cdcd: error: --lake s3://bucket/lake ({config} [consumer.storage]): lake storage: s3://bucket at "
+        f"http://127.0.0.1:{port_file}: endpoint unreachable (connection refused)"
+    ]
+    res = cdcd(*lake, env={**child_env(), "CDCD_CONSUMER__STORAGE__ENDPOINT": f"http://127.0.0.1:{port_env}"})
+    assert res.returncode == 2 and f"at http://127.0.0.1:{port_env}: endpoint unreachable" in res.stderr, res.stderr
+    bad = write_daemon_config(
+        tmp_path / "bad.toml", tmp_path / "node", {**consumer, "storage": {"endpont": "http://127.0.0.1:1"}}
+    )
+    res = cdcd("lake", "show", "--lake", "s3://bucket/lake", "--storage-config", str(bad))
+    assert res.returncode == 2 and res.stderr.splitlines() == [
+        f"cdcd: error: {bad}: consumer.storage: unknown key 'endpont'"
+    ]
