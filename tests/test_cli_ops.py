@@ -317,3 +317,44 @@ def test_storage_config_is_read_by_the_daemon_config_loader(tmp_path: Path) -> N
     assert res.returncode == 2 and res.stderr.splitlines() == [
         f"cdcd: error: {bad}: consumer.storage: unknown key 'endpont'"
     ]
+
+
+def test_one_mapping_from_fault_to_exit_code_and_line(tmp_path: Path) -> None:
+    """`cdcd.cli.exits.exit_for` is the one place a command's exception becomes its exit code: a fault carries its
+    code and hint wherever it is raised; an OS error is 1 naming the file; anything else is 1, "unexpected"."""
+    from cdcd.cli.exits import exit_for, line_for
+    from cdcd.config import ConfigError
+    from cdcd.daemon.committer import ConsumerFailed
+    from cdcd.daemon.daemon import PipelineStalled
+    from cdcd.daemon_state import ForeignState
+    from cdcd.faults import ExitCode
+    from cdcd.lock import LockHeld
+    from cdcd.wal.errors import CorruptRecord, ForeignSegment, MissingSegment, NotARecordStart, TruncatedSegment
+
+    seg = tmp_path / "0000000000000003.wal"
+    cases = {
+        CorruptRecord(seg, 40, "CRC mismatch"): ExitCode.BAD_WAL,
+        TruncatedSegment(seg, 80, "ends before its SegmentEnd"): ExitCode.BAD_WAL,
+        ForeignSegment(seg, 0, "node a, not b"): ExitCode.BAD_WAL,
+        MissingSegment(tmp_path, 3): ExitCode.MISSING_SEGMENT,
+        NotARecordStart(seg, 41, "not a record boundary"): ExitCode.BAD_INPUT,
+        ConfigError("cdcd.toml: unknown key 'x'"): ExitCode.BAD_INPUT,
+        LockHeld(tmp_path / "cdcd.lock", 42): ExitCode.FAILED,
+        ConsumerFailed("consumer on_events() raised RuntimeError: x"): ExitCode.CONSUMER_FAILED,
+        PipelineStalled("consumer call running for 301 s"): ExitCode.STALLED,
+        ForeignState("state of node a, node dir of b"): ExitCode.BAD_STATE,
+    }
+    for exc, code in cases.items():
+        assert exit_for(exc)[:2] == (code, str(exc)), exc
+    assert line_for(MissingSegment(tmp_path, 3)) == (
+        3,
+        f"{tmp_path}: missing segment 3 (links were lost; run `cdcd control relink-lost-segments`, "
+        "or `cdcd control delete-lost-segment-links` and resend)",
+    )
+    assert line_for(LockHeld(tmp_path / "l", 7), "the daemon is running", hint="stop it first") == (
+        1,
+        f"the daemon is running: {tmp_path / 'l'} is locked by pid 7 (stop it first)",
+    )
+    missing = FileNotFoundError(2, "No such file or directory", str(seg))
+    assert exit_for(missing) == (1, f"{seg}: No such file or directory", "")
+    assert exit_for(KeyError("x")) == (1, "unexpected KeyError: 'x'", "")

@@ -283,3 +283,18 @@ def test_shipped_configs_load_and_their_commented_keys_exist(name: str) -> None:
             f"config/{name}:{number}: `{k}` is no key of {cls.__name__}" for k in _keys(line) if k not in fields(cls)
         ]
     assert not stale, "\n".join(stale)
+
+
+def test_the_exit_code_table_lists_every_code() -> None:
+    """docs/operations.md's exit-code table has one row per `cdcd.faults.ExitCode`, in order, and says which codes
+    the units do not restart as the units do (`RestartPreventExitStatus` of the daemon's unit)."""
+    from cdcd.faults import ExitCode
+
+    text = (ROOT / "docs" / "operations.md").read_text()
+    table = text[text.index("### Exit codes") :]
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if re.match(r"^\| \d+ \|", line)]
+    assert [int(r[0]) for r in rows] == [int(c) for c in ExitCode]
+    not_restarted = {int(r[0]) for r in rows if r[-1].strip() == "no"}
+    unit = (ROOT / "systemd" / "cdcd@.service").read_text()
+    prevent = next(line for line in unit.splitlines() if line.startswith("RestartPreventExitStatus="))
+    assert not_restarted == {int(c) for c in prevent.split("=")[1].split()}
