@@ -13,11 +13,15 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from cdcd.faults import ExitCode, Fault
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(Fault, ValueError):
     """Bad configuration: the message names the file (or source) and the key."""
+
+    exit_code = ExitCode.BAD_INPUT
 
 
 _PATH_RE = re.compile(r" - at `\$\.?([^`]*)`$")

@@ -18,6 +18,7 @@ from typing import Any
 import lmdb
 import msgspec
 
+from cdcd.faults import ExitCode, Fault
 from cdcd.wal.pointer import WalPosition
 from cdcd.wal.records import CacheInfo
 
@@ -71,8 +72,10 @@ _META_END = 152
 _DAMAGE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError, lmdb.PageNotFoundError)
 
 
-class StateRefused(Exception):
+class StateRefused(Fault, Exception):
     """The daemon's state cannot be used as it is: ``cdcd state reset`` is the way on (exit 7)."""
+
+    exit_code = ExitCode.BAD_STATE
 
 
 class StateDamaged(StateRefused, lmdb.Error):

@@ -22,7 +22,7 @@ from cdcd.lake.verify import verify
 from cdcd.node.load import LoadGenerator
 from cdcd.node.node import Node
 from cdcd.node.snapshot import NodeSnapshot
-from cdcd.sinks.spark import SparkLakeConsumer, SparkOptions
+from cdcd.sinks.lake import LakeConsumer, LakeOptions
 
 log = structlog.get_logger("cdcd.demo")
 
@@ -39,7 +39,7 @@ def run_demo(*, var: Path, seconds: float, rate: int, spark_master: str, fresh: 
         wal_force_archive_timeout_ms=1000,
         archive_max_bytes=256 << 20,
     )
-    consumer = SparkLakeConsumer(SparkOptions(lake_path=str(lake), spark_master=spark_master))
+    consumer = LakeConsumer(LakeOptions(lake_path=str(lake), spark_master=spark_master))
     daemon = Daemon(
         DaemonConfig(node_dir=str(node_dir), metrics_address="", batch_max_delay_ms=1000, check_interval_ms=250),
         consumer,

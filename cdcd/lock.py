@@ -8,9 +8,13 @@ import os
 import time
 from pathlib import Path
 
+from cdcd.faults import ExitCode, Fault
 
-class LockHeld(Exception):
+
+class LockHeld(Fault, Exception):
     """Another process holds the lock; ``pid`` is what its lock file says (None if unreadable)."""
+
+    exit_code = ExitCode.FAILED
 
     def __init__(self, path: Path, pid: int | None) -> None:
         self.path = path
@@ -63,14 +67,6 @@ class DirLock:
 def _read_pid(fd: int) -> int | None:
     try:
         text = os.pread(fd, 32, 0).decode().strip()
-        return int(text) if text else None
-    except (OSError, ValueError):
-        return None
-
-
-def read_holder_pid(path: str | os.PathLike[str]) -> int | None:
-    try:
-        text = Path(path).read_text().strip()
         return int(text) if text else None
     except (OSError, ValueError):
         return None

@@ -53,7 +53,8 @@ def test_wal_dump_node_dir_and_from(tmp_path: Path) -> None:
 
 
 def test_wal_dump_corrupt_segment_names_file_and_offset(tmp_path: Path) -> None:
-    """A corrupt record stops `wal dump` with exit 2 and one line naming file and offset, after the good records."""
+    """A corrupt record stops `wal dump` with exit 5 (as it stops `cdcd run`) and one line naming file and offset,
+    after the good records."""
     make_node(tmp_path)
     seg = tmp_path / "cdc" / segment_name(1)
     good = run("wal", "dump", str(seg))
@@ -63,7 +64,7 @@ def test_wal_dump_corrupt_segment_names_file_and_offset(tmp_path: Path) -> None:
     data[bad_off + 15] ^= 0xFF
     seg.write_bytes(bytes(data))
     res = run("wal", "dump", str(seg))
-    assert res.returncode == 2
+    assert res.returncode == 5
     assert len(res.stdout.splitlines()) == 3
     err = res.stderr.strip().splitlines()
     assert len(err) == 1

@@ -157,7 +157,7 @@ def test_lake_path_of_an_unknown_scheme_is_refused_and_creates_nothing(tmp_path:
     node_dir = tmp_path / "node"
     with Node.open(node_dir) as node:
         node.cache("orders").put(1, "one")
-    config = write_daemon_config(tmp_path / "cdcd.toml", node_dir, {"kind": "spark", "lake_path": "ftp://bucket/lake"})
+    config = write_daemon_config(tmp_path / "cdcd.toml", node_dir, {"kind": "lake", "lake_path": "ftp://bucket/lake"})
     work = tmp_path / "cwd"
     work.mkdir()
     res = subprocess.run(
@@ -256,3 +256,105 @@ def test_run_log_format_missing_node_dir_and_busy_metrics_port(tmp_path: Path) -
     last = res.stderr.splitlines()[-1]
     assert last.startswith(f"cdcd: error: {config}: key 'metrics_address': cannot listen on {address}: "), last
     assert "Address already in use" in last and "Traceback" not in res.stderr
+
+
+def test_control_cdc_realtime_is_control_realtime(tmp_path: Path) -> None:
+    """IEP-104's spelling `cdcd control cdc realtime on|off` is `cdcd control realtime on|off`: the same answers, errors
+    and exit codes, with --node-dir before or after; `cdc on|off` stays the CDC-links switch."""
+    node_dir = tmp_path / "node"
+    with Node.open(node_dir):
+        for state in ("off", "on", "maybe"):
+            plain = cdcd("control", "realtime", state, "--node-dir", str(node_dir))
+            for spelled in (
+                cdcd("control", "cdc", "realtime", state, "--node-dir", str(node_dir)),
+                cdcd("control", "--node-dir", str(node_dir), "cdc", "realtime", state),
+            ):
+                assert (spelled.returncode, spelled.stdout, spelled.stderr) == (
+                    plain.returncode,
+                    plain.stdout,
+                    plain.stderr,
+                )
+            assert plain.returncode == {"off": 0, "on": 1, "maybe": 2}[state], plain.stderr
+        assert plain.returncode == 2 and "'maybe' is not one of 'on', 'off'" in plain.stderr
+        off = cdcd("control", "cdc", "realtime", "off", "--node-dir", str(node_dir))
+        assert off.stdout == "realtime: off\n"
+        links = cdcd("control", "cdc", "off", "--node-dir", str(node_dir))
+        assert links.returncode == 0 and links.stdout.startswith("cdc: off (from WAL position "), links.stderr
+    help_text = cdcd("control", "cdc", "realtime", "-h")
+    assert help_text.returncode == 0 and "Switch realtime CDC" in help_text.stdout
+
+
+def test_storage_config_is_read_by_the_daemon_config_loader(tmp_path: Path) -> None:
+    """`cdcd lake … --storage-config cdcd.toml` reads `[consumer.storage]` as `cdcd run` does: an unknown key there is
+    one line naming it (exit 2), a `CDCD_CONSUMER__STORAGE__*` variable overrides the file, and the store the
+    settings name is the one tried (an endpoint nothing listens on: exit 2 naming it)."""
+    import socket
+
+    from tests.support.config import write_daemon_config
+
+    def closed_port() -> int:
+        """A port nothing listens on (bound, never listened on, closed)."""
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            return int(probe.getsockname()[1])
+
+    port_file, port_env = closed_port(), closed_port()
+    storage = {"endpoint": f"http://127.0.0.1:{port_file}", "path_style": True, "access_key_id": "k"}
+    consumer = {"kind": "lake", "lake_path": "s3://bucket/lake", "storage": {**storage, "secret_access_key": "s"}}
+    config = write_daemon_config(tmp_path / "cdcd.toml", tmp_path / "node", consumer)
+    lake = ["lake", "show", "--lake", "s3://bucket/lake", "--storage-config", str(config)]
+    res = cdcd(*lake)
+    assert res.returncode == 2 and res.stderr.splitlines() == [
+        f"cdcd: error: --lake s3://bucket/lake ({config} [consumer.storage]): lake storage: s3://bucket at "
+        f"http://127.0.0.1:{port_file}: endpoint unreachable (connection refused)"
+    ]
+    res = cdcd(*lake, env={**child_env(), "CDCD_CONSUMER__STORAGE__ENDPOINT": f"http://127.0.0.1:{port_env}"})
+    assert res.returncode == 2 and f"at http://127.0.0.1:{port_env}: endpoint unreachable" in res.stderr, res.stderr
+    bad = write_daemon_config(
+        tmp_path / "bad.toml", tmp_path / "node", {**consumer, "storage": {"endpont": "http://127.0.0.1:1"}}
+    )
+    res = cdcd("lake", "show", "--lake", "s3://bucket/lake", "--storage-config", str(bad))
+    assert res.returncode == 2 and res.stderr.splitlines() == [
+        f"cdcd: error: {bad}: consumer.storage: unknown key 'endpont'"
+    ]
+
+
+def test_one_mapping_from_fault_to_exit_code_and_line(tmp_path: Path) -> None:
+    """`cdcd.cli.exits.exit_for` is the one place a command's exception becomes its exit code: a fault carries its
+    code and hint wherever it is raised; an OS error is 1 naming the file; anything else is 1, "unexpected"."""
+    from cdcd.cli.exits import exit_for, line_for
+    from cdcd.config import ConfigError
+    from cdcd.daemon.committer import ConsumerFailed
+    from cdcd.daemon.daemon import PipelineStalled
+    from cdcd.daemon_state import ForeignState
+    from cdcd.faults import ExitCode
+    from cdcd.lock import LockHeld
+    from cdcd.wal.errors import CorruptRecord, ForeignSegment, MissingSegment, NotARecordStart, TruncatedSegment
+
+    seg = tmp_path / "0000000000000003.wal"
+    cases = {
+        CorruptRecord(seg, 40, "CRC mismatch"): ExitCode.BAD_WAL,
+        TruncatedSegment(seg, 80, "ends before its SegmentEnd"): ExitCode.BAD_WAL,
+        ForeignSegment(seg, 0, "node a, not b"): ExitCode.BAD_WAL,
+        MissingSegment(tmp_path, 3): ExitCode.MISSING_SEGMENT,
+        NotARecordStart(seg, 41, "not a record boundary"): ExitCode.BAD_INPUT,
+        ConfigError("cdcd.toml: unknown key 'x'"): ExitCode.BAD_INPUT,
+        LockHeld(tmp_path / "cdcd.lock", 42): ExitCode.FAILED,
+        ConsumerFailed("consumer on_events() raised RuntimeError: x"): ExitCode.CONSUMER_FAILED,
+        PipelineStalled("consumer call running for 301 s"): ExitCode.STALLED,
+        ForeignState("state of node a, node dir of b"): ExitCode.BAD_STATE,
+    }
+    for exc, code in cases.items():
+        assert exit_for(exc)[:2] == (code, str(exc)), exc
+    assert line_for(MissingSegment(tmp_path, 3)) == (
+        3,
+        f"{tmp_path}: missing segment 3 (links were lost; run `cdcd control relink-lost-segments`, "
+        "or `cdcd control delete-lost-segment-links` and resend)",
+    )
+    assert line_for(LockHeld(tmp_path / "l", 7), "the daemon is running", hint="stop it first") == (
+        1,
+        f"the daemon is running: {tmp_path / 'l'} is locked by pid 7 (stop it first)",
+    )
+    missing = FileNotFoundError(2, "No such file or directory", str(seg))
+    assert exit_for(missing) == (1, f"{seg}: No such file or directory", "")
+    assert exit_for(KeyError("x")) == (1, "unexpected KeyError: 'x'", "")

@@ -187,6 +187,7 @@ def test_env_overrides_config(tmp_path: Path) -> None:
             "CDCD_CONSUMER__FSYNC": "false",
             "CDCD_LOG_FORMAT": "console",
             "CDCD_CONFIG": "/ignored.toml",
+            "CDCD_SPARK_JARS_DIR": "/opt/jars",
             "PATH_UNRELATED": "x",
         },
     )

@@ -354,7 +354,7 @@ def test_second_daemon_exits_1_naming_the_first_ones_pid(tmp_path: Path) -> None
             {},
             {"kind": "pulsar"},
             "consumer: key 'kind': unknown consumer kind 'pulsar' "
-            "(one of: jsonl, kafka, lake, null, python, replication, spark)",
+            "(one of: jsonl, kafka, lake, null, python, replication)",
         ),
         (
             {},

@@ -51,7 +51,7 @@ def damage(data: Path, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["garbage", "garbage-pages", "half", "short"])
-def test_damaged_state_is_one_line_exit_6_then_reset_resumes_at_the_oldest_link(tmp_path: Path, how: str) -> None:
+def test_damaged_state_is_one_line_exit_7_then_reset_resumes_at_the_oldest_link(tmp_path: Path, how: str) -> None:
     """`cdcd run` and `cdcd state show` on a damaged (or truncated: SIGBUS before) data.mdb exit 7 with one line naming
     the file; `state reset --yes` moves it aside, takes the cache registry from the node and the mode from its
     metastorage (realtime off: ACTIVE), and the daemon then delivers exactly the links' entries."""
@@ -146,7 +146,7 @@ def test_reset_refused_while_the_daemon_runs(tmp_path: Path) -> None:
         res = cdcd("state", "reset", "--config", str(config), "--yes")
         assert res.returncode == 1
         assert only_error_line(res.stderr) == (
-            f"cdcd: error: the daemon is running ({node_dir / 'cdcd.lock'} is locked by pid {proc.pid}); stop it first"
+            f"cdcd: error: the daemon is running: {node_dir / 'cdcd.lock'} is locked by pid {proc.pid} (stop it first)"
         )
         assert state_position(config) == (2, 0, 0)
     finally:
@@ -155,11 +155,11 @@ def test_reset_refused_while_the_daemon_runs(tmp_path: Path) -> None:
 
 
 def test_unit_does_not_restart_a_damaged_state() -> None:
-    from cdcd import cli
+    from cdcd.faults import ExitCode
 
     unit = (Path(__file__).resolve().parent.parent / "systemd" / "cdcd@.service").read_text()
     codes = next(x for x in unit.splitlines() if x.startswith("RestartPreventExitStatus=")).split("=")[1].split()
-    assert str(cli.EXIT_BAD_STATE) in codes
+    assert str(int(ExitCode.BAD_STATE)) in codes
 
 
 def test_daemon_without_state_asks_the_running_node_and_delivers(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 The reference is the WAL (``tests.test_daemon_e2e.wal_events``). ``check_lake`` compares a lake with it: the
 table (read with delta-rs) holds exactly one row per WAL data entry, equal to it; every commit lands whole
 DataRecords (no record's rows in two commits); each source's application transaction names the last
-record landed; no Spark output is left in ``_staging``.
+record landed.
 
 Here: the sink in-process (replays, partly new batches, every cache name the node accepts), two processes
 committing to one table at the same moment, a reader polling while ``cdcd run`` writes, a node dir restored
@@ -13,7 +13,6 @@ from a backup, and the hand-over between the node's realtime worker and the daem
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import shutil
@@ -29,7 +28,6 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
 
-from cdcd.consumer import EventBatch
 from cdcd.lake.delta import MAX_OFFSET, MAX_SEGMENT, LakeWriteError, app_id, decode_version, encode_version
 from cdcd.node import Node
 from cdcd.sinks.lake import LakeConsumer, LakeOptions
@@ -368,32 +366,6 @@ def test_handover_between_node_and_daemon_lands_every_entry_once(tmp_path: Path)
     assert len(daemon_exp) > 1000 and len(node_exp) > 1000, (len(node_exp), len(daemon_exp))
 
 
-# --- an old-format lake ---------------------------------------------------------------------------------
-def test_daemon_refuses_a_lake_in_the_old_format(tmp_path: Path) -> None:
-    """`cdcd run` pointed at a lake in the pre-Delta format exits 4 with one line saying how to convert it, and
-    consumes nothing."""
-    node_dir, lake = tmp_path / "node", tmp_path / "lake"
-    make_node(node_dir, segments=1, tx_per_segment=5)
-    (lake / "_cdcd_log").mkdir(parents=True)
-    config = write_config(tmp_path / "cdcd.toml", node_dir, lake_consumer(lake))
-    res = subprocess.run(
-        [sys.executable, "-m", "cdcd", "run", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=child_env(),
-    )
-    assert res.returncode == 4, res.stderr[-3000:]
-    assert error_lines(res.stderr) == [
-        "cdcd: error: consumer start() raised OldFormatLake: "
-        f"lake_path {lake} is in the pre-Delta format (_cdcd_log/): convert it once with "
-        f"`cdcd lake migrate --lake {lake}`"
-    ]
-    assert position(config) is None
-    assert not (lake / "changes").exists()
-    assert sorted(archived_segments(node_dir)) == [0]
-
-
 # --- stopping a Spark-writer daemon -----------------------------------------------------------------------
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_spark_writer_daemon_stops_cleanly_on_a_signal_to_its_process_group(tmp_path: Path, signum: int) -> None:
@@ -437,94 +409,10 @@ def test_spark_writer_daemon_stops_cleanly_on_a_signal_to_its_process_group(tmp_
     check_lake(lake, node_dir, expected)
 
 
-# --- migrating a lake of the pre-Delta format -------------------------------------------------------------
-def old_format_lake(lake: Path, batch: EventBatch, cuts: list[int]) -> None:
-    """Land ``batch`` in the pre-Delta layout (``_cdcd_log`` entries, ``changes/cache=<escaped>/`` Parquet of
-    the old columns) as one log entry per run of records between ``cuts``, the way the old sink did."""
-    from cdcd.lake.arrow import build_table
-    from cdcd.lake.log import CacheStats, LakeLog, LogEntry, new_batch_id
-    from cdcd.wal.pointer import WalPosition
-    from tests.support.old_lake import write_partitioned
-
-    log = LakeLog(lake)
-    slices = list(batch.peek_slices())
-    for a, b in itertools.pairwise(cuts):
-        part = slices[a:b]
-        table, stats = build_table(part, batch, batch.source_node, False)
-        table = table.drop_columns(["node_order", "topology_version", "source_generation"])  # not in the old files
-        batch_id = new_batch_id()
-        written = write_partitioned(table, log.staging / batch_id, ["cache"], "part-0")
-        first, last = part[0], part[-1]
-        entry = LogEntry(
-            seq=0,
-            batch=batch_id,
-            source=batch.source_node,
-            first=WalPosition(first.pointer.segment, first.pointer.offset, 0),
-            last=WalPosition(last.pointer.segment, last.pointer.offset, last.end - 1),
-            files=written,
-            caches={name: CacheStats(n, ts) for name, (n, ts) in stats.items()},
-            committed_ns=0,
-        )
-        log.publish(log.commit(entry))
-
-
-def test_migrate_converts_an_old_lake_once_and_the_daemon_goes_on_exactly_once(tmp_path: Path) -> None:
-    """`cdcd lake migrate` converts a lake of the pre-Delta format (cache names that needed escaping included):
-    its rows into the Delta table with the old values, each source's position seeded as its application transaction;
-    a daemon then lands the rest of the WAL, its replay of the last old batch dropped: every entry exactly once.
-    A second migrate says there is nothing to do (exit 2, one line)."""
-    from cdcd.node.identity import read_node_id
-
-    node_dir, lake = tmp_path / "node", tmp_path / "lake"
-    with Node.open(node_dir, wal_force_archive_timeout_ms=0) as node:
-        node.cache("50% off").put(1, {"odd": "name"})
-        node.force_archive()
-    make_node(node_dir, segments=4, tx_per_segment=20)
-    source = str(read_node_id(node_dir))
-    batch = wal_batch(node_dir, source)
-    n = len(batch.peek_slices())
-    old_format_lake(lake, batch, [0, 10, n // 2])
-    old_rows = pq.read_table(lake / "changes").num_rows
-    res = subprocess.run(
-        [sys.executable, "-m", "cdcd", "lake", "migrate", "--lake", str(lake)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=child_env(),
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.startswith(f"migrated {old_rows:,} rows of 2 batches into {lake / 'changes'} (sources: {source}")
-    assert not (lake / "_cdcd_log").exists() and (lake / "_pre_delta_cdcd_log").is_dir()
-    migrated = lake_rows(lake)
-    assert migrated.num_rows == old_rows
-    assert set(migrated.column("cache").to_pylist()) >= {"50% off"}
-    assert migrated.column("node_order").null_count == old_rows, "not in the old files: null"
-    dt = DeltaTable(str(lake / "changes"))
-    last_old = batch.peek_slices()[n // 2 - 1].pointer
-    assert dt.transaction_version(app_id(source, 0)) == encode_version(last_old)
-
-    # The daemon (state from before: none) delivers the whole WAL; the lake keeps what it has and adds the rest.
-    config = write_config(tmp_path / "cdcd.toml", node_dir, lake_consumer(lake))
-    err = tmp_path / "run.err"
-    run_to_end(config, node_dir, err)
-    assert "lake_replay_dropped" in err.read_text()
-    commits = check_lake(lake, node_dir, migrated_upto=last_old)
-    assert commits[1]["cdcd"]["migrated_from"] == "_cdcd_log"
-
-    again = subprocess.run(
-        [sys.executable, "-m", "cdcd", "lake", "migrate", "--lake", str(lake)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=child_env(),
-    )
-    assert again.returncode == 2
-    assert error_lines(again.stderr) == [f"cdcd: error: {lake} is already a Delta lake: nothing to migrate"]
-
-
 def test_the_node_realtime_worker_defaults_to_the_jvm_free_writer() -> None:
     """A `[realtime_consumer]` lake table without `writer` writes with delta-rs (no JVM in the node's process); the
-    daemon's `[consumer]` defaults to Spark; `"spark"` and `"arrow"` are the kind's and the writer's former names."""
+    daemon's `[consumer]` defaults to Spark; the kind's and the writer's pre-release names are unknown."""
+    from cdcd.config import ConfigError
     from cdcd.sinks import load_consumer
 
     def writer(table: dict[str, Any], source: str) -> str:
@@ -534,7 +422,10 @@ def test_the_node_realtime_worker_defaults_to_the_jvm_free_writer() -> None:
 
     assert writer({"kind": "lake", "lake_path": "/x"}, "realtime_consumer") == "deltalake"
     assert writer({"kind": "lake", "lake_path": "/x"}, "cdcd.toml: consumer") == "spark"
-    assert writer({"kind": "spark", "lake_path": "/x", "writer": "arrow"}, "cdcd.toml: consumer") == "arrow"
+    with pytest.raises(ConfigError, match="unknown consumer kind 'spark'"):
+        load_consumer({"kind": "spark", "lake_path": "/x"}, "cdcd.toml: consumer")
+    with pytest.raises(ConfigError, match="key 'writer': Invalid enum value 'arrow'"):
+        load_consumer({"kind": "lake", "lake_path": "/x", "writer": "arrow"}, "cdcd.toml: consumer")
     assert writer({"kind": "lake", "lake_path": "/x", "writer": "spark"}, "realtime_consumer") == "spark"
 
 

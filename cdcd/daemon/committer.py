@@ -23,6 +23,7 @@ from cdcd.daemon.follower import delete_links_below
 from cdcd.daemon.processor import Item, MarkerCommit, Switch
 from cdcd.daemon_state import DaemonState, Mode, StateStore
 from cdcd.delivery import Batch, CacheChange
+from cdcd.faults import ExitCode, Fault
 from cdcd.wal.pointer import WalPosition
 from cdcd.wal.records import CacheInfo
 
@@ -33,8 +34,10 @@ _cache_id = operator.attrgetter("cache_id")
 _op = operator.attrgetter("op")
 
 
-class ConsumerFailed(Exception):
+class ConsumerFailed(Fault, Exception):
     """The consumer raised or reported itself dead: the daemon exits (code 4)."""
+
+    exit_code = ExitCode.CONSUMER_FAILED
 
 
 class Committer:

@@ -35,6 +35,7 @@ from cdcd.daemon.follower import SegmentFollower, delete_links_below
 from cdcd.daemon.processor import Batch, Item, Processor, Switch
 from cdcd.daemon.sdnotify import Notifier
 from cdcd.daemon_state import DaemonState, ForeignState, Mode, StateStore
+from cdcd.faults import ExitCode, Fault
 from cdcd.lock import DirLock
 from cdcd.node.identity import read_node_id
 from cdcd.wal.errors import WalError
@@ -73,8 +74,10 @@ def fix_mmap_threshold(threshold_bytes: int = 128 * 1024) -> None:
         return  # not glibc: nothing to tune
 
 
-class PipelineStalled(Exception):
+class PipelineStalled(Fault, Exception):
     """A consumer call or segment read ran past ``consumer_stall_timeout_ms``: the daemon exits (code 6)."""
+
+    exit_code = ExitCode.STALLED
 
 
 def daemon_lock(config: DaemonConfig) -> DirLock:

@@ -13,7 +13,7 @@ from cdcd.wal.errors import MissingSegment
 from cdcd.wal.pointer import WalPointer, WalPosition
 from cdcd.wal.reader import SegmentReader
 from cdcd.wal.records import Record, SegmentEnd
-from cdcd.wal.segment import list_segments, segment_path
+from cdcd.wal.segment import list_segments
 
 log = structlog.get_logger("cdcd.daemon")
 
@@ -124,7 +124,3 @@ def delete_links_below(cdc_dir: Path, segment: int) -> list[int]:
             continue
         deleted.append(idx)
     return deleted
-
-
-def link_path(cdc_dir: Path, segment: int) -> Path:
-    return segment_path(cdc_dir, segment)

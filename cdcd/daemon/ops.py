@@ -18,6 +18,7 @@ from cdcd.daemon.source import ask_node, node_caches
 from cdcd.daemon_state import DaemonState, Mode, StateDamaged, StateStore
 from cdcd.delivery import record_entries
 from cdcd.durable import fsync_dir
+from cdcd.faults import ExitCode, Fault
 from cdcd.node.identity import read_node_id
 from cdcd.secrets import mask_mapping
 from cdcd.wal.errors import WalError
@@ -188,8 +189,10 @@ class ResetPlan:
     mode_from: str
 
 
-class ResetRefused(ValueError):
+class ResetRefused(Fault, ValueError):
     """``--to`` names no position the CDC dir can deliver from."""
+
+    exit_code = ExitCode.BAD_INPUT
 
 
 def plan_reset(config: DaemonConfig, to: WalPosition | None) -> ResetPlan:

@@ -27,6 +27,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 
 from cdcd import failpoints, metrics
 from cdcd.config import ConfigError, split_host_port
+from cdcd.faults import ExitCode, Fault
 from cdcd.kafka.errors import describe
 from cdcd.kafka.options import KafkaToNodeOptions, cache_filter, parse_partitions
 from cdcd.replication import credentials
@@ -41,8 +42,10 @@ TOPIC_REFRESH_S = 5.0
 """How often kafka-to-node looks for new per-cache topics (``topic_prefix``)."""
 
 
-class KafkaToNodeError(Exception):
+class KafkaToNodeError(Fault, Exception):
     """Fatal: the one line ``cdcd kafka-to-node`` prints before exiting non-zero."""
+
+    exit_code = ExitCode.FAILED
 
 
 class _Metadata(msgspec.Struct):

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import structlog
 
 from cdcd import failpoints
+from cdcd.faults import ExitCode, Fault
 from cdcd.lake.deltalog import DeltaLogError, data_changing_versions, read_commit, rows_added
 from cdcd.lake.storage import LakeDir, ObjectPath, file_source, is_delta, open_delta, spark_path
 from cdcd.lake.table import CHANGE_SCHEMA, CHANGES, PARTITION_BY, STATE, STATE_PROPERTIES, STATE_SCHEMA
@@ -42,8 +43,10 @@ _TXN_APP = "spark.databricks.delta.write.txnAppId"
 _TXN_VERSION = "spark.databricks.delta.write.txnVersion"
 
 
-class NotADeltaLake(ValueError):
+class NotADeltaLake(Fault, ValueError):
     """``<lake>/changes`` is not a Delta table."""
+
+    exit_code = ExitCode.BAD_INPUT
 
 
 @dataclass(frozen=True)
@@ -75,10 +78,6 @@ def spark_type(t: pa.DataType) -> str:
     if pa.types.is_timestamp(t):
         return "TIMESTAMP"
     raise TypeError(f"no Spark type for {t}")
-
-
-def spark_ddl(schema: pa.Schema) -> str:
-    return ", ".join(f"`{f.name}` {spark_type(f.type)}" for f in schema)
 
 
 def table_version(path: LakeDir) -> int | None:

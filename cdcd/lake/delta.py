@@ -48,7 +48,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake.exceptions import CommitFailedError, DeltaError
 from deltalake.transaction import AddAction, PostCommitHookProperties, RemoveAction
 
-from cdcd.durable import fsync_dir, sync_filesystem
+from cdcd.durable import fsync_dir, fsync_file, sync_filesystem
 from cdcd.lake.storage import LakeDir, ObjectPath, as_location_arg
 from cdcd.lake.table import (
     CHANGES,
@@ -67,8 +67,6 @@ increasing with the WAL position, and a non-negative Java long for every segment
 every offset below 4 GiB (a segment longer than that is refused, never mis-ordered)."""
 MAX_OFFSET = (1 << OFFSET_BITS) - 1
 MAX_SEGMENT = (1 << (63 - OFFSET_BITS)) - 1
-
-OLD_LOG_DIR = "_cdcd_log"
 
 _FSYNC_EACH_MAX_FILES = 16
 """Above this many files in one batch, one syncfs of the file system is cheaper than an fsync each."""
@@ -90,10 +88,6 @@ _STAT_COLUMNS = (
 
 class LakeWriteError(RuntimeError):
     """The lake could not take a batch (one line: the path and the root cause)."""
-
-
-class OldFormatLake(RuntimeError):
-    """A lake in the pre-Delta format (``_cdcd_log``)."""
 
 
 def encode_version(ptr: WalPointer) -> int:
@@ -132,14 +126,6 @@ def partition_dir_value(value: str) -> str:
     return f"{prefix}-{digest}" if prefix else f"h-{digest}"
 
 
-def refuse_old_format(lake: LakeDir) -> None:
-    if isinstance(lake, Path) and (lake / OLD_LOG_DIR).is_dir() and not (lake / CHANGES / "_delta_log").is_dir():
-        raise OldFormatLake(
-            f"lake_path {lake} is in the pre-Delta format ({OLD_LOG_DIR}/): convert it once with "
-            f"`cdcd lake migrate --lake {lake}`"
-        )
-
-
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno:
         return os.strerror(exc.errno)
@@ -163,14 +149,6 @@ def _commit_reason(root: LakeDir, exc: BaseException) -> str:
         if free < _NEARLY_FULL_BYTES:
             return f"{reason} ({os.strerror(errno.ENOSPC)}: {free} bytes free)"
     return reason
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _stat_value(v: Any) -> Any:
@@ -216,23 +194,6 @@ def _slice_stats(data: pa.Table, slices: list[tuple[int, int]]) -> list[str]:
         nulls = {name: 0 for name, _, _ in columns}
         out.append(json.dumps({"numRecords": hi - lo, "minValues": mins, "maxValues": maxs, "nullCount": nulls}))
     return out
-
-
-def footer_stats(path: Path) -> str:
-    """``file_stats`` from a Parquet file's footer (files another engine wrote)."""
-    meta = pq.read_metadata(path)
-    schema = meta.schema.to_arrow_schema()
-    mins: dict[str, Any] = {}
-    maxs: dict[str, Any] = {}
-    nulls: dict[str, int] = {}
-    for j, field in enumerate(schema):
-        stats = [meta.row_group(i).column(j).statistics for i in range(meta.num_row_groups)]
-        if field.name not in _STAT_COLUMNS or any(s is None or not s.has_min_max or s.null_count for s in stats):
-            continue
-        mins[field.name] = min(s.min for s in stats)
-        maxs[field.name] = max(s.max for s in stats)
-        nulls[field.name] = 0
-    return json.dumps({"numRecords": meta.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls})
 
 
 SMALL_FILE_ROWS = 1024
@@ -306,10 +267,8 @@ class ChangeTable:
         self.conflicts = 0
 
     # --- opening ----------------------------------------------------------------------------------
-    def open(self, *, allow_old_log: bool = False) -> None:
-        """Open the table, creating it if there is none; ``allow_old_log`` for ``lake migrate`` only."""
-        if not allow_old_log:
-            refuse_old_format(self.lake)
+    def open(self) -> None:
+        """Open the table, creating it if there is none."""
         uri, options = as_location_arg(self.path)
         if not DeltaTable.is_deltatable(uri, storage_options=options):
             self.path.mkdir(parents=True, exist_ok=True)

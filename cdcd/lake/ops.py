@@ -15,6 +15,7 @@ from typing import Any
 import pyarrow as pa
 import structlog
 
+from cdcd.faults import ExitCode, Fault
 from cdcd.lake.compact import COMPACT_APP_ID, NotADeltaLake, compacted_version, state_lag
 from cdcd.lake.deltalog import LOG_DIR, AppTransaction, app_transactions, read_commit
 from cdcd.lake.storage import LakeDir, is_delta, open_delta, spark_path
@@ -28,8 +29,10 @@ DEFAULT_RETAIN_HOURS = 168.0
 """Delta's own default (7 days): files a reader of an older snapshot may still need are kept that long."""
 
 
-class VacuumRefused(ValueError):
+class VacuumRefused(Fault, ValueError):
     """Vacuuming now would delete files the next compaction still has to read."""
+
+    exit_code = ExitCode.BAD_INPUT
 
 
 def iso_ms(ts_ms: int | None) -> str | None:

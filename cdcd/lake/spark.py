@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from cdcd.faults import ExitCode, Fault
+
 DRIVER_MEMORY = "2g"
 """Default heap of the driver JVM (Spark's own default, 1g, runs out with 500k-row batches)."""
 
@@ -53,8 +55,10 @@ _users = 0
 _session: Any = None
 
 
-class DeltaJarsMissing(RuntimeError):
+class DeltaJarsMissing(Fault, RuntimeError):
     """The Delta jars were never fetched (``make install`` was not run in this environment)."""
+
+    exit_code = ExitCode.BAD_INPUT
 
 
 def jars_dir() -> Path:
@@ -142,7 +146,7 @@ def acquire(master: str, app_name: str, conf: Mapping[str, str]) -> Any:
                 .config("spark.sql.execution.arrow.pyspark.enabled", "true")
                 .config("spark.sql.sources.partitionOverwriteMode", "dynamic")
                 .config("spark.sql.parquet.compression.codec", "zstd")
-                # What pyarrow writes (writer = "arrow"): one timestamp encoding across the lake.
+                # What pyarrow writes (writer = "deltalake"): one timestamp encoding across the lake.
                 .config("spark.sql.parquet.outputTimestampType", "TIMESTAMP_MICROS")
             )
             # A JVM out of heap can leave a job waiting forever (seen: the local scheduler's

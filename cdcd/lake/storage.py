@@ -16,6 +16,7 @@ Secrets never appear in ``str()``, logs, ``status`` or errors.
 from __future__ import annotations
 
 import configparser
+import errno
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +25,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from cdcd.faults import ExitCode, Fault
 from cdcd.secrets import MASK
 
 OBJECT_STORE_SCHEMES = {"s3": "s3", "s3a": "s3", "abfss": "abfss", "abfs": "abfss", "az": "abfss", "gs": "gs"}
@@ -32,8 +34,10 @@ OBJECT_STORE_SCHEMES = {"s3": "s3", "s3a": "s3", "abfss": "abfss", "abfs": "abfs
 _SPARK_SCHEME = {"s3": "s3a", "abfss": "abfss", "gs": "gs"}
 
 
-class LakeStorageError(ValueError):
+class LakeStorageError(Fault, ValueError):
     """The lake's location or storage settings are wrong, or the store cannot be reached (one line)."""
+
+    exit_code = ExitCode.BAD_INPUT
 
 
 class StorageOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -457,3 +461,17 @@ def is_delta(path: LakeDir) -> bool:
 
     uri, options = as_location_arg(path)
     return bool(DeltaTable.is_deltatable(uri, storage_options=options))
+
+
+def check_writable(lake: Path) -> None:
+    """Fail at start, with the path, if a local lake cannot be written."""
+    try:
+        lake.mkdir(parents=True, exist_ok=True)
+        probe = lake / f".cdcd-write-probe-{os.getpid()}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            reason = f"not writable ({reason})"
+        raise OSError(exc.errno, f"lake_path {lake}: {reason}") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from cdcd.node.writes import REMOVE
 from cdcd.wal.records import CacheInfo
 
 if TYPE_CHECKING:
@@ -44,12 +45,12 @@ class Cache:
 
     def remove(self, key: Any) -> bool:
         """Remove ``key``; False if it was not there, or expired (nothing is written then)."""
-        return self._node.writes.commit([(self.info, key, _REMOVE, None)]) > 0
+        return self._node.writes.commit([(self.info, key, REMOVE, None)]) > 0
 
     def remove_all(self, keys: Iterable[Any]) -> int:
         """Remove the keys that exist; returns how many were removed."""
         info = self.info
-        return self._node.writes.commit([(info, k, _REMOVE, None) for k in keys])
+        return self._node.writes.commit([(info, k, REMOVE, None) for k in keys])
 
     def get(self, key: Any, default: Any = None) -> Any:
         return self._node.writes.get(self.info, key, default)
@@ -63,13 +64,3 @@ class Cache:
 
     def __len__(self) -> int:
         return sum(1 for _ in self._node._items(self.info, decode=False))
-
-
-class _Remove:
-    def __repr__(self) -> str:
-        return "REMOVE"
-
-
-_REMOVE: Any = _Remove()
-REMOVE = _REMOVE
-"""Marker value of a remove in a list of writes."""

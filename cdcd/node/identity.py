@@ -12,12 +12,15 @@ import uuid
 from pathlib import Path
 
 from cdcd.durable import fsync_dir
+from cdcd.faults import ExitCode, Fault
 
 NODE_ID_FILE = "node_id"
 
 
-class BadNodeIdFile(ValueError):
+class BadNodeIdFile(Fault, ValueError):
     """``<node_dir>/node_id`` exists but does not hold a node id."""
+
+    exit_code = ExitCode.BAD_STATE
 
 
 def node_id_path(node_dir: str | Path) -> Path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from cdcd.node.cache import REMOVE
+from cdcd.node.writes import REMOVE
 from cdcd.wal.records import CacheInfo
 
 if TYPE_CHECKING:

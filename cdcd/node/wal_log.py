@@ -11,6 +11,7 @@ from pathlib import Path
 import structlog
 
 from cdcd import metrics
+from cdcd.faults import ExitCode, Fault
 from cdcd.node.archiver import Archiver
 from cdcd.wal.errors import WalDiskFull
 from cdcd.wal.pointer import WalPointer
@@ -23,8 +24,11 @@ log = structlog.get_logger("cdcd.node.wal")
 FlushListener = Callable[[list[Chunk]], None]
 
 
-class WalFailed(RuntimeError):
-    """The flusher could not write the WAL; the node accepts no more writes."""
+class WalFailed(Fault, RuntimeError):
+    """The flusher could not write the WAL; the node accepts no more writes (exit 1: a restart
+    recovers from the WAL)."""
+
+    exit_code = ExitCode.FAILED
 
 
 class WalLog:

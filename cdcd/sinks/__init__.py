@@ -54,7 +54,6 @@ KINDS: dict[str, ConsumerFactory] = {
     "null": _null,
     "python": _python,
     "replication": _replication,
-    "spark": _lake,  # the lake sink's former name
 }
 
 

@@ -16,14 +16,12 @@ from typing import Any
 
 import msgspec
 
-from cdcd.config import ConfigError, convert
+from cdcd.config import convert
 from cdcd.consumer import OP_NAMES, Consumer, EventBatch, RecordSlice
 from cdcd.wal.dump import jsonable
 
 _WRITE_LINES = 4096
 """Lines encoded and appended at a time: bounds memory whatever the batch size."""
-
-_REMOVED_OPTIONS = {"workers": "the jsonl sink encodes in the calling process; delete the key"}
 
 
 class JsonlOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -51,9 +49,6 @@ class JsonlConsumer(Consumer):
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], source: str) -> JsonlConsumer:
-        for key, why in _REMOVED_OPTIONS.items():
-            if key in options:
-                raise ConfigError(f"{source}: key '{key}': removed ({why})")
         opts = convert(options, JsonlOptions, source)
         return cls(opts.path, opts.fsync)
 

@@ -1,4 +1,4 @@
-"""``kind = "lake"`` (alias ``"spark"``): batches into the Delta table ``<lake>/changes``, exactly once.
+"""``kind = "lake"``: batches into the Delta table ``<lake>/changes``, exactly once.
 
 The Parquet files are written by Spark tasks on ``spark_master`` (``writer = "spark"``, the default:
 each task writes its part of the batch straight into the table, cdcd/lake/spark_write.py) or by
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,10 +29,9 @@ from cdcd.durable import write_atomic
 from cdcd.lake import spark as spark_session
 from cdcd.lake.arrow import build_table, split_slices
 from cdcd.lake.delta import ChangeTable, LakeWriteError, SourceMark, WrittenFiles
-from cdcd.lake.log import STAGING_DIR, _owner_alive, check_writable
 from cdcd.lake.maintainer import Maintainer, MaintainerOptions
 from cdcd.lake.spark_write import BatchInfo, write_on_executors
-from cdcd.lake.storage import LakeDir, LakeLocation, LakeStorageError, ObjectPath, StorageOptions
+from cdcd.lake.storage import LakeDir, LakeLocation, LakeStorageError, ObjectPath, StorageOptions, check_writable
 from cdcd.secrets import mask_mapping
 from cdcd.wal.pointer import WalPointer, WalPosition
 
@@ -73,9 +71,9 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_files_per_batch: int = 2
     """A batch is written in up to this many parts (of at least 100k rows), each one file per
     partition: the parts are written side by side (two cores, or Spark tasks on free executors)."""
-    writer: Literal["spark", "deltalake", "arrow"] = "spark"
+    writer: Literal["spark", "deltalake"] = "spark"
     """Who writes the Parquet files: Spark on ``spark_master`` (default), or pyarrow in this
-    process (``"deltalake"``; ``"arrow"`` is its old name): no JVM, for small machines and the
+    process (``"deltalake"``): no JVM, for small machines and the
     node's realtime worker (its default there). Both land the same table, exactly once, and may
     take turns on it."""
 
@@ -166,7 +164,6 @@ class LakeConsumer(Consumer):
         table = ChangeTable(self.lake, self.options.partition_by_day)
         table.open()
         self._table = table
-        self._clean_staging()
         opts = self.options
         log.info(
             "lake_sink_starting",
@@ -185,19 +182,6 @@ class LakeConsumer(Consumer):
                 self._spark = spark_session.acquire(opts.spark_master, opts.app_name, conf)
             self._maintainer = Maintainer(self.lake, self._spark, opts.maintainer_options())  # type: ignore[arg-type]
             self._maintainer.start()
-
-    def _clean_staging(self) -> None:
-        """``_staging/``: Spark output that earlier versions of this sink wrote there and died before
-        moving into the table (never named by a commit). Nothing writes there any more."""
-        if not isinstance(self.lake, Path):
-            return
-        staging = self.lake / STAGING_DIR
-        if not staging.is_dir():
-            return
-        for d in staging.iterdir():
-            if not _owner_alive(d.name):
-                log.info("lake_staging_discarded", batch=d.name)
-                shutil.rmtree(d, ignore_errors=True)
 
     def alive(self) -> bool:
         return self._maintainer is None or self._maintainer.alive()

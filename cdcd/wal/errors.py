@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 
+from cdcd.faults import ExitCode, Fault
 
-class WalError(Exception):
-    """Base of every WAL read/format error."""
+
+class WalError(Fault, Exception):
+    """Base of every WAL read/format error: a corrupt, truncated or foreign segment (exit 5)."""
+
+    exit_code = ExitCode.BAD_WAL
 
     def __init__(self, path: str | os.PathLike[str] | None, offset: int | None, message: str) -> None:
         self.path = os.fspath(path) if path is not None else None
@@ -37,6 +41,12 @@ class CorruptRecord(WalError):
     """A frame whose CRC, type or payload does not check out."""
 
 
+class NotARecordStart(CorruptRecord):
+    """A position given by the operator (``--from``, ``--to``) that is not where a record starts."""
+
+    exit_code = ExitCode.BAD_INPUT
+
+
 class TruncatedSegment(WalError):
     """An archived segment that ends before its SegmentEnd record."""
 
@@ -53,6 +63,12 @@ class WalDiskFull(WalError):
 
 class MissingSegment(WalError):
     """A gap in the segment sequence."""
+
+    exit_code = ExitCode.MISSING_SEGMENT
+    hint = (
+        "links were lost; run `cdcd control relink-lost-segments`, "
+        "or `cdcd control delete-lost-segment-links` and resend"
+    )
 
     def __init__(self, directory: str | os.PathLike[str], segment: int) -> None:
         self.segment = segment

@@ -13,7 +13,7 @@ from typing import BinaryIO
 
 import msgspec
 
-from cdcd.wal.errors import CorruptRecord, ForeignSegment, MissingSegment, TruncatedSegment
+from cdcd.wal.errors import CorruptRecord, ForeignSegment, MissingSegment, NotARecordStart, TruncatedSegment
 from cdcd.wal.frame import DECODERS, FRAME_HEADER, FRAME_HEADER_SIZE
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import Record, SegmentEnd
@@ -160,7 +160,7 @@ class SegmentReader:
 
 def check_record_start(path: str | os.PathLike[str], offset: int) -> int:
     """Check that ``offset`` is where a record of the segment file starts (or 0: its first record);
-    returns that record's offset. Walks the frame headers only; ``CorruptRecord`` names the nearest
+    returns that record's offset. Walks the frame headers only; ``NotARecordStart`` names the nearest
     record starts around a wrong offset."""
     path = Path(path)
     with _open_regular(path) as f:
@@ -179,10 +179,10 @@ def check_record_start(path: str | os.PathLike[str], offset: int) -> int:
                 break  # zero-filled tail of an active segment
             nxt = pos + FRAME_HEADER_SIZE + length
             if nxt > offset:
-                raise CorruptRecord(path, offset, f"not a record boundary: records start at {pos} and {nxt}")
+                raise NotARecordStart(path, offset, f"not a record boundary: records start at {pos} and {nxt}")
             pos = nxt
         if pos != offset:
-            raise CorruptRecord(path, offset, f"past the last record, which starts before {pos} ({size} bytes)")
+            raise NotARecordStart(path, offset, f"past the last record, which starts before {pos} ({size} bytes)")
         return pos
 
 

@@ -19,7 +19,7 @@ Every lake benchmark runs with the default ``writer = "spark"`` (``createDataFra
   transactions of 10 entries, then ``force_archive()`` and ``close()``; 2M entries (200k with
   ``--quick``). Before every repetition the CDC links are restored from the archive and the
   daemon's state dir and the lake are deleted. An in-process ``Daemon`` with a
-  ``SparkLakeConsumer`` (``start()`` untimed) then lands the whole backlog; timed is
+  ``LakeConsumer`` (``start()`` untimed) then lands the whole backlog; timed is
   ``sync_once()`` (``lake.ingest``) or ``run()`` as an asyncio task until the committed position
   passes the last segment (``lake.ingest.run``). Batches: ``INGEST_BATCH_EVENTS`` events,
   ``INGEST_BATCH_BYTES`` bytes (the best of a 100k-500k sweep, see the constants), and for
@@ -121,12 +121,12 @@ def _spark_write_totals() -> tuple[float, float]:
 
 
 def _consumer(lake: Path, writer: str) -> Any:
-    from cdcd.sinks.spark import SparkLakeConsumer, SparkOptions
+    from cdcd.sinks.lake import LakeConsumer, LakeOptions
 
-    class TimedSparkConsumer(SparkLakeConsumer):
+    class TimedSparkConsumer(LakeConsumer):
         """The sink, plus the wall time spent in ``on_events`` and the number of batches."""
 
-        def __init__(self, options: SparkOptions) -> None:
+        def __init__(self, options: LakeOptions) -> None:
             super().__init__(options)
             self.on_events_s = 0.0
             self.batches = 0
@@ -140,7 +140,7 @@ def _consumer(lake: Path, writer: str) -> Any:
                 self.batches += 1
 
     return TimedSparkConsumer(
-        SparkOptions(lake_path=str(lake), spark_master=SPARK_MASTER, app_name=APP_NAME, writer=writer)  # type: ignore[arg-type]
+        LakeOptions(lake_path=str(lake), spark_master=SPARK_MASTER, app_name=APP_NAME, writer=writer)  # type: ignore[arg-type]
     )
 
 
@@ -417,7 +417,7 @@ def run_lag(*, seconds: float, drop_s: float, rate: int, lake_writer: str = "spa
                 node_dir=str(node_dir),
                 metrics_address="",
                 batch_max_delay_ms=LAG_BATCH_DELAY_MS,
-                consumer={"kind": "spark"},
+                consumer={"kind": "lake"},
             )
             daemon = Daemon(config, consumer, show_progress=False)
             try:

@@ -3,7 +3,7 @@ writing live. ``cdcd run`` with the lake sink (``kind = "lake"``, deltalake writ
 ``cdcd: error:`` line naming the cause, its state not past what the lake holds (and not behind it); readers must
 never see a file the commit log does not name. After growing the file system (remount with a bigger size) a
 restarted daemon lands every WAL entry exactly once: the change log, read with pyarrow, holds one row per WAL data
-entry equal to it, no duplicates, staging empty.
+entry equal to it, no duplicates.
 """
 
 from __future__ import annotations

@@ -1,0 +1,3 @@
+from cdcd.cli import main
+
+main()

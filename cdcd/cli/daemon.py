@@ -1,0 +1,199 @@
+"""``cdcd run`` and ``cdcd state``: the CDC daemon and its state."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+import click
+import msgspec
+import structlog
+
+from cdcd.cli.exits import fail, fail_on, line_for
+from cdcd.cli.process import log_to_stderr, on_stop_signals, serve_metrics
+from cdcd.faults import ExitCode
+
+if TYPE_CHECKING:
+    from cdcd.daemon.config import DaemonConfig
+
+_LOG_EVENTS = {
+    ExitCode.MISSING_SEGMENT: "missing_segment",
+    ExitCode.CONSUMER_FAILED: "consumer_failed",
+    ExitCode.BAD_WAL: "bad_segment",
+    ExitCode.STALLED: "pipeline_stalled",
+    ExitCode.BAD_STATE: "bad_state",
+}
+"""The event of the daemon's last log line, by exit code (others: ``daemon_failed``)."""
+
+
+_IGNORED_ENV: list[str] = []
+"""``CDCD_*`` names that are no config key, warned about once logging is set up."""
+
+
+def load_config(path: Path) -> DaemonConfig:
+    from cdcd.daemon.config import load_daemon_config
+
+    try:
+        return load_daemon_config(path, ignored=_IGNORED_ENV)
+    except Exception as exc:
+        fail_on(exc)
+
+
+def confirm(yes: bool) -> None:
+    """Ask before changing the daemon's links or state; without a terminal only --yes proceeds."""
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        fail("refusing without --yes (not a terminal)", ExitCode.BAD_INPUT)
+    click.confirm("Proceed?", abort=True)
+
+
+@click.command("run")
+@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="Daemon TOML config.")
+@click.option(
+    "--log-format",
+    type=click.Choice(["json", "console"]),
+    default=None,
+    help="Overrides the config's log_format. Default: console on a terminal, else JSON lines.",
+)
+def daemon_run(config_path: Path, log_format: str | None) -> None:
+    """Run the CDC daemon: follow the node's CDC dir and deliver to the consumer until SIGTERM/SIGINT.
+
+    Exit codes: 0 stopped cleanly, 1 another daemon holds the node (or an OS error), 2 bad config,
+    3 missing segment, 4 consumer failed, 5 corrupt, truncated or foreign segment, 6 pipeline
+    stalled (a consumer call ran past consumer_stall_timeout_ms), 7 damaged daemon state or a state
+    of another node (see `cdcd state reset`).
+    """
+    import asyncio
+
+    from cdcd.daemon.daemon import Daemon, PipelineStalled, fix_mmap_threshold
+    from cdcd.lock import LockHeld
+    from cdcd.sinks import load_consumer
+
+    config = load_config(config_path)
+    log_to_stderr(log_format or config.log_format)
+    log = structlog.get_logger("cdcd.daemon")
+    for name in _IGNORED_ENV:
+        log.warning("environment_variable_ignored", name=name, reason="not a cdcd config key")
+    fix_mmap_threshold()
+    try:
+        consumer = load_consumer(config.consumer, f"{config_path}: consumer")
+    except Exception as exc:
+        fail_on(exc)
+    daemon = Daemon(config, consumer, show_progress=sys.stdout.isatty())
+
+    def fatal(exc: BaseException, context: str = "", event: str | None = None) -> NoReturn:
+        code, line = line_for(exc, context)
+        log.error(event or _LOG_EVENTS.get(ExitCode(code), "daemon_failed"), error=line)
+        daemon.close()  # its log lines first: the error stays the last line on stderr
+        fail(line, code)
+
+    def on_stop(signum: signal.Signals) -> None:
+        log.info("daemon_stopping", signal=signum.name)
+        daemon.stop()  # thread- and signal-safe; also before run() starts (run() then returns at once)
+
+    # Installed before anything else, so a SIGTERM during start-up is a clean stop, not a kill.
+    on_stop_signals(on_stop)
+
+    async def main_async() -> None:
+        try:
+            await daemon.run()
+        except PipelineStalled as exc:
+            # The stuck call holds a worker thread that asyncio.run would wait for: leave now.
+            code, line = line_for(exc)
+            log.error(_LOG_EVENTS[ExitCode.STALLED], error=line)
+            click.echo(f"cdcd: error: {line}", err=True)
+            sys.stderr.flush()
+            os._exit(code)
+
+    try:
+        daemon.start()
+        serve_metrics(config.metrics_address, config_path)
+        asyncio.run(main_async())
+    except LockHeld as exc:
+        fatal(exc, "another cdcd daemon runs for this node", "daemon_locked")
+    except Exception as exc:  # one line, non-zero; the code says whether systemd restarts us
+        fatal(exc)
+    finally:
+        daemon.close()
+
+
+@click.group()
+def state() -> None:
+    """Inspect the daemon's state."""
+
+
+@state.command("show")
+@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="Daemon TOML config.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def state_show(config_path: Path, as_json: bool) -> None:
+    """Print the daemon's committed position, mode, caches and the CDC dir's links."""
+    from cdcd.daemon.ops import show_state
+
+    try:
+        info = show_state(load_config(config_path))
+    except Exception as exc:
+        fail_on(exc)
+    if as_json:
+        click.echo(msgspec.json.encode(info).decode())
+        return
+    keys = ("mode", "position", "updated", "commits", "node_id", "state_dir", "cdc_dir", "links", "first_link")
+    for key in (*keys, "last_link"):
+        click.echo(f"{key:<12} {info[key] if info[key] is not None else '-'}")
+    caches = ", ".join(f"{name} ({cid})" for cid, name in info["caches"].items()) or "-"
+    click.echo(f"{'caches':<12} {caches}")
+    if info["ignored_files"]:
+        click.echo(f"{'ignored':<12} {', '.join(info['ignored_files'])}")
+    click.echo(f"{'consumer':<12} {msgspec.json.encode(info['consumer']).decode()}")
+
+
+@state.command("reset")
+@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="Daemon TOML config.")
+@click.option(
+    "--to",
+    "to",
+    metavar="SEG:OFF[#IDX]",
+    default=None,
+    help="Deliver from this position (a record start in a linked segment); default: the oldest link.",
+)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def state_reset(config_path: Path, to: str | None, yes: bool) -> None:
+    """Replace the daemon's state (damaged, of another node, or at a wrong position) with one at the
+    oldest link or at --to. The daemon must be stopped. A damaged state file is moved aside, not deleted;
+    the mode is what the node says (its realtime worker delivers: PASSIVE), the cache registry is kept
+    or read from the node."""
+    from cdcd.daemon.ops import plan_reset, reset_state
+    from cdcd.lock import LockHeld
+    from cdcd.wal.pointer import WalPosition
+
+    log_to_stderr()
+    config = load_config(config_path)
+    try:
+        position = WalPosition.parse(to) if to else None
+    except ValueError as exc:
+        fail(str(exc), ExitCode.BAD_INPUT)
+    if not Path(config.node_dir).is_dir():
+        fail(f"{config_path}: key 'node_dir': {config.node_dir} does not exist", ExitCode.BAD_INPUT)
+    try:
+        plan = plan_reset(config, position)
+    except Exception as exc:
+        fail_on(exc)
+    old = plan.old
+    was = "damaged" if plan.damaged else (f"{old.mode.value} at {old.position or '-'}" if old else "none")
+    new = plan.new
+    click.echo(f"state     {config.state_path} (now: {was})")
+    click.echo(f"reset to  {new.mode.value} at {new.position or 'the oldest link'} (mode from {plan.mode_from})")
+    click.echo(f"caches    {len(plan.caches)} from {plan.caches_from}")
+    if old is not None and old.position is not None and new.position is not None and new.position > old.position:
+        click.echo(f"warning   entries from {old.position} to {new.position} will not be delivered")
+    confirm(yes)
+    try:
+        new_state, moved = reset_state(config, plan)
+    except LockHeld as exc:
+        fail_on(exc, "the daemon is running", hint="stop it first")
+    if moved is not None:
+        click.echo(f"moved the damaged state to {moved}")
+    click.echo(f"state reset: {new_state.mode.value} at {new_state.position or 'the oldest link'}; start the daemon")
