@@ -28,7 +28,22 @@ from cdcd.replication.resolver import ConflictResolver, Held, Rule, Verdict, key
 from cdcd.sinks import load_consumer
 from cdcd.sinks.replication import ReplicationConsumer
 from cdcd.wal.records import CacheVersion, DataEntry, Op
+from tests.support.replication_rig import (
+    NODE_SETTINGS,
+    DaemonProc,
+    NodeProc,
+    Procs,
+    node_data,
+    node_diff,
+    origin,
+    procs,
+    split_entries,
+    stop_all,
+    wait_caught_up,
+)
 from tests.support.wal import wal_records
+
+__all__ = ["procs"]  # a fixture, used by name
 
 TOKEN = "replication-token-0123456789abcdef"
 _key = msgspec.msgpack.Encoder(order="deterministic").encode
@@ -302,3 +317,59 @@ def test_rejections_log_a_key_hash_not_the_key(tmp_path: Path) -> None:
             else:
                 assert line["key_hash"] == key_hash(key_raw) and "key" not in line
                 assert "4111" not in repr(line) and "value-" not in repr(line)
+
+
+# --- the larger run of the issue, with processes ----------------------------------------------------
+def test_restored_source_process_converges_key_by_key(tmp_path: Path, procs: Procs) -> None:
+    """`cdcd node run` A and B, `cdcd run` replicating A to B: A's 200 keys written ten times, A's
+    node dir (with its daemon state) restored from a backup of the first round, the 200 keys
+    written again. B takes every one of them (before: 100 of 200 such keys stayed stale), node diff
+    says same, and B's replicated entries carry exactly A's versions of both histories."""
+    n = 200
+    a = NodeProc(procs, tmp_path, "a", 1, listen=False)
+    b = NodeProc(procs, tmp_path, "b", 2)
+    daemon = DaemonProc(procs, tmp_path, a, b)
+    backup = tmp_path / "backup"
+
+    def write_rounds(rounds: list[str]) -> None:
+        with Node.open(a.dir, cluster_id=1, **NODE_SETTINGS) as node:
+            for r in rounds:
+                node.cache("c").put_all({k: f"{r}:{k}" for k in range(n)})
+            node.force_archive()
+
+    def replicate() -> None:
+        a.start()
+        daemon.start()
+        wait_caught_up((a, daemon))
+        stop_all(daemon, a)
+
+    b.start()
+    write_rounds(["v1.0"])
+    replicate()
+    shutil.copytree(a.dir, backup)
+    write_rounds([f"v1.{i}" for i in range(1, 10)])
+    replicate()
+    lost = split_entries(a)[0]
+    assert node_diff(a, b)[0] == 0 and node_data(a)["c"] == {k: f"v1.9:{k}" for k in range(n)}
+    shutil.rmtree(a.dir)
+    shutil.copytree(backup, a.dir)
+    write_rounds(["v2.0"])
+    replicate()
+    received = b.received()
+    rc, live = node_diff(a, b)
+    assert rc == 0, live
+    b.stop()
+
+    restored = split_entries(a)[0][n:]
+    assert len(restored) == n and all(e.version > o.version for e in restored for o in lost)
+    assert node_data(b)["c"] == node_data(a)["c"] == {k: f"v2.0:{k}" for k in range(n)}
+    assert [origin(e) for e in split_entries(b)[1]] == [e.version for e in lost + restored]
+    assert received == {
+        "local": 0,
+        "new": n,
+        "version": 10 * n,
+        "field": 0,
+        "unresolved": 0,
+        "duplicate": 0,
+        "rejected": 0,
+    }
