@@ -24,6 +24,8 @@ class ExitCode(IntEnum):
     """A consumer call or segment read ran past ``consumer_stall_timeout_ms``."""
     BAD_STATE = 7
     """The daemon's state is damaged or belongs to another node: ``cdcd state reset``."""
+    DAMAGED_LAKE = 8
+    """A Delta log or a file it names is damaged or missing: ``cdcd lake check`` lists every fault."""
 
 
 class Fault:

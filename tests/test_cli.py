@@ -43,10 +43,17 @@ def test_wal_dump_node_dir_and_from(tmp_path: Path) -> None:
         "key": 0,
         "value": {"n": 0, "pad": "x" * 20},
         "partition": data[0]["partition"],
-        "version": {"order": 1, "node_order": 1, "cluster_id": 1, "topology_version": 1, "other_cluster_version": None},
+        "version": {
+            "order": 1,
+            "node_order": 1,
+            "cluster_id": 1,
+            "topology_version": data[0]["version"]["topology_version"],  # the node's open (milliseconds)
+            "other_cluster_version": None,
+        },
         "primary": True,
         "expire_time_ms": 0,
     }
+    assert data[0]["version"]["topology_version"] > 0
     mid = lines[len(lines) // 2]
     res2 = run("wal", "dump", str(tmp_path / "wal"), "--from", mid["pos"])
     assert [json.loads(x) for x in res2.stdout.splitlines()] == lines[len(lines) // 2 :]

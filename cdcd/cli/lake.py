@@ -248,6 +248,25 @@ def lake_verify(lake_path: Path, node_dirs: tuple[Path, ...]) -> None:
     os._exit(0 if all(c.ok for c in checks) else 1)
 
 
+@lake.command("check")
+@_lake_option()
+@click.option("--no-read", is_flag=True, help="Do not open the data files (only that they exist).")
+def lake_check(lake_path: Any, no_read: bool) -> None:
+    """Check the lake's Delta logs and files: every commit file parses, no version is missing,
+    checkpoints match the log, every file the log names exists and reads. One line per fault naming
+    the file and what to do; exit 8 on any fault."""
+    from cdcd.lake.check import check_lake, report_lines
+
+    log_to_stderr(level="warning")
+    checks = check_lake(lake_path, read_files=not no_read)
+    if not checks:
+        fail(f"{lake_path}: no Delta table here (not a lake)", ExitCode.BAD_INPUT)
+    for line in report_lines(checks):
+        click.echo(line)
+    if any(t.faults for t in checks):
+        sys.exit(ExitCode.DAMAGED_LAKE)
+
+
 @lake.command("show")
 @_lake_option()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")

@@ -49,6 +49,7 @@ from deltalake.exceptions import CommitFailedError, DeltaError
 from deltalake.transaction import AddAction, PostCommitHookProperties, RemoveAction
 
 from cdcd.durable import fsync_dir, fsync_file, sync_filesystem
+from cdcd.lake.check import damaged_table
 from cdcd.lake.storage import LakeDir, ObjectPath, as_location_arg
 from cdcd.lake.table import (
     CHANGES,
@@ -288,8 +289,12 @@ class ChangeTable:
                     uri, storage_options=options
                 ):  # not another writer creating it at the same moment
                     raise LakeWriteError(f"lake {self.path}: cannot create the changes table: {_reason(exc)}") from None
-        dt = DeltaTable(uri, storage_options=options)
-        parts = dt.metadata().partition_columns
+        try:
+            dt = DeltaTable(uri, storage_options=options)
+            parts = dt.metadata().partition_columns
+        except (DeltaError, OSError) as exc:  # delta-rs names no file: the check finds it
+            reason = f"lake {self.path}: cannot open the changes table: {_reason(exc)}"
+            raise damaged_table(self.path) or LakeWriteError(reason) from None
         if list(parts) != self.partition_by:
             raise LakeWriteError(
                 f"lake {self.path}: the changes table is partitioned by {list(parts)}, this sink by "
@@ -459,9 +464,8 @@ class ChangeTable:
                 now = self.refresh()
                 mark = self.mark(source)
             except (DeltaError, OSError) as exc:
-                raise LakeWriteError(
-                    f"lake {self.path}: commit failed: {_commit_reason(self.path, error)}; then: {_reason(exc)}"
-                ) from None
+                reason = f"lake {self.path}: commit failed: {_commit_reason(self.path, error)}; then: {_reason(exc)}"
+                raise damaged_table(self.path) or LakeWriteError(reason) from None
             if mark == SourceMark(generation, last):
                 # Landed: ours, failing after its commit point (a checkpoint), or another writer's of
                 # the same records.

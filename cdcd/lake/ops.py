@@ -16,6 +16,7 @@ import pyarrow as pa
 import structlog
 
 from cdcd.faults import ExitCode, Fault
+from cdcd.lake.check import require_sound
 from cdcd.lake.compact import COMPACT_APP_ID, NotADeltaLake, compacted_version, state_lag
 from cdcd.lake.deltalog import LOG_DIR, AppTransaction, app_transactions, read_commit
 from cdcd.lake.storage import LakeDir, is_delta, open_delta, spark_path
@@ -97,7 +98,9 @@ def _table_info(path: LakeDir, name: str) -> TableInfo | None:
 
 
 def show(lake: LakeDir) -> LakeInfo:
-    """Both tables from their logs; ``NotADeltaLake`` when neither is a Delta table."""
+    """Both tables from their logs; ``NotADeltaLake`` when neither is a Delta table, DamagedLake
+    when a log (or a file it names) is damaged, before delta-rs fails on it without naming a file."""
+    require_sound(lake)
     tables = [info for name in TABLES if (info := _table_info(lake / name, name)) is not None]
     if not tables:
         raise NotADeltaLake(f"{lake}: no Delta table ({CHANGES}/ or {STATE}/ with a _delta_log/)")

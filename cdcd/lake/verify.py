@@ -1,5 +1,6 @@
 """``cdcd lake verify``: compare ``<lake>/state`` with the node, cache by cache (rows and an
-order-independent checksum), read with delta-rs (no JVM)."""
+order-independent checksum), read with delta-rs (no JVM), after ``cdcd lake check``'s checks of
+both tables (a damaged lake raises DamagedLake: one line naming the file)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cdcd.lake.arrow import to_json
+from cdcd.lake.check import require_sound
 from cdcd.lake.storage import LakeDir, is_delta, open_delta
 from cdcd.lake.table import STATE
 
@@ -59,7 +61,9 @@ def verify(lake: LakeDir, nodes: list[Any]) -> list[CacheCheck]:
     """``nodes``: NodeSnapshots (or anything with ``caches()``/``raw_items()``), one per node whose
     data lands in this lake. A cache on several nodes is checked against the union of their entries
     (an entry held by two nodes, as a backup copy, counts once). A cache with ``cdc_enabled = false``
-    is checked only if the lake has it, against nothing (it must not be there)."""
+    is checked only if the lake has it, against nothing (it must not be there). DamagedLake when a
+    table's log or a file it names is damaged (every data file's footer is read)."""
+    require_sound(lake, read_files=True)
     lake_sums = lake_checksums(lake)
     off: set[str] = set()
     for node in nodes:

@@ -76,7 +76,10 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     cluster_id: int = 1
     """1-31, unique per cluster: the conflict resolver tells local from replicated entries by it."""
     node_order: int = 1
-    topology_version: int = 1
+    topology_version: int = 0
+    """First field of every version this node writes (0: automatic, grown at every open so a
+    restarted, restored or re-created node's writes win over its older ones; see docs/replication.md).
+    A fixed value is for reproducible output only: it gives that guarantee up."""
 
     replication_listen: str = ""
     """host:port of the replication endpoint other clusters' daemons send changes to ("": off)."""
@@ -95,6 +98,8 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     """Value field compared when two clusters changed a key (higher wins); see the README."""
     replication_resolver: str = ""
     """``package.module:Class``: a ConflictResolver subclass used instead of the default rules."""
+    log_keys: bool = False
+    """The conflict resolver's log lines carry keys in clear, not their hash (warned at start)."""
     metrics_address: str = ""
     """host:port of the node's Prometheus endpoint under ``cdcd node run`` ("": off)."""
 
@@ -116,6 +121,7 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
             "replication_max_frame_bytes": self.replication_max_frame_bytes >= 4096,
             "replication_auth_timeout_ms": self.replication_auth_timeout_ms >= 1,
             "node_order": self.node_order >= 0,
+            "topology_version": self.topology_version >= 0,
             "cdc_buffer_bytes": self.cdc_buffer_bytes >= 0,
             "realtime_batch_max_events": self.realtime_batch_max_events >= 1,
             "realtime_commit_record_interval_ms": self.realtime_commit_record_interval_ms >= 0,

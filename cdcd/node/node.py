@@ -25,6 +25,7 @@ from cdcd.node.identity import write_node_id
 from cdcd.node.metastorage import Metastorage
 from cdcd.node.recovery import recover
 from cdcd.node.store import PageStore, cache_prefix
+from cdcd.node.topology import open_topology_version
 from cdcd.node.transaction import Transaction
 from cdcd.node.wal_log import WalLog
 from cdcd.node.writes import MAX_TTL_MS, WriteCore, decoder
@@ -130,6 +131,8 @@ class Node:
             caches=self._caches,
             dirty=state.dirty,
             order=state.next_order - 1,
+            # Before any write of this open: its versions sort above every version of earlier opens.
+            topology_version=open_topology_version(self._store, config.topology_version),
             stats=self.stats,
             check_open=self._check_open,
         )
@@ -195,6 +198,7 @@ class Node:
             "node_opened",
             node_dir=config.node_dir,
             node_id=str(self.node_id),
+            topology_version=self.writes.topology_version,
             wal_position=str(state.position),
             checkpoint=str(cp.pointer) if cp else None,
             records_replayed=state.records,

@@ -127,6 +127,15 @@ class PageStore:
             raw = txn.get(b"checkpoint")
         return _cp_dec.decode(raw) if raw is not None else None
 
+    def meta_get(self, key: bytes) -> bytes | None:
+        with self.env.begin(db=self._meta) as txn:
+            raw = txn.get(key)
+        return bytes(raw) if raw is not None else None
+
+    def meta_put(self, key: bytes, value: bytes) -> None:
+        with self.env.begin(db=self._meta, write=True) as txn:
+            txn.put(key, value)
+
     # --- data ------------------------------------------------------------------------------------
     def get(self, full_key: bytes) -> StoredValue | None:
         with self.env.begin(db=self._data, buffers=True) as txn:

@@ -131,10 +131,12 @@ class WriteCore:
         caches: dict[str, CacheInfo],
         dirty: dict[bytes, DataEntry],
         order: int,
+        topology_version: int,
         stats: metrics.NodeStats,
         check_open: Callable[[], None],
     ) -> None:
         self.config = config
+        self.topology_version = topology_version
         self.store = store
         self.caches = caches
         self.dirty = dirty
@@ -233,7 +235,7 @@ class WriteCore:
         wal = self.wal
         assert wal is not None
         config = self.config
-        node_order, cluster_id, topology_version = config.node_order, config.cluster_id, config.topology_version
+        node_order, cluster_id, topology_version = config.node_order, config.cluster_id, self.topology_version
         prefix = _CACHE_PREFIX.pack
         with self.lock:
             if wait_for_room:
@@ -405,7 +407,7 @@ class WriteCore:
                 msgspec.Raw(key_raw),
                 msgspec.Raw(raw),
                 partition,
-                CacheVersion(order, config.node_order, config.cluster_id, config.topology_version, None),
+                CacheVersion(order, config.node_order, config.cluster_id, self.topology_version, None),
                 True,
                 now + ttl if ttl else 0,
             )

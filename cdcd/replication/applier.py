@@ -39,7 +39,9 @@ def replication_server(node: Node) -> ReplicationServer | None:
     if not config.replication_listen:
         return None
     source = f"node {config.node_dir}"
-    resolver = load_resolver(config.replication_resolver, config.cluster_id, config.conflict_resolve_field, source)
+    resolver = load_resolver(
+        config.replication_resolver, config.cluster_id, config.conflict_resolve_field, source, log_keys=config.log_keys
+    )
     return ReplicationServer(
         split_host_port(config.replication_listen, min_port=0),  # checked by NodeConfig
         token=credentials.read_token(config.replication_token_file, "replication_token_file", source),

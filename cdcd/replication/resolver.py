@@ -12,12 +12,16 @@ A replicated entry meets the entry the receiver holds for its key; the rules, in
 5. otherwise the new entry is rejected, logged with both versions and counted.
 
 "Origin version" is the version an entry got in the cluster where it was written: the
-``other_cluster_version`` of a replicated entry, the entry's own version otherwise.
+``other_cluster_version`` of a replicated entry, the entry's own version otherwise. Versions
+compare as Ignite's ``GridCacheVersion.compareTo`` does (topology version, order, node order).
+
+Log lines name a key by ``key_hash`` (never the key or a value), unless ``log_keys`` is on.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 from typing import Any
 
 import msgspec
@@ -87,9 +91,13 @@ class ConflictResolver:
     Called under the node's write lock, once per replicated entry, in the origin's order: keep it fast.
     """
 
-    def __init__(self, cluster_id: int, conflict_resolve_field: str = "") -> None:
+    log_keys: bool = False
+    """Log lines carry the key in clear (``log_keys = true`` in the node's config), not its hash."""
+
+    def __init__(self, cluster_id: int, conflict_resolve_field: str = "", *, log_keys: bool = False) -> None:
         self.cluster_id = cluster_id
         self.conflict_resolve_field = conflict_resolve_field
+        self.log_keys = log_keys
 
     def resolve(self, cache: str, key: bytes, held: Held | None, new: ReplEntry) -> Verdict:
         new_v = new.version
@@ -100,7 +108,11 @@ class ConflictResolver:
             return _LOCAL
         if new_v.cluster_id == old_v.cluster_id:
             if new_v != old_v:
-                return _NEWER if new_v > old_v else _OLDER
+                if new_v > old_v:
+                    return _NEWER
+                if new_v.node_order == old_v.node_order and new_v.topology_version != old_v.topology_version:
+                    self._older_open(cache, key, held, new)
+                return _OLDER
             if new.expire_time_ms != held.expire_time_ms:
                 return _NEWER if new.expire_time_ms > held.expire_time_ms else _OLDER
             return _DUPLICATE
@@ -114,17 +126,43 @@ class ConflictResolver:
                 return Verdict(new_v.cluster_id > old_v.cluster_id, Rule.FIELD)
         return self.unresolved(cache, key, held, new)
 
+    def _older_open(self, cache: str, key: bytes, held: Held, new: ReplEntry) -> None:
+        """Rule 3 rejects a change of the same origin node made in an earlier open of it (a lower
+        topology version). Normal versions never go back across opens, so this is either an older
+        history sent again (a daemon restored with its node dir) or a change made later that lost:
+        the node's clock stepped back before it was re-created or restored, or a fixed
+        ``topology_version``. Said at warning level, as the counter alone hides the second case."""
+        log.warning(
+            "replication_older_open_rejected",
+            cache=cache,
+            **self._key_field(key),
+            held_version=_version_text(held.version),
+            new_version=_version_text(new.version),
+            hint="a change from an earlier open of the origin node; if it was made later, the origin "
+            "node's clock went back (see docs/replication.md, topology version)",
+        )
+
+    def _key_field(self, key: bytes) -> dict[str, str]:
+        return {"key": _repr_key(key)} if self.log_keys else {"key_hash": key_hash(key)}
+
     def unresolved(self, cache: str, key: bytes, held: Held, new: ReplEntry) -> Verdict:
         """Rule 5: keep what is held, and say so."""
         log.warning(
             "replication_conflict_unresolved",
             cache=cache,
-            key=_repr_key(key),
+            **self._key_field(key),
             held_version=_version_text(held.version),
             new_version=_version_text(new.version),
             conflict_resolve_field=self.conflict_resolve_field or None,
         )
         return Verdict(False, Rule.UNRESOLVED)
+
+
+def key_hash(key: bytes) -> str:
+    """The name of a key in log lines: BLAKE2b-64 of its canonical MessagePack bytes (what the node
+    stores), in hex. It tells lines about one key apart without showing the key; a key can be found
+    by hashing candidates (``key_hash(cdcd.node.writes.key_encoder.encode(k))``)."""
+    return hashlib.blake2b(key, digest_size=8).hexdigest()
 
 
 def _repr_key(key: bytes) -> str:
@@ -139,14 +177,24 @@ def _version_text(v: CacheVersion) -> str:
     return f"cluster {v.cluster_id} node {v.node_order} order {v.order} topology {v.topology_version}"
 
 
-def load_resolver(spec: str, cluster_id: int, conflict_resolve_field: str, source: str) -> ConflictResolver:
+def load_resolver(
+    spec: str, cluster_id: int, conflict_resolve_field: str, source: str, *, log_keys: bool = False
+) -> ConflictResolver:
     """The resolver named by ``spec`` (``package.module:Class``; "" for the default)."""
+    if log_keys:
+        log.warning(
+            "log_keys_on",
+            source=source,
+            hint="the conflict resolver logs keys in clear (log_keys = true); turn it off unless debugging",
+        )
     if not spec:
-        return ConflictResolver(cluster_id, conflict_resolve_field)
+        return ConflictResolver(cluster_id, conflict_resolve_field, log_keys=log_keys)
     cls = import_object(spec, source, "replication_resolver")
     if not isinstance(cls, type) or not issubclass(cls, ConflictResolver):
         raise ConfigError(
             f"{source}: key 'replication_resolver': {spec} is not a subclass of "
             "cdcd.replication.resolver.ConflictResolver"
         )
-    return cls(cluster_id, conflict_resolve_field)
+    resolver = cls(cluster_id, conflict_resolve_field)
+    resolver.log_keys = log_keys  # set after construction: subclasses keep the two-argument constructor
+    return resolver

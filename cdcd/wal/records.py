@@ -42,14 +42,36 @@ class CacheOp(enum.IntEnum):
     DESTROY = 1
 
 
-class CacheVersion(msgspec.Struct, frozen=True, order=True, array_like=True, gc=False):
-    """Entry version, compared field by field in this order (Ignite's GridCacheVersion)."""
+class CacheVersion(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Entry version, ordered as Ignite's ``GridCacheVersion.compareTo``: topology version, then
+    order, then node order. ``cluster_id`` and ``other_cluster_version`` take no part in the order
+    (Ignite's data-center id does not either): versions of different clusters are told apart by the
+    conflict resolver's rules, not by ``<``. The field order is the encoded one, fixed since the
+    first segments (records are arrays): the comparison is written out below instead.
+
+    A node's ``order`` restarts with its WAL; the topology version is what grows across a node's
+    re-creation, restore from a backup or restart (``cdcd.node.topology``)."""
 
     order: int
     node_order: int
     cluster_id: int
     topology_version: int
     other_cluster_version: CacheVersion | None = None
+
+    def sort_key(self) -> tuple[int, int, int]:
+        return (self.topology_version, self.order, self.node_order)
+
+    def __lt__(self, other: CacheVersion) -> bool:
+        return self.sort_key() < other.sort_key()
+
+    def __le__(self, other: CacheVersion) -> bool:
+        return self.sort_key() <= other.sort_key()
+
+    def __gt__(self, other: CacheVersion) -> bool:
+        return self.sort_key() > other.sort_key()
+
+    def __ge__(self, other: CacheVersion) -> bool:
+        return self.sort_key() >= other.sort_key()
 
 
 class DataEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
