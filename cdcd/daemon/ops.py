@@ -13,7 +13,8 @@ import msgspec
 import structlog
 
 from cdcd.daemon.config import DaemonConfig
-from cdcd.daemon.daemon import INITIAL_MODE, daemon_lock
+from cdcd.daemon.daemon import daemon_lock
+from cdcd.daemon.processor import INITIAL_MODE, start_from_node
 from cdcd.daemon.source import ask_node, node_caches
 from cdcd.daemon_state import DaemonState, Mode, StateDamaged, StateStore
 from cdcd.delivery import record_entries
@@ -221,7 +222,7 @@ def plan_reset(config: DaemonConfig, to: WalPosition | None) -> ResetPlan:
         caches, caches_from = _node_caches(config)
     node = ask_node(config.node_dir)
     if node is not None:
-        mode, mode_from = (Mode.PASSIVE if node.realtime_on else Mode.ACTIVE), node.source
+        mode, mode_from = start_from_node(node.realtime_on, None, None)[0], node.source
     elif old is not None:
         mode, mode_from = old.mode, "old state"
     else:

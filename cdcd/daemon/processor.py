@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import structlog
 
 from cdcd.daemon_state import Mode
-from cdcd.delivery import Batch, Batcher, CacheChange, record_entries
+from cdcd.delivery import Batch, Batcher, CacheChange, feed_active, record_entries
 from cdcd.wal.pointer import WalPointer, WalPosition
 from cdcd.wal.records import (
     CacheInfo,
@@ -29,7 +29,17 @@ from cdcd.wal.records import (
     TryStartRealtimeCdcRecord,
 )
 
-__all__ = ["Batch", "CacheChange", "Item", "MarkerCommit", "Processor", "Switch", "record_entries"]
+__all__ = [
+    "INITIAL_MODE",
+    "Batch",
+    "CacheChange",
+    "Item",
+    "MarkerCommit",
+    "Processor",
+    "Switch",
+    "record_entries",
+    "start_from_node",
+]
 
 log = structlog.get_logger("cdcd.daemon")
 
@@ -53,6 +63,23 @@ class Switch:
 
 
 Item = Batch | CacheChange | MarkerCommit | Switch
+
+
+INITIAL_MODE = Mode.PASSIVE
+"""A fresh daemon that cannot ask the node waits for it to say who delivers (a Stop record)."""
+
+
+def start_from_node(
+    node_realtime_on: bool, node_position: WalPosition | None, oldest_link: int | None
+) -> tuple[Mode, WalPosition | None]:
+    """A daemon without state, once the node said who delivers: PASSIVE if its realtime worker
+    delivers; otherwise ACTIVE from where that worker stopped, or from the oldest link (None) when
+    that position's segment was consumed and unlinked already."""
+    if node_realtime_on:
+        return Mode.PASSIVE, None
+    if node_position is not None and oldest_link is not None and node_position.segment < oldest_link:
+        return Mode.ACTIVE, None
+    return Mode.ACTIVE, node_position
 
 
 class Processor:
@@ -118,18 +145,12 @@ class Processor:
                 return []
         rtype = type(record)
         batcher = self.batcher
-        if rtype is DataRecord:
-            assert isinstance(record, DataRecord)
-            if self.mode is Mode.ACTIVE:
-                batch = batcher.data(ptr, record, done, size)
-                return [batch] if batch is not None else []
+        if rtype is DataRecord and self.mode is not Mode.ACTIVE:
             batcher.passed(ptr, record)
             return []
+        if rtype is DataRecord or rtype is CacheRecord:
+            return list(feed_active(batcher, ptr, record, done, size))
         out: list[Item] = []
-        if rtype is CacheRecord:
-            assert isinstance(record, CacheRecord)
-            out.extend(batcher.cache_record(ptr, record))
-            return out
         batcher.passed(ptr, record)
         if rtype is TryStartRealtimeCdcRecord:
             # The node rolled the segment right after this record and waits for its link to go.
