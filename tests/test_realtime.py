@@ -339,8 +339,8 @@ def test_a_slow_position_write_does_not_hold_up_delivery(tmp_path: Path) -> None
     )
     try:
         wait_for(lambda: node.realtime.mode is RealtimeMode.ON, 30, "realtime on")
-        meta = _StalledMetastorage(node.realtime.meta)
-        node.realtime.meta = meta
+        meta = _StalledMetastorage(node.realtime.markers.meta)
+        node.realtime.markers.meta = meta
         cache = node.cache("c")
         cache.put(1, "a")
         wait_for(meta.stalled.is_set, 30, "the position write to start")
@@ -351,7 +351,7 @@ def test_a_slow_position_write_does_not_hold_up_delivery(tmp_path: Path) -> None
         meta.release.set()
         wait_for(lambda: meta.inner.get().enabled, 30, "the position write to finish")
     finally:
-        meta_release = getattr(node.realtime.meta, "release", None)
+        meta_release = getattr(node.realtime.markers.meta, "release", None)
         if meta_release is not None:
             meta_release.set()
         node.close()

@@ -69,7 +69,14 @@ def test_node_sigkill_in_realtime_mode_restores_from_its_committed_position(rig_
         resume = rig.node_resumes[-1]
         assert resume is not None, "the killed node had realtime enabled with a committed position"
         rig.start_node(first_tx=100_000 * (k + 1), pause_ms=30)
-        st = rig.wait_mode("on", "PASSIVE")
+        rig.wait_mode("on", "PASSIVE")
+        # The node says ON as it opens; the read-back runs on its worker thread after that.
+        wait_for(
+            lambda: any(e["event"] == "realtime_restored" for e in log_events(rig.node_log)),
+            60,
+            "the restarted node's realtime_restored line",
+        )
+        st = rig.status()
         events = [e for e in rig.node_log_events() if e["event"] in ("realtime_restoring", "realtime_restored")]
         assert [e["event"] for e in events][-2:] == ["realtime_restoring", "realtime_restored"]
         assert events[-2]["position"] == f"{resume[0]}:{resume[1]}#{resume[2]}"
