@@ -21,7 +21,7 @@ from cdcd import failpoints, metrics
 from cdcd.consumer import Consumer, EventBatch, RecordSlice
 from cdcd.daemon.follower import delete_links_below
 from cdcd.daemon.processor import Item, MarkerCommit, Switch
-from cdcd.daemon_state import DaemonState, Mode, StateStore
+from cdcd.daemon_state import CdcMode, DaemonState, StateStore
 from cdcd.delivery import Batch, CacheChange, DeliveryLoop
 from cdcd.wal.pointer import WalPosition
 from cdcd.wal.records import CacheInfo
@@ -64,7 +64,7 @@ class Committer:
         self._pending_destroyed: list[int] = []
         self.events_delivered = 0
         self.last_event_ts_ns = 0
-        metrics.DAEMON_MODE.labels(state.mode.value).set(1)
+        metrics.DAEMON_MODE.labels(state.mode.name).set(1)
 
     def apply(self, item: Item) -> None:
         if isinstance(item, Batch):
@@ -144,7 +144,7 @@ class Committer:
         if not self.unconfirmed:
             # PASSIVE: only the node's markers move the position (links it may still need stay);
             # the registry change is recorded with the current position.
-            self.commit(item.end if self.state.mode is Mode.ACTIVE else self.state.position)
+            self.commit(item.end if self.state.mode is CdcMode.DAEMON_ACTIVE else self.state.position)
 
     def _switch(self, item: Switch) -> None:
         # Everything before the switch point must be durable on the consumer side first; a daemon
@@ -155,18 +155,19 @@ class Committer:
         failpoints.hit("daemon.switch.before_commit")
         self.commit(item.position if item.position is not None else self.state.position, item.mode)
         if old is not item.mode:
-            direction = f"{old.value.lower()}_to_{item.mode.value.lower()}"
+            direction = "node_to_daemon" if item.mode is CdcMode.DAEMON_ACTIVE else "daemon_to_node"
             metrics.DAEMON_MODE_SWITCHES.labels(direction).inc()
-            metrics.DAEMON_MODE.labels(old.value).set(0)
-            metrics.DAEMON_MODE.labels(item.mode.value).set(1)
+            metrics.DAEMON_MODE.labels(old.name).set(0)
+            metrics.DAEMON_MODE.labels(item.mode.name).set(1)
             log.info(
                 "mode_switch",
                 direction=direction,
+                cdc_mode=item.mode.name,
                 reason=item.reason,
                 position=str(self.state.position) if self.state.position else None,
             )
 
-    def commit(self, position: WalPosition | None, mode: Mode | None = None) -> None:
+    def commit(self, position: WalPosition | None, mode: CdcMode | None = None) -> None:
         """Persist ``position`` (and mode, registry changes) durably, then delete links below it."""
         new = msgspec.structs.replace(self.state, position=position, mode=mode or self.state.mode)
         t0 = time.perf_counter()

@@ -32,7 +32,7 @@ from cdcd.daemon.follower import ReadItem, SegmentFollower, delete_links_below
 from cdcd.daemon.processor import INITIAL_MODE, Batch, Item, Processor, Switch, start_from_node
 from cdcd.daemon.sdnotify import Notifier
 from cdcd.daemon.watch import PipelineStalled, Watch
-from cdcd.daemon_state import DaemonState, ForeignState, Mode, StateStore
+from cdcd.daemon_state import CdcMode, DaemonState, ForeignState, StateStore
 from cdcd.lock import DirLock
 from cdcd.node.identity import read_node_id
 from cdcd.wal.errors import WalError
@@ -154,6 +154,7 @@ class Daemon:
                 state_dir=str(self.config.state_path),
                 node_id=str(self.node_id) if self.node_id else None,
                 mode=state.mode.value,
+                cdc_mode=state.mode.name,
                 position=str(state.position) if state.position else None,
                 consumer=type(self.consumer).__name__,
             )
@@ -182,8 +183,9 @@ class Daemon:
             "daemon_state_from_node",
             source=node.source,
             mode=mode.value,
+            cdc_mode=mode.name,
             position=str(position) if position else None,
-            start="the oldest link" if position is None and mode is Mode.ACTIVE else None,
+            start="the oldest link" if position is None and mode is CdcMode.DAEMON_ACTIVE else None,
         )
         return msgspec.structs.replace(state, mode=mode, position=position)
 
@@ -280,7 +282,7 @@ class Daemon:
             batch_max_events=self.config.batch_max_events,
             batch_max_bytes=self.config.batch_max_bytes,
         )
-        skip = _PASSIVE_SKIP if state.mode is Mode.PASSIVE else frozenset()
+        skip = _PASSIVE_SKIP if state.mode is CdcMode.NODE_ACTIVE else frozenset()
         if self.node_id is None and self._follower is not None:
             self.node_id = self._follower.expect_node_id  # learnt from the first segment read
             if self.node_id is not None and not state.node_id:
@@ -380,7 +382,7 @@ class Daemon:
                     self._watch.read(chunk[0][0].segment, chunk[-1][0].segment)
                 if chunk is None:
                     await read_q.put(None)  # caught up: the decoder closes its batch now
-                    if processor.mode is Mode.ACTIVE:
+                    if processor.mode is CdcMode.DAEMON_ACTIVE:
                         await asyncio.to_thread(self._watch.peek_active_segment, follower)
                     wake.clear()
                     # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
@@ -486,7 +488,7 @@ def end_of_read(
 
     In PASSIVE the position is the node's, learnt from its markers, never the read position."""
     out: list[Item | WalError] = []
-    advanced = processor.mode is Mode.ACTIVE and processor.position != committer.state.position
+    advanced = processor.mode is CdcMode.DAEMON_ACTIVE and processor.position != committer.state.position
     if processor.pending_events or (advanced and not timed_out):
         out.append(processor.close_batch())
     if end is not None:

@@ -21,7 +21,7 @@ from cdcd.consumer import EventBatch
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.follower import SegmentFollower
 from cdcd.daemon.sdnotify import Notifier
-from cdcd.daemon_state import DaemonState, Mode
+from cdcd.daemon_state import CdcMode, DaemonState
 from cdcd.wal.errors import WalError
 from cdcd.wal.pointer import WalPosition
 from cdcd.wal.reader import SegmentReader
@@ -141,7 +141,7 @@ class Watch:
         confirmed, or in the node's active segment (waiting for its roll). 0 while the node's
         realtime worker delivers (NODE_ACTIVE: its lag is on the node's endpoint)."""
         state = self.state()
-        if state is None or state.mode is Mode.PASSIVE:
+        if state is None or state.mode is CdcMode.NODE_ACTIVE:
             return 0.0
         oldest = [ts for ts in (self.oldest_unconfirmed_ns,) if ts is not None]
         tail, pos = self.tail, state.position
