@@ -69,7 +69,7 @@ from cdcd.sinks.jsonl import JsonlConsumer
 def started(path):
     """Say "batch started" in ``<path>.started`` (what the tests wait on), before the batch is worked on."""
     with open(str(path) + ".started", "a") as f:
-        f.write("batch started\n")
+        f.write("batch started\\n")
 
 
 class FailOnTrigger(JsonlConsumer):
