@@ -27,7 +27,7 @@ __all__ = [
     "STATE_MAP_SIZE_BYTES",
     "DaemonState",
     "ForeignState",
-    "Mode",
+    "CdcMode",
     "StateDamaged",
     "StateRefused",
     "StateStore",
@@ -36,17 +36,22 @@ __all__ = [
 ]
 
 
-class Mode(enum.Enum):
-    ACTIVE = "ACTIVE"
-    """The daemon delivers."""
-    PASSIVE = "PASSIVE"
-    """The node's realtime worker delivers; the daemon follows markers and deletes links."""
+class CdcMode(enum.Enum):
+    """Who delivers, named as Ignite's ``CdcMode``; the daemon persists it with its position.
+
+    The values are the state's on-disk encoding (and the ``mode`` of status and ``state show``):
+    IEP-104's names for the daemon's side, ACTIVE and PASSIVE."""
+
+    DAEMON_ACTIVE = "ACTIVE"
+    """The daemon delivers (the node's realtime worker is off, or still waits in a try-start)."""
+    NODE_ACTIVE = "PASSIVE"
+    """The node's realtime worker delivers; the daemon follows its markers and deletes links."""
 
 
 class DaemonState(msgspec.Struct, frozen=True):
     """``position``: every entry before it is committed (None: nothing yet, start at the oldest link)."""
 
-    mode: Mode
+    mode: CdcMode
     position: WalPosition | None = None
     updated_ns: int = 0
     commits: int = 0
@@ -147,7 +152,7 @@ class StateStore:
     def close(self) -> None:
         self.env.close()
 
-    def load(self, initial_mode: Mode) -> DaemonState:
+    def load(self, initial_mode: CdcMode) -> DaemonState:
         try:
             with self.env.begin(db=self._state_db) as txn:
                 raw = txn.get(b"state")
@@ -195,11 +200,12 @@ def read_daemon_state(state_dir: Path) -> dict[str, Any] | None:
     except (FileNotFoundError, lmdb.Error):
         return None
     try:
-        state = store.load(Mode.PASSIVE)
+        state = store.load(CdcMode.NODE_ACTIVE)
     finally:
         store.close()
     return {
         "mode": state.mode.value,
+        "cdc_mode": state.mode.name,
         "position": str(state.position) if state.position else None,
         "position_parts": msgspec.to_builtins(state.position) if state.position else None,
         "updated_ns": state.updated_ns,

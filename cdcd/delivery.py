@@ -1,15 +1,19 @@
-"""What the daemon and the node's realtime worker share: the position filter and the batcher.
+"""What the daemon and the node's realtime worker share: the position filter, the batcher, the
+ACTIVE record dispatch and the delivery loop.
 
-Pure logic, no I/O. ``slices_from`` drops what lies before a resume cursor (``WalPosition.entries_done``
-decides per record); ``Batcher`` turns WAL records into batches of events and cache changes, in WAL
-order, hiding caches with ``cdc_enabled = false`` (their positions are passed all the same).
+``slices_from`` drops what lies before a resume cursor (``WalPosition.entries_done`` decides per
+record); ``Batcher`` turns WAL records into batches of events and cache changes, in WAL order,
+hiding caches with ``cdc_enabled = false`` (their positions are passed all the same);
+``feed_active`` is what the delivering side does with one record. These are pure logic.
+``DeliveryLoop`` hands one batch to a consumer (Ignite's loop): each side passes its consumer
+call, its ``commit(cursor)``, its stop check and its retry wait.
 """
 
 from __future__ import annotations
 
 import operator
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from cdcd.consumer import EventBatch, RecordSlice, enabled_slices
@@ -170,3 +174,89 @@ class Batcher:
         self._bytes = 0
         self.batch_started = None
         return batch
+
+
+def feed_active(batcher: Batcher, ptr: WalPointer, record: Record, done: int, size: int) -> list[Batch | CacheChange]:
+    """The delivering side's handling of a record not (wholly) before its start: the entries
+    ``done..`` of a DataRecord join the batch, a CacheRecord becomes a CacheChange, any other
+    record only moves the position (markers are the caller's: they mean nothing to a batch)."""
+    rtype = type(record)
+    if rtype is DataRecord:
+        batch = batcher.data(ptr, record, done, size)  # type: ignore[arg-type]
+        return [batch] if batch is not None else []
+    if rtype is CacheRecord:
+        return batcher.cache_record(ptr, record)  # type: ignore[arg-type]
+    batcher.passed(ptr, record)
+    return []
+
+
+Observe = Callable[[Sequence[RecordSlice], EventBatch, int, bool], None]
+"""After each consumer call: the slices it took, the batch it was given, how many events it took,
+and whether it confirmed (metrics, lag)."""
+
+
+class DeliveryLoop:
+    """Ignite's delivery loop over one batch, shared by the daemon and the realtime worker.
+
+    ``on_events`` is the side's consumer call (it wraps the consumer's errors its own way);
+    ``commit(cursor)`` makes everything before ``cursor`` the committed position; ``stopping()``
+    tells whether the side is stopping (the rest of a batch is then not offered again: the side
+    that goes on later starts from the last commit); ``retry_wait()`` is the side's retry policy,
+    called before a batch of which the consumer took nothing is offered again."""
+
+    def __init__(
+        self,
+        on_events: Callable[[EventBatch], bool],
+        commit: Callable[[WalPosition], None],
+        *,
+        stopping: Callable[[], bool],
+        retry_wait: Callable[[], None],
+        observe: Observe | None = None,
+    ) -> None:
+        self.on_events = on_events
+        self.commit = commit
+        self.stopping = stopping
+        self.retry_wait = retry_wait
+        self.observe = observe
+        self.unconfirmed = False
+        """A call returned False: nothing after the last commit may be committed until one returns True."""
+
+    def deliver(self, item: Batch) -> bool:
+        """Deliver ``item`` until the consumer has taken all of it; False if stopping cut it short."""
+        events: EventBatch | None = item.events
+        assert events is not None
+        if len(events) == 0:
+            if not self.unconfirmed:
+                self.commit(item.end)  # only the position moves (markers, CDC-off entries, segment ends)
+            return True
+        while events is not None:
+            # What the consumer did not pull goes to its next call, also from inside a record; a
+            # True commits the position after what it took.
+            ok = self.on_events(events)
+            taken, rest = events.split_taken()
+            took = len(events) - (len(rest) if rest is not None else 0)
+            if self.observe is not None:
+                self.observe(taken, events, took, ok)
+            if ok:
+                self.unconfirmed = False
+                self.commit(item.end if rest is None or rest.first is None else rest.first.cursor())
+            else:
+                self.unconfirmed = True  # the next confirmed call commits both
+            if rest is not None and not took:
+                if self.stopping():
+                    return False
+                self.retry_wait()
+            events = rest
+        return True
+
+    def confirm(self) -> bool:
+        """Before a switch: empty calls until the consumer confirms what it took unconfirmed;
+        False if stopping cut it short."""
+        while self.unconfirmed:
+            if self.on_events(EventBatch("", [], {})):
+                self.unconfirmed = False
+                return True
+            if self.stopping():
+                return False
+            self.retry_wait()
+        return True

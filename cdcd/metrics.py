@@ -202,8 +202,15 @@ DAEMON_SEGMENT_CONSUMING_SECONDS = Histogram(
 DAEMON_LAST_COMMIT = Gauge(
     "cdcd_daemon_last_commit_timestamp_seconds", "Wall time of the last state commit", registry=DAEMON
 )
-DAEMON_MODE = Gauge("cdcd_daemon_mode", "1 for the daemon's current mode", ["mode"], registry=DAEMON)
-DAEMON_MODE_SWITCHES = Counter("cdcd_daemon_mode_switches_total", "Mode switches", ["direction"], registry=DAEMON)
+DAEMON_MODE = Gauge(
+    "cdcd_daemon_mode",
+    "1 for who delivers as the daemon persisted it (DAEMON_ACTIVE or NODE_ACTIVE)",
+    ["mode"],
+    registry=DAEMON,
+)
+DAEMON_MODE_SWITCHES = Counter(
+    "cdcd_daemon_mode_switches_total", "Hand-overs (node_to_daemon, daemon_to_node)", ["direction"], registry=DAEMON
+)
 DAEMON_LINKS_DELETED = Counter("cdcd_daemon_links_deleted_total", "Consumed segment links deleted", registry=DAEMON)
 
 # --- node: realtime CDC -------------------------------------------------------------------------------

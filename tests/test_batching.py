@@ -15,7 +15,7 @@ from cdcd.consumer import CacheInfo, Consumer, EventBatch, RecordSlice
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.daemon.processor import Processor
-from cdcd.daemon_state import DaemonState, Mode
+from cdcd.daemon_state import CdcMode, DaemonState
 from cdcd.delivery import Batch, CacheChange, slices_from
 from cdcd.node import Node
 from cdcd.realtime import RealtimeMode
@@ -67,7 +67,7 @@ def test_both_position_types_keep_the_on_disk_encoding() -> None:
     assert enc(WalPosition(7, 8, 9)) == enc(EventAddress(7, 8, 9)) == enc([7, 8, 9])
     old_state = enc({"mode": "ACTIVE", "position": [7, 8, 9], "updated_ns": 1, "commits": 2, "node_id": "n"})
     state = msgspec.msgpack.decode(old_state, type=DaemonState)
-    assert state.position == WalPosition(7, 8, 9) and state.mode is Mode.ACTIVE
+    assert state.position == WalPosition(7, 8, 9) and state.mode is CdcMode.DAEMON_ACTIVE
     marker = msgspec.msgpack.decode(enc(RealtimeCdcRecord(WalPosition(1, 2, 3))), type=RealtimeCdcRecord)
     assert marker.last == WalPosition(1, 2, 3)
 
@@ -113,7 +113,12 @@ def test_new_caches_do_not_cut_the_batch_and_are_announced_before_their_events()
     """1000 caches x 2 entries make one batch (was one per cache): every cache's CacheChange comes before the
     batch with its events; only the first (no batch open yet) commits a position of its own."""
     p = Processor(
-        mode=Mode.ACTIVE, position=None, caches={}, source_node="n", batch_max_events=50_000, batch_max_bytes=1 << 30
+        mode=CdcMode.DAEMON_ACTIVE,
+        position=None,
+        caches={},
+        source_node="n",
+        batch_max_events=50_000,
+        batch_max_bytes=1 << 30,
     )
     items = p.feed_many(_many_caches())
     items.append(p.close_batch())
@@ -128,7 +133,12 @@ def test_new_caches_do_not_cut_the_batch_and_are_announced_before_their_events()
 def test_a_destroy_or_a_new_config_still_cuts_the_batch() -> None:
     """Events before a DESTROY, or before a CREATE that changes a known cache, are delivered before it."""
     p = Processor(
-        mode=Mode.ACTIVE, position=None, caches={}, source_node="n", batch_max_events=1000, batch_max_bytes=1 << 20
+        mode=CdcMode.DAEMON_ACTIVE,
+        position=None,
+        caches={},
+        source_node="n",
+        batch_max_events=1000,
+        batch_max_bytes=1 << 20,
     )
     recs: list[Any] = [
         CacheRecord(1, "a", CacheOp.CREATE, CacheConfig()),

@@ -27,7 +27,7 @@ from cdcd.daemon.committer import ConsumerFailed
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.daemon.processor import Batch, CacheChange, Processor
-from cdcd.daemon_state import Mode
+from cdcd.daemon_state import CdcMode
 from cdcd.node import Node
 from cdcd.realtime import RealtimeMode
 from cdcd.sinks.jsonl import JsonlConsumer
@@ -305,7 +305,7 @@ def test_realtime_stop_mid_record_hands_the_exact_rest_to_the_daemon(tmp_path: P
         wait_for(lambda: node.realtime.stops.get("consumer_error"), 30, "realtime to stop on the consumer failure")
         node.force_archive()
         wait_for(lambda: daemon.sync_once() >= 0 and len(events_of(recorded(d_log))) >= 8, 30, "the daemon's share")
-        assert daemon.state.mode is Mode.ACTIVE
+        assert daemon.state.mode is CdcMode.DAEMON_ACTIVE
         assert daemon.sync_once() == 0
     ref = reference(node_dir)
     assert ref[7]["pos"][2] == 2, "event 8 is inside the put_all record"
@@ -468,7 +468,12 @@ def test_processor_follows_a_cache_whose_cdc_setting_changes() -> None:
     off are left out (positions still pass them), the switch off is recorded quietly, the switch on announced."""
     on, off = CacheConfig(cdc_enabled=True), CacheConfig(cdc_enabled=False)
     p = Processor(
-        mode=Mode.ACTIVE, position=None, caches={}, source_node="n", batch_max_events=1000, batch_max_bytes=1 << 20
+        mode=CdcMode.DAEMON_ACTIVE,
+        position=None,
+        caches={},
+        source_node="n",
+        batch_max_events=1000,
+        batch_max_bytes=1 << 20,
     )
     recs = [
         CacheRecord(7, "c", CacheOp.CREATE, on),

@@ -62,12 +62,14 @@ def test_switches_under_load_split_the_wal_exactly(rig_factory: Any) -> None:
     rig.start_node(pause_ms=30)
     rig.start_daemon()
     st = rig.wait_mode("on", "PASSIVE")
-    assert st["delivering"] == "node"
+    assert (st["cdc_mode"], st["delivering"]) == ("NODE_ACTIVE", "node")
     for state in ("off", "on", "off", "on"):
-        time.sleep(0.8)
+        # Each side delivers a stretch under load before the next switch (the share checks below need it).
+        rig.wait_delivered("node" if state == "off" else "daemon", 1100)
         st = rig.switch_off() if state == "off" else rig.switch_on()
+        assert st["cdc_mode"] == ("DAEMON_ACTIVE" if state == "off" else "NODE_ACTIVE")
         assert st["delivering"] == ("daemon" if state == "off" else "node")
-    time.sleep(0.8)
+    rig.wait_delivered("node", 1100)
     rig.stop_node()
     final = rig.final_status()
     assert final["realtime"]["mode"] == "on"
@@ -92,11 +94,11 @@ def test_overflow_under_load_hands_over_to_the_daemon(rig_factory: Any) -> None:
     rig.start_daemon()
     rig.wait_mode("on", "PASSIVE")  # nothing written yet: the try-start buffers (almost) nothing
     rig.go()  # ~2.5 KiB per transaction, one per 20 ms: fits
-    time.sleep(0.8)
+    rig.wait_delivered("node", 50)
     rig.burst()  # full speed: a few transactions per flush are more than 8 KiB
     st = rig.wait_mode("off", "ACTIVE", stops={"overflow": 1})
     assert st["realtime"]["buffer_used_bytes"] == 0
-    time.sleep(0.5)
+    rig.wait_delivered("daemon", 1100)
     rig.stop_node()
     rig.wait_daemon_caught_up()
     rig.stop_daemon()
@@ -113,24 +115,26 @@ def test_overflow_under_load_hands_over_to_the_daemon(rig_factory: Any) -> None:
 
 
 def test_off_during_a_long_batch_answers_stopping_then_hands_over(rig_factory: Any, tmp_path: Path) -> None:
-    """`realtime off` while the realtime consumer spends 4 s on a batch answers "stopping" (not "on") at once; the
-    node turns off when the batch is done and the daemon takes over, nothing lost or delivered twice."""
+    """`realtime off` while the realtime consumer holds a batch answers "stopping" (not "on"); the node turns off
+    when the batch is done, without starting another, and the daemon takes over, nothing lost or delivered twice."""
+    gate = tmp_path / "gate"
     consumer = {
         "kind": "python",
-        "class": "rt_plugins:Slow",
-        "options": {"path": str(tmp_path / "node.jsonl"), "delay_ms": 4000},
+        "class": "rt_plugins:Gated",
+        "options": {"path": str(tmp_path / "node.jsonl"), "gate": str(gate)},
     }
     rig: Rig = rig_factory(realtime_cdc=True, consumer=consumer, cdc_buffer_bytes=8 << 20)  # no overflow meanwhile
     rig.start_node(pause_ms=30)
     rig.start_daemon()
     rig.wait_mode("on", "PASSIVE")
-    time.sleep(0.5)  # the worker is inside a 4 s batch now (every batch takes that long)
-    t0 = time.monotonic()
+    rig.wait_batch_started(0)  # the worker is inside a batch now, held until the gate opens
     assert rig.control("realtime", "off").strip() == "realtime: stopping"
-    assert time.monotonic() - t0 < 3.5, "the command answers after its 2 s wait, not after the batch"
+    assert rig.status()["realtime"]["mode"] == "on", "the batch in flight ends first"
+    gate.touch()
     st = rig.wait_mode("off", "ACTIVE", timeout=30, stops={"command": 1})
-    assert st["delivering"] == "daemon"
-    time.sleep(0.5)
+    assert (st["cdc_mode"], st["delivering"]) == ("DAEMON_ACTIVE", "daemon")
+    assert rig.batches_started() == 1, "no batch started after the stop request"
+    rig.wait_delivered("daemon", 100)
     rig.stop_node()
     rig.wait_daemon_caught_up()
     rig.stop_daemon()
@@ -151,13 +155,13 @@ def test_failing_realtime_consumer_hands_over_to_the_daemon(rig_factory: Any, tm
     rig.start_node(pause_ms=30)
     rig.start_daemon()
     rig.wait_mode("on", "PASSIVE")
-    time.sleep(0.8)
+    rig.wait_delivered("node", 100)
     trigger.touch()
     rig.wait_mode("off", "ACTIVE", stops={"consumer_error": 1})
-    time.sleep(0.8)
+    rig.wait_delivered("daemon", 1100)
     trigger.unlink()
     rig.switch_on()
-    time.sleep(0.8)
+    rig.wait_delivered("node", 1100)
     rig.stop_node()
     rig.stop_daemon()
 
@@ -255,6 +259,7 @@ def test_control_socket(rig_factory: Any, tmp_path: Path) -> None:
         assert rig.status()["node_id"] == reply["node_id"]
         status = json.loads(rig.control("status", "--json"))
         assert status["realtime"]["mode"] == "off" and status["delivering"] == "daemon"
+        assert status["cdc_mode"] == "DAEMON_ACTIVE"
         assert status["node_dir"] == str(rig.node_dir)
         text = rig.control("status")
         assert "realtime          off" in text and "delivering        daemon" in text
@@ -339,8 +344,8 @@ def test_a_slow_position_write_does_not_hold_up_delivery(tmp_path: Path) -> None
     )
     try:
         wait_for(lambda: node.realtime.mode is RealtimeMode.ON, 30, "realtime on")
-        meta = _StalledMetastorage(node.realtime.meta)
-        node.realtime.meta = meta
+        meta = _StalledMetastorage(node.realtime.markers.meta)
+        node.realtime.markers.meta = meta
         cache = node.cache("c")
         cache.put(1, "a")
         wait_for(meta.stalled.is_set, 30, "the position write to start")
@@ -351,7 +356,7 @@ def test_a_slow_position_write_does_not_hold_up_delivery(tmp_path: Path) -> None
         meta.release.set()
         wait_for(lambda: meta.inner.get().enabled, 30, "the position write to finish")
     finally:
-        meta_release = getattr(node.realtime.meta, "release", None)
+        meta_release = getattr(node.realtime.markers.meta, "release", None)
         if meta_release is not None:
             meta_release.set()
         node.close()

@@ -64,19 +64,26 @@ def test_node_sigkill_in_realtime_mode_restores_from_its_committed_position(rig_
     rig.wait_mode("on", "PASSIVE")
     restored = []
     for k in range(2):
-        time.sleep(rng.uniform(0.6, 1.0))
+        rig.wait_delivered("node", rng.randint(600, 1200))  # a random point of a run, each run over 500 events
         rig.kill_node()
         resume = rig.node_resumes[-1]
         assert resume is not None, "the killed node had realtime enabled with a committed position"
         rig.start_node(first_tx=100_000 * (k + 1), pause_ms=30)
-        st = rig.wait_mode("on", "PASSIVE")
+        rig.wait_mode("on", "PASSIVE")
+        # The node says ON as it opens; the read-back runs on its worker thread after that.
+        wait_for(
+            lambda: any(e["event"] == "realtime_restored" for e in log_events(rig.node_log)),
+            60,
+            "the restarted node's realtime_restored line",
+        )
+        st = rig.status()
         events = [e for e in rig.node_log_events() if e["event"] in ("realtime_restoring", "realtime_restored")]
         assert [e["event"] for e in events][-2:] == ["realtime_restoring", "realtime_restored"]
         assert events[-2]["position"] == f"{resume[0]}:{resume[1]}#{resume[2]}"
         assert isinstance(events[-1]["records"], int) and events[-1]["records"] >= 1
         assert st["realtime"]["restored_records"] == events[-1]["records"]
         restored.append(events[-1]["records"])
-    time.sleep(0.8)
+    rig.wait_delivered("node", 600)
     rig.stop_node()
     rig.stop_daemon()
 
@@ -100,20 +107,20 @@ def test_daemon_sigkill_during_a_switch_completes_after_restart(rig_factory: Any
     rig.wait_mode("off", "ACTIVE")
     seen = []
     for delay in (None, 0.005, 0.04):
-        time.sleep(0.6)
+        rig.wait_delivered("daemon", 600)
         assert rig.daemon is not None
         if delay is None:
             rig.daemon.send_signal(signal.SIGSTOP)  # killed for sure before it handles the TryStart
         assert request(rig.socket, {"cmd": "realtime", "state": "on"}) == {"ok": True, "realtime": "try_start"}
         if delay is not None:
-            time.sleep(delay)
+            time.sleep(delay)  # where the kill lands (the fault under test), not a synchronisation
         rig.kill_daemon()
         seen.append((rig.status()["realtime"]["mode"], daemon_mode(rig)))
         rig.start_daemon()
         rig.wait_mode("on", "PASSIVE")
-        time.sleep(0.4)
+        rig.wait_delivered("node", 150)
         rig.switch_off()
-    time.sleep(0.5)
+    rig.wait_delivered("daemon", 600)
     rig.stop_node()
     rig.wait_daemon_caught_up()
     rig.stop_daemon()
@@ -140,16 +147,16 @@ def test_on_while_the_daemon_is_down_overflows_and_falls_back(rig_factory: Any) 
     rig.start_node_run(load_rate=4000)
     rig.start_daemon()
     rig.wait_mode("off", "ACTIVE")
-    time.sleep(0.5)
+    rig.wait_delivered("daemon", 100)
     rig.stop_daemon()
     assert rig.control("realtime", "on").strip() == "realtime: try_start"
     # "ACTIVE": the stopped daemon's persisted mode (it never saw the TryStart).
     st = rig.wait_mode("off", "ACTIVE", timeout=20, stops={"overflow": 1})
     assert st["realtime"]["buffer_used_bytes"] == 0 and st["realtime"]["try_start"] is None
-    assert st["delivering"] == "daemon"
-    time.sleep(0.3)
+    assert (st["cdc_mode"], st["delivering"]) == ("DAEMON_ACTIVE", "daemon")
+    rig.wait_written(1)  # more writes after the overflow, for the restarted daemon
     rig.start_daemon()
-    time.sleep(0.5)
+    rig.wait_delivered("daemon", 100)
     rig.stop_node_run()
     # `node run` leaves its last segment active: reopen the node to archive it (realtime stays off).
     node = Node.from_config_file(rig.node_config)
@@ -179,12 +186,12 @@ def test_pending_try_start_survives_a_node_sigkill(rig_factory: Any) -> None:
     rig.start_node(pause_ms=30)
     rig.start_daemon()
     rig.wait_mode("off", "ACTIVE")
-    time.sleep(0.5)
+    rig.wait_delivered("daemon", 100)
     rig.stop_daemon()
     assert rig.control("realtime", "on").strip() == "realtime: try_start"
     st = rig.wait_mode("try_start", None)
     try_start = st["realtime"]["try_start"]
-    time.sleep(0.8)
+    rig.wait_written(1)  # records after the TryStart, for the restore
     rig.kill_node()
     saved = node_realtime_state(rig.node_dir)
     assert not saved.enabled and str(saved.try_start) == try_start
@@ -199,12 +206,12 @@ def test_pending_try_start_survives_a_node_sigkill(rig_factory: Any) -> None:
     restored = [e for e in rig.node_log_events() if e["event"] == "realtime_restored"]
     assert len(restored) == 1 and restored[0]["records"] == rig.status()["realtime"]["restored_records"]
     rig.go()
-    time.sleep(0.5)
+    rig.wait_written(1)
     assert rig.status()["realtime"]["mode"] == "try_start", "never delivers before the daemon passed the TryStart"
     assert rig.node_out.read_bytes() == b""
     rig.start_daemon()
     rig.wait_mode("on", "PASSIVE")
-    time.sleep(0.5)
+    rig.wait_delivered("node", 100)
     rig.stop_node()
     rig.stop_daemon()
 
@@ -228,20 +235,21 @@ def test_restore_while_the_active_segment_is_archived(rig_factory: Any) -> None:
     rig.start_node(pause_ms=30, every=1)  # no daemon: the try-start waits
     rig.wait_mode("try_start", None)
     rig.burst()
-    time.sleep(3.0)  # a few MiB to restore
+    rig.wait_written(40)  # a few MiB to restore (64 KiB segments)
     rig.burst(False)  # one transaction per 30 ms: a segment lasts ~0.7 s
 
     def active_segment() -> tuple[int, int]:
         work = list_segments(rig.node_dir / "wal")[0]
         return (max(work), work[max(work)].stat().st_size) if work else (-1, 0)
 
-    def steady_and_partly_filled() -> bool:
-        seg, size = active_segment()
-        time.sleep(0.1)
-        seg2, size2 = active_segment()
-        return seg2 == seg and 4096 < size <= size2 < 48 * 1024
+    last: list[tuple[int, int]] = []
 
-    time.sleep(0.3)
+    def steady_and_partly_filled() -> bool:
+        """The same partly filled segment as at the previous look, not shrunk (wait_for looks every 0.1 s)."""
+        seg2, size2 = active_segment()
+        seen, last[:] = last[:], [(seg2, size2)]
+        return bool(seen) and seen[0][0] == seg2 and 4096 < seen[0][1] <= size2 < 48 * 1024
+
     wait_for(steady_and_partly_filled, 60, "a partly filled active segment, the flusher caught up")
     rig.kill_node()
     rig.start_node(first_tx=100_000, pause_ms=0)  # that segment fills (and is archived) in a few ms
@@ -276,7 +284,8 @@ def test_close_with_realtime_on_drains_the_buffer(rig_factory: Any, tmp_path: Pa
     rig.start_daemon()
     rig.wait_mode("on", "PASSIVE")
     rig.go()
-    time.sleep(1.5)
+    # A backlog builds up behind the slow consumer: close() has something to drain.
+    wait_for(lambda: rig.status()["realtime"]["buffer_used_bytes"] > 100_000, 120, "a realtime backlog")
     rig.stop_node()
     final = rig.final_status()  # just before close()
     assert final["realtime"]["mode"] == "on"
@@ -311,9 +320,9 @@ def test_close_timeout_leaves_realtime_off(rig_factory: Any, tmp_path: Path) -> 
     rig.start_node(pause_ms=30)
     rig.start_daemon()
     rig.wait_mode("off", "ACTIVE")
-    time.sleep(0.5)
+    rig.wait_delivered("daemon", 100)
     rig.switch_on()
-    time.sleep(0.5)  # the consumer is inside its first batch (1.5 s)
+    rig.wait_batch_started(0)  # the consumer is inside its first batch (1.5 s)
     rig.stop_node()
     assert any(e["event"] == "realtime_close_timeout" for e in rig.node_log_events())
     stop_at = [
@@ -332,7 +341,7 @@ def test_close_timeout_leaves_realtime_off(rig_factory: Any, tmp_path: Path) -> 
     rig.write_node_config(consumer, realtime_cdc=False, realtime_close_timeout_ms=300)
     size = rig.node_out.stat().st_size
     rig.start_node(first_tx=100_000, pause_ms=30)
-    time.sleep(1.0)
+    rig.wait_written(1)
     st = rig.status()
     if st["realtime"]["mode"] != "off" or st["daemon"]["mode"] != "ACTIVE":
         problems.append(f"after restart: node realtime {st['realtime']['mode']}, daemon {st['daemon']['mode']}")
@@ -367,7 +376,7 @@ def test_cache_created_while_passive_keeps_the_links_the_node_needs(rig_factory:
     rig.go()
     # The first batch (the warmup entry) fails after 1 s: Stop(last = 1:0#0).
     rig.wait_mode("off", "ACTIVE", stops={"consumer_error": 1})
-    time.sleep(0.5)
+    rig.wait_delivered("daemon", 1100)
     rig.stop_node()
     rig.wait_daemon_caught_up()
     rig.stop_daemon()
@@ -388,7 +397,7 @@ def test_close_with_pending_try_start_lets_the_daemon_deliver(rig_factory: Any) 
     rig.start_node(pause_ms=30)  # no daemon: the try-start cannot complete
     st = rig.wait_mode("try_start", None)
     ts = st["realtime"]["try_start"]
-    time.sleep(1.0)
+    rig.wait_written(1)
     rig.stop_node()  # force_archive(), then close()
     ((ts_ptr, _),) = [(p, r) for p, r in markers(rig.node_dir) if isinstance(r, TryStartRealtimeCdcRecord)]
     assert str(ts_ptr) == ts
@@ -416,7 +425,7 @@ def test_stop_record_written_at_restart_reaches_the_daemon(rig_factory: Any) -> 
     rig.start_node(pause_ms=30)
     rig.start_daemon()
     rig.wait_mode("on", "PASSIVE")
-    time.sleep(0.5)
+    rig.wait_delivered("node", 100)
     rig.stop_node()  # force_archive(), then close() writes a Checkpoint and a RealtimeCdcRecord: a non-empty segment
     assert cdc_links(rig.node_dir) == {} or min(cdc_links(rig.node_dir)) >= 1
     rig.write_node_config(consumer={}, realtime_cdc=False)  # the operator turns realtime CDC off
@@ -452,9 +461,13 @@ def test_close_interrupts_a_realtime_consumer_retrying_a_dead_target(rig_factory
     rig.start_node(pause_ms=30)
     rig.start_daemon()
     rig.wait_mode("off", "ACTIVE")
-    time.sleep(0.5)
+    rig.wait_delivered("daemon", 100)
     rig.switch_on()
-    time.sleep(1.0)  # the consumer is retrying its first batch
+    wait_for(
+        lambda: any(e["event"] == "replication_retry" for e in log_events(rig.node_log)),
+        60,
+        "the consumer retrying its first batch",
+    )
     t0 = time.monotonic()
     rig.stop_node()
     took = time.monotonic() - t0

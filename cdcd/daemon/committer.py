@@ -21,8 +21,8 @@ from cdcd import failpoints, metrics
 from cdcd.consumer import Consumer, EventBatch, RecordSlice
 from cdcd.daemon.follower import delete_links_below
 from cdcd.daemon.processor import Item, MarkerCommit, Switch
-from cdcd.daemon_state import DaemonState, Mode, StateStore
-from cdcd.delivery import Batch, CacheChange
+from cdcd.daemon_state import CdcMode, DaemonState, StateStore
+from cdcd.delivery import Batch, CacheChange, DeliveryLoop
 from cdcd.faults import ExitCode, Fault
 from cdcd.wal.pointer import WalPosition
 from cdcd.wal.records import CacheInfo
@@ -60,17 +60,18 @@ class Committer:
         self.confirm_retry_s = confirm_retry_s
         self.stopping = stopping
         """Set when the daemon stops: a consumer that takes nothing is not offered the rest again."""
-        self.unconfirmed = False
-        """A batch returned False: nothing after the last commit may be committed until one returns True."""
+        self.loop = DeliveryLoop(
+            self._on_events, self.commit, stopping=self._stopping, retry_wait=self._retry_wait, observe=self._observe
+        )
         self._pending_caches: dict[int, CacheInfo] = {}
         self._pending_destroyed: list[int] = []
         self.events_delivered = 0
         self.last_event_ts_ns = 0
-        metrics.DAEMON_MODE.labels(state.mode.value).set(1)
+        metrics.DAEMON_MODE.labels(state.mode.name).set(1)
 
     def apply(self, item: Item) -> None:
         if isinstance(item, Batch):
-            self._batch(item)
+            self.loop.deliver(item)
         elif isinstance(item, CacheChange):
             self._cache_change(item)
         elif isinstance(item, MarkerCommit):
@@ -90,41 +91,32 @@ class Committer:
         if not self._call("alive()", self.consumer.alive):
             raise ConsumerFailed("consumer reports alive() == False")
 
-    def _batch(self, item: Batch) -> None:
-        events = item.events
-        n = len(events)
-        if n == 0:
-            if not self.unconfirmed:
-                self.commit(item.end)
-            return
-        rest: EventBatch | None = events
-        while rest is not None:
-            # Ignite's loop: what the consumer did not pull goes to its next call, also from
-            # inside a record; a True commits the position after what it took.
-            events = rest
-            self._check_alive()
-            t0 = time.perf_counter()
-            ok = self._call("on_events()", self.consumer.on_events, events)
+    def _on_events(self, events: EventBatch) -> bool:
+        self._check_alive()
+        t0 = time.perf_counter()
+        ok = bool(self._call("on_events()", self.consumer.on_events, events))
+        if len(events):
             metrics.DAEMON_CONSUMER_SECONDS.observe(time.perf_counter() - t0)
-            taken, rest = events.split_taken()
-            took = n - len(rest) if rest is not None else n
-            n -= took
-            metrics.DAEMON_BATCH_EVENTS.observe(took)
-            self.events_delivered += took
-            if took:
-                self.last_event_ts_ns = taken[-1].record.commit_ts_ns
-                self._count(taken, events)
-            if ok:
-                metrics.DAEMON_BATCHES.labels("committed").inc()
-                self.unconfirmed = False
-                self.commit(item.end if rest is None or rest.first is None else rest.first.cursor())
-            else:
-                metrics.DAEMON_BATCHES.labels("not_committed").inc()
-                self.unconfirmed = True
-            if rest is not None and not took:
-                if self.stopping is not None and self.stopping.is_set():
-                    return  # nothing is committed past what it took; a restart offers the rest
-                time.sleep(self.confirm_retry_s)
+        return ok
+
+    def _observe(self, taken: Sequence[RecordSlice], events: EventBatch, took: int, ok: bool) -> None:
+        metrics.DAEMON_BATCH_EVENTS.observe(took)
+        self.events_delivered += took
+        if took:
+            self.last_event_ts_ns = taken[-1].record.commit_ts_ns
+            self._count(taken, events)
+        metrics.DAEMON_BATCHES.labels("committed" if ok else "not_committed").inc()
+
+    def _stopping(self) -> bool:
+        return self.stopping is not None and self.stopping.is_set()
+
+    def _retry_wait(self) -> None:
+        time.sleep(self.confirm_retry_s)
+
+    @property
+    def unconfirmed(self) -> bool:
+        """A batch returned False: nothing after the last commit may be committed until one returns True."""
+        return self.loop.unconfirmed
 
     @staticmethod
     def _count(slices: Sequence[RecordSlice], events: EventBatch) -> None:
@@ -155,33 +147,30 @@ class Committer:
         if not self.unconfirmed:
             # PASSIVE: only the node's markers move the position (links it may still need stay);
             # the registry change is recorded with the current position.
-            self.commit(item.end if self.state.mode is Mode.ACTIVE else self.state.position)
+            self.commit(item.end if self.state.mode is CdcMode.DAEMON_ACTIVE else self.state.position)
 
     def _switch(self, item: Switch) -> None:
-        # Everything before the switch point must be durable on the consumer side first.
-        while self.unconfirmed:
-            self._check_alive()
-            empty = EventBatch("", [], {})
-            if self._call("on_events()", self.consumer.on_events, empty):
-                self.unconfirmed = False
-            else:
-                time.sleep(self.confirm_retry_s)
+        # Everything before the switch point must be durable on the consumer side first; a daemon
+        # stopped meanwhile does not switch (it reads the marker again at its next start).
+        if not self.loop.confirm():
+            return
         old = self.state.mode
         failpoints.hit("daemon.switch.before_commit")
         self.commit(item.position if item.position is not None else self.state.position, item.mode)
         if old is not item.mode:
-            direction = f"{old.value.lower()}_to_{item.mode.value.lower()}"
+            direction = "node_to_daemon" if item.mode is CdcMode.DAEMON_ACTIVE else "daemon_to_node"
             metrics.DAEMON_MODE_SWITCHES.labels(direction).inc()
-            metrics.DAEMON_MODE.labels(old.value).set(0)
-            metrics.DAEMON_MODE.labels(item.mode.value).set(1)
+            metrics.DAEMON_MODE.labels(old.name).set(0)
+            metrics.DAEMON_MODE.labels(item.mode.name).set(1)
             log.info(
                 "mode_switch",
                 direction=direction,
+                cdc_mode=item.mode.name,
                 reason=item.reason,
                 position=str(self.state.position) if self.state.position else None,
             )
 
-    def commit(self, position: WalPosition | None, mode: Mode | None = None) -> None:
+    def commit(self, position: WalPosition | None, mode: CdcMode | None = None) -> None:
         """Persist ``position`` (and mode, registry changes) durably, then delete links below it."""
         new = msgspec.structs.replace(self.state, position=position, mode=mode or self.state.mode)
         t0 = time.perf_counter()

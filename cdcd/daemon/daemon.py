@@ -11,37 +11,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import operator
-import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
 import msgspec
-import numpy as np
 import structlog
 from prometheus_client import REGISTRY
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
 from cdcd import metrics
-from cdcd.consumer import Consumer, EventBatch
+from cdcd.consumer import Consumer
 from cdcd.daemon.committer import Committer, ConsumerFailed
 from cdcd.daemon.config import DaemonConfig
-from cdcd.daemon.follower import SegmentFollower, delete_links_below
-from cdcd.daemon.processor import Batch, Item, Processor, Switch
+from cdcd.daemon.follower import ReadItem, SegmentFollower, delete_links_below
+from cdcd.daemon.processor import INITIAL_MODE, Batch, Item, Processor, Switch, start_from_node
 from cdcd.daemon.sdnotify import Notifier
-from cdcd.daemon_state import DaemonState, ForeignState, Mode, StateStore
-from cdcd.faults import ExitCode, Fault
+from cdcd.daemon.watch import PipelineStalled, Watch
+from cdcd.daemon_state import CdcMode, DaemonState, ForeignState, StateStore
 from cdcd.lock import DirLock
 from cdcd.node.identity import read_node_id
 from cdcd.wal.errors import WalError
-from cdcd.wal.reader import SegmentReader
 from cdcd.wal.records import CacheInfo, DataRecord
-from cdcd.wal.segment import list_segments
 
 log = structlog.get_logger("cdcd.daemon")
 T = TypeVar("T")
@@ -49,12 +44,7 @@ _commit_ts = operator.attrgetter("record.commit_ts_ns")
 _end = operator.attrgetter("end")
 _start = operator.attrgetter("start")
 
-INITIAL_MODE = Mode.PASSIVE
-"""A fresh daemon waits for the node to say who delivers (DESIGN §5)."""
-
 _PASSIVE_SKIP = frozenset({DataRecord.TYPE})
-_TAIL_PEEK_RECORDS = 64
-"""Records read from the head of the node's active segment to find its first data record."""
 
 
 def fix_mmap_threshold(threshold_bytes: int = 128 * 1024) -> None:
@@ -72,12 +62,6 @@ def fix_mmap_threshold(threshold_bytes: int = 128 * 1024) -> None:
         libc.mallopt(-3, threshold_bytes)  # M_MMAP_THRESHOLD; setting it also disables the sliding threshold
     except (OSError, AttributeError):
         return  # not glibc: nothing to tune
-
-
-class PipelineStalled(Fault, Exception):
-    """A consumer call or segment read ran past ``consumer_stall_timeout_ms``: the daemon exits (code 6)."""
-
-    exit_code = ExitCode.STALLED
 
 
 def daemon_lock(config: DaemonConfig) -> DirLock:
@@ -112,19 +96,9 @@ class Daemon:
         self._consumer_started = False
         self._stopping = threading.Event()
         self._notifier = Notifier()
-        self._show_progress = show_progress
-        self._progress_total: int | None = None
-        self._progress_start = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
-        # Liveness, read by the monitor task and at scrape time (plain attributes: no lock needed).
-        self._busy: dict[str, tuple[str, float]] = {}
-        """Worker-thread call in flight per pipeline stage: (what, monotonic start)."""
-        self._oldest_unconfirmed_ns: int | None = None
-        self._tail: tuple[int, int] | None = None
-        """(segment, commit ns) of the first data record in the node's active segment, not yet in a link."""
-        self._segment_started: dict[int, float] = {}
-        self._stalled: str | None = None
+        self._watch = Watch(config, self._notifier, self._committed_state, show_progress=show_progress)
         self.node_id: uuid.UUID | None = None
         """The node whose segments are delivered: from the node dir, else the first segment read."""
         self._follower: SegmentFollower | None = None
@@ -141,8 +115,8 @@ class Daemon:
             raise FileNotFoundError(f"cdc_dir {self.cdc_dir} does not exist (is node_dir right?)")
         self._lock.acquire(self.config.lock_timeout_ms)
         metrics.export(metrics.DAEMON)
-        metrics.DAEMON_LAG_SECONDS.set_function(self._lag_seconds)
-        metrics.DAEMON_SEGMENTS_PENDING.set_function(self._segments_pending)
+        metrics.DAEMON_LAG_SECONDS.set_function(self._watch.lag_seconds)
+        metrics.DAEMON_SEGMENTS_PENDING.set_function(self._watch.segments_pending)
         try:
             self.node_id = read_node_id(self.config.node_dir)
             self._store = StateStore(self.config.state_path)
@@ -180,6 +154,7 @@ class Daemon:
                 state_dir=str(self.config.state_path),
                 node_id=str(self.node_id) if self.node_id else None,
                 mode=state.mode.value,
+                cdc_mode=state.mode.name,
                 position=str(state.position) if state.position else None,
                 consumer=type(self.consumer).__name__,
             )
@@ -202,20 +177,15 @@ class Daemon:
                 "PASSIVE until it writes a Stop record (at its next start)",
             )
             return state
-        if node.realtime_on:
-            mode, position = Mode.PASSIVE, None
-        else:
-            links = self._follower_scan()
-            position = node.position
-            if position is not None and links and position.segment < min(links):
-                position = None  # consumed and unlinked: the oldest link is where delivery goes on
-            mode = Mode.ACTIVE
+        links = self._follower_scan()
+        mode, position = start_from_node(node.realtime_on, node.position, min(links) if links else None)
         log.info(
             "daemon_state_from_node",
             source=node.source,
             mode=mode.value,
+            cdc_mode=mode.name,
             position=str(position) if position else None,
-            start="the oldest link" if position is None and mode is Mode.ACTIVE else None,
+            start="the oldest link" if position is None and mode is CdcMode.DAEMON_ACTIVE else None,
         )
         return msgspec.structs.replace(state, mode=mode, position=position)
 
@@ -254,7 +224,7 @@ class Daemon:
         self._shutdown()
 
     def _shutdown(self) -> None:
-        if self._stalled is not None:
+        if self._watch.stalled is not None:
             # A worker thread is still inside the consumer or the state store: leave both to the
             # process exit (the state is durable up to the last commit; the lock dies with us).
             return
@@ -287,6 +257,9 @@ class Daemon:
     ) -> None:
         self.close()
 
+    def _committed_state(self) -> DaemonState | None:
+        return self._committer.state if self._committer is not None and self._started else None
+
     @property
     def state(self) -> DaemonState:
         assert self._committer is not None, "daemon not started"
@@ -309,7 +282,7 @@ class Daemon:
             batch_max_events=self.config.batch_max_events,
             batch_max_bytes=self.config.batch_max_bytes,
         )
-        skip = _PASSIVE_SKIP if state.mode is Mode.PASSIVE else frozenset()
+        skip = _PASSIVE_SKIP if state.mode is CdcMode.NODE_ACTIVE else frozenset()
         if self.node_id is None and self._follower is not None:
             self.node_id = self._follower.expect_node_id  # learnt from the first segment read
             if self.node_id is not None and not state.node_id:
@@ -324,15 +297,12 @@ class Daemon:
         before = committer.events_delivered
         processor, follower = self._new_pass()
         while True:
-            try:
-                chunk = follower.read(self.config.read_chunk_records)
-            except WalError:
-                if processor.pending_events or _advanced(processor, committer):
-                    committer.apply(processor.close_batch())  # deliver what came before the bad spot
-                raise
-            if chunk is None:
-                if processor.pending_events or _advanced(processor, committer):
-                    committer.apply(processor.close_batch())
+            chunk = _read(follower, self.config.read_chunk_records)
+            if chunk is None or isinstance(chunk, WalError):
+                for item in end_of_read(processor, committer, chunk):
+                    if isinstance(item, WalError):
+                        raise item
+                    committer.apply(item)
                 return committer.events_delivered - before
             processor.source_node = follower.node_id
             for item in processor.feed_many(chunk):
@@ -360,7 +330,7 @@ class Daemon:
                 await self._run_pass(wake)
 
         passes_task = asyncio.create_task(passes(), name="cdcd-passes")
-        monitor_task = asyncio.create_task(self._monitor(), name="cdcd-monitor")
+        monitor_task = asyncio.create_task(self._watch.monitor(), name="cdcd-monitor")
         try:
             # The monitor ends only by raising PipelineStalled; the passes end on stop() or an error.
             await asyncio.wait({passes_task, monitor_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -375,38 +345,7 @@ class Daemon:
                     await task
             observer.stop()
             await asyncio.to_thread(observer.join)
-            if self._show_progress and self._progress_total:
-                print(file=sys.stdout)
-
-    async def _monitor(self) -> None:
-        """WATCHDOG=1 pings while the pipeline makes progress; PipelineStalled once a worker-thread
-        call (consumer or segment read) has run longer than ``consumer_stall_timeout_ms``."""
-        interval = self._notifier.watchdog_interval_s
-        limit_s = self.config.consumer_stall_timeout_ms / 1000
-        tick = min(1.0, limit_s / 10, interval or 1.0)
-        next_ping = 0.0
-        while True:
-            now = time.monotonic()
-            for stage, (what, since) in list(self._busy.items()):
-                if now - since > limit_s:
-                    self._stalled = (
-                        f"pipeline stalled: {what} has not returned for {now - since:.1f} s "
-                        f"(consumer_stall_timeout_ms = {self.config.consumer_stall_timeout_ms}, {stage}); "
-                        f"{self._segments_pending()} segment link(s) pending"
-                    )
-                    raise PipelineStalled(self._stalled)  # no more pings: systemd's watchdog agrees
-            if interval is not None and now >= next_ping:
-                self._notifier.watchdog()
-                next_ping = now + interval
-            await asyncio.sleep(tick)
-
-    async def _in_thread(self, stage: str, what: str, fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)`` on a worker thread, watched by the monitor for stalls."""
-        self._busy[stage] = (what, time.monotonic())
-        try:
-            return await asyncio.to_thread(fn, *args)
-        finally:
-            self._busy.pop(stage, None)
+            self._watch.end_progress()
 
     def _check_alive(self) -> None:
         try:
@@ -422,8 +361,8 @@ class Daemon:
         committer = self._committer
         assert committer is not None
         config = self.config
-        read_q: asyncio.Queue[list[tuple[object, object, int]] | None] = asyncio.Queue(config.queue_max_batches)
-        item_q: asyncio.Queue[Item] = asyncio.Queue(config.queue_max_batches)
+        read_q: asyncio.Queue[list[ReadItem] | WalError | None] = asyncio.Queue(config.queue_max_batches)
+        item_q: asyncio.Queue[Item | WalError] = asyncio.Queue(config.queue_max_batches)
         check_s = config.check_interval_ms / 1000
         delay_s = config.batch_max_delay_ms / 1000
         stopping = self._stop_event
@@ -431,24 +370,20 @@ class Daemon:
 
         async def reader() -> None:
             while True:
-                try:
-                    chunk = await self._in_thread(
-                        "reader", f"reading segment {follower.segment}", follower.read, config.read_chunk_records
-                    )
-                except WalError as exc:
-                    # After everything read before it: the good data is delivered and committed first.
-                    await read_q.put(exc)  # type: ignore[arg-type]
+                chunk = await self._watch.in_thread(
+                    "reader", f"reading segment {follower.segment}", _read, follower, config.read_chunk_records
+                )
+                if isinstance(chunk, WalError):
+                    await read_q.put(chunk)  # the decoder delivers what came before it, then the consumer raises it
                     return
                 if follower.segment is not None:
                     metrics.DAEMON_CURRENT_SEGMENT.set(follower.segment)
-                if chunk:  # one read may span segments
-                    now = time.monotonic()
-                    for segment in range(chunk[0][0].segment, chunk[-1][0].segment + 1):
-                        self._segment_started.setdefault(segment, now)
+                if chunk:
+                    self._watch.read(chunk[0][0].segment, chunk[-1][0].segment)
                 if chunk is None:
                     await read_q.put(None)  # caught up: the decoder closes its batch now
-                    if processor.mode is Mode.ACTIVE:
-                        self._tail = await asyncio.to_thread(self._peek_active_segment, follower)
+                    if processor.mode is CdcMode.DAEMON_ACTIVE:
+                        await asyncio.to_thread(self._watch.peek_active_segment, follower)
                     wake.clear()
                     # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
                     # races with the wake-up, and stop() would then hang on a full queue.
@@ -456,7 +391,7 @@ class Daemon:
                         async with asyncio.timeout(check_s):
                             await wake.wait()
                     continue
-                await read_q.put(chunk)  # type: ignore[arg-type]
+                await read_q.put(chunk)
 
         async def decoder() -> None:
             while True:
@@ -469,18 +404,16 @@ class Daemon:
                         chunk = await read_q.get()
                 except TimeoutError:
                     chunk, timed_out = None, True
-                if isinstance(chunk, WalError):
-                    if processor.pending_events or _advanced(processor, committer):
-                        await item_q.put(processor.close_batch())
-                    await item_q.put(chunk)  # type: ignore[arg-type]
+                if chunk is None or isinstance(chunk, WalError):
+                    # Caught up (segments arrive whole, waiting adds only lag), batch_max_delay_ms
+                    # passed, or a bad spot.
+                    for item in end_of_read(processor, committer, chunk, timed_out=timed_out):
+                        await item_q.put(item)
+                    if chunk is None:
+                        continue
                     return
-                if chunk is None:
-                    # Caught up (segments arrive whole, waiting adds only lag) or batch_max_delay_ms passed.
-                    if processor.pending_events or (not timed_out and _advanced(processor, committer)):
-                        await item_q.put(processor.close_batch())  # or position-only progress (segment ends)
-                    continue
                 processor.source_node = follower.node_id
-                for item in processor.feed_many(chunk):  # type: ignore[arg-type]
+                for item in processor.feed_many(chunk):
                     await item_q.put(item)
                 if processor.finished:
                     return
@@ -499,7 +432,7 @@ class Daemon:
                 if get not in done:
                     # Idle: ask the consumer on every poll whether it can still take events (Ignite
                     # IGNITE-18249), so a dead sink ends the daemon even when nothing is written.
-                    await asyncio.shield(self._in_thread("consumer", "consumer alive()", self._check_alive))
+                    await asyncio.shield(self._watch.in_thread("consumer", "consumer alive()", self._check_alive))
                     continue
                 item, get = get.result(), None
                 if isinstance(item, WalError):
@@ -508,15 +441,10 @@ class Daemon:
                 if isinstance(item, Batch) and len(item.events):
                     events = item.events
                     what = f"consumer on_events() with {len(events)} events from {events.first}"
-                    if self._oldest_unconfirmed_ns is None:
-                        self._oldest_unconfirmed_ns = events.peek_slices()[0].record.commit_ts_ns
-                    _observe_capture(events)
+                    self._watch.batch_started(events)
                 # Shielded: a started batch finishes (and commits if confirmed) even on shutdown.
-                await asyncio.shield(self._in_thread("consumer", what, committer.apply, item))
-                if not committer.unconfirmed:
-                    self._oldest_unconfirmed_ns = None
-                self._segments_done(committer)
-                self._show(follower)
+                await asyncio.shield(self._watch.in_thread("consumer", what, committer.apply, item))
+                self._watch.committed(committer.state.position, unconfirmed=committer.unconfirmed, follower=follower)
                 if isinstance(item, Switch) or self._stopping.is_set():
                     return
 
@@ -541,96 +469,31 @@ class Daemon:
                 with contextlib.suppress(asyncio.CancelledError):
                     await t
 
-    # --- progress ----------------------------------------------------------------------------------
-    def _segments_pending(self) -> int:
-        """Links not yet wholly consumed: from the committed position's segment on (at scrape time)."""
-        if self._committer is None or not self._started:
-            return 0
-        pos = self._committer.state.position
-        found, _ = list_segments(self.cdc_dir)
-        return sum(1 for s in found if pos is None or s >= pos.segment)
 
-    def _lag_seconds(self) -> float:
-        """now - commit time of the oldest entry not yet confirmed: in a batch the consumer has not
-        confirmed, or in the node's active segment (waiting for its roll). 0 in PASSIVE mode (the
-        node's realtime worker delivers; its lag is on the node's endpoint)."""
-        committer = self._committer
-        if committer is None or not self._started or committer.state.mode is Mode.PASSIVE:
-            return 0.0
-        oldest = [ts for ts in (self._oldest_unconfirmed_ns,) if ts is not None]
-        tail, pos = self._tail, committer.state.position
-        if tail is not None and (pos is None or tail[0] >= pos.segment):
-            oldest.append(tail[1])
-        return max(0.0, time.time() - min(oldest) / 1e9) if oldest else 0.0
-
-    def _peek_active_segment(self, follower: SegmentFollower) -> tuple[int, int] | None:
-        """The first data record of the node's active segment (``<node_dir>/wal``), if it is newer
-        than every link: written, not yet archived, so not yet visible to the daemon."""
-        work = Path(self.config.node_dir) / "wal"
-        try:
-            found, _ = list_segments(work)
-        except OSError:
-            return None
-        links = follower.scan()
-        if not found or (links and max(found) <= max(links)):
-            return None
-        segment = max(found)
-        try:
-            for n, (_ptr, record) in enumerate(SegmentReader(found[segment], archived=False)):
-                if isinstance(record, DataRecord):
-                    return segment, record.commit_ts_ns
-                if n >= _TAIL_PEEK_RECORDS:
-                    break
-        except (OSError, WalError):
-            return None  # rolled away meanwhile, or being written: the next poll looks again
-        return None
-
-    def _segments_done(self, committer: Committer) -> None:
-        pos = committer.state.position
-        if pos is None:
-            return
-        now = time.monotonic()
-        for segment in [s for s in self._segment_started if s < pos.segment]:
-            metrics.DAEMON_SEGMENT_CONSUMING_SECONDS.observe(now - self._segment_started.pop(segment))
-
-    def _show(self, follower: SegmentFollower) -> None:
-        if not self._show_progress or self._committer is None:
-            return
-        pos = self._committer.state.position
-        if pos is None:
-            return
-        if self._progress_total is None:
-            found = follower.scan()
-            if not found or max(found) - pos.segment <= 1:
-                return
-            self._progress_start = pos.segment
-            self._progress_total = max(found) + 1 - pos.segment
-        done = min(self._progress_total, pos.segment - self._progress_start)
-        width = 30
-        filled = int(width * done / self._progress_total)
-        bar = "#" * filled + "." * (width - filled)
-        sys.stdout.write(f"\rcatching up [{bar}] {done}/{self._progress_total} segments")
-        sys.stdout.flush()
+def _read(follower: SegmentFollower, records: int) -> list[ReadItem] | WalError | None:
+    """The next chunk, None when caught up, or the error of a bad spot (raised after what came before it)."""
+    try:
+        return follower.read(records)
+    except WalError as exc:
+        return exc
 
 
-def _observe_capture(events: EventBatch) -> None:
-    """Per event: commit time to now, weighted by entries per record (one numpy pass per batch)."""
-    slices = events.peek_slices()
-    n = len(slices)
-    # map + attrgetter keep the per-record work in C (this runs for every batch).
-    ts = np.fromiter(map(_commit_ts, slices), np.int64, n)
-    weights = np.fromiter(map(_end, slices), np.float64, n)
-    weights -= np.fromiter(map(_start, slices), np.float64, n)
-    ages = np.maximum((time.time_ns() - ts) / 1e9, 0.0)
-    metrics.DAEMON_EVENT_CAPTURE_SECONDS.observe_many(ages, weights)
+def end_of_read(
+    processor: Processor, committer: Committer, end: WalError | None, *, timed_out: bool = False
+) -> list[Item | WalError]:
+    """What to carry out when reading stops: caught up (``end`` None) or at a bad spot (``end`` the
+    error). Either way what came before is delivered and committed first: the open batch, or the
+    read position moved past the committed one without events (ACTIVE only: markers, segment
+    ends; not when only ``batch_max_delay_ms`` passed). Then the error, if any, which the caller raises.
 
-
-def _advanced(processor: Processor, committer: Committer) -> bool:
-    """ACTIVE only: the read position moved past the committed one without events (markers, segment ends).
-
-    In PASSIVE the position is the node's, learnt from its markers, never the read position.
-    """
-    return processor.mode is Mode.ACTIVE and processor.position != committer.state.position
+    In PASSIVE the position is the node's, learnt from its markers, never the read position."""
+    out: list[Item | WalError] = []
+    advanced = processor.mode is CdcMode.DAEMON_ACTIVE and processor.position != committer.state.position
+    if processor.pending_events or (advanced and not timed_out):
+        out.append(processor.close_batch())
+    if end is not None:
+        out.append(end)
+    return out
 
 
 __all__ = ["CacheInfo", "Daemon", "PipelineStalled", "daemon_lock"]

@@ -13,9 +13,10 @@ import msgspec
 import structlog
 
 from cdcd.daemon.config import DaemonConfig
-from cdcd.daemon.daemon import INITIAL_MODE, daemon_lock
+from cdcd.daemon.daemon import daemon_lock
+from cdcd.daemon.processor import INITIAL_MODE, start_from_node
 from cdcd.daemon.source import ask_node, node_caches
-from cdcd.daemon_state import DaemonState, Mode, StateDamaged, StateStore
+from cdcd.daemon_state import CdcMode, DaemonState, StateDamaged, StateStore
 from cdcd.delivery import record_entries
 from cdcd.durable import fsync_dir
 from cdcd.faults import ExitCode, Fault
@@ -49,6 +50,7 @@ def show_state(config: DaemonConfig) -> dict[str, Any]:
         "state_dir": str(config.state_path),
         "fresh": fresh,
         "mode": state.mode.value,
+        "cdc_mode": state.mode.name,
         "node_id": state.node_id or None,
         "position": str(pos) if pos else None,
         "position_parts": msgspec.to_builtins(pos) if pos else None,
@@ -224,11 +226,11 @@ def plan_reset(config: DaemonConfig, to: WalPosition | None) -> ResetPlan:
         caches, caches_from = _node_caches(config)
     node = ask_node(config.node_dir)
     if node is not None:
-        mode, mode_from = (Mode.PASSIVE if node.realtime_on else Mode.ACTIVE), node.source
+        mode, mode_from = start_from_node(node.realtime_on, None, None)[0], node.source
     elif old is not None:
         mode, mode_from = old.mode, "old state"
     else:
-        mode, mode_from = Mode.ACTIVE, "default (the node does not answer and has no metastorage)"
+        mode, mode_from = CdcMode.DAEMON_ACTIVE, "default (the node does not answer and has no metastorage)"
     node_id = read_node_id(config.node_dir)
     new = DaemonState(
         mode,
@@ -288,6 +290,7 @@ def reset_state(config: DaemonConfig, plan: ResetPlan) -> tuple[DaemonState, Pat
             moved_aside=str(moved) if moved else None,
             position=str(state.position) if state.position else None,
             mode=state.mode.value,
+            cdc_mode=state.mode.name,
             mode_from=plan.mode_from,
             caches=len(plan.caches),
             caches_from=plan.caches_from,

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import structlog
 
-from cdcd.daemon_state import Mode
-from cdcd.delivery import Batch, Batcher, CacheChange, record_entries
+from cdcd.daemon_state import CdcMode
+from cdcd.delivery import Batch, Batcher, CacheChange, feed_active, record_entries
 from cdcd.wal.pointer import WalPointer, WalPosition
 from cdcd.wal.records import (
     CacheInfo,
@@ -29,7 +29,17 @@ from cdcd.wal.records import (
     TryStartRealtimeCdcRecord,
 )
 
-__all__ = ["Batch", "CacheChange", "Item", "MarkerCommit", "Processor", "Switch", "record_entries"]
+__all__ = [
+    "INITIAL_MODE",
+    "Batch",
+    "CacheChange",
+    "Item",
+    "MarkerCommit",
+    "Processor",
+    "Switch",
+    "record_entries",
+    "start_from_node",
+]
 
 log = structlog.get_logger("cdcd.daemon")
 
@@ -47,7 +57,7 @@ class MarkerCommit:
 class Switch:
     """End of a pass: persist ``mode`` at ``position`` (after committing everything before)."""
 
-    mode: Mode
+    mode: CdcMode
     position: WalPosition | None
     reason: str
 
@@ -55,11 +65,28 @@ class Switch:
 Item = Batch | CacheChange | MarkerCommit | Switch
 
 
+INITIAL_MODE = CdcMode.NODE_ACTIVE
+"""A fresh daemon that cannot ask the node waits for it to say who delivers (a Stop record)."""
+
+
+def start_from_node(
+    node_realtime_on: bool, node_position: WalPosition | None, oldest_link: int | None
+) -> tuple[CdcMode, WalPosition | None]:
+    """A daemon without state, once the node said who delivers: PASSIVE if its realtime worker
+    delivers; otherwise ACTIVE from where that worker stopped, or from the oldest link (None) when
+    that position's segment was consumed and unlinked already."""
+    if node_realtime_on:
+        return CdcMode.NODE_ACTIVE, None
+    if node_position is not None and oldest_link is not None and node_position.segment < oldest_link:
+        return CdcMode.DAEMON_ACTIVE, None
+    return CdcMode.DAEMON_ACTIVE, node_position
+
+
 class Processor:
     def __init__(
         self,
         *,
-        mode: Mode,
+        mode: CdcMode,
         position: WalPosition | None,
         caches: dict[int, CacheInfo],
         source_node: str,
@@ -118,25 +145,19 @@ class Processor:
                 return []
         rtype = type(record)
         batcher = self.batcher
-        if rtype is DataRecord:
-            assert isinstance(record, DataRecord)
-            if self.mode is Mode.ACTIVE:
-                batch = batcher.data(ptr, record, done, size)
-                return [batch] if batch is not None else []
+        if rtype is DataRecord and self.mode is not CdcMode.DAEMON_ACTIVE:
             batcher.passed(ptr, record)
             return []
+        if rtype is DataRecord or rtype is CacheRecord:
+            return list(feed_active(batcher, ptr, record, done, size))
         out: list[Item] = []
-        if rtype is CacheRecord:
-            assert isinstance(record, CacheRecord)
-            out.extend(batcher.cache_record(ptr, record))
-            return out
         batcher.passed(ptr, record)
         if rtype is TryStartRealtimeCdcRecord:
             # The node rolled the segment right after this record and waits for its link to go.
-            if self.mode is Mode.ACTIVE:
+            if self.mode is CdcMode.DAEMON_ACTIVE:
                 if batcher.slices:
                     out.append(batcher.close(end=WalPosition(ptr.segment, ptr.offset, 0)))
-                out.append(Switch(Mode.PASSIVE, WalPosition(ptr.segment + 1, 0, 0), "try_start_realtime"))
+                out.append(Switch(CdcMode.NODE_ACTIVE, WalPosition(ptr.segment + 1, 0, 0), "try_start_realtime"))
                 self.finished = True
             else:
                 # Never delete links here: what lies before this record may not have been delivered
@@ -144,12 +165,14 @@ class Processor:
                 log.warning("try_start_in_passive_mode", pointer=str(ptr))
         elif rtype is StopRealtimeCdcRecord:
             assert isinstance(record, StopRealtimeCdcRecord)
-            if self.mode is Mode.PASSIVE:
-                out.append(Switch(Mode.ACTIVE, self._not_behind(ptr, record.last), record.reason or "stop_realtime"))
+            if self.mode is CdcMode.NODE_ACTIVE:
+                out.append(
+                    Switch(CdcMode.DAEMON_ACTIVE, self._not_behind(ptr, record.last), record.reason or "stop_realtime")
+                )
                 self.finished = True
         elif rtype is RealtimeCdcRecord:
             assert isinstance(record, RealtimeCdcRecord)
-            if self.mode is Mode.PASSIVE:
+            if self.mode is CdcMode.NODE_ACTIVE:
                 last = self._not_behind(ptr, record.last)
                 assert last is not None
                 self.floor = last
@@ -181,7 +204,7 @@ class Processor:
         because it runs once per record of the backlog."""
         out: list[Item] = []
         batcher = self.batcher
-        active = self.mode is Mode.ACTIVE
+        active = self.mode is CdcMode.DAEMON_ACTIVE
         disabled = batcher.disabled
         for ptr, record, size in chunk:
             if (

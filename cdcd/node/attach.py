@@ -41,8 +41,10 @@ class NodeParts:
 class Realtime(Protocol):
     """Delivery from inside the node (IEP-104)."""
 
-    position: WalPosition | None
-    """Everything before it is delivered (None: nothing yet)."""
+    @property
+    def position(self) -> WalPosition | None:
+        """Everything before it is delivered (None: nothing yet)."""
+        ...
 
     def offer(self, chunks: list[Chunk]) -> None:
         """The flusher's thread: take flushed chunks, never block."""

@@ -6,7 +6,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from cdcd.control import ControlError
-from cdcd.daemon_state import read_daemon_state
+from cdcd.daemon_state import CdcMode, read_daemon_state
 from cdcd.node.attach import AttachError
 from cdcd.node.diff import digests
 from cdcd.secrets import mask_mapping
@@ -22,10 +22,11 @@ def status(node: Node) -> dict[str, Any]:
     rt = node.realtime.status()
     wal_pos = node.wal.position
     daemon = read_daemon_state(config.daemon_state_path)
-    delivering = "node" if rt["mode"] == "on" else "daemon"
-    committed = node.realtime.position if delivering == "node" else _daemon_position(daemon)
+    cdc_mode = CdcMode.NODE_ACTIVE if rt["mode"] == "on" else CdcMode.DAEMON_ACTIVE
+    node_active = cdc_mode is CdcMode.NODE_ACTIVE
+    committed = node.realtime.position if node_active else _daemon_position(daemon)
     lag_ms = None
-    if delivering == "node" and rt["last_event_commit_ts_ns"]:
+    if node_active and rt["last_event_commit_ts_ns"]:
         lag_ms = max(0.0, (time.time_ns() - rt["last_event_commit_ts_ns"]) / 1e6)
     return {
         "node_dir": config.node_dir,
@@ -37,7 +38,8 @@ def status(node: Node) -> dict[str, Any]:
         "cdc_links_skipped": node.cdc_links_skipped,
         "realtime": rt,
         "daemon": daemon,
-        "delivering": delivering,
+        "cdc_mode": cdc_mode.name,
+        "delivering": "node" if node_active else "daemon",
         "lag_segments": max(0, wal_pos.segment - committed.segment) if committed is not None else None,
         "lag_ms": lag_ms,
         "realtime_consumer": mask_mapping(config.realtime_consumer),

@@ -66,6 +66,12 @@ from pathlib import Path
 from cdcd.sinks.jsonl import JsonlConsumer
 
 
+def started(path):
+    """Say "batch started" in ``<path>.started`` (what the tests wait on), before the batch is worked on."""
+    with open(str(path) + ".started", "a") as f:
+        f.write("batch started\\n")
+
+
 class FailOnTrigger(JsonlConsumer):
     """Raises (after ``delay_ms``, before writing anything of the batch) while the trigger file exists."""
 
@@ -75,6 +81,7 @@ class FailOnTrigger(JsonlConsumer):
         self.delay_s = delay_ms / 1000
 
     def on_events(self, batch):
+        started(self.path)
         time.sleep(self.delay_s)
         if self.trigger.exists():
             raise RuntimeError("injected realtime consumer failure")
@@ -89,7 +96,22 @@ class Slow(JsonlConsumer):
         self.delay_s = delay_ms / 1000
 
     def on_events(self, batch):
+        started(self.path)
         time.sleep(self.delay_s)
+        return super().on_events(batch)
+
+
+class Gated(JsonlConsumer):
+    """Holds every batch until the gate file exists (a batch in flight for as long as a test needs)."""
+
+    def __init__(self, path, gate):
+        super().__init__(path)
+        self.gate = Path(gate)
+
+    def on_events(self, batch):
+        started(self.path)
+        while not self.gate.exists():
+            time.sleep(0.01)
         return super().on_events(batch)
 
 
@@ -103,6 +125,7 @@ class Busy(JsonlConsumer):
 
     def on_events(self, batch):
         with self.lock:
+            started(self.path)
             time.sleep(self.delay_s)
             return super().on_events(batch)
 
@@ -352,6 +375,40 @@ class Rig:
 
     def daemon_position(self) -> Pos | str | None:
         return polled_position(self.daemon_config)
+
+    def delivered(self, side: str) -> int:
+        """Lines in the output of ``side`` ("node" or "daemon"): one per event, plus cache lines."""
+        path = self.node_out if side == "node" else self.daemon_out
+        try:
+            return path.read_bytes().count(b"\n")
+        except FileNotFoundError:
+            return 0
+
+    def wait_delivered(self, side: str, events: int, timeout: float = 120) -> None:
+        """Wait until ``side`` has delivered ``events`` more than now: the load on that side is observed,
+        not slept for (and an assertion on a side's share has its events before the next switch)."""
+        start = self.delivered(side)
+        wait_for(lambda: self.delivered(side) >= start + events, timeout, f"{events} more events from the {side}")
+
+    def batches_started(self) -> int:
+        """How many batches the node's test consumer has begun (its ``<node_out>.started`` lines)."""
+        try:
+            return (self.node_out.parent / (self.node_out.name + ".started")).read_bytes().count(b"\n")
+        except FileNotFoundError:
+            return 0
+
+    def wait_batch_started(self, after: int, timeout: float = 60) -> None:
+        """Wait until the node's test consumer began a batch beyond the first ``after``."""
+        wait_for(lambda: self.batches_started() > after, timeout, f"the node's consumer to begin batch {after + 1}")
+
+    def wal_segment(self) -> int:
+        """The node's active WAL segment, from its status."""
+        return int(str(self.status()["wal_position"]).split(":")[0])
+
+    def wait_written(self, segments: int, timeout: float = 120) -> None:
+        """Wait until the node has written ``segments`` more WAL segments than now (its writes, observed)."""
+        start = self.wal_segment()
+        wait_for(lambda: self.wal_segment() >= start + segments, timeout, f"{segments} more WAL segments")
 
     def wait_daemon_caught_up(self, timeout: float = 60) -> None:
         """The daemon committed past the last archived segment (everything archived is delivered)."""

@@ -1,0 +1,174 @@
+"""The realtime worker's deliveries: buffered records through the shared batcher, ACTIVE
+dispatch and delivery loop (``cdcd.delivery``) to the consumer, then the commit.
+
+Runs on the worker thread only; the machine is read and fed under the worker's condition.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import structlog
+
+from cdcd import metrics
+from cdcd.consumer import Consumer, EventBatch, RecordSlice
+from cdcd.delivery import Batch, Batcher, CacheChange, DeliveryLoop, feed_active
+from cdcd.node.config import NodeConfig
+from cdcd.node.wal_log import WalLog
+from cdcd.realtime.machine import RealtimeMachine
+from cdcd.wal.pointer import WalPointer, WalPosition
+from cdcd.wal.reader import iter_chunk
+from cdcd.wal.records import CacheInfo, DataRecord, Record
+
+log = structlog.get_logger("cdcd.realtime")
+
+_RETRY_S = 0.02
+"""Retry policy for a consumer call that took nothing: offer the rest again after this (or at a stop)."""
+_NO_BYTE_BOUND = 1 << 62
+"""Realtime batches are bounded by events only (the buffer already bounds the bytes)."""
+
+
+class Stopped(Exception):
+    """Realtime stopped in the middle of a delivery (consumer error, or a stop request)."""
+
+
+class Deliverer:
+    def __init__(
+        self,
+        machine: RealtimeMachine,
+        cv: threading.Condition,
+        config: NodeConfig,
+        wal: WalLog,
+        node_id: str,
+        *,
+        caches: Callable[[], dict[int, CacheInfo]],
+        consumer: Callable[[], Consumer],
+        committed: Callable[[], None],
+        stop: Callable[[str, bool], None],
+    ) -> None:
+        """``committed()`` runs under ``cv`` after each commit (the marker cadence); ``stop(reason,
+        consumer_failed)`` stops realtime."""
+        self.machine = machine
+        self._cv = cv
+        self.config = config
+        self.wal = wal
+        self.node_id = node_id
+        self._caches = caches
+        self._consumer = consumer
+        self._committed = committed
+        self._stop = stop
+        self.last_event_ts_ns = 0
+        self.loop = DeliveryLoop(
+            self._on_events, self._commit, stopping=self._stopping, retry_wait=self._retry_wait, observe=self._observe
+        )
+        self.batcher: Batcher | None = None
+        """Batches and cache changes of the current run of deliveries (None: a new run begins)."""
+        self._names: dict[int, str] = {}
+        """Names of the node's caches, kept for events of a cache destroyed meanwhile."""
+
+    def stopped(self) -> None:
+        """Realtime stopped: the next delivery is a new run (a fresh consumer hears of every cache)."""
+        self.batcher = None
+        self.loop.unconfirmed = False
+
+    def _records(self) -> Iterator[tuple[WalPointer, Record, int]]:
+        """Buffered records in WAL order from the delivery start, with how many entries of each were
+        delivered before; ends when the buffer is empty or a stop is asked for (no new batch after it)."""
+        machine = self.machine
+        while True:
+            with self._cv:
+                taken = machine.take()
+            if taken is None:
+                return
+            source, _size = taken
+            metrics.RT_BUFFER_BYTES.set(machine.buffered_bytes)
+            items = source if isinstance(source, list) else iter_chunk(source.data, source.segment, source.offset)
+            for ptr, record, _rsize in items:
+                if machine.stopping:
+                    return
+                done = machine.entries_done(ptr, record)
+                if done is not None:
+                    yield ptr, record, done
+
+    def deliver_available(self) -> None:
+        """Deliver everything buffered now, in batches of at most ``realtime_batch_max_events``."""
+        batcher = self.batcher
+        if batcher is None:
+            # A new run of deliveries: a fresh consumer hears of every cache whose CREATE it reads.
+            batcher = self.batcher = Batcher(
+                position=self.machine.position,
+                caches={},
+                source_node=self.node_id,
+                batch_max_events=self.config.realtime_batch_max_events,
+                batch_max_bytes=_NO_BYTE_BOUND,
+                names=self._names,
+            )
+        batcher.restart(self.machine.position)
+        for cid, info in self._caches().items():
+            self._names[cid] = info.name
+            if not info.config.cdc_enabled and cid not in batcher.caches:  # created before what this worker read
+                batcher.disabled.add(cid)
+        skipped = False
+        for ptr, record, done in self._records():
+            before = batcher.events
+            items = feed_active(batcher, ptr, record, done, 0)
+            skipped |= not items and type(record) is DataRecord and batcher.events == before
+            for item in items:
+                if isinstance(item, Batch):
+                    self._deliver(item)
+                else:
+                    self._cache_change(item)
+        if self.machine.stopping:
+            return  # the open batch is not started: the daemon delivers it from the last commit
+        if batcher.slices:
+            self._deliver(batcher.close())
+        elif skipped and batcher.position is not None and not self.loop.unconfirmed:
+            # Only entries of caches with CDC off: nothing to deliver, the position moves on all the
+            # same (only after data: a marker alone would make the next marker, forever).
+            self._commit(batcher.position)
+
+    def _cache_change(self, change: CacheChange) -> None:
+        consumer = self._consumer()
+        if change.created and not change.quiet:
+            consumer.on_cache_change(change.created)
+        if change.destroyed:  # the consumer never heard of a cache with CDC off
+            consumer.on_cache_destroy(change.destroyed)
+
+    def _deliver(self, item: Batch) -> None:
+        if not self.loop.deliver(item):
+            raise Stopped  # the daemon delivers from the last commit, which is before these events
+
+    def _on_events(self, events: EventBatch) -> bool:
+        try:
+            return self._consumer().on_events(events)
+        except Exception as exc:
+            log.error("realtime_consumer_failed", error=f"{type(exc).__name__}: {exc}")
+            self._stop("consumer_error", True)
+            raise Stopped from None
+
+    def _observe(self, taken: Sequence[RecordSlice], _events: EventBatch, took: int, _ok: bool) -> None:
+        if took:
+            ts = taken[-1].record.commit_ts_ns
+            self.last_event_ts_ns = ts
+            metrics.RT_LAG_SECONDS.observe(max(0.0, (time.time_ns() - ts) / 1e9))
+            metrics.RT_EVENTS.inc(took)
+
+    def _stopping(self) -> bool:
+        return self.machine.stopping
+
+    def _retry_wait(self) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: self.machine.stopping, _RETRY_S)
+
+    def _commit(self, end: WalPosition) -> None:
+        """The consumer confirmed everything before ``end``: make it the position (and on the
+        marker cadence have the marker thread persist it and tell the daemon)."""
+        with self._cv:
+            if not self.machine.confirmed(end):
+                return  # stopped while this batch ran (close timed out): the Stop record already went out
+            self._committed()
+        metrics.RT_COMMITTED_SEGMENT.set(end.segment)
+        metrics.RT_COMMITTED_OFFSET.set(end.offset)
+        metrics.RT_LAG_SEGMENTS.set(max(0, self.wal.position.segment - end.segment))
