@@ -14,6 +14,9 @@ from cdcd.config import ConfigError, check_address, check_ranges, convert, read_
 
 MiB = 1 << 20
 ENV_PREFIX = "CDCD_"
+NOT_CONFIG = frozenset({"CDCD_CONFIG", "CDCD_FAILPOINTS", "CDCD_LAKE_ROWS", "CDCD_SPARK_JARS_DIR"})
+"""``CDCD_*`` variables that are not config keys: the config file itself, fail points (cdcd/failpoints.py),
+the lake's row builder (cdcd/lake/arrow.py) and where the Delta jars are (cdcd/lake/spark.py)."""
 
 
 class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -79,7 +82,7 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     """``CDCD_BATCH_MAX_EVENTS=5`` → ``batch_max_events = 5``; ``CDCD_CONSUMER__PATH=x`` → ``[consumer] path``."""
     out: dict[str, Any] = {}
     for name, text in environ.items():
-        if not name.startswith(ENV_PREFIX) or name in ("CDCD_CONFIG", "CDCD_FAILPOINTS"):
+        if not name.startswith(ENV_PREFIX) or name in NOT_CONFIG:
             continue
         parts = name[len(ENV_PREFIX) :].lower().split("__")
         target = out
