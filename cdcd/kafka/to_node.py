@@ -31,10 +31,13 @@ from cdcd.kafka.errors import describe
 from cdcd.kafka.options import KafkaToNodeOptions, cache_filter, parse_partitions
 from cdcd.replication import credentials
 from cdcd.replication.client import ReplicationClient, TargetRefused
-from cdcd.replication.protocol import ProtocolError, ReplEntry
+from cdcd.replication.protocol import Applied, ProtocolError, ReplEntry
+from cdcd.retry import Backoff, RetriesExhausted, Retry, RetryInterrupted, retry_until
 from cdcd.wal.records import DataEntry
 
 log = structlog.get_logger("cdcd.kafka.to_node")
+
+_BACKOFF = Backoff(initial_ms=100, max_ms=5000)
 
 _entry_decoder = msgspec.msgpack.Decoder(DataEntry)
 
@@ -230,37 +233,42 @@ class _Worker:
             if out:
                 yield cache, out
 
+    def _retrying(self, retry: Retry) -> None:
+        metrics.K2N_RETRIES.inc()
+        log.warning("kafka_to_node_retry", thread=self.index, error=f"{type(retry.error).__name__}: {retry.error}")
+
     def _apply(self, entries: list[tuple[str, DataEntry]]) -> None:
         app = self.app
         opts = app.opts
-        started = time.monotonic()
-        delay_s = 0.1
-        while True:
-            try:
-                if not self.client.connected:
-                    self.client.sender_cluster_id = entries[0][1].version.cluster_id
-                    welcome = self.client.connect()
-                    log.info(
-                        "kafka_to_node_connected",
-                        thread=self.index,
-                        target=self.client.target,
-                        target_cluster=welcome.cluster_id,
-                    )
-                result = self.client.apply_all(self._requests(entries), partitions=app.metadata.partitions)
-                break
-            except TargetRefused as exc:
-                raise KafkaToNodeError(f"key 'target': {exc}") from None
-            except (OSError, ProtocolError) as exc:
-                waited_s = time.monotonic() - started
-                if waited_s >= opts.max_retry_s or app.stopping.is_set():
-                    raise KafkaToNodeError(
-                        f"key 'target': replication target {self.client.target} failing for {waited_s:.1f} s "
-                        f"(max_retry_s = {opts.max_retry_s:g}): {type(exc).__name__}: {exc}"
-                    ) from None
-                metrics.K2N_RETRIES.inc()
-                log.warning("kafka_to_node_retry", thread=self.index, error=f"{type(exc).__name__}: {exc}")
-                app.stopping.wait(delay_s)
-                delay_s = min(delay_s * 2, 5.0)
+
+        def attempt() -> Applied:
+            if not self.client.connected:
+                self.client.sender_cluster_id = entries[0][1].version.cluster_id
+                welcome = self.client.connect()
+                log.info(
+                    "kafka_to_node_connected",
+                    thread=self.index,
+                    target=self.client.target,
+                    target_cluster=welcome.cluster_id,
+                )
+            return self.client.apply_all(self._requests(entries), partitions=app.metadata.partitions)
+
+        try:
+            result = retry_until(
+                attempt,
+                opts.max_retry_s,
+                _BACKOFF,
+                retriable=(OSError, ProtocolError),
+                stop=app.stopping,
+                on_retry=self._retrying,
+            )
+        except TargetRefused as exc:
+            raise KafkaToNodeError(f"key 'target': {exc}") from None
+        except (RetriesExhausted, RetryInterrupted) as exc:
+            raise KafkaToNodeError(
+                f"key 'target': replication target {self.client.target} failing for {exc.failing_for_s:.1f} s "
+                f"(max_retry_s = {opts.max_retry_s:g}): {type(exc.last).__name__}: {exc.last}"
+            ) from None
         metrics.K2N_APPLIED.inc(result.applied)
         metrics.K2N_IGNORED.inc(result.duplicates)
         metrics.K2N_REJECTED.inc(result.rejected)

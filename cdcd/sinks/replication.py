@@ -26,7 +26,8 @@ from cdcd.config import ConfigError, check_ranges, convert, split_host_port
 from cdcd.consumer import Consumer, EventBatch
 from cdcd.replication import credentials
 from cdcd.replication.client import ReplicationClient, TargetRefused
-from cdcd.replication.protocol import ProtocolError, ReplEntry
+from cdcd.replication.protocol import Applied, ProtocolError, ReplEntry
+from cdcd.retry import Backoff, RetriesExhausted, Retry, RetryInterrupted, retry_until
 
 log = structlog.get_logger("cdcd.sinks.replication")
 
@@ -174,50 +175,58 @@ class ReplicationConsumer(Consumer):
             if out:
                 yield batch.cache_name(cache_id), out
 
+    def _retrying(self, retry: Retry) -> None:
+        metrics.REPL_RETRIES.inc()
+        log.warning(
+            "replication_retry",
+            target=self.client.target,
+            error=f"{type(retry.error).__name__}: {retry.error}",
+            retry_in_s=round(retry.retry_in_s, 3),
+            failing_for_s=round(retry.failing_for_s, 1),
+        )
+
     def on_events(self, batch: EventBatch) -> bool:
         if not len(batch):
             return True
         if self._interrupted.is_set():
             return False  # stopping: confirm nothing more
         opts = self.options
-        started = time.monotonic()
-        delay_s = 0.1
-        while True:
-            skipped = {"replicated": 0, "backup": 0, "filtered": 0}
-            try:
-                if not self.client.connected:
-                    first = batch.slices[0]
-                    self.client.sender_node = batch.source_node
-                    self.client.sender_cluster_id = first.record.entries[first.start].version.cluster_id
-                    welcome = self.client.connect()
-                    log.info("replication_connected", target=self.client.target, target_cluster=welcome.cluster_id)
-                result = self.client.apply_all(self._requests(batch, skipped))
-                break
-            except TargetRefused:
-                self._alive = False
-                raise
-            except (OSError, ProtocolError) as exc:  # ConnectionError, TimeoutError and ssl.SSLError are OSErrors
-                waited_s = time.monotonic() - started
-                if waited_s >= opts.max_retry_s:
-                    self._alive = False
-                    raise ConnectionError(
-                        f"replication target {self.client.target}: failing for {waited_s:.1f} s "
-                        f"(max_retry_s = {opts.max_retry_s:g}): {type(exc).__name__}: {exc}"
-                    ) from exc
-                metrics.REPL_RETRIES.inc()
-                log.warning(
-                    "replication_retry",
-                    target=self.client.target,
-                    error=f"{type(exc).__name__}: {exc}",
-                    retry_in_s=round(delay_s, 3),
-                    failing_for_s=round(waited_s, 1),
-                )
-                if self._interrupted.wait(min(delay_s, max(0.0, opts.max_retry_s - waited_s))):
-                    log.info(
-                        "replication_retry_interrupted", target=self.client.target, failing_for_s=round(waited_s, 1)
-                    )
-                    return False
-                delay_s = min(delay_s * 2, opts.retry_backoff_max_ms / 1000)
+        skipped: dict[str, int] = {}
+
+        def attempt() -> Applied:
+            skipped.update(replicated=0, backup=0, filtered=0)  # counted again by each attempt
+            if not self.client.connected:
+                first = batch.slices[0]
+                self.client.sender_node = batch.source_node
+                self.client.sender_cluster_id = first.record.entries[first.start].version.cluster_id
+                welcome = self.client.connect()
+                log.info("replication_connected", target=self.client.target, target_cluster=welcome.cluster_id)
+            return self.client.apply_all(self._requests(batch, skipped))
+
+        try:
+            result = retry_until(
+                attempt,
+                opts.max_retry_s,
+                Backoff(max_ms=opts.retry_backoff_max_ms),
+                # ConnectionError, TimeoutError and ssl.SSLError are OSErrors
+                retriable=(OSError, ProtocolError),
+                stop=self._interrupted,
+                on_retry=self._retrying,
+            )
+        except TargetRefused:
+            self._alive = False
+            raise
+        except RetriesExhausted as exc:
+            self._alive = False
+            raise ConnectionError(
+                f"replication target {self.client.target}: failing for {exc.failing_for_s:.1f} s "
+                f"(max_retry_s = {opts.max_retry_s:g}): {type(exc.last).__name__}: {exc.last}"
+            ) from exc.last
+        except RetryInterrupted as exc:
+            log.info(
+                "replication_retry_interrupted", target=self.client.target, failing_for_s=round(exc.failing_for_s, 1)
+            )
+            return False
         sent = result.applied + result.rejected + result.duplicates
         self.sent += sent
         self.applied += result.applied
