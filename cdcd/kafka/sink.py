@@ -30,11 +30,11 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from cdcd import failpoints, metrics
-from cdcd.config import ConfigError
+from cdcd.config import ConfigError, cache_filter
 from cdcd.consumer import CacheInfo, Consumer, EventBatch
 from cdcd.kafka import envelope, offsets
 from cdcd.kafka.errors import KafkaSetupError, describe, error_of, setting_of
-from cdcd.kafka.options import KafkaSinkOptions, cache_filter
+from cdcd.kafka.options import KafkaSinkOptions
 from cdcd.retry import Backoff, RetriesExhausted, Retry, RetryInterrupted, retry_until
 from cdcd.wal.records import Op
 

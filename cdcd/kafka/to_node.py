@@ -15,7 +15,6 @@ unknown cache arrives (Ignite's metadata markers, IGNITE-20954).
 
 from __future__ import annotations
 
-import ssl
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -26,11 +25,9 @@ import structlog
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from cdcd import failpoints, metrics
-from cdcd.config import ConfigError, split_host_port
 from cdcd.kafka.errors import describe
-from cdcd.kafka.options import KafkaToNodeOptions, cache_filter, parse_partitions
-from cdcd.replication import credentials
-from cdcd.replication.client import ReplicationClient, TargetRefused
+from cdcd.kafka.options import KafkaToNodeOptions, parse_partitions
+from cdcd.replication.client import TargetRefused
 from cdcd.replication.protocol import Applied, ProtocolError, ReplEntry
 from cdcd.retry import Backoff, RetriesExhausted, Retry, RetryInterrupted, retry_until
 from cdcd.wal.records import DataEntry
@@ -123,13 +120,8 @@ class _Worker:
         self.index = index
         self.partitions = list(partitions)
         opts = app.opts
-        self.client = ReplicationClient(
-            app.address,
-            app.token,
-            tls=app.tls,
-            tls_server_name=opts.tls_server_name,
-            request_timeout_s=opts.request_timeout_ms / 1000,
-            sender_node=f"kafka:{opts.topic}",
+        self.client = app.target.client(
+            request_timeout_s=opts.request_timeout_ms / 1000, sender_node=f"kafka:{opts.topic}"
         )
 
     def run(self) -> None:
@@ -279,15 +271,8 @@ class KafkaToNode:
         self.opts = opts
         self.source = source
         self.base = opts.librdkafka(source)
-        try:
-            self.address = split_host_port(opts.target)
-        except ValueError as exc:
-            raise ConfigError(f"{source}: key 'target': {exc}") from None
-        self.token = credentials.read_token(opts.token_file, "token_file", source)
-        self.tls: ssl.SSLContext | None = None
-        if opts.tls or opts.tls_ca or opts.tls_cert or opts.tls_key:
-            self.tls = credentials.client_context(opts.tls_ca, opts.tls_cert, opts.tls_key, source)
-        self._filter = cache_filter(opts.caches, source)
+        self.target = opts.replication.open(source)
+        self._filter = self.target.selected
         self._selected: dict[str, bool] = {}
         self.metadata = MetadataReader(opts, self.base)
         self.stopping = threading.Event()
