@@ -51,7 +51,7 @@ def damage(data: Path, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["garbage", "garbage-pages", "half", "short"])
-def test_damaged_state_is_one_line_exit_6_then_reset_resumes_at_the_oldest_link(tmp_path: Path, how: str) -> None:
+def test_damaged_state_is_one_line_exit_7_then_reset_resumes_at_the_oldest_link(tmp_path: Path, how: str) -> None:
     """`cdcd run` and `cdcd state show` on a damaged (or truncated: SIGBUS before) data.mdb exit 7 with one line naming
     the file; `state reset --yes` moves it aside, takes the cache registry from the node and the mode from its
     metastorage (realtime off: ACTIVE), and the daemon then delivers exactly the links' entries."""
