@@ -51,6 +51,10 @@ test-kafka-cluster: install
 test-under-load: install
 	bash scripts/test-under-load.sh
 
+# The same with eight busy processes, whatever the core count (four per core on two cores).
+test-under-load-8: install
+	BUSY_PROCESSES=8 bash scripts/test-under-load.sh
+
 lint: install
 	$(BIN)/ruff check cdcd tests
 	$(BIN)/mypy
