@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 JARS   := $(VENV)/jars/.fetched-stamp
 
-.PHONY: install test test-kafka-cluster test-under-load lint bench bench-pg bench-kafka fuzz chaos run run-cluster clean
+.PHONY: install test test-lake-python test-kafka-cluster test-under-load test-under-load-8 lint bench bench-pg bench-kafka fuzz chaos run run-cluster clean
 
 install: $(STAMP) $(JARS)
 	@bash scripts/ensure-kafka.sh
@@ -31,6 +31,18 @@ $(JARS): $(STAMP) scripts/fetch-delta-jars.sh cdcd/lake/spark.py
 PYTEST_WORKERS ?= 2
 test: install
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+	CDCD_LAKE_ROWS=python $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(LAKE_ON_PYTHON)
+
+# The lake again on the Python row builder (cdcd/lake/rows_py.py), as a machine without the C module runs it:
+# daemons landing end to end (their Spark tasks inherit CDCD_LAKE_ROWS), a standalone cluster's executors, the
+# many-partition writer. Fast row tests run on both builders in the main run (the row_builder fixture).
+LAKE_ON_PYTHON := tests/test_lake_rows.py::test_this_process_uses_the_builder_the_environment_names \
+	tests/test_lake.py::test_daemon_lands_100k_entries_exactly_once_then_compact_and_verify \
+	tests/test_lake.py::test_standalone_cluster_lands_exactly_once tests/test_lake_caches.py
+
+# Every lake test file on the Python row builder.
+test-lake-python: install
+	CDCD_LAKE_ROWS=python $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests/test_lake*.py
 
 # Three Kafka brokers, replication factor 3, a partition leader SIGKILLed mid-stream (~3 min).
 test-kafka-cluster: install
@@ -39,6 +51,10 @@ test-kafka-cluster: install
 # The same suite with every core kept busy by other processes: timing luck must not matter.
 test-under-load: install
 	bash scripts/test-under-load.sh
+
+# The same with eight busy processes, whatever the core count (four per core on two cores).
+test-under-load-8: install
+	BUSY_PROCESSES=8 bash scripts/test-under-load.sh
 
 lint: install
 	$(BIN)/ruff check cdcd tests

@@ -7,7 +7,7 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -85,6 +85,20 @@ def import_object(spec: str, source: str, key: str) -> Any:
     if obj is None:
         raise ConfigError(f"{source}: key '{key}': {module_name!r} has no attribute {attr!r}")
     return obj
+
+
+def cache_filter(spec: list[str] | str, source: str) -> Callable[[str], bool]:
+    """A ``caches`` key (names, or one regular expression matching whole names; ``[]``: all) as a
+    predicate on cache names."""
+    if isinstance(spec, str):
+        try:
+            pattern = re.compile(spec)
+        except re.error as exc:
+            raise ConfigError(f"{source}: key 'caches': bad regular expression {spec!r}: {exc}") from None
+        return lambda name: pattern.fullmatch(name) is not None
+    if not spec:
+        return lambda name: True
+    return frozenset(spec).__contains__
 
 
 def check_ranges(config: object, checks: Mapping[str, bool]) -> None:

@@ -1,9 +1,13 @@
-"""Named crash points for fault-injection tests (the idea of FoundationDB's and TiKV's fail points).
+"""Named fail points for fault-injection tests (the idea of FoundationDB's and TiKV's fail points).
 
 ``CDCD_FAILPOINTS="realtime.try_start_written,daemon.switch_committed@2"`` makes the process
 SIGKILL itself when it reaches one of those points (``@N``: at the N-th time it gets there).
+``name=pause:DIR`` pauses there instead: the first process to get there (of all processes armed
+with that DIR, once) creates ``DIR/name`` holding its pid and blocks until it is killed (at most
+``PAUSE_MAX_S``), so a test can find and kill exactly that process at that point, e.g. a Spark
+task between writing its files and returning them (``spark.executorEnv.CDCD_FAILPOINTS``).
 The environment is read once, at import; with the variable unset ``hit()`` is one dict lookup,
-so points can sit on paths that run once per switch or commit (never per event).
+so points can sit on paths that run once per switch, commit or task (never per event).
 
 A SIGKILL, not an exception: nothing may run after the point, exactly as if the machine died
 there (no ``finally``, no atexit, no flush of buffered writes).
@@ -13,25 +17,61 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
 
 __all__ = ["hit"]
 
+ENV = "CDCD_FAILPOINTS"
+PAUSE_MAX_S = 600.0
+"""A paused process nobody killed goes on after this long (a test that failed must not leave it forever)."""
 
-def _parse(text: str) -> dict[str, int]:
-    points: dict[str, int] = {}
+
+@dataclass
+class _Point:
+    left: int
+    """Hits to go before it fires (1: the next one)."""
+    pause_dir: Path | None = None
+    """None: SIGKILL; else pause, claiming ``pause_dir/<name>``."""
+
+
+def _parse(text: str) -> dict[str, _Point]:
+    points: dict[str, _Point] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
-        name, _, nth = item.partition("@")
-        points[name] = int(nth) if nth else 1
+        spec, _, action = item.partition("=")
+        name, _, nth = spec.partition("@")
+        point = _Point(int(nth) if nth else 1)
+        if action.startswith("pause:") and action[len("pause:") :]:
+            point.pause_dir = Path(action[len("pause:") :])
+        elif action not in ("", "kill"):
+            raise ValueError(f"environment: {ENV}: {item!r}: the action is kill or pause:DIR")
+        points[name] = point
     return points
 
 
-_armed = _parse(os.environ.get("CDCD_FAILPOINTS", ""))
+_armed = _parse(os.environ.get(ENV, ""))
+
+
+def _pause(name: str, where: Path) -> None:
+    try:
+        fd = os.open(where / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return  # another process holds this pause: this one goes on
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    threading.Event().wait(PAUSE_MAX_S)
 
 
 def hit(name: str) -> None:
-    """Die here if ``name`` is armed (and this is its N-th hit)."""
+    """Die (or pause) here if ``name`` is armed and this is its N-th hit."""
     if not _armed or name not in _armed:
         return
-    _armed[name] -= 1
-    if _armed[name] <= 0:
+    point = _armed[name]
+    point.left -= 1
+    if point.left > 0:
+        return
+    if point.pause_dir is None:
         os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        _pause(name, point.pause_dir)

@@ -1,5 +1,6 @@
 """The lake's Arrow side without Spark: JSON text of keys and values, the columnar table builder
-against a row-by-row reference, batch splitting, partition directory names and the pyarrow writer."""
+(on the C module and on the Python path: the ``row_builder`` fixture) against a row-by-row reference,
+batch splitting, partition directory names and the pyarrow writer."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 import msgspec
 import pyarrow as pa
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -151,6 +153,7 @@ records = st.lists(
 )
 
 
+@pytest.mark.usefixtures("row_builder")
 @given(records, st.integers(1_600_000_000, 1_900_000_000))
 @settings(max_examples=200, deadline=None)
 def test_columnar_table_equals_a_row_by_row_build(spec: list[Any], base_s: int) -> None:
@@ -172,6 +175,7 @@ def test_columnar_table_equals_a_row_by_row_build(spec: list[Any], base_s: int) 
     assert plain.to_pylist() == [{k: v for k, v in row.items() if k != "day"} for row in expected]
 
 
+@pytest.mark.usefixtures("row_builder")
 @given(records, st.booleans())
 @settings(max_examples=100, deadline=None)
 def test_records_shipped_to_a_spark_task_build_the_same_rows(spec: list[Any], by_day: bool) -> None:

@@ -20,7 +20,7 @@ from deltalake import DeltaTable
 
 from cdcd.lake.delta import app_id, decode_version
 from cdcd.lake.spark import S3A_ARTIFACTS, jar_name, jars_dir
-from cdcd.lake.spark_write import PAUSE_DIR_ENV, PAUSE_POINT
+from cdcd.lake.spark_write import TASK_WRITTEN
 from cdcd.lake.storage import LakeLocation, StorageOptions
 from cdcd.node.identity import read_node_id
 from tests.support.lake import caught_up, position, write_config
@@ -152,7 +152,7 @@ def test_three_nodes_land_exactly_once_through_kills_and_a_store_outage(
             "spark.cores.max": "2",
             "spark.executor.cores": "1",
             "spark.executor.memory": "512m",
-            f"spark.executorEnv.{PAUSE_DIR_ENV}": str(pause_dir),
+            "spark.executorEnv.CDCD_FAILPOINTS": f"{TASK_WRITTEN}=pause:{pause_dir}",
         },
     }
     configs, errs = [], []
@@ -179,7 +179,7 @@ def test_three_nodes_land_exactly_once_through_kills_and_a_store_outage(
         daemons[0].wait(30)
         daemons[0] = start_daemon(configs[0], errs[0], env=envs[0])
         # SIGKILL the Spark worker (and its executor) whose task wrote daemon 1's files and has not returned.
-        paused = pause_dir / PAUSE_POINT
+        paused = pause_dir / TASK_WRITTEN
         wait_for(lambda: paused.is_file() and paused.read_text() != "", 300, "daemon 1's first Spark write task")
         task_pid = int(paused.read_text())
         worker = spark_cluster.worker_running(task_pid)

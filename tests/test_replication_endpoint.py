@@ -333,3 +333,54 @@ def test_bad_addresses_name_their_key(tmp_path: Path) -> None:
         ReplicationConsumer.from_options({"target": "7470", "token_file": str(token_file(tmp_path))}, "test")
     with pytest.raises(ConfigError, match=r"key 'replication_listen': expected host:port, got 'h:99999'"):
         Node.open(tmp_path / "n", replication_listen="h:99999", replication_token_file=str(token_file(tmp_path)))
+
+
+def _kafka_to_node(options: dict[str, Any]) -> Any:
+    from cdcd.kafka.options import KafkaToNodeOptions
+    from cdcd.kafka.to_node import KafkaToNode
+
+    opts = KafkaToNodeOptions.load({"bootstrap_servers": "127.0.0.1:9", "topic": "t", **options}, "test")
+    return KafkaToNode(opts, "test").target
+
+
+def _replication_sink(options: dict[str, Any]) -> Any:
+    sink = ReplicationConsumer.from_options(options, "test")
+    return sink.client.address, sink._selected
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        ({"target": "7470"}, r"^test: key 'target': expected host:port, got '7470'$"),
+        ({"caches": "orders("}, r"^test: key 'caches': bad regular expression 'orders\('"),
+        ({"token_file": "world-readable"}, r"^test: key 'token_file': .* is readable by group or others"),
+        ({"tls_ca": "no-such-ca.pem"}, r"^test: key 'tls_ca'"),
+    ],
+    ids=["target", "caches", "token_file", "tls_ca"],
+)
+def test_the_sink_and_kafka_to_node_read_a_target_alike(tmp_path: Path, bad: dict[str, str], error: str) -> None:
+    """One TargetOptions (cdcd/replication/target.py) for the replication sink and kafka-to-node: the same flat
+    keys, refused with the same one line naming the key."""
+    good = {"target": "127.0.0.1:7470", "token_file": str(token_file(tmp_path)), "caches": "orders|items"}
+    if bad.get("token_file") == "world-readable":
+        bad = {"token_file": str(token_file(tmp_path, mode=0o644))}
+    options = {**good, **bad}
+    with pytest.raises(ConfigError, match=error) as sink_error:
+        _replication_sink(options)
+    with pytest.raises(ConfigError, match=error) as k2n_error:
+        _kafka_to_node(options)
+    assert str(sink_error.value) == str(k2n_error.value)
+
+
+def test_a_good_target_gives_both_the_same_address_token_and_caches(tmp_path: Path) -> None:
+    from cdcd.kafka.options import KafkaToNodeOptions
+
+    options = {"target": "127.0.0.1:7470", "token_file": str(token_file(tmp_path)), "caches": ["orders", "items"]}
+    k2n = _kafka_to_node(options)
+    address, selected = _replication_sink(options)
+    assert address == k2n.address == ("127.0.0.1", 7470)
+    assert k2n.token == TOKEN.encode() and k2n.tls is None
+    for name in ("orders", "items", "order", "other"):
+        assert selected(name) == k2n.selected(name) == (name in ("orders", "items"))
+    with pytest.raises(ConfigError, match=r"^test: key 'replication': not a key"):
+        KafkaToNodeOptions.load({"bootstrap_servers": "h:9", "topic": "t", "replication": options}, "test")

@@ -11,15 +11,18 @@ from typing import Any, Literal
 
 import msgspec
 
-from cdcd.config import ConfigError, check_address, check_ranges, convert, read_toml
+from cdcd.config import ConfigError, check_address, check_ranges, convert, load_toml, read_toml
+from cdcd.node.config import NodeConfig
 
 MiB = 1 << 20
 ENV_PREFIX = "CDCD_"
-
-
 class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     node_dir: str
     """The node whose CDC directory is followed."""
+    node_config: str = ""
+    """That node's own config file (``config/node.toml``), as ignite-cdc reads its node's: where the node's
+    control socket and metastorage are when its ``control_socket`` or ``db_dir`` is not the default.
+    Default: the node's defaults under ``node_dir``."""
     cdc_dir: str = ""
     """Default: the node's ``cdc/``."""
     state_dir: str = ""
@@ -60,6 +63,21 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         }
         check_ranges(self, checks)
         check_address(self.metrics_address, "metrics_address")
+
+    def node(self) -> NodeConfig:
+        """The followed node's config: read from ``node_config``, else the defaults under ``node_dir``."""
+        if not self.node_config:
+            return NodeConfig(node_dir=self.node_dir)
+        try:
+            node = load_toml(self.node_config, NodeConfig)
+        except ConfigError as exc:
+            raise ConfigError(f"key 'node_config': {exc}") from None
+        if Path(node.node_dir).resolve() != Path(self.node_dir).resolve():
+            raise ConfigError(
+                f"key 'node_config': {self.node_config} configures node_dir {node.node_dir}, "
+                f"not this daemon's node_dir {self.node_dir}"
+            )
+        return node
 
     @property
     def cdc_path(self) -> Path:
@@ -136,4 +154,8 @@ def load_daemon_config(
     config = convert(data, DaemonConfig, str(path))
     if "kind" not in config.consumer:
         raise ConfigError(f"{path}: missing key 'consumer.kind'")
+    try:
+        config.node()
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     return config

@@ -127,7 +127,7 @@ class Daemon:
                 if not caches:
                     from cdcd.daemon.source import node_caches
 
-                    caches, caches_from = node_caches(self.config.node_dir)
+                    caches, caches_from = node_caches(self.config.node())
                     self._store.commit(state, caches=caches)  # the registry stays with the state
                     state = self._store.load(INITIAL_MODE)
                     log.info("cache_registry_from_node", caches=len(caches), source=caches_from)
@@ -168,7 +168,7 @@ class Daemon:
         not: ACTIVE from where its realtime worker stopped, or the oldest link."""
         from cdcd.daemon.source import ask_node
 
-        node = ask_node(self.config.node_dir)
+        node = ask_node(self.config.node())
         if node is None:
             log.warning(
                 "daemon_without_state_waits",

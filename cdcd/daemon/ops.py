@@ -224,7 +224,7 @@ def plan_reset(config: DaemonConfig, to: WalPosition | None) -> ResetPlan:
     caches_from = "old state"
     if old is None:
         caches, caches_from = _node_caches(config)
-    node = ask_node(config.node_dir)
+    node = ask_node(config.node())
     if node is not None:
         mode, mode_from = start_from_node(node.realtime_on, None, None)[0], node.source
     elif old is not None:
@@ -258,7 +258,7 @@ def _check_reset_position(config: DaemonConfig, links: dict[int, Path], to: WalP
 
 
 def _node_caches(config: DaemonConfig) -> tuple[dict[int, CacheInfo], str]:
-    return node_caches(config.node_dir)
+    return node_caches(config.node())
 
 
 def reset_state(config: DaemonConfig, plan: ResetPlan) -> tuple[DaemonState, Path | None]:

@@ -7,7 +7,6 @@ Asked first over the node's control socket (a running node), else read from its 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import lmdb
 import msgspec
@@ -16,7 +15,7 @@ import structlog
 from cdcd.control import request
 from cdcd.daemon_state import StateDamaged, check_lmdb_file
 from cdcd.node.config import NodeConfig
-from cdcd.node.metastorage import RealtimeState
+from cdcd.node.metastorage import MetastorageUnreadable, read_realtime_state
 from cdcd.wal.pointer import WalPosition
 from cdcd.wal.records import CacheInfo
 
@@ -35,10 +34,10 @@ class NodeDelivery:
     """Where the answer came from (for the log)."""
 
 
-def ask_node(node_dir: str | Path) -> NodeDelivery | None:
-    """None when neither the control socket nor the metastorage answers."""
-    config = NodeConfig(node_dir=str(node_dir))
-    socket_path = config.control_socket_path
+def ask_node(node: NodeConfig) -> NodeDelivery | None:
+    """None when neither the node's control socket nor its metastorage answers (both where its config puts
+    them: ``DaemonConfig.node()``)."""
+    socket_path = node.control_socket_path
     if socket_path.exists():
         try:
             reply = request(socket_path, {"cmd": "status"}, timeout_s=ASK_TIMEOUT_S)
@@ -53,37 +52,22 @@ def ask_node(node_dir: str | Path) -> NodeDelivery | None:
                     WalPosition.parse(committed) if committed else None,
                     f"control socket {socket_path}",
                 )
-    return _read_metastorage(config.metastorage_path)
-
-
-def _read_metastorage(path: Path) -> NodeDelivery | None:
-    data = path / "data.mdb"
-    if not data.exists() or data.stat().st_size == 0:
-        return None
     try:
-        check_lmdb_file(data)
-        env = lmdb.open(str(path), readonly=True, max_dbs=1)
-    except (StateDamaged, lmdb.Error) as exc:
-        log.warning("node_metastorage_unreadable", path=str(data), error=str(exc))
+        saved = read_realtime_state(node.metastorage_path)
+    except MetastorageUnreadable as exc:
+        log.warning("node_metastorage_unreadable", error=str(exc))
         return None
-    try:
-        with env.begin() as txn:
-            raw = txn.get(b"realtime")
-        saved = msgspec.msgpack.decode(raw, type=RealtimeState) if raw is not None else RealtimeState()
-    except (lmdb.Error, msgspec.DecodeError) as exc:
-        log.warning("node_metastorage_unreadable", path=str(data), error=str(exc))
+    if saved is None:
         return None
-    finally:
-        env.close()
     on = saved.enabled and saved.try_start is None and saved.position is not None
-    return NodeDelivery(on, saved.position, f"metastorage {data}")
+    return NodeDelivery(on, saved.position, f"metastorage {node.metastorage_path / 'data.mdb'}")
 
 
-def node_caches(node_dir: str | Path) -> tuple[dict[int, CacheInfo], str]:
+def node_caches(node: NodeConfig) -> tuple[dict[int, CacheInfo], str]:
     """The node's cache registry from its page store, for a daemon state that lost its own; and where
     it came from. Read-only and without LMDB's lock file, so a node open in this same process is not
     disturbed (the registry changes only at checkpoints; a read that fails is retried)."""
-    db = NodeConfig(node_dir=str(node_dir)).db_path
+    db = node.db_path
     data = db / "data.mdb"
     if not data.exists():
         return {}, "none (the node has no page store)"

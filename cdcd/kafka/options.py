@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
-from cdcd.config import ConfigError, check_ranges, convert
+from cdcd.config import ConfigError, cache_filter, check_ranges, convert
+from cdcd.replication.target import TargetOptions
 from cdcd.secrets import mask_mapping
 
 MiB = 1 << 20
@@ -221,19 +222,6 @@ class KafkaSinkOptions(ClientOptions, frozen=True, forbid_unknown_fields=True, k
         return opts
 
 
-def cache_filter(spec: list[str] | str, source: str) -> Callable[[str], bool]:
-    """``caches`` as a predicate on cache names."""
-    if isinstance(spec, str):
-        try:
-            pattern = re.compile(spec)
-        except re.error as exc:
-            raise ConfigError(f"{source}: key 'caches': bad regular expression {spec!r}: {exc}") from None
-        return lambda name: pattern.fullmatch(name) is not None
-    if not spec:
-        return lambda name: True
-    return frozenset(spec).__contains__
-
-
 def parse_partitions(spec: str, key: str) -> tuple[int, int]:
     """``FROM-TO`` (inclusive, as kafka-to-ignite's ``kafkaPartsFrom``/``kafkaPartsTo``) or one number."""
     m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", spec)
@@ -264,16 +252,9 @@ class KafkaToNodeOptions(ClientOptions, frozen=True, forbid_unknown_fields=True,
     group_id: str = "cdcd-kafka-to-node"
     """Consumer group whose committed offsets say where to resume; metadata is read by
     ``<group_id>-metadata``."""
-    target: str
-    """host:port of the target node's ``replication_listen``."""
-    token_file: str
-    tls: bool = False
-    tls_ca: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_server_name: str = ""
-    caches: list[str] | str = msgspec.field(default_factory=list)
-    """Cache names to apply, or one regular expression matching whole names ([]: all)."""
+    replication: TargetOptions
+    """The target node and which caches go there: the keys of TargetOptions (``target``, ``token_file``,
+    ``tls*``, ``caches``), written at the top level of the file as the replication sink's are."""
     max_batch_events: int = 2048
     """Messages read before one apply + offset commit."""
     poll_timeout_ms: int = 200
@@ -299,7 +280,11 @@ class KafkaToNodeOptions(ClientOptions, frozen=True, forbid_unknown_fields=True,
 
     @classmethod
     def load(cls, options: Mapping[str, Any], source: str) -> KafkaToNodeOptions:
-        opts = convert(options, cls, source)
+        if "replication" in options:
+            keys = "target, token_file, tls* and caches are top-level keys"
+            raise ConfigError(f"{source}: key 'replication': not a key ({keys})")
+        target, rest = TargetOptions.split(options, source)
+        opts = convert({**rest, "replication": msgspec.structs.asdict(target)}, cls, source)
         opts._check_client(source)
         if bool(opts.topic) == bool(opts.topic_prefix):
             raise ConfigError(
@@ -308,5 +293,5 @@ class KafkaToNodeOptions(ClientOptions, frozen=True, forbid_unknown_fields=True,
             )
         if opts.partitions:
             parse_partitions(opts.partitions, f"{source}: key 'partitions'")
-        cache_filter(opts.caches, source)
+        cache_filter(target.caches, source)
         return opts

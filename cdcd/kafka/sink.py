@@ -33,14 +33,28 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from cdcd import failpoints, metrics
-from cdcd.config import ConfigError
+from cdcd.config import ConfigError, cache_filter
 from cdcd.consumer import CacheInfo, Consumer, EventBatch
 from cdcd.kafka import envelope, offsets, topics, transactions
 from cdcd.kafka.errors import KafkaSetupError, describe, error_of, setting_of
-from cdcd.kafka.options import KafkaSinkOptions, cache_filter
+from cdcd.kafka.options import KafkaSinkOptions
+from cdcd.retry import Backoff, RetriesExhausted, Retry, RetryInterrupted, retry_until
 from cdcd.wal.records import Op
 
 log = structlog.get_logger("cdcd.kafka.sink")
+
+_BACKOFF = Backoff(initial_ms=100, max_ms=5000)
+
+
+def _retrying(retry: Retry) -> None:
+    metrics.KAFKA_RETRIES.inc()
+    log.warning(
+        "kafka_retry",
+        error=describe(retry.error),
+        retry_in_s=round(retry.retry_in_s, 3),
+        failing_for_s=round(retry.failing_for_s, 1),
+    )
+
 
 _entry_encoder = msgspec.msgpack.Encoder()
 OFFSETS_TOPIC_PARTITIONS = 1
@@ -314,43 +328,47 @@ class KafkaSink(Consumer):
         if self._interrupted.is_set():
             return False
         opts = self.options
-        started = time.monotonic()
-        delay_s = 0.1
         reached: offsets.Address | None = None
-        while True:
+
+        def attempt() -> None:
+            nonlocal reached
             try:
                 if self._producer is None or self._node != batch.source_node:
                     self._open(batch.source_node)
                 reached = self._send(batch, reached)
-                return True
-            except KafkaSetupError:
-                self._alive = False
-                raise
             except (KafkaException, TimeoutError, BufferError) as exc:
                 if self._pulled is not None and (reached is None or self._pulled > reached):
-                    reached = self._pulled
+                    reached = self._pulled  # a retry goes at least as far as this attempt's iteration
                 err = error_of(exc) or self._delivery_error
                 setting = setting_of(err) if err is not None else None
                 self._drop_producer()
                 if setting is not None and err is not None:
-                    self._alive = False
                     raise KafkaSetupError(
                         f"{self.source}: key '{setting}': {err.name()}: {err.str()} (nothing of this batch committed)"
                     ) from None
-                waited_s = time.monotonic() - started
-                if waited_s >= opts.max_retry_s:
-                    self._alive = False
-                    raise ConnectionError(
-                        f"{self.source}: key 'bootstrap_servers': Kafka at {opts.bootstrap_servers} failing for "
-                        f"{waited_s:.1f} s (max_retry_s = {opts.max_retry_s:g}): {describe(exc)}"
-                    ) from None
-                metrics.KAFKA_RETRIES.inc()
-                log.warning(
-                    "kafka_retry", error=describe(exc), retry_in_s=round(delay_s, 3), failing_for_s=round(waited_s, 1)
-                )
-                if self._interrupted.wait(min(delay_s, max(0.0, opts.max_retry_s - waited_s))):
-                    return False
-                delay_s = min(delay_s * 2, 5.0)
+                raise
+
+        try:
+            retry_until(
+                attempt,
+                opts.max_retry_s,
+                _BACKOFF,
+                retriable=(KafkaException, TimeoutError, BufferError),
+                stop=self._interrupted,
+                on_retry=_retrying,
+            )
+        except KafkaSetupError:
+            self._alive = False
+            raise
+        except RetriesExhausted as exc:
+            self._alive = False
+            raise ConnectionError(
+                f"{self.source}: key 'bootstrap_servers': Kafka at {opts.bootstrap_servers} failing for "
+                f"{exc.failing_for_s:.1f} s (max_retry_s = {opts.max_retry_s:g}): {describe(exc.last)}"
+            ) from None
+        except RetryInterrupted:
+            return False
+        return True
 
     def _send(self, batch: EventBatch, must_reach: offsets.Address | None) -> offsets.Address | None:
         """One transaction: the batch's entries above the stored position (at most

@@ -15,7 +15,6 @@ unknown cache arrives (Ignite's metadata markers, IGNITE-20954).
 
 from __future__ import annotations
 
-import ssl
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -26,16 +25,17 @@ import structlog
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from cdcd import failpoints, metrics
-from cdcd.config import ConfigError, split_host_port
 from cdcd.faults import ExitCode, Fault
 from cdcd.kafka.errors import describe
-from cdcd.kafka.options import KafkaToNodeOptions, cache_filter, parse_partitions
-from cdcd.replication import credentials
-from cdcd.replication.client import ReplicationClient, TargetRefused
-from cdcd.replication.protocol import ProtocolError, ReplEntry
+from cdcd.kafka.options import KafkaToNodeOptions, parse_partitions
+from cdcd.replication.client import TargetRefused
+from cdcd.replication.protocol import Applied, ProtocolError, ReplEntry
+from cdcd.retry import Backoff, RetriesExhausted, Retry, RetryInterrupted, retry_until
 from cdcd.wal.records import DataEntry
 
 log = structlog.get_logger("cdcd.kafka.to_node")
+
+_BACKOFF = Backoff(initial_ms=100, max_ms=5000)
 
 _entry_decoder = msgspec.msgpack.Decoder(DataEntry)
 TOPIC_REFRESH_S = 5.0
@@ -125,13 +125,8 @@ class _Worker:
         self.index = index
         self.partitions = list(partitions)
         opts = app.opts
-        self.client = ReplicationClient(
-            app.address,
-            app.token,
-            tls=app.tls,
-            tls_server_name=opts.tls_server_name,
-            request_timeout_s=opts.request_timeout_ms / 1000,
-            sender_node=f"kafka:{opts.topic or opts.topic_prefix}",
+        self.client = app.target.client(
+            request_timeout_s=opts.request_timeout_ms / 1000, sender_node=f"kafka:{opts.topic or opts.topic_prefix}"
         )
 
     def run(self) -> None:
@@ -251,37 +246,42 @@ class _Worker:
             if out:
                 yield cache, out
 
+    def _retrying(self, retry: Retry) -> None:
+        metrics.K2N_RETRIES.inc()
+        log.warning("kafka_to_node_retry", thread=self.index, error=f"{type(retry.error).__name__}: {retry.error}")
+
     def _apply(self, entries: list[tuple[str, DataEntry]]) -> None:
         app = self.app
         opts = app.opts
-        started = time.monotonic()
-        delay_s = 0.1
-        while True:
-            try:
-                if not self.client.connected:
-                    self.client.sender_cluster_id = entries[0][1].version.cluster_id
-                    welcome = self.client.connect()
-                    log.info(
-                        "kafka_to_node_connected",
-                        thread=self.index,
-                        target=self.client.target,
-                        target_cluster=welcome.cluster_id,
-                    )
-                result = self.client.apply_all(self._requests(entries), partitions=app.metadata.partitions)
-                break
-            except TargetRefused as exc:
-                raise KafkaToNodeError(f"key 'target': {exc}") from None
-            except (OSError, ProtocolError) as exc:
-                waited_s = time.monotonic() - started
-                if waited_s >= opts.max_retry_s or app.stopping.is_set():
-                    raise KafkaToNodeError(
-                        f"key 'target': replication target {self.client.target} failing for {waited_s:.1f} s "
-                        f"(max_retry_s = {opts.max_retry_s:g}): {type(exc).__name__}: {exc}"
-                    ) from None
-                metrics.K2N_RETRIES.inc()
-                log.warning("kafka_to_node_retry", thread=self.index, error=f"{type(exc).__name__}: {exc}")
-                app.stopping.wait(delay_s)
-                delay_s = min(delay_s * 2, 5.0)
+
+        def attempt() -> Applied:
+            if not self.client.connected:
+                self.client.sender_cluster_id = entries[0][1].version.cluster_id
+                welcome = self.client.connect()
+                log.info(
+                    "kafka_to_node_connected",
+                    thread=self.index,
+                    target=self.client.target,
+                    target_cluster=welcome.cluster_id,
+                )
+            return self.client.apply_all(self._requests(entries), partitions=app.metadata.partitions)
+
+        try:
+            result = retry_until(
+                attempt,
+                opts.max_retry_s,
+                _BACKOFF,
+                retriable=(OSError, ProtocolError),
+                stop=app.stopping,
+                on_retry=self._retrying,
+            )
+        except TargetRefused as exc:
+            raise KafkaToNodeError(f"key 'target': {exc}") from None
+        except (RetriesExhausted, RetryInterrupted) as exc:
+            raise KafkaToNodeError(
+                f"key 'target': replication target {self.client.target} failing for {exc.failing_for_s:.1f} s "
+                f"(max_retry_s = {opts.max_retry_s:g}): {type(exc.last).__name__}: {exc.last}"
+            ) from None
         metrics.K2N_APPLIED.inc(result.applied)
         metrics.K2N_IGNORED.inc(result.duplicates)
         metrics.K2N_REJECTED.inc(result.rejected)
@@ -292,15 +292,8 @@ class KafkaToNode:
         self.opts = opts
         self.source = source
         self.base = opts.librdkafka(source)
-        try:
-            self.address = split_host_port(opts.target)
-        except ValueError as exc:
-            raise ConfigError(f"{source}: key 'target': {exc}") from None
-        self.token = credentials.read_token(opts.token_file, "token_file", source)
-        self.tls: ssl.SSLContext | None = None
-        if opts.tls or opts.tls_ca or opts.tls_cert or opts.tls_key:
-            self.tls = credentials.client_context(opts.tls_ca, opts.tls_cert, opts.tls_key, source)
-        self._filter = cache_filter(opts.caches, source)
+        self.target = opts.replication.open(source)
+        self._filter = self.target.selected
         self._selected: dict[str, bool] = {}
         self.metadata = MetadataReader(opts, self.base)
         self.stopping = threading.Event()

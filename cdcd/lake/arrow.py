@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
 import numpy as np
 import pyarrow as pa
+import structlog
 
 from cdcd.consumer import OP_NAMES, EventBatch, RecordSlice
-from cdcd.lake import _rows
+from cdcd.lake import rows_py
 from cdcd.lake.jsontext import to_json_bytes
 from cdcd.lake.table import CHANGE_SCHEMA, DAY_FIELD
 from cdcd.wal.records import Op
+
+log = structlog.get_logger("cdcd.lake")
 
 SCHEMA = CHANGE_SCHEMA
 """The changes table's columns (cdcd/lake/table.py); ``cache`` (and ``day`` when enabled) are Delta
@@ -51,13 +55,46 @@ def split_slices(slices: list[RecordSlice], parts: int, min_rows: int) -> list[l
 
 _encoder = msgspec.msgpack.Encoder()
 
-_INT8, _INT32, _INT64 = np.int8, np.int32, np.int64
-_C_TYPES = (_INT8, _INT32, np.bool_, _INT64, _INT32, _INT32, _INT64, _INT64, _INT64, _INT64, _INT64, _INT32, _INT64)
-"""The dtypes of ``_rows.columns``' fixed-width buffers, in its order."""
+RowBuilder = Callable[[bytes, Callable[[bytes], bytes]], tuple[int, tuple[bytes, ...]]]
+"""``(packed, fallback) -> (rows, buffers)``: cdcd/lake/_rows.c, or cdcd/lake/rows_py.py."""
+
+ROWS_ENV = "CDCD_LAKE_ROWS"
+"""``python`` makes this process (and the Spark tasks it starts) build rows in Python even where the C
+module is built: how the tests run the lake on both paths. Read once, at import."""
+
+BUILD_HINT = "build it with `make install`, or `python setup.py build_ext --inplace` in the source tree"
+
+
+def _python_rows(packed: bytes, fallback: Callable[[bytes], bytes]) -> tuple[int, tuple[bytes, ...]]:
+    """The Python path for a process without the C module: says so once, at the first batch (when logging is
+    set up, unlike at import), then builds the same columns, several times slower."""
+    global build_columns
+    log.warning("lake_rows_without_c_module", hint=f"cdcd.lake._rows is not built: {BUILD_HINT}")
+    build_columns = rows_py.columns
+    return build_columns(packed, fallback)
+
+
+def _row_builder(choice: str) -> RowBuilder:
+    if choice == "python":
+        return rows_py.columns
+    if choice not in ("", "c"):
+        raise ValueError(f"environment: {ROWS_ENV}={choice!r} is not 'c' or 'python'")
+    try:
+        from cdcd.lake import _rows
+    except ImportError:
+        if choice == "c":
+            raise ImportError(f"{ROWS_ENV}=c but cdcd.lake._rows is not built: {BUILD_HINT}") from None
+        return _python_rows
+    return _rows.columns
+
+
+build_columns: RowBuilder = _row_builder(os.environ.get(ROWS_ENV, ""))
+"""The row builder this process uses: the C module, unless it is missing or ``$CDCD_LAKE_ROWS`` says
+``python``."""
 
 
 def pack(slices: Sequence[RecordSlice]) -> bytes:
-    """``slices`` as ``_rows.columns`` reads them (cdcd/lake/_rows.c): MessagePack of
+    """``slices`` as ``build_columns`` reads them (cdcd/lake/_rows.c, cdcd/lake/rows_py.py): MessagePack of
     ``[segment, offset, start, stop, record]`` per slice, the record as the WAL holds it."""
     return _encoder.encode([(s.pointer.segment, s.pointer.offset, s.start, s.stop, s.record) for s in slices])
 
@@ -86,11 +123,13 @@ def table_from_packed(
 ) -> tuple[pa.Table, dict[str, tuple[int, int]]]:
     """The rows of packed slices (``pack``) as one Arrow table, plus (rows, max commit ts ns) per cache.
 
-    The records are read, and keys and values written as JSON text, by C code (cdcd/lake/_rows.c)
-    into column buffers that become Arrow arrays without a copy; per-cache and per-day columns are
-    numpy over those buffers. No Python object per row."""
-    n, buffers = _rows.columns(packed, to_json_bytes)
-    fixed: list[np.ndarray[Any, Any]] = [np.frombuffer(b, t) for b, t in zip(buffers, _C_TYPES, strict=False)]
+    The records are read, and keys and values written as JSON text, by ``build_columns`` (C code, without a
+    Python object per row, unless it is not built) into column buffers that become Arrow arrays without
+    a copy; per-cache and per-day columns are numpy over those buffers."""
+    n, buffers = build_columns(packed, to_json_bytes)
+    fixed: list[np.ndarray[Any, Any]] = [
+        np.frombuffer(b, t) for b, t in zip(buffers, rows_py.FIXED_DTYPES, strict=False)
+    ]
     ops, partitions, primaries, orders, node_orders, clusters, topologies, expires = fixed[:8]
     cache_ids, segments, offsets, index, ts_ns = fixed[8:]
     key_offsets, key_data, value_offsets, value_data = buffers[13:]

@@ -436,7 +436,8 @@ class ChangeTable:
         txns = [Transaction(app_id(source, generation), version, now_ms)]
         if generation != read.generation:  # where the new generation's history starts
             txns.append(Transaction(first_app_id(source, generation), encode_version(first), now_ms))
-        info = {"source": source, "generation": generation, "last": str(last), **metadata}
+        attempt = uuid.uuid4().hex  # tells this commit from another writer's of the same records
+        info = {"source": source, "generation": generation, "last": str(last), "attempt": attempt, **metadata}
         props = CommitProperties(
             max_commit_retries=0, app_transactions=txns, custom_metadata={"cdcd": json.dumps(info)}
         )
@@ -463,12 +464,11 @@ class ChangeTable:
             try:
                 now = self.refresh()
                 mark = self.mark(source)
+                ours = mark == SourceMark(generation, last) and self._committed(attempt, read_version, now)
             except (DeltaError, OSError) as exc:
                 reason = f"lake {self.path}: commit failed: {_commit_reason(self.path, error)}; then: {_reason(exc)}"
                 raise damaged_table(self.path) or LakeWriteError(reason) from None
-            if mark == SourceMark(generation, last):
-                # Landed: ours, failing after its commit point (a checkpoint), or another writer's of
-                # the same records.
+            if ours:  # landed, failing after its commit point (a checkpoint)
                 log.warning("lake_commit_error_after_landing", error=_reason(error), version=now)
                 self.commits += 1
                 return True
@@ -480,6 +480,17 @@ class ChangeTable:
                 files.discard()
                 return False
             log.debug("lake_commit_retry", source=source, version=now)
+
+    def _committed(self, attempt: str, read_version: int, now: int) -> bool:
+        """Whether a version after ``read_version`` is the commit of ``attempt`` (not another writer's that
+        moved the mark to the same record: its files are not ours, and counting it would count it twice)."""
+        for entry in self.table.history(max(1, now - read_version)):
+            if (
+                entry.get("version", -1) > read_version
+                and json.loads(entry.get("cdcd", "{}")).get("attempt") == attempt
+            ):
+                return True
+        return False
 
     # --- what landed ------------------------------------------------------------------------------
     def landed_rows(self, source: str, generation: int, lo: WalPointer, hi: WalPointer) -> pa.Table:

@@ -26,42 +26,22 @@ which travel in the task (as Spark's own ``spark.hadoop.fs.s3a.*`` settings do).
 from __future__ import annotations
 
 import json
-import os
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import pyarrow as pa
 from deltalake.transaction import AddAction
 
+from cdcd import failpoints
 from cdcd.consumer import RecordSlice
 from cdcd.lake.arrow import pack, table_from_packed
 from cdcd.lake.delta import ChangeTable, WrittenFiles
 from cdcd.lake.storage import LakeLocation
 
-PAUSE_POINT = "lake.spark_task.written"
-PAUSE_DIR_ENV = "CDCD_TEST_PAUSE_DIR"
-"""Tests only: with ``$CDCD_TEST_PAUSE_DIR`` set in the executors' environment, the first task (of
-all executors, once: a file ``<dir>/lake.spark_task.written`` created exclusively holds its pid) stops
-after writing its files and before returning them, until it is killed: the test SIGKILLs the Spark
-worker running it mid-write."""
-
-
-def _pause_once() -> None:
-    where = os.environ.get(PAUSE_DIR_ENV)
-    if not where:
-        return
-    try:
-        fd = os.open(Path(where) / PAUSE_POINT, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return
-    os.write(fd, str(os.getpid()).encode())
-    os.close(fd)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
+TASK_WRITTEN = "lake.spark_task.written"
+"""Fail point (cdcd/failpoints.py) after a task wrote its files and before it returns them: the tests
+pause the first task there (``spark.executorEnv.CDCD_FAILPOINTS``) and SIGKILL its Spark worker."""
 
 
 class BatchInfo(msgspec.Struct, frozen=True):
@@ -97,7 +77,7 @@ class ChangeTaskWriter:
             by_day = self.partition_by_day
             rows, _ = table_from_packed(packed, info.cache_names, info.source_node, by_day, info.generation)
             written = table.write_arrow(rows)
-            _pause_once()
+            failpoints.hit(TASK_WRITTEN)
             for a in written.adds:
                 yield a.path, a.size, json.dumps(a.partition_values), a.modification_time, a.stats
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import lmdb
 import msgspec
 
+from cdcd.daemon_state import StateDamaged, check_lmdb_file
 from cdcd.wal.pointer import WalPointer, WalPosition
 
 
@@ -53,3 +54,28 @@ class Metastorage:
 
     def close(self) -> None:
         self.env.close()
+
+
+class MetastorageUnreadable(Exception):
+    """The metastorage's file is damaged or cannot be opened; the message names it."""
+
+
+def read_realtime_state(path: Path) -> RealtimeState | None:
+    """The realtime state a node's metastorage at ``path`` holds, read-only, for another process (a daemon
+    without a state of its own): None when the node never wrote one (no metastorage, or nothing in it)."""
+    data = path / "data.mdb"
+    if not data.exists() or data.stat().st_size == 0:
+        return None
+    try:
+        check_lmdb_file(data)
+        env = lmdb.open(str(path), readonly=True, max_dbs=1)
+    except (StateDamaged, lmdb.Error) as exc:
+        raise MetastorageUnreadable(f"{data}: {exc}") from None
+    try:
+        with env.begin() as txn:
+            raw = txn.get(Metastorage._KEY)
+        return msgspec.msgpack.decode(raw, type=RealtimeState) if raw is not None else RealtimeState()
+    except (lmdb.Error, msgspec.DecodeError) as exc:
+        raise MetastorageUnreadable(f"{data}: {exc}") from None
+    finally:
+        env.close()

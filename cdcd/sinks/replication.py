@@ -11,44 +11,29 @@ daemon exits and its service manager restarts it.
 
 from __future__ import annotations
 
-import re
-import ssl
 import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import msgspec
 import structlog
 
 from cdcd import metrics
-from cdcd.config import ConfigError, check_ranges, convert, split_host_port
+from cdcd.config import check_ranges, convert
 from cdcd.consumer import Consumer, EventBatch
-from cdcd.replication import credentials
-from cdcd.replication.client import ReplicationClient, TargetRefused
-from cdcd.replication.protocol import ProtocolError, ReplEntry
+from cdcd.replication.client import TargetRefused
+from cdcd.replication.protocol import Applied, ProtocolError, ReplEntry
+from cdcd.replication.target import TargetOptions
+from cdcd.retry import Backoff, RetriesExhausted, Retry, RetryInterrupted, retry_until
 
 log = structlog.get_logger("cdcd.sinks.replication")
 
 MiB = 1 << 20
 
 
-class ReplicationOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    target: str
-    """host:port of the target node's ``replication_listen``."""
-    token_file: str
-    """File (mode 0600) holding the target's replication token."""
-    tls: bool = False
-    """Speak TLS (implied by any tls_* key)."""
-    tls_ca: str = ""
-    """CA bundle that signed the target's certificate (default: the system's CAs)."""
-    tls_cert: str = ""
-    tls_key: str = ""
-    """Client certificate and key, for a target with ``replication_tls_ca``."""
-    tls_server_name: str = ""
-    """Name checked against the target's certificate (default: the target's host)."""
-    caches: list[str] | str = msgspec.field(default_factory=list)
-    """Cache names to replicate, or one regular expression matching whole names ([]: all)."""
+class ReplicationOptions(TargetOptions, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The target's keys (cdcd/replication/target.py) and the sink's own."""
+
     only_primary: bool = True
     """Send only changes of primary copies (backups are the same changes again)."""
     max_batch_size: int = 1024
@@ -75,37 +60,13 @@ class ReplicationOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True
         check_ranges(self, checks)
 
 
-def _cache_filter(spec: list[str] | str, source: str) -> Any:
-    if isinstance(spec, str):
-        try:
-            pattern = re.compile(spec)
-        except re.error as exc:
-            raise ConfigError(f"{source}: key 'caches': bad regular expression {spec!r}: {exc}") from None
-        return lambda name: pattern.fullmatch(name) is not None
-    if not spec:
-        return lambda name: True
-    names = frozenset(spec)
-    return names.__contains__
-
-
 class ReplicationConsumer(Consumer):
     def __init__(self, options: ReplicationOptions, source: str) -> None:
         self.options = options
-        try:
-            address = split_host_port(options.target)
-        except ValueError as exc:
-            raise ConfigError(f"{source}: key 'target': {exc}") from None
-        token = credentials.read_token(options.token_file, "token_file", source)
-        tls: ssl.SSLContext | None = None
-        if options.tls or options.tls_ca or options.tls_cert or options.tls_key:
-            tls = credentials.client_context(options.tls_ca, options.tls_cert, options.tls_key, source)
-        self._selected = _cache_filter(options.caches, source)
+        target = options.open(source)
+        self._selected = target.selected
         self._selected_cache: dict[str, bool] = {}
-        self.client = ReplicationClient(
-            address,
-            token,
-            tls=tls,
-            tls_server_name=options.tls_server_name,
+        self.client = target.client(
             connect_timeout_s=options.connect_timeout_ms / 1000,
             request_timeout_s=options.request_timeout_ms / 1000,
             max_in_flight=options.max_in_flight,
@@ -174,50 +135,58 @@ class ReplicationConsumer(Consumer):
             if out:
                 yield batch.cache_name(cache_id), out
 
+    def _retrying(self, retry: Retry) -> None:
+        metrics.REPL_RETRIES.inc()
+        log.warning(
+            "replication_retry",
+            target=self.client.target,
+            error=f"{type(retry.error).__name__}: {retry.error}",
+            retry_in_s=round(retry.retry_in_s, 3),
+            failing_for_s=round(retry.failing_for_s, 1),
+        )
+
     def on_events(self, batch: EventBatch) -> bool:
         if not len(batch):
             return True
         if self._interrupted.is_set():
             return False  # stopping: confirm nothing more
         opts = self.options
-        started = time.monotonic()
-        delay_s = 0.1
-        while True:
-            skipped = {"replicated": 0, "backup": 0, "filtered": 0}
-            try:
-                if not self.client.connected:
-                    first = batch.slices[0]
-                    self.client.sender_node = batch.source_node
-                    self.client.sender_cluster_id = first.record.entries[first.start].version.cluster_id
-                    welcome = self.client.connect()
-                    log.info("replication_connected", target=self.client.target, target_cluster=welcome.cluster_id)
-                result = self.client.apply_all(self._requests(batch, skipped))
-                break
-            except TargetRefused:
-                self._alive = False
-                raise
-            except (OSError, ProtocolError) as exc:  # ConnectionError, TimeoutError and ssl.SSLError are OSErrors
-                waited_s = time.monotonic() - started
-                if waited_s >= opts.max_retry_s:
-                    self._alive = False
-                    raise ConnectionError(
-                        f"replication target {self.client.target}: failing for {waited_s:.1f} s "
-                        f"(max_retry_s = {opts.max_retry_s:g}): {type(exc).__name__}: {exc}"
-                    ) from exc
-                metrics.REPL_RETRIES.inc()
-                log.warning(
-                    "replication_retry",
-                    target=self.client.target,
-                    error=f"{type(exc).__name__}: {exc}",
-                    retry_in_s=round(delay_s, 3),
-                    failing_for_s=round(waited_s, 1),
-                )
-                if self._interrupted.wait(min(delay_s, max(0.0, opts.max_retry_s - waited_s))):
-                    log.info(
-                        "replication_retry_interrupted", target=self.client.target, failing_for_s=round(waited_s, 1)
-                    )
-                    return False
-                delay_s = min(delay_s * 2, opts.retry_backoff_max_ms / 1000)
+        skipped: dict[str, int] = {}
+
+        def attempt() -> Applied:
+            skipped.update(replicated=0, backup=0, filtered=0)  # counted again by each attempt
+            if not self.client.connected:
+                first = batch.slices[0]
+                self.client.sender_node = batch.source_node
+                self.client.sender_cluster_id = first.record.entries[first.start].version.cluster_id
+                welcome = self.client.connect()
+                log.info("replication_connected", target=self.client.target, target_cluster=welcome.cluster_id)
+            return self.client.apply_all(self._requests(batch, skipped))
+
+        try:
+            result = retry_until(
+                attempt,
+                opts.max_retry_s,
+                Backoff(max_ms=opts.retry_backoff_max_ms),
+                # ConnectionError, TimeoutError and ssl.SSLError are OSErrors
+                retriable=(OSError, ProtocolError),
+                stop=self._interrupted,
+                on_retry=self._retrying,
+            )
+        except TargetRefused:
+            self._alive = False
+            raise
+        except RetriesExhausted as exc:
+            self._alive = False
+            raise ConnectionError(
+                f"replication target {self.client.target}: failing for {exc.failing_for_s:.1f} s "
+                f"(max_retry_s = {opts.max_retry_s:g}): {type(exc.last).__name__}: {exc.last}"
+            ) from exc.last
+        except RetryInterrupted as exc:
+            log.info(
+                "replication_retry_interrupted", target=self.client.target, failing_for_s=round(exc.failing_for_s, 1)
+            )
+            return False
         sent = result.applied + result.rejected + result.duplicates
         self.sent += sent
         self.applied += result.applied

@@ -50,9 +50,10 @@ from types import FrameType
 from typing import Any, Protocol, TypeVar
 
 import msgspec
+import numpy as np
 
 from cdcd.consumer import RecordSlice
-from cdcd.lake import _rows
+from cdcd.lake import _rows, rows_py
 from cdcd.lake.arrow import pack
 from cdcd.lake.jsontext import to_json_bytes
 from cdcd.wal.errors import (
@@ -1231,9 +1232,9 @@ def _check_listing(name: str, expected: int | None) -> None:
 
 
 # --- registry -----------------------------------------------------------------------------------------
-# --- the lake's C module ---------------------------------------------------------------------------------
-_COLUMN_WIDTHS = (1, 4, 1, 8, 4, 4, 8, 8, 8, 8, 8, 4, 8)
-"""Bytes per row of ``_rows.columns``' fixed-width buffers, in its order."""
+# --- the lake's row builders ------------------------------------------------------------------------------
+COLUMN_WIDTHS = tuple(np.dtype(t).itemsize for t in rows_py.FIXED_DTYPES)
+"""Bytes per row of the row builders' fixed-width buffers, in their order."""
 
 
 @functools.cache
@@ -1259,21 +1260,55 @@ def gen_lake_rows(ch: Chooser) -> bytes:
     return bytes(d)
 
 
+ROW_ERRORS = (ValueError, TypeError, RecursionError)
+"""What a row builder may raise: its own ValueError, msgspec's DecodeError, UnicodeDecodeError; the fallback's
+TypeError for an extension value or RecursionError for a value nested past msgspec's limit."""
+
+
+def compare_row_builders(data: bytes) -> tuple[int, tuple[bytes, ...]]:
+    """``data`` through the C module and through the Python path (cdcd/lake/rows_py.py): their rows when every
+    buffer of both is the same; the C module's error when both fail (each stops at the first fault it meets, so
+    the two errors may differ). One failure but not the other, or any buffer that differs, is a FuzzFailure.
+    The one difference rows_py documents is let through: C skips a value nested past the recursion limit where
+    it only skips, the Python path raises RecursionError (the C rows are returned)."""
+    c_rows: tuple[int, tuple[bytes, ...]] | None = None
+    try:
+        c_rows = _rows.columns(data, to_json_bytes)
+    except ROW_ERRORS as exc:
+        c_error: BaseException = exc
+    try:
+        py_rows = rows_py.columns(data, to_json_bytes)
+    except ROW_ERRORS as exc:
+        if c_rows is None:
+            raise c_error from None
+        if isinstance(exc, RecursionError):
+            return c_rows
+        raise _fail("lake_rows", "python", f"{exc!r} where the C module gave {c_rows[0]} rows") from None
+    if c_rows is None:
+        raise _fail("lake_rows", "python", f"{py_rows[0]} rows where the C module raised {c_error!r}")
+    if c_rows[0] != py_rows[0]:
+        raise _fail("lake_rows", "python", f"{py_rows[0]} rows where the C module gave {c_rows[0]}")
+    for i, (c_buf, py_buf) in enumerate(zip(c_rows[1], py_rows[1], strict=True)):
+        if c_buf != py_buf:
+            raise _fail("lake_rows", f"buffer {i}", f"C {c_buf[:40]!r}... Python {py_buf[:40]!r}...")
+    return c_rows
+
+
 def check_lake_rows(data: bytes) -> None:
-    """Target: ``data`` as packed record slices for ``cdcd.lake._rows.columns`` (C): rows or ValueError (its
-    own, msgspec's DecodeError, UnicodeDecodeError) or the fallback's TypeError for an extension value or
-    RecursionError for a value nested past msgspec's limit; rows
-    come as buffers of exactly ``rows`` values each, and every key and value text is valid JSON."""
+    """Target: ``data`` as packed record slices for the row builders, the C module (cdcd/lake/_rows.c) and the
+    Python path (cdcd/lake/rows_py.py): the same rows from both, buffer for buffer, or an error from both
+    (``ROW_ERRORS``); rows come as buffers of exactly ``rows`` values each, and every key and value text is
+    valid JSON."""
     with hang_guard():
         try:
-            n, buffers = _rows.columns(data, to_json_bytes)
-        except (ValueError, TypeError, RecursionError):
-            return  # RecursionError: msgspec's, for a value nested past its limit (through the fallback)
-        except (FuzzHang, KeyboardInterrupt):
+            n, buffers = compare_row_builders(data)
+        except ROW_ERRORS:
+            return
+        except (FuzzHang, FuzzFailure, KeyboardInterrupt):
             raise
         except BaseException as exc:
-            raise _untyped("_rows.columns", exc) from None
-    for i, width in enumerate(_COLUMN_WIDTHS):
+            raise _untyped("row builders", exc) from None
+    for i, width in enumerate(COLUMN_WIDTHS):
         if len(buffers[i]) != n * width:
             raise _fail("lake_rows", "columns", f"buffer {i} holds {len(buffers[i])} bytes for {n} rows")
     ops = buffers[0]
