@@ -1,0 +1,273 @@
+"""Consistent cuts across cache tables (cdcd/lake/cuts.py), the readers that open every cache table at
+one cut (DuckDB, Spark, polars; cdcd/lake/readers.py) and ``cdcd lake sql`` (cdcd/lake/sql.py).
+
+The tables here are real Delta tables made with delta-rs, laid out as compaction lays them out
+(``<lake>/tables/<dir>``, ``cdcd.cache`` in the metadata). Each table is one version AHEAD of the
+latest cut, so a reader that ignored the cut would read other numbers than the ones checked."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable, write_deltalake
+
+from cdcd.lake import spark as spark_session
+from cdcd.lake.cuts import (
+    CUTS,
+    NoCut,
+    cut_as_of,
+    cut_command,
+    latest_cut,
+    record_cut,
+    source_positions,
+    table_path,
+)
+from cdcd.lake.readers import duckdb_connect, polars_frames, register_duckdb, register_spark, spark_frames, view_names
+from cdcd.lake.sql import lake_sql
+from tests.support.delta_tables import append_changes, change
+
+ODD = 'odd name.x "q" `b` = ;'
+"""A cache name needing quotes in every engine (dots, spaces, both quote kinds, ``=``, ``;``)."""
+T0 = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
+
+
+def write_table(lake: Path, cache: str, rows: list[dict[str, Any]]) -> int:
+    """Append ``rows`` to the cache's typed table (created with ``cdcd.cache`` set); its new version."""
+    path = table_path(lake, cache)
+    table = pa.Table.from_pylist(rows, schema=pa.schema([("sku", pa.string()), ("qty", pa.int64())]))
+    write_deltalake(str(path), table, mode="append")
+    dt_ = DeltaTable(str(path))
+    if dt_.version() == 0:
+        # delta-rs takes only known keys at creation; an ALTER sets ours (a commit of its own).
+        dt_.alter.set_table_properties({"cdcd.cache": cache}, raise_if_not_exists=False)
+    return int(DeltaTable(str(path)).version())
+
+
+@pytest.fixture(scope="module")
+def lake(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Cut 1 (changes version 3): orders {A: 1, B: 2}, ODD {A: 10}, Ledger {X: 1}, ledger {Y: 2}.
+    Cut 2 (changes version 5): orders also {A: 5}; the others as at cut 1 (carried forward).
+    Then orders gets {A: 100} and ODD {A: 1000} with no cut naming them (a compaction in flight)."""
+    root = tmp_path_factory.mktemp("cuts") / "lake"
+    v_orders = write_table(root, "orders", [{"sku": "A", "qty": 1}, {"sku": "B", "qty": 2}])
+    v_odd = write_table(root, ODD, [{"sku": "A", "qty": 10}])
+    v_upper = write_table(root, "Ledger", [{"sku": "X", "qty": 1}])
+    v_lower = write_table(root, "ledger", [{"sku": "Y", "qty": 2}])
+    tables = {"orders": v_orders, ODD: v_odd, "Ledger": v_upper, "ledger": v_lower}
+    record_cut(root, tables, {"node-a": "0:48"}, 3, now=T0)
+    record_cut(
+        root,
+        {"orders": write_table(root, "orders", [{"sku": "A", "qty": 5}])},
+        {"node-a": "1:16"},
+        5,
+        now=T0 + dt.timedelta(minutes=1),
+    )
+    write_table(root, "orders", [{"sku": "A", "qty": 100}])
+    write_table(root, ODD, [{"sku": "A", "qty": 1000}])
+    return root
+
+
+AT_CUT_2 = {"orders": {"A": 6, "B": 2}, ODD: {"A": 10}, "Ledger": {"X": 1}, "ledger": {"Y": 2}}
+AT_CUT_1 = {**AT_CUT_2, "orders": {"A": 1, "B": 2}}
+
+
+def sums(rows: list[tuple[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for sku, qty in rows:
+        out[sku] = out.get(sku, 0) + int(qty)
+    return out
+
+
+# --- cuts -------------------------------------------------------------------------------------------
+
+
+def test_latest_cut_carries_untouched_tables_forward(lake: Path) -> None:
+    cut = latest_cut(lake)
+    assert cut is not None
+    assert cut.changes_version == 5
+    assert cut.positions == {"node-a": "1:16"}
+    assert cut.recorded_at == T0 + dt.timedelta(minutes=1)
+    # orders moved (created at 0, set-properties at 1, the cut-2 append at 2); the others did not.
+    assert cut.tables == {"orders": 2, ODD: 1, "Ledger": 1, "ledger": 1}
+
+
+def test_cut_as_of_a_time(lake: Path) -> None:
+    assert cut_as_of(lake, T0).changes_version == 3
+    assert cut_as_of(lake, T0 + dt.timedelta(seconds=59)).tables["orders"] == 1
+    assert cut_as_of(lake, (T0 + dt.timedelta(minutes=5)).replace(tzinfo=None)).changes_version == 5
+    with pytest.raises(NoCut, match=r"_cuts: no cut recorded at or before 2026-01-01T11:59:00\+00:00"):
+        cut_as_of(lake, T0 - dt.timedelta(minutes=1))
+
+
+def test_an_older_cut_recorded_late_does_not_replace_the_latest(tmp_path: Path) -> None:
+    """Two compactions racing: the one that read less records after the one that read more."""
+    newer = record_cut(tmp_path, {"a": 4}, {"n": "2:0"}, 9)
+    assert record_cut(tmp_path, {"a": 3}, {"n": "1:0"}, 8) == newer
+    assert latest_cut(tmp_path) == newer
+    assert DeltaTable(str(tmp_path / CUTS)).version() == 0  # the stale one wrote nothing
+
+
+def test_no_cut_yet(tmp_path: Path) -> None:
+    assert latest_cut(tmp_path) is None
+    text, code = cut_command(tmp_path)
+    assert (text, code) == (f"{tmp_path / CUTS}: no cut recorded yet (run cdcd lake compact)", 1)
+
+
+def test_cut_command_text_json_and_errors(lake: Path) -> None:
+    text, code = cut_command(lake)
+    assert code == 0
+    assert text.splitlines() == [
+        "cut at changes version 5, recorded 2026-01-01T12:01:00+00:00",
+        "table                   version",
+        "Ledger                        1",
+        "ledger                        1",
+        'odd name.x "q" `b` = ;        1',
+        "orders                        2",
+        "source position",
+        "node-a 1:16",
+    ]
+    text, code = cut_command(lake, as_of="2026-01-01T12:00:30Z", as_json=True)
+    assert code == 0
+    assert json.loads(text) == {
+        "changes_version": 3,
+        "recorded_at": "2026-01-01T12:00:00+00:00",
+        "tables": {"Ledger": 1, "ledger": 1, ODD: 1, "orders": 1},
+        "positions": {"node-a": "0:48"},
+    }
+    assert cut_command(lake, as_of="yesterday") == (
+        "--as-of 'yesterday': not an ISO 8601 time (e.g. 2026-11-26T08:40:00Z)",
+        2,
+    )
+    assert cut_command(lake, as_of="2025-01-01")[1] == 1
+
+
+def test_source_positions_are_the_changes_tables_marks_at_a_version(tmp_path: Path) -> None:
+    """The changes table's per-source application transactions, decoded: segment << 32 | offset."""
+    append_changes(tmp_path, [change("c", "1", "1", 1)], source_txn=("cdcd:node-a", (3 << 32) | 96))
+    append_changes(tmp_path, [change("c", "2", "1", 2, source="node-b")], source_txn=("cdcd:node-b:g1", 7 << 32))
+    append_changes(tmp_path, [change("c", "3", "1", 3)], source_txn=("cdcd:node-a", (4 << 32) | 16))
+    assert source_positions(tmp_path, 0) == {"node-a": "3:96"}
+    assert source_positions(tmp_path, 2) == {"node-a": "4:16", "node-b:g1": "7:0"}
+    assert source_positions(tmp_path, -1) == {}
+
+
+# --- readers ----------------------------------------------------------------------------------------
+
+
+def test_view_names_keep_names_that_differ_only_by_case_apart() -> None:
+    assert view_names(["orders", "Ledger", "ledger", "LEDGER"]) == {
+        "LEDGER": "LEDGER",
+        "Ledger#2": "Ledger",
+        "ledger#3": "ledger",
+        "orders": "orders",
+    }
+
+
+def test_duckdb_views_read_every_table_at_the_latest_cut(lake: Path) -> None:
+    con = duckdb_connect()
+    views = register_duckdb(con, lake)
+    assert views == {"Ledger": "Ledger", "ledger#2": "ledger", ODD: ODD, "orders": "orders"}
+    for view, cache in views.items():
+        quoted = '"' + view.replace('"', '""') + '"'
+        assert sums(con.execute(f"SELECT sku, qty FROM {quoted}").fetchall()) == AT_CUT_2[cache]
+    # At an older cut, in another connection: the views name that cut's versions.
+    con1 = duckdb_connect()
+    register_duckdb(con1, str(lake), cut_as_of(lake, T0))
+    assert sums(con1.execute("SELECT sku, qty FROM orders").fetchall()) == AT_CUT_1["orders"]
+
+
+def test_polars_frames_at_the_latest_cut(lake: Path) -> None:
+    import polars as pl
+
+    frames = polars_frames(lake)
+    assert sorted(frames) == sorted(AT_CUT_2)
+    for cache, frame in frames.items():
+        assert sums(list(frame.select("sku", "qty").iter_rows())) == AT_CUT_2[cache]
+    lazy = polars_frames(lake, cut_as_of(lake, T0), lazy=True)
+    assert isinstance(lazy["orders"], pl.LazyFrame)
+    got = pl.SQLContext(lazy).execute("SELECT sku, sum(qty) AS qty FROM orders GROUP BY sku").collect()
+    assert sums(list(got.iter_rows())) == AT_CUT_1["orders"]
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    session = spark_session.acquire("local[2]", "cdcd-tests-cuts", {})
+    try:
+        yield session
+    finally:
+        spark_session.release()
+
+
+def test_spark_frames_and_temp_views_at_the_latest_cut(spark: Any, lake: Path) -> None:
+    frames = spark_frames(spark, lake)
+    for cache, frame in frames.items():
+        assert sums([(r["sku"], r["qty"]) for r in frame.collect()]) == AT_CUT_2[cache]
+    session = spark.newSession()
+    views = register_spark(session, lake)
+    assert views == {"Ledger": "Ledger", "ledger#2": "ledger", ODD: ODD, "orders": "orders"}
+    quoted = "`" + ODD.replace("`", "``") + "`"
+    assert sums([tuple(r) for r in session.sql(f"SELECT sku, qty FROM {quoted}").collect()]) == AT_CUT_2[ODD]
+    assert sums([tuple(r) for r in session.sql("SELECT sku, qty FROM `ledger#2`").collect()]) == AT_CUT_2["ledger"]
+    rows = session.sql("SELECT sku, sum(qty) FROM orders GROUP BY sku").collect()
+    assert dict((r[0], r[1]) for r in rows) == AT_CUT_2["orders"]
+
+
+# --- lake sql ---------------------------------------------------------------------------------------
+
+QUERY = "SELECT sku, sum(qty) AS qty FROM orders GROUP BY sku ORDER BY sku"
+
+
+def test_lake_sql_duckdb_table_csv_json(lake: Path) -> None:
+    text, code = lake_sql(lake, QUERY)
+    assert code == 0
+    assert text.splitlines() == ["sku  qty", "---  ---", "A      6", "B      2", "(2 rows)"]
+    text, code = lake_sql(lake, QUERY, fmt="csv")
+    assert (text, code) == ("sku,qty\nA,6\nB,2\n", 0)
+    text, code = lake_sql(lake, QUERY, fmt="json")
+    assert code == 0
+    assert json.loads(text) == [{"sku": "A", "qty": 6}, {"sku": "B", "qty": 2}]
+
+
+def test_lake_sql_odd_names_quoted_as_of_and_max_rows(lake: Path) -> None:
+    text, code = lake_sql(lake, 'SELECT qty FROM "odd name.x ""q"" `b` = ;"', fmt="csv")
+    assert (text, code) == ("qty\n10\n", 0)
+    text, code = lake_sql(lake, QUERY, fmt="csv", as_of="2026-01-01T12:00:00Z")
+    assert (text, code) == ("sku,qty\nA,1\nB,2\n", 0)
+    text, code = lake_sql(lake, "SELECT * FROM range(5) t(n)", max_rows=3)
+    assert code == 0
+    assert text.splitlines()[2:] == ["0", "1", "2", "(first 3 rows shown: add a LIMIT or raise --max-rows)"]
+
+
+def test_lake_sql_errors_are_one_line(lake: Path, tmp_path: Path) -> None:
+    text, code = lake_sql(lake, "SELECT * FROM nope")
+    assert code == 1
+    assert "\n" not in text
+    assert text.startswith("Catalog Error: Table with name nope does not exist!")
+    assert text.endswith(f"(tables at this cut: Ledger, ledger#2, {ODD}, orders)")
+    text, code = lake_sql(lake, "SELEC 1")
+    assert code == 1
+    assert "\n" not in text
+    assert text.startswith("Parser Error: syntax error")
+    assert lake_sql(tmp_path, "SELECT 1") == (f"{tmp_path / CUTS}: no cut recorded yet (run cdcd lake compact)", 1)
+    assert lake_sql(lake, "SELECT 1", as_of="soon")[1] == 2
+
+
+def test_lake_sql_on_spark(spark: Any, lake: Path) -> None:
+    """The same query and formats through Spark (the session the test module already started)."""
+    text, code = lake_sql(lake, QUERY, engine="spark", spark_master="local[2]")
+    assert code == 0
+    assert text.splitlines() == ["sku  qty", "---  ---", "A      6", "B      2", "(2 rows)"]
+    text, code = lake_sql(lake, QUERY, engine="spark", fmt="json")
+    assert (json.loads(text), code) == ([{"sku": "A", "qty": 6}, {"sku": "B", "qty": 2}], 0)
+    text, code = lake_sql(lake, 'SELECT qty FROM `odd name.x "q" ``b`` = ;`', engine="spark", fmt="csv")
+    assert (text, code) == ("qty\n10\n", 0)
+    text, code = lake_sql(lake, "SELECT * FROM nope", engine="spark")
+    assert code == 1
+    assert "\n" not in text
+    assert "TABLE_OR_VIEW_NOT_FOUND" in text
