@@ -7,6 +7,10 @@ so points can sit on paths that run once per switch or commit (never per event).
 
 A SIGKILL, not an exception: nothing may run after the point, exactly as if the machine died
 there (no ``finally``, no atexit, no flush of buffered writes).
+
+``name[@N]=stop`` makes the process SIGSTOP itself there instead: a test holds it at that point
+(its parent sees the stop through ``waitpid(pid, WUNTRACED)``, no polling), looks at what a reader
+sees meanwhile, then lets it go on with SIGCONT.
 """
 
 from __future__ import annotations
@@ -17,11 +21,18 @@ import signal
 __all__ = ["hit"]
 
 
-def _parse(text: str) -> dict[str, int]:
-    points: dict[str, int] = {}
+ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+
+
+def _parse(text: str) -> dict[str, list[int]]:
+    """``name[@N][=action]`` items -> name -> [hits left, signal]."""
+    points: dict[str, list[int]] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
-        name, _, nth = item.partition("@")
-        points[name] = int(nth) if nth else 1
+        point, _, action = item.partition("=")
+        name, _, nth = point.partition("@")
+        if (action or "kill") not in ACTIONS:
+            raise ValueError(f"CDCD_FAILPOINTS: {item!r}: unknown action {action!r} (known: {', '.join(ACTIONS)})")
+        points[name] = [int(nth) if nth else 1, ACTIONS[action or "kill"]]
     return points
 
 
@@ -29,9 +40,10 @@ _armed = _parse(os.environ.get("CDCD_FAILPOINTS", ""))
 
 
 def hit(name: str) -> None:
-    """Die here if ``name`` is armed (and this is its N-th hit)."""
+    """Die (or stop) here if ``name`` is armed and this is its N-th hit."""
     if not _armed or name not in _armed:
         return
-    _armed[name] -= 1
-    if _armed[name] <= 0:
-        os.kill(os.getpid(), signal.SIGKILL)
+    point = _armed[name]
+    point[0] -= 1
+    if point[0] == 0:
+        os.kill(os.getpid(), point[1])

@@ -271,3 +271,36 @@ def test_lake_sql_on_spark(spark: Any, lake: Path) -> None:
     assert code == 1
     assert "\n" not in text
     assert "TABLE_OR_VIEW_NOT_FOUND" in text
+
+
+def test_a_stop_failpoint_holds_the_process_until_sigcont(tmp_path: Path) -> None:
+    """``name=stop``: the process SIGSTOPs itself at the point; its parent sees it stopped (waitpid
+    WUNTRACED, no polling), and after SIGCONT it runs on from there."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.support.procs import child_env, reap
+
+    script = "from cdcd import failpoints\nprint('before', flush=True)\nfailpoints.hit('p')\nprint('after')\n"
+    env = {**child_env(), "CDCD_FAILPOINTS": "p=stop"}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "before\n"
+        _, status = os.waitpid(proc.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status) and os.WSTOPSIG(status) == signal.SIGSTOP
+        os.kill(proc.pid, signal.SIGCONT)
+        assert proc.stdout.read() == "after\n"
+        assert proc.wait(30) == 0
+    finally:
+        reap(proc)
+    bad = subprocess.run(
+        [sys.executable, "-c", "import cdcd.failpoints"],
+        capture_output=True,
+        text=True,
+        env={**child_env(), "CDCD_FAILPOINTS": "p=pause"},
+    )
+    assert bad.returncode == 1
+    assert "CDCD_FAILPOINTS: 'p=pause': unknown action 'pause' (known: kill, stop)" in bad.stderr
