@@ -20,6 +20,7 @@ from deltalake import DeltaTable, write_deltalake
 from cdcd.lake import spark as spark_session
 from cdcd.lake.cuts import (
     CUTS,
+    Cut,
     NoCut,
     cut_as_of,
     cut_command,
@@ -304,3 +305,186 @@ def test_a_stop_failpoint_holds_the_process_until_sigcont(tmp_path: Path) -> Non
     )
     assert bad.returncode == 1
     assert "CDCD_FAILPOINTS: 'p=pause': unknown action 'pause' (known: kill, stop)" in bad.stderr
+
+
+# --- end to end: a node's transactions across two caches, compaction on a schedule ---------------------
+
+ACCOUNTS, OPENING = 20, 1_000
+TOTAL = ACCOUNTS * OPENING
+"""Every transaction debits an account and credits the ledger by the same amount: at any consistent
+snapshot, the balances plus the ledger's amounts add up to TOTAL."""
+
+
+class Transfers:
+    """A thread committing node transactions: ``accounts[a].balance -= x`` and ``ledger[n] = {a, x}``."""
+
+    def __init__(self, node: Any, seed: int) -> None:
+        import random
+        import threading
+
+        self.node = node
+        self.entries = 0
+        self.stop = threading.Event()
+        self._rng = random.Random(seed)
+        self._thread = threading.Thread(target=self._run, name="transfers")
+        self.error: BaseException | None = None
+
+    def open_accounts(self) -> None:
+        with self.node.transaction() as tx:  # one transaction: every cut holds all accounts or none
+            for a in range(ACCOUNTS):
+                tx.put("accounts", a, {"balance": OPENING})
+
+    def transfer(self, account: int, amount: int) -> None:
+        with self.node.transaction() as tx:
+            balance = tx.get("accounts", account)["balance"]
+            tx.put("accounts", account, {"balance": balance - amount})
+            tx.put("ledger", self.entries, {"account": account, "amount": amount})
+        self.entries += 1
+
+    def _run(self) -> None:
+        import time
+
+        try:
+            while not self.stop.is_set():
+                self.transfer(self._rng.randrange(ACCOUNTS), self._rng.randint(1, 9))
+                time.sleep(0.002)  # a steady load, not a synchronisation
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self) -> None:
+        self.stop.set()
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def money_at_cut(lake: Path, cut: Cut) -> tuple[int, int] | None:
+    """(balances + ledger amounts, ledger entries) of both tables at ``cut``; None before the accounts landed."""
+    if "accounts" not in cut.tables:
+        return None
+    con = duckdb_connect()
+    try:
+        views = register_duckdb(con, lake, cut)
+        (balances,) = con.execute("SELECT sum(balance) FROM accounts").fetchone()
+        credited, entries = 0, 0
+        if "ledger" in views:
+            credited, entries = con.execute("SELECT coalesce(sum(amount), 0), count(*) FROM ledger").fetchone()
+        return int(balances) + int(credited), int(entries)
+    finally:
+        con.close()
+
+
+def money_at_latest_versions(lake: Path) -> int:
+    """Balances + ledger amounts, each table read at its own latest version (no cut)."""
+    accounts = DeltaTable(str(table_path(lake, "accounts"))).to_pyarrow_table(columns=["balance"])
+    ledger = DeltaTable(str(table_path(lake, "ledger"))).to_pyarrow_table(columns=["amount"])
+    return int(sum(accounts.column("balance").to_pylist())) + int(sum(ledger.column("amount").to_pylist()))
+
+
+def landed_ledger_rows(lake: Path) -> int:
+    import pyarrow.compute as pc
+
+    from cdcd.lake.table import CHANGES
+
+    if not (lake / CHANGES / "_delta_log").is_dir():
+        return 0
+    return int(DeltaTable(str(lake / CHANGES)).to_pyarrow_dataset().count_rows(filter=pc.field("cache") == "ledger"))
+
+
+def test_reads_at_the_latest_cut_never_see_half_a_transaction(tmp_path: Path) -> None:
+    """A node commits transfers (debit ``accounts``, credit ``ledger``, one transaction) under load while
+    the daemon lands them and compacts every second: 100+ reads of both tables at the latest cut all add
+    up. Then one more transfer, and a compaction held (failpoint ``stop``) between its two table commits:
+    each table's latest version shows half the transfer, the latest cut still adds up."""
+    import os
+    import signal
+    import subprocess
+
+    from cdcd.lake.table import CHANGES
+    from cdcd.node import Node
+    from tests.support.lake import QUICK_START, write_config
+    from tests.support.procs import CDCD, child_env, reap, start_daemon, stop_daemon, wait_for
+
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    consumer = {
+        "kind": "lake",
+        "lake_path": str(lake),
+        "writer": "deltalake",
+        "spark_master": "local[1]",
+        "spark_conf": QUICK_START,
+    }
+    scheduled = write_config(tmp_path / "scheduled.toml", node_dir, {**consumer, "compact_interval_s": 1.0})
+    plain = write_config(tmp_path / "plain.toml", node_dir, consumer)
+    err = tmp_path / "daemon.err"
+    node = Node.open(node_dir, wal_segment_size_bytes=1 << 20, wal_force_archive_timeout_ms=200)
+    transfers = Transfers(node, seed=27)
+    daemon = compaction = None
+    try:
+        transfers.open_accounts()
+        transfers.start()
+        daemon = start_daemon(scheduled, err)
+        reads, cuts_seen, unbalanced_latest = 0, set(), 0
+        deadline = 600.0
+
+        def enough_reads() -> bool:
+            nonlocal reads, unbalanced_latest
+            assert daemon is not None and daemon.poll() is None, err.read_text()[-3000:]
+            cut = latest_cut(lake)
+            money = None if cut is None else money_at_cut(lake, cut)
+            if cut is None or money is None or money[1] == 0:
+                return False
+            assert money[0] == TOTAL, f"half a transaction at cut {cut.changes_version}: {money[0]} != {TOTAL}"
+            reads += 1
+            cuts_seen.add(cut.changes_version)
+            unbalanced_latest += money_at_latest_versions(lake) != TOTAL  # luck-dependent: counted, not asserted
+            return reads >= 120 and len(cuts_seen) >= 5
+
+        wait_for(enough_reads, deadline, "120 reads at the latest cut over 5 compactions", interval=0.02)
+        transfers.join()
+        node.force_archive()
+        wait_for(lambda: landed_ledger_rows(lake) == transfers.entries, 120, "every transfer landed")
+        rc = stop_daemon(daemon, timeout=60)
+        assert rc == 0, err.read_text()[-3000:]
+
+        # One more transfer, landed without compaction; then a compaction held between its table commits.
+        transfers.transfer(3, 7)
+        node.force_archive()
+        daemon = start_daemon(plain, err)
+        wait_for(lambda: landed_ledger_rows(lake) == transfers.entries, 120, "the last transfer landed")
+        assert stop_daemon(daemon, timeout=60) == 0, err.read_text()[-3000:]
+        before = latest_cut(lake)
+        assert before is not None
+        assert before.changes_version < int(DeltaTable(str(lake / CHANGES)).version())
+        env = {**child_env(), "CDCD_FAILPOINTS": "lake.compact.table_committed=stop"}
+        with (tmp_path / "compact.err").open("wb") as cerr:
+            compaction = subprocess.Popen(
+                [*CDCD, "lake", "compact", "--lake", str(lake), "--spark-master", "local[1]"],
+                stdout=subprocess.DEVNULL,
+                stderr=cerr,
+                env=env,
+            )
+        _, status = os.waitpid(compaction.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), (tmp_path / "compact.err").read_text()[-3000:]
+        # accounts (first in name order) is committed, ledger is not: each table's latest version
+        # shows the debit without its credit; the latest cut is still the one before.
+        assert money_at_latest_versions(lake) == TOTAL - 7
+        assert latest_cut(lake) == before
+        assert money_at_cut(lake, before) == (TOTAL, transfers.entries - 1)
+        os.kill(compaction.pid, signal.SIGCONT)
+        assert compaction.wait(300) == 0, (tmp_path / "compact.err").read_text()[-3000:]
+        after = latest_cut(lake)
+        assert after is not None and after.changes_version > before.changes_version
+        assert money_at_cut(lake, after) == (TOTAL, transfers.entries)
+        assert money_at_latest_versions(lake) == TOTAL
+        print(f"{reads} reads at the latest cut over {len(cuts_seen)} cuts; unbalanced at latest: {unbalanced_latest}")
+    finally:
+        transfers.stop.set()
+        if compaction is not None and compaction.poll() is None:
+            os.kill(compaction.pid, signal.SIGCONT)
+        reap(compaction)
+        reap(daemon)
+        node.close()
