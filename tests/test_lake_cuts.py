@@ -538,3 +538,16 @@ def test_cuts_and_readers_on_an_object_store(tmp_path: Path) -> None:
         )
     finally:
         server.stop()
+
+
+def test_the_cuts_table_stays_small(tmp_path: Path) -> None:
+    """One file per cut, bin-packed into one at COMPACT_FILES: the latest cut reads a short file list."""
+    from cdcd.lake.cuts import COMPACT_FILES
+
+    for version in range(COMPACT_FILES + 3):
+        record_cut(tmp_path, {"a": version}, {"n": f"0:{version}"}, version)
+    files = DeltaTable(str(tmp_path / CUTS)).file_uris()
+    assert len(files) == 4  # the bin-packed first COMPACT_FILES, then one per cut
+    cut = latest_cut(tmp_path)
+    assert cut is not None and (cut.changes_version, cut.tables) == (COMPACT_FILES + 2, {"a": COMPACT_FILES + 2})
+    assert cut_as_of(tmp_path, cut.recorded_at).changes_version == COMPACT_FILES + 2

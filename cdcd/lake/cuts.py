@@ -53,6 +53,12 @@ CUTS_SCHEMA = pa.schema(
 )
 CUTS_PROPERTIES = {**COMMON_PROPERTIES, "delta.appendOnly": "true"}
 
+COMPACT_FILES = 64
+"""``_cuts`` files (one per cut) at which ``record_cut`` bin-packs them into one: reading the latest cut
+replays the table's file list, which must not grow with every compaction ever run."""
+RETAIN_HOURS = 168
+"""How long files replaced by that bin-packing stay for readers of older ``_cuts`` versions (Delta's default)."""
+
 _CREATE_ATTEMPTS = 3
 """Two compactions creating ``_cuts`` at once: the loser of the put-if-absent appends to the winner's table."""
 
@@ -146,7 +152,18 @@ def record_cut(
             if attempt == _CREATE_ATTEMPTS:
                 raise
     log.info("lake_cut_recorded", changes_version=changes_version, tables=len(cut.tables))
+    _keep_small(lake / CUTS)
     return cut
+
+
+def _keep_small(path: LakeDir) -> None:
+    """Bin-pack ``_cuts`` once it holds COMPACT_FILES files (no data change: readers, old versions and
+    a concurrent append are unaffected), and delete the replaced files older than RETAIN_HOURS."""
+    table = open_delta(path)
+    if len(table.file_uris()) < COMPACT_FILES:
+        return
+    table.optimize.compact()
+    table.vacuum(retention_hours=RETAIN_HOURS, dry_run=False)
 
 
 def _read(lake: LakeDir, where: Any) -> list[Cut]:
