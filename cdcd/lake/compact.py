@@ -11,7 +11,9 @@ and runs again either finds nothing left to do or redoes exactly the uncommitted
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from dataclasses import field as dc_field
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -22,9 +24,19 @@ import pyarrow.parquet as pq
 import structlog
 
 from cdcd import failpoints
-from cdcd.lake.deltalog import DeltaLogError, data_changing_versions, read_commit, rows_added
+from cdcd.lake.deltalog import DeltaLogError, app_transactions, data_changing_versions, read_commit, rows_added
 from cdcd.lake.storage import LakeDir, ObjectPath, file_source, is_delta, open_delta, spark_path
-from cdcd.lake.table import CHANGE_SCHEMA, CHANGES, PARTITION_BY, STATE, STATE_PROPERTIES, STATE_SCHEMA
+from cdcd.lake.table import (
+    CHANGE_SCHEMA,
+    CHANGES,
+    PARTITION_BY,
+    SOURCE_APP_PREFIX,
+    STATE,
+    STATE_PROPERTIES,
+    STATE_SCHEMA,
+)
+from cdcd.lake.typed_layout import list_tables
+from cdcd.lake.typed_tables import DeclaredTable, compact_tables, missing_tables
 
 log = structlog.get_logger("cdcd.lake")
 
@@ -56,6 +68,10 @@ class CompactResult:
     """Distinct (cache, key) merged."""
     state_version: int
     """The state table's version after the MERGE (unchanged when nothing was new)."""
+    tables: dict[str, int] = dc_field(default_factory=dict)
+    """cache -> version of its typed table ``<lake>/tables/<cache>`` after this compaction."""
+    rescued: int = 0
+    """Fields that did not fit their typed column and went to ``_rescued``."""
 
     @property
     def did_work(self) -> bool:
@@ -213,27 +229,49 @@ def _newer(source: str, target: str) -> str:
     return f"struct({cols}) > struct({tcols})"
 
 
-def compact(spark: Any, lake: LakeDir, *, max_rows_per_merge: int = MAX_ROWS_PER_MERGE) -> CompactResult:
-    """Fold every change committed to ``<lake>/changes`` since the last compaction into ``<lake>/state``:
-    one MERGE per range of at most ``max_rows_per_merge`` change rows (one range unless a backlog)."""
+def compact(
+    spark: Any,
+    lake: LakeDir,
+    *,
+    max_rows_per_merge: int = MAX_ROWS_PER_MERGE,
+    tables: Mapping[str, DeclaredTable] | None = None,
+) -> CompactResult:
+    """Fold every change committed to ``<lake>/changes`` since the last compaction into ``<lake>/state``
+    and the typed tables ``<lake>/tables/<cache>``: one MERGE per range of at most
+    ``max_rows_per_merge`` change rows (one range unless a backlog). ``tables``: declared column
+    types per cache (``[consumer.tables.<cache>]``)."""
     changes = lake / CHANGES
     end = table_version(changes)
     if end is None:
         raise NotADeltaLake(f"{changes}: not a Delta table (no _delta_log/): nothing to compact")
+    list_tables(lake)  # a directory under tables/ that is not a table stops compaction here, naming it
     done = compacted_version(lake)
     if not behind(changes, done, end):
-        return CompactResult(-1, done, 0, _state_version(lake))
+        if not missing_tables(lake):
+            return CompactResult(-1, done, 0, _state_version(lake))
+        # Nothing new, but state holds caches without a table (a lake compacted before the typed tables).
+        session = spark.newSession()
+        empty = CHANGE_SCHEMA.empty_table()
+        typed = compact_tables(session, lake, empty, done, app_id=COMPACT_APP_ID, declared=tables)
+        _after_tables_committed(lake, typed.versions, source_positions(changes, done))
+        return CompactResult(-1, done, 0, _state_version(lake), typed.versions, typed.rescued)
     # Its own session: the application-transaction settings are per session, and the lake sink may
     # commit through the process's main session at the same time.
     session = spark.newSession()
     session.conf.set("spark.databricks.delta.merge.repartitionBeforeWrite.enabled", "true")
     ensure_state_table(session, lake)
     failpoints.hit("lake.compact.state_table")
-    keys = 0
+    keys = rescued = 0
+    versions: dict[str, int] = {}
     for first, last in version_ranges(changes, done + 1, end, max_rows_per_merge):
         winners = latest_per_key(read_feed(changes, first, last))
         keys += winners.num_rows
         failpoints.hit("lake.compact.source_read")
+        # The typed tables first: state's application transaction is the progress mark, so a
+        # compaction killed between the two redoes this range (tables already past it are skipped).
+        typed = compact_tables(session, lake, winners, last, app_id=COMPACT_APP_ID, declared=tables)
+        versions, rescued = typed.versions, rescued + typed.rescued
+        failpoints.hit("lake.compact.tables_committed")
         session.conf.set(_TXN_APP, COMPACT_APP_ID)
         session.conf.set(_TXN_VERSION, str(last))
         source = session.createDataFrame(winners)
@@ -245,8 +283,40 @@ def compact(spark: Any, lake: LakeDir, *, max_rows_per_merge: int = MAX_ROWS_PER
         else:
             _merge(session, lake, source, winners.column("cache").unique().to_pylist())
         failpoints.hit("lake.compact.committed")
-        log.info("lake_compacted", changes_from=first, changes_to=last, keys=winners.num_rows)
-    return CompactResult(done + 1, end, keys, _state_version(lake))
+        _after_tables_committed(lake, versions, source_positions(changes, last))
+        log.info("lake_compacted", changes_from=first, changes_to=last, keys=winners.num_rows, rescued=typed.rescued)
+    return CompactResult(done + 1, end, keys, _state_version(lake), versions, rescued)
+
+
+def source_positions(changes: LakeDir, version: int) -> dict[str, str]:
+    """Per source (node id, ``:g<n>`` for a later generation) the WAL position ``segment:offset`` of the
+    last record the changes table held at ``version``: what a compaction up to it reflects."""
+    from cdcd.lake.delta import decode_version
+
+    out: dict[str, str] = {}
+    for app, txn in app_transactions(changes, version).items():
+        if app.startswith(SOURCE_APP_PREFIX) and not app.endswith(":first"):
+            ptr = decode_version(txn.version)
+            out[app[len(SOURCE_APP_PREFIX) :]] = f"{ptr.segment}:{ptr.offset}"
+    return out
+
+
+def _after_tables_committed(lake: LakeDir, versions: dict[str, int], positions: dict[str, str]) -> None:
+    """Called once a range is committed to every typed table and to ``state``: ``versions`` is every
+    typed table's version (cache -> version), ``positions`` the source positions they all reflect
+    (``source_positions``). The hook where the consistent cut across tables is recorded (issue 27 §2);
+    cdcd/lake/cuts.py connects to it."""
+    import importlib
+
+    try:
+        cuts = importlib.import_module("cdcd.lake.cuts")
+    except ModuleNotFoundError as exc:
+        if exc.name != "cdcd.lake.cuts":
+            raise
+        return
+    record = getattr(cuts, "record_cut", None)
+    if record is not None:
+        record(lake, versions, positions)
 
 
 PRUNE_MAX_CACHES = 1000
