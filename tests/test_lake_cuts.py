@@ -347,7 +347,7 @@ class Transfers:
         try:
             while not self.stop.is_set():
                 self.transfer(self._rng.randrange(ACCOUNTS), self._rng.randint(1, 9))
-                time.sleep(0.002)  # a steady load, not a synchronisation
+                time.sleep(0.01)  # a steady load, not a synchronisation
         except BaseException as exc:
             self.error = exc
             raise
@@ -395,6 +395,7 @@ def landed_ledger_rows(lake: Path) -> int:
     return int(DeltaTable(str(lake / CHANGES)).to_pyarrow_dataset().count_rows(filter=pc.field("cache") == "ledger"))
 
 
+@pytest.mark.timeout(1800)  # several Spark compactions on a small, shared machine
 def test_reads_at_the_latest_cut_never_see_half_a_transaction(tmp_path: Path) -> None:
     """A node commits transfers (debit ``accounts``, credit ``ledger``, one transaction) under load while
     the daemon lands them and compacts every second: 100+ reads of both tables at the latest cut all add
@@ -414,13 +415,15 @@ def test_reads_at_the_latest_cut_never_see_half_a_transaction(tmp_path: Path) ->
         "kind": "lake",
         "lake_path": str(lake),
         "writer": "deltalake",
-        "spark_master": "local[1]",
+        "spark_master": "local[2]",
         "spark_conf": QUICK_START,
     }
-    scheduled = write_config(tmp_path / "scheduled.toml", node_dir, {**consumer, "compact_interval_s": 1.0})
-    plain = write_config(tmp_path / "plain.toml", node_dir, consumer)
+    scheduled = write_config(
+        tmp_path / "scheduled.toml", node_dir, {**consumer, "compact_interval_s": 1.0}, batch_max_delay_ms=1000
+    )
+    plain = write_config(tmp_path / "plain.toml", node_dir, consumer, batch_max_delay_ms=1000)
     err = tmp_path / "daemon.err"
-    node = Node.open(node_dir, wal_segment_size_bytes=1 << 20, wal_force_archive_timeout_ms=200)
+    node = Node.open(node_dir, wal_segment_size_bytes=1 << 20, wal_force_archive_timeout_ms=500)
     transfers = Transfers(node, seed=27)
     daemon = compaction = None
     try:
@@ -428,7 +431,7 @@ def test_reads_at_the_latest_cut_never_see_half_a_transaction(tmp_path: Path) ->
         transfers.start()
         daemon = start_daemon(scheduled, err)
         reads, cuts_seen, unbalanced_latest = 0, set(), 0
-        deadline = 600.0
+        deadline = 900.0
 
         def enough_reads() -> bool:
             nonlocal reads, unbalanced_latest
@@ -441,9 +444,9 @@ def test_reads_at_the_latest_cut_never_see_half_a_transaction(tmp_path: Path) ->
             reads += 1
             cuts_seen.add(cut.changes_version)
             unbalanced_latest += money_at_latest_versions(lake) != TOTAL  # luck-dependent: counted, not asserted
-            return reads >= 120 and len(cuts_seen) >= 5
+            return reads >= 120 and len(cuts_seen) >= 3
 
-        wait_for(enough_reads, deadline, "120 reads at the latest cut over 5 compactions", interval=0.02)
+        wait_for(enough_reads, deadline, "120 reads at the latest cut over 3 compactions", interval=0.02)
         transfers.join()
         node.force_archive()
         wait_for(lambda: landed_ledger_rows(lake) == transfers.entries, 120, "every transfer landed")
@@ -462,7 +465,7 @@ def test_reads_at_the_latest_cut_never_see_half_a_transaction(tmp_path: Path) ->
         env = {**child_env(), "CDCD_FAILPOINTS": "lake.compact.table_committed=stop"}
         with (tmp_path / "compact.err").open("wb") as cerr:
             compaction = subprocess.Popen(
-                [*CDCD, "lake", "compact", "--lake", str(lake), "--spark-master", "local[1]"],
+                [*CDCD, "lake", "compact", "--lake", str(lake), "--spark-master", "local[2]"],
                 stdout=subprocess.DEVNULL,
                 stderr=cerr,
                 env=env,
@@ -551,3 +554,37 @@ def test_the_cuts_table_stays_small(tmp_path: Path) -> None:
     cut = latest_cut(tmp_path)
     assert cut is not None and (cut.changes_version, cut.tables) == (COMPACT_FILES + 2, {"a": COMPACT_FILES + 2})
     assert cut_as_of(tmp_path, cut.recorded_at).changes_version == COMPACT_FILES + 2
+
+
+def test_compaction_records_its_cut_and_a_missing_one_at_the_next_run(spark: Any, tmp_path: Path) -> None:
+    """``lake compact`` records the cut it reached: the changes version, every table's version, each
+    source's position. A compaction that died after its commits but before its cut (here: ``_cuts``
+    removed) gets it recorded by the next run, which has nothing else to do."""
+    import shutil
+
+    from cdcd.lake.compact import compact
+
+    append_changes(
+        tmp_path,
+        [change("a", "1", '{"n": 1}', 1), change("b", "1", '{"m": "x"}', 2)],
+        source_txn=("cdcd:node-a", 5 << 32 | 64),
+    )
+    append_changes(tmp_path, [change("a", "2", '{"n": 2}', 3)], source_txn=("cdcd:node-a", 6 << 32 | 16))
+    result = compact(spark, tmp_path)
+    cut = latest_cut(tmp_path)
+    assert cut is not None
+    assert cut.changes_version == result.to_version == 1
+    assert cut.positions == {"node-a": "6:16"}
+    assert cut.tables == result.tables
+    assert set(cut.tables) == {"a", "b"}
+    con = duckdb_connect()
+    register_duckdb(con, tmp_path)
+    assert con.execute("SELECT sum(n) FROM a").fetchone() == (3,)
+
+    shutil.rmtree(tmp_path / CUTS)
+    assert compact(spark, tmp_path).did_work is False
+    again = latest_cut(tmp_path)
+    assert again is not None
+    assert (again.changes_version, again.tables, again.positions) == (cut.changes_version, cut.tables, cut.positions)
+    compact(spark, tmp_path)
+    assert DeltaTable(str(tmp_path / CUTS)).version() == 0  # nothing new: no second cut

@@ -24,13 +24,12 @@ import pyarrow.parquet as pq
 import structlog
 
 from cdcd import failpoints
-from cdcd.lake.deltalog import DeltaLogError, app_transactions, data_changing_versions, read_commit, rows_added
+from cdcd.lake.deltalog import DeltaLogError, data_changing_versions, read_commit, rows_added
 from cdcd.lake.storage import LakeDir, ObjectPath, file_source, is_delta, open_delta, spark_path
 from cdcd.lake.table import (
     CHANGE_SCHEMA,
     CHANGES,
     PARTITION_BY,
-    SOURCE_APP_PREFIX,
     STATE,
     STATE_PROPERTIES,
     STATE_SCHEMA,
@@ -248,12 +247,13 @@ def compact(
     done = compacted_version(lake)
     if not behind(changes, done, end):
         if not missing_tables(lake):
+            _cut_if_behind(lake, done)
             return CompactResult(-1, done, 0, _state_version(lake))
         # Nothing new, but state holds caches without a table (a lake compacted before the typed tables).
         session = spark.newSession()
         empty = CHANGE_SCHEMA.empty_table()
         typed = compact_tables(session, lake, empty, done, app_id=COMPACT_APP_ID, declared=tables)
-        _after_tables_committed(lake, typed.versions, source_positions(changes, done))
+        _after_tables_committed(lake, typed.versions, done)
         return CompactResult(-1, done, 0, _state_version(lake), typed.versions, typed.rescued)
     # Its own session: the application-transaction settings are per session, and the lake sink may
     # commit through the process's main session at the same time.
@@ -283,40 +283,28 @@ def compact(
         else:
             _merge(session, lake, source, winners.column("cache").unique().to_pylist())
         failpoints.hit("lake.compact.committed")
-        _after_tables_committed(lake, versions, source_positions(changes, last))
+        _after_tables_committed(lake, versions, last)
         log.info("lake_compacted", changes_from=first, changes_to=last, keys=winners.num_rows, rescued=typed.rescued)
     return CompactResult(done + 1, end, keys, _state_version(lake), versions, rescued)
 
 
-def source_positions(changes: LakeDir, version: int) -> dict[str, str]:
-    """Per source (node id, ``:g<n>`` for a later generation) the WAL position ``segment:offset`` of the
-    last record the changes table held at ``version``: what a compaction up to it reflects."""
-    from cdcd.lake.delta import decode_version
+def _after_tables_committed(lake: LakeDir, versions: dict[str, int], changes_version: int) -> None:
+    """Once a range is committed to every typed table and to ``state``: record the cut they make
+    (``versions``: cache -> table version; all reflect ``changes_version``), cdcd/lake/cuts.py."""
+    from cdcd.lake.cuts import record_cut, source_positions
 
-    out: dict[str, str] = {}
-    for app, txn in app_transactions(changes, version).items():
-        if app.startswith(SOURCE_APP_PREFIX) and not app.endswith(":first"):
-            ptr = decode_version(txn.version)
-            out[app[len(SOURCE_APP_PREFIX) :]] = f"{ptr.segment}:{ptr.offset}"
-    return out
+    record_cut(lake, versions, source_positions(lake, changes_version), changes_version)
 
 
-def _after_tables_committed(lake: LakeDir, versions: dict[str, int], positions: dict[str, str]) -> None:
-    """Called once a range is committed to every typed table and to ``state``: ``versions`` is every
-    typed table's version (cache -> version), ``positions`` the source positions they all reflect
-    (``source_positions``). The hook where the consistent cut across tables is recorded (issue 27 §2);
-    cdcd/lake/cuts.py connects to it."""
-    import importlib
+def _cut_if_behind(lake: LakeDir, done: int) -> None:
+    """Nothing to compact, but no cut at ``done`` (a compaction killed after its commits, before its
+    cut; a lake compacted before cuts existed): record the cut those commits make."""
+    from cdcd.lake.cuts import latest_cut
 
-    try:
-        cuts = importlib.import_module("cdcd.lake.cuts")
-    except ModuleNotFoundError as exc:
-        if exc.name != "cdcd.lake.cuts":
-            raise
-        return
-    record = getattr(cuts, "record_cut", None)
-    if record is not None:
-        record(lake, versions, positions)
+    cut = latest_cut(lake)
+    if done >= 0 and (cut is None or cut.changes_version < done):
+        tables = {cache: int(open_delta(path).version()) for cache, path in list_tables(lake).items()}
+        _after_tables_committed(lake, tables, done)
 
 
 PRUNE_MAX_CACHES = 1000

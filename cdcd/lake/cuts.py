@@ -40,8 +40,6 @@ from cdcd.lake.table import COMMON_PROPERTIES, SOURCE_APP_PREFIX
 log = structlog.get_logger("cdcd.lake")
 
 CUTS = "_cuts"
-TABLES = "tables"
-"""``<lake>/tables/<dir>``: one Delta table per cache (``dir`` as ``partition_dir_value`` names it)."""
 
 CUTS_SCHEMA = pa.schema(
     [
@@ -87,10 +85,10 @@ class Cut:
 
 
 def table_path(lake: LakeDir, cache: str) -> LakeDir:
-    """Where the typed table of ``cache`` lives."""
-    from cdcd.lake.delta import partition_dir_value
+    """Where the typed table of ``cache`` lives (``<lake>/tables/<dir>``)."""
+    from cdcd.lake.typed_layout import table_dir
 
-    return lake / TABLES / partition_dir_value(cache)
+    return table_dir(lake, cache)
 
 
 def source_positions(lake: LakeDir, changes_version: int) -> dict[str, str]:

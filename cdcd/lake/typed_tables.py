@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import structlog
 
-from cdcd import metrics
+from cdcd import failpoints, metrics
 from cdcd.lake.storage import LakeDir, is_delta, open_delta, spark_path
 from cdcd.lake.table import STATE
 from cdcd.lake.typed_infer import KEY, OP, ORDER, Converted, Layout, convert
@@ -114,6 +114,8 @@ def compact_tables(
         elif conv.added:
             _add_columns(spark, path, conv)
         _merge(spark, path, conv, app_id, last)
+        # Between two tables' commits: a reader without a cut sees one table ahead of the other.
+        failpoints.hit("lake.compact.table_committed")
         tables[cache] = path
         rescued += conv.rescued
         added += len(conv.added)
