@@ -119,7 +119,7 @@ def test_make_run_ending_queries_the_typed_tables_with_spark_sql(
         f"spark.sql> {query}",
         "keys  last_key",
         "----  --------",
-        "   2  3",
+        "   2         3",
         "(1 row)",
         "verified: 3 keys, OK",
     ]
