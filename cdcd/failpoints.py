@@ -11,6 +11,10 @@ so points can sit on paths that run once per switch, commit or task (never per e
 
 A SIGKILL, not an exception: nothing may run after the point, exactly as if the machine died
 there (no ``finally``, no atexit, no flush of buffered writes).
+
+``name[@N]=stop`` makes the process SIGSTOP itself there instead: a test holds it at that point
+(its parent sees the stop through ``waitpid(pid, WUNTRACED)``, no polling), looks at what a reader
+sees meanwhile, then lets it go on with SIGCONT.
 """
 
 from __future__ import annotations
@@ -28,24 +32,30 @@ PAUSE_MAX_S = 600.0
 """A paused process nobody killed goes on after this long (a test that failed must not leave it forever)."""
 
 
+
 @dataclass
 class _Point:
     left: int
     """Hits to go before it fires (1: the next one)."""
+    signal: signal.Signals | None = signal.SIGKILL
+    """What the process sends itself there (SIGKILL, or SIGSTOP: the parent sees it stopped)."""
     pause_dir: Path | None = None
-    """None: SIGKILL; else pause, claiming ``pause_dir/<name>``."""
+    """For ``pause:DIR``: no signal; the first process there claims ``pause_dir/<name>`` and waits."""
 
 
 def _parse(text: str) -> dict[str, _Point]:
+    """``name[@N][=kill|stop|pause:DIR]`` items."""
     points: dict[str, _Point] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         spec, _, action = item.partition("=")
         name, _, nth = spec.partition("@")
         point = _Point(int(nth) if nth else 1)
         if action.startswith("pause:") and action[len("pause:") :]:
-            point.pause_dir = Path(action[len("pause:") :])
+            point.signal, point.pause_dir = None, Path(action[len("pause:") :])
+        elif action == "stop":
+            point.signal = signal.SIGSTOP
         elif action not in ("", "kill"):
-            raise ValueError(f"environment: {ENV}: {item!r}: the action is kill or pause:DIR")
+            raise ValueError(f"environment: {ENV}: {item!r}: the action is kill, stop or pause:DIR")
         points[name] = point
     return points
 
@@ -64,14 +74,14 @@ def _pause(name: str, where: Path) -> None:
 
 
 def hit(name: str) -> None:
-    """Die (or pause) here if ``name`` is armed and this is its N-th hit."""
+    """Die, stop or pause here if ``name`` is armed and this is its N-th hit."""
     if not _armed or name not in _armed:
         return
     point = _armed[name]
     point.left -= 1
-    if point.left > 0:
+    if point.left != 0:
         return
-    if point.pause_dir is None:
-        os.kill(os.getpid(), signal.SIGKILL)
-    else:
+    if point.pause_dir is not None:
         _pause(name, point.pause_dir)
+    elif point.signal is not None:
+        os.kill(os.getpid(), point.signal)

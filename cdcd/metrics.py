@@ -256,6 +256,12 @@ LAKE_DUPLICATE_BATCHES = Counter(
     "Batches (or parts) dropped as replays at or below the high-water mark",
     registry=LAKE,
 )
+LAKE_RESCUED = Counter(
+    "cdcd_lake_rescued_fields_total",
+    "Fields that did not fit their typed-table column and were kept as JSON in _rescued",
+    ["cache"],
+    registry=LAKE,
+)
 LAKE_CONFLICTS = Counter(
     "cdcd_lake_log_conflicts_total", "Commits retried because another writer committed first", registry=LAKE
 )

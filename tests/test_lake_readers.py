@@ -98,22 +98,28 @@ def test_duckdb_with_the_delta_extension_from_its_wheel(lake: Path) -> None:
     assert n == (1,)
 
 
-def test_make_run_ending_queries_state_with_spark_sql(
+def test_make_run_ending_queries_the_typed_tables_with_spark_sql(
     spark: Any, lake: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """What `make run` ends with: the lake path, the Spark SQL query over state and its result, then one
-    summary line (the checks here are the ones `lake verify` makes)."""
+    """What `make run` ends with: the lake path, the cut, a typed Spark SQL query over the cache tables
+    (views at that cut) and its result, then one summary line (the checks here are `lake verify`'s)."""
+    from cdcd.lake.cuts import latest_cut
     from cdcd.lake.report import print_demo_ending
     from cdcd.lake.verify import CacheCheck
 
     checks = [CacheCheck("new\nline", 1, 1, 7, 7), CacheCheck("orders", 2, 2, 9, 9)]
-    print_demo_ending(spark, lake, checks)
+    cut = latest_cut(lake)
+    assert cut is not None
+    query = "SELECT count(*) AS keys, max(key) AS last_key FROM orders"
+    print_demo_ending(spark, lake, checks, query)
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == f"lake: {lake.resolve()}"
-    assert out[1] == (
-        "spark.sql> SELECT cache, count(*) AS keys, max(commit_ts) AS last_commit "
-        f"FROM delta.`{(lake / STATE).resolve()}` GROUP BY cache ORDER BY cache"
-    )
-    rows = [ln.split()[:2] for ln in out[3:-1]]
-    assert rows == [["new\\nline", "1"], ["orders", "2"]]
-    assert out[-1] == "verified: 3 keys, OK"
+    assert out == [
+        f"lake: {lake.resolve()}",
+        f"tables at the cut of changes version {cut.changes_version} (cdcd lake cut --lake {lake})",
+        f"spark.sql> {query}",
+        "keys  last_key",
+        "----  --------",
+        "   2         3",
+        "(1 row)",
+        "verified: 3 keys, OK",
+    ]

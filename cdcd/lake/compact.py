@@ -11,7 +11,9 @@ and runs again either finds nothing left to do or redoes exactly the uncommitted
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from dataclasses import field as dc_field
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -25,7 +27,16 @@ from cdcd import failpoints
 from cdcd.faults import ExitCode, Fault
 from cdcd.lake.deltalog import DeltaLogError, data_changing_versions, read_commit, rows_added
 from cdcd.lake.storage import LakeDir, ObjectPath, file_source, is_delta, open_delta, spark_path
-from cdcd.lake.table import CHANGE_SCHEMA, CHANGES, PARTITION_BY, STATE, STATE_PROPERTIES, STATE_SCHEMA
+from cdcd.lake.table import (
+    CHANGE_SCHEMA,
+    CHANGES,
+    PARTITION_BY,
+    STATE,
+    STATE_PROPERTIES,
+    STATE_SCHEMA,
+)
+from cdcd.lake.typed_layout import list_tables
+from cdcd.lake.typed_tables import DeclaredTable, compact_tables, missing_tables
 
 log = structlog.get_logger("cdcd.lake")
 
@@ -59,6 +70,10 @@ class CompactResult:
     """Distinct (cache, key) merged."""
     state_version: int
     """The state table's version after the MERGE (unchanged when nothing was new)."""
+    tables: dict[str, int] = dc_field(default_factory=dict)
+    """cache -> version of its typed table ``<lake>/tables/<cache>`` after this compaction."""
+    rescued: int = 0
+    """Fields that did not fit their typed column and went to ``_rescued``."""
 
     @property
     def did_work(self) -> bool:
@@ -212,27 +227,50 @@ def _newer(source: str, target: str) -> str:
     return f"struct({cols}) > struct({tcols})"
 
 
-def compact(spark: Any, lake: LakeDir, *, max_rows_per_merge: int = MAX_ROWS_PER_MERGE) -> CompactResult:
-    """Fold every change committed to ``<lake>/changes`` since the last compaction into ``<lake>/state``:
-    one MERGE per range of at most ``max_rows_per_merge`` change rows (one range unless a backlog)."""
+def compact(
+    spark: Any,
+    lake: LakeDir,
+    *,
+    max_rows_per_merge: int = MAX_ROWS_PER_MERGE,
+    tables: Mapping[str, DeclaredTable] | None = None,
+) -> CompactResult:
+    """Fold every change committed to ``<lake>/changes`` since the last compaction into ``<lake>/state``
+    and the typed tables ``<lake>/tables/<cache>``: one MERGE per range of at most
+    ``max_rows_per_merge`` change rows (one range unless a backlog). ``tables``: declared column
+    types per cache (``[consumer.tables.<cache>]``)."""
     changes = lake / CHANGES
     end = table_version(changes)
     if end is None:
         raise NotADeltaLake(f"{changes}: not a Delta table (no _delta_log/): nothing to compact")
+    list_tables(lake)  # a directory under tables/ that is not a table stops compaction here, naming it
     done = compacted_version(lake)
     if not behind(changes, done, end):
-        return CompactResult(-1, done, 0, _state_version(lake))
+        if not missing_tables(lake):
+            _cut_if_behind(lake, done)
+            return CompactResult(-1, done, 0, _state_version(lake))
+        # Nothing new, but state holds caches without a table (a lake compacted before the typed tables).
+        session = spark.newSession()
+        empty = CHANGE_SCHEMA.empty_table()
+        typed = compact_tables(session, lake, empty, done, app_id=COMPACT_APP_ID, declared=tables)
+        _after_tables_committed(lake, typed.versions, done)
+        return CompactResult(-1, done, 0, _state_version(lake), typed.versions, typed.rescued)
     # Its own session: the application-transaction settings are per session, and the lake sink may
     # commit through the process's main session at the same time.
     session = spark.newSession()
     session.conf.set("spark.databricks.delta.merge.repartitionBeforeWrite.enabled", "true")
     ensure_state_table(session, lake)
     failpoints.hit("lake.compact.state_table")
-    keys = 0
+    keys = rescued = 0
+    versions: dict[str, int] = {}
     for first, last in version_ranges(changes, done + 1, end, max_rows_per_merge):
         winners = latest_per_key(read_feed(changes, first, last))
         keys += winners.num_rows
         failpoints.hit("lake.compact.source_read")
+        # The typed tables first: state's application transaction is the progress mark, so a
+        # compaction killed between the two redoes this range (tables already past it are skipped).
+        typed = compact_tables(session, lake, winners, last, app_id=COMPACT_APP_ID, declared=tables)
+        versions, rescued = typed.versions, rescued + typed.rescued
+        failpoints.hit("lake.compact.tables_committed")
         session.conf.set(_TXN_APP, COMPACT_APP_ID)
         session.conf.set(_TXN_VERSION, str(last))
         source = session.createDataFrame(winners)
@@ -244,8 +282,28 @@ def compact(spark: Any, lake: LakeDir, *, max_rows_per_merge: int = MAX_ROWS_PER
         else:
             _merge(session, lake, source, winners.column("cache").unique().to_pylist())
         failpoints.hit("lake.compact.committed")
-        log.info("lake_compacted", changes_from=first, changes_to=last, keys=winners.num_rows)
-    return CompactResult(done + 1, end, keys, _state_version(lake))
+        _after_tables_committed(lake, versions, last)
+        log.info("lake_compacted", changes_from=first, changes_to=last, keys=winners.num_rows, rescued=typed.rescued)
+    return CompactResult(done + 1, end, keys, _state_version(lake), versions, rescued)
+
+
+def _after_tables_committed(lake: LakeDir, versions: dict[str, int], changes_version: int) -> None:
+    """Once a range is committed to every typed table and to ``state``: record the cut they make
+    (``versions``: cache -> table version; all reflect ``changes_version``), cdcd/lake/cuts.py."""
+    from cdcd.lake.cuts import record_cut, source_positions
+
+    record_cut(lake, versions, source_positions(lake, changes_version), changes_version)
+
+
+def _cut_if_behind(lake: LakeDir, done: int) -> None:
+    """Nothing to compact, but no cut at ``done`` (a compaction killed after its commits, before its
+    cut; a lake compacted before cuts existed): record the cut those commits make."""
+    from cdcd.lake.cuts import latest_cut
+
+    cut = latest_cut(lake)
+    if done >= 0 and (cut is None or cut.changes_version < done):
+        tables = {cache: int(open_delta(path).version()) for cache, path in list_tables(lake).items()}
+        _after_tables_committed(lake, tables, done)
 
 
 PRUNE_MAX_CACHES = 1000

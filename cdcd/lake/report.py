@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -10,7 +11,6 @@ from typing import Any
 import click
 
 from cdcd.lake.ops import LakeInfo
-from cdcd.lake.table import STATE
 from cdcd.lake.verify import CacheCheck
 
 
@@ -83,20 +83,27 @@ def print_history(table: str, rows: list[dict[str, Any]]) -> None:
         click.echo(f"{table:<8} {r['version']:>8}  {when:<29} {op:<18} {', '.join(details)}")
 
 
-STATE_QUERY = (
-    "SELECT cache, count(*) AS keys, max(commit_ts) AS last_commit FROM delta.`{state}` GROUP BY cache ORDER BY cache"
-)
-"""The Spark SQL ``make run`` ends with: the state table, as any Spark user would query it."""
+DEMO_QUERY = "SELECT count(*) AS keys, min(seq) AS first_seq, max(seq) AS last_seq FROM load"
+"""The typed query ``make run`` ends with: the demo's cache ``load`` by its columns, no JSON functions."""
 
 
-def print_demo_ending(spark: Any, lake: Path, checks: list[CacheCheck]) -> None:
-    """``make run``'s last lines: where the lake is, a Spark SQL query over ``state`` and its result,
-    then one summary line (``verified: N keys, OK``)."""
-    query = STATE_QUERY.format(state=str((lake / STATE).resolve()).replace("`", "``"))
+def print_demo_ending(spark: Any, lake: Path, checks: list[CacheCheck], query: str = DEMO_QUERY) -> None:
+    """``make run``'s last lines: where the lake is, the cut its tables are read at, a Spark SQL query
+    over the typed cache tables (views registered in ``spark``, at that cut) and its result, then
+    one summary line (``verified: N keys, OK``)."""
+    from cdcd.lake.cuts import latest_cut
+    from cdcd.lake.readers import register_spark
+    from cdcd.lake.sql import Result, write_result
+
+    cut = latest_cut(lake)
     click.echo(f"lake: {lake.resolve()}")
-    click.echo(f"spark.sql> {query}")
-    rows = spark.sql(query).collect()
-    click.echo(f"{'cache':<24} {'keys':>10}  last_commit")
-    for row in rows:
-        click.echo(f"{printable(row['cache']):<24} {row['keys']:>10,}  {row['last_commit']}")
+    if cut is not None:
+        click.echo(f"tables at the cut of changes version {cut.changes_version} (cdcd lake cut --lake {lake})")
+        session = spark.newSession()  # the views stay out of the caller's session
+        register_spark(session, lake, cut)
+        click.echo(f"spark.sql> {query}")
+        frame = session.sql(query)
+        out = io.StringIO()
+        write_result(Result(list(frame.columns), iter([tuple(r) for r in frame.collect()])), out, "table")
+        click.echo(out.getvalue(), nl=False)
     click.echo(verify_summary(checks))

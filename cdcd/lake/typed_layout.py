@@ -1,0 +1,198 @@
+"""Where the typed tables live and how their layout is kept in their own Delta metadata.
+
+``<lake>/tables/<dir>``: one Delta table per cache; ``<dir>`` follows the ``cache=`` partitions' rule
+(``partition_dir_value``) and the real cache name is the table property ``cdcd.cache``. Each column
+carries a comment (JSON; Spark's ``DESCRIBE`` shows it, delta-rs has it in the field metadata): the
+field it holds (``field``: the mapping from column names back to field names), the table version and
+time it appeared (``since_version``, ``since``); the key column says whether it holds JSON text.
+So the table alone says how to read it back, and no other file can disagree with it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import pyarrow as pa
+
+from cdcd.lake.delta import partition_dir_value
+from cdcd.lake.storage import LakeDir, ObjectPath, is_delta, open_delta
+from cdcd.lake.table import COMMON_PROPERTIES
+from cdcd.lake.typed_infer import KEY, NON_DICT, Layout, base_columns
+
+TABLES = "tables"
+CACHE_PROPERTY = "cdcd.cache"
+"""Table property holding the cache's real name (the directory name may be a prefix and a hash)."""
+
+TABLE_PROPERTIES = {**COMMON_PROPERTIES, "delta.enableChangeDataFeed": "true"}
+"""No deletion vectors, no column mapping, classic checkpoints (every reader reads them); the change
+data feed on: ``readChangeFeed`` gives typed changes per cache."""
+
+
+class NotATypedTable(ValueError):
+    """A directory under ``<lake>/tables`` that is not one of cdcd's Delta tables."""
+
+
+def table_dir(lake: LakeDir, cache: str) -> LakeDir:
+    return lake / TABLES / partition_dir_value(cache)
+
+
+def _child_dirs(root: LakeDir) -> list[LakeDir]:
+    if isinstance(root, ObjectPath):
+        from pyarrow import fs as pafs
+
+        if not root.exists():
+            return []
+        infos = root.fs.get_file_info(pafs.FileSelector(root.fs_path, recursive=False, allow_not_found=True))
+        return [root / info.base_name for info in infos if info.type == pafs.FileType.Directory]
+    if not root.is_dir():
+        return []
+    return [p for p in sorted(root.iterdir()) if p.is_dir()]
+
+
+def list_tables(lake: LakeDir) -> dict[str, LakeDir]:
+    """cache name -> its table; ``NotATypedTable`` (one line naming it) for a directory under
+    ``tables/`` that is not a Delta table, or whose ``cdcd.cache`` does not name it."""
+    found: dict[str, LakeDir] = {}
+    for path in _child_dirs(lake / TABLES):
+        if path.name.startswith("."):
+            continue  # an editor's or a copy tool's hidden directory is not a table
+        if not is_delta(path):
+            raise NotATypedTable(
+                f"{path}: not a Delta table (no _delta_log/); compaction stopped: move it out of {lake / TABLES}"
+            )
+        cache = open_delta(path).metadata().configuration.get(CACHE_PROPERTY)
+        if cache is None or partition_dir_value(cache) != path.name:
+            raise NotATypedTable(
+                f"{path}: a Delta table without a {CACHE_PROPERTY} property naming this directory "
+                f"(found {cache!r}); compaction stopped: move it out of {lake / TABLES}"
+            )
+        found[cache] = path
+    return found
+
+
+# --- comments -------------------------------------------------------------------------------------------
+def column_comment(field: str | None, since_version: int, *, json_text: bool = False) -> str:
+    info: dict[str, Any] = {"since_version": since_version, "since": now_iso()}
+    if field is None:
+        info["value"] = True
+    else:
+        info["field"] = field
+    if json_text:
+        info["json"] = True
+    return json.dumps(info, ensure_ascii=False)
+
+
+def key_comment(key_json: bool) -> str:
+    return json.dumps({"key": "json" if key_json else "typed"})
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+# --- Delta schema JSON <-> Arrow -------------------------------------------------------------------------
+_DELTA_SCALARS: dict[str, pa.DataType] = {
+    "string": pa.string(),
+    "long": pa.int64(),
+    "integer": pa.int32(),
+    "double": pa.float64(),
+    "boolean": pa.bool_(),
+    "timestamp": pa.timestamp("us", tz="UTC"),
+    "binary": pa.binary(),
+}
+
+
+def arrow_type(delta_type: Any) -> pa.DataType:
+    if isinstance(delta_type, str):
+        return _DELTA_SCALARS[delta_type]
+    kind = delta_type["type"]
+    if kind == "array":
+        return pa.list_(arrow_type(delta_type["elementType"]))
+    if kind == "struct":
+        return pa.struct([pa.field(f["name"], arrow_type(f["type"])) for f in delta_type["fields"]])
+    raise ValueError(f"no Arrow type for Delta type {delta_type!r}")
+
+
+@dataclass
+class ColumnInfo:
+    name: str
+    type: pa.DataType
+    comment: dict[str, Any]
+
+
+def schema_info(table: Any) -> list[ColumnInfo]:
+    """The columns of a delta-rs table with their parsed comments (``{}`` when none)."""
+    out = []
+    for f in json.loads(table.schema().to_json())["fields"]:
+        raw = (f.get("metadata") or {}).get("comment")
+        try:
+            comment = json.loads(raw) if raw else {}
+        except ValueError:
+            comment = {}
+        out.append(ColumnInfo(f["name"], arrow_type(f["type"]), comment if isinstance(comment, dict) else {}))
+    return out
+
+
+def read_layout(path: LakeDir) -> Layout:
+    """The layout a typed table's schema and comments record."""
+    columns = schema_info(open_delta(path))
+    base = {f.name for f in base_columns(pa.string())}
+    layout = Layout()
+    json_fields = set()
+    for c in columns:
+        if c.name == KEY:
+            layout.key_json = c.comment.get("key") == "json"
+            layout.key_type = c.type
+        elif c.name in base:
+            continue
+        elif c.comment.get("value"):
+            layout.columns[NON_DICT] = (c.name, c.type)
+        else:
+            name = c.comment.get("field", c.name)
+            layout.columns[name] = (c.name, c.type)
+            if c.comment.get("json"):
+                json_fields.add(name)
+    layout.json_fields = frozenset(json_fields)
+    return layout
+
+
+def spark_ddl_type(t: pa.DataType) -> str:
+    """Spark SQL DDL of an Arrow type the typed tables use (names quoted: any plain field name)."""
+    if pa.types.is_list(t):
+        return f"ARRAY<{spark_ddl_type(t.value_type)}>"
+    if pa.types.is_struct(t):
+        return "STRUCT<" + ", ".join(f"{quote(f.name)}: {spark_ddl_type(f.type)}" for f in t) + ">"
+    names = {
+        pa.string(): "STRING",
+        pa.int64(): "BIGINT",
+        pa.int32(): "INT",
+        pa.float64(): "DOUBLE",
+        pa.bool_(): "BOOLEAN",
+        pa.timestamp("us", tz="UTC"): "TIMESTAMP",
+    }
+    return names[t]
+
+
+def quote(name: str) -> str:
+    return "`" + name.replace("`", "``") + "`"
+
+
+def sql_string(text: str) -> str:
+    """A Spark SQL string literal (default parser: backslash escapes)."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def comments_for(layout: Layout, since_version: int, columns: list[str] | None = None) -> Mapping[str, str]:
+    """column -> comment for ``columns`` (default all) of ``layout``."""
+    wanted = None if columns is None else set(columns)
+    out: dict[str, str] = {KEY: key_comment(layout.key_json)}
+    for name, (col, _) in layout.columns.items():
+        if wanted is not None and col not in wanted:
+            continue
+        field = None if name == NON_DICT else name
+        out[col] = column_comment(field, since_version, json_text=name in layout.json_fields)
+    return out

@@ -1,0 +1,235 @@
+"""Compaction of the typed tables ``<lake>/tables/<cache>``: one per cache, one row per live key.
+
+Called by ``compact`` for each range of the changes feed it folds, *before* the range's ``state``
+MERGE: ``state``'s application transaction stays the one progress mark, and a table whose own
+``cdcd-compact`` transaction already covers the range (a compaction killed between the two) is
+skipped. Per cache with changes in the range: the winners are typed (``typed_infer.convert``), new
+columns are added by one ``ALTER TABLE … ADD COLUMNS`` (its own commit: the schema change is a line
+of the table's history, the comments say when each column appeared), then one MERGE on Spark (or a
+plain append into an empty table) applies them, carrying the application transaction. A cache whose
+keys stop being one scalar type has its table rebuilt once with a JSON-text key from ``state``
+(which holds that cache's rows as of the range's start), then merged. A cache ``state`` holds but
+that has no table (a lake compacted before the typed tables existed, or a table deleted to rebuild
+it) gets its table from ``state`` the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import structlog
+
+from cdcd import failpoints, metrics
+from cdcd.lake.storage import LakeDir, is_delta, open_delta, spark_path
+from cdcd.lake.table import STATE
+from cdcd.lake.typed_infer import KEY, OP, ORDER, Converted, Layout, convert
+from cdcd.lake.typed_layout import (
+    CACHE_PROPERTY,
+    TABLE_PROPERTIES,
+    comments_for,
+    list_tables,
+    quote,
+    read_layout,
+    schema_info,
+    spark_ddl_type,
+    sql_string,
+    table_dir,
+)
+
+log = structlog.get_logger("cdcd.lake")
+
+_TXN_APP = "spark.databricks.delta.write.txnAppId"
+_TXN_VERSION = "spark.databricks.delta.write.txnVersion"
+
+
+@dataclass(frozen=True)
+class DeclaredTable:
+    """``[consumer.tables.<cache>]``: columns whose type is declared, not inferred."""
+
+    columns: Mapping[str, str]
+    """field name -> ``bool`` | ``int64`` | ``float64`` | ``string`` | ``json``."""
+
+
+@dataclass
+class TablesResult:
+    versions: dict[str, int]
+    """cache -> table version after this range (every table under ``tables/``)."""
+    rescued: int
+    columns_added: int
+
+
+def with_declared(layout: Layout, declared: DeclaredTable | None) -> Layout:
+    from cdcd.lake.typed_declared import apply_declared
+
+    return layout if declared is None else apply_declared(layout, declared)
+
+
+def compact_tables(
+    spark: Any,
+    lake: LakeDir,
+    winners: pa.Table,
+    last: int,
+    *,
+    app_id: str,
+    declared: Mapping[str, DeclaredTable] | None = None,
+) -> TablesResult:
+    """Fold one range's winners (latest change per (cache, key), deletes included) into the typed tables."""
+    declared = declared or {}
+    tables = list_tables(lake)
+    rescued = added = 0
+    caches = set(winners.column("cache").unique().to_pylist()) if winners.num_rows else set()
+    missing = sorted(c for c in _state_caches(lake) if c not in tables)
+    for cache in missing:
+        # In state but without a table: the table starts as state's rows of the cache.
+        path = table_dir(lake, cache)
+        conv = convert(_state_rows(lake, cache), with_declared(Layout(), declared.get(cache)))
+        _replace(spark, path, cache, conv)
+        tables[cache] = path
+        rescued += conv.rescued
+        log.info("lake_table_created_from_state", cache=cache, rows=conv.rows.num_rows)
+    for cache in sorted(caches):
+        path = tables.get(cache) or table_dir(lake, cache)
+        existing = is_delta(path)
+        if existing and (open_delta(path).transaction_version(app_id) or -1) >= last:
+            continue  # committed by a compaction that died before state's MERGE
+        stored = read_layout(path) if existing else Layout()
+        rows = winners.filter(pc.equal(winners.column("cache"), cache))
+        conv = convert(rows, with_declared(stored, declared.get(cache)))
+        had = {c for c, _ in stored.columns.values()}
+        conv.added = [c for c, _ in conv.layout.columns.values() if c not in had]
+        if conv.key_changed:
+            # Keys of another type arrived: the table is rebuilt with JSON-text keys from state (this
+            # cache's rows as of the range's start), then the range is merged as usual.
+            rebuilt = convert(_state_rows(lake, cache), conv.layout)
+            _replace(spark, path, cache, rebuilt)
+            conv = convert(rows, rebuilt.layout)
+            log.info("lake_table_key_to_json", cache=cache)
+        elif not existing:
+            _create(spark, path, cache, conv.layout)
+        elif conv.added:
+            _add_columns(spark, path, conv)
+        _merge(spark, path, conv, app_id, last)
+        # Between two tables' commits: a reader without a cut sees one table ahead of the other.
+        failpoints.hit("lake.compact.table_committed")
+        tables[cache] = path
+        rescued += conv.rescued
+        added += len(conv.added)
+        if conv.rescued:
+            metrics.LAKE_RESCUED.labels(cache=cache).inc(conv.rescued)
+        if conv.added:
+            log.info("lake_table_columns_added", cache=cache, columns=conv.added)
+    versions = {cache: int(open_delta(path).version()) for cache, path in tables.items()}
+    return TablesResult(versions, rescued, added)
+
+
+def missing_tables(lake: LakeDir) -> list[str]:
+    """Caches ``state`` holds that have no typed table."""
+    tables = list_tables(lake)
+    return sorted(c for c in _state_caches(lake) if c not in tables)
+
+
+# --- state as a source -----------------------------------------------------------------------------------
+def _state_caches(lake: LakeDir) -> list[str]:
+    state = lake / STATE
+    if not is_delta(state):
+        return []
+    adds = pa.table(open_delta(state).get_add_actions(flatten=True))
+    if "partition.cache" not in adds.column_names:
+        return []
+    return [c for c in adds.column("partition.cache").unique().to_pylist() if c is not None]
+
+
+def _state_rows(lake: LakeDir, cache: str) -> pa.Table:
+    """State's rows of ``cache`` as feed rows (op ``update``)."""
+    import pyarrow.dataset as ds
+
+    data = open_delta(lake / STATE).to_pyarrow_dataset()
+    rows = data.to_table(filter=ds.field("cache") == cache)
+    return rows.append_column("op", pa.array(["update"] * rows.num_rows, pa.string()))
+
+
+# --- Spark ---------------------------------------------------------------------------------------------------
+def _schema(conv_layout: Layout, since_version: int, keep: Mapping[str, str]) -> Any:
+    from pyspark.sql.pandas.types import from_arrow_type
+    from pyspark.sql.types import StructField, StructType
+
+    comments = {**comments_for(conv_layout, since_version), **keep}
+    fields = []
+    for f in conv_layout.schema():
+        meta = {"comment": comments[f.name]} if f.name in comments else {}
+        fields.append(StructField(f.name, from_arrow_type(f.type), True, meta))
+    return StructType(fields)
+
+
+def _create(spark: Any, path: LakeDir, cache: str, layout: Layout) -> None:
+    from delta.tables import DeltaTable
+
+    builder = DeltaTable.createIfNotExists(spark).location(spark_path(path)).addColumns(_schema(layout, 0, {}))
+    builder = builder.comment(f"cdcd: current state of cache {cache!r}, one row per live key")
+    for key, value in {**TABLE_PROPERTIES, CACHE_PROPERTY: cache}.items():
+        builder = builder.property(key, value)
+    builder.execute()
+
+
+def _replace(spark: Any, path: LakeDir, cache: str, conv: Converted) -> None:
+    """``conv``'s live rows as the table's whole content: a new table (created, then appended), or the
+    existing one overwritten with its new schema in one commit (properties and history stay)."""
+    live = conv.rows.filter(pc.not_equal(conv.rows.column(OP), "delete")).drop_columns([OP])
+    if not is_delta(path):
+        _create(spark, path, cache, conv.layout)
+        if live.num_rows:
+            spark.createDataFrame(live).write.format("delta").mode("append").save(spark_path(path))
+        return
+    # Columns the table had keep the comment saying when they appeared; the key's says JSON now.
+    table = open_delta(path)
+    keep = {c.name: json.dumps(c.comment, ensure_ascii=False) for c in schema_info(table) if c.comment}
+    keep.pop(KEY, None)
+    schema = _schema(conv.layout, int(table.version()) + 1, keep)
+    frame = spark.createDataFrame(live.cast(conv.layout.schema()))
+    frame = frame.select([frame[f"`{f.name}`"].alias(f.name, metadata=f.metadata) for f in schema.fields])
+    frame.write.format("delta").mode("overwrite").option("overwriteSchema", "true").save(spark_path(path))
+
+
+def _add_columns(spark: Any, path: LakeDir, conv: Converted) -> None:
+    since = int(open_delta(path).version()) + 1
+    comments = comments_for(conv.layout, since, conv.added)
+    types = {c: t for c, t in conv.layout.columns.values()}
+    cols = ", ".join(f"{quote(c)} {spark_ddl_type(types[c])} COMMENT {sql_string(comments[c])}" for c in conv.added)
+    spark.sql(f"ALTER TABLE delta.{quote(spark_path(path))} ADD COLUMNS ({cols})")
+
+
+def _newer() -> str:
+    s = ", ".join(f"s.{c}" for c in ORDER)
+    t = ", ".join(f"t.{c}" for c in ORDER)
+    return f"struct({s}) > struct({t})"
+
+
+def _merge(spark: Any, path: LakeDir, conv: Converted, app_id: str, last: int) -> None:
+    from delta.tables import DeltaTable
+
+    session = spark.newSession()
+    session.conf.set(_TXN_APP, app_id)
+    session.conf.set(_TXN_VERSION, str(last))
+    rows = conv.rows
+    if not open_delta(path).file_uris():
+        live = rows.filter(pc.not_equal(rows.column(OP), "delete")).drop_columns([OP])
+        # An empty table: a plain append (same transaction), no join.
+        session.createDataFrame(live).write.format("delta").mode("append").save(spark_path(path))
+        return
+    source = session.createDataFrame(rows)
+    columns = [f.name for f in conv.layout.schema()]
+    assignments: dict[str, str | Any] = {quote(c): f"s.{quote(c)}" for c in columns}
+    (
+        DeltaTable.forPath(session, spark_path(path))
+        .alias("t")
+        .merge(source.alias("s"), f"t.{KEY} = s.{KEY}")
+        .whenMatchedDelete(condition=f"s.{OP} = 'delete' AND {_newer()}")
+        .whenMatchedUpdate(condition=f"s.{OP} <> 'delete' AND {_newer()}", set=assignments)
+        .whenNotMatchedInsert(condition=f"s.{OP} <> 'delete'", values=assignments)
+        .execute()
+    )

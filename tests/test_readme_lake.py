@@ -1,0 +1,94 @@
+"""The README's first look at the lake, run as written (relative paths included) in a scratch working
+directory: its Python snippet fills ``var/node1``, ``cdcd run --config config/lake.toml`` lands and
+compacts it into ``var/lake``, its ``cdcd lake sql`` lines print the typed sums, and its reader snippet
+(DuckDB, polars, Spark, the change data feed, Spark SQL over ``state``) runs without an error."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+
+from cdcd.lake.cuts import latest_cut
+from cdcd.lake.sql import lake_sql
+from tests.support.procs import ROOT, child_env, reap, start_daemon, stop_daemon, wait_for
+
+README = ROOT / "README.md"
+
+
+def code_blocks(text: str, lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
+
+
+def block_with(text: str, lang: str, marker: str) -> str:
+    found = [b for b in code_blocks(text, lang) if marker in b]
+    assert len(found) == 1, f"README: one ```{lang} block with {marker!r} expected, found {len(found)}"
+    return found[0]
+
+
+def lake_sql_line(line: str) -> tuple[str, int]:
+    """A README ``cdcd lake sql`` line through the function the command calls (same options)."""
+    args = shlex.split(line.split("#", maxsplit=1)[0])
+    assert args[:3] == ["cdcd", "lake", "sql"], line
+    names = {"--lake": "lake", "--engine": "engine", "--format": "fmt", "--spark-master": "spark_master"}
+    options: dict[str, str] = {}
+    rest = args[3:]
+    while rest[0].startswith("--"):
+        options[names[rest[0]]] = rest[1]
+        rest = rest[2:]
+    assert len(rest) == 1, line
+    lake = options.pop("lake")
+    return lake_sql(lake, rest[0], **options)
+
+
+def test_the_first_look_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    text = README.read_text()
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(ROOT / "config", tmp_path / "config")
+    exec(block_with(text, "python", 'Node.open("var/node1")'), {})  # the README's own code
+
+    shell = block_with(text, "sh", "config/lake.toml")
+    run_line = next(ln for ln in shell.splitlines() if ln.startswith("cdcd run"))
+    config = Path(shlex.split(run_line.split("#")[0])[-1])
+    err = tmp_path / "daemon.err"
+    daemon = start_daemon(config, err, env=child_env())
+    try:
+        lake = Path("var/lake")
+        wait_for(
+            lambda: daemon.poll() is None and (cut := latest_cut(lake)) is not None and "orders" in cut.tables,
+            300,
+            "the daemon's scheduled compaction of orders",
+            interval=0.5,
+        )
+        assert daemon.poll() is None, err.read_text()[-3000:]
+    finally:
+        rc = stop_daemon(daemon, timeout=60)
+        reap(daemon)
+    assert rc == 0, err.read_text()[-3000:]
+
+    sql_lines = [ln for ln in shell.splitlines() if ln.startswith("cdcd lake sql")]
+    assert len(sql_lines) == 2
+    text_out, code = lake_sql_line(sql_lines[0])
+    assert code == 0, text_out
+    assert text_out.splitlines()[2:] == ["A-7         3", "(1 row)"]
+    csv_out, code = lake_sql_line(sql_lines[1])
+    assert code == 0, csv_out
+    (row,) = list(csv.DictReader(io.StringIO(csv_out)))
+    assert (row["key"], row["qty"], row["sku"]) == ("o-1", "3", "A-7")
+
+    readers = block_with(text, "python", "from cdcd.lake.readers import")
+    from cdcd.lake import spark as lake_spark
+
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(readers, {})
+    finally:
+        lake_spark.release()
+    assert "A-7" in out.getvalue()
