@@ -267,6 +267,54 @@ def lake_check(lake_path: Any, no_read: bool) -> None:
         sys.exit(ExitCode.DAMAGED_LAKE)
 
 
+@lake.command("cut")
+@_lake_option()
+@click.option("--latest", "latest", is_flag=True, default=True, help="The newest cut (the default).")
+@click.option("--as-of", "as_of", default=None, metavar="TIME", help="The newest cut at or before TIME (ISO 8601).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def lake_cut(lake_path: Any, latest: bool, as_of: str | None, as_json: bool) -> None:
+    """A consistent cut across the cache tables: the changes version it was compacted from, each
+    table's version and each source's WAL position. Exit 1 when there is none."""
+    from cdcd.lake.cuts import cut_command
+
+    log_to_stderr(level="warning")
+    text, code = cut_command(lake_path, as_of=as_of, as_json=as_json)
+    if code:
+        fail(text, code)
+    click.echo(text)
+
+
+@lake.command("sql")
+@_lake_option()
+@click.argument("query")
+@click.option("--engine", type=click.Choice(["duckdb", "spark"]), default="duckdb", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@click.option("--as-of", "as_of", default=None, metavar="TIME", help="Read at the newest cut at or before TIME.")
+@click.option("--max-rows", type=click.IntRange(1), default=None, help="Rows the table format shows at most.")
+@click.option("--spark-master", default="local[*]", show_default=True, help="With --engine spark.")
+def lake_sql(  # noqa: PLR0917 (click passes every option by keyword)
+    lake_path: Any, query: str, engine: str, fmt: str, as_of: str | None, max_rows: int | None, spark_master: str
+) -> None:
+    """Run QUERY over the cache tables, each a view under its cache name (odd names quoted), read at
+    the latest cut: DuckDB by default (no JVM), or Spark. Errors are one line, exit 1."""
+    from cdcd.lake.sql import MAX_TABLE_ROWS, run_sql
+
+    log_to_stderr(level="warning")
+    code = run_sql(
+        lake_path,
+        query,
+        sys.stdout,
+        sys.stderr,
+        engine=engine,
+        fmt=fmt,
+        as_of=as_of,
+        max_rows=max_rows or MAX_TABLE_ROWS,
+        spark_master=spark_master,
+    )
+    sys.stdout.flush()
+    sys.exit(code)
+
+
 @lake.command("show")
 @_lake_option()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
