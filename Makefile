@@ -34,11 +34,11 @@ test: install
 	CDCD_LAKE_ROWS=python $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(LAKE_ON_PYTHON)
 
 # The lake again on the Python row builder (cdcd/lake/rows_py.py), as a machine without the C module runs it:
-# daemons landing end to end (their Spark tasks inherit CDCD_LAKE_ROWS), a standalone cluster's executors, the
-# many-partition writer. Fast row tests run on both builders in the main run (the row_builder fixture).
+# daemons SIGKILLed while committing (their processes inherit CDCD_LAKE_ROWS), three processes racing for
+# versions, the many-partition writer. Fast row tests run on both builders in the main run (row_builder fixture).
 LAKE_ON_PYTHON := tests/test_lake_rows.py::test_this_process_uses_the_builder_the_environment_names \
-	tests/test_lake.py::test_daemon_lands_100k_entries_exactly_once_then_compact_and_verify \
-	tests/test_lake.py::test_standalone_cluster_lands_exactly_once tests/test_lake_caches.py
+	tests/test_lake_faults.py::test_sigkill_during_commits_lands_everything_exactly_once \
+	tests/test_lake_delta.py::test_processes_committing_at_once_land_exactly_once tests/test_lake_caches.py
 
 # Every lake test file on the Python row builder.
 test-lake-python: install
