@@ -170,9 +170,6 @@ def test_daemon_exit_names_the_damaged_file(tmp_path: Path) -> None:
     assert "Traceback" not in err.read_text()
 
 
-@pytest.mark.xfail(
-    strict=True, reason="cdcd run maps a DamagedLake cause to its exit code once the CLI package wires it"
-)
 def test_daemon_exits_with_the_damaged_lake_code(tmp_path: Path) -> None:
     node_dir, lake = build_lake(tmp_path, batches=2, checkpoint=False)
     commit_file(lake, 2).write_bytes(b"garbage\n")

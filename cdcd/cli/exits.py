@@ -23,8 +23,13 @@ def exit_for(exc: BaseException) -> tuple[int, str, str]:
 
     A :class:`Fault` says its own code and hint; an OS error is 1 (naming the file when it has
     one); anything else is unexpected: 1 with its type, so systemd restarts the process."""
+    cause = exc.__cause__
+    if isinstance(cause, Fault) and cause.exit_code == ExitCode.DAMAGED_LAKE:
+        # A consumer that failed on a damaged lake: restarting cannot help, the lake's code says so.
+        return cause.exit_code, str(exc), ""
     if isinstance(exc, Fault):
-        return exc.exit_code, str(exc), exc.hint
+        message = str(exc)
+        return exc.exit_code, message, "" if exc.hint and message.endswith(exc.hint) else exc.hint
     if isinstance(exc, OSError):
         if exc.filename is not None and exc.strerror:
             return ExitCode.FAILED, f"{exc.filename}: {exc.strerror}", ""

@@ -116,10 +116,20 @@ def _master_option() -> _Decorator:
 
 
 def _require_changes(lake_path: Path) -> None:
+    """A cdcd lake whose logs check out (``lake check`` without reading data files), else one line:
+    exit 2 for no lake, 8 for a damaged one."""
+    from cdcd.lake.check import require_sound
     from cdcd.lake.compact import table_version
     from cdcd.lake.table import CHANGES
 
-    if table_version(lake_path / CHANGES) is None:
+    if not (lake_path / CHANGES / "_delta_log").exists():
+        fail(f"{lake_path / CHANGES}: not a Delta table (no _delta_log/): not a cdcd lake", ExitCode.BAD_INPUT)
+    try:
+        require_sound(lake_path)
+        version = table_version(lake_path / CHANGES)
+    except Exception as exc:
+        fail_on(exc)
+    if version is None:
         fail(f"{lake_path / CHANGES}: not a Delta table (no _delta_log/): not a cdcd lake", ExitCode.BAD_INPUT)
 
 
