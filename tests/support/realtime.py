@@ -465,7 +465,9 @@ class Rig:
         return self.wait_mode("on", "PASSIVE")
 
     def switch_off(self) -> dict[str, Any]:
-        assert self.control("realtime", "off").strip() == "realtime: off"
+        # "stopping": the consumer call in flight (a slow first Kafka transaction, a long lake write)
+        # outlasted off's wait; the documented contract is that status then shows when it is off.
+        assert self.control("realtime", "off").strip() in ("realtime: off", "realtime: stopping")
         return self.wait_mode("off", "ACTIVE")
 
     def close(self) -> None:
