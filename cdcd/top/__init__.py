@@ -151,7 +151,7 @@ def top_command(
             return _error(str(exc))
     elif node_dir is not None:
         # No daemon config: its state and CDC dir at their defaults, its metrics address unknown.
-        config = DaemonConfig(node_dir=str(node_dir), metrics_address="")
+        config = DaemonConfig(node_dir=str(node_dir), metrics_address="", consumer={})
     else:
         return _error("give --node-dir DIR or --config DAEMON_TOML")
     node_dir = node_dir if node_dir is not None else Path(config.node_dir)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from rich.console import Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.layout import Layout
 from rich.panel import Panel
 from rich.table import Table
@@ -39,10 +39,10 @@ def _bytes(value: float | None, per_s: bool = False) -> str:
     return "-"  # unreachable: the loop returns at GiB
 
 
-def _kv_table() -> Table:
+def _kv_table(label_width: int) -> Table:
     table = Table.grid(padding=(0, 2))
-    table.add_column(style="bold", no_wrap=True)
-    table.add_column(no_wrap=True)
+    table.add_column(style="bold", no_wrap=True, min_width=label_width)
+    table.add_column(no_wrap=True, overflow="ellipsis")
     return table
 
 
@@ -55,7 +55,7 @@ def _node_panel(snap: Snapshot, rates: Rates | None, since: str) -> Panel:
     n = snap.node
     if n is None:
         return Panel(Text(snap.sources["control_socket"], style="red"), title="Node: not answering")
-    t = _kv_table()
+    t = _kv_table(len("realtime buffer"))
     t.add_row("writes", _writes(n.writes))
     t.add_row("WAL position", n.wal_position)
     t.add_row(
@@ -81,7 +81,7 @@ def _daemon_panel(snap: Snapshot, rates: Rates | None) -> Panel:
     d = snap.daemon
     if d is None:
         return Panel(Text(snap.sources["daemon_state"], style="red"), title="Daemon: state unreadable")
-    t = _kv_table()
+    t = _kv_table(len("position"))
     t.add_row("process", Text(f"pid {d.pid}", style="green") if d.pid else Text("not running", style="yellow"))
     t.add_row("mode", d.mode + (" (never committed)" if d.fresh else ""))
     t.add_row("position", d.position or "- (starts at the oldest link)")
@@ -94,7 +94,7 @@ def _daemon_panel(snap: Snapshot, rates: Rates | None) -> Panel:
     links = f"{d.backlog_segments} seg" + (f" ({d.first_link}..{d.last_link})" if d.backlog_segments else "")
     t.add_row("backlog", links)
     t.add_row("commits", f"{d.commits:,} (last {d.updated or '-'})")
-    t.add_row("consumer", d.consumer_kind)
+    t.add_row("consumer", d.consumer_kind or "- (no --config)")
     return Panel(t, title="Daemon")
 
 
@@ -124,20 +124,45 @@ def _header(snap: Snapshot, node_dir: str, interval_ms: int) -> Text:
     return text
 
 
+WIDE_COLUMNS = 120
+"""From this width on, node and daemon (and consumer and problems) sit side by side."""
+PANEL_ROWS = 12
+"""Node and daemon panels: their rows and borders."""
+
+
+class _Screen:
+    """The layout for the terminal's width at draw time (side by side, or stacked when narrow)."""
+
+    def __init__(self, header: Text, node: Panel, daemon: Panel, consumer: Panel, problems: Panel) -> None:
+        self.parts = (header, node, daemon, consumer, problems)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        header, node, daemon, consumer, problems = self.parts
+        layout = Layout()
+        if options.max_width >= WIDE_COLUMNS:
+            layout.split_column(Layout(header, size=3), Layout(name="main", size=PANEL_ROWS), Layout(name="figures"))
+            layout["main"].split_row(Layout(node), Layout(daemon))
+            layout["figures"].split_row(Layout(consumer), Layout(problems))
+        else:
+            layout.split_column(
+                Layout(header, size=4),
+                Layout(node, size=PANEL_ROWS),
+                Layout(daemon, size=PANEL_ROWS - 1),
+                Layout(consumer),
+                Layout(problems),
+            )
+        yield layout
+
+
 def render(snap: Snapshot, rates: Rates | None, *, node_dir: str, since: str, interval_ms: int) -> RenderableType:
     """The whole screen. ``since``: when the current deliverer was first seen delivering."""
-    layout = Layout()
-    layout.split_column(
-        Layout(_header(snap, node_dir, interval_ms), name="header", size=3),
-        Layout(name="main", size=12),
-        Layout(name="figures"),
+    return _Screen(
+        _header(snap, node_dir, interval_ms),
+        _node_panel(snap, rates, since),
+        _daemon_panel(snap, rates),
+        _metrics_panel("Consumer", snap.consumer, "no consumer metrics (daemon_metrics above)"),
+        _metrics_panel("Problems", snap.problems, "no retries, stalls or dead letters reported"),
     )
-    layout["main"].split_row(Layout(_node_panel(snap, rates, since)), Layout(_daemon_panel(snap, rates)))
-    layout["figures"].split_row(
-        Layout(_metrics_panel("Consumer", snap.consumer, "no consumer metrics (daemon_metrics above)")),
-        Layout(_metrics_panel("Problems", snap.problems, "no retries, stalls or dead letters reported")),
-    )
-    return layout
 
 
 def render_once(snap: Snapshot, rates: Rates | None, *, node_dir: str, since: str, interval_ms: int) -> Group:
