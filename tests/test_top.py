@@ -277,3 +277,43 @@ def test_live_view_in_tmux(rig: Rig, tmp_path: Path, pane: Pane, key: str, colum
     assert pane.info("#{pane_dead_status}") == "0"
     assert "cdcd top" not in pane.capture()  # the alternate screen is gone: the terminal is restored
     wait_for(lambda: not Path(f"/proc/{top_pid}").exists(), DEADLINE_S, "top's process to be gone")
+
+
+# --- the pure parts ----------------------------------------------------------------------------------
+def test_who_delivers_reads_both_vocabularies() -> None:
+    from cdcd.top.snapshot import who_delivers
+
+    for raw, who in [("node", "node"), ("daemon", "daemon"), ("NODE_ACTIVE", "node"), ("DAEMON_ACTIVE", "daemon")]:
+        assert who_delivers({"delivering": raw}) == who
+    assert who_delivers({}) == "unknown" and who_delivers({"delivering": "both"}) == "both"
+
+
+def test_rates_from_two_snapshots() -> None:
+    from cdcd.top.snapshot import build_snapshot, parse_metrics, rates
+
+    status = {"node_id": "n", "wal_position": "10:500", "realtime": {"mode": "off"}, "delivering": "daemon"}
+    state = {"mode": "ACTIVE", "position": "8:0#0", "position_parts": [8, 0, 0], "links": 3}
+    text = '# TYPE cdcd_daemon_events counter\ncdcd_daemon_events_total{cache="a",op="create"} 100\n'
+    text += "# TYPE cdcd_kafka_retries counter\ncdcd_kafka_retries_total 2\n"
+    old = build_snapshot(
+        100.0, sources={}, status=status, state=state, daemon_pid=None, node_m=None, daemon_m=parse_metrics(text)
+    )
+    newer = parse_metrics(text.replace(" 100\n", " 400\n"))
+    new = build_snapshot(
+        102.0,
+        sources={},
+        status={**status, "wal_position": "14:9"},
+        state={**state, "position_parts": [12, 0, 0]},
+        daemon_pid=None,
+        node_m=None,
+        daemon_m=newer,
+    )
+    r = rates(old, new)
+    assert r.daemon_events_per_s == 150.0 and r.daemon_segments_per_s == 2.0 and r.wal_segments_per_s == 2.0
+    assert r.wal_bytes_per_s is None  # no node metrics
+    assert new.problems == {"cdcd_kafka_retries_total": 2.0} and new.consumer == {"cdcd_kafka_retries_total": 2.0}
+    # A restarted daemon's counters start again: a rate of 0, never negative.
+    restarted = build_snapshot(
+        104.0, sources={}, status=status, state=state, daemon_pid=None, node_m=None, daemon_m=parse_metrics(text)
+    )
+    assert rates(new, restarted).daemon_events_per_s == 0.0

@@ -110,14 +110,17 @@ def _live(node_dir: Path, config: DaemonConfig, node_metrics: str, interval_ms: 
     old_handler = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         with _keys() as wait, Live(console=Console(), screen=True, auto_refresh=False) as live:
+            next_draw = time.monotonic()
             while True:
-                started = time.monotonic()
                 snap = collect(node_dir, config, node_metrics)
                 r = rates(previous, snap) if previous is not None else None
                 view = render(snap, r, node_dir=str(node_dir), since=since.see(snap), interval_ms=interval_ms)
                 live.update(view, refresh=True)
                 previous = snap
-                if wait(started + interval_ms / 1000 - time.monotonic()):
+                # On a fixed grid: a draw that ran late (a busy machine) does not push the next one
+                # back by its delay; one a whole interval late is drawn at once and the grid restarts.
+                next_draw = max(next_draw + interval_ms / 1000, time.monotonic())
+                if wait(next_draw - time.monotonic()):
                     return 0
     except KeyboardInterrupt:
         return 0
