@@ -153,6 +153,27 @@ def test_once_json_matches_status_and_state(rig: Rig, tmp_path: Path) -> None:
     assert rig.daemon_metrics in gone["sources"]["daemon_metrics"]
 
 
+def test_once_json_while_the_node_delivers(rig: Rig, tmp_path: Path) -> None:
+    """Realtime on: the node delivers, the daemon follows in PASSIVE; top says so, with the buffer figures."""
+    text = rig.node_config.read_text()
+    rig.node_config.write_text(text + f'[realtime_consumer]\nkind = "jsonl"\npath = "{tmp_path / "rt.jsonl"}"\n')
+    start(rig, tmp_path)
+    res = cdcd("control", "realtime", "on", "--node-dir", str(rig.node_dir))
+    assert res.returncode == 0, res.stderr
+    wait_for(lambda: status(rig)["realtime"]["mode"] == "on", DEADLINE_S, "realtime on", interval=0.2)
+    wait_for(lambda: state_show(rig.daemon_config)["mode"] == "PASSIVE", DEADLINE_S, "daemon PASSIVE", interval=0.2)
+    snap = top_once(rig)
+    after = status(rig)
+    node = snap["node"]
+    assert node["delivering"] == "node" and after["delivering"] == "node"
+    assert node["realtime_mode"] == "on"
+    assert node["buffer_max_bytes"] == after["realtime"]["buffer_max_bytes"] > 0
+    assert 0 <= node["buffer_used_bytes"] <= node["buffer_max_bytes"]
+    assert node["buffer_max_used_bytes"] <= after["realtime"]["buffer_max_used_bytes"]
+    assert node["lag_segments"] is not None
+    assert snap["daemon"]["mode"] == "PASSIVE"
+
+
 def _tree(root: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
 
