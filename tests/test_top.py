@@ -5,12 +5,10 @@ it, missing sources shown as such, nothing written, and the live view driven in 
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,14 +219,14 @@ def test_bad_options_exit_2_with_one_line(tmp_path: Path) -> None:
 # --- the live view in tmux -------------------------------------------------------------------------
 @dataclass
 class Pane:
-    socket: str
+    socket: Path
     conf: Path
     env: dict[str, str]
     last: str = ""
 
     def tmux(self, *args: str) -> str:
         # -f only matters for the command that starts the server (new-session).
-        cmd = ["tmux", "-L", self.socket, "-f", str(self.conf), *args]
+        cmd = ["tmux", "-S", str(self.socket), "-f", str(self.conf), *args]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
         assert res.returncode == 0, res.stderr
         return res.stdout
@@ -248,11 +246,11 @@ def pane(tmp_path: Path) -> Iterator[Pane]:
     conf = tmp_path / "tmux.conf"
     # remain-on-exit: the dead pane stays, so its exit status and restored screen can be read.
     conf.write_text("set -g remain-on-exit on\nset -g history-limit 0\n")
-    p = Pane(f"cdcd-top-{os.getpid()}-{time.monotonic_ns()}", conf, child_env())
+    p = Pane(tmp_path / "tmux.sock", conf, child_env())  # a private server, its socket gone with tmp_path
     try:
         yield p
     finally:
-        subprocess.run(["tmux", "-L", p.socket, "kill-server"], capture_output=True, timeout=30)
+        subprocess.run(["tmux", "-S", str(p.socket), "kill-server"], capture_output=True, timeout=30)
 
 
 def _wal_position(screen: str) -> str | None:
@@ -272,10 +270,15 @@ def test_live_view_in_tmux(rig: Rig, tmp_path: Path, pane: Pane, key: str, colum
     argv = [*TOP, "--node-dir", str(rig.node_dir), "--config", str(rig.daemon_config), "--interval-ms", "300"]
     argv += ["--node-metrics", rig.node_metrics]
     # The test process's COLUMNS/LINES (set under pytest) would pin rich's size: the pane's size rules.
-    command = shlex.join(["env", "-u", "COLUMNS", "-u", "LINES", f"PYTHONPATH={pane.env['PYTHONPATH']}", *argv])
+    top = shlex.join(["env", "-u", "COLUMNS", "-u", "LINES", f"PYTHONPATH={pane.env['PYTHONPATH']}", *argv])
+    # The pane's shell records top's exit code: tmux's own exit status of a pane can lag its death.
+    rc_file = tmp_path / "top.rc"
+    command = f"{top}; echo $? > {shlex.quote(str(rc_file))}"
     pane.tmux("new-session", "-d", "-s", "top", command)
     assert pane.info("#{pane_width}") == str(columns)
-    top_pid = int(pane.info("#{pane_pid}"))
+    shell_pid = int(pane.info("#{pane_pid}"))
+    children = Path(f"/proc/{shell_pid}/task/{shell_pid}/children")
+    top_pid = int(wait_for(lambda: children.read_text().split(), DEADLINE_S, "top's process")[0])
 
     def shown() -> str | None:
         screen = pane.capture()
@@ -294,8 +297,13 @@ def test_live_view_in_tmux(rig: Rig, tmp_path: Path, pane: Pane, key: str, colum
     wait_for(lambda: (s := shown()) is not None and _wal_position(s) != first_pos, DEADLINE_S, "a WAL position change")
 
     pane.tmux("send-keys", "-t", "top", key)
-    wait_for(lambda: pane.info("#{pane_dead}") == "1", DEADLINE_S, f"top to exit on {key}", interval=0.2)
-    assert pane.info("#{pane_dead_status}") == "0"
+    try:
+        wait_for(lambda: rc_file.exists() and rc_file.read_text().strip(), DEADLINE_S, f"top to exit on {key}")
+    except AssertionError as exc:
+        alive = Path(f"/proc/{top_pid}").exists()
+        raise AssertionError(f"{exc}: top alive: {alive}, pane:\n{pane.capture()}") from None
+    assert rc_file.read_text().strip() == "0"
+    wait_for(lambda: pane.info("#{pane_dead}") == "1", DEADLINE_S, "the pane's shell to end")
     assert "cdcd top" not in pane.capture()  # the alternate screen is gone: the terminal is restored
     wait_for(lambda: not Path(f"/proc/{top_pid}").exists(), DEADLINE_S, "top's process to be gone")
 
