@@ -10,6 +10,7 @@ JARS   := $(VENV)/jars/.fetched-stamp
 install: $(STAMP) $(JARS)
 	@bash scripts/ensure-kafka.sh
 	@bash scripts/ensure-kafka-connect.sh
+	@bash scripts/ensure-tmux.sh
 
 # setup.py and the C source: pip builds cdcd's C module (cdcd/lake/_rows.c) again when they change.
 $(STAMP): pyproject.toml setup.py cdcd/lake/_rows.c

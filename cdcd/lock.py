@@ -70,3 +70,12 @@ def _read_pid(fd: int) -> int | None:
         return int(text) if text else None
     except (OSError, ValueError):
         return None
+
+
+def read_holder_pid(path: str | os.PathLike[str]) -> int | None:
+    """The pid a lock file names (for read-only tools such as ``cdcd top``; no lock is taken)."""
+    try:
+        text = Path(path).read_text().strip()
+        return int(text) if text else None
+    except (OSError, ValueError):
+        return None

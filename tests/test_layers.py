@@ -17,7 +17,7 @@ LAYERS: list[set[str]] = [
     {"cdcd.delivery"},
     {"cdcd.node"},
     {"cdcd.replication", "cdcd.realtime", "cdcd.daemon"},
-    {"cdcd.lake", "cdcd.kafka"},
+    {"cdcd.lake", "cdcd.kafka", "cdcd.top"},
     {"cdcd.sinks"},
     {"cdcd", "cdcd.demo"},
     {"cdcd.cli"},

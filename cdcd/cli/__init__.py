@@ -13,6 +13,7 @@ from cdcd.cli.kafka import kafka_to_node
 from cdcd.cli.lake import lake
 from cdcd.cli.node import node
 from cdcd.cli.process import on_stop_signals
+from cdcd.cli.top import top
 from cdcd.cli.wal import wal
 
 
@@ -22,7 +23,7 @@ def main() -> None:
     """cdcd: change-data-capture for the cdcd storage node."""
 
 
-for _command in (wal, node, daemon_run, state, control, lake, demo, kafka_to_node):
+for _command in (wal, node, daemon_run, state, control, lake, demo, kafka_to_node, top):
     main.add_command(_command)
 
 __all__ = ["main", "on_stop_signals"]
