@@ -43,7 +43,7 @@ class Sizes:
 SIZES = Sizes(quick=False)
 
 
-def value(k: int, order: int, rng: random.Random) -> bytes:
+def value(k: int, order: int, rng: random.Random, added: str) -> bytes:
     """20 fields: ints, floats, strings, bools, a list and a nested dict; 1% add a field; 0.1% misfit."""
     v: dict[str, Any] = {"qty": k % 100, "sku": f"sku-{k % 1000}", "price": (k % 997) / 4, "ok": k % 2 == 0}
     for i in range(FIELDS - 6):
@@ -52,13 +52,13 @@ def value(k: int, order: int, rng: random.Random) -> bytes:
     v["dims"] = {"w": k % 30, "h": k % 40}
     roll = rng.random()
     if roll < 0.01:
-        v[f"added_{order % 5}"] = order
+        v[f"{added}_{order % 5}"] = order
     elif roll < 0.011:
         v["qty"] = "many"
     return msgspec.json.encode(v)
 
 
-def change_table(keys: list[int], ops: list[str], first_order: int, rng: random.Random) -> pa.Table:
+def change_table(keys: list[int], ops: list[str], first_order: int, rng: random.Random, added: str) -> pa.Table:
     from cdcd.lake.table import CHANGE_SCHEMA
 
     n = len(keys)
@@ -67,7 +67,8 @@ def change_table(keys: list[int], ops: list[str], first_order: int, rng: random.
         "op": ops,
         "key": [str(k) for k in keys],
         "value": [
-            None if op == "delete" else value(k, o, rng).decode() for k, op, o in zip(keys, ops, orders, strict=True)
+            None if op == "delete" else value(k, o, rng, added).decode()
+            for k, op, o in zip(keys, ops, orders, strict=True)
         ],
         "partition": [k % 1024 for k in keys],
         "primary": [True] * n,
@@ -105,7 +106,7 @@ class TypedLake:
         step = 250_000
         for start in range(0, SIZES.keys, step):
             keys = list(range(start, min(start + step, SIZES.keys)))
-            append(base, change_table(keys, ["create"] * len(keys), start, rng))
+            append(base, change_table(keys, ["create"] * len(keys), start, rng, "added"))
         t0 = time.perf_counter()
         compact(spark, base)
         self.initial_s = time.perf_counter() - t0
@@ -118,7 +119,8 @@ class TypedLake:
         new = list(range(n, n + creates))
         keys = upd + new + dels
         ops = ["update"] * len(upd) + ["create"] * len(new) + ["delete"] * len(dels)
-        append(lake, change_table(keys, ops, n, random.Random(2)))
+        # Fields the base never had: every table gets new columns in the timed compaction.
+        append(lake, change_table(keys, ops, n, random.Random(2), "new"))
         return n + len(new) - len(dels)
 
     def cleanup(self) -> None:
