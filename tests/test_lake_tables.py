@@ -370,3 +370,44 @@ def test_node_values_round_trip_a_resent_cache_and_a_new_cache_arrive_on_schedul
         assert check_against_node(lake, node_dir, spark) == 199 + 3 + 50
     finally:
         sink.stop()
+
+
+def test_compaction_killed_between_the_tables_and_state_redoes_only_state(spark: Any, tmp_path: Path) -> None:
+    """SIGKILL of `cdcd lake compact` once every typed table has committed the range and `state` has not:
+    `state` is untouched, and the next compaction commits `state` and skips the tables (their own
+    application transaction covers the range), which hold exactly the latest value per key."""
+    import signal
+
+    from cdcd.lake.compact import compacted_version
+    from tests.test_lake_compact import compact_env, kill_group, run_compact
+
+    lake = tmp_path / "lake"
+    first = [change("orders", str(i), f'{{"qty": {i}}}', i + 1) for i in range(20)]
+    first += [change("x=y", f'"k{i}"', f'{{"a b": {i}}}', 100 + i) for i in range(5)]
+    append_changes(lake, first, source_txn=("node-a", 1))
+    compact(spark, lake)
+    second = [change("orders", str(i), f'{{"qty": {i * 10}, "new": "n"}}', 200 + i) for i in range(0, 20, 2)]
+    second += [change("orders", "1", None, 300), change("x=y", '"k9"', '{"a b": 9}', 301)]
+    version = append_changes(lake, second, source_txn=("node-a", 2))
+    proc = run_compact(lake, compact_env(CDCD_FAILPOINTS="lake.compact.tables_committed"))
+    _, err = proc.communicate(timeout=900)
+    kill_group(proc)
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
+    assert compacted_version(lake) == version - 1
+    from deltalake import DeltaTable
+
+    from cdcd.lake.compact import COMPACT_APP_ID
+
+    for path in list_tables(lake).values():
+        assert DeltaTable(str(path)).transaction_version(COMPACT_APP_ID) == version, path
+    versions = {cache: table_version_of(path) for cache, path in list_tables(lake).items()}
+    result = compact(spark, lake)
+    assert result.to_version == version and compacted_version(lake) == version
+    assert {cache: table_version_of(path) for cache, path in list_tables(lake).items()} == versions
+    check_tables(lake, expected_state(first + second), spark, ["delta-rs"])
+
+
+def table_version_of(path: Path) -> int:
+    from deltalake import DeltaTable
+
+    return int(DeltaTable(str(path)).version())
