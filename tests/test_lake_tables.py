@@ -20,7 +20,20 @@ from cdcd.lake import spark as spark_session
 from cdcd.lake.compact import compact
 from cdcd.lake.table import CHANGE_SCHEMA
 from cdcd.lake.typed_declared import DeclaredSchemaError, load_declared
-from cdcd.lake.typed_infer import BAD_CHARS, KEY, META_COLUMNS, NULLS, RESCUED, Layout, convert, rebuild
+from cdcd.lake.typed_infer import (
+    BAD_CHARS,
+    KEY,
+    META_COLUMNS,
+    NULLS,
+    RESCUED,
+    Layout,
+    checker,
+    choose_type,
+    convert,
+    fits,
+    rebuild,
+    type_of,
+)
 from cdcd.lake.typed_layout import CACHE_PROPERTY, NotATypedTable, list_tables, read_layout, table_dir
 from cdcd.lake.typed_show import tables_show
 from tests.support.delta_tables import append_changes, change, expected_state
@@ -138,6 +151,16 @@ def test_every_value_shape_round_trips_through_the_typed_columns(batches: list[l
         assert name and not (set(name) & BAD_CHARS) and not name.startswith("_") and name.lower() != KEY
 
 
+@settings(max_examples=500, deadline=None)
+@given(json_values, json_values)
+def test_the_fast_fit_check_agrees_with_the_type_rules(a: object, b: object) -> None:
+    """``checker`` (Python types only, the hot path) answers as ``fits(type, type_of(value))`` does."""
+    t = choose_type([a])
+    if t is None or b is None:
+        return
+    assert checker(t)(b) == fits(t, type_of(b)), (t, b)
+
+
 def test_a_declared_schema_with_an_unknown_type_is_a_config_error_naming_the_key(tmp_path: Path) -> None:
     config = tmp_path / "tables.toml"
     config.write_text('[tables.orders]\ncolumns = { qty = "int64", sku = "varchar" }\n')
@@ -185,7 +208,7 @@ def check_tables(lake: Path, expected: dict[tuple[str, str], str], spark: Any, r
 
 
 ODD_CACHE = "odd cache=x.y " + "é" * 20
-"""(The node test lands a 213-character name through cdcd's own writer; this helper's writer escapes the directory.)"""
+"""(The node test lands a 217-character name through cdcd's own writer; this helper's writer escapes the directory.)"""
 
 
 def test_compaction_types_evolves_rescues_and_every_reader_reads_it(spark: Any, tmp_path: Path) -> None:
@@ -331,7 +354,7 @@ def test_node_values_round_trip_a_resent_cache_and_a_new_cache_arrive_on_schedul
             {i: {"qty": i, "sku": f"s{i}", "price": i / 4, "tags": ["a"] * (i % 3)} for i in range(200)}
         )
         node.cache("orders").put(7, {"qty": "seven", "sku": None, "blob": b"\x00\x01"})
-        odd = node.cache("odd name=1.2 " + "x" * 200)
+        odd = node.cache("odd name 1.2 (é) " + "x" * 200)
         odd.put_all({"5": {"my field": 1, "Qty": 2, "qty": 3}, 5: "an int key", "k": [1, {"a": None}]})
     tables = {"orders": {"columns": {"qty": "int64", "note": "json"}}}
     opts = convert_options(

@@ -20,7 +20,7 @@ docs/lake.md states them:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -333,9 +333,9 @@ def convert(winners: pa.Table, layout: Layout) -> Converted:
         full = [None] * n
         if existing is not None:
             col_name, col_type = existing
-            fast = _fast_fit(vals, col_type)
+            check = checker(col_type)
             for i, x in zip(rows, vals, strict=True):
-                if fast or fits(col_type, type_of(x)):
+                if check(x):
                     full[i] = x
                     continue
                 misfits += 1
@@ -350,15 +350,35 @@ def convert(winners: pa.Table, layout: Layout) -> Converted:
     return Converted(rows, new, added, key_changed, misfits)
 
 
-def _fast_fit(vals: list[object], t: pa.DataType) -> bool:
-    """Every value fits ``t`` by a check on Python types alone (most batches: one scalar type per field)."""
-    kinds = {type(v) for v in vals}
-    if len(kinds) != 1:
-        return False
-    kind = next(iter(kinds))
-    if kind is int:
-        return bool(t == pa.int64()) and all(INT64_MIN <= v <= INT64_MAX for v in vals)  # type: ignore[operator]
-    return bool(_SCALAR.get(kind) == t)
+def checker(t: pa.DataType) -> Callable[[object], bool]:
+    """A test that a (non-null) value fits column type ``t`` exactly, on Python types alone: the same
+    answer as ``fits(t, type_of(v))``, without building Arrow types per value (the hot path)."""
+    if t == pa.bool_():
+        return lambda v: type(v) is bool
+    if t == pa.int64():
+        return lambda v: type(v) is int and INT64_MIN <= v <= INT64_MAX  # type: ignore[operator]
+    if t == pa.float64():
+        return lambda v: type(v) is float
+    if t == pa.string():
+        return lambda v: type(v) is str
+    if pa.types.is_list(t):
+        item = checker(t.value_type)
+        return lambda v: type(v) is list and all(e is None or item(e) for e in v)
+    if pa.types.is_struct(t):
+        fields = {f.name: checker(f.type) for f in t}
+        n = len(fields)
+
+        def fits_struct(v: object) -> bool:
+            if type(v) is not dict or len(v) != n:
+                return False
+            for k, x in v.items():
+                check = fields.get(k)
+                if check is None or (x is not None and not check(x)):
+                    return False
+            return True
+
+        return fits_struct
+    return lambda v: fits(t, type_of(v))
 
 
 def _rescue(
