@@ -240,8 +240,9 @@ def compact(
     """Fold every change committed to ``<lake>/changes`` since the last compaction into ``<lake>/state``
     and the typed tables ``<lake>/tables/<cache>``: one MERGE per range of at most
     ``max_rows_per_merge`` change rows (one range unless a backlog). ``tables``: declared column
-    types per cache (``[consumer.tables.<cache>]``). ``typed_tables=False``: ``state`` alone, for
-    the benchmark's reference only (existing typed tables would miss these changes for good)."""
+    types per cache (``[consumer.tables.<cache>]``). ``typed_tables=False``: ``state`` alone (a lake
+    of thousands of tiny caches; the benchmark's reference). Turning it on again later: delete
+    ``<lake>/tables`` first, the next compaction rebuilds every table from ``state``."""
     changes = lake / CHANGES
     end = table_version(changes)
     if end is None:

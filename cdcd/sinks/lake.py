@@ -89,6 +89,9 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Bin-pack small files of both tables every this many seconds; 0: never."""
     maintenance_max_failures: int = 3
     """Scheduled runs failing in a row before the sink fails (the daemon exits 4 naming the error)."""
+    typed_tables: bool = True
+    """Scheduled compaction keeps ``<lake>/tables/<cache>`` too (one Delta table per cache); false:
+    ``state`` only (thousands of tiny caches: a table each costs a few commits per compaction)."""
     tables: dict[str, TableOptions] = msgspec.field(default_factory=dict)
     """``[consumer.tables.<cache>]``: declared column types of a cache's typed table (docs/lake.md)."""
 
@@ -192,7 +195,7 @@ class LakeConsumer(Consumer):
         if opts.compact_interval_s or opts.optimize_interval_s:
             if self._spark is None:
                 self._spark = spark_session.acquire(opts.spark_master, opts.app_name, conf)
-            compact_fn = functools.partial(compact, tables=opts.declared_tables())
+            compact_fn = functools.partial(compact, tables=opts.declared_tables(), typed_tables=opts.typed_tables)
             self._maintainer = Maintainer(
                 self.lake,  # type: ignore[arg-type]
                 self._spark,
