@@ -107,7 +107,9 @@ def compact_tables(
     from pyspark import inheritable_thread_target  # the maintainer's job group (cancel on stop) follows
 
     with ThreadPoolExecutor(max_workers=TABLE_WORKERS, thread_name_prefix="cdcd-typed") as pool:
-        futures = [pool.submit(inheritable_thread_target(_one_table), spark, lake, job, app_id, last) for job in jobs]
+        futures = [
+            pool.submit(inheritable_thread_target(spark)(_one_table), spark, lake, job, app_id, last) for job in jobs
+        ]
         for future in futures:
             r, a = future.result()
             rescued += r
