@@ -35,8 +35,9 @@ from cdcd.lake.table import (
     STATE_PROPERTIES,
     STATE_SCHEMA,
 )
+from cdcd.lake.typed_declared import DeclaredTable
 from cdcd.lake.typed_layout import list_tables
-from cdcd.lake.typed_tables import DeclaredTable, compact_tables, missing_tables
+from cdcd.lake.typed_tables import compact_tables, missing_tables
 
 log = structlog.get_logger("cdcd.lake")
 

@@ -28,6 +28,7 @@ import structlog
 from cdcd import metrics
 from cdcd.lake.storage import LakeDir, is_delta, open_delta, spark_path
 from cdcd.lake.table import STATE
+from cdcd.lake.typed_declared import DeclaredTable, with_declared
 from cdcd.lake.typed_infer import KEY, OP, ORDER, Converted, Layout, convert
 from cdcd.lake.typed_layout import (
     CACHE_PROPERTY,
@@ -50,26 +51,12 @@ _TXN_APP = "spark.databricks.delta.write.txnAppId"
 _TXN_VERSION = "spark.databricks.delta.write.txnVersion"
 
 
-@dataclass(frozen=True)
-class DeclaredTable:
-    """``[consumer.tables.<cache>]``: columns whose type is declared, not inferred."""
-
-    columns: Mapping[str, str]
-    """field name -> ``bool`` | ``int64`` | ``float64`` | ``string`` | ``json``."""
-
-
 @dataclass
 class TablesResult:
     versions: dict[str, int]
     """cache -> table version after this range (every table under ``tables/``)."""
     rescued: int
     columns_added: int
-
-
-def with_declared(layout: Layout, declared: DeclaredTable | None) -> Layout:
-    from cdcd.lake.typed_declared import apply_declared
-
-    return layout if declared is None else apply_declared(layout, declared)
 
 
 def compact_tables(

@@ -36,8 +36,7 @@ from cdcd.lake.log import STAGING_DIR, _owner_alive, check_writable
 from cdcd.lake.maintainer import Maintainer, MaintainerOptions
 from cdcd.lake.spark_write import BatchInfo, write_on_executors
 from cdcd.lake.storage import LakeDir, LakeLocation, LakeStorageError, ObjectPath, StorageOptions
-from cdcd.lake.typed_declared import DeclaredSchemaError, TableOptions, check_declared
-from cdcd.lake.typed_tables import DeclaredTable
+from cdcd.lake.typed_declared import DeclaredSchemaError, DeclaredTable, TableOptions, check_declared
 from cdcd.secrets import mask_mapping
 from cdcd.wal.pointer import WalPointer, WalPosition
 
