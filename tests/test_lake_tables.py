@@ -211,6 +211,7 @@ ODD_CACHE = "odd cache=x.y " + "é" * 20
 """(The node test lands a 217-character name through cdcd's own writer; this helper's writer escapes the directory.)"""
 
 
+@pytest.mark.timeout(1800)  # several compactions and JVM starts: minutes on a loaded 2-core machine
 def test_compaction_types_evolves_rescues_and_every_reader_reads_it(spark: Any, tmp_path: Path) -> None:
     lake = tmp_path / "lake"
     first = [
@@ -337,6 +338,7 @@ def check_against_node(lake: Path, node_dir: Path, spark: Any) -> int:
     return checked
 
 
+@pytest.mark.timeout(1800)  # several compactions and JVM starts: minutes on a loaded 2-core machine
 def test_node_values_round_trip_a_resent_cache_and_a_new_cache_arrive_on_schedule(spark: Any, tmp_path: Path) -> None:
     """The lake sink (JVM-free writer) with scheduled compaction, fed a node's WAL: every table equals the
     node entry by entry; then, without restarting the sink, a cache is created and another one resent
@@ -395,6 +397,7 @@ def test_node_values_round_trip_a_resent_cache_and_a_new_cache_arrive_on_schedul
         sink.stop()
 
 
+@pytest.mark.timeout(1800)  # several compactions and JVM starts: minutes on a loaded 2-core machine
 def test_compaction_killed_between_the_tables_and_state_redoes_only_state(spark: Any, tmp_path: Path) -> None:
     """SIGKILL of `cdcd lake compact` once every typed table has committed the range and `state` has not:
     `state` is untouched, and the next compaction commits `state` and skips the tables (their own
