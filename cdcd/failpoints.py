@@ -11,17 +11,25 @@ there (no ``finally``, no atexit, no flush of buffered writes).
 ``name[@N]=stop`` makes the process SIGSTOP itself there instead: a test holds it at that point
 (its parent sees the stop through ``waitpid(pid, WUNTRACED)``, no polling), looks at what a reader
 sees meanwhile, then lets it go on with SIGCONT.
+
+``name[@N]=pause`` holds only the thread that gets there, while the process's other threads go on
+(compaction merges two tables side by side: one pauses, the other commits): it creates the file
+``$CDCD_FAILPOINTS_DIR/<name>`` and waits until the test deletes it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 
 __all__ = ["hit"]
 
 
-ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+PAUSE = 0
+ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "pause": PAUSE}
+_PAUSE_POLL_S = 0.05
 
 
 def _parse(text: str) -> dict[str, list[int]]:
@@ -37,13 +45,24 @@ def _parse(text: str) -> dict[str, list[int]]:
 
 
 _armed = _parse(os.environ.get("CDCD_FAILPOINTS", ""))
+_lock = threading.Lock()  # points hit from several threads count each hit once
 
 
 def hit(name: str) -> None:
-    """Die (or stop) here if ``name`` is armed and this is its N-th hit."""
+    """Die (stop, pause) here if ``name`` is armed and this is its N-th hit."""
     if not _armed or name not in _armed:
         return
     point = _armed[name]
-    point[0] -= 1
-    if point[0] == 0:
+    with _lock:
+        point[0] -= 1
+        fire = point[0] == 0
+    if not fire:
+        return
+    if point[1] != PAUSE:
         os.kill(os.getpid(), point[1])
+        return
+    marker = os.path.join(os.environ["CDCD_FAILPOINTS_DIR"], name)
+    with open(marker, "x"):
+        pass
+    while os.path.exists(marker):
+        time.sleep(_PAUSE_POLL_S)
