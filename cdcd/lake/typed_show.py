@@ -77,7 +77,7 @@ def tables_json(shows: list[TableShow]) -> list[dict[str, Any]]:
 
 def print_tables(shows: list[TableShow]) -> None:
     """The human form: one line per table, then its columns (type, field, since when)."""
-    from cdcd.lake.report import printable
+    from cdcd.lake.printable import printable
 
     click.echo(f"{'typed table':<24} {'version':>8} {'rows':>12} {'rescued rows':>13}  key")
     for s in shows:
