@@ -15,6 +15,10 @@ there (no ``finally``, no atexit, no flush of buffered writes).
 ``name[@N]=stop`` makes the process SIGSTOP itself there instead: a test holds it at that point
 (its parent sees the stop through ``waitpid(pid, WUNTRACED)``, no polling), looks at what a reader
 sees meanwhile, then lets it go on with SIGCONT.
+
+``name[@N]=pause`` (no DIR) holds only the thread that gets there, while the process's other
+threads go on (compaction merges two tables side by side: one pauses, the other commits): it
+creates the file ``$CDCD_FAILPOINTS_DIR/<name>`` and waits until the test deletes it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,35 +37,33 @@ PAUSE_MAX_S = 600.0
 """A paused process nobody killed goes on after this long (a test that failed must not leave it forever)."""
 
 
-
 @dataclass
 class _Point:
     left: int
     """Hits to go before it fires (1: the next one)."""
-    signal: signal.Signals | None = signal.SIGKILL
-    """What the process sends itself there (SIGKILL, or SIGSTOP: the parent sees it stopped)."""
+    action: str = "kill"
+    """kill, stop, pause (this thread, until ``$CDCD_FAILPOINTS_DIR/<name>`` is deleted) or
+    pause:DIR (the first process of all, until killed)."""
     pause_dir: Path | None = None
-    """For ``pause:DIR``: no signal; the first process there claims ``pause_dir/<name>`` and waits."""
 
 
 def _parse(text: str) -> dict[str, _Point]:
-    """``name[@N][=kill|stop|pause:DIR]`` items."""
     points: dict[str, _Point] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         spec, _, action = item.partition("=")
         name, _, nth = spec.partition("@")
-        point = _Point(int(nth) if nth else 1)
+        point = _Point(int(nth) if nth else 1, action or "kill")
         if action.startswith("pause:") and action[len("pause:") :]:
-            point.signal, point.pause_dir = None, Path(action[len("pause:") :])
-        elif action == "stop":
-            point.signal = signal.SIGSTOP
-        elif action not in ("", "kill"):
-            raise ValueError(f"environment: {ENV}: {item!r}: the action is kill, stop or pause:DIR")
+            point.action, point.pause_dir = "pause_dir", Path(action[len("pause:") :])
+        elif point.action not in ("kill", "stop", "pause"):
+            raise ValueError(f"environment: {ENV}: {item!r}: the action is kill, stop, pause or pause:DIR")
         points[name] = point
     return points
 
 
 _armed = _parse(os.environ.get(ENV, ""))
+_lock = threading.Lock()  # points hit from several threads count each hit once
+_HOLD_POLL_S = 0.05
 
 
 def _pause(name: str, where: Path) -> None:
@@ -78,10 +81,20 @@ def hit(name: str) -> None:
     if not _armed or name not in _armed:
         return
     point = _armed[name]
-    point.left -= 1
-    if point.left != 0:
+    with _lock:
+        point.left -= 1
+        fire = point.left == 0
+    if not fire:
         return
-    if point.pause_dir is not None:
+    if point.action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif point.action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif point.pause_dir is not None:
         _pause(name, point.pause_dir)
-    elif point.signal is not None:
-        os.kill(os.getpid(), point.signal)
+    else:
+        marker = os.path.join(os.environ["CDCD_FAILPOINTS_DIR"], name)
+        with open(marker, "x"):
+            pass
+        while os.path.exists(marker):
+            time.sleep(_HOLD_POLL_S)

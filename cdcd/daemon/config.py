@@ -99,6 +99,7 @@ def _env_value(text: str) -> Any:
 NON_CONFIG_ENV: dict[str, str] = {
     "CDCD_CONFIG": "the config file, for `cdcd run` without --config",
     "CDCD_FAILPOINTS": "crash points for tests (cdcd/failpoints.py)",
+    "CDCD_FAILPOINTS_DIR": "where paused fail points put their markers (tests)",
     "CDCD_SPARK_JARS_DIR": "where the Delta jars are (default <venv>/jars)",
     "CDCD_LAKE_ROWS": "the lake row builder: c (default) or python",
     "CDCD_LOG_FORMAT": "json (default) or console",

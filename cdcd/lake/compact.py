@@ -35,8 +35,9 @@ from cdcd.lake.table import (
     STATE_PROPERTIES,
     STATE_SCHEMA,
 )
+from cdcd.lake.typed_declared import DeclaredTable
 from cdcd.lake.typed_layout import list_tables
-from cdcd.lake.typed_tables import DeclaredTable, compact_tables, missing_tables
+from cdcd.lake.typed_tables import compact_tables, missing_tables
 
 log = structlog.get_logger("cdcd.lake")
 
@@ -233,11 +234,14 @@ def compact(
     *,
     max_rows_per_merge: int = MAX_ROWS_PER_MERGE,
     tables: Mapping[str, DeclaredTable] | None = None,
+    typed_tables: bool = True,
 ) -> CompactResult:
     """Fold every change committed to ``<lake>/changes`` since the last compaction into ``<lake>/state``
     and the typed tables ``<lake>/tables/<cache>``: one MERGE per range of at most
     ``max_rows_per_merge`` change rows (one range unless a backlog). ``tables``: declared column
-    types per cache (``[consumer.tables.<cache>]``)."""
+    types per cache (``[consumer.tables.<cache>]``). ``typed_tables=False``: ``state`` alone (a lake
+    of thousands of tiny caches; the benchmark's reference). Turning it on again later: delete
+    ``<lake>/tables`` first, the next compaction rebuilds every table from ``state``."""
     changes = lake / CHANGES
     end = table_version(changes)
     if end is None:
@@ -245,8 +249,9 @@ def compact(
     list_tables(lake)  # a directory under tables/ that is not a table stops compaction here, naming it
     done = compacted_version(lake)
     if not behind(changes, done, end):
-        if not missing_tables(lake):
-            _cut_if_behind(lake, done)
+        if not typed_tables or not missing_tables(lake):
+            if typed_tables:
+                _cut_if_behind(lake, done)
             return CompactResult(-1, done, 0, _state_version(lake))
         # Nothing new, but state holds caches without a table (a lake compacted before the typed tables).
         session = spark.newSession()
@@ -268,8 +273,9 @@ def compact(
         failpoints.hit("lake.compact.source_read")
         # The typed tables first: state's application transaction is the progress mark, so a
         # compaction killed between the two redoes this range (tables already past it are skipped).
-        typed = compact_tables(session, lake, winners, last, app_id=COMPACT_APP_ID, declared=tables)
-        versions, rescued = typed.versions, rescued + typed.rescued
+        if typed_tables:
+            typed = compact_tables(session, lake, winners, last, app_id=COMPACT_APP_ID, declared=tables)
+            versions, rescued = typed.versions, rescued + typed.rescued
         failpoints.hit("lake.compact.tables_committed")
         session.conf.set(_TXN_APP, COMPACT_APP_ID)
         session.conf.set(_TXN_VERSION, str(last))
@@ -282,8 +288,9 @@ def compact(
         else:
             _merge(session, lake, source, winners.column("cache").unique().to_pylist())
         failpoints.hit("lake.compact.committed")
-        _after_tables_committed(lake, versions, last)
-        log.info("lake_compacted", changes_from=first, changes_to=last, keys=winners.num_rows, rescued=typed.rescued)
+        if typed_tables:
+            _after_tables_committed(lake, versions, last)
+        log.info("lake_compacted", changes_from=first, changes_to=last, keys=winners.num_rows, rescued=rescued)
     return CompactResult(done + 1, end, keys, _state_version(lake), versions, rescued)
 
 

@@ -231,7 +231,7 @@ def parse_time(text: str) -> dt.datetime:
 def format_cut(cut: Cut) -> str:
     """The text ``cdcd lake cut`` prints: the cut's changes version and time, each table's version,
     each source's position (names escaped so one stays one line)."""
-    from cdcd.lake.report import printable
+    from cdcd.lake.printable import printable
 
     lines = [f"cut at changes version {cut.changes_version}, recorded {cut.recorded_at.isoformat()}"]
     width = max([len(printable(name)) for name in cut.tables] + [len("table")])

@@ -146,8 +146,7 @@ def optimize(spark: Any, lake: LakeDir) -> dict[str, dict[str, Any]]:
     if spark.conf.get(_MIN_FILE_SIZE, None) is None:
         session.conf.set(_MIN_FILE_SIZE, str(OPTIMIZE_MIN_FILE_BYTES))
     out: dict[str, dict[str, Any]] = {}
-    for name in TABLES:
-        path = lake / name
+    for name, path in _maintained(lake):
         if not DeltaTable.isDeltaTable(session, spark_path(path)):
             continue
         row = DeltaTable.forPath(session, spark_path(path)).optimize().executeCompaction().collect()[0]
@@ -155,6 +154,16 @@ def optimize(spark: Any, lake: LakeDir) -> dict[str, dict[str, Any]]:
         out[name] = {k: metrics.get(k) for k in ("numFilesAdded", "numFilesRemoved", "totalConsideredFiles")}
         log.info("lake_optimized", table=name, **out[name])
     return out
+
+
+def _maintained(lake: LakeDir) -> list[tuple[str, LakeDir]]:
+    """(name, path) of every table optimize and vacuum look after: changes, state, and each typed
+    table (named ``tables/<cache>``)."""
+    from cdcd.lake.typed_layout import TABLES as TYPED_DIR
+    from cdcd.lake.typed_layout import list_tables
+
+    typed = [(f"{TYPED_DIR}/{cache}", path) for cache, path in sorted(list_tables(lake).items())]
+    return [(name, lake / name) for name in TABLES] + typed
 
 
 def commit_time_ms(table: LakeDir, version: int) -> int:
@@ -210,8 +219,7 @@ def vacuum(spark: Any, lake: LakeDir, retain_hours: float, now_ms: int | None = 
         # Delta refuses a shorter retention unless told: the operator asked for it explicitly.
         session.conf.set("spark.databricks.delta.retentionDurationCheck.enabled", "false")
     left: dict[str, int] = {}
-    for name in TABLES:
-        path = lake / name
+    for name, path in _maintained(lake):
         if not DeltaTable.isDeltaTable(session, spark_path(path)):
             continue
         DeltaTable.forPath(session, spark_path(path)).vacuum(retain_hours)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -11,15 +10,8 @@ from typing import Any
 import click
 
 from cdcd.lake.ops import LakeInfo
+from cdcd.lake.printable import printable
 from cdcd.lake.verify import CacheCheck
-
-
-def printable(name: str) -> str:
-    """A cache name on one table line: control characters (a newline, a tab) and backslashes escaped
-    as in JSON, everything else as it is; ``a\\nb`` stays one row and reads back unambiguously."""
-    if name.isprintable() and "\\" not in name:
-        return name
-    return "".join(c if c.isprintable() and c != "\\" else json.dumps(c)[1:-1] for c in name)
 
 
 def print_show(info: LakeInfo) -> None:

@@ -171,7 +171,7 @@ def write_result(result: Result, out: TextIO, fmt: str, max_rows: int = MAX_TABL
 
 
 def _write_table(result: Result, out: TextIO, max_rows: int) -> None:
-    from cdcd.lake.report import printable
+    from cdcd.lake.printable import printable
 
     shown: list[Sequence[Any]] = []
     more = False

@@ -10,14 +10,22 @@ from __future__ import annotations
 
 import tomllib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
 from cdcd.lake.typed_infer import TYPE_NAMES, Layout, base_columns, column_name
-from cdcd.lake.typed_tables import DeclaredTable
 
 JSON_TYPE = "json"
+
+
+@dataclass(frozen=True)
+class DeclaredTable:
+    """``[consumer.tables.<cache>]``: columns whose type is declared, not inferred."""
+
+    columns: Mapping[str, str]
+    """field name -> ``bool`` | ``int64`` | ``float64`` | ``string`` | ``json``."""
 
 
 class DeclaredSchemaError(ValueError):
@@ -84,3 +92,7 @@ def apply_declared(layout: Layout, declared: DeclaredTable) -> Layout:
             new.columns[field] = (col, TYPE_NAMES[type_name])
     new.json_fields = frozenset(json_fields)
     return new
+
+
+def with_declared(layout: Layout, declared: DeclaredTable | None) -> Layout:
+    return layout if declared is None else apply_declared(layout, declared)

@@ -20,7 +20,7 @@ docs/lake.md states them:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -272,93 +272,129 @@ def convert(winners: pa.Table, layout: Layout) -> Converted:
     values = decode_all([None if op == "delete" else t for op, t in zip(ops, texts, strict=True)])
     live = [op != "delete" for op in ops]
 
-    by_field: dict[str, tuple[list[int], list[object]]] = {}
     nulls: list[list[str] | None] = [None] * n
     rescued: list[dict[str, object] | None] = [None] * n
     whole: list[str | None] = [None] * n
     """A non-dict value that did not fit ``value``: its JSON text is the row's ``_rescued``."""
-    misfits_early = 0
+    empty: dict[str, object] = {}
+    dicts: list[dict[str, object]] = []
+    non_dict: list[object] = [None] * n
     for i, v in enumerate(values):
-        if not live[i]:
+        if live[i] and type(v) is dict:
+            dicts.append(v)  # type: ignore[arg-type]
             continue
-        if type(v) is dict:
-            for k, x in v.items():
-                if k == NON_DICT:
-                    _rescue(rescued, whole, i, k, x, dict_field=True)
-                    misfits_early += 1
-                    continue
-                if x is None:
-                    row_nulls = nulls[i]
-                    if row_nulls is None:
-                        nulls[i] = row_nulls = []
-                    row_nulls.append(k)
-                    continue
-                slot = by_field.get(k)
-                if slot is None:
-                    by_field[k] = slot = ([], [])
-                slot[0].append(i)
-                slot[1].append(x)
-        elif v is None:
-            whole[i] = "null"
-        else:
-            slot = by_field.get(NON_DICT)
-            if slot is None:
-                by_field[NON_DICT] = slot = ([], [])
-            slot[0].append(i)
-            slot[1].append(v)
+        dicts.append(empty)
+        if live[i]:
+            if v is None:
+                whole[i] = "null"
+            else:
+                non_dict[i] = v
+    names: set[str] = set().union(*dicts)
+    for i, d in enumerate(dicts):
+        if d and None in d.values():  # explicit nulls: rare, listed per row
+            nulls[i] = [k for k, x in d.items() if x is None]
+    misfits = 0
+    if NON_DICT in names:  # a dict key that is the layout's name for non-dict values: never a column
+        names.discard(NON_DICT)
+        for i, d in enumerate(dicts):
+            if NON_DICT in d:
+                misfits += 1
+                _rescue(rescued, whole, i, NON_DICT, d[NON_DICT], dict_field=True)
 
     added: list[str] = []
-    columns: dict[str, list[object]] = {}
-    misfits = misfits_early
+    columns: dict[str, pa.Array] = {}
     taken = [f.name for f in base_columns(pa.string())] + [c for c, _ in new.columns.values()]
-    for name, (rows, vals) in by_field.items():
-        if name in new.json_fields:
-            col_name = new.columns[name][0]
-            full: list[object] = [None] * n
-            for i, x in zip(rows, vals, strict=True):
-                full[i] = msgspec.json.encode(x).decode()
-            columns[col_name] = full
-            continue
+    fields: list[tuple[str, list[object]]] = [(name, [d.get(name) for d in dicts]) for name in sorted(names)]
+    if any(x is not None for x in non_dict):
+        fields.append((NON_DICT, non_dict))
+    for name, vals in fields:
+        kinds = set(map(type, vals))
+        kinds.discard(type(None))
+        if not kinds:
+            continue  # only nulls (listed in _nulls): no column for them, an existing one stays null
         existing = new.columns.get(name)
-        if existing is None:
-            t = choose_type(vals)
-            if t is None or len(new.columns) >= MAX_COLUMNS:
-                t = None
-            else:
+        if name in new.json_fields:
+            texts_ = [None if x is None else msgspec.json.encode(x).decode() for x in vals]
+            columns[existing[0]] = pa.array(texts_, pa.string())  # type: ignore[index]
+            continue
+        if existing is None and len(new.columns) < MAX_COLUMNS:
+            t = _one_kind(kinds) or choose_type([x for x in vals if x is not None])
+            if t is not None:
                 col_name = VALUE if name == NON_DICT else column_name(name, taken)
                 taken.append(col_name)
-                new.columns[name] = (col_name, t)
+                new.columns[name] = existing = (col_name, t)
                 added.append(col_name)
-                existing = (col_name, t)
-        full = [None] * n
-        if existing is not None:
-            col_name, col_type = existing
-            fast = _fast_fit(vals, col_type)
-            for i, x in zip(rows, vals, strict=True):
-                if fast or fits(col_type, type_of(x)):
-                    full[i] = x
-                    continue
-                misfits += 1
-                _rescue(rescued, whole, i, name, x)
-            columns[col_name] = full
-        else:
-            for i, x in zip(rows, vals, strict=True):
-                misfits += 1
-                _rescue(rescued, whole, i, name, x)
+        if existing is None:
+            for i, x in enumerate(vals):
+                if x is not None:
+                    misfits += 1
+                    _rescue(rescued, whole, i, name, x)
+            continue
+        col_name, col_type = existing
+        array = _fast_array(vals, kinds, col_type)
+        if array is None:
+            check = checker(col_type)
+            kept = list(vals)
+            for i, x in enumerate(vals):
+                if x is not None and not check(x):
+                    kept[i] = None
+                    misfits += 1
+                    _rescue(rescued, whole, i, name, x)
+            array = pa.array(kept, col_type)
+        columns[col_name] = array
 
     rows = _rows(winners, keys, new, columns, _rescued_texts(nulls, rescued, whole))
     return Converted(rows, new, added, key_changed, misfits)
 
 
-def _fast_fit(vals: list[object], t: pa.DataType) -> bool:
-    """Every value fits ``t`` by a check on Python types alone (most batches: one scalar type per field)."""
-    kinds = {type(v) for v in vals}
+def checker(t: pa.DataType) -> Callable[[object], bool]:
+    """A test that a (non-null) value fits column type ``t`` exactly, on Python types alone: the same
+    answer as ``fits(t, type_of(v))``, without building Arrow types per value (the hot path)."""
+    if t == pa.bool_():
+        return lambda v: type(v) is bool
+    if t == pa.int64():
+        return lambda v: type(v) is int and INT64_MIN <= v <= INT64_MAX  # type: ignore[operator]
+    if t == pa.float64():
+        return lambda v: type(v) is float
+    if t == pa.string():
+        return lambda v: type(v) is str
+    if pa.types.is_list(t):
+        item = checker(t.value_type)
+        return lambda v: type(v) is list and all(e is None or item(e) for e in v)
+    if pa.types.is_struct(t):
+        fields = {f.name: checker(f.type) for f in t}
+        n = len(fields)
+
+        def fits_struct(v: object) -> bool:
+            if type(v) is not dict or len(v) != n:
+                return False
+            for k, x in v.items():
+                check = fields.get(k)
+                if check is None or (x is not None and not check(x)):
+                    return False
+            return True
+
+        return fits_struct
+    return lambda v: fits(t, type_of(v))
+
+
+def _one_kind(kinds: set[type]) -> pa.DataType | None:
+    """The column type of values all of one scalar Python type (None: any other mix)."""
     if len(kinds) != 1:
-        return False
+        return None
     kind = next(iter(kinds))
-    if kind is int:
-        return bool(t == pa.int64()) and all(INT64_MIN <= v <= INT64_MAX for v in vals)  # type: ignore[operator]
-    return bool(_SCALAR.get(kind) == t)
+    return pa.int64() if kind is int else _SCALAR.get(kind)
+
+
+def _fast_array(vals: list[object], kinds: set[type], t: pa.DataType) -> pa.Array | None:
+    """``vals`` as an Arrow array in one pyarrow call when every non-null value is of the column's one
+    scalar type (most fields of most batches); None: check value by value."""
+    if _one_kind(kinds) != t:
+        return None
+    try:
+        return pa.array(vals, t)
+    except (OverflowError, pa.ArrowInvalid):  # an int beyond int64: value by value, it is rescued
+        return None
 
 
 def _rescue(
@@ -400,7 +436,7 @@ def _rows(
     winners: pa.Table,
     keys: list[object],
     layout: Layout,
-    columns: Mapping[str, list[object]],
+    columns: Mapping[str, pa.Array],
     extra: tuple[list[str | None], list[list[str] | None]],
 ) -> pa.Table:
     n = winners.num_rows
@@ -413,8 +449,8 @@ def _rows(
     arrays += [pa.array(rescued_text, pa.string()), pa.array(nulls, pa.list_(pa.string()))]
     names += [RESCUED, NULLS]
     for col_name, t in layout.columns.values():
-        vals = columns.get(col_name)
-        arrays.append(pa.nulls(n, t) if vals is None else pa.array(vals, t))
+        array = columns.get(col_name)
+        arrays.append(pa.nulls(n, t) if array is None else array)
         names.append(col_name)
     return pa.Table.from_arrays(arrays, names=names)
 

@@ -86,8 +86,9 @@ def column_comment(field: str | None, since_version: int, *, json_text: bool = F
     return json.dumps(info, ensure_ascii=False)
 
 
-def key_comment(key_json: bool) -> str:
-    return json.dumps({"key": "json" if key_json else "typed"})
+def key_comment(key_json: bool, since_version: int) -> str:
+    """The key column's comment: JSON text or typed, and since which table version (a rebuild)."""
+    return json.dumps({"key": "json" if key_json else "typed", "since_version": since_version, "since": now_iso()})
 
 
 def now_iso() -> str:
@@ -189,7 +190,7 @@ def sql_string(text: str) -> str:
 def comments_for(layout: Layout, since_version: int, columns: list[str] | None = None) -> Mapping[str, str]:
     """column -> comment for ``columns`` (default all) of ``layout``."""
     wanted = None if columns is None else set(columns)
-    out: dict[str, str] = {KEY: key_comment(layout.key_json)}
+    out: dict[str, str] = {KEY: key_comment(layout.key_json, since_version)}
     for name, (col, _) in layout.columns.items():
         if wanted is not None and col not in wanted:
             continue

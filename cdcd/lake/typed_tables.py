@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ import structlog
 from cdcd import failpoints, metrics
 from cdcd.lake.storage import LakeDir, is_delta, open_delta, spark_path
 from cdcd.lake.table import STATE
+from cdcd.lake.typed_declared import DeclaredTable, with_declared
 from cdcd.lake.typed_infer import KEY, OP, ORDER, Converted, Layout, convert
 from cdcd.lake.typed_layout import (
     CACHE_PROPERTY,
@@ -43,16 +45,10 @@ from cdcd.lake.typed_layout import (
 
 log = structlog.get_logger("cdcd.lake")
 
+TABLE_WORKERS = 2
+"""Typed tables merged at the same time."""
 _TXN_APP = "spark.databricks.delta.write.txnAppId"
 _TXN_VERSION = "spark.databricks.delta.write.txnVersion"
-
-
-@dataclass(frozen=True)
-class DeclaredTable:
-    """``[consumer.tables.<cache>]``: columns whose type is declared, not inferred."""
-
-    columns: Mapping[str, str]
-    """field name -> ``bool`` | ``int64`` | ``float64`` | ``string`` | ``json``."""
 
 
 @dataclass
@@ -61,12 +57,6 @@ class TablesResult:
     """cache -> table version after this range (every table under ``tables/``)."""
     rescued: int
     columns_added: int
-
-
-def with_declared(layout: Layout, declared: DeclaredTable | None) -> Layout:
-    from cdcd.lake.typed_declared import apply_declared
-
-    return layout if declared is None else apply_declared(layout, declared)
 
 
 def compact_tables(
@@ -84,47 +74,71 @@ def compact_tables(
     rescued = added = 0
     caches = set(winners.column("cache").unique().to_pylist()) if winners.num_rows else set()
     missing = sorted(c for c in _state_caches(lake) if c not in tables)
+    clean = spark.newSession()
     for cache in missing:
         # In state but without a table: the table starts as state's rows of the cache.
         path = table_dir(lake, cache)
         conv = convert(_state_rows(lake, cache), with_declared(Layout(), declared.get(cache)))
-        _replace(spark, path, cache, conv)
+        _replace(clean, path, cache, conv)
         tables[cache] = path
         rescued += conv.rescued
         log.info("lake_table_created_from_state", cache=cache, rows=conv.rows.num_rows)
+    jobs = []
     for cache in sorted(caches):
         path = tables.get(cache) or table_dir(lake, cache)
-        existing = is_delta(path)
-        if existing and (open_delta(path).transaction_version(app_id) or -1) >= last:
-            continue  # committed by a compaction that died before state's MERGE
-        stored = read_layout(path) if existing else Layout()
-        rows = winners.filter(pc.equal(winners.column("cache"), cache))
-        conv = convert(rows, with_declared(stored, declared.get(cache)))
-        had = {c for c, _ in stored.columns.values()}
-        conv.added = [c for c, _ in conv.layout.columns.values() if c not in had]
-        if conv.key_changed:
-            # Keys of another type arrived: the table is rebuilt with JSON-text keys from state (this
-            # cache's rows as of the range's start), then the range is merged as usual.
-            rebuilt = convert(_state_rows(lake, cache), conv.layout)
-            _replace(spark, path, cache, rebuilt)
-            conv = convert(rows, rebuilt.layout)
-            log.info("lake_table_key_to_json", cache=cache)
-        elif not existing:
-            _create(spark, path, cache, conv.layout)
-        elif conv.added:
-            _add_columns(spark, path, conv)
-        _merge(spark, path, conv, app_id, last)
-        # Between two tables' commits: a reader without a cut sees one table ahead of the other.
-        failpoints.hit("lake.compact.table_committed")
         tables[cache] = path
-        rescued += conv.rescued
-        added += len(conv.added)
-        if conv.rescued:
-            metrics.LAKE_RESCUED.labels(cache=cache).inc(conv.rescued)
-        if conv.added:
-            log.info("lake_table_columns_added", cache=cache, columns=conv.added)
+        rows = winners.filter(pc.equal(winners.column("cache"), cache))
+        jobs.append((cache, path, rows, declared.get(cache)))
+    # Tables side by side: each MERGE is mostly a few short Spark jobs and commits, so two at a
+    # time keep the executors busy while the driver plans and commits the other.
+    from pyspark import inheritable_thread_target  # the maintainer's job group (cancel on stop) follows
+
+    with ThreadPoolExecutor(max_workers=TABLE_WORKERS, thread_name_prefix="cdcd-typed") as pool:
+        futures = [
+            pool.submit(inheritable_thread_target(spark)(_one_table), spark, lake, job, app_id, last) for job in jobs
+        ]
+        for future in futures:
+            r, a = future.result()
+            rescued += r
+            added += a
     versions = {cache: int(open_delta(path).version()) for cache, path in tables.items()}
     return TablesResult(versions, rescued, added)
+
+
+def _one_table(
+    spark: Any, lake: LakeDir, job: tuple[str, LakeDir, pa.Table, DeclaredTable | None], app_id: str, last: int
+) -> tuple[int, int]:
+    """Type one cache's winners and merge them into its table: (fields rescued, columns added)."""
+    cache, path, rows, declared = job
+    # A session of its own: no application transaction set by anyone else applies to its writes.
+    spark = spark.newSession()
+    existing = is_delta(path)
+    if existing and (open_delta(path).transaction_version(app_id) or -1) >= last:
+        return 0, 0  # committed by a compaction that died before state's MERGE
+    stored = read_layout(path) if existing else Layout()
+    conv = convert(rows, with_declared(stored, declared))
+    had = {c for c, _ in stored.columns.values()}
+    conv.added = [c for c, _ in conv.layout.columns.values() if c not in had]
+    if conv.key_changed:
+        # Keys of another type arrived: the table is rebuilt with JSON-text keys from state (this
+        # cache's rows as of the range's start), then the range is merged as usual.
+        rebuilt = convert(_state_rows(lake, cache), conv.layout)
+        _replace(spark, path, cache, rebuilt)
+        conv = convert(rows, rebuilt.layout)
+        log.info("lake_table_key_to_json", cache=cache)
+    elif not existing:
+        _create(spark, path, cache, conv.layout)
+    elif conv.added:
+        _add_columns(spark, path, conv)
+    # Before each table's MERGE: armed at its 2nd hit, it holds compaction with one table committed and
+    # the next not begun, where a reader without a cut sees one table ahead of the other.
+    failpoints.hit("lake.compact.table_merge")
+    _merge(spark, path, conv, app_id, last)
+    if conv.rescued:
+        metrics.LAKE_RESCUED.labels(cache=cache).inc(conv.rescued)
+    if conv.added:
+        log.info("lake_table_columns_added", cache=cache, columns=conv.added)
+    return conv.rescued, len(conv.added)
 
 
 def missing_tables(lake: LakeDir) -> list[str]:

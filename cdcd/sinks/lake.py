@@ -9,6 +9,7 @@ once).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -28,10 +29,12 @@ from cdcd.delivery import slices_from
 from cdcd.durable import write_atomic
 from cdcd.lake import spark as spark_session
 from cdcd.lake.arrow import build_table, split_slices
+from cdcd.lake.compact import compact
 from cdcd.lake.delta import ChangeTable, LakeWriteError, SourceMark, WrittenFiles
 from cdcd.lake.maintainer import Maintainer, MaintainerOptions
 from cdcd.lake.spark_write import BatchInfo, write_on_executors
 from cdcd.lake.storage import LakeDir, LakeLocation, LakeStorageError, ObjectPath, StorageOptions, check_writable
+from cdcd.lake.typed_declared import DeclaredSchemaError, DeclaredTable, TableOptions, check_declared
 from cdcd.secrets import mask_mapping
 from cdcd.wal.pointer import WalPointer, WalPosition
 
@@ -86,6 +89,11 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Bin-pack small files of both tables every this many seconds; 0: never."""
     maintenance_max_failures: int = 3
     """Scheduled runs failing in a row before the sink fails (the daemon exits 4 naming the error)."""
+    typed_tables: bool = True
+    """Scheduled compaction keeps ``<lake>/tables/<cache>`` too (one Delta table per cache); false:
+    ``state`` only (thousands of tiny caches: a table each costs a few commits per compaction)."""
+    tables: dict[str, TableOptions] = msgspec.field(default_factory=dict)
+    """``[consumer.tables.<cache>]``: declared column types of a cache's typed table (docs/lake.md)."""
 
     def __post_init__(self) -> None:
         check_ranges(self, {"max_files_per_batch": 1 <= self.max_files_per_batch <= MAX_FILES_PER_BATCH})
@@ -97,6 +105,13 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             LakeLocation(self.lake_path, self.storage)
         except LakeStorageError as exc:
             raise msgspec.ValidationError(str(exc)) from None
+        try:
+            self.declared_tables()
+        except DeclaredSchemaError as exc:
+            raise msgspec.ValidationError(str(exc)) from None
+
+    def declared_tables(self) -> dict[str, DeclaredTable]:
+        return check_declared(self.tables, "consumer.tables")
 
     @property
     def uses_spark(self) -> bool:
@@ -180,7 +195,13 @@ class LakeConsumer(Consumer):
         if opts.compact_interval_s or opts.optimize_interval_s:
             if self._spark is None:
                 self._spark = spark_session.acquire(opts.spark_master, opts.app_name, conf)
-            self._maintainer = Maintainer(self.lake, self._spark, opts.maintainer_options())  # type: ignore[arg-type]
+            compact_fn = functools.partial(compact, tables=opts.declared_tables(), typed_tables=opts.typed_tables)
+            self._maintainer = Maintainer(
+                self.lake,  # type: ignore[arg-type]
+                self._spark,
+                opts.maintainer_options(),
+                compact_fn=compact_fn,
+            )
             self._maintainer.start()
 
     def alive(self) -> bool:
