@@ -249,7 +249,7 @@ def test_compaction_types_evolves_rescues_and_every_reader_reads_it(spark: Any, 
     protocol = orders.protocol()
     features = set(protocol.reader_features or []) | set(protocol.writer_features or [])
     assert not features & {"columnMapping", "deletionVectors", "v2Checkpoint", "rowTracking", "typeWidening"}
-    assert [h["operation"] for h in reversed(orders.history())].count("ADD COLUMNS") == 1  # colour
+    assert [h["operation"] for h in reversed(orders.history())].count("ADD COLUMN") == 1  # colour
     schema = {f.name: str(f.type) for f in orders.schema().fields}
     assert schema["qty"] == 'PrimitiveType("long")' and schema["price"] == 'PrimitiveType("double")'
     odd = DeltaTable(str(table_dir(lake, ODD_CACHE)))
