@@ -40,7 +40,8 @@ from tests.support.delta_tables import append_changes, change, expected_state
 
 ODD_FIELDS = ["qty", "Qty", "a.b", "my field", "x=y", "", "key", "value", "_hidden", "$", "f" * 255, "(p)", "t\tab"]
 """Field names a column cannot have as they are (and some it can)."""
-DEADLINE_S = 300.0
+DEADLINE_S = 900.0
+"""Scheduled compactions on a loaded 2-core machine (three JVMs at load 40: over 300 s for the first)."""
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +250,7 @@ def test_compaction_types_evolves_rescues_and_every_reader_reads_it(spark: Any, 
     protocol = orders.protocol()
     features = set(protocol.reader_features or []) | set(protocol.writer_features or [])
     assert not features & {"columnMapping", "deletionVectors", "v2Checkpoint", "rowTracking", "typeWidening"}
-    assert [h["operation"] for h in reversed(orders.history())].count("ADD COLUMNS") == 1  # colour
+    assert [h["operation"] for h in reversed(orders.history())].count("ADD COLUMN") == 1  # colour
     schema = {f.name: str(f.type) for f in orders.schema().fields}
     assert schema["qty"] == 'PrimitiveType("long")' and schema["price"] == 'PrimitiveType("double")'
     odd = DeltaTable(str(table_dir(lake, ODD_CACHE)))

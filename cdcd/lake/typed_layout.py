@@ -182,11 +182,6 @@ def quote(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
-def sql_string(text: str) -> str:
-    """A Spark SQL string literal (default parser: backslash escapes)."""
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
 def comments_for(layout: Layout, since_version: int, columns: list[str] | None = None) -> Mapping[str, str]:
     """column -> comment for ``columns`` (default all) of ``layout``."""
     wanted = None if columns is None else set(columns)

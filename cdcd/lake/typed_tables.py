@@ -4,9 +4,11 @@ Called by ``compact`` for each range of the changes feed it folds, *before* the 
 MERGE: ``state``'s application transaction stays the one progress mark, and a table whose own
 ``cdcd-compact`` transaction already covers the range (a compaction killed between the two) is
 skipped. Per cache with changes in the range: the winners are typed (``typed_infer.convert``), new
-columns are added by one ``ALTER TABLE … ADD COLUMNS`` (its own commit: the schema change is a line
-of the table's history, the comments say when each column appeared), then one MERGE on Spark (or a
-plain append into an empty table) applies them, carrying the application transaction. A cache whose
+columns are added by one ``ADD COLUMN`` commit (its own: the schema change is a line of the table's
+history, the comments say when each column appeared), then one MERGE (or a plain append into an
+empty table) applies them, carrying the application transaction. Both with delta-rs in this
+process: a Spark MERGE per table costs a few Spark jobs each, which dominated compaction with ten
+tables. Spark only creates a table (delta-rs refuses the ``cdcd.cache`` property) and rebuilds one. A cache whose
 keys stop being one scalar type has its table rebuilt once with a JSON-text key from ``state``
 (which holds that cache's rows as of the range's start), then merged. A cache ``state`` holds but
 that has no table (a lake compacted before the typed tables existed, or a table deleted to rebuild
@@ -35,11 +37,8 @@ from cdcd.lake.typed_layout import (
     TABLE_PROPERTIES,
     comments_for,
     list_tables,
-    quote,
     read_layout,
     schema_info,
-    spark_ddl_type,
-    sql_string,
     table_dir,
 )
 
@@ -47,8 +46,6 @@ log = structlog.get_logger("cdcd.lake")
 
 TABLE_WORKERS = 2
 """Typed tables merged at the same time."""
-_TXN_APP = "spark.databricks.delta.write.txnAppId"
-_TXN_VERSION = "spark.databricks.delta.write.txnVersion"
 
 
 @dataclass
@@ -129,11 +126,11 @@ def _one_table(
     elif not existing:
         _create(spark, path, cache, conv.layout)
     elif conv.added:
-        _add_columns(spark, path, conv)
+        _add_columns(path, conv)
     # Before each table's MERGE: armed at its 2nd hit, it holds compaction with one table committed and
     # the next not begun, where a reader without a cut sees one table ahead of the other.
     failpoints.hit("lake.compact.table_merge")
-    _merge(spark, path, conv, app_id, last)
+    _merge(path, conv, app_id, last)
     if conv.rescued:
         metrics.LAKE_RESCUED.labels(cache=cache).inc(conv.rescued)
     if conv.added:
@@ -209,41 +206,46 @@ def _replace(spark: Any, path: LakeDir, cache: str, conv: Converted) -> None:
     frame.write.format("delta").mode("overwrite").option("overwriteSchema", "true").save(spark_path(path))
 
 
-def _add_columns(spark: Any, path: LakeDir, conv: Converted) -> None:
-    since = int(open_delta(path).version()) + 1
-    comments = comments_for(conv.layout, since, conv.added)
+def _add_columns(path: LakeDir, conv: Converted) -> None:
+    """One ``ADD COLUMN`` commit (delta-rs, no Spark job) with each new column's comment."""
+    from deltalake import Schema
+
+    table = open_delta(path)
+    comments = comments_for(conv.layout, int(table.version()) + 1, conv.added)
     types = {c: t for c, t in conv.layout.columns.values()}
-    cols = ", ".join(f"{quote(c)} {spark_ddl_type(types[c])} COMMENT {sql_string(comments[c])}" for c in conv.added)
-    spark.sql(f"ALTER TABLE delta.{quote(spark_path(path))} ADD COLUMNS ({cols})")
+    arrow = pa.schema([pa.field(c, types[c], metadata={"comment": comments[c]}) for c in conv.added])
+    table.alter.add_columns(list(Schema.from_arrow(arrow).fields))
 
 
 def _newer() -> str:
-    s = ", ".join(f"s.{c}" for c in ORDER)
-    t = ", ".join(f"t.{c}" for c in ORDER)
-    return f"struct({s}) > struct({t})"
+    """The source row's change is later than the target row's: ``ORDER`` compared left to right."""
+    expr = f"s.{ORDER[-1]} > t.{ORDER[-1]}"
+    for c in reversed(ORDER[:-1]):
+        expr = f"(s.{c} > t.{c} OR (s.{c} = t.{c} AND {expr}))"
+    return expr
 
 
-def _merge(spark: Any, path: LakeDir, conv: Converted, app_id: str, last: int) -> None:
-    from delta.tables import DeltaTable
+def _merge(path: LakeDir, conv: Converted, app_id: str, last: int) -> None:
+    """The range's rows into the table with delta-rs (in this process: a Spark MERGE per table would
+    cost a few Spark jobs each), carrying the application transaction; the change data feed is
+    written by the same commit."""
+    from deltalake import CommitProperties, Transaction, write_deltalake
 
-    session = spark.newSession()
-    session.conf.set(_TXN_APP, app_id)
-    session.conf.set(_TXN_VERSION, str(last))
+    from cdcd.lake.storage import as_location_arg
+
+    props = CommitProperties(app_transactions=[Transaction(app_id=app_id, version=last)])
     rows = conv.rows
-    if not open_delta(path).file_uris():
-        live = rows.filter(pc.not_equal(rows.column(OP), "delete")).drop_columns([OP])
+    table = open_delta(path)
+    if not table.file_uris():
         # An empty table: a plain append (same transaction), no join.
-        session.createDataFrame(live).write.format("delta").mode("append").save(spark_path(path))
+        live = rows.filter(pc.not_equal(rows.column(OP), "delete")).drop_columns([OP])
+        uri, options = as_location_arg(path)
+        write_deltalake(uri, live, mode="append", storage_options=options, commit_properties=props)
         return
-    source = session.createDataFrame(rows)
-    columns = [f.name for f in conv.layout.schema()]
-    assignments: dict[str, str | Any] = {quote(c): f"s.{quote(c)}" for c in columns}
     (
-        DeltaTable.forPath(session, spark_path(path))
-        .alias("t")
-        .merge(source.alias("s"), f"t.{KEY} = s.{KEY}")
-        .whenMatchedDelete(condition=f"s.{OP} = 'delete' AND {_newer()}")
-        .whenMatchedUpdate(condition=f"s.{OP} <> 'delete' AND {_newer()}", set=assignments)
-        .whenNotMatchedInsert(condition=f"s.{OP} <> 'delete'", values=assignments)
+        table.merge(rows, predicate=f"t.{KEY} = s.{KEY}", source_alias="s", target_alias="t", commit_properties=props)
+        .when_matched_delete(predicate=f"s.{OP} = 'delete' AND {_newer()}")
+        .when_matched_update_all(predicate=f"s.{OP} <> 'delete' AND {_newer()}", except_cols=[OP])
+        .when_not_matched_insert_all(predicate=f"s.{OP} <> 'delete'", except_cols=[OP])
         .execute()
     )

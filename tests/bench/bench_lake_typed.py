@@ -190,7 +190,7 @@ def run_query() -> Measurement:
     union = " UNION ALL ".join(f"SELECT sku, qty FROM delta.`{p}`" for p in paths)
     typed_sql = f"SELECT sku, sum(qty) AS n FROM ({union}) GROUP BY sku"
     json_sql = (
-        "SELECT get_json_object(value, '$.sku') AS sku, sum(CAST(get_json_object(value, '$.qty') AS BIGINT)) AS n "
+        "SELECT get_json_object(value, '$.sku') AS sku, sum(try_cast(get_json_object(value, '$.qty') AS BIGINT)) AS n "
         f"FROM delta.`{state}` GROUP BY 1"
     )
     spark_typed = _best_of(3, lambda: spark.sql(typed_sql).collect())
