@@ -19,6 +19,7 @@ from cdcd.cli import main
 from cdcd.daemon.config import DaemonConfig
 from cdcd.kafka.options import KafkaSinkOptions, KafkaToNodeOptions
 from cdcd.lake.storage import StorageOptions
+from cdcd.lake.typed_declared import TableOptions
 from cdcd.node.config import NodeConfig
 from cdcd.replication.target import TargetOptions
 from cdcd.sinks.jsonl import JsonlOptions
@@ -236,6 +237,8 @@ def test_toml_examples_parse_and_name_config_fields(where: str, body: str) -> No
             cls = _top_struct(body)
         elif parts[-1] == "storage":
             cls = StorageOptions
+        elif len(parts) >= 2 and parts[-2] == "tables":
+            cls = TableOptions
         else:
             cls = SINKS[kinds.get(table, "null")]
         for key in _keys(line):

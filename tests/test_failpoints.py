@@ -62,7 +62,7 @@ def test_a_bad_action_fails_at_import_naming_the_variable(tmp_path: Path) -> Non
         timeout=60,
     )
     assert res.returncode == 1
-    assert "CDCD_FAILPOINTS: 'test.point=explode': the action is kill or pause:DIR" in res.stderr
+    assert "CDCD_FAILPOINTS: 'test.point=explode': the action is kill, stop, pause or pause:DIR" in res.stderr
 
 
 @pytest.mark.parametrize("armed", ["", "other.point"])

@@ -136,16 +136,30 @@ def _require_changes(lake_path: Path) -> None:
 @lake.command("compact")
 @_lake_option()
 @_master_option()
-def lake_compact(lake_path: Path, spark_master: str) -> None:
-    """MERGE the changes committed since the last compaction into <lake>/state (one Spark job for all
-    caches; latest per key by version, then WAL position; deletes applied; idempotent)."""
+@click.option(
+    "--tables-config",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Declared column types: a daemon config's [consumer.tables.*] or a file of [tables.*] tables.",
+)
+def lake_compact(lake_path: Path, spark_master: str, tables_config: Path | None) -> None:
+    """MERGE the changes committed since the last compaction into <lake>/state and the typed table of
+    each cache, <lake>/tables/<cache> (latest per key by version, then WAL position; deletes applied;
+    idempotent), and record the cut they make together."""
     from cdcd.lake import spark as spark_session
     from cdcd.lake.compact import compact
+    from cdcd.lake.typed_declared import DeclaredSchemaError, load_declared
+    from cdcd.lake.typed_layout import NotATypedTable, list_tables
 
     _require_changes(lake_path)
+    try:
+        declared = load_declared(tables_config) if tables_config is not None else {}
+        list_tables(lake_path)
+    except (DeclaredSchemaError, NotATypedTable) as exc:
+        fail(str(exc), ExitCode.BAD_INPUT)
     spark = _spark(spark_master, "cdcd-lake-compact", lake_path)
     try:
-        result = compact(spark, lake_path)
+        result = compact(spark, lake_path, tables=declared)
     finally:
         spark_session.release()
     if not result.did_work:
@@ -153,7 +167,7 @@ def lake_compact(lake_path: Path, spark_master: str) -> None:
     else:
         click.echo(
             f"state version {result.state_version}: changes versions {result.from_version}..{result.to_version}, "
-            f"{result.keys:,} keys merged"
+            f"{result.keys:,} keys merged; {len(result.tables)} typed tables, {result.rescued:,} fields rescued"
         )
 
 
@@ -330,19 +344,22 @@ def lake_sql(  # noqa: PLR0917 (click passes every option by keyword)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def lake_show(lake_path: Path, as_json: bool) -> None:
     """From the Delta logs: table versions, last commit, application transactions (per source, and
-    compaction's), rows per cache in changes and state, whether state is behind."""
-    from cdcd.lake.compact import NotADeltaLake
+    compaction's), rows per cache in changes and state, whether state is behind; each typed table's
+    version, rows, rescued rows and columns with when each appeared."""
     from cdcd.lake.ops import show
     from cdcd.lake.report import print_show
+    from cdcd.lake.typed_show import print_tables, tables_json, tables_show
 
     try:
         info = show(lake_path)
-    except NotADeltaLake as exc:
+        tables = tables_show(lake_path)
+    except Exception as exc:
         fail_on(exc)
     if as_json:
-        click.echo(msgspec.json.encode(info).decode())
+        click.echo(msgspec.json.encode({**msgspec.to_builtins(info), "tables": tables_json(tables)}).decode())
     else:
         print_show(info)
+        print_tables(tables)
 
 
 @lake.command("history")

@@ -18,6 +18,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from cdcd.faults import ExitCode, Fault
 from cdcd.lake.delta import partition_dir_value
 from cdcd.lake.storage import LakeDir, ObjectPath, is_delta, open_delta
 from cdcd.lake.table import COMMON_PROPERTIES
@@ -32,8 +33,10 @@ TABLE_PROPERTIES = {**COMMON_PROPERTIES, "delta.enableChangeDataFeed": "true"}
 data feed on: ``readChangeFeed`` gives typed changes per cache."""
 
 
-class NotATypedTable(ValueError):
+class NotATypedTable(Fault, ValueError):
     """A directory under ``<lake>/tables`` that is not one of cdcd's Delta tables."""
+
+    exit_code = ExitCode.BAD_INPUT
 
 
 def table_dir(lake: LakeDir, cache: str) -> LakeDir:
