@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 import structlog
 from confluent_kafka import KafkaError, KafkaException, Producer
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from confluent_kafka.admin import AdminClient  # type: ignore[attr-defined]
 
 from cdcd import failpoints, metrics
 from cdcd.config import ConfigError, cache_filter
@@ -71,70 +71,6 @@ class MetadataRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     cdc_enabled: bool = True
     ttl_ms: int = 0
     node: str = ""
-
-
-def ensure_topics(
-    admin: AdminClient, wanted: Mapping[str, tuple[int, dict[str, str]]], opts: KafkaSinkOptions, source: str
-) -> None:
-    """Create the topics that are missing; an existing data topic must have enough partitions."""
-    timeout_s = opts.connect_timeout_ms / 1000
-    try:
-        meta = admin.list_topics(timeout=timeout_s)
-    except KafkaException as exc:
-        raise KafkaSetupError(
-            f"{source}: key 'bootstrap_servers': cannot reach {opts.bootstrap_servers} "
-            f"in {timeout_s:g} s: {describe(exc)}"
-        ) from None
-    missing = [
-        NewTopic(name, parts, opts.replication_factor, config=config)
-        for name, (parts, config) in wanted.items()
-        if name not in meta.topics
-    ]
-    if missing:
-        for name, fut in admin.create_topics(missing, request_timeout=timeout_s).items():
-            try:
-                fut.result()
-            except KafkaException as exc:
-                err = error_of(exc)
-                if err is not None and err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
-                    continue  # another process made it meanwhile
-                key = topics.setting_of(name, opts)
-                raise KafkaSetupError(f"{source}: key '{key}': cannot create topic {name}: {describe(exc)}") from None
-            log.info("kafka_topic_created", topic=name, partitions=wanted[name][0])
-        meta = _settled(admin, [t.topic for t in missing], opts, source)
-    for name, (parts, _config) in wanted.items():
-        data = meta.topics.get(name)
-        if data is not None and data.error is None and len(data.partitions) < parts:
-            raise KafkaSetupError(
-                f"{source}: key 'topic_partitions': topic {name} has {len(data.partitions)} partitions, "
-                f"fewer than topic_partitions = {opts.topic_partitions}"
-            )
-
-
-def _settled(admin: AdminClient, topics: Sequence[str], opts: KafkaSinkOptions, source: str) -> Any:
-    """Cluster metadata once every topic of ``topics`` shows its partitions without an error: right
-    after a topic is created, the broker may still answer with none of them (or with
-    LEADER_NOT_AVAILABLE). KafkaSetupError if that lasts ``connect_timeout_ms`` (the sink does not
-    start; a restart, as systemd's, tries again)."""
-    deadline = time.monotonic() + opts.connect_timeout_ms / 1000
-    while True:
-        try:
-            meta = admin.list_topics(timeout=opts.connect_timeout_ms / 1000)
-        except KafkaException as exc:
-            names = ", ".join(topics)
-            raise KafkaSetupError(f"{source}: key 'bootstrap_servers': metadata of {names}: {describe(exc)}") from None
-        found = meta.topics
-        pending = [t for t in topics if t not in found or found[t].error or not found[t].partitions]
-        if not pending:
-            return meta
-        if time.monotonic() >= deadline:
-            why = "; ".join(f"{t}: {found[t].error}" for t in pending if t in found and found[t].error)
-            raise KafkaSetupError(
-                f"{source}: topic(s) {', '.join(pending)} without partitions in the cluster's metadata after "
-                f"connect_timeout_ms = {opts.connect_timeout_ms}" + (f" ({why})" if why else "") + " (just created, "
-                "the broker may still be electing leaders: start again)"
-            )
-        time.sleep(0.1)
 
 
 class KafkaSink(Consumer):
@@ -184,8 +120,8 @@ class KafkaSink(Consumer):
             wanted[opts.topic] = (opts.topic_partitions, {})
         if opts.transaction_metadata:
             wanted[opts.transaction_topic_name] = (1, {})
-        ensure_topics(admin, wanted, opts, self.source)
-        meta = _settled(admin, [opts.offsets_topic], opts, self.source)
+        topics.ensure_topics(admin, wanted, opts, self.source)
+        meta = topics.settled(admin, [opts.offsets_topic], opts, self.source)
         self._offsets_partitions = len(meta.topics[opts.offsets_topic].partitions)
         log.info("kafka_sink_started", options=opts.describe())
 
@@ -249,7 +185,7 @@ class KafkaSink(Consumer):
             self._alive = False
             raise KafkaSetupError(f"{self.source}: {exc}") from None
         assert self._admin is not None, "start() first"
-        ensure_topics(self._admin, {topic: (opts.topic_partitions, {})}, opts, self.source)
+        topics.ensure_topics(self._admin, {topic: (opts.topic_partitions, {})}, opts, self.source)
         self._topics[cache] = topic
         return topic
 

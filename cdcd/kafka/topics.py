@@ -14,8 +14,18 @@ the sink fails on it with one line (shorten the prefix or the cache name).
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+import structlog
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+from cdcd.kafka.errors import KafkaSetupError, describe, error_of
 from cdcd.kafka.options import KafkaSinkOptions
+
+log = structlog.get_logger("cdcd.kafka.sink")
 
 MAX_TOPIC_CHARS = 249
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+")
@@ -68,3 +78,67 @@ def cache_topic(opts: KafkaSinkOptions, cache: str) -> str:
             f"key '{others[topic]}': cache {cache!r} has the topic {topic}: give {others[topic]} another name"
         )
     return topic
+
+
+def ensure_topics(
+    admin: AdminClient, wanted: Mapping[str, tuple[int, dict[str, str]]], opts: KafkaSinkOptions, source: str
+) -> None:
+    """Create the topics that are missing; an existing data topic must have enough partitions."""
+    timeout_s = opts.connect_timeout_ms / 1000
+    try:
+        meta = admin.list_topics(timeout=timeout_s)
+    except KafkaException as exc:
+        raise KafkaSetupError(
+            f"{source}: key 'bootstrap_servers': cannot reach {opts.bootstrap_servers} "
+            f"in {timeout_s:g} s: {describe(exc)}"
+        ) from None
+    missing = [
+        NewTopic(name, parts, opts.replication_factor, config=config)
+        for name, (parts, config) in wanted.items()
+        if name not in meta.topics
+    ]
+    if missing:
+        for name, fut in admin.create_topics(missing, request_timeout=timeout_s).items():
+            try:
+                fut.result()
+            except KafkaException as exc:
+                err = error_of(exc)
+                if err is not None and err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                    continue  # another process made it meanwhile
+                key = setting_of(name, opts)
+                raise KafkaSetupError(f"{source}: key '{key}': cannot create topic {name}: {describe(exc)}") from None
+            log.info("kafka_topic_created", topic=name, partitions=wanted[name][0])
+        meta = settled(admin, [t.topic for t in missing], opts, source)
+    for name, (parts, _config) in wanted.items():
+        data = meta.topics.get(name)
+        if data is not None and data.error is None and len(data.partitions) < parts:
+            raise KafkaSetupError(
+                f"{source}: key 'topic_partitions': topic {name} has {len(data.partitions)} partitions, "
+                f"fewer than topic_partitions = {opts.topic_partitions}"
+            )
+
+
+def settled(admin: AdminClient, topics: Sequence[str], opts: KafkaSinkOptions, source: str) -> Any:
+    """Cluster metadata once every topic of ``topics`` shows its partitions without an error: right
+    after a topic is created, the broker may still answer with none of them (or with
+    LEADER_NOT_AVAILABLE). KafkaSetupError if that lasts ``connect_timeout_ms`` (the sink does not
+    start; a restart, as systemd's, tries again)."""
+    deadline = time.monotonic() + opts.connect_timeout_ms / 1000
+    while True:
+        try:
+            meta = admin.list_topics(timeout=opts.connect_timeout_ms / 1000)
+        except KafkaException as exc:
+            names = ", ".join(topics)
+            raise KafkaSetupError(f"{source}: key 'bootstrap_servers': metadata of {names}: {describe(exc)}") from None
+        found = meta.topics
+        pending = [t for t in topics if t not in found or found[t].error or not found[t].partitions]
+        if not pending:
+            return meta
+        if time.monotonic() >= deadline:
+            why = "; ".join(f"{t}: {found[t].error}" for t in pending if t in found and found[t].error)
+            raise KafkaSetupError(
+                f"{source}: topic(s) {', '.join(pending)} without partitions in the cluster's metadata after "
+                f"connect_timeout_ms = {opts.connect_timeout_ms}" + (f" ({why})" if why else "") + " (just created, "
+                "the broker may still be electing leaders: start again)"
+            )
+        time.sleep(0.1)

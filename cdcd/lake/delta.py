@@ -42,7 +42,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import structlog
 from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake.exceptions import CommitFailedError, DeltaError
@@ -50,7 +49,8 @@ from deltalake.transaction import AddAction, PostCommitHookProperties, RemoveAct
 
 from cdcd.durable import fsync_dir, fsync_file, sync_filesystem
 from cdcd.lake.check import damaged_table
-from cdcd.lake.storage import LakeDir, ObjectPath, as_location_arg
+from cdcd.lake.parquet_files import parquet_codec, slice_stats, write_parquet
+from cdcd.lake.storage import LakeDir, as_location_arg
 from cdcd.lake.table import (
     CHANGES,
     CHANGES_PROPERTIES,
@@ -71,20 +71,6 @@ MAX_SEGMENT = (1 << (63 - OFFSET_BITS)) - 1
 
 _FSYNC_EACH_MAX_FILES = 16
 """Above this many files in one batch, one syncfs of the file system is cheaper than an fsync each."""
-
-_STAT_COLUMNS = (
-    "partition",
-    "version_order",
-    "version_cluster_id",
-    "node_order",
-    "topology_version",
-    "wal_segment",
-    "wal_offset",
-    "wal_index",
-    "expire_time_ms",
-    "source_generation",
-)
-"""Columns whose min/max go into each file's Delta statistics (readers skip files by them)."""
 
 
 class LakeWriteError(RuntimeError):
@@ -150,86 +136,6 @@ def _commit_reason(root: LakeDir, exc: BaseException) -> str:
         if free < _NEARLY_FULL_BYTES:
             return f"{reason} ({os.strerror(errno.ENOSPC)}: {free} bytes free)"
     return reason
-
-
-def _stat_value(v: Any) -> Any:
-    return v.as_py() if isinstance(v, pa.Scalar) else v
-
-
-def file_stats(table: pa.Table) -> str:
-    """Delta statistics (``numRecords``, ``minValues``, ``maxValues``, ``nullCount``) of one file's rows."""
-    mins: dict[str, Any] = {}
-    maxs: dict[str, Any] = {}
-    nulls: dict[str, int] = {}
-    for name in table.column_names:
-        col = table.column(name)
-        # A column with a null count but no bounds makes delta-rs's reader skip every file:
-        # either all three, or none.
-        if name in _STAT_COLUMNS and table.num_rows and col.null_count == 0:
-            mm = pc.min_max(col)
-            mins[name] = _stat_value(mm["min"])
-            maxs[name] = _stat_value(mm["max"])
-            nulls[name] = 0
-    return json.dumps({"numRecords": table.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls})
-
-
-def _slice_stats(data: pa.Table, slices: list[tuple[int, int]]) -> list[str]:
-    """``file_stats`` of each ``data[start:end]``, computed for all slices at once (a batch over
-    many caches is many tiny files: per-file compute calls would cost more than writing them)."""
-    if not slices:
-        return []
-    starts = np.array([lo for lo, _ in slices], np.int64)
-    columns: list[tuple[str, list[Any], list[Any]]] = []
-    for name in data.column_names:
-        col = data.column(name)
-        if name not in _STAT_COLUMNS:
-            continue
-        if col.null_count:  # rare: per slice, nulls exclude the column's statistics
-            return [file_stats(data.slice(lo, hi - lo)) for lo, hi in slices]
-        arr = col.to_numpy()
-        columns.append((name, np.minimum.reduceat(arr, starts).tolist(), np.maximum.reduceat(arr, starts).tolist()))
-    out = []
-    for i, (lo, hi) in enumerate(slices):
-        mins = {name: lo_values[i] for name, lo_values, _ in columns}
-        maxs = {name: hi_values[i] for name, _, hi_values in columns}
-        nulls = {name: 0 for name, _, _ in columns}
-        out.append(json.dumps({"numRecords": hi - lo, "minValues": mins, "maxValues": maxs, "nullCount": nulls}))
-    return out
-
-
-SMALL_FILE_ROWS = 1024
-"""Files of fewer rows (one per cache and commit when a batch spans many caches) are written with
-snappy and no dictionaries: zstd's and the dictionaries' set-up per column cost more than the whole
-file, and OPTIMIZE rewrites such files anyway."""
-
-
-def _codec(chunk: pa.Table) -> str:
-    """The compression ``_parquet_options`` chooses, for the file's name."""
-    return str(_parquet_options(chunk)["compression"])
-
-
-_UNIQUE_TEXT = frozenset({"key", "value"})
-"""Columns whose values hardly repeat: a dictionary page costs a hash per value, then pyarrow gives
-up on it anyway, so the write is slower and the file no smaller."""
-
-
-def _parquet_options(chunk: pa.Table) -> dict[str, Any]:
-    if chunk.num_rows < SMALL_FILE_ROWS:
-        return {"compression": "snappy", "use_dictionary": False}
-    dictionary = [c for c in chunk.column_names if c not in _UNIQUE_TEXT]
-    return {"compression": "zstd", "row_group_size": 1 << 20, "use_dictionary": dictionary}
-
-
-def _write_parquet(chunk: pa.Table, full: LakeDir, *, fsync: bool = True) -> tuple[int, int]:
-    """Write one data file (fsynced when local and ``fsync``); (size in bytes, modification time in ms)."""
-    if isinstance(full, ObjectPath):
-        pq.write_table(chunk, full.fs_path, filesystem=full.fs, **_parquet_options(chunk))
-        return full.size(), int(time.time() * 1000)
-    pq.write_table(chunk, full, **_parquet_options(chunk))
-    if fsync:
-        fsync_file(full)
-    st = full.stat()
-    return st.st_size, st.st_mtime_ns // 10**6
 
 
 @dataclass(frozen=True)
@@ -369,15 +275,15 @@ class ChangeTable:
                 end = min(hi, start + max_rows_per_file)
                 slices.append((start, end))
                 tasks.append((rel_dir, data.slice(start, end - start), values))
-        stats = _slice_stats(data, slices)
+        stats = slice_stats(data, slices)
         local = isinstance(self.path, Path)
         per_file_fsync = local and len(tasks) <= _FSYNC_EACH_MAX_FILES
 
         def write(index: int) -> None:
             rel_dir, chunk, values = tasks[index]
             (self.path / rel_dir).mkdir(parents=True, exist_ok=True)
-            rel = rel_dir / f"part-{uuid.uuid4().hex}.c000.{_codec(chunk)}.parquet"
-            size, mtime_ms = _write_parquet(chunk, self.path / rel, fsync=per_file_fsync)
+            rel = rel_dir / f"part-{uuid.uuid4().hex}.c000.{parquet_codec(chunk)}.parquet"
+            size, mtime_ms = write_parquet(chunk, self.path / rel, fsync=per_file_fsync)
             pv = dict(zip(self.partition_by, values, strict=True))
             # list.append is atomic: a failed batch still knows every file it must discard.
             out.adds.append(AddAction(rel.as_posix(), size, pv, mtime_ms, True, stats[index]))
