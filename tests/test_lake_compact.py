@@ -64,9 +64,9 @@ def test_compact_keeps_the_latest_change_per_key_and_applies_deletes(spark: Any,
         change("a/b", "1", '"early"', 5, segment=0, offset=100),
         change("a/b", "1", '"late"', 5, segment=1, offset=10),
         # Higher version at an earlier WAL position still wins (version order first).
-        change("new\nline", "k", '"v9"', 9, segment=0, offset=1),
-        change("new\nline", "k", '"v8"', 8, segment=3, offset=1),
-        change("x=y", "gone", None, 4),  # a delete of a key never seen
+        change("new\nline", '"k"', '"v9"', 9, segment=0, offset=1),
+        change("new\nline", '"k"', '"v8"', 8, segment=3, offset=1),
+        change("x=y", '"gone"', None, 4),  # a delete of a key never seen
         change("ünï cödé", "1", '"u"', 1),
     ]
     append_changes(lake, first, source_txn=("node-a", 1))
@@ -81,7 +81,7 @@ def test_compact_keeps_the_latest_change_per_key_and_applies_deletes(spark: Any,
         change("orders", "3", '"stale"', 2),  # older than what state holds: loses
         change("a/b", "1", None, 12),
         change("a/b", "1", '"again"', 13),  # re-created after its delete in the same commit
-        change("new\nline", "k2", '"n"', 14),
+        change("new\nline", '"k2"', '"n"', 14),
     ]
     third = [change("ünï cödé", "1", None, 15), change("orders", "1", '"back"', 16)]
     append_changes(lake, second, source_txn=("node-a", 2))

@@ -292,7 +292,10 @@ def test_reader_polling_never_sees_half_a_transaction(tmp_path: Path) -> None:
         writer.wait(120)
         rc = stop_daemon(daemon, timeout=60)
     assert rc == 0, err.read_text()[-3000:]
-    assert polls >= 100 and len(versions) >= 20, (polls, len(versions))
+    # On a loaded machine the daemon lands fewer, larger batches: the polls must have seen 20
+    # versions, or every version but the first few when the whole log holds fewer.
+    last_version = DeltaTable(str(lake / "changes")).version()
+    assert polls >= 100 and len(versions) >= min(20, last_version - 2), (polls, len(versions), last_version)
     print(f"\n{polls} polls over {len(versions)} versions, {time.monotonic() - t0:.0f}s")
     events = wal_events(node_dir)
     sizes = record_sizes(events)

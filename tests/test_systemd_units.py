@@ -118,7 +118,13 @@ def test_units_restart_policy_matches_the_cli_exit_codes() -> None:
     notify-type with a watchdog and does not restart-loop on a bad config."""
     from cdcd.faults import ExitCode
 
-    operator = {ExitCode.BAD_INPUT, ExitCode.MISSING_SEGMENT, ExitCode.BAD_WAL, ExitCode.BAD_STATE}
+    operator = {
+        ExitCode.BAD_INPUT,
+        ExitCode.MISSING_SEGMENT,
+        ExitCode.BAD_WAL,
+        ExitCode.BAD_STATE,
+        ExitCode.DAMAGED_LAKE,
+    }
     daemon = unit_settings("cdcd@.service")
     assert set(daemon["RestartPreventExitStatus"][0].split()) == {str(int(c)) for c in operator}
     assert ExitCode.STALLED not in operator and ExitCode.CONSUMER_FAILED not in operator

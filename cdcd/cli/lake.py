@@ -311,8 +311,12 @@ def lake_cut(lake_path: Any, latest: bool, as_of: str | None, as_json: bool) -> 
 @lake.command("sql")
 @_lake_option()
 @click.argument("query")
-@click.option("--engine", type=click.Choice(["duckdb", "spark"]), default="duckdb", show_default=True)
-@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@click.option(
+    "--engine", type=click.Choice(["duckdb", "spark"]), default="duckdb", show_default=True, help="Who runs it."
+)
+@click.option(
+    "--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True, help="Output."
+)
 @click.option("--as-of", "as_of", default=None, metavar="TIME", help="Read at the newest cut at or before TIME.")
 @click.option("--max-rows", type=click.IntRange(1), default=None, help="Rows the table format shows at most.")
 @click.option("--spark-master", default="local[*]", show_default=True, help="With --engine spark.")
@@ -356,7 +360,7 @@ def lake_show(lake_path: Path, as_json: bool) -> None:
     except Exception as exc:
         fail_on(exc)
     if as_json:
-        click.echo(msgspec.json.encode({**msgspec.to_builtins(info), "tables": tables_json(tables)}).decode())
+        click.echo(msgspec.json.encode({**msgspec.to_builtins(info), "typed_tables": tables_json(tables)}).decode())
     else:
         print_show(info)
         print_tables(tables)
