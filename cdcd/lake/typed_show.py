@@ -79,6 +79,9 @@ def print_tables(shows: list[TableShow]) -> None:
     """The human form: one line per table, then its columns (type, field, since when)."""
     from cdcd.lake.printable import printable
 
+    if not shows:
+        return
+    click.echo()  # a section of its own after lake show's per-cache rows
     click.echo(f"{'typed table':<24} {'version':>8} {'rows':>12} {'rescued rows':>13}  key")
     for s in shows:
         click.echo(f"{printable(s.cache):<24} {s.version:>8} {s.rows:>12,} {s.rescued_rows:>13,}  {s.key}")
