@@ -154,23 +154,24 @@ class _Screen:
         yield layout
 
 
-def render(snap: Snapshot, rates: Rates | None, *, node_dir: str, since: str, interval_ms: int) -> RenderableType:
-    """The whole screen. ``since``: when the current deliverer was first seen delivering."""
-    return _Screen(
+def _panels(
+    snap: Snapshot, rates: Rates | None, node_dir: str, since: str, interval_ms: int
+) -> tuple[Text, Panel, Panel, Panel, Panel]:
+    """Header, node, daemon, consumer and problems: what both forms of the screen show."""
+    return (
         _header(snap, node_dir, interval_ms),
         _node_panel(snap, rates, since),
         _daemon_panel(snap, rates),
         _metrics_panel("Consumer", snap.consumer, "no consumer metrics (daemon_metrics above)"),
         _metrics_panel("Problems", snap.problems, "no retries, stalls or dead letters reported"),
     )
+
+
+def render(snap: Snapshot, rates: Rates | None, *, node_dir: str, since: str, interval_ms: int) -> RenderableType:
+    """The whole screen. ``since``: when the current deliverer was first seen delivering."""
+    return _Screen(*_panels(snap, rates, node_dir, since, interval_ms))
 
 
 def render_once(snap: Snapshot, rates: Rates | None, *, node_dir: str, since: str, interval_ms: int) -> Group:
     """The same panels stacked, for a plain-text print (no full-screen layout to fill)."""
-    return Group(
-        _header(snap, node_dir, interval_ms),
-        _node_panel(snap, rates, since),
-        _daemon_panel(snap, rates),
-        _metrics_panel("Consumer", snap.consumer, "no consumer metrics (daemon_metrics above)"),
-        _metrics_panel("Problems", snap.problems, "no retries, stalls or dead letters reported"),
-    )
+    return Group(*_panels(snap, rates, node_dir, since, interval_ms))

@@ -15,6 +15,7 @@ import atexit
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,16 +39,24 @@ def _bench_dir() -> str | None:
     return str(var)
 
 
-def change_table(caches: list[str], keys: list[int], ops: list[str], first_order: int) -> pa.Table:
-    """Change rows in the table contract's schema; version order (and WAL offset) increase by row."""
+def _item(k: int, order: int) -> str:
+    return f'{{"id":{k},"name":"item-{k}","qty":{k % 100},"v":{order}}}'
+
+
+def change_table(
+    caches: list[str],
+    keys: list[int],
+    ops: list[str],
+    first_order: int,
+    value_of: Callable[[int, int], str] = _item,
+) -> pa.Table:
+    """Change rows in the table contract's schema; version order (and WAL offset) increase by row;
+    ``value_of(key, order)`` is each live row's value (JSON text)."""
     from cdcd.lake.table import CHANGE_SCHEMA
 
     n = len(keys)
     orders = list(range(first_order, first_order + n))
-    values = [
-        None if op == "delete" else f'{{"id":{k},"name":"item-{k}","qty":{k % 100},"v":{o}}}'
-        for k, op, o in zip(keys, ops, orders, strict=True)
-    ]
+    values = [None if op == "delete" else value_of(k, o) for k, op, o in zip(keys, ops, orders, strict=True)]
     cols: dict[str, Any] = {
         "op": ops,
         "key": [str(k) for k in keys],

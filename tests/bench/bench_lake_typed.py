@@ -25,6 +25,7 @@ import msgspec
 import pyarrow as pa
 
 from tests.bench.bench_lake_merge import SESSION, _bench_dir, append, state_count
+from tests.bench.bench_lake_merge import change_table as merge_change_table
 from tests.support.bench import Bench, Measurement, Metric
 
 CACHES = 10
@@ -59,33 +60,8 @@ def value(k: int, order: int, rng: random.Random, added: str) -> bytes:
 
 
 def change_table(keys: list[int], ops: list[str], first_order: int, rng: random.Random, added: str) -> pa.Table:
-    from cdcd.lake.table import CHANGE_SCHEMA
-
-    n = len(keys)
-    orders = list(range(first_order, first_order + n))
-    cols: dict[str, Any] = {
-        "op": ops,
-        "key": [str(k) for k in keys],
-        "value": [
-            None if op == "delete" else value(k, o, rng, added).decode()
-            for k, op, o in zip(keys, ops, orders, strict=True)
-        ],
-        "partition": [k % 1024 for k in keys],
-        "primary": [True] * n,
-        "version_order": orders,
-        "version_cluster_id": [1] * n,
-        "node_order": [1] * n,
-        "topology_version": [1] * n,
-        "commit_ts": [1_700_000_000_000_000 + o for o in orders],
-        "source_node": ["bench-node"] * n,
-        "wal_segment": [o // 100_000 for o in orders],
-        "wal_offset": [(o % 100_000) * 64 for o in orders],
-        "wal_index": [0] * n,
-        "expire_time_ms": [0] * n,
-        "cache": [f"cache-{k % CACHES}" for k in keys],
-        "source_generation": [0] * n,
-    }
-    return pa.table({f.name: pa.array(cols[f.name], f.type) for f in CHANGE_SCHEMA}, schema=CHANGE_SCHEMA)
+    caches = [f"cache-{k % CACHES}" for k in keys]
+    return merge_change_table(caches, keys, ops, first_order, lambda k, o: value(k, o, rng, added).decode())
 
 
 class TypedLake:
