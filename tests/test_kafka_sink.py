@@ -454,10 +454,10 @@ def test_realtime_and_daemon_switching_under_load_exactly_once(kafka_broker: Bro
         rig.start_daemon()
         rig.wait_mode("on", "PASSIVE")
         for state in ("off", "on", "off", "on"):
-            time.sleep(1.0)  # load for a while on each side (not a synchronisation)
+            rig.wait_written(1)  # load on each side: a new WAL segment written, observed
             st = rig.switch_off() if state == "off" else rig.switch_on()
             assert st["delivering"] == ("daemon" if state == "off" else "node")
-        time.sleep(1.0)
+        rig.wait_written(1)
         rig.stop_node()
         events = wal_events(rig.node_dir)
         last = tuple(events[-1]["pos"])

@@ -216,8 +216,9 @@ def test_processes_committing_at_once_land_exactly_once(tmp_path: Path) -> None:
         args = [str(node_dir), str(lake), str(per), str(go), str(tmp_path / f"out-{i}.json"), source]
         procs.append(subprocess.Popen([sys.executable, "-c", code, *args], env=child_env(), cwd=ROOT))
     # All have opened the table (created once, by whichever came first) before they race.
-    wait_for(lambda: (lake / "changes" / "_delta_log").is_dir() or any(p.poll() is not None for p in procs), 60, "")
-    time.sleep(1)
+    ready = [tmp_path / f"out-{i}.json.ready" for i in range(len(runs))]
+    wait_for(lambda: all(r.exists() for r in ready) or any(p.poll() is not None for p in procs), 120, "")
+    assert all(r.exists() for r in ready), [p.poll() for p in procs]
     go.touch()
     assert [p.wait(300) for p in procs] == [0, 0, 0]
     outs = [json.loads((tmp_path / f"out-{i}.json").read_text()) for i in range(len(runs))]

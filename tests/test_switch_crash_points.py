@@ -8,7 +8,6 @@ outputs entry by entry against the WAL: every entry delivered, each side exactly
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -114,7 +113,7 @@ def test_daemon_killed_at_a_step_of_its_mode_change(rig_factory: Any, point: str
         _delivering(rig)
         _send(rig, "off")
     rig.daemon_died(timeout=60)
-    time.sleep(0.2)  # the node keeps writing while no daemon runs
+    rig.wait_written(1)  # the node keeps writing while no daemon runs (observed, not slept for)
     rig.start_daemon()
     rig.wait_mode("off" if point.endswith("@2") else "on", "ACTIVE" if point.endswith("@2") else "PASSIVE")
     _finish(rig)

@@ -176,12 +176,13 @@ def sub_batch(batch: EventBatch, start: int, stop: int) -> EventBatch:
 def land_main() -> None:
     """Child process: ``node_dir lake records_per_batch go_file out_file source``: land the node's WAL as
     ``source`` in batches of ``records_per_batch`` records once ``go_file`` exists; write the sink's counters
-    to ``out_file``."""
+    to ``out_file``. ``out_file.ready`` says the sink has opened the table."""
     node_dir, lake, per, go, out, source = sys.argv[1:7]
     batch = wal_batch(Path(node_dir), source)
     n = len(batch.peek_slices())
     sink = LakeConsumer(LakeOptions(lake_path=lake, writer="deltalake"))
     sink.start()
+    Path(out + ".ready").touch()  # the table is open: the parent may let the race begin
     while not Path(go).exists():
         time.sleep(0.001)
     k = 0
