@@ -67,9 +67,13 @@ def run_demo(*, var: Path, seconds: float, rate: int, spark_master: str, fresh: 
             click.echo(("\r" + line) if tty else line, nl=not tty)
         if tty:
             click.echo()
+        stopping = time.monotonic()
         load.stop()
         end = node.wal_position
         node.force_archive()
+        pos = daemon.state.position
+        behind = end.segment + 1 - (pos.segment if pos is not None else 0)
+        click.echo(f"stopping: load stopped at WAL {end} ({load.written:,} entries); catching up {behind} segment(s)")
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             pos = daemon.state.position
@@ -80,15 +84,22 @@ def run_demo(*, var: Path, seconds: float, rate: int, spark_master: str, fresh: 
         daemon_thread.join()
         daemon.close()
         node.close()
+        phase = time.monotonic()
+        click.echo(f"caught up in {phase - stopping:.1f} s ({consumer.rows_written:,} rows landed); compacting {lake}")
         spark = spark_session.acquire(spark_master, "cdcd-demo-compact", {})
+        spark.sparkContext.setLogLevel("ERROR")  # Spark's own warnings are not the demo's output
         try:
-            compact(spark, lake)
+            done = compact(spark, lake)
+            click.echo(
+                f"compacted in {time.monotonic() - phase:.1f} s ({done.keys:,} keys into state and "
+                f"{len(done.tables)} typed table(s)); verifying against the node"
+            )
             with NodeSnapshot(node_dir) as snapshot:
                 checks = verify(lake, [snapshot])
             verified = all(c.ok for c in checks)
             print_show(show(lake))
             print_verify(checks)
-            print_demo_ending(spark, lake, checks)
+            print_demo_ending(spark, lake, checks, stopping)
         finally:
             spark_session.release()
     finally:

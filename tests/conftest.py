@@ -10,6 +10,8 @@ import pytest
 
 from cdcd.node import Node
 
+pytest_plugins = ["tests.support.tmux"]  # the `pane` fixture
+
 
 @pytest.fixture
 def node_dir(tmp_path: Path) -> Path:

@@ -5,8 +5,6 @@ it, missing sources shown as such, nothing written, and the live view driven in 
 from __future__ import annotations
 
 import json
-import shlex
-import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -19,6 +17,7 @@ import pytest
 from tests.support.config import jsonl_consumer, write_daemon_config
 from tests.support.procs import CDCD, cdcd, child_env, reap, start_daemon, state_show, wait_for
 from tests.support.servers import free_port
+from tests.support.tmux import Pane
 
 TOP = [*CDCD, "top"]
 DEADLINE_S = 90.0
@@ -217,42 +216,6 @@ def test_bad_options_exit_2_with_one_line(tmp_path: Path) -> None:
 
 
 # --- the live view in tmux -------------------------------------------------------------------------
-@dataclass
-class Pane:
-    socket: Path
-    conf: Path
-    env: dict[str, str]
-    last: str = ""
-
-    def tmux(self, *args: str) -> str:
-        # -f only matters for the command that starts the server (new-session).
-        cmd = ["tmux", "-S", str(self.socket), "-f", str(self.conf), *args]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-        assert res.returncode == 0, res.stderr
-        return res.stdout
-
-    def capture(self) -> str:
-        self.last = self.tmux("capture-pane", "-p", "-t", "top")
-        return self.last
-
-    def info(self, fmt: str) -> str:
-        return self.tmux("display-message", "-p", "-t", "top", fmt).strip()
-
-
-@pytest.fixture
-def pane(tmp_path: Path) -> Iterator[Pane]:
-    if shutil.which("tmux") is None:
-        pytest.fail("tmux is missing: run scripts/ensure-tmux.sh (make install does)")
-    conf = tmp_path / "tmux.conf"
-    # remain-on-exit: the dead pane stays, so its exit status and restored screen can be read.
-    conf.write_text("set -g remain-on-exit on\nset -g history-limit 0\n")
-    p = Pane(tmp_path / "tmux.sock", conf, child_env())  # a private server, its socket gone with tmp_path
-    try:
-        yield p
-    finally:
-        subprocess.run(["tmux", "-S", str(p.socket), "kill-server"], capture_output=True, timeout=30)
-
-
 def _wal_position(screen: str) -> str | None:
     for line in screen.splitlines():
         if "WAL position" in line:
@@ -269,16 +232,10 @@ def test_live_view_in_tmux(rig: Rig, tmp_path: Path, pane: Pane, key: str, colum
         conf.write(f"set -g default-size {columns}x45\n")
     argv = [*TOP, "--node-dir", str(rig.node_dir), "--config", str(rig.daemon_config), "--interval-ms", "300"]
     argv += ["--node-metrics", rig.node_metrics]
-    # The test process's COLUMNS/LINES (set under pytest) would pin rich's size: the pane's size rules.
-    top = shlex.join(["env", "-u", "COLUMNS", "-u", "LINES", f"PYTHONPATH={pane.env['PYTHONPATH']}", *argv])
     # The pane's shell records top's exit code: tmux's own exit status of a pane can lag its death.
     rc_file = tmp_path / "top.rc"
-    command = f"{top}; echo $? > {shlex.quote(str(rc_file))}"
-    pane.tmux("new-session", "-d", "-s", "top", command)
+    top_pid = pane.run(argv, rc_file)
     assert pane.info("#{pane_width}") == str(columns)
-    shell_pid = int(pane.info("#{pane_pid}"))
-    children = Path(f"/proc/{shell_pid}/task/{shell_pid}/children")
-    top_pid = int(wait_for(lambda: children.read_text().split(), DEADLINE_S, "top's process")[0])
 
     def shown() -> str | None:
         screen = pane.capture()

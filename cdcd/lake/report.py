@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -79,10 +80,12 @@ DEMO_QUERY = "SELECT count(*) AS keys, min(seq) AS first_seq, max(seq) AS last_s
 """The typed query ``make run`` ends with: the demo's cache ``load`` by its columns, no JSON functions."""
 
 
-def print_demo_ending(spark: Any, lake: Path, checks: list[CacheCheck], query: str = DEMO_QUERY) -> None:
+def print_demo_ending(
+    spark: Any, lake: Path, checks: list[CacheCheck], since: float, query: str = DEMO_QUERY
+) -> None:
     """``make run``'s last lines: where the lake is, the cut its tables are read at, a Spark SQL query
     over the typed cache tables (views registered in ``spark``, at that cut) and its result, then
-    one summary line (``verified: N keys, OK``)."""
+    one summary line (``verified: N keys, OK in S s``: S seconds since ``since``, a monotonic time)."""
     from cdcd.lake.cuts import latest_cut
     from cdcd.lake.readers import register_spark
     from cdcd.lake.sql import Result, write_result
@@ -98,4 +101,4 @@ def print_demo_ending(spark: Any, lake: Path, checks: list[CacheCheck], query: s
         out = io.StringIO()
         write_result(Result(list(frame.columns), iter([tuple(r) for r in frame.collect()])), out, "table")
         click.echo(out.getvalue(), nl=False)
-    click.echo(verify_summary(checks))
+    click.echo(f"{verify_summary(checks)}; stopped in {time.monotonic() - since:.0f} s")

@@ -192,7 +192,38 @@ def _jvm_popen(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     kwargs["preexec_fn"] = preexec
-    return subprocess.Popen(*args, **kwargs)
+    # The JVM's own output (log4j's console lines, the JVM's warnings) goes through the process's logger:
+    # one JSON line each for the daemon, nothing raw on a terminal or in a JSON log.
+    kwargs.setdefault("stdout", subprocess.PIPE)
+    kwargs.setdefault("stderr", subprocess.STDOUT)
+    proc = subprocess.Popen(*args, **kwargs)
+    if proc.stdout is not None:
+        threading.Thread(
+            target=_forward_jvm_output, args=(proc.stdout,), name="cdcd-spark-jvm-log", daemon=True
+        ).start()
+    return proc
+
+
+_LOG4J_LEVELS = {"FATAL": "error", "ERROR": "error", "WARN": "info"}
+"""log4j's level -> the level of cdcd's line: Spark's warnings are about Spark's set-up (the hostname,
+a task's size), not the pipeline's health, which cdcd reports itself; everything else is debug."""
+
+
+def _forward_jvm_output(stream: Any) -> None:
+    """Each line of the JVM's output as a ``spark_jvm`` log line until the JVM closes it. A line that is
+    not log4j's (a stack trace's ``at …``) keeps the level of the log4j line before it."""
+    import structlog
+
+    log = structlog.get_logger("cdcd.spark")
+    level = "debug"
+    for raw in stream:
+        line = raw.decode("utf-8", "replace").rstrip()
+        if not line:
+            continue
+        words = line.split(" ", 3)
+        if words[2:3] and words[2] in ("FATAL", "ERROR", "WARN", "INFO", "DEBUG", "TRACE"):
+            level = _LOG4J_LEVELS.get(words[2], "debug")
+        getattr(log, level)("spark_jvm", line=line)
 
 
 def _create(builder: Any) -> Any:
