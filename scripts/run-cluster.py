@@ -48,7 +48,35 @@ def node_main(node_dir: str, cache: str, rate: int, stop_file: str) -> None:
 def start_node(var: Path, i: int, rate: int) -> subprocess.Popen[bytes]:
     args = [str(var / f"node{i}"), f"load-node{i}", str(rate), str(var / f"node{i}.stop")]
     log = (var / f"node{i}.log").open("wb")
-    return subprocess.Popen([sys.executable, __file__, "--node", *args], stdout=log, stderr=log, env=child_env())
+    cmd = [sys.executable, __file__, "--node", *args]
+    # Every child runs in a session of its own: the terminal's Ctrl-C reaches only this script, which stops
+    # them in order (a node stopped by Ctrl-C mid-load would not archive its last writes).
+    return subprocess.Popen(cmd, stdout=log, stderr=log, env=child_env(), start_new_session=True)
+
+
+class Abort(Exception):
+    """A second Ctrl-C (or SIGTERM): stop everything now."""
+
+
+def on_signals(stop: dict[str, bool]) -> None:
+    """The first SIGINT/SIGTERM asks for the orderly stop; a second one aborts it (the ``finally`` of
+    ``main`` kills whatever still runs)."""
+
+    def handler(signum: int, _frame: object) -> None:
+        if stop["now"]:
+            raise Abort(signal.Signals(signum).name)
+        stop["now"] = True
+        print(f"\n{signal.Signals(signum).name}: stopping in order (again: stop at once)", flush=True)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def run_step(argv: list[str], env: dict[str, str], running: list[subprocess.Popen[bytes]]) -> int:
+    """One `cdcd lake …` command in its own session (its Spark JVM too), killed as a group on abort."""
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    running.append(proc)
+    return proc.wait()
 
 
 def main() -> int:
@@ -69,8 +97,9 @@ def main() -> int:
     cluster = SparkStandalone(var / "spark", workers=2)
     writers: list[subprocess.Popen[bytes]] = []
     daemons: list[subprocess.Popen[bytes]] = []
+    steps: list[subprocess.Popen[bytes]] = []
     stop = {"now": False}
-    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
+    on_signals(stop)
     try:
         minio.start()
         minio.create_bucket("lake")
@@ -90,7 +119,7 @@ def main() -> int:
             errs.append(var / f"daemon{i}.log")
         while not all((d / "cdc").is_dir() for d in dirs):
             time.sleep(0.1)
-        daemons = [start_daemon(c, e, env=env) for c, e in zip(configs, errs, strict=True)]
+        daemons = [start_daemon(c, e, env=env, new_session=True) for c, e in zip(configs, errs, strict=True)]
         t0 = time.monotonic()
         print("running: Ctrl-C stops the load, catches up, compacts on the cluster and verifies", flush=True)
         while not stop["now"] and not (args.seconds and time.monotonic() - t0 > args.seconds):
@@ -101,6 +130,8 @@ def main() -> int:
                 if p.poll() is not None:
                     print(f"daemon {i} exited {p.returncode}: see {errs[i]}", flush=True)
                     return 1
+        stopping = time.monotonic()
+        print(f"stopping: the load on {NODES} nodes; catching up", flush=True)
         for i in range(NODES):
             (var / f"node{i}.stop").touch()
         for w in writers:
@@ -111,18 +142,30 @@ def main() -> int:
                 time.sleep(0.25)
         for p in daemons:
             stop_daemon(p, timeout=60)
+        t1 = time.monotonic()
+        print(f"caught up in {t1 - stopping:.1f} s; compacting on the cluster", flush=True)
         where = ["--lake", LAKE, "--storage-endpoint", minio.endpoint, "--storage-path-style"]
         cdcd = [sys.executable, "-m", "cdcd", "lake"]
-        t1 = time.monotonic()
-        subprocess.run([*cdcd, "compact", *where, "--spark-master", cluster.master_url], env=env, check=True)
-        print(f"compacted on the cluster in {time.monotonic() - t1:.0f}s", flush=True)
-        subprocess.run([*cdcd, "show", *where], env=env, check=True)
+        if run_step([*cdcd, "compact", *where, "--spark-master", cluster.master_url], env, steps) != 0:
+            print("compaction failed (its error is above)", flush=True)
+            return 1
+        print(f"compacted in {time.monotonic() - t1:.1f} s; verifying", flush=True)
+        run_step([*cdcd, "show", *where], env, steps)
         nodes = [a for d in dirs for a in ("--node-dir", str(d))]
-        return subprocess.run([*cdcd, "verify", *where, *nodes], check=False, env=env).returncode
+        rc = run_step([*cdcd, "verify", *where, *nodes], env, steps)
+        print(
+            f"{'OK' if rc == 0 else 'verification FAILED'}; stopped in {time.monotonic() - stopping:.0f} s", flush=True
+        )
+        return rc
+    except Abort as exc:
+        print(f"{exc}: stopping at once", flush=True)
+        return 130
     finally:
-        for p in [*writers, *daemons]:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the clean-up below is not interrupted
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for p in [*steps, *writers, *daemons]:
             if p.poll() is None:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)  # the process and what it started (a Spark JVM)
                 p.wait()
         cluster.stop()
         minio.stop()

@@ -46,14 +46,18 @@ def cdcd(
     )
 
 
-def start_daemon(config: Path, stderr_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """``cdcd run`` with its stderr (JSON log lines, then any error line) in ``stderr_path``."""
+def start_daemon(
+    config: Path, stderr_path: Path, env: dict[str, str] | None = None, new_session: bool = False
+) -> subprocess.Popen[bytes]:
+    """``cdcd run`` with its stderr (JSON log lines, then any error line) in ``stderr_path``;
+    ``new_session``: out of the terminal's process group (a Ctrl-C there does not reach it)."""
     with stderr_path.open("ab") as err:
         return subprocess.Popen(
             [*CDCD, "run", "--config", str(config)],
             stdout=subprocess.DEVNULL,
             stderr=err,
             env=env or child_env(),
+            start_new_session=new_session,
         )
 
 
