@@ -55,7 +55,7 @@ import numpy as np
 from cdcd.consumer import RecordSlice
 from cdcd.lake import _rows, rows_py
 from cdcd.lake.arrow import pack
-from cdcd.lake.jsontext import to_json_bytes
+from cdcd.lake.jsontext import key_json_bytes, to_json_bytes
 from cdcd.wal.errors import (
     BadSegmentHeader,
     BadSegmentName,
@@ -1273,11 +1273,11 @@ def compare_row_builders(data: bytes) -> tuple[int, tuple[bytes, ...]]:
     it only skips, the Python path raises RecursionError (the C rows are returned)."""
     c_rows: tuple[int, tuple[bytes, ...]] | None = None
     try:
-        c_rows = _rows.columns(data, to_json_bytes)
+        c_rows = _rows.columns(data, to_json_bytes, key_json_bytes)
     except ROW_ERRORS as exc:
         c_error: BaseException = exc
     try:
-        py_rows = rows_py.columns(data, to_json_bytes)
+        py_rows = rows_py.columns(data, to_json_bytes, key_json_bytes)
     except ROW_ERRORS as exc:
         if c_rows is None:
             raise c_error from None
