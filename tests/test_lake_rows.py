@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from cdcd.consumer import RecordSlice
 from cdcd.lake import _rows, arrow, rows_py
 from cdcd.lake.arrow import pack, table_from_packed
-from cdcd.lake.jsontext import to_json_bytes
+from cdcd.lake.jsontext import key_json_bytes, to_json_bytes
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import CacheVersion, DataEntry, DataRecord, Op
 from tests.support.wal_fuzz import COLUMN_WIDTHS, compare_row_builders
@@ -156,7 +156,7 @@ def test_an_extension_value_fails_as_on_the_python_path() -> None:
 
 # --- records to columns, on both paths (the row_builder fixture) ------------------------------------------
 def build(packed: bytes, fallback: Any = to_json_bytes) -> tuple[int, tuple[bytes, ...]]:
-    return arrow.build_columns(packed, fallback)
+    return arrow.build_columns(packed, fallback, key_json_bytes)
 
 
 def _entry(i: int, **kw: Any) -> DataEntry:
@@ -257,14 +257,14 @@ def definition(slices: list[RecordSlice]) -> list[list[int]]:
 def test_fixed_width_columns_hold_what_the_definition_says(slices: list[RecordSlice]) -> None:
     """Every fixed-width column, on any field values (the int64 and int32 extremes too), any slice bounds: the
     entry's own field, in the builder's dtype, for each entry in the slice and no other; key and value text is
-    the definition's (``to_json_bytes``), a DELETE's value empty."""
+    the definitions' (``key_json_bytes``, ``to_json_bytes``), a DELETE's value empty."""
     n, buffers = build(pack(slices))
     want = definition(slices)
     assert n == len(want[0])
     for i, (dtype, column) in enumerate(zip(rows_py.FIXED_DTYPES, want, strict=True)):
         assert np.frombuffer(buffers[i], dtype).tolist() == [dtype(x).item() for x in column], f"column {i}"
     rows = [(s, i) for s in slices for i in range(s.start, len(s.record.entries) if s.stop is None else s.stop)]
-    keys = [to_json_bytes(bytes(s.record.entries[i].key)) for s, i in rows]
+    keys = [key_json_bytes(bytes(s.record.entries[i].key)) for s, i in rows]
     values = [
         b"" if s.record.entries[i].op == Op.DELETE else to_json_bytes(bytes(s.record.entries[i].value)) for s, i in rows
     ]
@@ -366,12 +366,12 @@ sys.meta_path.insert(0, Block())
 USE_ROWS = """
 import msgspec
 from cdcd.lake import arrow, rows_py
-from cdcd.lake.jsontext import to_json_bytes
+from cdcd.lake.jsontext import key_json_bytes, to_json_bytes
 entry = [7, 1, b"\\xa1k", b"\\x81\\xa1v\\x01", 9, [5, 1, 2, 3], True, 0]
 data = msgspec.msgpack.encode([[0, 8, 0, None, [1, [entry, entry], 10**18]]])
-first = arrow.build_columns(data, to_json_bytes)
-second = arrow.build_columns(data, to_json_bytes)
-assert first == second == rows_py.columns(data, to_json_bytes)
+first = arrow.build_columns(data, to_json_bytes, key_json_bytes)
+second = arrow.build_columns(data, to_json_bytes, key_json_bytes)
+assert first == second == rows_py.columns(data, to_json_bytes, key_json_bytes)
 print(arrow.build_columns is rows_py.columns, file=sys.stderr)
 """
 

@@ -12,12 +12,15 @@
  * string layout: int32 offsets plus UTF-8 data), which cdcd/lake/arrow.py wraps as Arrow arrays.
  *
  * Keys and values become JSON text here without a Python object in between. The text must be
- * byte for byte what the Python path writes (cdcd.lake.jsontext.to_json_bytes: msgspec decode,
- * msgspec JSON encode, and a careful fallback for map keys JSON cannot hold); this covers the
- * common cases exactly (nil, bools, integers, floats, UTF-8 strings, binary as base64, arrays,
- * maps with distinct string keys) and hands every other value (extension types, non-string or
- * repeated map keys, invalid UTF-8, nesting past MAX_DEPTH) to that Python function, so the two
- * paths cannot disagree. Tests compare both on generated values.
+ * byte for byte what the Python path writes: for values cdcd.lake.jsontext.to_json_bytes (msgspec
+ * decode, msgspec JSON encode, and a careful fallback for map keys JSON cannot hold), for keys
+ * key_json_bytes (the same text, except that binary, NaN and the infinities, and maps whose keys
+ * are not plain strings become {"$binary": ...}-style tags, so that no two keys share a text). This
+ * covers the common cases exactly (nil, bools, integers, floats, UTF-8 strings, binary, arrays,
+ * maps with distinct string keys, in a key none starting with '$') and hands every other object
+ * (extension types, non-string, '$' or repeated map keys in a key, invalid UTF-8, nesting past
+ * MAX_DEPTH, a non-finite float32 in a key) to that Python function, so the paths cannot disagree.
+ * Tests compare both on generated values.
  *
  * The input is the output of cdcd's own encoder, but key and value bytes come from WAL files:
  * every read is bounds-checked, and a malformed input raises ValueError naming the byte offset.
@@ -501,21 +504,22 @@ static int64_t str_len(Rd *r) {
     return (int64_t)n;
 }
 
-static int transcode(Rd *r, Buf *o, int depth);
+static int transcode(Rd *r, Buf *o, int depth, int key);
 
-static int put_array(Rd *r, Buf *o, uint64_t n, int depth) {
+static int put_array(Rd *r, Buf *o, uint64_t n, int depth, int key) {
     if (buf_byte(o, '[') < 0) return -1;
     for (uint64_t i = 0; i < n; i++) {
         if (i && buf_byte(o, ',') < 0) return -1;
-        int rc = transcode(r, o, depth + 1);
+        int rc = transcode(r, o, depth + 1, key);
         if (rc) return rc;
     }
     return buf_byte(o, ']');
 }
 
 /* A map with string keys only, none repeated (msgspec keeps the last of repeated keys at the
- * first one's place; non-string keys have their own rules): anything else is FALLBACK. */
-static int put_map(Rd *r, Buf *o, uint64_t n, int depth) {
+ * first one's place; non-string keys have their own rules), and in a key none starting with '$' (a
+ * key's map of such keys is written as {"$map": ...}): anything else is FALLBACK. */
+static int put_map(Rd *r, Buf *o, uint64_t n, int depth, int key) {
     Span small[16];
     Span *keys = small;
     int rc = 0;
@@ -541,6 +545,10 @@ static int put_map(Rd *r, Buf *o, uint64_t n, int depth) {
             rc = FALLBACK;
             goto done;
         }
+        if (key && len > 0 && r->p[0] == '$') {
+            rc = FALLBACK;
+            goto done;
+        }
         keys[i].p = r->p;
         keys[i].n = (size_t)len;
         if ((i && buf_byte(o, ',') < 0) || (rc = put_string(o, r->p, (size_t)len)) != 0 || buf_byte(o, ':') < 0) {
@@ -548,7 +556,7 @@ static int put_map(Rd *r, Buf *o, uint64_t n, int depth) {
             goto done;
         }
         r->p += len;
-        if ((rc = transcode(r, o, depth + 1)) != 0) goto done;
+        if ((rc = transcode(r, o, depth + 1, key)) != 0) goto done;
     }
     if (buf_byte(o, '}') < 0) {
         rc = -1;
@@ -577,9 +585,21 @@ done:
     return rc;
 }
 
+/* A non-finite double in a key (cdcd.lake.jsontext.key_json_bytes): a tag no plain key text is. */
+static int put_float_tag(Buf *o, uint64_t bits) {
+    if ((bits & 0x000fffffffffffffull) == 0) {
+        return bits >> 63 ? PUT_LIT(o, "{\"$float\":\"-Infinity\"}") : PUT_LIT(o, "{\"$float\":\"Infinity\"}");
+    }
+    if (bits == 0x7ff8000000000000ull) return PUT_LIT(o, "{\"$float\":\"NaN\"}");
+    char tmp[48];
+    int len = snprintf(tmp, sizeof tmp, "{\"$float\":\"NaN:%016llx\"}", (unsigned long long)bits);
+    return buf_put(o, tmp, (size_t)len);
+}
+
 /* One MessagePack object at r as JSON text appended to o: 0, FALLBACK (o holds partial text the
- * caller discards), or -1 with an exception set. */
-static int transcode(Rd *r, Buf *o, int depth) {
+ * caller discards), or -1 with an exception set. `key`: written as a key (key_json_bytes), where
+ * binary, non-finite floats and maps with '$' keys differ from a value's text. */
+static int transcode(Rd *r, Buf *o, int depth, int key) {
     if (depth > MAX_DEPTH) return FALLBACK;
     if (need(r, 1) < 0) return -1;
     uint8_t b = *r->p;
@@ -600,11 +620,11 @@ static int transcode(Rd *r, Buf *o, int depth) {
     }
     if (b >= 0x90 && b <= 0x9f) {
         r->p++;
-        return put_array(r, o, b & 0x0f, depth);
+        return put_array(r, o, b & 0x0f, depth, key);
     }
     if (b >= 0x80 && b <= 0x8f) {
         r->p++;
-        return put_map(r, o, b & 0x0f, depth);
+        return put_map(r, o, b & 0x0f, depth, key);
     }
     const uint8_t *q = r->p + 1;
     switch (b) {
@@ -619,13 +639,16 @@ static int transcode(Rd *r, Buf *o, int depth) {
             if (need(r, n) < 0) return -1;
             const uint8_t *s = r->p;
             r->p += n;
-            return put_base64(o, s, n);
+            if (!key) return put_base64(o, s, n);
+            if (PUT_LIT(o, "{\"$binary\":") < 0 || put_base64(o, s, n) < 0) return -1;
+            return buf_byte(o, '}');
         }
         case 0xca: {
             if (need(r, 5) < 0) return -1;
             uint32_t bits = be32(q);
             float f;
             memcpy(&f, &bits, sizeof f);
+            if (key && !isfinite(f)) return FALLBACK; /* the node writes doubles only: Python says */
             r->p += 5;
             return put_double_text(o, (double)f);
         }
@@ -635,6 +658,7 @@ static int transcode(Rd *r, Buf *o, int depth) {
             double d;
             memcpy(&d, &bits, sizeof d);
             r->p += 9;
+            if (key && !isfinite(d)) return put_float_tag(o, bits);
             return put_double_text(o, d);
         }
         case 0xcc: case 0xcd: case 0xce: case 0xd0: case 0xd1: case 0xd2: case 0xd3: {
@@ -650,29 +674,29 @@ static int transcode(Rd *r, Buf *o, int depth) {
         case 0xdc: case 0xdd: {
             uint32_t n;
             if (read_array(r, &n, "array") < 0) return -1;
-            return put_array(r, o, n, depth);
+            return put_array(r, o, n, depth, key);
         }
         case 0xde: {
             if (need(r, 3) < 0) return -1;
             r->p += 3;
-            return put_map(r, o, be16(q), depth);
+            return put_map(r, o, be16(q), depth, key);
         }
         case 0xdf: {
             if (need(r, 5) < 0) return -1;
             r->p += 5;
-            return put_map(r, o, be32(q), depth);
+            return put_map(r, o, be32(q), depth, key);
         }
         default:
             return FALLBACK; /* extension types, and 0xc1 (which the fallback reports) */
     }
 }
 
-/* The object at r (a key or a value) as JSON text appended to o, through `fallback` (a Python
- * callable: MessagePack bytes -> JSON bytes) when transcode cannot write it exactly. */
-static int put_json(Rd *r, Buf *o, PyObject *fallback) {
+/* The object at r (a key if `key`, else a value) as JSON text appended to o, through `fallback` (a
+ * Python callable: MessagePack bytes -> JSON bytes) when transcode cannot write it exactly. */
+static int put_json(Rd *r, Buf *o, PyObject *fallback, int key) {
     const uint8_t *begin = r->p;
     size_t mark = o->len;
-    int rc = transcode(r, o, 0);
+    int rc = transcode(r, o, 0, key);
     if (rc <= 0) return rc;
     o->len = mark;
     r->p = begin;
@@ -718,7 +742,8 @@ static int text_offset(Rd *r, Buf *offsets, const Buf *data) {
     return put_i32(offsets, (int32_t)data->len);
 }
 
-static int entry_row(Rd *r, Buf *c, PyObject *fallback, int64_t segment, int64_t offset, int32_t index) {
+static int entry_row(Rd *r, Buf *c, PyObject *fallback, PyObject *key_fallback, int64_t segment, int64_t offset,
+                     int32_t index) {
     uint32_t fields;
     int64_t cache_id, op, order, topology, expire;
     int32_t partition, node_order, cluster;
@@ -728,10 +753,10 @@ static int entry_row(Rd *r, Buf *c, PyObject *fallback, int64_t segment, int64_t
     if (read_int(r, &cache_id, "entry cache_id is not an integer") < 0) return -1;
     if (read_int(r, &op, "entry op is not an integer") < 0) return -1;
     if (op < 0 || op > 2) return bad(r, "entry op is not 0, 1 or 2");
-    if (put_json(r, &c[C_KEYS], fallback) < 0) return -1;
+    if (put_json(r, &c[C_KEYS], key_fallback, 1) < 0) return -1;
     if (op == 2) {
         if (skip(r) < 0) return -1; /* a DELETE's value is null */
-    } else if (put_json(r, &c[C_VALUES], fallback) < 0) {
+    } else if (put_json(r, &c[C_VALUES], fallback, 0) < 0) {
         return -1;
     }
     if (read_i32(r, &partition, "entry partition is not an integer") < 0) return -1;
@@ -759,7 +784,7 @@ static int entry_row(Rd *r, Buf *c, PyObject *fallback, int64_t segment, int64_t
     return 0;
 }
 
-static int slice_rows(Rd *r, Buf *c, PyObject *fallback, Py_ssize_t *rows) {
+static int slice_rows(Rd *r, Buf *c, PyObject *fallback, PyObject *key_fallback, Py_ssize_t *rows) {
     uint32_t fields, rfields, entries;
     int64_t segment, offset, start, stop, tag, commit_ns;
     if (read_array(r, &fields, "slice is not an array") < 0) return -1;
@@ -788,7 +813,7 @@ static int slice_rows(Rd *r, Buf *c, PyObject *fallback, Py_ssize_t *rows) {
             if (skip(r) < 0) return -1;
             continue;
         }
-        if (entry_row(r, c, fallback, segment, offset, (int32_t)i) < 0) return -1;
+        if (entry_row(r, c, fallback, key_fallback, segment, offset, (int32_t)i) < 0) return -1;
         (*rows)++;
     }
     if (read_int(r, &commit_ns, "record commit_ts_ns is not an integer") < 0) return -1;
@@ -799,20 +824,21 @@ static int slice_rows(Rd *r, Buf *c, PyObject *fallback, Py_ssize_t *rows) {
 }
 
 PyDoc_STRVAR(columns_doc,
-             "columns(packed, fallback) -> (rows, buffers)\n\n"
+             "columns(packed, fallback, key_fallback) -> (rows, buffers)\n\n"
              "The rows of packed record slices (cdcd.lake.arrow.pack) as column buffers, in the order\n"
              "op, partition, primary, order, node_order, cluster_id, topology_version, expire_time_ms,\n"
              "cache_id, segment, offset, index, commit_ts_ns, key offsets, key text, value offsets,\n"
-             "value text. fallback(msgpack bytes) -> JSON bytes writes what this module does not.");
+             "value text. fallback(msgpack bytes) -> JSON bytes writes the values this module does not,\n"
+             "key_fallback the keys (cdcd.lake.jsontext.to_json_bytes and key_json_bytes).");
 
 static PyObject *columns(PyObject *self, PyObject *args) {
     Py_buffer in;
-    PyObject *fallback;
+    PyObject *fallback, *key_fallback;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*O:columns", &in, &fallback)) return NULL;
-    if (!PyCallable_Check(fallback)) {
+    if (!PyArg_ParseTuple(args, "y*OO:columns", &in, &fallback, &key_fallback)) return NULL;
+    if (!PyCallable_Check(fallback) || !PyCallable_Check(key_fallback)) {
         PyBuffer_Release(&in);
-        PyErr_SetString(PyExc_TypeError, "fallback must be callable");
+        PyErr_SetString(PyExc_TypeError, "fallback and key_fallback must be callable");
         return NULL;
     }
     Buf c[N_COLUMNS];
@@ -833,7 +859,7 @@ static PyObject *columns(PyObject *self, PyObject *args) {
     if (read_array(&r, &slices, "not an array of record slices") < 0) goto done;
     Py_ssize_t yielded = 0;
     for (uint32_t i = 0; i < slices; i++) {
-        if (slice_rows(&r, c, fallback, &rows) < 0) goto done;
+        if (slice_rows(&r, c, fallback, key_fallback, &rows) < 0) goto done;
         if (rows - yielded >= YIELD_ROWS) {
             /* A batch takes a while: let other threads (the daemon's event loop, a node's writers
              * when the realtime worker lands) run now and then, as the interpreter would. */
@@ -863,17 +889,17 @@ done:
     return result;
 }
 
-PyDoc_STRVAR(to_json_doc, "to_json(raw, fallback) -> bytes\n\nOne MessagePack object as JSON text, as columns() writes keys and values.");
+PyDoc_STRVAR(to_json_doc, "to_json(raw, fallback) -> bytes\n\nOne MessagePack object as JSON text, as columns() writes values.");
+PyDoc_STRVAR(key_json_doc, "key_json(raw, key_fallback) -> bytes\n\nOne MessagePack object as JSON text, as columns() writes keys.");
 
-static PyObject *to_json(PyObject *self, PyObject *args) {
+static PyObject *one_json(PyObject *args, const char *format, int key) {
     Py_buffer in;
     PyObject *fallback;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "y*O:to_json", &in, &fallback)) return NULL;
+    if (!PyArg_ParseTuple(args, format, &in, &fallback)) return NULL;
     Buf o;
     PyObject *result = NULL;
     Rd r = {in.buf, in.buf, (const uint8_t *)in.buf + in.len};
-    if (buf_init(&o, (size_t)in.len * 2) == 0 && put_json(&r, &o, fallback) == 0) {
+    if (buf_init(&o, (size_t)in.len * 2) == 0 && put_json(&r, &o, fallback, key) == 0) {
         if (r.p != r.end) {
             bad(&r, "trailing bytes after the object");
         } else {
@@ -885,9 +911,20 @@ static PyObject *to_json(PyObject *self, PyObject *args) {
     return result;
 }
 
+static PyObject *to_json(PyObject *self, PyObject *args) {
+    (void)self;
+    return one_json(args, "y*O:to_json", 0);
+}
+
+static PyObject *key_json(PyObject *self, PyObject *args) {
+    (void)self;
+    return one_json(args, "y*O:key_json", 1);
+}
+
 static PyMethodDef methods[] = {
     {"columns", columns, METH_VARARGS, columns_doc},
     {"to_json", to_json, METH_VARARGS, to_json_doc},
+    {"key_json", key_json, METH_VARARGS, key_json_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -14,7 +14,7 @@ import structlog
 
 from cdcd.consumer import OP_NAMES, EventBatch, RecordSlice
 from cdcd.lake import rows_py
-from cdcd.lake.jsontext import to_json_bytes
+from cdcd.lake.jsontext import key_json_bytes, to_json_bytes
 from cdcd.lake.table import CHANGE_SCHEMA, DAY_FIELD
 from cdcd.wal.records import Op
 
@@ -31,8 +31,13 @@ _DAY_NS = 86_400 * 10**9
 
 
 def to_json(raw: bytes | msgspec.Raw) -> str:
-    """MessagePack key or value as JSON text (maps with non-string keys get string keys)."""
+    """MessagePack value as the lake's JSON text (maps with non-string keys get string keys)."""
     return to_json_bytes(raw).decode()
+
+
+def key_to_json(raw: bytes | msgspec.Raw) -> str:
+    """MessagePack key as the lake's key text: one text per key (cdcd/lake/jsontext.py)."""
+    return key_json_bytes(raw).decode()
 
 
 def split_slices(slices: list[RecordSlice], parts: int, min_rows: int) -> list[list[RecordSlice]]:
@@ -55,8 +60,9 @@ def split_slices(slices: list[RecordSlice], parts: int, min_rows: int) -> list[l
 
 _encoder = msgspec.msgpack.Encoder()
 
-RowBuilder = Callable[[bytes, Callable[[bytes], bytes]], tuple[int, tuple[bytes, ...]]]
-"""``(packed, fallback) -> (rows, buffers)``: cdcd/lake/_rows.c, or cdcd/lake/rows_py.py."""
+Fallback = Callable[[bytes], bytes]
+RowBuilder = Callable[[bytes, Fallback, Fallback], tuple[int, tuple[bytes, ...]]]
+"""``(packed, fallback, key_fallback) -> (rows, buffers)``: cdcd/lake/_rows.c, or cdcd/lake/rows_py.py."""
 
 ROWS_ENV = "CDCD_LAKE_ROWS"
 """``python`` makes this process (and the Spark tasks it starts) build rows in Python even where the C
@@ -65,13 +71,13 @@ module is built: how the tests run the lake on both paths. Read once, at import.
 BUILD_HINT = "build it with `make install`, or `python setup.py build_ext --inplace` in the source tree"
 
 
-def _python_rows(packed: bytes, fallback: Callable[[bytes], bytes]) -> tuple[int, tuple[bytes, ...]]:
+def _python_rows(packed: bytes, fallback: Fallback, key_fallback: Fallback) -> tuple[int, tuple[bytes, ...]]:
     """The Python path for a process without the C module: says so once, at the first batch (when logging is
     set up, unlike at import), then builds the same columns, several times slower."""
     global build_columns
     log.warning("lake_rows_without_c_module", hint=f"cdcd.lake._rows is not built: {BUILD_HINT}")
     build_columns = rows_py.columns
-    return build_columns(packed, fallback)
+    return build_columns(packed, fallback, key_fallback)
 
 
 def _row_builder(choice: str) -> RowBuilder:
@@ -126,7 +132,7 @@ def table_from_packed(
     The records are read, and keys and values written as JSON text, by ``build_columns`` (C code, without a
     Python object per row, unless it is not built) into column buffers that become Arrow arrays without
     a copy; per-cache and per-day columns are numpy over those buffers."""
-    n, buffers = build_columns(packed, to_json_bytes)
+    n, buffers = build_columns(packed, to_json_bytes, key_json_bytes)
     fixed: list[np.ndarray[Any, Any]] = [
         np.frombuffer(b, t) for b, t in zip(buffers, rows_py.FIXED_DTYPES, strict=False)
     ]

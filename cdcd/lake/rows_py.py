@@ -3,9 +3,10 @@ for a machine where it was not built.
 
 Same input (``cdcd.lake.arrow.pack``: MessagePack ``[segment, offset, start, stop | nil, record]``
 per slice), same output: 13 fixed-width native-endian buffers and the int32 offsets plus UTF-8 text
-of keys and values, in the order ``_rows.columns`` documents. msgspec reads the records; every key
-and value goes through ``fallback`` (``jsontext.to_json_bytes``), whose text is the definition the
-C code follows byte for byte, so both paths land the same rows.
+of keys and values, in the order ``_rows.columns`` documents. msgspec reads the records; every value
+goes through ``fallback`` (``jsontext.to_json_bytes``) and every key through ``key_fallback``
+(``jsontext.key_json_bytes``), whose texts are the definitions the C code follows byte for byte, so
+both paths land the same rows.
 
 Fields past the ones read are skipped, as in C (the record schema only ever appends fields), and
 entries outside a slice are read only as far as needed to skip them. Malformed input raises
@@ -88,7 +89,9 @@ def _text(pieces: list[bytes]) -> tuple[bytes, bytes]:
     return offsets.tobytes(), data
 
 
-def columns(packed: bytes, fallback: Callable[[bytes], bytes], /) -> tuple[int, tuple[bytes, ...]]:
+def columns(
+    packed: bytes, fallback: Callable[[bytes], bytes], key_fallback: Callable[[bytes], bytes], /
+) -> tuple[int, tuple[bytes, ...]]:
     """The rows of packed record slices as ``_rows.columns`` returns them: (rows, 17 buffers)."""
     try:
         slices = _slices.decode(packed)
@@ -112,7 +115,7 @@ def columns(packed: bytes, fallback: Callable[[bytes], bytes], /) -> tuple[int, 
                 e = _entry.decode(record.entries[j])
             except msgspec.DecodeError as exc:
                 raise _bad(f"$[{i}][4][1][{j}]", str(exc)) from None
-            keys.append(fallback(bytes(e.key)))
+            keys.append(key_fallback(bytes(e.key)))
             values.append(b"" if e.op == _DELETE else fallback(bytes(e.value)))
             v = e.version
             ops.append(e.op)

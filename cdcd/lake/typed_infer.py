@@ -19,6 +19,7 @@ docs/lake.md states them:
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -222,12 +223,17 @@ _KEY_TYPES = {bool: pa.bool_(), int: pa.int64(), float: pa.float64(), str: pa.st
 
 
 def key_type(keys: list[object]) -> pa.DataType | None:
-    """The one scalar type of all ``keys`` (None: more than one, or not scalar: JSON text)."""
+    """The one scalar type of all ``keys`` (None: more than one, or not scalar: JSON text). NaN and the
+    infinities arrive as ``{"$float": ...}`` objects (cdcd/lake/jsontext.py), so they are not scalar;
+    -0.0 is not typed either: a DOUBLE column's equality makes it 0.0, and a MERGE would make the two
+    keys one row."""
     kinds = {type(k) for k in keys}
     if len(kinds) != 1:
         return None
     t = _KEY_TYPES.get(next(iter(kinds)))
     if t == pa.int64() and not all(INT64_MIN <= k <= INT64_MAX for k in keys):  # type: ignore[operator]
+        return None
+    if t == pa.float64() and any(math.copysign(1.0, k) < 0 and k == 0 for k in keys):  # type: ignore[arg-type]
         return None
     return t
 
@@ -425,9 +431,9 @@ def _rescued_texts(
     return texts, nulls
 
 
-def _key_column(keys: list[object], layout: Layout) -> pa.Array:
+def _key_column(winners: pa.Table, keys: list[object], layout: Layout) -> pa.Array:
     if layout.key_json:
-        return pa.array([msgspec.json.encode(k).decode() for k in keys], pa.string())
+        return winners.column(KEY).combine_chunks().cast(pa.string())  # the lake's key text, as it is
     assert layout.key_type is not None
     return pa.array(keys, layout.key_type)
 
@@ -440,7 +446,7 @@ def _rows(
     extra: tuple[list[str | None], list[list[str] | None]],
 ) -> pa.Table:
     n = winners.num_rows
-    arrays: list[pa.Array] = [winners.column("op").combine_chunks(), _key_column(keys, layout)]
+    arrays: list[pa.Array] = [winners.column("op").combine_chunks(), _key_column(winners, keys, layout)]
     names = [OP, KEY]
     for name, t, source in META_COLUMNS:
         arrays.append(winners.column(source).cast(t).combine_chunks())

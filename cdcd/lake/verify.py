@@ -1,6 +1,8 @@
 """``cdcd lake verify``: compare ``<lake>/state`` with the node, cache by cache (rows and an
 order-independent checksum), read with delta-rs (no JVM), after ``cdcd lake check``'s checks of
-both tables (a damaged lake raises DamagedLake: one line naming the file)."""
+both tables (a damaged lake raises DamagedLake: one line naming the file). The node's entries are
+hashed as the lake writes them: keys as key text (one per key: two node keys never count once),
+values as value text."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from cdcd.lake.arrow import to_json
+from cdcd.lake.arrow import key_to_json, to_json
 from cdcd.lake.check import require_sound
 from cdcd.lake.storage import LakeDir, is_delta, open_delta
 from cdcd.lake.table import STATE
@@ -52,7 +54,7 @@ def node_checksums(node: Any, cache: str) -> tuple[int, int]:
     """``node``: anything with ``raw_items(cache)`` (a NodeSnapshot, or a Node)."""
     total = rows = 0
     for key_raw, value_raw in node.raw_items(cache):
-        total = (total + row_hash(to_json(key_raw), to_json(value_raw))) & _MASK
+        total = (total + row_hash(key_to_json(key_raw), to_json(value_raw))) & _MASK
         rows += 1
     return rows, total
 
@@ -76,7 +78,7 @@ def verify(lake: LakeDir, nodes: list[Any]) -> list[CacheCheck]:
         if len(holders) == 1:
             node_sums[cache] = node_checksums(holders[0], cache)
             continue
-        entries = {(to_json(k), to_json(v)) for node in holders for k, v in node.raw_items(cache)}
+        entries = {(key_to_json(k), to_json(v)) for node in holders for k, v in node.raw_items(cache)}
         node_sums[cache] = (len(entries), sum(row_hash(k, v) for k, v in entries) & _MASK)
     out = []
     for cache in sorted(set(node_sums) | set(lake_sums)):

@@ -18,7 +18,9 @@ contract, so the same targets run under our own random loop, hypothesis and athe
   ``.wal``; anything else is ``BadSegmentName`` or refused by the listing.
 - ``check_lake_rows``: the bytes are record slices packed for the lake's C module
   (``cdcd.lake._rows.columns``): column buffers of exactly one value per row, offsets that cut the
-  text, valid JSON in every key and value, or a ValueError; never a crash.
+  text, valid JSON in every key and value, or a ValueError; never a crash; the same buffers from the
+  Python path (``rows_py``). Its seed holds keys of every kind the key text tags (NaN, binary, maps
+  with ``$``, int or repeated keys, timestamps, extensions).
 
 Generators (``gen_segment``, ``gen_name``, ``gen_program``) turn a ``Chooser`` into a target's input:
 a seeded ``random.Random`` for the fast loop, or a fuzzer's bytes (``ByteChooser``) for hypothesis and
@@ -55,7 +57,7 @@ import numpy as np
 from cdcd.consumer import RecordSlice
 from cdcd.lake import _rows, rows_py
 from cdcd.lake.arrow import pack
-from cdcd.lake.jsontext import to_json_bytes
+from cdcd.lake.jsontext import key_json_bytes, to_json_bytes
 from cdcd.wal.errors import (
     BadSegmentHeader,
     BadSegmentName,
@@ -1237,10 +1239,24 @@ COLUMN_WIDTHS = tuple(np.dtype(t).itemsize for t in rows_py.FIXED_DTYPES)
 """Bytes per row of the row builders' fixed-width buffers, in their order."""
 
 
+def _key_records() -> list[DataRecord]:
+    """Keys whose lake text is a tag (docs/lake.md, "Keys"), next to the plain keys they used to share a text
+    with: NaN (two bit patterns), the infinities, binary and its base64, maps with '$', int and repeated keys,
+    a float32 NaN, timestamps, an extension value, nested tags."""
+    nan_bits = b"\xcb\xff\xf8\x00\x00\x00\x00\x00\x00"
+    keys: list[Any] = [float("nan"), msgspec.Raw(nan_bits), float("inf"), float("-inf"), None, "null", -0.0, 0.0]
+    keys += [1, 1.0, True, "5", 5, b"abc", "YWJj", {"$float": "NaN"}, {"1": "x"}, msgspec.msgpack.Ext(5, b"ab")]
+    keys += [[b"x", {"$a": float("nan")}], msgspec.Raw(b"\x81\x01\xa1x"), msgspec.Raw(b"\x82\xa1a\x01\xa1a\x02")]
+    keys += [msgspec.Raw(b"\xca\x7f\xc0\x00\x01"), msgspec.Raw(b"\xd6\xff\x65\x92\x00\x80"), "2024-01-01T00:00:00Z"]
+    keys += [msgspec.Raw(b"\xd7\xff" + ((1 << 34) | 1).to_bytes(8, "big")), msgspec.Raw(b"\xc7\x0c\xff" + bytes(12))]
+    entries = [_entry(400 + i, Op(i % 3), key, None if i % 3 == 2 else {"i": i}) for i, key in enumerate(keys)]
+    return [DataRecord(tuple(entries), commit_ts_ns=20)]
+
+
 @functools.cache
 def _rows_seed() -> bytes:
     """Every seed DataRecord packed as the lake packs slices (some starting mid-record, one ending early)."""
-    records = [r for r in (*_all_types_records(), *_big_records()) if isinstance(r, DataRecord)]
+    records = [r for r in (*_all_types_records(), *_big_records(), *_key_records()) if isinstance(r, DataRecord)]
     slices = [
         RecordSlice(WalPointer(i, 40 + 8 * i), r, i % len(r.entries), len(r.entries) if i % 2 else None)
         for i, r in enumerate(records)
@@ -1273,11 +1289,11 @@ def compare_row_builders(data: bytes) -> tuple[int, tuple[bytes, ...]]:
     it only skips, the Python path raises RecursionError (the C rows are returned)."""
     c_rows: tuple[int, tuple[bytes, ...]] | None = None
     try:
-        c_rows = _rows.columns(data, to_json_bytes)
+        c_rows = _rows.columns(data, to_json_bytes, key_json_bytes)
     except ROW_ERRORS as exc:
         c_error: BaseException = exc
     try:
-        py_rows = rows_py.columns(data, to_json_bytes)
+        py_rows = rows_py.columns(data, to_json_bytes, key_json_bytes)
     except ROW_ERRORS as exc:
         if c_rows is None:
             raise c_error from None
