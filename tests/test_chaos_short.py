@@ -29,7 +29,7 @@ def run_short(name: str) -> Result:
     return res
 
 
-@pytest.mark.slow
+@pytest.mark.chaos  # the suite's tests/test_daemon_crash.py makes the same claim in a quarter of the time
 def test_kill_daemon() -> None:
     """SIGKILLing `cdcd run` at random moments while the node writes loses no WAL entry, and every restart resumes
     exactly at the committed position."""

@@ -47,12 +47,13 @@ def verify_results(stdout: str) -> dict[str, str]:
 
 
 # --- tests -----------------------------------------------------------------------------------------
-def test_daemon_lands_100k_entries_exactly_once_then_compact_and_verify(tmp_path: Path, spark: Any) -> None:
-    """A `cdcd run` process with the lake sink (Spark writer) follows a node writing 100k+ creates, updates and
+def test_daemon_lands_30k_entries_exactly_once_then_compact_and_verify(tmp_path: Path, spark: Any) -> None:
+    """A `cdcd run` process with the lake sink (Spark writer) follows a node writing 30k+ creates, updates and
     deletes into a Delta change table holding exactly one row per WAL data entry; `lake show`, `lake compact` and
-    `lake verify` agree, and verify notices a node write the lake does not have."""
+    `lake verify` agree, and verify notices a node write the lake does not have. (Volume is the benchmarks' job:
+    `make bench` lands millions.)"""
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
-    n_tx = 2100  # ~51 entries each (40 puts, removes of present keys): > 100k entries
+    n_tx = 600  # ~51 entries each (40 puts, removes of present keys): > 30k entries
     writer = start_writer(tmp_path, node_dir, count=n_tx, pause_ms=5)
     wait_for(lambda: (node_dir / "cdc").is_dir() or writer.poll() is not None, 30, "the node's cdc dir")
     config = write_config(tmp_path / "cdcd.toml", node_dir, lake_consumer(lake, "spark"), batch_max_delay_ms=500)
@@ -68,9 +69,9 @@ def test_daemon_lands_100k_entries_exactly_once_then_compact_and_verify(tmp_path
     assert rc == 0, err.read_text()[-3000:]
 
     expected = wal_events(node_dir)
-    assert len(expected) >= 100_000
+    assert len(expected) >= 30_000
     ops = Counter(e["op"] for e in expected)
-    assert ops["create"] and ops["update"] > 10_000 and ops["delete"] > 10_000, ops
+    assert ops["create"] and ops["update"] > 3_000 and ops["delete"] > 3_000, ops
     commits = check_lake(lake, node_dir, expected)
     assert len(commits) > 1
     events = [json.loads(line)["event"] for line in err.read_text().splitlines() if line.startswith("{")]

@@ -112,6 +112,7 @@ def landed(server: MinioServer) -> Any:
     return t
 
 
+@pytest.mark.chaos  # the suite proves its parts faster: test_lake.py's standalone cluster, the outage tests
 def test_three_nodes_land_exactly_once_through_kills_and_a_store_outage(
     tmp_path: Path, minio: MinioServer, spark_cluster: SparkStandalone
 ) -> None:
