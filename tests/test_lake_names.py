@@ -109,6 +109,7 @@ def test_the_daemon_lands_any_cache_name_and_compact_and_verify_succeed(tmp_path
     assert shown["state"]["rows_per_cache"] == dict(sorted(per_cache.items()))
 
 
+@pytest.mark.timeout(1500)  # two compactions and two OPTIMIZEs in one local Spark, on a shared machine
 def test_compaction_and_optimize_take_any_name_slashes_and_dots_too(spark: Any, tmp_path: Path) -> None:
     """The node's hostile names (landed by the sink in two commits: two files per partition to bin-pack) and names
     only another writer could land ("/" and friends, by delta-rs): compaction (append, then MERGE) and OPTIMIZE of
