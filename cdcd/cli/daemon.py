@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -62,6 +63,7 @@ def confirm(yes: bool) -> None:
 def daemon_run(config_path: Path, log_format: str | None) -> None:
     """Run the CDC daemon: follow the node's CDC dir and deliver to the consumer until SIGTERM/SIGINT.
 
+    A node_dir (or CDC dir) that does not exist yet is waited for (`waiting_for_node`).
     Exit codes: 0 stopped cleanly, 1 another daemon holds the node (or an OS error), 2 bad config,
     3 missing segment, 4 consumer failed, 5 corrupt, truncated or foreign segment, 6 pipeline
     stalled (a consumer call ran past consumer_stall_timeout_ms), 7 damaged daemon state or a state
@@ -70,6 +72,8 @@ def daemon_run(config_path: Path, log_format: str | None) -> None:
     import asyncio
 
     from cdcd.daemon.daemon import Daemon, PipelineStalled, fix_mmap_threshold
+    from cdcd.daemon.node_wait import wait_for_node
+    from cdcd.daemon.sdnotify import Notifier
     from cdcd.lock import LockHeld
     from cdcd.sinks import load_consumer
 
@@ -91,8 +95,11 @@ def daemon_run(config_path: Path, log_format: str | None) -> None:
         daemon.close()  # its log lines first: the error stays the last line on stderr
         fail(line, code)
 
+    stopped = threading.Event()
+
     def on_stop(signum: signal.Signals) -> None:
         log.info("daemon_stopping", signal=signum.name)
+        stopped.set()  # ends a wait for the node
         daemon.stop()  # thread- and signal-safe; also before run() starts (run() then returns at once)
 
     # Installed before anything else, so a SIGTERM during start-up is a clean stop, not a kill.
@@ -110,6 +117,9 @@ def daemon_run(config_path: Path, log_format: str | None) -> None:
             os._exit(code)
 
     try:
+        # A node not there yet is waited for (a library caller of Daemon.start() gets FileNotFoundError).
+        if not wait_for_node(Path(config.node_dir), daemon.cdc_dir, Notifier(), stopped):
+            return
         daemon.start()
         serve_metrics(config.metrics_address, config_path)
         asyncio.run(main_async())

@@ -14,13 +14,21 @@ from cdcd.cli.process import log_to_stderr, on_stop_signals, serve_metrics
 @click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="kafka-to-node TOML.")
 @click.option("--partitions", default=None, metavar="FROM-TO", help="Kafka partitions to read (overrides the config).")
 @click.option("--threads", type=click.IntRange(1, 256), default=None, help="Reader threads (overrides the config).")
+@click.option(
+    "--no-metadata",
+    is_flag=True,
+    help="Do not read the metadata topic (metadata = false): the target creates caches with its default partitions.",
+)
 @click.option("--log-format", type=click.Choice(["json", "console"]), default=None, help="Default: console on a TTY.")
-def kafka_to_node(config_path: Path, partitions: str | None, threads: int | None, log_format: str | None) -> None:
+def kafka_to_node(
+    config_path: Path, partitions: str | None, threads: int | None, no_metadata: bool, log_format: str | None
+) -> None:
     """Apply a cdcd Kafka topic to a node through its replication endpoint (kafka-to-ignite's twin).
 
     Offsets are committed after the target confirmed; a restart re-applies at most the last
     batches, which the target's resolver counts as duplicates. Exit codes: 0 stopped (SIGTERM),
-    1 Kafka or the target failing past max_retry_s, 2 bad config (or metrics port in use).
+    1 Kafka or the target failing past max_retry_s, or a topic (the metadata topic too, unless
+    --no-metadata) that does not exist, 2 bad config (or metrics port in use).
     """
     from cdcd import metrics
     from cdcd.config import read_toml
@@ -34,6 +42,8 @@ def kafka_to_node(config_path: Path, partitions: str | None, threads: int | None
             table["partitions"] = partitions
         if threads is not None:
             table["threads"] = threads
+        if no_metadata:
+            table["metadata"] = False
         opts = KafkaToNodeOptions.load(table, str(config_path))
         app = KafkaToNode(opts, str(config_path))
     except Exception as exc:

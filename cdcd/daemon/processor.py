@@ -178,11 +178,13 @@ class Processor:
                 self.floor = last
                 out.append(MarkerCommit(last))
             else:
-                log.warning(
-                    "realtime_record_in_active_mode",
+                # A marker from before the node's realtime worker stopped (a restore larger than its
+                # buffer, say): its Stop record handed what follows it to this daemon. Expected, no fault.
+                log.info(
+                    "daemon_delivers_after_realtime_stop",
                     pointer=str(ptr),
                     last=str(record.last),
-                    hint="the node says its realtime worker delivers while this daemon is ACTIVE",
+                    hint="the node's realtime worker stopped; the daemon delivers what it did not",
                 )
         return out
 

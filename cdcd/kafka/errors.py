@@ -44,3 +44,13 @@ def describe(exc: BaseException) -> str:
     if err is None:
         return mask_value(f"{type(exc).__name__}: {exc}")
     return mask_value(f"{err.name()}: {err.str()}")
+
+
+def missing_topic(topic: str, bootstrap_servers: str) -> str:
+    """How a topic that does not exist (never made, or deleted) is named in an error line."""
+    return f"topic '{topic}' does not exist on {mask_value(bootstrap_servers)}"
+
+
+def unknown_topic(err: KafkaError | None) -> bool:
+    """The error a broker or librdkafka gives for a topic it does not have."""
+    return err is not None and err.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC)

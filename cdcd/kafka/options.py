@@ -244,6 +244,9 @@ class KafkaToNodeOptions(ClientOptions, frozen=True, forbid_unknown_fields=True,
     while running."""
     metadata_topic: str = ""
     """Default as the sink's: ``<topic>.metadata``, or the prefix itself."""
+    metadata: bool = True
+    """Read the metadata topic (the partition count of a cache the target has to create); its absence
+    is an error. False (``--no-metadata``): not read, the target creates a cache with its own default."""
     partitions: str = ""
     """Kafka partitions to read, ``FROM-TO`` inclusive (default: all of the topic's)."""
     threads: int = 1

@@ -36,7 +36,7 @@ from cdcd import failpoints, metrics
 from cdcd.config import ConfigError, cache_filter
 from cdcd.consumer import CacheInfo, Consumer, EventBatch
 from cdcd.kafka import envelope, offsets, topics, transactions
-from cdcd.kafka.errors import KafkaSetupError, describe, error_of, setting_of
+from cdcd.kafka.errors import KafkaSetupError, describe, error_of, missing_topic, setting_of, unknown_topic
 from cdcd.kafka.options import KafkaSinkOptions
 from cdcd.retry import Backoff, RetriesExhausted, Retry, RetryInterrupted, retry_until
 from cdcd.wal.records import Op
@@ -258,6 +258,16 @@ class KafkaSink(Consumer):
         if err is not None and self._delivery_error is None:
             self._delivery_error = err
 
+    def _missing_topics(self) -> list[str]:
+        """The data topics this sink wrote to that the cluster no longer has ([]: it cannot tell)."""
+        names = [self.options.topic] if self.options.topic else sorted(set(self._topics.values()))
+        assert self._admin is not None, "start() first"
+        try:
+            meta = self._admin.list_topics(timeout=self.options.connect_timeout_ms / 1000)
+        except KafkaException:
+            return []
+        return [t for t in names if t not in meta.topics]
+
     def on_events(self, batch: EventBatch) -> bool:
         if not len(batch):
             return True
@@ -281,6 +291,13 @@ class KafkaSink(Consumer):
                 if setting is not None and err is not None:
                     raise KafkaSetupError(
                         f"{self.source}: key '{setting}': {err.name()}: {err.str()} (nothing of this batch committed)"
+                    ) from None
+                gone = self._missing_topics() if unknown_topic(err) else []
+                if gone:  # deleted while running: no retry brings it back
+                    where = missing_topic(gone[0], opts.bootstrap_servers)
+                    key = topics.setting_of(gone[0], opts)
+                    raise KafkaSetupError(
+                        f"{self.source}: key '{key}': {where} (nothing of this batch committed)"
                     ) from None
                 raise
 

@@ -26,7 +26,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 
 from cdcd import failpoints, metrics
 from cdcd.faults import ExitCode, Fault
-from cdcd.kafka.errors import describe
+from cdcd.kafka.errors import describe, error_of, missing_topic, unknown_topic
 from cdcd.kafka.options import KafkaToNodeOptions, parse_partitions
 from cdcd.replication.client import TargetRefused
 from cdcd.replication.protocol import Applied, ProtocolError, ReplEntry
@@ -48,6 +48,14 @@ class KafkaToNodeError(Fault, Exception):
     exit_code = ExitCode.FAILED
 
 
+class _TopicError(KafkaException):
+    """A consumer's error about one topic (which the KafkaError alone does not name)."""
+
+    def __init__(self, err: KafkaError, topic: str) -> None:
+        super().__init__(err)
+        self.topic = topic
+
+
 class _Metadata(msgspec.Struct):
     op: str
     cache_id: int
@@ -61,8 +69,9 @@ _meta_decoder = msgspec.json.Decoder(_Metadata)
 class MetadataReader:
     """Cache name -> partition count, from the metadata topic (shared by the reader threads)."""
 
-    def __init__(self, opts: KafkaToNodeOptions, base: dict[str, Any]) -> None:
+    def __init__(self, opts: KafkaToNodeOptions, base: dict[str, Any], source: str) -> None:
         self._opts = opts
+        self._source = source
         self._conf = {
             **base,
             "group.id": f"{opts.group_id}-metadata",
@@ -75,15 +84,25 @@ class MetadataReader:
         self.read_to = -1
 
     def refresh(self) -> None:
-        """Read the topic from its start to its current end."""
+        """Read the topic from its start to its current end (nothing with ``metadata = false``);
+        KafkaToNodeError when it does not exist (Ignite's kafka-to-ignite: "Unknown topic")."""
+        if not self._opts.metadata:
+            return
         with self._lock:
             topic = self._opts.metadata_topic_name
             c = Consumer(self._conf)
             try:
                 meta = c.list_topics(topic, timeout=self._opts.connect_timeout_ms / 1000)
                 t = meta.topics.get(topic)
-                if t is None or t.error is not None or not t.partitions:
-                    return  # no sink wrote one yet
+                if t is None or unknown_topic(t.error):
+                    raise KafkaToNodeError(
+                        f"{self._source}: key 'metadata_topic': {missing_topic(topic, self._opts.bootstrap_servers)} "
+                        "(the sink creates it; --no-metadata runs without it)"
+                    )
+                if t.error is not None:
+                    raise KafkaException(t.error)
+                if not t.partitions:
+                    return
                 highs = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in t.partitions}
                 pending = {p for p, h in highs.items() if h > 0}
                 c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in pending])
@@ -198,7 +217,7 @@ class _Worker:
             if err is not None:
                 if err.code() == KafkaError._PARTITION_EOF:
                     continue
-                raise KafkaException(err)
+                raise _TopicError(err, m.topic() or "")
             next_offsets[(m.topic() or "", m.partition() or 0)] = (m.offset() or 0) + 1
             headers: dict[str, Any] = dict(m.headers() or ())
             raw = headers.get("cdcd.entry")
@@ -220,7 +239,7 @@ class _Worker:
                 metrics.K2N_SKIPPED.labels(reason).inc(n)
         failpoints.hit("kafka_to_node.received")  # read, neither applied nor committed
         if entries:
-            if any(cache not in app.metadata.partitions for cache, _e in entries):
+            if app.opts.metadata and any(cache not in app.metadata.partitions for cache, _e in entries):
                 app.metadata.refresh()
             self._apply(entries)
         failpoints.hit("kafka_to_node.applied")  # on the target, offsets not committed: a replay follows
@@ -295,7 +314,7 @@ class KafkaToNode:
         self.target = opts.replication.open(source)
         self._filter = self.target.selected
         self._selected: dict[str, bool] = {}
-        self.metadata = MetadataReader(opts, self.base)
+        self.metadata = MetadataReader(opts, self.base, source)
         self.stopping = threading.Event()
         self._failure: BaseException | None = None
         self._failed = threading.Event()
@@ -322,9 +341,12 @@ class KafkaToNode:
         opts = self.opts
         if opts.topic:
             t = meta.topics.get(opts.topic)
-            if t is None or t.error is not None:
-                why = t.error.str() if t is not None and t.error is not None else "no such topic"
-                raise KafkaToNodeError(f"{self.source}: key 'topic': {opts.topic}: {why}")
+            if t is None or unknown_topic(t.error):
+                raise KafkaToNodeError(
+                    f"{self.source}: key 'topic': {missing_topic(opts.topic, opts.bootstrap_servers)}"
+                )
+            if t.error is not None:
+                raise KafkaToNodeError(f"{self.source}: key 'topic': {opts.topic}: {t.error.str()}")
             return {opts.topic: len(t.partitions)}
         start = f"{opts.topic_prefix}."
         return {
@@ -386,5 +408,9 @@ class KafkaToNode:
             if isinstance(exc, KafkaToNodeError):
                 raise exc
             if isinstance(exc, KafkaException):
+                err = error_of(exc)
+                if err is not None and unknown_topic(err) and isinstance(exc, _TopicError):
+                    where = missing_topic(exc.topic, self.opts.bootstrap_servers)
+                    raise KafkaToNodeError(f"{self.source}: key 'topic': {where}") from exc
                 raise KafkaToNodeError(f"{self.source}: key 'bootstrap_servers': {describe(exc)}") from exc
             raise KafkaToNodeError(f"{type(exc).__name__}: {exc}") from exc

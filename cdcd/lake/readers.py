@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from cdcd.lake.cuts import CUTS, Cut, NoCut, latest_cut, table_path
+from cdcd.lake.printable import printable
 from cdcd.lake.storage import LakeDir, ObjectPath, StorageOptions, lake_root, spark_path
 
 
@@ -59,14 +60,16 @@ def resolve_cut(lake: LakeDir, cut: Cut | None) -> Cut:
 def view_names(caches: Iterable[str]) -> dict[str, str]:
     """View name -> cache name. DuckDB and Spark (by default) match names ignoring case, so of caches
     whose names differ only by case the first (in sorted order) keeps its name and each later one is
-    ``<name>#2``, ``<name>#3`` ...: every table stays reachable and no view replaces another."""
+    ``<name>#2``, ``<name>#3`` ...: every table stays reachable and no view replaces another. No SQL
+    identifier can hold a NUL: a name with one is named as ``printable`` writes it (``a\\u0000b``)."""
     views: dict[str, str] = {}
     taken: set[str] = set()
     for cache in sorted(caches):
-        name, n = cache, 1
+        base = printable(cache) if "\0" in cache else cache
+        name, n = base, 1
         while name.casefold() in taken:
             n += 1
-            name = f"{cache}#{n}"
+            name = f"{base}#{n}"
         taken.add(name.casefold())
         views[name] = cache
     return views

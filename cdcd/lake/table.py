@@ -58,8 +58,20 @@ COMMON_PROPERTIES = {
     "delta.columnMapping.mode": "none",
 }
 
-CHANGES_PROPERTIES = {**COMMON_PROPERTIES, "delta.enableChangeDataFeed": "true", "delta.appendOnly": "true"}
-STATE_PROPERTIES = {**COMMON_PROPERTIES, "delta.enableChangeDataFeed": "false"}
+RANDOM_PREFIXES = {"delta.randomizeFilePrefixes": "true"}
+"""On both tables partitioned by ``cache``: the files Spark writes into them (state's MERGE, OPTIMIZE of
+either) go under a random two-character directory, not Spark's ``cache=<escaped name>`` (a NUL is an
+invalid path, 255 characters or 200 x "é" a file name too long; Delta's commit protocol cannot be
+given another naming). cdcd's own writers ignore the property and name a partition's directory
+``cache=<partition_dir_value>``. Readers take the cache from the log or the column, never from a path."""
+
+CHANGES_PROPERTIES = {
+    **COMMON_PROPERTIES,
+    **RANDOM_PREFIXES,
+    "delta.enableChangeDataFeed": "true",
+    "delta.appendOnly": "true",
+}
+STATE_PROPERTIES = {**COMMON_PROPERTIES, **RANDOM_PREFIXES, "delta.enableChangeDataFeed": "false"}
 
 
 def change_schema(partition_by_day: bool) -> pa.Schema:

@@ -1,0 +1,46 @@
+"""A realtime marker the daemon reads while it delivers (ACTIVE): the node's realtime worker stopped (a restore
+larger than its buffer, say) and its Stop record handed the records after it to the daemon. An expected hand-over,
+logged at info level under a name saying so, never as a warning."""
+
+from __future__ import annotations
+
+import structlog
+
+from cdcd.daemon.processor import MarkerCommit, Processor
+from cdcd.daemon_state import CdcMode
+from cdcd.wal.pointer import WalPointer, WalPosition
+from cdcd.wal.records import RealtimeCdcRecord
+
+
+def processor(mode: CdcMode) -> Processor:
+    return Processor(
+        mode=mode,
+        position=WalPosition(3, 0, 0),
+        caches={},
+        source_node="n",
+        batch_max_events=10,
+        batch_max_bytes=1 << 20,
+    )
+
+
+def test_a_marker_passed_while_active_is_an_info_line_and_changes_nothing() -> None:
+    p = processor(CdcMode.DAEMON_ACTIVE)
+    with structlog.testing.capture_logs() as logs:
+        items = p.feed(WalPointer(3, 40), RealtimeCdcRecord(WalPosition(3, 16, 0)), 24)
+    assert items == [] and not p.finished
+    assert logs == [
+        {
+            "event": "daemon_delivers_after_realtime_stop",
+            "log_level": "info",
+            "pointer": "3:40",
+            "last": "3:16#0",
+            "hint": "the node's realtime worker stopped; the daemon delivers what it did not",
+        }
+    ]
+
+
+def test_a_marker_read_while_passive_commits_its_position_silently() -> None:
+    p = processor(CdcMode.NODE_ACTIVE)
+    with structlog.testing.capture_logs() as logs:
+        items = p.feed(WalPointer(3, 40), RealtimeCdcRecord(WalPosition(3, 16, 0)), 24)
+    assert items == [MarkerCommit(WalPosition(3, 16, 0))] and logs == []
