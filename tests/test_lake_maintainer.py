@@ -108,7 +108,8 @@ def test_options_are_checked() -> None:
 def test_the_lake_sink_runs_it_and_fails_when_it_gave_up(spark: Any, tmp_path: Path) -> None:
     """`compact_interval_s` in the sink's options: the JVM-free writer lands a node's WAL and the sink's
     Maintainer (on the process's SparkSession) compacts it into `state` without an operator; a Maintainer
-    that gave up makes `alive()` false and the next batch fail with its error."""
+    that gave up makes `alive()` raise its error (the daemon's exit line names it) and the next batch fail
+    with it."""
     from cdcd.node import Node
     from cdcd.sinks.lake import LakeConsumer, LakeOptions
     from tests.support.delta_lake import wal_batch
@@ -129,7 +130,8 @@ def test_the_lake_sink_runs_it_and_fails_when_it_gave_up(spark: Any, tmp_path: P
         maintainer = sink._maintainer
         assert maintainer is not None
         maintainer.error = RuntimeError("disk on fire")  # what the thread sets after max failures in a row
-        assert not sink.alive()
+        with pytest.raises(MaintenanceFailed, match="failed 3 times in a row, last: RuntimeError: disk on fire"):
+            sink.alive()
         with pytest.raises(MaintenanceFailed, match="disk on fire"):
             sink.on_events(wal_batch(node_dir))
     finally:
