@@ -20,7 +20,7 @@ def kafka_to_node(config_path: Path, partitions: str | None, threads: int | None
 
     Offsets are committed after the target confirmed; a restart re-applies at most the last
     batches, which the target's resolver counts as duplicates. Exit codes: 0 stopped (SIGTERM),
-    1 Kafka or the target failing past max_retry_s, 2 bad config (or metrics port in use).
+    1 Kafka or the target failing past retry_timeout_s, 2 bad config (or metrics port in use).
     """
     from cdcd import metrics
     from cdcd.config import read_toml
