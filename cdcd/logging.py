@@ -35,13 +35,14 @@ MAX_LINE_CHARS = 2000
 
 
 def one_line(text: str) -> str:
-    """``text`` as one log-safe line: terminal escapes removed, its lines (a library's causes, one per
-    line) joined with " <- "."""
+    """``text`` as one log-safe line: terminal escapes and stack frames removed, its lines (a library's
+    causes, one per line) joined with " <- ", at most ``MAX_LINE_CHARS``."""
     text = _ANSI.sub("", text)
     if "\n" not in text and "\r" not in text:
-        return text.strip()
-    lines = [_CAUSE_MARK.sub("", line).strip() for line in text.splitlines()]
-    joined = CHAIN.join(line for line in lines if line and not _FRAME.match(line))
+        joined = text.strip()
+    else:
+        lines = [_CAUSE_MARK.sub("", line).strip() for line in text.splitlines()]
+        joined = CHAIN.join(line for line in lines if line and not _FRAME.match(line))
     return joined if len(joined) <= MAX_LINE_CHARS else joined[: MAX_LINE_CHARS - 1] + "\u2026"
 
 
