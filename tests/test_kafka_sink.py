@@ -224,7 +224,8 @@ def test_sigkills_and_broker_restart_deliver_every_entry_exactly_once(kafka_brok
     rng = random.Random(17)
     node_dir = tmp_path / "node"
     topic = "crash"
-    consumer = {"kind": "kafka", **sink_options(kafka_broker, topic, max_events_per_transaction=700, retry_timeout_s=120)}
+    options = sink_options(kafka_broker, topic, max_events_per_transaction=700, retry_timeout_s=120)
+    consumer = {"kind": "kafka", **options}
     config = write_daemon_config(
         tmp_path / "cdcd.toml", node_dir, consumer, batch_max_events=1000, batch_max_delay_ms=20, check_interval_ms=30
     )
