@@ -9,6 +9,9 @@ from typing import Any
 from cdcd.config import ConfigError
 from cdcd.consumer import DEFAULT_RETRY_TIMEOUT_S, Consumer
 
+COMMON_KEYS = ("kind", "retry_timeout_s")
+"""Keys of every ``[consumer]`` table, read here (the rest goes to the kind's own options)."""
+
 ConsumerFactory = Callable[[Mapping[str, Any], str], Consumer]
 
 
@@ -67,7 +70,7 @@ def load_consumer(table: Mapping[str, Any], source: str = "consumer") -> Consume
     if factory is None:
         raise ConfigError(f"{source}: key 'kind': unknown consumer kind {kind!r} (one of: {', '.join(sorted(KINDS))})")
     retry_timeout_s = _retry_timeout_s(table, source)
-    options = {k: v for k, v in table.items() if k not in ("kind", "retry_timeout_s")}
+    options = {k: v for k, v in table.items() if k not in COMMON_KEYS}
     consumer = factory(options, source)
     consumer.retry_timeout_s = retry_timeout_s
     return consumer
