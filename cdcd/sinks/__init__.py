@@ -72,7 +72,13 @@ def load_consumer(table: Mapping[str, Any], source: str = "consumer") -> Consume
     retry_timeout_s = _retry_timeout_s(table, source)
     options = {k: v for k, v in table.items() if k not in COMMON_KEYS}
     consumer = factory(options, source)
-    consumer.retry_timeout_s = retry_timeout_s
+    try:
+        consumer.retry_timeout_s = retry_timeout_s
+    except AttributeError:  # a user class with __slots__ and no such slot
+        raise ConfigError(
+            f"{source}: key 'class': {type(consumer).__name__} cannot take retry_timeout_s "
+            "(subclass cdcd.consumer.Consumer)"
+        ) from None
     return consumer
 
 
