@@ -220,7 +220,10 @@ class LakeConsumer(Consumer):
 
     def stop(self) -> None:
         if self._maintainer is not None:
-            self._maintainer.stop()
+            try:
+                self._maintainer.stop()
+            except TimeoutError as exc:  # its Spark jobs ignore the cancel: the process ends it (a daemon thread)
+                log.warning("lake_maintainer_stop_timeout", error=str(exc))
             self._maintainer = None
         if self._spark is not None:
             self._spark = None

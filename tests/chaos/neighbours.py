@@ -14,7 +14,7 @@ def lake_neighbours(ctx: Ctx, res: Result) -> None:
     res.duplicates_must_be_zero = True
     run_s = ctx.pick(90.0, 600.0)
     run = run_neighbours(ctx.episode_dir("run"), run_s, daemons=3)
-    check(all(c >= 3 and o >= 3 for c, o in run.runs), f"too few maintenance runs: {run.runs}")
+    check(all(c >= 3 and o >= 3 for c, o in run.runs), f"too few maintenance runs in {run_s:.0f} s: {run.runs}")
     res.runs += 1
     res.written += run.entries
     res.delivered += run.entries
