@@ -33,7 +33,7 @@ class NeighboursRun:
     """WAL data entries of all nodes, each landed once."""
 
 
-def run_neighbours(tmp: Path, run_s: float, *, daemons: int = 2, pause_ms: int = 100) -> NeighboursRun:
+def run_neighbours(tmp: Path, run_s: float, *, daemons: int = 2, pause_ms: int = 400) -> NeighboursRun:
     lake = tmp / "lake"
     dirs = [tmp / f"n{i}" for i in range(daemons)]
     writers = []
