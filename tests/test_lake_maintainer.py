@@ -196,3 +196,19 @@ def test_conflicts_with_a_neighbour_are_retried_not_counted(spark: Any, tmp_path
     from deltalake.exceptions import CommitFailedError
 
     assert is_conflict(CommitFailedError("Transaction failed: version already exists: 7"))
+
+
+def test_a_table_created_by_a_neighbour_meanwhile_is_a_conflict(tmp_path: Path) -> None:
+    """Two first compactions create `state` at once; the loser's "not empty and also not a Delta table" is a
+    conflict once the location is a Delta table (the neighbour's), a failure while it is not."""
+    from cdcd.lake.maintainer import is_conflict
+
+    state = tmp_path / "lake" / "state"
+    state.mkdir(parents=True)
+    error = Exception(
+        "[DELTA_CREATE_TABLE_WITH_NON_EMPTY_LOCATION] Cannot create table ('`delta`.`" + str(state) + "`'). "
+        f"The associated location ('{state}') is not empty and also not a Delta table."
+    )
+    assert not is_conflict(error), "a stray directory is a real failure"
+    (state / "_delta_log").mkdir()
+    assert is_conflict(error)

@@ -15,6 +15,7 @@ cancelling a run at ``stop()`` loses nothing.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -55,10 +56,18 @@ CONFLICT_BACKOFF = Backoff(initial_ms=500, max_ms=30_000, jitter=0.5)
 """Between a lost run and its retry: jittered, so that two daemons do not collide again in step."""
 
 
+_CREATED_BESIDE = re.compile(r"DELTA_CREATE_TABLE_WITH_NON_EMPTY_LOCATION.*?location \('([^']+)'\)")
+"""Two first compactions creating one table (``state``) at once: the loser finds the winner's files."""
+
+
 def is_conflict(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) is a Delta concurrent-modification conflict."""
+    """Whether ``exc`` (or what caused it) is a Delta concurrent-modification conflict, or a table creation
+    that lost to a neighbour's (the location it found not empty is a Delta table now)."""
     text = f"{type(exc).__name__}: {describe(exc)}"
-    return any(name in text for name in CONFLICTS)
+    if any(name in text for name in CONFLICTS):
+        return True
+    created = _CREATED_BESIDE.search(text)
+    return created is not None and (Path(created.group(1)) / "_delta_log").is_dir()
 
 
 @dataclass(frozen=True)
