@@ -1,7 +1,7 @@
 """Maintenance that expects neighbours (issue 29 item 4): two `cdcd run` daemons, each following its own node
 and keeping scheduled compaction and OPTIMIZE of ONE lake, run side by side under load. Their runs collide
 (Delta's concurrent-modification conflicts); those are retried, never counted as failures, so neither daemon
-exits, and the lake ends with each node's WAL exactly once (`lake verify`, entry by entry). The 10-minute run
+exits, and the lake's `changes` ends with each node's WAL exactly once, entry by entry. The 10-minute run
 is `make chaos`'s `lake-neighbours` scenario."""
 
 from __future__ import annotations
