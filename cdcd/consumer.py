@@ -3,7 +3,9 @@
 Modelled on Ignite's ``CdcConsumer``: ``on_events`` returns True when the consumer has made what
 it took of the batch durable (the caller then commits the position after it), False for "not
 committed yet, keep going" (a later True commits everything before it). Events the consumer did
-not pull come again in the next call (``EventBatch.split_taken``). An exception is fatal.
+not pull come again in the next call (``EventBatch.split_taken``). A ``RetriableError`` is a
+transient failure: the caller offers the same events again with backoff for up to
+``retry_timeout_s`` (``[consumer] retry_timeout_s``); any other exception is fatal.
 """
 
 from __future__ import annotations
@@ -20,7 +22,28 @@ from prometheus_client import CollectorRegistry
 from cdcd.wal.pointer import EventAddress, WalPointer
 from cdcd.wal.records import CacheInfo, CacheVersion, DataEntry, DataRecord, Op
 
-__all__ = ["CacheInfo", "CdcEvent", "Consumer", "EventBatch", "EventSource", "RecordSlice", "enabled_slices"]
+__all__ = [
+    "DEFAULT_RETRY_TIMEOUT_S",
+    "CacheInfo",
+    "CdcEvent",
+    "Consumer",
+    "EventBatch",
+    "EventSource",
+    "RecordSlice",
+    "RetriableError",
+    "enabled_slices",
+]
+
+DEFAULT_RETRY_TIMEOUT_S = 300.0
+
+
+class RetriableError(Exception):
+    """Raised by ``on_events`` for a failure that waiting may cure (a store or broker unreachable, a
+    full disk): nothing of the batch counts as taken, the caller offers the same events again with
+    exponential backoff and exits (code 4) only once it has failed for ``retry_timeout_s``. Raise
+    it ``from`` the underlying error: the log line shows both. The consumer must be able to take
+    the same events again (what an earlier attempt landed must not land twice)."""
+
 
 _decode = msgspec.msgpack.Decoder().decode
 
@@ -277,6 +300,9 @@ class EventBatch:
 
 class Consumer:
     """Base class of consumers; override what you need. ``start``/``stop`` run once each."""
+
+    retry_timeout_s: float = DEFAULT_RETRY_TIMEOUT_S
+    """How long the caller retries a ``RetriableError`` (set from ``[consumer] retry_timeout_s``)."""
 
     def start(self, registry: CollectorRegistry) -> None:
         """Called once before any event; ``registry`` is where the consumer may add metrics."""

@@ -6,7 +6,9 @@ record); ``Batcher`` turns WAL records into batches of events and cache changes,
 hiding caches with ``cdc_enabled = false`` (their positions are passed all the same);
 ``feed_active`` is what the delivering side does with one record. These are pure logic.
 ``DeliveryLoop`` hands one batch to a consumer (Ignite's loop): each side passes its consumer
-call, its ``commit(cursor)``, its stop check and its retry wait.
+call, its ``commit(cursor)``, its stop check and its retry wait. It is also the one place where a
+consumer's ``RetriableError`` is waited out, for every sink: the same events again, with backoff,
+for up to the consumer's ``retry_timeout_s``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from cdcd.consumer import EventBatch, RecordSlice, enabled_slices
+from cdcd.consumer import DEFAULT_RETRY_TIMEOUT_S, EventBatch, RecordSlice, RetriableError, enabled_slices
+from cdcd.retry import Backoff, Retry, RetryInterrupted, retry_until
 from cdcd.wal.pointer import WalPointer, WalPosition
 from cdcd.wal.records import CacheInfo, CacheOp, CacheRecord, DataRecord, Record, SegmentEnd
 
@@ -190,6 +193,10 @@ def feed_active(batcher: Batcher, ptr: WalPointer, record: Record, done: int, si
     return []
 
 
+RETRY_BACKOFF = Backoff(initial_ms=200, max_ms=5000, jitter=0.2)
+"""Between attempts of a consumer that raised ``RetriableError``: quick at first (a blip), then
+every few seconds (an outage); jittered so that daemons sharing a store do not retry in step."""
+
 Observe = Callable[[Sequence[RecordSlice], EventBatch, int, bool], None]
 """After each consumer call: the slices it took, the batch it was given, how many events it took,
 and whether it confirmed (metrics, lag)."""
@@ -202,7 +209,13 @@ class DeliveryLoop:
     ``commit(cursor)`` makes everything before ``cursor`` the committed position; ``stopping()``
     tells whether the side is stopping (the rest of a batch is then not offered again: the side
     that goes on later starts from the last commit); ``retry_wait()`` is the side's retry policy,
-    called before a batch of which the consumer took nothing is offered again."""
+    called before a batch of which the consumer took nothing is offered again.
+
+    ``on_events`` raising ``RetriableError`` (passed through by the side's wrapper): the same events
+    are offered again, as a fresh batch (what the failed call iterated does not count as taken),
+    after ``pause(delay_s)`` (True: the side is stopping, ``deliver`` returns False) with
+    ``RETRY_BACKOFF``; ``on_retry`` hears of each step. Still failing ``retry_timeout_s`` after the
+    first failure: ``RetriesExhausted`` (the side fails)."""
 
     def __init__(
         self,
@@ -212,12 +225,18 @@ class DeliveryLoop:
         stopping: Callable[[], bool],
         retry_wait: Callable[[], None],
         observe: Observe | None = None,
+        pause: Callable[[float], bool] | None = None,
+        on_retry: Callable[[Retry], None] | None = None,
+        retry_timeout_s: float = DEFAULT_RETRY_TIMEOUT_S,
     ) -> None:
         self.on_events = on_events
         self.commit = commit
         self.stopping = stopping
         self.retry_wait = retry_wait
         self.observe = observe
+        self.pause = pause or self._sleep_unless_stopping
+        self.on_retry = on_retry
+        self.retry_timeout_s = retry_timeout_s
         self.unconfirmed = False
         """A call returned False: nothing after the last commit may be committed until one returns True."""
 
@@ -232,7 +251,10 @@ class DeliveryLoop:
         while events is not None:
             # What the consumer did not pull goes to its next call, also from inside a record; a
             # True commits the position after what it took.
-            ok = self.on_events(events)
+            offered = self._offer(events)
+            if offered is None:
+                return False
+            ok, events = offered
             taken, rest = events.split_taken()
             took = len(events) - (len(rest) if rest is not None else 0)
             if self.observe is not None:
@@ -253,10 +275,45 @@ class DeliveryLoop:
         """Before a switch: empty calls until the consumer confirms what it took unconfirmed;
         False if stopping cut it short."""
         while self.unconfirmed:
-            if self.on_events(EventBatch("", [], {})):
+            offered = self._offer(EventBatch("", [], {}))
+            if offered is None:
+                return False
+            if offered[0]:
                 self.unconfirmed = False
                 return True
             if self.stopping():
                 return False
             self.retry_wait()
         return True
+
+    def _offer(self, events: EventBatch) -> tuple[bool, EventBatch] | None:
+        """(what ``on_events`` returned, the batch the successful call was given); None: stopping
+        cut the retries of a ``RetriableError`` short."""
+        given = events
+        attempts = 0
+
+        def attempt() -> bool:
+            nonlocal given, attempts
+            if attempts:
+                given = EventBatch(events.source_node, events.peek_slices(), events.cache_names)
+            attempts += 1
+            return self.on_events(given)
+
+        try:
+            ok = retry_until(
+                attempt,
+                self.retry_timeout_s,
+                RETRY_BACKOFF,
+                retriable=(RetriableError,),
+                wait=self.pause,
+                on_retry=self.on_retry,
+            )
+        except RetryInterrupted:
+            return None
+        return ok, given
+
+    def _sleep_unless_stopping(self, delay_s: float) -> bool:
+        if self.stopping():
+            return True
+        time.sleep(delay_s)
+        return self.stopping()

@@ -12,9 +12,10 @@ to see more or less); one without any hears only warnings and errors, on stderr.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
-from typing import Literal
+from typing import Any, Literal
 
 import structlog
 from structlog.typing import EventDict
@@ -22,6 +23,59 @@ from structlog.typing import EventDict
 from cdcd.secrets import mask_log_event
 
 LogFormat = Literal["json", "console"]
+
+_ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
+"""Terminal escape sequences: CSI (colours, cursor), OSC (titles, links) and the two-byte ones."""
+_CAUSE_MARK = re.compile(r"^[\s\u21b3|>-]*(?:caused by:?\s*)?", re.IGNORECASE)
+"""What libraries put in front of a cause on its own line (delta-rs' "↳", Java's "Caused by:")."""
+_FRAME = re.compile(r"^(?:at [\w$.<>]+\(|\.\.\. \d+ more$|File \"|Traceback \(most recent call last\))")
+"""Stack frames (Java's and Python's) inside an error's text: the log line keeps the messages only."""
+CHAIN = " <- "
+MAX_LINE_CHARS = 2000
+
+
+def one_line(text: str) -> str:
+    """``text`` as one log-safe line: terminal escapes and stack frames removed, its lines (a library's
+    causes, one per line) joined with " <- ", at most ``MAX_LINE_CHARS``."""
+    text = _ANSI.sub("", text)
+    if "\n" not in text and "\r" not in text:
+        joined = text.strip()
+    else:
+        lines = [_CAUSE_MARK.sub("", line).strip() for line in text.splitlines()]
+        joined = CHAIN.join(line for line in lines if line and not _FRAME.match(line))
+    return joined if len(joined) <= MAX_LINE_CHARS else joined[: MAX_LINE_CHARS - 1] + "\u2026"
+
+
+def describe(exc: BaseException) -> str:
+    """An exception and what caused it (``__cause__``, else ``__context__`` unless suppressed), one
+    line: "Outer: text <- Inner: text"."""
+    parts: list[str] = []
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = one_line(str(current))
+        parts.append(f"{type(current).__name__}: {text}" if text else type(current).__name__)
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+    return CHAIN.join(parts)
+
+
+def one_line_event(_logger: Any, _method_name: str, event: EventDict) -> EventDict:
+    """Every log line is one line: an exception (``exc_info``) becomes ``error`` (its chain, see
+    ``describe``) and ``error_type`` instead of a traceback; string values lose terminal escapes
+    and line breaks."""
+    exc_info = event.pop("exc_info", None)
+    if exc_info:
+        exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        if isinstance(exc_info, tuple):
+            exc = exc_info[1]
+        if exc is not None:
+            event.setdefault("error_type", type(exc).__name__)
+            event["error"] = describe(exc) if "error" not in event else f"{event['error']}{CHAIN}{describe(exc)}"
+    for key, value in event.items():
+        if isinstance(value, str) and ("\n" in value or "\x1b" in value or "\r" in value):
+            event[key] = one_line(value)
+    return event
 
 
 def configure(log_format: LogFormat = "json", level: str = "info") -> None:
@@ -36,7 +90,7 @@ def configure(log_format: LogFormat = "json", level: str = "info") -> None:
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.StackInfoRenderer(),
-            structlog.processors.format_exc_info,
+            one_line_event,
             mask_log_event,
             renderer,
         ],
@@ -102,7 +156,7 @@ def configure_library() -> None:
             _app_levels_or_warnings,  # type: ignore[list-item]
             structlog.contextvars.merge_contextvars,
             structlog.processors.StackInfoRenderer(),
-            structlog.processors.format_exc_info,
+            one_line_event,
             mask_log_event,
             _to_app_or_stderr,  # type: ignore[list-item]
         ],

@@ -173,6 +173,11 @@ DAEMON_CONSUMER_SECONDS = Histogram(
     buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
     registry=DAEMON,
 )
+DAEMON_CONSUMER_RETRIES = Counter(
+    "cdcd_daemon_consumer_retries_total",
+    "Backoff steps after a consumer's transient failure (RetriableError), before the same events go again",
+    registry=DAEMON,
+)
 DAEMON_COMMIT_SECONDS = Histogram(
     "cdcd_daemon_commit_seconds", "Time to persist the state (synced LMDB txn)", registry=DAEMON
 )
@@ -239,6 +244,11 @@ RT_RESTORED_RECORDS = Gauge(
 )
 RT_STOPS = Counter("cdcd_node_realtime_stops_total", "Realtime stops", ["reason"], registry=NODE)
 RT_EVENTS = Counter("cdcd_node_realtime_events_total", "Events confirmed by the realtime consumer", registry=NODE)
+RT_CONSUMER_RETRIES = Counter(
+    "cdcd_node_realtime_consumer_retries_total",
+    "Backoff steps after the realtime consumer's transient failure (RetriableError)",
+    registry=NODE,
+)
 
 # --- lake sink ------------------------------------------------------------------------------------
 LAKE_ROWS = Counter("cdcd_lake_rows_written_total", "Change-log rows landed in the lake", ["cache"], registry=LAKE)
@@ -264,6 +274,12 @@ LAKE_RESCUED = Counter(
 )
 LAKE_CONFLICTS = Counter(
     "cdcd_lake_log_conflicts_total", "Commits retried because another writer committed first", registry=LAKE
+)
+LAKE_MAINTENANCE_CONFLICTS = Counter(
+    "cdcd_lake_maintenance_conflicts_total",
+    "Scheduled maintenance runs that lost to another writer's concurrent commit (retried, not failures)",
+    ["task"],
+    registry=LAKE,
 )
 LAKE_GENERATIONS = Counter(
     "cdcd_lake_source_generations_total",

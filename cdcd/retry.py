@@ -89,11 +89,16 @@ def retry_until(
     *,
     retriable: tuple[type[Exception], ...],
     stop: threading.Event | None = None,
+    wait: Callable[[float], bool] | None = None,
     on_retry: Callable[[Retry], None] | None = None,
     rng: random.Random | None = None,
 ) -> T:
     """``call()``'s result, retrying errors of the ``retriable`` types for at most ``within_s`` seconds
-    from the first attempt; a wait never runs past that deadline, so the last attempt is made at it."""
+    from the first attempt; a wait never runs past that deadline, so the last attempt is made at it.
+    ``wait(delay_s)`` (instead of ``stop``) waits between attempts and returns True when the caller
+    is stopping."""
+    if wait is None:
+        wait = stop.wait if stop is not None else _sleep
     started = time.monotonic()
     delays = backoff.delays_s(rng)
     attempt = 0
@@ -110,7 +115,10 @@ def retry_until(
             delay_s = min(next(delays), within_s - failing_for_s)
             if on_retry is not None:
                 on_retry(Retry(exc, attempt, failing_for_s, delay_s))
-            if stop is None:
-                time.sleep(delay_s)
-            elif stop.wait(delay_s):
+            if wait(delay_s):
                 raise RetryInterrupted(exc, time.monotonic() - started) from exc
+
+
+def _sleep(delay_s: float) -> bool:
+    time.sleep(delay_s)
+    return False

@@ -22,6 +22,7 @@ from cdcd.lake.storage import StorageOptions
 from cdcd.lake.typed_declared import TableOptions
 from cdcd.node.config import NodeConfig
 from cdcd.replication.target import TargetOptions
+from cdcd.sinks import COMMON_KEYS
 from cdcd.sinks.jsonl import JsonlOptions
 from cdcd.sinks.lake import LakeOptions
 from cdcd.sinks.null import NullOptions
@@ -159,6 +160,8 @@ def fields(cls: type[msgspec.Struct]) -> set[str]:
     names = {f.encode_name for f in msgspec.structs.fields(cls)}
     if cls is KafkaToNodeOptions:  # its target's keys are written at the top level (TargetOptions.split)
         names = (names - {"replication"}) | fields(TargetOptions)
+    if cls in SINKS.values():
+        names |= set(COMMON_KEYS)  # every kind's keys, read by load_consumer
     return names
 
 

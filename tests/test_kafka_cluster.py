@@ -49,7 +49,7 @@ def test_partition_leader_sigkilled_mid_stream(kafka_cluster: Cluster, tmp_path:
         "topic_partitions": 4,
         "replication_factor": 3,
         "max_events_per_transaction": 1000,
-        "max_retry_s": 120,
+        "retry_timeout_s": 120,
     }
     config = write_daemon_config(tmp_path / "cdcd.toml", node_dir, consumer, batch_max_events=1000)
     writer = start_writer(tmp_path, node_dir, count=0, pause_ms=200)

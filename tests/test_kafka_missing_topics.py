@@ -103,7 +103,7 @@ def test_a_topic_deleted_under_the_running_sink_is_named(kafka_broker: Broker, t
         "bootstrap_servers": kafka_broker.bootstrap,
         "topic": "deleted",
         "topic_partitions": 2,
-        "max_retry_s": 60,
+        "retry_timeout_s": 60,
     }
     config = write_daemon_config(tmp_path / "cdcd.toml", node_dir, consumer)
     proc = start_daemon(config, err)

@@ -224,7 +224,8 @@ def test_sigkills_and_broker_restart_deliver_every_entry_exactly_once(kafka_brok
     rng = random.Random(17)
     node_dir = tmp_path / "node"
     topic = "crash"
-    consumer = {"kind": "kafka", **sink_options(kafka_broker, topic, max_events_per_transaction=700, max_retry_s=120)}
+    options = sink_options(kafka_broker, topic, max_events_per_transaction=700, retry_timeout_s=120)
+    consumer = {"kind": "kafka", **options}
     config = write_daemon_config(
         tmp_path / "cdcd.toml", node_dir, consumer, batch_max_events=1000, batch_max_delay_ms=20, check_interval_ms=30
     )
@@ -294,7 +295,7 @@ def test_bad_settings_fail_with_one_line_and_nothing_advanced(kafka_broker: Brok
     with Node.open(node_dir, wal_force_archive_timeout_ms=0) as node:
         node.cache("small").put_all({i: {"v": i} for i in range(5)})
         node.force_archive()
-    base = {"kind": "kafka", **sink_options(kafka_broker, "bad", max_message_bytes=2048, max_retry_s=5)}
+    base = {"kind": "kafka", **sink_options(kafka_broker, "bad", max_message_bytes=2048, retry_timeout_s=5)}
 
     unreachable = write_daemon_config(
         tmp_path / "a.toml", node_dir, {**base, "bootstrap_servers": "127.0.0.1:9", "connect_timeout_ms": 1500}
@@ -442,7 +443,7 @@ def test_realtime_and_daemon_switching_under_load_exactly_once(kafka_broker: Bro
     topic exactly once."""
     from tests.support.realtime import Rig, rig_maker
 
-    kafka = {"kind": "kafka", **sink_options(kafka_broker, "switch", max_retry_s=60)}
+    kafka = {"kind": "kafka", **sink_options(kafka_broker, "switch", retry_timeout_s=60)}
     rigs = rig_maker(tmp_path)
     make = next(rigs)
     try:

@@ -95,7 +95,7 @@ def test_kafka_to_node_killed_mid_stream_then_full_replay(kafka_broker: Broker, 
         "target": b.target,
         "token_file": str(b.token),
         "max_batch_events": 150,
-        "max_retry_s": 60,
+        "retry_timeout_s": 60,
     }
     app = Applier(procs, tmp_path, "k2n", **common, group_id="g1")
 

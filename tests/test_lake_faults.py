@@ -39,8 +39,17 @@ from tests.support.delta_lake import (
     landed_positions,
     record_sizes,
 )
-from tests.support.lake import error_lines, position, process_tree, run_to_end, wait_gone, wait_started, write_config
-from tests.support.procs import child_env, reap, wait_for
+from tests.support.lake import (
+    error_lines,
+    position,
+    process_tree,
+    run_to_end,
+    wait_caught_up,
+    wait_gone,
+    wait_started,
+    write_config,
+)
+from tests.support.procs import child_env, log_events, reap, stop_daemon, wait_for
 from tests.support.wal import archived_segments, cdc_links, wal_events
 from tests.support.writer import make_node, start_writer
 
@@ -258,15 +267,16 @@ def test_sigkill_during_commits_lands_everything_exactly_once(tmp_path: Path) ->
 # --- an unwritable lake ------------------------------------------------------------------------------
 def test_unwritable_lake_exits_4_then_lands_everything_once(tmp_path: Path) -> None:
     """A lake on a read-only mount or below a regular file: `cdcd run` exits 4 with one error line naming the path and
-    leaves its state alone; a lake turning read-only mid-run: exit 4, state exactly where the lake ends; once
-    writable again a restarted daemon lands every entry exactly once."""
+    leaves its state alone; a lake turning read-only mid-run: retried as an I/O error for retry_timeout_s (3 s
+    here), then exit 4, state exactly where the lake ends; once writable again a restarted daemon lands every
+    entry exactly once."""
     node_dir = tmp_path / "node"
     n = make_node(node_dir, segments=8, tx_per_segment=40)
     settings = {"batch_max_events": 3000}
     with tmpfs(tmp_path / "mnt", "ro,size=64m") as mnt:
         lake = mnt / "lake"
         # 1. read-only from the start: fails in start().
-        config = write_config(tmp_path / "cdcd.toml", node_dir, lake_consumer(lake), **settings)
+        config = write_config(tmp_path / "cdcd.toml", node_dir, lake_consumer(lake, retry_timeout_s=3), **settings)
         res = subprocess.run([*CDCD, "run", "--config", str(config)], capture_output=True, text=True, timeout=120)
         assert res.returncode == 4, res.stderr[-3000:]
         assert error_lines(res.stderr) == [
@@ -307,7 +317,8 @@ def test_unwritable_lake_exits_4_then_lands_everything_once(tmp_path: Path) -> N
             reap(proc)
         assert rc == 4, err.read_text()[-3000:]
         lines = error_lines(err.read_text())
-        assert len(lines) == 1 and lines[0].startswith("cdcd: error: consumer on_events() raised"), lines
+        assert len(lines) == 1 and lines[0].startswith("cdcd: error: consumer on_events() failing for"), lines
+        assert "(retry_timeout_s = 3)" in lines[0], lines[0]
         assert "Read-only file system" in lines[0] and str(lake) in lines[0], lines[0]
         assert err.read_text().rstrip("\n").splitlines()[-1] == lines[0], "no traceback after the error line"
         after = position(config)
@@ -321,10 +332,10 @@ def test_unwritable_lake_exits_4_then_lands_everything_once(tmp_path: Path) -> N
 
 
 # --- a full disk -------------------------------------------------------------------------------------
-def test_full_disk_exits_4_then_lands_everything_once(tmp_path: Path) -> None:
-    """A lake file system filling up mid-backlog makes `cdcd run` exit 4 with one error line naming the lake and
-    "No space left on device", its state exactly where the lake ends; after growing the file system a restarted
-    daemon lands every entry exactly once."""
+def test_full_disk_is_waited_out_then_everything_lands_once(tmp_path: Path) -> None:
+    """A lake file system filling up mid-backlog is a transient failure: `cdcd run` keeps running and logs
+    consumer_retrying lines naming the lake and "No space left on device", its state exactly where the lake ends;
+    once the file system is grown the same daemon lands every entry exactly once and stops cleanly."""
     node_dir = tmp_path / "node"
     make_node(node_dir, segments=20, tx_per_segment=50)
     expected = wal_events(node_dir)
@@ -335,20 +346,22 @@ def test_full_disk_exits_4_then_lands_everything_once(tmp_path: Path) -> None:
         err = tmp_path / "run-1.err"
         proc = start(config, err)
         try:
-            rc = proc.wait(300)
-        finally:
-            reap(proc)
-        assert rc == 4, err.read_text()[-3000:]
-        text = err.read_text()
-        lines = error_lines(text)
-        assert len(lines) == 1 and lines[0].startswith("cdcd: error: consumer on_events() raised"), lines
-        assert "No space left on device" in lines[0] and str(lake) in lines[0], lines[0]
-        assert text.rstrip("\n").splitlines()[-1] == lines[0], "nothing (no stack trace) follows the error line"
-        after = position(config)
-        assert landed_positions(lake), "some batches landed before the disk was full"
-        assert after is not None and after < (max(archived_segments(node_dir)) + 1, 0, 0), "stopped mid-backlog"
-        check_state_matches_lake(lake, positions, record_sizes(expected), after)
 
-        remount(mnt, "size=256m")
-        run_to_end(config, node_dir, tmp_path / "run-2.err")
+            def retrying() -> list[dict[str, Any]]:
+                return [e for e in log_events(err) if e["event"] == "consumer_retrying"]
+
+            wait_for(lambda: proc.poll() is not None or len(retrying()) >= 2, 300, "retries of the full disk")
+            assert proc.poll() is None, err.read_text()[-3000:]
+            step = retrying()[0]
+            assert "No space left on device" in step["error"] and str(lake) in step["error"], step
+            assert step["error"].startswith("RetriableError: lake "), step
+            after = position(config)
+            assert landed_positions(lake), "some batches landed before the disk was full"
+            assert after is not None and after < (max(archived_segments(node_dir)) + 1, 0, 0), "stopped mid-backlog"
+            check_state_matches_lake(lake, positions, record_sizes(expected), after)
+            remount(mnt, "size=256m")
+            wait_caught_up(proc, config, node_dir, err, 300)
+        finally:
+            rc = stop_daemon(proc, timeout=60)
+        assert rc == 0 and error_lines(err.read_text()) == [], err.read_text()[-3000:]
         check_lake(lake, node_dir, expected)

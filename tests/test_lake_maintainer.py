@@ -108,7 +108,8 @@ def test_options_are_checked() -> None:
 def test_the_lake_sink_runs_it_and_fails_when_it_gave_up(spark: Any, tmp_path: Path) -> None:
     """`compact_interval_s` in the sink's options: the JVM-free writer lands a node's WAL and the sink's
     Maintainer (on the process's SparkSession) compacts it into `state` without an operator; a Maintainer
-    that gave up makes `alive()` false and the next batch fail with its error."""
+    that gave up makes `alive()` raise its error (the daemon's exit line names it) and the next batch fail
+    with it."""
     from cdcd.node import Node
     from cdcd.sinks.lake import LakeConsumer, LakeOptions
     from tests.support.delta_lake import wal_batch
@@ -129,8 +130,85 @@ def test_the_lake_sink_runs_it_and_fails_when_it_gave_up(spark: Any, tmp_path: P
         maintainer = sink._maintainer
         assert maintainer is not None
         maintainer.error = RuntimeError("disk on fire")  # what the thread sets after max failures in a row
-        assert not sink.alive()
+        with pytest.raises(MaintenanceFailed, match="failed 3 times in a row, last: RuntimeError: disk on fire"):
+            sink.alive()
         with pytest.raises(MaintenanceFailed, match="disk on fire"):
             sink.on_events(wal_batch(node_dir))
     finally:
         sink.stop()
+
+
+class ConcurrentAppend(Exception):
+    """What a lost delta-spark commit looks like from Python (a Py4J error carrying the Java class and trace)."""
+
+
+CONFLICT_TEXT = (
+    "An error occurred while calling o88.execute.\n"
+    ": io.delta.exceptions.ConcurrentAppendException: Files were added to partition [cache=orders] by a "
+    "concurrent update. Please try the operation again.\n"
+    "\tat io.delta.exceptions.ConcurrentAppendException$.apply(DeltaErrors.scala:1)\n"
+)
+
+
+def test_conflicts_with_a_neighbour_are_retried_not_counted(spark: Any, tmp_path: Path) -> None:
+    """A compaction losing to another writer's commit three times in a row (Delta's ConcurrentAppendException)
+    with max_consecutive_failures = 1: no failure is counted, the Maintainer stays alive, counts the conflicts
+    (cdcd_lake_maintenance_conflicts_total{task="compact"}) and compacts once the neighbour lets it."""
+    from prometheus_client import REGISTRY
+
+    from cdcd import metrics
+    from cdcd.lake.compact import compact
+    from cdcd.lake.maintainer import is_conflict
+
+    metrics.export(metrics.LAKE)
+    lake = tmp_path / "lake"
+    rows = [change("orders", "0", '"first"', 1)]
+    version = append_changes(lake, rows)
+    lost = [0]
+
+    def loses_three_times(session: Any, path: Path) -> Any:
+        if lost[0] < 3:
+            lost[0] += 1
+            raise ConcurrentAppend(CONFLICT_TEXT)
+        return compact(session, path)
+
+    def conflicts() -> float:
+        return REGISTRY.get_sample_value("cdcd_lake_maintenance_conflicts_total", {"task": "compact"}) or 0.0
+
+    before = conflicts()
+    m = Maintainer(
+        lake,
+        spark,
+        MaintainerOptions(compact_interval_s=0.05, optimize_interval_s=0, max_consecutive_failures=1),
+        compact_fn=loses_three_times,
+    )
+    m.start()
+    try:
+        wait_for(lambda: m.compactions >= 1 or not m.alive(), "a compaction after the conflicts")
+        assert m.alive() and m.failures == 0 and m.conflicts == 3, (m.failures, m.conflicts, m.error)
+        m.check()
+    finally:
+        m.stop()
+    assert compacted_version(lake) >= version and state_rows(lake) == expected_state(rows)
+    assert conflicts() - before == 3
+    assert is_conflict(ConcurrentAppend(CONFLICT_TEXT))
+    assert not is_conflict(NotADeltaLake("lake/changes is not a Delta table"))
+    from deltalake.exceptions import CommitFailedError
+
+    assert is_conflict(CommitFailedError("Transaction failed: version already exists: 7"))
+
+
+def test_a_table_created_by_a_neighbour_meanwhile_is_a_conflict(tmp_path: Path) -> None:
+    """Two first compactions create `state` at once; the loser's "not empty and also not a Delta table" is a
+    conflict once the location is a Delta table (the neighbour's), a failure while it is not."""
+    from cdcd.lake.maintainer import is_conflict
+
+    state = tmp_path / "lake" / "state"
+    state.mkdir(parents=True)
+    error = Exception(
+        "[DELTA_CREATE_TABLE_WITH_NON_EMPTY_LOCATION] Cannot create table ('`delta`.`" + str(state) + "`'). "
+        f"The associated location ('{state}') is not empty and also not a Delta table."
+    )
+    assert not is_conflict(error), "a stray directory is a real failure"
+    (state / "_delta_log").mkdir()
+    assert is_conflict(error)

@@ -152,10 +152,46 @@ def test_alert_rules_pass_promtool_and_name_exported_metrics(promtool: str) -> N
         "CdcdModeFlapping",
         "CdcdCdcLinksSkipped",
         "CdcdReplicationRejected",
+        "CdcdConsumerRetrying",
     ):
         assert f"alert: {alert}\n" in text, alert
     used = expr_metric_names("\n".join(line for line in text.splitlines() if "expr:" in line))
     assert used and used <= group_names(*GROUPS), sorted(used - group_names(*GROUPS))
+
+
+RETRYING_RULE_TEST = """
+rule_files: [{rules}]
+evaluation_interval: 15s
+tests:
+  - interval: 15s
+    input_series:
+      # healthy for a minute, then a retry step every 15 s (an outage), then healthy again
+      - series: 'cdcd_daemon_consumer_retries_total{{instance="d1", job="cdcd-daemon"}}'
+        values: '0 0 0 0 0 1+1x12 13x20'
+    alert_rule_test:
+      - {{eval_time: 1m, alertname: CdcdConsumerRetrying, exp_alerts: []}}
+      - {{eval_time: 2m, alertname: CdcdConsumerRetrying, exp_alerts: []}}
+      - eval_time: 2m30s
+        alertname: CdcdConsumerRetrying
+        exp_alerts:
+          - exp_labels: {{severity: warning, instance: d1, job: cdcd-daemon}}
+            exp_annotations:
+              summary: "cdcd consumer on d1 has been retrying a transient failure for over a minute"
+              description: "{description}"
+      - {{eval_time: 7m, alertname: CdcdConsumerRetrying, exp_alerts: []}}
+"""
+
+
+def test_consumer_retrying_alert_fires_after_a_minute_of_retries(promtool: str, tmp_path: Path) -> None:
+    """`promtool test rules`: CdcdConsumerRetrying stays quiet for the first minute of retry steps, fires once
+    they have gone on for a minute, and clears once they stop."""
+    rules = CONFIG / "prometheus-alerts.yml"
+    description = re.search(r"CdcdConsumerRetrying.*?description: \"(.*?)\"\n", rules.read_text(), re.S)
+    assert description is not None
+    test = tmp_path / "retrying-test.yml"
+    test.write_text(RETRYING_RULE_TEST.format(rules=json.dumps(str(rules)), description=description.group(1)))
+    res = subprocess.run([promtool, "test", "rules", str(test)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_grafana_dashboard_queries_exported_metrics() -> None:
@@ -166,7 +202,12 @@ def test_grafana_dashboard_queries_exported_metrics() -> None:
     assert len(exprs) >= 15
     used = set().union(*map(expr_metric_names, exprs))
     assert used <= group_names(*GROUPS), sorted(used - group_names(*GROUPS))
-    for wanted in ("cdcd_daemon_lag_seconds", "cdcd_daemon_segments_pending", "cdcd_node_realtime_lag_seconds_bucket"):
+    for wanted in (
+        "cdcd_daemon_lag_seconds",
+        "cdcd_daemon_segments_pending",
+        "cdcd_node_realtime_lag_seconds_bucket",
+        "cdcd_daemon_consumer_retries_total",
+    ):
         assert wanted in used, wanted
 
 

@@ -441,7 +441,7 @@ def test_stop_record_written_at_restart_reaches_the_daemon(rig_factory: Any) -> 
 
 
 def test_close_interrupts_a_realtime_consumer_retrying_a_dead_target(rig_factory: Any, tmp_path: Path) -> None:
-    """A node whose realtime replication consumer retries a dead target (max_retry_s 120) closes
+    """A node whose realtime replication consumer retries a dead target (retry_timeout_s 120) closes
     within seconds: after realtime_close_timeout_ms, close() interrupts the retries, writes
     Stop(close_timeout), and the daemon then delivers what the node could not."""
     token = tmp_path / "token"
@@ -454,8 +454,7 @@ def test_close_interrupts_a_realtime_consumer_retrying_a_dead_target(rig_factory
         "kind": "replication",
         "target": f"127.0.0.1:{dead_port}",
         "token_file": str(token),
-        "max_retry_s": 120,
-        "retry_backoff_max_ms": 200,
+        "retry_timeout_s": 120,
     }
     rig: Rig = rig_factory(realtime_cdc=False, consumer=consumer, realtime_close_timeout_ms=300)
     rig.start_node(pause_ms=30)
@@ -464,7 +463,7 @@ def test_close_interrupts_a_realtime_consumer_retrying_a_dead_target(rig_factory
     rig.wait_delivered("daemon", 100)
     rig.switch_on()
     wait_for(
-        lambda: any(e["event"] == "replication_retry" for e in log_events(rig.node_log)),
+        lambda: any(e["event"] == "consumer_retrying" for e in log_events(rig.node_log)),
         60,
         "the consumer retrying its first batch",
     )
@@ -472,7 +471,6 @@ def test_close_interrupts_a_realtime_consumer_retrying_a_dead_target(rig_factory
     rig.stop_node()
     took = time.monotonic() - t0
     events = [e["event"] for e in rig.node_log_events()]
-    assert "replication_retry" in events and "realtime_close_timeout" in events
-    assert "replication_retry_interrupted" in events
+    assert "consumer_retrying" in events and "realtime_close_timeout" in events
     assert took < 15, f"close took {took:.1f} s"
     assert [r.reason for _p, r in markers(rig.node_dir) if isinstance(r, StopRealtimeCdcRecord)][-1] == "close_timeout"

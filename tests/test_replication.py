@@ -301,35 +301,34 @@ def test_daemon_sigkilled_mid_stream_loses_nothing(tmp_path: Path, procs: Procs)
     assert (received["local"], received["field"], received["unresolved"]) == (0, 0, 0)
 
 
-def test_target_killed_daemon_gives_up_after_max_retry_then_recovers(tmp_path: Path, procs: Procs) -> None:
-    """With the target node SIGKILLed mid-stream, the daemon logs replication_retry warnings and exits 4 within
-    max_retry_s plus a margin with one error line naming the target; both restarted, the target converges."""
-    max_retry_s = 5.0
+def test_target_killed_daemon_gives_up_after_retry_timeout_then_recovers(tmp_path: Path, procs: Procs) -> None:
+    """With the target node SIGKILLed mid-stream, the daemon logs consumer_retrying warnings and exits 4 within
+    retry_timeout_s plus a margin with one error line naming the target; both restarted, the target converges."""
+    retry_timeout_s = 5.0
     a = NodeProc(procs, tmp_path, "a", 1, listen=False)
     b = NodeProc(procs, tmp_path, "b", 2)
     b.start()
     a.start(rate=1000, seconds=8, keyspace=3000, remove_pct=20, seed=41)
-    daemon = DaemonProc(
-        procs, tmp_path, a, b, max_retry_s=max_retry_s, retry_backoff_max_ms=500, connect_timeout_ms=1000
-    )
+    daemon = DaemonProc(procs, tmp_path, a, b, retry_timeout_s=retry_timeout_s, connect_timeout_ms=1000)
     daemon.start()
     wait_for(lambda: daemon.check_running() or b.processed() > 0, 60, "entries to reach b", interval=0.05)
     b.kill()
     killed_at = time.monotonic()
-    rc = daemon.wait(max_retry_s + 30)
+    rc = daemon.wait(retry_timeout_s + 30)
     took = time.monotonic() - killed_at
     assert rc == 4, _tail(daemon.err)
-    assert took <= max_retry_s + 10, f"exited {took:.1f} s after the target died"
-    retries = daemon.events("replication_retry")
+    assert took <= retry_timeout_s + 10, f"exited {took:.1f} s after the target died"
+    retries = daemon.events("consumer_retrying")
     assert len(retries) >= 3, _tail(daemon.err)
-    assert all(e["level"] == "warning" and e["target"] == b.target for e in retries)
+    assert all(e["level"] == "warning" and b.target in e["error"] for e in retries)
+    assert [e["attempt"] for e in retries] == list(range(1, len(retries) + 1))
     failing = [e["failing_for_s"] for e in retries]
-    assert failing == sorted(failing) and failing[-1] <= max_retry_s
+    assert failing == sorted(failing) and failing[-1] <= retry_timeout_s
     errors = error_lines(daemon.err)
     assert len(errors) == 1 and daemon.err.read_text().splitlines()[-1] == errors[0]
-    assert b.target in errors[0] and f"max_retry_s = {max_retry_s:g}" in errors[0], errors[0]
+    assert b.target in errors[0] and f"retry_timeout_s = {retry_timeout_s:g}" in errors[0], errors[0]
     match = re.search(r"failing for ([0-9.]+) s", errors[0])
-    assert match and float(match.group(1)) >= max_retry_s, errors[0]
+    assert match and float(match.group(1)) >= retry_timeout_s, errors[0]
 
     b.start()  # same config, same port
     daemon.start()  # as systemd restarts a failed unit
@@ -354,7 +353,7 @@ def test_bad_peers_are_refused_and_a_restarted_target_is_rejoined(tmp_path: Path
     assert bad.wait(60) == 4, _tail(bad.err)
     errors = error_lines(bad.err)
     assert len(errors) == 1 and "token refused" in errors[0] and b.target in errors[0], _tail(bad.err)
-    assert bad.events("replication_retry") == []
+    assert bad.events("consumer_retrying") == []
 
     http = exchange(b.repl_port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")  # read as a frame of ~1.2 GB
     assert [type(f) for f in http] == [Error] and http[0].fatal and "over the limit" in http[0].message
@@ -365,11 +364,11 @@ def test_bad_peers_are_refused_and_a_restarted_target_is_rejoined(tmp_path: Path
     assert refused == {"token": 1, "frame": 2, "tls": 0}
     assert b.processed() == 0
 
-    daemon = DaemonProc(procs, tmp_path, a, b, retry_backoff_max_ms=500)
+    daemon = DaemonProc(procs, tmp_path, a, b)
     daemon.start()
     wait_for(lambda: daemon.check_running() or b.processed() > 0, 60, "entries to reach b", interval=0.05)
     b.stop()  # SIGTERM while the daemon sends: a clean close
-    wait_for(lambda: daemon.check_running() or daemon.events("replication_retry"), 60, "the daemon to retry")
+    wait_for(lambda: daemon.check_running() or daemon.events("consumer_retrying"), 60, "the daemon to retry")
     b.start()
     wait_caught_up((a, daemon))
     assert len(daemon.events("replication_connected")) == 2, "connected, then reconnected once b was back"
@@ -386,11 +385,11 @@ def test_sigterm_while_the_target_is_down_stops_at_once(tmp_path: Path, procs: P
     b = NodeProc(procs, tmp_path, "b", 2)
     b.start()
     a.start(rate=500, seconds=6, keyspace=2000, remove_pct=20, seed=61)
-    daemon = DaemonProc(procs, tmp_path, a, b, max_retry_s=30, retry_backoff_max_ms=500)
+    daemon = DaemonProc(procs, tmp_path, a, b, retry_timeout_s=30)
     daemon.start()
     wait_for(lambda: daemon.check_running() or b.processed() > 0, 60, "entries to reach b", interval=0.05)
     b.kill()
-    wait_for(lambda: daemon.check_running() or daemon.events("replication_retry"), 30, "the daemon to retry")
+    wait_for(lambda: daemon.check_running() or daemon.events("consumer_retrying"), 30, "the daemon to retry")
     t0 = time.monotonic()
     assert daemon.proc is not None
     daemon.proc.send_signal(signal.SIGTERM)

@@ -27,7 +27,7 @@ def kafka_to_node(
 
     Offsets are committed after the target confirmed; a restart re-applies at most the last
     batches, which the target's resolver counts as duplicates. Exit codes: 0 stopped (SIGTERM),
-    1 Kafka or the target failing past max_retry_s, or a topic (the metadata topic too, unless
+    1 Kafka or the target failing past retry_timeout_s, or a topic (the metadata topic too, unless
     --no-metadata) that does not exist, 2 bad config (or metrics port in use).
     """
     from cdcd import metrics

@@ -9,7 +9,7 @@ from __future__ import annotations
 import operator
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain
 from pathlib import Path
 
@@ -18,12 +18,14 @@ import numpy as np
 import structlog
 
 from cdcd import failpoints, metrics
-from cdcd.consumer import Consumer, EventBatch, RecordSlice
+from cdcd.consumer import DEFAULT_RETRY_TIMEOUT_S, Consumer, EventBatch, RecordSlice, RetriableError
 from cdcd.daemon.follower import delete_links_below
 from cdcd.daemon.processor import Item, MarkerCommit, Switch
 from cdcd.daemon_state import CdcMode, DaemonState, StateStore
 from cdcd.delivery import Batch, CacheChange, DeliveryLoop
 from cdcd.faults import ExitCode, Fault
+from cdcd.logging import describe
+from cdcd.retry import RetriesExhausted, Retry
 from cdcd.wal.pointer import WalPosition
 from cdcd.wal.records import CacheInfo
 
@@ -51,7 +53,10 @@ class Committer:
         *,
         confirm_retry_s: float = 0.5,
         stopping: threading.Event | None = None,
+        retrying: Callable[[], None] | None = None,
     ) -> None:
+        """``retrying()`` runs at each backoff step of a consumer's ``RetriableError`` (the stall
+        watch counts a retry step as progress)."""
         self.store = store
         self.state = state
         self.caches = caches
@@ -60,8 +65,17 @@ class Committer:
         self.confirm_retry_s = confirm_retry_s
         self.stopping = stopping
         """Set when the daemon stops: a consumer that takes nothing is not offered the rest again."""
+        self.retrying = retrying
+        self.retry_timeout_s = float(getattr(consumer, "retry_timeout_s", DEFAULT_RETRY_TIMEOUT_S))
         self.loop = DeliveryLoop(
-            self._on_events, self.commit, stopping=self._stopping, retry_wait=self._retry_wait, observe=self._observe
+            self._on_events,
+            self.commit,
+            stopping=self._stopping,
+            retry_wait=self._retry_wait,
+            observe=self._observe,
+            pause=self._pause,
+            on_retry=self._on_retry,
+            retry_timeout_s=self.retry_timeout_s,
         )
         self._pending_caches: dict[int, CacheInfo] = {}
         self._pending_destroyed: list[int] = []
@@ -71,7 +85,10 @@ class Committer:
 
     def apply(self, item: Item) -> None:
         if isinstance(item, Batch):
-            self.loop.deliver(item)
+            try:
+                self.loop.deliver(item)
+            except RetriesExhausted as exc:
+                raise self._gave_up(exc) from exc.last
         elif isinstance(item, CacheChange):
             self._cache_change(item)
         elif isinstance(item, MarkerCommit):
@@ -84,15 +101,42 @@ class Committer:
     def _call(self, what: str, fn: object, *args: object) -> object:
         try:
             return fn(*args)  # type: ignore[operator]
+        except RetriableError:
+            raise  # waited out by the delivery loop
         except Exception as exc:
-            raise ConsumerFailed(f"consumer {what} raised {type(exc).__name__}: {exc}") from exc
+            raise ConsumerFailed(f"consumer {what} raised {describe(exc)}") from exc
 
-    def _check_alive(self) -> None:
+    def _gave_up(self, exc: RetriesExhausted) -> ConsumerFailed:
+        return ConsumerFailed(
+            f"consumer on_events() failing for {exc.failing_for_s:.1f} s over {exc.attempts} attempt(s) "
+            f"(retry_timeout_s = {self.retry_timeout_s:g}): {describe(exc.last)}"
+        )
+
+    def _on_retry(self, retry: Retry) -> None:
+        metrics.DAEMON_CONSUMER_RETRIES.inc()
+        log.warning(
+            "consumer_retrying",
+            error=describe(retry.error),
+            attempt=retry.attempt,
+            retry_in_s=round(retry.retry_in_s, 3),
+            failing_for_s=round(retry.failing_for_s, 1),
+            retry_timeout_s=self.retry_timeout_s,
+        )
+        if self.retrying is not None:
+            self.retrying()
+
+    def _pause(self, delay_s: float) -> bool:
+        if self.stopping is None:
+            time.sleep(delay_s)
+            return False
+        return self.stopping.wait(delay_s)
+
+    def check_alive(self) -> None:
         if not self._call("alive()", self.consumer.alive):
             raise ConsumerFailed("consumer reports alive() == False")
 
     def _on_events(self, events: EventBatch) -> bool:
-        self._check_alive()
+        self.check_alive()
         t0 = time.perf_counter()
         ok = bool(self._call("on_events()", self.consumer.on_events, events))
         if len(events):
@@ -152,7 +196,11 @@ class Committer:
     def _switch(self, item: Switch) -> None:
         # Everything before the switch point must be durable on the consumer side first; a daemon
         # stopped meanwhile does not switch (it reads the marker again at its next start).
-        if not self.loop.confirm():
+        try:
+            confirmed = self.loop.confirm()
+        except RetriesExhausted as exc:
+            raise self._gave_up(exc) from exc.last
+        if not confirmed:
             return
         old = self.state.mode
         failpoints.hit("daemon.switch.before_commit")

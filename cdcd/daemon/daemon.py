@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import operator
 import threading
 import time
@@ -34,6 +35,7 @@ from cdcd.daemon.sdnotify import Notifier
 from cdcd.daemon.watch import PipelineStalled, Watch
 from cdcd.daemon_state import CdcMode, DaemonState, ForeignState, StateStore
 from cdcd.lock import DirLock
+from cdcd.logging import describe
 from cdcd.node.identity import read_node_id
 from cdcd.wal.errors import WalError
 from cdcd.wal.records import CacheInfo, DataRecord
@@ -142,9 +144,10 @@ class Daemon:
                 if announced:
                     self.consumer.on_cache_change(announced)
             except Exception as exc:
-                raise ConsumerFailed(f"consumer start() raised {type(exc).__name__}: {exc}") from exc
+                raise ConsumerFailed(f"consumer start() raised {describe(exc)}") from exc
+            retrying = functools.partial(self._watch.touch, "consumer")  # a retry step is not a stall
             self._committer = Committer(
-                self._store, state, caches, self.consumer, self.cdc_dir, stopping=self._stopping
+                self._store, state, caches, self.consumer, self.cdc_dir, stopping=self._stopping, retrying=retrying
             )
             self._started = True
             log.info(
@@ -348,12 +351,8 @@ class Daemon:
             self._watch.end_progress()
 
     def _check_alive(self) -> None:
-        try:
-            ok = self.consumer.alive()
-        except Exception as exc:
-            raise ConsumerFailed(f"consumer alive() raised {type(exc).__name__}: {exc}") from exc
-        if not ok:
-            raise ConsumerFailed("consumer reports alive() == False")
+        assert self._committer is not None
+        self._committer.check_alive()
 
     async def _run_pass(self, wake: asyncio.Event) -> None:
         """One pass in one mode, until a mode switch or stop()."""

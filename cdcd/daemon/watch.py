@@ -99,6 +99,13 @@ class Watch:
         finally:
             self.busy.pop(stage, None)
 
+    def touch(self, stage: str) -> None:
+        """The call in flight in ``stage`` made progress of a kind (a retry step after a transient
+        error): its stall clock starts again. Called from the worker thread."""
+        busy = self.busy.get(stage)
+        if busy is not None:
+            self.busy[stage] = (busy[0], time.monotonic())
+
     def read(self, chunk_first: int, chunk_last: int) -> None:
         """A read reached segments ``chunk_first..chunk_last`` (one read may span segments)."""
         now = time.monotonic()

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgspec
+import structlog
 
 from cdcd.config import ConfigError, cache_filter, check_ranges, convert
 from cdcd.replication.target import TargetOptions
@@ -21,6 +22,31 @@ from cdcd.secrets import mask_mapping
 MiB = 1 << 20
 
 _LIBRDKAFKA_LOG = logging.getLogger("cdcd.kafka.librdkafka")
+
+
+class _ToStructlog(logging.Handler):
+    """librdkafka's own lines (confluent-kafka hands them to the ``logger`` property's logger as
+    ``"%s [%s] %s"`` facility, client, text) become ``librdkafka`` events of cdcd's log: JSON lines
+    with the rest, never raw text on stderr (without a handler, logging's last resort prints them)."""
+
+    _log = structlog.get_logger("cdcd.kafka")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 3:
+            fields = {"facility": str(args[0]), "client": str(args[1]), "message": str(args[2])}
+        else:
+            fields = {"message": record.getMessage()}
+        if record.levelno >= logging.ERROR:
+            self._log.error("librdkafka", **fields)
+        elif record.levelno >= logging.WARNING:
+            self._log.warning("librdkafka", **fields)
+        else:
+            self._log.info("librdkafka", **fields)
+
+
+_LIBRDKAFKA_LOG.addHandler(_ToStructlog())
+_LIBRDKAFKA_LOG.propagate = False  # once, through structlog (which, embedded, goes to logging "cdcd.kafka")
 
 _SECURITY_PROTOCOLS = ("plaintext", "ssl", "sasl_plaintext", "sasl_ssl")
 _SASL_MECHANISMS = ("", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
@@ -163,8 +189,6 @@ class KafkaSinkOptions(ClientOptions, frozen=True, forbid_unknown_fields=True, k
     """none, gzip, snappy, lz4 or zstd."""
     transaction_timeout_ms: int = 60_000
     request_timeout_ms: int = 30_000
-    max_retry_s: float = 60.0
-    """Retry a failing cluster this long, then fail (the daemon exits; systemd restarts it)."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -177,7 +201,6 @@ class KafkaSinkOptions(ClientOptions, frozen=True, forbid_unknown_fields=True, k
             "compression": self.compression in ("none", "gzip", "snappy", "lz4", "zstd"),
             "transaction_timeout_ms": self.transaction_timeout_ms >= 1000,
             "request_timeout_ms": self.request_timeout_ms >= 1,
-            "max_retry_s": self.max_retry_s >= 0,
         }
         check_ranges(self, checks)
 
@@ -262,8 +285,9 @@ class KafkaToNodeOptions(ClientOptions, frozen=True, forbid_unknown_fields=True,
     """Messages read before one apply + offset commit."""
     poll_timeout_ms: int = 200
     request_timeout_ms: int = 30_000
-    max_retry_s: float = 60.0
-    """Retry a failing target or cluster this long, then exit non-zero (systemd restarts it)."""
+    retry_timeout_s: float = 300.0
+    """Retry a failing target or cluster this long, then exit non-zero (systemd restarts it): the
+    consumers' ``retry_timeout_s``."""
     metrics_address: str = "127.0.0.1:9470"
     """host:port of the Prometheus listener ("" for none)."""
 
@@ -273,7 +297,7 @@ class KafkaToNodeOptions(ClientOptions, frozen=True, forbid_unknown_fields=True,
             "max_batch_events": self.max_batch_events >= 1,
             "poll_timeout_ms": self.poll_timeout_ms >= 1,
             "request_timeout_ms": self.request_timeout_ms >= 1,
-            "max_retry_s": self.max_retry_s >= 0,
+            "retry_timeout_s": 0 <= self.retry_timeout_s < float("inf"),
         }
         check_ranges(self, checks)
 
@@ -283,6 +307,8 @@ class KafkaToNodeOptions(ClientOptions, frozen=True, forbid_unknown_fields=True,
 
     @classmethod
     def load(cls, options: Mapping[str, Any], source: str) -> KafkaToNodeOptions:
+        if "max_retry_s" in options:
+            raise ConfigError(f"{source}: key 'max_retry_s' is now 'retry_timeout_s' (as for every consumer kind)")
         if "replication" in options:
             keys = "target, token_file, tls* and caches are top-level keys"
             raise ConfigError(f"{source}: key 'replication': not a key ({keys})")

@@ -34,26 +34,13 @@ from confluent_kafka.admin import AdminClient  # type: ignore[attr-defined]
 
 from cdcd import failpoints, metrics
 from cdcd.config import ConfigError, cache_filter
-from cdcd.consumer import CacheInfo, Consumer, EventBatch
+from cdcd.consumer import CacheInfo, Consumer, EventBatch, RetriableError
 from cdcd.kafka import envelope, offsets, topics, transactions
 from cdcd.kafka.errors import KafkaSetupError, describe, error_of, missing_topic, setting_of, unknown_topic
 from cdcd.kafka.options import KafkaSinkOptions
-from cdcd.retry import Backoff, RetriesExhausted, Retry, RetryInterrupted, retry_until
 from cdcd.wal.records import Op
 
 log = structlog.get_logger("cdcd.kafka.sink")
-
-_BACKOFF = Backoff(initial_ms=100, max_ms=5000)
-
-
-def _retrying(retry: Retry) -> None:
-    metrics.KAFKA_RETRIES.inc()
-    log.warning(
-        "kafka_retry",
-        error=describe(retry.error),
-        retry_in_s=round(retry.retry_in_s, 3),
-        failing_for_s=round(retry.failing_for_s, 1),
-    )
 
 
 _entry_encoder = msgspec.msgpack.Encoder()
@@ -93,9 +80,6 @@ class KafkaSink(Consumer):
         self._interrupted = threading.Event()
         self._meta_producer: Producer | None = None
         self.sent = 0
-        self._pulled: offsets.Address | None = None
-        """The furthest entry an attempt's iteration reached: a retry goes at least as far (the
-        batch counts everything an iteration pulled as taken)."""
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], source: str) -> KafkaSink:
@@ -164,7 +148,7 @@ class KafkaSink(Consumer):
                 partition=0,
                 on_delivery=delivered,
             )
-        left = p.flush(self.options.max_retry_s or 1.0)
+        left = p.flush(max(self.retry_timeout_s, 1.0))
         if errors or left:
             reason = f"{errors[0].name()}: {errors[0].str()}" if errors else f"{left} records not confirmed"
             self._alive = False
@@ -274,59 +258,34 @@ class KafkaSink(Consumer):
         if self._interrupted.is_set():
             return False
         opts = self.options
-        reached: offsets.Address | None = None
-
-        def attempt() -> None:
-            nonlocal reached
-            try:
-                if self._producer is None or self._node != batch.source_node:
-                    self._open(batch.source_node)
-                reached = self._send(batch, reached)
-            except (KafkaException, TimeoutError, BufferError) as exc:
-                if self._pulled is not None and (reached is None or self._pulled > reached):
-                    reached = self._pulled  # a retry goes at least as far as this attempt's iteration
-                err = error_of(exc) or self._delivery_error
-                setting = setting_of(err) if err is not None else None
-                self._drop_producer()
-                if setting is not None and err is not None:
-                    raise KafkaSetupError(
-                        f"{self.source}: key '{setting}': {err.name()}: {err.str()} (nothing of this batch committed)"
-                    ) from None
-                gone = self._missing_topics() if unknown_topic(err) else []
-                if gone:  # deleted while running: no retry brings it back
-                    where = missing_topic(gone[0], opts.bootstrap_servers)
-                    key = topics.setting_of(gone[0], opts)
-                    raise KafkaSetupError(
-                        f"{self.source}: key '{key}': {where} (nothing of this batch committed)"
-                    ) from None
-                raise
-
         try:
-            retry_until(
-                attempt,
-                opts.max_retry_s,
-                _BACKOFF,
-                retriable=(KafkaException, TimeoutError, BufferError),
-                stop=self._interrupted,
-                on_retry=_retrying,
-            )
-        except KafkaSetupError:
-            self._alive = False
-            raise
-        except RetriesExhausted as exc:
-            self._alive = False
-            raise ConnectionError(
-                f"{self.source}: key 'bootstrap_servers': Kafka at {opts.bootstrap_servers} failing for "
-                f"{exc.failing_for_s:.1f} s (max_retry_s = {opts.max_retry_s:g}): {describe(exc.last)}"
-            ) from None
-        except RetryInterrupted:
-            return False
+            if self._producer is None or self._node != batch.source_node:
+                self._open(batch.source_node)
+            self._send(batch)
+        except (KafkaException, TimeoutError, BufferError) as exc:
+            err = error_of(exc) or self._delivery_error
+            setting = setting_of(err) if err is not None else None
+            self._drop_producer()
+            if setting is not None and err is not None:
+                self._alive = False
+                raise KafkaSetupError(
+                    f"{self.source}: key '{setting}': {err.name()}: {err.str()} (nothing of this batch committed)"
+                ) from None
+            gone = self._missing_topics() if unknown_topic(err) else []
+            if gone:  # deleted while running: no retry brings it back
+                self._alive = False
+                where = missing_topic(gone[0], opts.bootstrap_servers)
+                key = topics.setting_of(gone[0], opts)
+                raise KafkaSetupError(f"{self.source}: key '{key}': {where} (nothing of this batch committed)") from None
+            # The delivery loop offers the batch again (a new producer then aborts what this one
+            # left open and re-reads the stored position), up to retry_timeout_s.
+            metrics.KAFKA_RETRIES.inc()
+            raise RetriableError(f"{self.source}: Kafka at {opts.bootstrap_servers}: {describe(exc)}") from None
         return True
 
-    def _send(self, batch: EventBatch, must_reach: offsets.Address | None) -> offsets.Address | None:
+    def _send(self, batch: EventBatch) -> offsets.Address | None:
         """One transaction: the batch's entries above the stored position (at most
-        ``max_events_per_transaction``, but at least up to ``must_reach``, what an earlier
-        attempt's iteration took) and the position of the last. Returns that position."""
+        ``max_events_per_transaction``) and the position of the last. Returns that position."""
         p = self._producer
         assert p is not None
         opts = self.options
@@ -343,7 +302,6 @@ class KafkaSink(Consumer):
         committed = None if stored is None else stored.address
         generation = 0 if stored is None else stored.generation
         self._delivery_error = None
-        self._pulled = None
         skipped = {"already_sent": 0, "backup": 0, "filtered": 0}
         sent_per_cache: dict[str, int] = {}
         now_ns = time.time_ns()
@@ -366,7 +324,6 @@ class KafkaSink(Consumer):
         for ev in batch:
             pos = ev.position
             here = (pos.segment, pos.offset, pos.entry_index)  # the event's own place, as a plain tuple
-            self._pulled = here
             if committed is not None and here <= committed:
                 assert stored is not None
                 if not offsets.diverged(stored, here, ev.commit_ts_ns):
@@ -412,13 +369,13 @@ class KafkaSink(Consumer):
                 n += 1
             if pos.entry_index == record_ends.get(record):
                 end_transaction(ts_ms)
-            if n >= opts.max_events_per_transaction and (must_reach is None or here >= must_reach):
+            if n >= opts.max_events_per_transaction:
                 break
         for reason, count in skipped.items():
             if count:
                 metrics.KAFKA_SKIPPED_EVENTS.labels(reason).inc(count)
         if last is None:
-            return must_reach  # everything was in Kafka already
+            return None  # everything was in Kafka already
         new_stored = offsets.stored(node, last, tracker.state(), generation, last_ts_ns)
         p.produce(
             opts.offsets_topic,

@@ -288,7 +288,7 @@ class _Worker:
         try:
             result = retry_until(
                 attempt,
-                opts.max_retry_s,
+                opts.retry_timeout_s,
                 _BACKOFF,
                 retriable=(OSError, ProtocolError),
                 stop=app.stopping,
@@ -299,7 +299,7 @@ class _Worker:
         except (RetriesExhausted, RetryInterrupted) as exc:
             raise KafkaToNodeError(
                 f"key 'target': replication target {self.client.target} failing for {exc.failing_for_s:.1f} s "
-                f"(max_retry_s = {opts.max_retry_s:g}): {type(exc.last).__name__}: {exc.last}"
+                f"(retry_timeout_s = {opts.retry_timeout_s:g}): {type(exc.last).__name__}: {exc.last}"
             ) from None
         metrics.K2N_APPLIED.inc(result.applied)
         metrics.K2N_IGNORED.inc(result.duplicates)

@@ -58,6 +58,7 @@ from cdcd.lake.table import (
     change_partitions,
     change_schema,
 )
+from cdcd.logging import one_line
 from cdcd.wal.pointer import WalPointer
 
 log = structlog.get_logger("cdcd.lake")
@@ -74,7 +75,12 @@ _FSYNC_EACH_MAX_FILES = 16
 
 
 class LakeWriteError(RuntimeError):
-    """The lake could not take a batch (one line: the path and the root cause)."""
+    """The lake could not take a batch (one line: the path and the root cause). ``transient``: an
+    I/O error of the disk or the store (unreachable, full), which waiting may cure."""
+
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 def encode_version(ptr: WalPointer) -> int:
@@ -116,8 +122,7 @@ def partition_dir_value(value: str) -> str:
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno:
         return os.strerror(exc.errno)
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+    return f"{type(exc).__name__}: {one_line(str(exc))}"
 
 
 _NEARLY_FULL_BYTES = 16 * 1024 * 1024
@@ -306,7 +311,9 @@ class ChangeTable:
                 self._fsync_dirs({self.path / rel_dir for rel_dir, _, _ in tasks})
         except OSError as exc:
             out.discard()
-            raise LakeWriteError(f"lake {self.path}: writing {table.num_rows} rows failed: {_reason(exc)}") from None
+            raise LakeWriteError(
+                f"lake {self.path}: writing {table.num_rows} rows failed: {_reason(exc)}", transient=True
+            ) from None
         return out
 
     def _fsync_dirs(self, dirs: Iterable[LakeDir]) -> None:
@@ -373,14 +380,17 @@ class ChangeTable:
                 ours = mark == SourceMark(generation, last) and self._committed(attempt, read_version, now)
             except (DeltaError, OSError) as exc:
                 reason = f"lake {self.path}: commit failed: {_commit_reason(self.path, error)}; then: {_reason(exc)}"
-                raise damaged_table(self.path) or LakeWriteError(reason) from None
+                raise damaged_table(self.path) or LakeWriteError(reason, transient=isinstance(exc, OSError)) from None
             if ours:  # landed, failing after its commit point (a checkpoint)
                 log.warning("lake_commit_error_after_landing", error=_reason(error), version=now)
                 self.commits += 1
                 return True
             if now == read_version or not isinstance(error, CommitFailedError):
                 files.discard()
-                raise LakeWriteError(f"lake {self.path}: commit failed: {_commit_reason(self.path, error)}") from None
+                raise LakeWriteError(
+                    f"lake {self.path}: commit failed: {_commit_reason(self.path, error)}",
+                    transient=isinstance(error, OSError),
+                ) from None
             self.conflicts += 1
             if mark != read:
                 files.discard()

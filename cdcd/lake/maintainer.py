@@ -3,7 +3,10 @@
 
 One owned background thread. A failed run is logged with its exception and counted; the next run
 is tried at its normal time (a manual ``cdcd lake compact`` committing at the same moment makes
-one MERGE lose, harmlessly). ``max_consecutive_failures`` failures in a row stop the thread:
+one MERGE lose, harmlessly). A run that loses to another writer's concurrent commit (another
+daemon's maintenance on the same lake: Delta's concurrent-modification conflicts) is no failure:
+it is logged, counted (``cdcd_lake_maintenance_conflicts_total``) and tried again after a backoff
+delay. ``max_consecutive_failures`` real failures in a row stop the thread:
 ``alive()`` turns False and ``check()`` raises ``MaintenanceFailed`` naming the last error, so the
 owner (the sink's ``alive()``/``on_events``) fails loudly instead of a lake whose state silently
 stops advancing. Every step is idempotent (compaction through its application transaction), so
@@ -12,6 +15,7 @@ cancelling a run at ``stop()`` loses nothing.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -21,14 +25,49 @@ from typing import Any
 
 import structlog
 
+from cdcd import metrics
 from cdcd.lake.compact import CompactResult, compact
 from cdcd.lake.ops import optimize
+from cdcd.logging import describe
+from cdcd.retry import Backoff
 
 log = structlog.get_logger("cdcd.lake")
 
 
 class MaintenanceFailed(RuntimeError):
     """Scheduled maintenance gave up after ``max_consecutive_failures`` failures in a row."""
+
+
+CONFLICTS = (
+    "ConcurrentTransactionException",
+    "ConcurrentDeleteReadException",
+    "ConcurrentDeleteDeleteException",
+    "ConcurrentAppendException",
+    "MetadataChangedException",
+    "ProtocolChangedException",
+    "CommitFailedError",
+    "Transaction failed: ",
+    "version already exists",
+)
+"""Delta's concurrent-modification conflicts: delta-spark's exception classes (in the Py4J error's
+text) and delta-rs' ``CommitFailedError``. Another writer committed first; the run can be redone."""
+
+CONFLICT_BACKOFF = Backoff(initial_ms=500, max_ms=30_000, jitter=0.5)
+"""Between a lost run and its retry: jittered, so that two daemons do not collide again in step."""
+
+
+_CREATED_BESIDE = re.compile(r"DELTA_CREATE_TABLE_WITH_NON_EMPTY_LOCATION.*?location \('([^']+)'\)")
+"""Two first compactions creating one table (``state``) at once: the loser finds the winner's files."""
+
+
+def is_conflict(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a Delta concurrent-modification conflict, or a table creation
+    that lost to a neighbour's (the location it found not empty is a Delta table now)."""
+    text = f"{type(exc).__name__}: {describe(exc)}"
+    if any(name in text for name in CONFLICTS):
+        return True
+    created = _CREATED_BESIDE.search(text)
+    return created is not None and (Path(created.group(1)) / "_delta_log").is_dir()
 
 
 @dataclass(frozen=True)
@@ -77,6 +116,7 @@ class Maintainer:
         self.compactions = 0
         self.optimizations = 0
         self.failures = 0
+        self.conflicts = 0
         self.last_compact: CompactResult | None = None
         self.error: BaseException | None = None
         """The exception that stopped the Maintainer (None while healthy)."""
@@ -116,8 +156,8 @@ class Maintainer:
         if self.error is not None:
             raise MaintenanceFailed(
                 f"{self.lake}: scheduled lake maintenance failed {self.options.max_consecutive_failures} times "
-                f"in a row, last: {type(self.error).__name__}: {self.error}"
-            ) from self.error
+                f"in a row, last: {describe(self.error)}"
+            ) from None  # the text carries the cause, on the one line the daemon exits with
 
     # --- the thread --------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -128,6 +168,7 @@ class Maintainer:
             "optimize": now + opts.optimize_interval_s if opts.optimize_interval_s else None,
         }
         consecutive = 0
+        conflict_delays = CONFLICT_BACKOFF.delays_s()
         sc = self._spark.sparkContext
         sc.setJobGroup(self._group, "cdcd lake maintenance", interruptOnCancel=True)
         while not self._stop.is_set():
@@ -139,9 +180,19 @@ class Maintainer:
             try:
                 self._run_one(task)
                 consecutive = 0
+                conflict_delays = CONFLICT_BACKOFF.delays_s()
             except Exception as exc:
                 if self._stop.is_set():
                     break  # cancelled by stop(): idempotent work, nothing to report
+                if is_conflict(exc):
+                    retry_in_s = next(conflict_delays)
+                    self.conflicts += 1
+                    metrics.LAKE_MAINTENANCE_CONFLICTS.labels(task).inc()
+                    log.warning(
+                        "lake_maintenance_conflict", task=task, error=describe(exc), retry_in_s=round(retry_in_s, 3)
+                    )
+                    due[task] = self._clock() + retry_in_s
+                    continue
                 consecutive += 1
                 self.failures += 1
                 self.last_failure = exc

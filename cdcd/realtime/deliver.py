@@ -13,11 +13,13 @@ from collections.abc import Callable, Iterator, Sequence
 import structlog
 
 from cdcd import metrics
-from cdcd.consumer import Consumer, EventBatch, RecordSlice
+from cdcd.consumer import DEFAULT_RETRY_TIMEOUT_S, Consumer, EventBatch, RecordSlice, RetriableError
 from cdcd.delivery import Batch, Batcher, CacheChange, DeliveryLoop, feed_active
+from cdcd.logging import describe
 from cdcd.node.config import NodeConfig
 from cdcd.node.wal_log import WalLog
 from cdcd.realtime.machine import RealtimeMachine
+from cdcd.retry import RetriesExhausted, Retry
 from cdcd.wal.pointer import WalPointer, WalPosition
 from cdcd.wal.reader import iter_chunk
 from cdcd.wal.records import CacheInfo, DataRecord, Record
@@ -61,7 +63,13 @@ class Deliverer:
         self._stop = stop
         self.last_event_ts_ns = 0
         self.loop = DeliveryLoop(
-            self._on_events, self._commit, stopping=self._stopping, retry_wait=self._retry_wait, observe=self._observe
+            self._on_events,
+            self._commit,
+            stopping=self._stopping,
+            retry_wait=self._retry_wait,
+            observe=self._observe,
+            pause=self._pause,
+            on_retry=self._on_retry,
         )
         self.batcher: Batcher | None = None
         """Batches and cache changes of the current run of deliveries (None: a new run begins)."""
@@ -137,16 +145,44 @@ class Deliverer:
             consumer.on_cache_destroy(change.destroyed)
 
     def _deliver(self, item: Batch) -> None:
-        if not self.loop.deliver(item):
+        self.loop.retry_timeout_s = float(getattr(self._consumer(), "retry_timeout_s", DEFAULT_RETRY_TIMEOUT_S))
+        try:
+            delivered = self.loop.deliver(item)
+        except RetriesExhausted as exc:
+            log.error(
+                "realtime_consumer_failed",
+                error=f"failing for {exc.failing_for_s:.1f} s over {exc.attempts} attempt(s) "
+                f"(retry_timeout_s = {self.loop.retry_timeout_s:g}): {describe(exc.last)}",
+            )
+            self._stop("consumer_error", True)
+            raise Stopped from None
+        if not delivered:
             raise Stopped  # the daemon delivers from the last commit, which is before these events
 
     def _on_events(self, events: EventBatch) -> bool:
         try:
             return self._consumer().on_events(events)
+        except RetriableError:
+            raise  # waited out by the delivery loop
         except Exception as exc:
-            log.error("realtime_consumer_failed", error=f"{type(exc).__name__}: {exc}")
+            log.error("realtime_consumer_failed", error=describe(exc))
             self._stop("consumer_error", True)
             raise Stopped from None
+
+    def _on_retry(self, retry: Retry) -> None:
+        metrics.RT_CONSUMER_RETRIES.inc()
+        log.warning(
+            "consumer_retrying",
+            error=describe(retry.error),
+            attempt=retry.attempt,
+            retry_in_s=round(retry.retry_in_s, 3),
+            failing_for_s=round(retry.failing_for_s, 1),
+            retry_timeout_s=self.loop.retry_timeout_s,
+        )
+
+    def _pause(self, delay_s: float) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: self.machine.stopping, delay_s)
 
     def _observe(self, taken: Sequence[RecordSlice], _events: EventBatch, took: int, _ok: bool) -> None:
         if took:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from cdcd.config import ConfigError
-from cdcd.consumer import Consumer
+from cdcd.consumer import DEFAULT_RETRY_TIMEOUT_S, Consumer
+
+COMMON_KEYS = ("kind", "retry_timeout_s")
+"""Keys of every ``[consumer]`` table, read here (the rest goes to the kind's own options)."""
 
 ConsumerFactory = Callable[[Mapping[str, Any], str], Consumer]
 
@@ -65,5 +69,24 @@ def load_consumer(table: Mapping[str, Any], source: str = "consumer") -> Consume
     factory = KINDS.get(kind)
     if factory is None:
         raise ConfigError(f"{source}: key 'kind': unknown consumer kind {kind!r} (one of: {', '.join(sorted(KINDS))})")
-    options = {k: v for k, v in table.items() if k != "kind"}
-    return factory(options, source)
+    retry_timeout_s = _retry_timeout_s(table, source)
+    options = {k: v for k, v in table.items() if k not in COMMON_KEYS}
+    consumer = factory(options, source)
+    try:
+        consumer.retry_timeout_s = retry_timeout_s
+    except AttributeError:  # a user class with __slots__ and no such slot
+        raise ConfigError(
+            f"{source}: key 'class': {type(consumer).__name__} cannot take retry_timeout_s "
+            "(subclass cdcd.consumer.Consumer)"
+        ) from None
+    return consumer
+
+
+def _retry_timeout_s(table: Mapping[str, Any], source: str) -> float:
+    """``retry_timeout_s``, every kind's: how long a transient failure is retried before the consumer fails."""
+    if "max_retry_s" in table:
+        raise ConfigError(f"{source}: key 'max_retry_s' is now 'retry_timeout_s' (one option for every consumer kind)")
+    value = table.get("retry_timeout_s", DEFAULT_RETRY_TIMEOUT_S)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{source}: key 'retry_timeout_s': {value!r}: must be a finite number of seconds >= 0")
+    return float(value)

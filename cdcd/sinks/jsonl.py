@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from cdcd.config import convert
-from cdcd.consumer import OP_NAMES, Consumer, EventBatch, RecordSlice
+from cdcd.consumer import OP_NAMES, Consumer, EventBatch, RecordSlice, RetriableError
 from cdcd.wal.dump import jsonable
 
 _WRITE_LINES = 4096
@@ -60,6 +60,20 @@ class JsonlConsumer(Consumer):
         fd = self._fd
         if fd is None:
             raise RuntimeError("JsonlConsumer.on_events before start()")
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            self._write_batch(fd, batch)
+        except OSError as exc:
+            # A full or failing disk: cut what this attempt wrote (a retry writes it whole again),
+            # then let the delivery loop wait it out.
+            try:
+                os.ftruncate(fd, start)
+            except OSError as cut:
+                raise RuntimeError(f"{self.path}: cannot cut a failed write back to {start} bytes: {cut}") from exc
+            raise RetriableError(f"{self.path}: {type(exc).__name__}: {exc}") from exc
+        return True
+
+    def _write_batch(self, fd: int, batch: EventBatch) -> None:
         lines: list[dict[str, Any]] = []
         for s in batch.slices:
             for i in range(s.start, s.end):
@@ -71,7 +85,6 @@ class JsonlConsumer(Consumer):
             _write_all(fd, self._encoder.encode_lines(lines))
         if self.fsync:
             os.fdatasync(fd)
-        return True
 
     def _line(self, batch: EventBatch, s: RecordSlice, i: int) -> dict[str, Any]:
         e = s.record.entries[i]

@@ -24,7 +24,7 @@ import structlog
 
 from cdcd import metrics
 from cdcd.config import check_ranges, convert
-from cdcd.consumer import CacheInfo, Consumer, EventBatch, RecordSlice
+from cdcd.consumer import CacheInfo, Consumer, EventBatch, RecordSlice, RetriableError
 from cdcd.delivery import slices_from
 from cdcd.durable import write_atomic
 from cdcd.lake import spark as spark_session
@@ -35,6 +35,7 @@ from cdcd.lake.maintainer import Maintainer, MaintainerOptions
 from cdcd.lake.spark_write import BatchInfo, write_on_executors
 from cdcd.lake.storage import LakeDir, LakeLocation, LakeStorageError, ObjectPath, StorageOptions, check_writable
 from cdcd.lake.typed_declared import DeclaredSchemaError, DeclaredTable, TableOptions, check_declared
+from cdcd.logging import describe
 from cdcd.secrets import mask_mapping
 from cdcd.wal.pointer import WalPointer, WalPosition
 
@@ -61,6 +62,14 @@ def root_cause(exc: BaseException) -> str:
             log.debug("java_cause_unavailable", error=str(inner))
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _io_error(cause: str) -> bool:
+    """Whether a Spark task's root cause is an I/O error of the disk or the store (waiting may cure it)."""
+    return any(
+        name in cause
+        for name in ("IOException", "SocketException", "ConnectException", "SdkClientException", "Timeout")
+    )
 
 
 class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -205,11 +214,16 @@ class LakeConsumer(Consumer):
             self._maintainer.start()
 
     def alive(self) -> bool:
-        return self._maintainer is None or self._maintainer.alive()
+        if self._maintainer is not None:
+            self._maintainer.check()  # MaintenanceFailed names the cause in the caller's exit line
+        return True
 
     def stop(self) -> None:
         if self._maintainer is not None:
-            self._maintainer.stop()
+            try:
+                self._maintainer.stop()
+            except TimeoutError as exc:  # its Spark jobs ignore the cancel: the process ends it (a daemon thread)
+                log.warning("lake_maintainer_stop_timeout", error=str(exc))
             self._maintainer = None
         if self._spark is not None:
             self._spark = None
@@ -234,6 +248,16 @@ class LakeConsumer(Consumer):
             raise RuntimeError("lake sink used before start()")
         if self._maintainer is not None:
             self._maintainer.check()  # scheduled maintenance gave up: fail with its error
+        try:
+            return self._land(table, batch)
+        except (LakeWriteError, OSError) as exc:
+            # The store unreachable, the disk full: the delivery loop offers the batch again (the
+            # source's mark in the table drops whatever an attempt did land).
+            if isinstance(exc, OSError) or exc.transient:
+                raise RetriableError(f"lake {self.lake}: {describe(exc)}") from exc
+            raise
+
+    def _land(self, table: ChangeTable, batch: EventBatch) -> bool:
         source = batch.source_node
         slices = batch.slices
         while True:
@@ -327,7 +351,10 @@ class LakeConsumer(Consumer):
             return write_on_executors(self._spark, table, self.location, parts, info)
         except Exception as exc:
             rows = sum(s.end - s.start for part in parts for s in part)
-            raise LakeWriteError(f"writing {rows} rows to {table.path} failed: {root_cause(exc)}") from None
+            cause = root_cause(exc)
+            raise LakeWriteError(
+                f"writing {rows} rows to {table.path} failed: {cause}", transient=_io_error(cause)
+            ) from None
 
     def _write_arrow(
         self, table: ChangeTable, parts: list[list[RecordSlice]], batch: EventBatch, generation: int

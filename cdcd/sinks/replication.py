@@ -3,10 +3,10 @@
 Entries go in per-cache Apply requests in WAL order; a request is closed early when a key comes
 again (as Ignite's applier does), so one request never holds two changes of one key. The batch is
 confirmed only when the target has made every request durable. A lost connection is retried with
-capped exponential backoff, re-sending the whole batch: the target's resolver recognises the
-changes it already applied (same origin version) and counts them as duplicates. After
-``max_retry_s`` without success the consumer reports ``alive() == False`` and raises, so the
-daemon exits and its service manager restarts it.
+exponential backoff by the delivery loop (``RetriableError``), re-sending the whole batch: the
+target's resolver recognises the changes it already applied (same origin version) and counts them
+as duplicates. After ``retry_timeout_s`` without success the daemon exits (code 4) and its service
+manager restarts it; a target that refuses us (``TargetRefused``) fails at once.
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ import structlog
 
 from cdcd import metrics
 from cdcd.config import check_ranges, convert
-from cdcd.consumer import Consumer, EventBatch
+from cdcd.consumer import Consumer, EventBatch, RetriableError
 from cdcd.replication.client import TargetRefused
 from cdcd.replication.protocol import Applied, ProtocolError, ReplEntry
 from cdcd.replication.target import TargetOptions
-from cdcd.retry import Backoff, RetriesExhausted, Retry, RetryInterrupted, retry_until
 
 log = structlog.get_logger("cdcd.sinks.replication")
 
@@ -43,9 +42,6 @@ class ReplicationOptions(TargetOptions, frozen=True, forbid_unknown_fields=True,
     """Requests sent before waiting for the oldest reply."""
     connect_timeout_ms: int = 5000
     request_timeout_ms: int = 30_000
-    max_retry_s: float = 60.0
-    """Retry a failing target this long, then fail (the daemon exits; systemd restarts it)."""
-    retry_backoff_max_ms: int = 5000
 
     def __post_init__(self) -> None:
         checks = {
@@ -54,8 +50,6 @@ class ReplicationOptions(TargetOptions, frozen=True, forbid_unknown_fields=True,
             "max_in_flight": self.max_in_flight >= 1,
             "connect_timeout_ms": self.connect_timeout_ms >= 1,
             "request_timeout_ms": self.request_timeout_ms >= 1,
-            "max_retry_s": self.max_retry_s >= 0,
-            "retry_backoff_max_ms": self.retry_backoff_max_ms >= 1,
         }
         check_ranges(self, checks)
 
@@ -135,22 +129,11 @@ class ReplicationConsumer(Consumer):
             if out:
                 yield batch.cache_name(cache_id), out
 
-    def _retrying(self, retry: Retry) -> None:
-        metrics.REPL_RETRIES.inc()
-        log.warning(
-            "replication_retry",
-            target=self.client.target,
-            error=f"{type(retry.error).__name__}: {retry.error}",
-            retry_in_s=round(retry.retry_in_s, 3),
-            failing_for_s=round(retry.failing_for_s, 1),
-        )
-
     def on_events(self, batch: EventBatch) -> bool:
         if not len(batch):
             return True
         if self._interrupted.is_set():
             return False  # stopping: confirm nothing more
-        opts = self.options
         skipped: dict[str, int] = {}
 
         def attempt() -> Applied:
@@ -164,29 +147,15 @@ class ReplicationConsumer(Consumer):
             return self.client.apply_all(self._requests(batch, skipped))
 
         try:
-            result = retry_until(
-                attempt,
-                opts.max_retry_s,
-                Backoff(max_ms=opts.retry_backoff_max_ms),
-                # ConnectionError, TimeoutError and ssl.SSLError are OSErrors
-                retriable=(OSError, ProtocolError),
-                stop=self._interrupted,
-                on_retry=self._retrying,
-            )
+            result = attempt()
         except TargetRefused:
             self._alive = False
             raise
-        except RetriesExhausted as exc:
-            self._alive = False
-            raise ConnectionError(
-                f"replication target {self.client.target}: failing for {exc.failing_for_s:.1f} s "
-                f"(max_retry_s = {opts.max_retry_s:g}): {type(exc.last).__name__}: {exc.last}"
-            ) from exc.last
-        except RetryInterrupted as exc:
-            log.info(
-                "replication_retry_interrupted", target=self.client.target, failing_for_s=round(exc.failing_for_s, 1)
-            )
-            return False
+        except (OSError, ProtocolError) as exc:  # ConnectionError, TimeoutError and ssl.SSLError are OSErrors
+            # The client closed the connection: the delivery loop offers the batch again, the next
+            # attempt reconnects and re-sends it whole (the target counts what it had as duplicates).
+            metrics.REPL_RETRIES.inc()
+            raise RetriableError(f"replication target {self.client.target}: {type(exc).__name__}: {exc}") from exc
         sent = result.applied + result.rejected + result.duplicates
         self.sent += sent
         self.applied += result.applied

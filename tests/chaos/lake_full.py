@@ -1,6 +1,7 @@
 """Scenario 4: the lake's file system fills up (a small tmpfs mounted for the lake), with a backlog and with a node
-writing live. ``cdcd run`` with the lake sink (``kind = "lake"``, deltalake writer: no JVM) must exit 4 with one
-``cdcd: error:`` line naming the cause, its state not past what the lake holds (and not behind it); readers must
+writing live. ``cdcd run`` with the lake sink (``kind = "lake"``, deltalake writer: no JVM) waits the full disk
+out for its ``retry_timeout_s`` (2 s here), then must exit 4 with one ``cdcd: error:`` line naming the cause, its
+state not past what the lake holds (and not behind it); readers must
 never see a file the commit log does not name. After growing the file system (remount with a bigger size) a
 restarted daemon lands every WAL entry exactly once: the change log, read with pyarrow, holds one row per WAL data
 entry equal to it, no duplicates.
@@ -33,7 +34,8 @@ from tests.support.writer import make_node
 
 
 def lake_consumer(lake: Path) -> dict[str, object]:
-    return {"kind": "lake", "lake_path": str(lake), "writer": "deltalake"}
+    # A full disk is waited out (a transient I/O error); 2 s of it here, so the scenario sees the exit.
+    return {"kind": "lake", "lake_path": str(lake), "writer": "deltalake", "retry_timeout_s": 2}
 
 
 def check_failure(err: Path, rc: int, lake: Path, config: Path, node_dir: Path) -> None:
@@ -42,7 +44,7 @@ def check_failure(err: Path, rc: int, lake: Path, config: Path, node_dir: Path) 
     lines = error_lines(err)
     check(rc == 4, f"daemon exit {rc} on a full lake, expected 4: {text[-1500:]}")
     check(len(lines) == 1, f"expected one error line, got {lines}")
-    check(lines[0].startswith("cdcd: error: consumer on_events() raised"), f"error line: {lines[0]}")
+    check(lines[0].startswith("cdcd: error: consumer on_events() failing for"), f"error line: {lines[0]}")
     check("No space left on device" in lines[0], f"the error line does not name the cause: {lines[0]}")
     check(text.rstrip("\n").splitlines()[-1] == lines[0], "something follows the error line on stderr")
     positions = archived_positions(node_dir)  # the node may be running: only what is archived

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.chaos import backpressure, cdc_full, clock, consumer_fail, kills, lake_full, stalls
+from tests.chaos import backpressure, cdc_full, clock, consumer_fail, kills, lake_full, neighbours, stalls
 from tests.support.chaos import Ctx, Result, run_scenario
 from tests.support.procs import ROOT
 
@@ -53,6 +53,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("clock-jumps", clock.clock_jumps),
     Scenario("slow-consumer", backpressure.slow_consumer),
     Scenario("consumer-raises", consumer_fail.consumer_raises),
+    Scenario("lake-neighbours", neighbours.lake_neighbours),
 )
 
 

@@ -1,0 +1,173 @@
+"""Transient outages are ridden out (issue 29 item 3): the object store under the lake and the Kafka broker are
+stopped for 30 s while a node writes and `cdcd run` delivers. The daemon never exits: it logs one
+``consumer_retrying`` line per backoff step, counts ``cdcd_daemon_consumer_retries_total``, and once the server is
+back every WAL entry is in the lake (or the topic) exactly once."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from deltalake import DeltaTable
+
+from cdcd.lake.storage import LakeLocation, StorageOptions
+from cdcd.node.identity import read_node_id
+from tests.support.chaos import free_port, scrape
+from tests.support.kafka import Broker, kafka_broker, positions_of, read_topic
+from tests.support.lake import caught_up, position, write_config
+from tests.support.procs import child_env, log_events, start_daemon, stop_daemon, wait_for
+from tests.support.servers import MINIO_BIN, MINIO_PASSWORD, MINIO_USER, MinioServer
+from tests.support.wal import wal_events
+from tests.support.writer import start_writer, writer_count
+
+__all__ = ["kafka_broker"]  # the fixture, used by name
+
+OUTAGE_S = 30.0
+
+
+@pytest.fixture
+def minio(tmp_path: Path) -> Iterator[MinioServer]:
+    if not MINIO_BIN.exists():
+        pytest.fail(f"{MINIO_BIN} missing: run `make install` (scripts/ensure-minio.sh builds it)")
+    server = MinioServer(tmp_path / "minio" / "data")
+    server.start()
+    server.create_bucket("lake")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def ride_out(
+    proc: Any, err: Path, metrics_port: int, stop: Callable[[], None], start: Callable[[], None]
+) -> tuple[float, int]:
+    """Stop the server for OUTAGE_S while the daemon runs, then start it again; the daemon must stay up and
+    retry meanwhile. Returns (outage seconds, retry steps counted during it)."""
+    stop()
+    t0 = time.monotonic()
+    # The outage's length is the experiment; the daemon is watched all along (it must never exit).
+    wait_for(lambda: proc.poll() is not None or time.monotonic() - t0 >= OUTAGE_S, OUTAGE_S + 30, "the outage")
+    assert proc.poll() is None, f"the daemon exited during the outage:\n{err.read_text()[-3000:]}"
+    retries = int(scrape(metrics_port)["cdcd_daemon_consumer_retries_total"][0][1])
+    start()
+    outage_s = time.monotonic() - t0
+    assert proc.poll() is None, err.read_text()[-3000:]
+    return outage_s, retries
+
+
+def check_retry_lines(err: Path, retries: int) -> list[dict[str, Any]]:
+    steps = [e for e in log_events(err) if e["event"] == "consumer_retrying"]
+    assert retries >= 2 and len(steps) >= retries, (retries, len(steps))
+    assert all(e["level"] == "warning" and e["retry_timeout_s"] == 300 for e in steps)
+    assert all(0 < e["retry_in_s"] <= 5 and e["attempt"] >= 1 for e in steps)
+    assert all("\n" not in e["error"] and "\x1b" not in e["error"] for e in steps)
+    lines = err.read_text().splitlines()
+    assert all(line.startswith("{") for line in lines), [x for x in lines if not x.startswith("{")][:5]
+    return steps
+
+
+def test_a_30s_object_store_outage_is_ridden_out(tmp_path: Path, minio: MinioServer) -> None:
+    """MinIO stopped for 30 s under load while the JVM-free writer lands the lake on it: the daemon retries
+    (never exits), then lands every WAL entry exactly once."""
+    node_dir = tmp_path / "node"
+    writer = start_writer(tmp_path, node_dir, count=0, pause_ms=60)
+    wait_for(lambda: (node_dir / "cdc").is_dir() or writer.poll() is not None, 60, "the node's cdc dir")
+    storage = {"endpoint": minio.endpoint, "path_style": True}
+    lake = "s3://lake/outage"
+    consumer = {"kind": "lake", "lake_path": lake, "writer": "deltalake", "storage": storage}
+    port = free_port()
+    config = write_config(
+        tmp_path / "cdcd.toml", node_dir, consumer, batch_max_events=5000, metrics_address=f"127.0.0.1:{port}"
+    )
+    env = {**child_env(), "AWS_ACCESS_KEY_ID": MINIO_USER, "AWS_SECRET_ACCESS_KEY": MINIO_PASSWORD}
+    err = tmp_path / "daemon.err"
+    proc = start_daemon(config, err, env=env)
+    try:
+        wait_for(lambda: proc.poll() is not None or position(config) is not None, 180, "a first landed batch")
+        assert proc.poll() is None, err.read_text()[-3000:]
+        outage_s, retries = ride_out(proc, err, port, minio.stop, minio.start)
+        (tmp_path / "writer.stop").touch()
+        assert writer.wait(120) == 0
+        until = caught_up(node_dir)
+        wait_for(lambda: proc.poll() is not None or position(config) == until, 300, f"the daemon to land {until}", 0.25)
+        assert proc.poll() is None, err.read_text()[-3000:]
+        total_retries = int(scrape(port)["cdcd_daemon_consumer_retries_total"][0][1])
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+        rc = stop_daemon(proc, timeout=60)
+    assert rc == 0, err.read_text()[-3000:]
+    steps = check_retry_lines(err, retries)
+    assert any("lake s3://lake/outage" in e["error"] for e in steps), steps[0]
+
+    loc = LakeLocation(lake, StorageOptions(**storage), env=env)
+    dt = DeltaTable(loc.uri("changes"), storage_options=loc.delta_options)
+    rows = dt.to_pyarrow_table(columns=["source_node", "wal_segment", "wal_offset", "wal_index", "op", "key"])
+    node = str(read_node_id(node_dir))
+    assert set(rows.column("source_node").to_pylist()) == {node}
+    got = Counter(zip(*(rows.column(c).to_pylist() for c in ("wal_segment", "wal_offset", "wal_index", "op", "key"))))
+    events = wal_events(node_dir)
+    want = Counter((*e["pos"], e["op"], json.dumps(e["key"], separators=(",", ":"))) for e in events)
+    assert max(got.values()) == 1, "an entry landed twice"
+    assert set(got) == set(want), f"{len(set(want) - set(got))} missing, {len(set(got) - set(want))} unknown"
+    print(
+        f"\nstore outage {outage_s:.1f} s: {retries} retry steps during it ({total_retries} in all), "
+        f"{len(events)} entries of {writer_count(tmp_path)} transactions landed once"
+    )
+
+
+def test_a_30s_broker_outage_is_ridden_out(kafka_broker: Broker, tmp_path: Path) -> None:
+    """The Kafka broker stopped for 30 s under load: the daemon retries (never exits), then every WAL entry is in
+    the topic exactly once (read_committed)."""
+    node_dir = tmp_path / "node"
+    topic = "outage"
+    writer = start_writer(tmp_path, node_dir, count=0, pause_ms=60)
+    wait_for(lambda: (node_dir / "cdc").is_dir() or writer.poll() is not None, 60, "the node's cdc dir")
+    consumer = {
+        "kind": "kafka",
+        "bootstrap_servers": kafka_broker.bootstrap,
+        "topic": topic,
+        "topic_partitions": 4,
+        # a dead broker fails a transaction within seconds, so the outage is seen as retry steps
+        "transaction_timeout_ms": 10_000,
+        "request_timeout_ms": 5000,
+    }
+    port = free_port()
+    config = write_config(
+        tmp_path / "cdcd.toml", node_dir, consumer, batch_max_events=5000, metrics_address=f"127.0.0.1:{port}"
+    )
+    err = tmp_path / "daemon.err"
+    proc = start_daemon(config, err)
+    try:
+        wait_for(lambda: proc.poll() is not None or position(config) is not None, 120, "a first delivered batch")
+        assert proc.poll() is None, err.read_text()[-3000:]
+        outage_s, retries = ride_out(proc, err, port, kafka_broker.stop, kafka_broker.start)
+        (tmp_path / "writer.stop").touch()
+        assert writer.wait(120) == 0
+        until = caught_up(node_dir)
+        wait_for(lambda: proc.poll() is not None or position(config) == until, 300, f"the daemon to send {until}", 0.25)
+        assert proc.poll() is None, err.read_text()[-3000:]
+        total_retries = int(scrape(port)["cdcd_daemon_consumer_retries_total"][0][1])
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+        rc = stop_daemon(proc, timeout=60)
+    assert rc == 0, err.read_text()[-3000:]
+    steps = check_retry_lines(err, retries)
+    assert any(f"Kafka at {kafka_broker.bootstrap}" in e["error"] for e in steps), steps[0]
+    assert any(e["event"] == "librdkafka" for e in log_events(err)), "librdkafka's lines, as JSON events"
+
+    events = wal_events(node_dir)
+    got = [p for ps in positions_of(read_topic(kafka_broker.bootstrap, topic)).values() for p in ps]
+    expected = [tuple(e["pos"]) for e in events]
+    assert len(got) == len(set(got)), f"{len(got) - len(set(got))} duplicates"
+    assert set(got) == set(expected), (
+        f"{len(set(expected) - set(got))} missing, {len(set(got) - set(expected))} unknown"
+    )
+    print(f"\nbroker outage {outage_s:.1f} s: {retries} retry steps during it ({total_retries} in all), ", end="")
+    print(f"{len(events)} entries sent once")
