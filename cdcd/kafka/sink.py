@@ -276,7 +276,9 @@ class KafkaSink(Consumer):
                 self._alive = False
                 where = missing_topic(gone[0], opts.bootstrap_servers)
                 key = topics.setting_of(gone[0], opts)
-                raise KafkaSetupError(f"{self.source}: key '{key}': {where} (nothing of this batch committed)") from None
+                raise KafkaSetupError(
+                    f"{self.source}: key '{key}': {where} (nothing of this batch committed)"
+                ) from None
             # The delivery loop offers the batch again (a new producer then aborts what this one
             # left open and re-reads the stored position), up to retry_timeout_s.
             metrics.KAFKA_RETRIES.inc()
