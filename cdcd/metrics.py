@@ -297,7 +297,7 @@ REPL_SENT_EVENTS = Counter(
 )
 REPL_SKIPPED_EVENTS = Counter(
     "cdcd_replication_skipped_events_total",
-    "Events not sent: replicated from elsewhere (no loops), backup copies, or caches not selected",
+    "Events not sent: replicated from elsewhere (no loops) or backup copies",
     ["reason"],
     registry=REPLICATION_SENDER,
 )
@@ -338,7 +338,7 @@ KAFKA_SENT_EVENTS = Counter(
 )
 KAFKA_SKIPPED_EVENTS = Counter(
     "cdcd_kafka_skipped_events_total",
-    "Changes not sent: already in Kafka (at or below the stored position), backup copies, caches not selected",
+    "Changes not sent: already in Kafka (at or below the stored position) or backup copies",
     ["reason"],
     registry=KAFKA_SINK,
 )

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from cdcd.config import ConfigError, check_address, check_ranges, convert, load_toml, read_toml
+from cdcd.config import CacheFilter, ConfigError, check_address, check_ranges, convert, load_toml, read_toml
 from cdcd.node.config import NodeConfig
 
 MiB = 1 << 20
@@ -154,6 +154,7 @@ def load_daemon_config(
     config = convert(data, DaemonConfig, str(path))
     if "kind" not in config.consumer:
         raise ConfigError(f"{path}: missing key 'consumer.kind'")
+    CacheFilter.from_table(config.consumer, f"{path}: consumer")
     try:
         config.node()
     except ConfigError as exc:

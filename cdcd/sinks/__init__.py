@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from cdcd.config import ConfigError
+from cdcd.config import CACHE_FILTER_KEYS, CacheFilter, ConfigError
 from cdcd.consumer import Consumer
 
 ConsumerFactory = Callable[[Mapping[str, Any], str], Consumer]
@@ -58,12 +58,16 @@ KINDS: dict[str, ConsumerFactory] = {
 
 
 def load_consumer(table: Mapping[str, Any], source: str = "consumer") -> Consumer:
-    """Build the consumer a ``[consumer]`` table describes; errors name ``source`` and the key."""
+    """Build the consumer a ``[consumer]`` table describes; errors name ``source`` and the key.
+
+    ``caches`` and ``exclude_caches`` are checked here but are not the consumer's: whoever delivers
+    to it (the daemon, the node's realtime worker) applies them to the batches (``CacheFilter``)."""
     kind = table.get("kind")
     if kind is None:
         raise ConfigError(f"{source}: missing key 'kind' (one of: {', '.join(sorted(KINDS))})")
     factory = KINDS.get(kind)
     if factory is None:
         raise ConfigError(f"{source}: key 'kind': unknown consumer kind {kind!r} (one of: {', '.join(sorted(KINDS))})")
-    options = {k: v for k, v in table.items() if k != "kind"}
+    CacheFilter.from_table(table, source)
+    options = {k: v for k, v in table.items() if k != "kind" and k not in CACHE_FILTER_KEYS}
     return factory(options, source)
