@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from cdcd.cli import main
+from cdcd.config import CACHE_FILTER_KEYS
 from cdcd.daemon.config import DaemonConfig
 from cdcd.kafka.options import KafkaSinkOptions, KafkaToNodeOptions
 from cdcd.lake.storage import StorageOptions
@@ -159,6 +160,8 @@ def fields(cls: type[msgspec.Struct]) -> set[str]:
     names = {f.encode_name for f in msgspec.structs.fields(cls)}
     if cls is KafkaToNodeOptions:  # its target's keys are written at the top level (TargetOptions.split)
         names = (names - {"replication"}) | fields(TargetOptions)
+    if cls in SINKS.values():  # every consumer table's, read by whoever delivers to it (CacheFilter)
+        names |= set(CACHE_FILTER_KEYS)
     return names
 
 
