@@ -182,7 +182,9 @@ def _jvm_popen(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
     """PySpark's gateway Popen, with SIGTERM and SIGINT ignored in the JVM (as PySpark already does for
     SIGINT): systemd (every process of the unit's cgroup) and Ctrl-C (the process group) signal the JVM
     too, which would fail the batch in flight; the daemon stops the JVM itself (session stop, or EOF on
-    the JVM's stdin when the daemon dies)."""
+    the JVM's stdin when the daemon dies). The JVM's stdout is this process's stderr: what Spark and
+    Delta print there (VACUUM's "Deleted N files ..." line) is not a result of cdcd's commands, whose
+    stdout is theirs alone."""
     inner = kwargs.get("preexec_fn")
 
     def preexec() -> None:
@@ -190,6 +192,7 @@ def _jvm_popen(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
             inner()
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        os.dup2(2, 1)
 
     kwargs["preexec_fn"] = preexec
     return subprocess.Popen(*args, **kwargs)
