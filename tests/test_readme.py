@@ -102,10 +102,11 @@ def test_the_first_look_runs_as_written(tmp_path: Path, monkeypatch: pytest.Monk
         state_argv, _ = _argv(lines[2])
         state = subprocess.run(state_argv, capture_output=True, text=True, env=env, timeout=60)
         assert state.returncode == 0, state.stderr
-        assert "DAEMON_ACTIVE" in state.stdout or "NODE_ACTIVE" in state.stdout, state.stdout
+        shown = dict(line.split(maxsplit=1) for line in state.stdout.splitlines() if " " in line.strip())
+        assert shown["mode"] in ("ACTIVE", "PASSIVE") and "orders" in shown["caches"], state.stdout
         status = subprocess.run(status_argv, capture_output=True, text=True, env=env, timeout=60)
         assert status.returncode == 0, status.stderr
-        assert "var/node1" in status.stdout or "node" in status.stdout, status.stdout
+        assert shown["node_id"].strip() in status.stdout, status.stdout
         first = json.loads(events.read_text().splitlines()[0])
         assert (first["cache"], first["key"], first["value"]) == ("orders", "o-1", {"qty": 3, "sku": "A-7"})
     finally:
