@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 import math
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -87,18 +88,109 @@ def import_object(spec: str, source: str, key: str) -> Any:
     return obj
 
 
-def cache_filter(spec: list[str] | str, source: str) -> Callable[[str], bool]:
-    """A ``caches`` key (names, or one regular expression matching whole names; ``[]``: all) as a
-    predicate on cache names."""
-    if isinstance(spec, str):
+CACHE_FILTER_KEYS = ("caches", "exclude_caches")
+"""Keys of every consumer table (and of kafka-to-node) that choose caches by name."""
+
+
+class BadCacheFilter(ValueError):
+    """A ``caches``/``exclude_caches`` value that is not a list of names or glob patterns."""
+
+    def __init__(self, key: str, what: str) -> None:
+        super().__init__(f"key '{key}': {what}")
+        self.key = key
+        self.what = what
+
+
+def _unclosed_bracket(pattern: str) -> bool:
+    """Whether a ``[`` of ``pattern`` has no closing ``]`` (fnmatch would match it literally,
+    silently; a cache name with a ``[`` is rarer than a typo)."""
+    i, n = 0, len(pattern)
+    while i < n:
+        if pattern[i] == "[":
+            j = i + 1
+            if j < n and pattern[j] == "!":
+                j += 1
+            if j < n and pattern[j] == "]":
+                j += 1  # a ']' first in a set is a member, as in fnmatch
+            end = pattern.find("]", j)
+            if end < 0:
+                return True
+            i = end
+        i += 1
+    return False
+
+
+def _old_regex_hint(spec: str) -> str:
+    """What to write instead of the old one-regex form: the list it means when that is plain."""
+    parts = [p.replace(".*", "*") for p in spec.split("|")]
+    if all(p and re.fullmatch(r"[\w*-]+", p) for p in parts):
+        return "[" + ", ".join(f'"{p}"' for p in parts) + "]"
+    return '["orders", "people_*"]'
+
+
+class CacheFilter:
+    """Which caches a consumer gets, by name: a cache is delivered when ``caches`` is empty or one
+    of its patterns matches the name, and no pattern of ``exclude_caches`` does (exclusion wins).
+
+    A pattern is a cache name or an fnmatch-style glob matched against the whole name, case-
+    sensitively: ``*`` any run of characters (also none), ``?`` one character, ``[abc]`` one of
+    them, ``[!abc]`` one not of them. Refused: a pattern that is empty or has a ``[`` without a
+    closing ``]``, and a single string (the old form, one regular expression)."""
+
+    def __init__(self, include: Sequence[str] = (), exclude: Sequence[str] = ()) -> None:
+        self.include = tuple(include)
+        self.exclude = tuple(exclude)
+        self._include = [re.compile(fnmatch.translate(p)) for p in self.include]
+        self._exclude = [re.compile(fnmatch.translate(p)) for p in self.exclude]
+        self._known: dict[str, bool] = {}
+
+    @property
+    def everything(self) -> bool:
+        return not self.include and not self.exclude
+
+    def __call__(self, name: str) -> bool:
+        ok = self._known.get(name)
+        if ok is None:
+            ok = (not self._include or any(p.match(name) for p in self._include)) and not any(
+                p.match(name) for p in self._exclude
+            )
+            if len(self._known) < 100_000:  # bounded: names are few, but a table need not trust that
+                self._known[name] = ok
+        return ok
+
+    @classmethod
+    def parse(cls, table: Mapping[str, Any]) -> CacheFilter:
+        """The filter of a table's ``caches`` and ``exclude_caches`` keys (absent: everything);
+        BadCacheFilter names the key."""
+        lists = []
+        for key in CACHE_FILTER_KEYS:
+            value = table.get(key, [])
+            if isinstance(value, str):
+                raise BadCacheFilter(
+                    key,
+                    f"one regular expression ({value!r}) is the old form, no longer read; write a list of "
+                    f"names or glob patterns, e.g. {key} = {_old_regex_hint(value)}"
+                    + ("" if key == "exclude_caches" else ", and exclude_caches = [...] for names to leave out"),
+                )
+            if not isinstance(value, list):
+                raise BadCacheFilter(key, f"expected a list of names or glob patterns, got {type(value).__name__}")
+            for pattern in value:
+                if not isinstance(pattern, str):
+                    raise BadCacheFilter(key, f"expected names or glob patterns (strings), got {pattern!r}")
+                if not pattern:
+                    raise BadCacheFilter(key, "an empty pattern matches no cache")
+                if _unclosed_bracket(pattern):
+                    raise BadCacheFilter(key, f"bad pattern {pattern!r}: '[' without a closing ']'")
+            lists.append(value)
+        return cls(*lists)
+
+    @classmethod
+    def from_table(cls, table: Mapping[str, Any], source: str) -> CacheFilter:
+        """``parse``, its errors a ConfigError naming ``source`` and the key."""
         try:
-            pattern = re.compile(spec)
-        except re.error as exc:
-            raise ConfigError(f"{source}: key 'caches': bad regular expression {spec!r}: {exc}") from None
-        return lambda name: pattern.fullmatch(name) is not None
-    if not spec:
-        return lambda name: True
-    return frozenset(spec).__contains__
+            return cls.parse(table)
+        except BadCacheFilter as exc:
+            raise ConfigError(f"{source}: {exc}") from None
 
 
 def check_ranges(config: object, checks: Mapping[str, bool]) -> None:

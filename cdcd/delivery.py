@@ -3,7 +3,8 @@ ACTIVE record dispatch and the delivery loop.
 
 ``slices_from`` drops what lies before a resume cursor (``WalPosition.entries_done`` decides per
 record); ``Batcher`` turns WAL records into batches of events and cache changes, in WAL order,
-hiding caches with ``cdc_enabled = false`` (their positions are passed all the same);
+hiding caches with ``cdc_enabled = false`` and those the consumer's cache filter leaves out (their
+positions are passed all the same; they are never announced);
 ``feed_active`` is what the delivering side does with one record. These are pure logic.
 ``DeliveryLoop`` hands one batch to a consumer (Ignite's loop): each side passes its consumer
 call, its ``commit(cursor)``, its stop check and its retry wait. It is also the one place where a
@@ -88,14 +89,18 @@ class Batcher:
         batch_max_events: int,
         batch_max_bytes: int,
         names: dict[int, str] | None = None,
+        selected: Callable[[str], bool] | None = None,
     ) -> None:
         self.position = position
+        self.selected = selected
+        """The consumer's cache filter (``caches``/``exclude_caches``) on names; None: every cache."""
         """Next thing to process: everything fed before it is accounted for."""
         self.caches = caches
         self.names: dict[int, str] = names if names is not None else {cid: i.name for cid, i in caches.items()}
         """Cache names for the events (the daemon's registry, or the node's caches)."""
-        self.disabled = {cid for cid, info in caches.items() if not info.config.cdc_enabled}
-        """Caches with ``cdc_enabled = false``; kept after a destroy (its entries before it stay hidden)."""
+        self.disabled = {cid for cid, info in caches.items() if not self.delivers(info)}
+        """Caches with ``cdc_enabled = false`` or filtered out; kept after a destroy (its entries before
+        it stay hidden)."""
         self.source_node = source_node
         self.batch_max_events = batch_max_events
         self.batch_max_bytes = batch_max_bytes
@@ -104,6 +109,10 @@ class Batcher:
         self._bytes = 0
         self.batch_started: float | None = None
         """Monotonic time the open batch got its first event (for ``batch_max_delay_ms``)."""
+
+    def delivers(self, info: CacheInfo) -> bool:
+        """Whether the consumer gets this cache's events (and hears of it)."""
+        return info.config.cdc_enabled and (self.selected is None or self.selected(info.name))
 
     def data(self, ptr: WalPointer, record: DataRecord, done: int, size: int) -> Batch | None:
         """Add the entries ``done..`` of a DataRecord; returns the batch it fills, if any."""
@@ -143,7 +152,7 @@ class Batcher:
             # consumer already knows as it is (announced at start) is not announced again.
             self.caches[cid] = info
             self.names[cid] = record.name
-            if record.config.cdc_enabled:
+            if self.delivers(info):
                 self.disabled.discard(cid)
                 out.append(CacheChange(end, created=[info], quiet=known == info))
             else:

@@ -134,9 +134,7 @@ WAL_FLUSH_SECONDS = Histogram(
     registry=NODE,
 )
 WAL_SEGMENT = Gauge("cdcd_node_wal_segment", "Index of the active WAL segment", registry=NODE)
-WAL_DISK_FULL = Gauge(
-    "cdcd_node_wal_disk_full", "1 while WAL writes wait for free space on a full disk", registry=NODE
-)
+WAL_DISK_FULL = Gauge("cdcd_node_wal_disk_full", "1 while WAL writes wait for free space on a full disk", registry=NODE)
 SEGMENTS_ARCHIVED = Counter("cdcd_node_segments_archived_total", "Segments moved to the archive", registry=NODE)
 CDC_LINKS = Counter("cdcd_node_cdc_links_total", "Archived segments hard-linked into the CDC dir", registry=NODE)
 CDC_LINKS_SKIPPED = Counter(
@@ -313,7 +311,7 @@ REPL_SENT_EVENTS = Counter(
 )
 REPL_SKIPPED_EVENTS = Counter(
     "cdcd_replication_skipped_events_total",
-    "Events not sent: replicated from elsewhere (no loops), backup copies, or caches not selected",
+    "Events not sent: replicated from elsewhere (no loops) or backup copies",
     ["reason"],
     registry=REPLICATION_SENDER,
 )
@@ -354,13 +352,11 @@ KAFKA_SENT_EVENTS = Counter(
 )
 KAFKA_SKIPPED_EVENTS = Counter(
     "cdcd_kafka_skipped_events_total",
-    "Changes not sent: already in Kafka (at or below the stored position), backup copies, caches not selected",
+    "Changes not sent: already in Kafka (at or below the stored position) or backup copies",
     ["reason"],
     registry=KAFKA_SINK,
 )
-KAFKA_TRANSACTIONS = Counter(
-    "cdcd_kafka_transactions_total", "Kafka transactions committed", registry=KAFKA_SINK
-)
+KAFKA_TRANSACTIONS = Counter("cdcd_kafka_transactions_total", "Kafka transactions committed", registry=KAFKA_SINK)
 KAFKA_RETRIES = Counter(
     "cdcd_kafka_retries_total", "Batches retried with a new producer after a Kafka error", registry=KAFKA_SINK
 )
@@ -382,9 +378,7 @@ KAFKA_COMMIT_SECONDS = Histogram(
 K2N_RECEIVED = Counter(
     "cdcd_kafka_to_node_events_received_total", "Messages read from the data topic", registry=KAFKA_TO_NODE
 )
-K2N_APPLIED = Counter(
-    "cdcd_kafka_to_node_events_applied_total", "Changes the target applied", registry=KAFKA_TO_NODE
-)
+K2N_APPLIED = Counter("cdcd_kafka_to_node_events_applied_total", "Changes the target applied", registry=KAFKA_TO_NODE)
 K2N_IGNORED = Counter(
     "cdcd_kafka_to_node_events_ignored_total",
     "Changes the target already had (a replay after a restart): neither applied nor conflicts",

@@ -161,7 +161,7 @@ def fields(cls: type[msgspec.Struct]) -> set[str]:
     if cls is KafkaToNodeOptions:  # its target's keys are written at the top level (TargetOptions.split)
         names = (names - {"replication"}) | fields(TargetOptions)
     if cls in SINKS.values():
-        names |= set(COMMON_KEYS)  # every kind's keys, read by load_consumer
+        names |= set(COMMON_KEYS)  # every kind's keys, read by load_consumer (the cache filter's among them)
     return names
 
 

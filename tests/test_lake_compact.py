@@ -254,7 +254,7 @@ def test_acquire_loads_delta_from_local_jars_and_resolves_nothing(spark: Any, tm
         timeout=600,
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "2 keys merged" in res.stdout
+    assert "2 rows upserted (2 new, 0 updated), 0 deleted;" in res.stdout
     assert state_rows(lake) == expected_state(rows)
     assert not (home / ".ivy2").exists() and not (home / ".ivy2.5.2").exists()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,8 +20,8 @@ import pytest
 from cdcd.lake import spark as spark_session
 from cdcd.lake.arrow import to_json
 from cdcd.lake.compact import compact, state_lag
-from cdcd.lake.ops import data_files_on_disk, optimize, vacuum
-from cdcd.lake.report import printable
+from cdcd.lake.ops import Vacuumed, VacuumRefused, data_files_on_disk, optimize, vacuum
+from cdcd.lake.report import byte_size, printable
 from cdcd.lake.table import CHANGES
 from cdcd.node import Node
 from cdcd.node.snapshot import NodeSnapshot
@@ -74,8 +75,13 @@ def test_optimize_bin_packs_without_changing_data_and_vacuum_removes_what_is_rep
     orphan.write_bytes(b"PAR1 never committed")
     old = time.time() - 3600
     os.utime(orphan, (old, old))
-    left = vacuum(spark, lake, retain_hours=0)
-    assert left[CHANGES] == 2, "the 12 replaced files and the orphan are gone"
+    on_disk = {p: p.stat().st_size for p in data_files_on_disk(changes)}
+    with pytest.raises(VacuumRefused, match=r"^--retain-hours 0 is below Delta's default retention \(168 h\)"):
+        vacuum(spark, lake, retain_hours=0)
+    done = vacuum(spark, lake, retain_hours=0, force=True)
+    gone = on_disk.keys() - set(data_files_on_disk(changes))
+    assert len(gone) == 13, "the 12 replaced files and the orphan are gone"
+    assert done[CHANGES] == Vacuumed(13, sum(on_disk[p] for p in gone), 2)
     assert not orphan.exists()
     assert DeltaTable(str(changes)).to_pyarrow_table().num_rows == 12
     assert state_rows(lake) == expected_state(rows)
@@ -86,7 +92,7 @@ def test_vacuum_is_refused_while_old_changes_wait_for_compaction(tmp_path: Path)
     them through the change data feed: refuse, one line, before any JVM starts."""
     lake = tmp_path / "lake"
     append_changes(lake, [change("c", "1", '"x"', 1)])
-    res = cdcd("lake", "vacuum", "--lake", str(lake), "--retain-hours", "0")
+    res = cdcd("lake", "vacuum", "--lake", str(lake), "--retain-hours", "0", "--force")
     assert res.returncode == 2
     assert res.stderr.startswith(f"cdcd: error: {lake}: changes from version 0 (")
     assert res.stderr.rstrip().endswith(
@@ -94,6 +100,96 @@ def test_vacuum_is_refused_while_old_changes_wait_for_compaction(tmp_path: Path)
     )
     assert len(res.stderr.strip().splitlines()) == 1
     assert "SparkContext" not in res.stderr
+
+
+@pytest.mark.timeout(3600)  # six JVMs, one after the other (Delta's VACUUM alone took over 10 min at load 30)
+def test_compact_optimize_and_vacuum_say_what_they_did(tmp_path: Path) -> None:
+    """Their stdout, line by line: compaction's rows from Delta's MERGE metrics (a delete of an absent key
+    and a change older than state's row change nothing, and are said to); optimize with nothing to do
+    says so; vacuum below 168 h needs --force (one line, exit 2, no JVM), says Delta's check is off, and
+    prints its own figures, not Delta's "Deleted N files" line."""
+    lake = tmp_path / "lake"
+    env = {**child_env(), "JAVA_TOOL_OPTIONS": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*CDCD, "lake", *args, "--lake", str(lake)], capture_output=True, text=True, timeout=1800, env=env
+        )
+
+    append_changes(lake, [change("c", str(k), f'"v{k}"', 10 + k) for k in range(1, 6)] + [change("c", "9", None, 16)])
+    res = run("compact")
+    assert res.returncode == 0, res.stderr[-3000:]
+    first = (
+        r"state version \d+ \(changes versions 0..0\): 5 rows upserted \(5 new, 0 updated\), 0 deleted, "
+        r"1 changes without effect \(a delete of an absent key, or older than state's row\); "
+        r"1 typed tables, 0 fields rescued\n"
+    )
+    assert re.fullmatch(first, res.stdout), res.stdout
+    second = [
+        change("c", "1", '"w1"', 21),
+        change("c", "2", '"w2"', 22),
+        change("c", "3", None, 23),
+        change("c", "4", None, 24),
+        change("c", "6", '"v6"', 26),
+        change("c", "10", None, 27),  # never in state
+        change("c", "5", '"old"', 1),  # older than state's row of key 5
+    ]
+    append_changes(lake, second)
+    res = run("compact")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert re.fullmatch(
+        r"state version \d+ \(changes versions 1..1\): 3 rows upserted \(1 new, 2 updated\), 2 deleted, "
+        r"2 changes without effect \(.*\); 1 typed tables, 0 fields rescued\n",
+        res.stdout,
+    ), res.stdout
+
+    res = run("optimize")
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    assert lines[0] == "changes: 2 small files rewritten as 1 (2 files considered)", res.stdout
+    assert [ln.split(":")[0] for ln in lines] == ["changes", "state", "tables/c"]
+    res = run("optimize")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert re.fullmatch(r"(\S+: nothing to optimize: \d+ files, already compact\n){3}", res.stdout), res.stdout
+    assert res.stdout.startswith("changes: nothing to optimize: 1 files, already compact\n")
+
+    res = run("vacuum", "--retain-hours", "0")
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr == (
+        "cdcd: error: --retain-hours 0 is below Delta's default retention (168 h): a reader of an older snapshot "
+        "(time travel, a query or stream in flight) may lose files it still needs; add --force to vacuum anyway "
+        "(Delta's retention check is then off for that run)\n"
+    )
+    changes = lake / CHANGES
+    before = {p: p.stat().st_size for p in data_files_on_disk(changes)}
+    assert len(before) == 3  # two written, one OPTIMIZE made of them
+    res = run("vacuum", "--retain-hours", "0", "--force")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stderr.startswith(
+        "--force: Delta's retention check (spark.databricks.delta.retentionDurationCheck.enabled) is off for this "
+        "run: files replaced more than 0 h ago are deleted, below the 168 h Delta keeps by default\n"
+    )
+    gone = before.keys() - set(data_files_on_disk(changes))
+    assert len(gone) == 2
+    lines = res.stdout.splitlines()
+    assert lines[0] == (
+        f"changes: deleted 2 data files ({byte_size(sum(before[p] for p in gone))}) no snapshot of the last 0 h "
+        "needs; 1 data files left"
+    )
+    assert [ln.split(":")[0] for ln in lines] == ["changes", "state", "tables/c"]
+    assert "Deleted" not in res.stdout
+
+
+def test_byte_sizes_read_as_people_read_them() -> None:
+    assert [byte_size(n) for n in (0, 1023, 1024, 1536, 5 << 20, 3 << 40, 5000 << 40)] == [
+        "0 B",
+        "1023 B",
+        "1.0 KiB",
+        "1.5 KiB",
+        "5.0 MiB",
+        "3.0 TiB",
+        "5000.0 TiB",
+    ]
 
 
 # --- show and history -------------------------------------------------------------------------------

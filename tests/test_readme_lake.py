@@ -1,6 +1,7 @@
 """The README's first look at the lake, run as written (relative paths included) in a scratch working
 directory: its Python snippet fills ``var/node1``, ``cdcd run --config config/lake.toml`` lands and
-compacts it into ``var/lake``, its ``cdcd lake sql`` lines print the typed sums, and its reader snippet
+compacts it into ``var/lake``, its ``cdcd lake sql`` lines print the typed sums, ``cdcd lake cut`` names
+the orders table, and its reader snippet
 (DuckDB, polars, Spark, the change data feed, Spark SQL over ``state``) runs without an error."""
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import io
 import re
 import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from cdcd.lake.cuts import latest_cut
 from cdcd.lake.sql import lake_sql
-from tests.support.procs import ROOT, child_env, reap, start_daemon, stop_daemon, wait_for
+from tests.support.procs import CDCD, ROOT, child_env, reap, start_daemon, stop_daemon, wait_for
 
 README = ROOT / "README.md"
 
@@ -82,6 +84,13 @@ def test_the_first_look_runs_as_written(tmp_path: Path, monkeypatch: pytest.Monk
     assert code == 0, csv_out
     (row,) = list(csv.DictReader(io.StringIO(csv_out)))
     assert (row["key"], row["qty"], row["sku"]) == ("o-1", "3", "A-7")
+
+    (cut_line,) = [ln for ln in shell.splitlines() if ln.startswith("cdcd lake cut")]
+    cut = subprocess.run(
+        [*CDCD, *shlex.split(cut_line.split("#")[0])[1:]], capture_output=True, text=True, env=child_env(), timeout=300
+    )
+    assert cut.returncode == 0, cut.stderr
+    assert "orders" in cut.stdout, cut.stdout
 
     readers = block_with(text, "python", "from cdcd.lake.readers import")
     from cdcd.lake import spark as lake_spark

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 from prometheus_client import REGISTRY
 
-from cdcd.config import ConfigError
+from cdcd.config import CacheFilter, ConfigError
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.node.node import Node
@@ -308,10 +308,11 @@ def test_daemon_replicates_a_node_and_nothing_comes_back(tmp_path: Path) -> None
         people.remove_all(range(0, 300, 3))
         a.force_archive()
         consumer = {"kind": "replication", "target": f"127.0.0.1:{b.replication.port if b.replication else 0}",
-                    "token_file": str(tok), "caches": "people|orders", "max_batch_size": 64}  # fmt: skip
+                    "token_file": str(tok), "caches": ["people", "ord*"], "max_batch_size": 64}  # fmt: skip
         a_to_b = load_consumer(consumer)
-        with Daemon(DaemonConfig(node_dir=a.config.node_dir, metrics_address=""), a_to_b) as daemon:
-            assert daemon.sync_once() == 600 + 100 + 300 + 300  # people puts + removes, orders, private
+        config = DaemonConfig(node_dir=a.config.node_dir, metrics_address="", consumer=consumer)
+        with Daemon(config, a_to_b) as daemon:
+            assert daemon.sync_once() == 600 + 100 + 300  # people puts + removes, orders; private is filtered out
         assert isinstance(a_to_b, ReplicationConsumer)
         assert (a_to_b.sent, a_to_b.applied, a_to_b.rejected) == (1000, 1000, 0)
         assert dict(b.cache("people").items()) == dict(people.items())
@@ -319,7 +320,8 @@ def test_daemon_replicates_a_node_and_nothing_comes_back(tmp_path: Path) -> None
         assert "private" not in b.caches()
         b.force_archive()
         b_to_a = load_consumer({**consumer, "target": f"127.0.0.1:{a.replication.port if a.replication else 0}"})
-        with Daemon(DaemonConfig(node_dir=b.config.node_dir, metrics_address=""), b_to_a) as daemon:
+        config = DaemonConfig(node_dir=b.config.node_dir, metrics_address="", consumer=consumer)
+        with Daemon(config, b_to_a) as daemon:
             assert daemon.sync_once() == 1000  # delivered to the consumer, which sends none of it
         assert isinstance(b_to_a, ReplicationConsumer) and b_to_a.sent == 0
     finally:
@@ -340,28 +342,31 @@ def _kafka_to_node(options: dict[str, Any]) -> Any:
     from cdcd.kafka.to_node import KafkaToNode
 
     opts = KafkaToNodeOptions.load({"bootstrap_servers": "127.0.0.1:9", "topic": "t", **options}, "test")
-    return KafkaToNode(opts, "test").target
+    return KafkaToNode(opts, "test")
 
 
 def _replication_sink(options: dict[str, Any]) -> Any:
-    sink = ReplicationConsumer.from_options(options, "test")
-    return sink.client.address, sink._selected
+    """The sink as the daemon builds it, and the cache filter the daemon applies for it."""
+    sink = load_consumer({"kind": "replication", **options}, "test")
+    assert isinstance(sink, ReplicationConsumer)
+    return sink.client.address, CacheFilter.from_table(options, "test")
 
 
 @pytest.mark.parametrize(
     ("bad", "error"),
     [
         ({"target": "7470"}, r"^test: key 'target': expected host:port, got '7470'$"),
-        ({"caches": "orders("}, r"^test: key 'caches': bad regular expression 'orders\('"),
+        ({"caches": "orders("}, r"^test: key 'caches': one regular expression \('orders\('\) is the old form"),
+        ({"exclude_caches": ["ord[ers"]}, r"^test: key 'exclude_caches': bad pattern 'ord\[ers': '\[' without"),
         ({"token_file": "world-readable"}, r"^test: key 'token_file': .* is readable by group or others"),
         ({"tls_ca": "no-such-ca.pem"}, r"^test: key 'tls_ca'"),
     ],
-    ids=["target", "caches", "token_file", "tls_ca"],
+    ids=["target", "caches", "exclude_caches", "token_file", "tls_ca"],
 )
 def test_the_sink_and_kafka_to_node_read_a_target_alike(tmp_path: Path, bad: dict[str, str], error: str) -> None:
     """One TargetOptions (cdcd/replication/target.py) for the replication sink and kafka-to-node: the same flat
     keys, refused with the same one line naming the key."""
-    good = {"target": "127.0.0.1:7470", "token_file": str(token_file(tmp_path)), "caches": "orders|items"}
+    good = {"target": "127.0.0.1:7470", "token_file": str(token_file(tmp_path)), "caches": ["orders", "items"]}
     if bad.get("token_file") == "world-readable":
         bad = {"token_file": str(token_file(tmp_path, mode=0o644))}
     options = {**good, **bad}
@@ -375,12 +380,17 @@ def test_the_sink_and_kafka_to_node_read_a_target_alike(tmp_path: Path, bad: dic
 def test_a_good_target_gives_both_the_same_address_token_and_caches(tmp_path: Path) -> None:
     from cdcd.kafka.options import KafkaToNodeOptions
 
-    options = {"target": "127.0.0.1:7470", "token_file": str(token_file(tmp_path)), "caches": ["orders", "items"]}
+    options = {
+        "target": "127.0.0.1:7470",
+        "token_file": str(token_file(tmp_path)),
+        "caches": ["orders", "it?m?"],
+        "exclude_caches": ["*s"],
+    }
     k2n = _kafka_to_node(options)
     address, selected = _replication_sink(options)
-    assert address == k2n.address == ("127.0.0.1", 7470)
-    assert k2n.token == TOKEN.encode() and k2n.tls is None
-    for name in ("orders", "items", "order", "other"):
-        assert selected(name) == k2n.selected(name) == (name in ("orders", "items"))
+    assert address == k2n.target.address == ("127.0.0.1", 7470)
+    assert k2n.target.token == TOKEN.encode() and k2n.target.tls is None
+    for name in ("orders", "items", "order", "other", "itemz", "Itemz"):
+        assert selected(name) == k2n.selected(name) == (name == "itemz")
     with pytest.raises(ConfigError, match=r"^test: key 'replication': not a key"):
         KafkaToNodeOptions.load({"bootstrap_servers": "h:9", "topic": "t", "replication": options}, "test")

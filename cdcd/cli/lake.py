@@ -148,6 +148,7 @@ def lake_compact(lake_path: Path, spark_master: str, tables_config: Path | None)
     idempotent), and record the cut they make together."""
     from cdcd.lake import spark as spark_session
     from cdcd.lake.compact import compact
+    from cdcd.lake.report import compact_summary
     from cdcd.lake.typed_declared import DeclaredSchemaError, load_declared
     from cdcd.lake.typed_layout import NotATypedTable, list_tables
 
@@ -162,13 +163,7 @@ def lake_compact(lake_path: Path, spark_master: str, tables_config: Path | None)
         result = compact(spark, lake_path, tables=declared)
     finally:
         spark_session.release()
-    if not result.did_work:
-        click.echo(f"nothing new to compact: state reflects changes version {result.to_version}")
-    else:
-        click.echo(
-            f"state version {result.state_version}: changes versions {result.from_version}..{result.to_version}, "
-            f"{result.keys:,} keys merged; {len(result.tables)} typed tables, {result.rescued:,} fields rescued"
-        )
+    click.echo(compact_summary(result))
 
 
 @lake.command("optimize")
@@ -178,6 +173,7 @@ def lake_optimize(lake_path: Path, spark_master: str) -> None:
     """Bin-pack small files of both tables (Delta OPTIMIZE; no data changes)."""
     from cdcd.lake import spark as spark_session
     from cdcd.lake.ops import optimize
+    from cdcd.lake.report import optimize_line
 
     _require_changes(lake_path)
     spark = _spark(spark_master, "cdcd-lake-optimize", lake_path)
@@ -186,7 +182,7 @@ def lake_optimize(lake_path: Path, spark_master: str) -> None:
     finally:
         spark_session.release()
     for name, m in done.items():
-        click.echo(f"{name}: {m['numFilesRemoved']} files -> {m['numFilesAdded']}")
+        click.echo(optimize_line(name, m))
 
 
 @lake.command("vacuum")
@@ -198,28 +194,32 @@ def lake_optimize(lake_path: Path, spark_master: str) -> None:
     show_default=True,
     help="Keep files any snapshot of the last N hours needs (time travel and readers in flight).",
 )
+@click.option("--force", is_flag=True, help="Allow --retain-hours below Delta's default of 168 h.")
 @_master_option()
-def lake_vacuum(lake_path: Path, retain_hours: float, spark_master: str) -> None:
+def lake_vacuum(lake_path: Path, retain_hours: float, force: bool, spark_master: str) -> None:
     """Delete data files no longer needed: replaced by OPTIMIZE or compaction longer ago than
     --retain-hours, and orphans of writes that never committed. Refused while older changes wait
-    for compaction."""
+    for compaction, and below Delta's default retention (168 h) without --force."""
     from cdcd.lake import spark as spark_session
-    from cdcd.lake.ops import VacuumRefused, check_vacuum, vacuum
+    from cdcd.lake.ops import DEFAULT_RETAIN_HOURS, VacuumRefused, check_vacuum, vacuum
+    from cdcd.lake.report import retention_check_off, vacuum_line
 
     _require_changes(lake_path)
     try:
-        check_vacuum(lake_path, retain_hours)  # before starting a JVM only to refuse
+        check_vacuum(lake_path, retain_hours, force=force)  # before starting a JVM only to refuse
     except VacuumRefused as exc:
         fail_on(exc)
+    if retain_hours < DEFAULT_RETAIN_HOURS:
+        click.echo(retention_check_off(retain_hours), err=True)
     spark = _spark(spark_master, "cdcd-lake-vacuum", lake_path)
     try:
-        left = vacuum(spark, lake_path, retain_hours)
+        done = vacuum(spark, lake_path, retain_hours, force=force)
     except VacuumRefused as exc:
         fail_on(exc)
     finally:
         spark_session.release()
-    for name, files in left.items():
-        click.echo(f"{name}: {files} data files after vacuum")
+    for name, table in done.items():
+        click.echo(vacuum_line(name, table, retain_hours))
 
 
 @lake.command("verify")

@@ -28,4 +28,3 @@ def top(
     from cdcd.top import top_command
 
     sys.exit(top_command(node_dir, config_path, interval_ms, once, as_json, node_metrics=node_metrics))
-

@@ -11,11 +11,13 @@ from typing import Any, Literal
 
 import msgspec
 
-from cdcd.config import ConfigError, check_address, check_ranges, convert, load_toml, read_toml
+from cdcd.config import CacheFilter, ConfigError, check_address, check_ranges, convert, load_toml, read_toml
 from cdcd.node.config import NodeConfig
 
 MiB = 1 << 20
 ENV_PREFIX = "CDCD_"
+
+
 class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     node_dir: str
     """The node whose CDC directory is followed."""
@@ -154,6 +156,7 @@ def load_daemon_config(
     config = convert(data, DaemonConfig, str(path))
     if "kind" not in config.consumer:
         raise ConfigError(f"{path}: missing key 'consumer.kind'")
+    CacheFilter.from_table(config.consumer, f"{path}: consumer")
     try:
         config.node()
     except ConfigError as exc:

@@ -26,6 +26,7 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
 from cdcd import metrics
+from cdcd.config import CacheFilter
 from cdcd.consumer import Consumer
 from cdcd.daemon.committer import Committer, ConsumerFailed
 from cdcd.daemon.config import DaemonConfig
@@ -90,6 +91,9 @@ class Daemon:
         """``show_progress``: a catch-up bar on stdout (``cdcd run`` on a terminal; a library prints nothing there)."""
         self.config = config
         self.consumer = consumer
+        self.selected = CacheFilter.from_table(config.consumer, "consumer")
+        """The consumer table's ``caches``/``exclude_caches``: applied by the batcher, so a cache left
+        out is neither delivered, counted nor announced."""
         self.cdc_dir = config.cdc_path
         self._lock = daemon_lock(config)
         self._store: StateStore | None = None
@@ -140,7 +144,7 @@ class Daemon:
             try:
                 self.consumer.start(REGISTRY)
                 self._consumer_started = True
-                announced = [info for info in caches.values() if info.config.cdc_enabled]
+                announced = [info for info in caches.values() if info.config.cdc_enabled and self.selected(info.name)]
                 if announced:
                     self.consumer.on_cache_change(announced)
             except Exception as exc:
@@ -284,6 +288,7 @@ class Daemon:
             source_node="",
             batch_max_events=self.config.batch_max_events,
             batch_max_bytes=self.config.batch_max_bytes,
+            selected=None if self.selected.everything else self.selected,
         )
         skip = _PASSIVE_SKIP if state.mode is CdcMode.NODE_ACTIVE else frozenset()
         if self.node_id is None and self._follower is not None:

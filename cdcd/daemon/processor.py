@@ -12,6 +12,7 @@ position filter are ``cdcd.delivery``'s, shared with the node's realtime worker.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
@@ -92,6 +93,7 @@ class Processor:
         source_node: str,
         batch_max_events: int,
         batch_max_bytes: int,
+        selected: Callable[[str], bool] | None = None,
     ) -> None:
         self.mode = mode
         self.start = position
@@ -104,6 +106,7 @@ class Processor:
             source_node=source_node,
             batch_max_events=batch_max_events,
             batch_max_bytes=batch_max_bytes,
+            selected=selected,
         )
         self.caches = caches
         self.finished = False

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from cdcd.config import ConfigError, cache_filter, check_ranges, convert
+from cdcd.config import CacheFilter, ConfigError, check_ranges, convert
 from cdcd.replication.target import TargetOptions
 from cdcd.secrets import mask_mapping
 
@@ -166,8 +166,6 @@ class KafkaSinkOptions(ClientOptions, frozen=True, forbid_unknown_fields=True, k
     """Replication factor of the topics cdcd creates (-1: the brokers' default)."""
     name: str = ""
     """``source.name`` of the envelope (default: the topic)."""
-    caches: list[str] | str = msgspec.field(default_factory=list)
-    """Cache names to send, or one regular expression matching whole names ([]: all)."""
     only_primary: bool = True
     """Send only changes of primary copies (backups are the same changes again)."""
     schemas: bool = False
@@ -241,7 +239,6 @@ class KafkaSinkOptions(ClientOptions, frozen=True, forbid_unknown_fields=True, k
                 f"{source}: key 'metadata_topic': topic, metadata_topic, offsets_topic and transaction_topic "
                 "must differ"
             )
-        cache_filter(opts.caches, source)
         return opts
 
 
@@ -279,8 +276,11 @@ class KafkaToNodeOptions(ClientOptions, frozen=True, forbid_unknown_fields=True,
     """Consumer group whose committed offsets say where to resume; metadata is read by
     ``<group_id>-metadata``."""
     replication: TargetOptions
-    """The target node and which caches go there: the keys of TargetOptions (``target``, ``token_file``,
-    ``tls*``, ``caches``), written at the top level of the file as the replication sink's are."""
+    """The target node: the keys of TargetOptions (``target``, ``token_file``, ``tls*``), written at
+    the top level of the file as the replication sink's are."""
+    caches: list[str] = msgspec.field(default_factory=list)
+    exclude_caches: list[str] = msgspec.field(default_factory=list)
+    """Which caches go to the target (``CacheFilter``: names or glob patterns; exclusion wins)."""
     max_batch_events: int = 2048
     """Messages read before one apply + offset commit."""
     poll_timeout_ms: int = 200
@@ -310,8 +310,9 @@ class KafkaToNodeOptions(ClientOptions, frozen=True, forbid_unknown_fields=True,
         if "max_retry_s" in options:
             raise ConfigError(f"{source}: key 'max_retry_s' is now 'retry_timeout_s' (as for every consumer kind)")
         if "replication" in options:
-            keys = "target, token_file, tls* and caches are top-level keys"
+            keys = "target, token_file and tls* are top-level keys"
             raise ConfigError(f"{source}: key 'replication': not a key ({keys})")
+        CacheFilter.from_table(options, source)
         target, rest = TargetOptions.split(options, source)
         opts = convert({**rest, "replication": msgspec.structs.asdict(target)}, cls, source)
         opts._check_client(source)
@@ -322,5 +323,4 @@ class KafkaToNodeOptions(ClientOptions, frozen=True, forbid_unknown_fields=True,
             )
         if opts.partitions:
             parse_partitions(opts.partitions, f"{source}: key 'partitions'")
-        cache_filter(target.caches, source)
         return opts

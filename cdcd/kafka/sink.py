@@ -33,7 +33,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient  # type: ignore[attr-defined]
 
 from cdcd import failpoints, metrics
-from cdcd.config import ConfigError, cache_filter
+from cdcd.config import ConfigError
 from cdcd.consumer import CacheInfo, Consumer, EventBatch, RetriableError
 from cdcd.kafka import envelope, offsets, topics, transactions
 from cdcd.kafka.errors import KafkaSetupError, describe, error_of, missing_topic, setting_of, unknown_topic
@@ -65,8 +65,6 @@ class KafkaSink(Consumer):
         self.options = options
         self.source = source
         self._base = options.librdkafka(source)
-        self._selected = cache_filter(options.caches, source)
-        self._selected_cache: dict[str, bool] = {}
         self._producer: Producer | None = None
         self._node = ""
         self._stored: offsets.Stored | None = None
@@ -176,8 +174,7 @@ class KafkaSink(Consumer):
     def on_cache_change(self, caches: Sequence[CacheInfo]) -> None:
         if self.options.topic_prefix:
             for c in caches:
-                if self._is_selected(c.name):
-                    self._topic_of(c.name)
+                self._topic_of(c.name)
         recs = [
             MetadataRecord(
                 "create", c.cache_id, c.name, c.config.partitions, c.config.cdc_enabled, c.config.ttl_ms, self._node
@@ -231,12 +228,6 @@ class KafkaSink(Consumer):
             with contextlib.suppress(KafkaException):  # a fatal producer refuses even that
                 p.purge()
         self._stored = None
-
-    def _is_selected(self, name: str) -> bool:
-        ok = self._selected_cache.get(name)
-        if ok is None:
-            ok = self._selected_cache[name] = bool(self._selected(name))
-        return ok
 
     def _on_delivery(self, err: KafkaError | None, _msg: Any) -> None:
         if err is not None and self._delivery_error is None:
@@ -304,7 +295,7 @@ class KafkaSink(Consumer):
         committed = None if stored is None else stored.address
         generation = 0 if stored is None else stored.generation
         self._delivery_error = None
-        skipped = {"already_sent": 0, "backup": 0, "filtered": 0}
+        skipped = {"already_sent": 0, "backup": 0}
         sent_per_cache: dict[str, int] = {}
         now_ns = time.time_ns()
         # a record's last entry in the batch (its last slice's end): its node transaction ends there
@@ -346,8 +337,6 @@ class KafkaSink(Consumer):
             cache = ev.cache_name
             if only_primary and not e.primary:
                 skipped["backup"] += 1
-            elif not self._is_selected(cache):
-                skipped["filtered"] += 1
             else:
                 topic = self._topic_of(cache)
                 begin, total_order, order = tracker.event(record, f"{db}.{cache}")

@@ -25,6 +25,7 @@ import structlog
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from cdcd import failpoints, metrics
+from cdcd.config import CacheFilter
 from cdcd.faults import ExitCode, Fault
 from cdcd.kafka.errors import describe, error_of, missing_topic, unknown_topic
 from cdcd.kafka.options import KafkaToNodeOptions, parse_partitions
@@ -312,7 +313,7 @@ class KafkaToNode:
         self.source = source
         self.base = opts.librdkafka(source)
         self.target = opts.replication.open(source)
-        self._filter = self.target.selected
+        self._filter = CacheFilter(opts.caches, opts.exclude_caches)
         self._selected: dict[str, bool] = {}
         self.metadata = MetadataReader(opts, self.base, source)
         self.stopping = threading.Event()

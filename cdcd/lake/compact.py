@@ -20,6 +20,7 @@ from urllib.parse import unquote
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import structlog
 
@@ -68,13 +69,23 @@ class CompactResult:
     to_version: int
     """The changes-table version ``state`` now reflects (the compact application transaction)."""
     keys: int
-    """Distinct (cache, key) merged."""
+    """Distinct (cache, key) read from the changes: each key's latest change, offered to the MERGE."""
     state_version: int
     """The state table's version after the MERGE (unchanged when nothing was new)."""
     tables: dict[str, int] = dc_field(default_factory=dict)
     """cache -> version of its typed table ``<lake>/tables/<cache>`` after this compaction."""
     rescued: int = 0
     """Fields that did not fit their typed column and went to ``_rescued``."""
+    inserted: int = 0
+    updated: int = 0
+    deleted: int = 0
+    """Rows of ``state`` the MERGEs inserted, updated and deleted (Delta's own MERGE metrics). The
+    rest of ``keys`` changed nothing: a delete of a key state never had, or a change older than
+    state's row."""
+
+    @property
+    def upserted(self) -> int:
+        return self.inserted + self.updated
 
     @property
     def did_work(self) -> bool:
@@ -265,7 +276,7 @@ def compact(
     session.conf.set("spark.databricks.delta.merge.repartitionBeforeWrite.enabled", "true")
     ensure_state_table(session, lake)
     failpoints.hit("lake.compact.state_table")
-    keys = rescued = 0
+    keys = rescued = inserted = updated = deleted = 0
     versions: dict[str, int] = {}
     for first, last in version_ranges(changes, done + 1, end, max_rows_per_merge):
         winners = latest_per_key(read_feed(changes, first, last))
@@ -285,13 +296,16 @@ def compact(
             # same application transaction, no join. One writer per cache: one file per cache.
             live = source.where("op <> 'delete'").select(*STATE_COLUMNS).repartition(*PARTITION_BY)
             live.write.format("delta").mode("append").save(spark_path(lake / STATE))
+            inserted += winners.num_rows - pc.sum(pc.equal(winners.column("op"), "delete")).as_py()
         else:
-            _merge(session, lake, source, winners.column("cache").unique().to_pylist())
+            ins, upd, dele = _merge(session, lake, source, winners.column("cache").unique().to_pylist())
+            inserted, updated, deleted = inserted + ins, updated + upd, deleted + dele
         failpoints.hit("lake.compact.committed")
         if typed_tables:
             _after_tables_committed(lake, versions, last)
         log.info("lake_compacted", changes_from=first, changes_to=last, keys=winners.num_rows, rescued=rescued)
-    return CompactResult(done + 1, end, keys, _state_version(lake), versions, rescued)
+    state_version = _state_version(lake)
+    return CompactResult(done + 1, end, keys, state_version, versions, rescued, inserted, updated, deleted)
 
 
 def _after_tables_committed(lake: LakeDir, versions: dict[str, int], changes_version: int) -> None:
@@ -317,7 +331,8 @@ PRUNE_MAX_CACHES = 1000
 """Up to this many caches changed: the MERGE names them, so Delta reads only their state partitions."""
 
 
-def _merge(session: Any, lake: LakeDir, source: Any, caches: list[str]) -> None:
+def _merge(session: Any, lake: LakeDir, source: Any, caches: list[str]) -> tuple[int, int, int]:
+    """MERGE ``source`` into state; returns the rows inserted, updated and deleted (Delta's metrics)."""
     from delta.tables import DeltaTable
     from pyspark.sql import functions as F
 
@@ -326,7 +341,7 @@ def _merge(session: Any, lake: LakeDir, source: Any, caches: list[str]) -> None:
         # Literal values (a Column, no SQL text): any cache name is safe here.
         condition = F.col("t.cache").isin(sorted(caches)) & condition
     assignments: dict[str, str | Any] = {c: f"s.`{c}`" for c in STATE_COLUMNS}
-    (
+    metrics = (
         DeltaTable.forPath(session, spark_path(lake / STATE))
         .alias("t")
         .merge(source.alias("s"), condition)
@@ -334,7 +349,9 @@ def _merge(session: Any, lake: LakeDir, source: Any, caches: list[str]) -> None:
         .whenMatchedUpdate(condition=f"s.op <> 'delete' AND {_newer('s', 't')}", set=assignments)
         .whenNotMatchedInsert(condition="s.op <> 'delete'", values=assignments)
         .execute()
+        .collect()[0]
     )
+    return int(metrics["num_inserted_rows"]), int(metrics["num_updated_rows"]), int(metrics["num_deleted_rows"])
 
 
 def _is_empty(table: LakeDir) -> bool:

@@ -19,7 +19,7 @@ from cdcd.faults import ExitCode, Fault
 from cdcd.lake.check import require_sound
 from cdcd.lake.compact import COMPACT_APP_ID, NotADeltaLake, compacted_version, state_lag
 from cdcd.lake.deltalog import LOG_DIR, AppTransaction, app_transactions, read_commit
-from cdcd.lake.storage import LakeDir, is_delta, open_delta, spark_path
+from cdcd.lake.storage import LakeDir, ObjectPath, is_delta, open_delta, spark_path
 from cdcd.lake.table import CHANGES, STATE
 
 log = structlog.get_logger("cdcd.lake")
@@ -139,7 +139,9 @@ small files of a partition, not all of it every time (Delta's default is 1 GiB).
 
 def optimize(spark: Any, lake: LakeDir) -> dict[str, dict[str, Any]]:
     """Bin-pack each table's small files (Delta OPTIMIZE, per partition). The commits change no data
-    (readers, the change data feed and compaction see the same rows); returns Delta's metrics per table."""
+    (readers, the change data feed and compaction see the same rows); returns Delta's metrics per
+    table: ``numFilesRemoved`` small files rewritten as ``numFilesAdded``, of ``totalConsideredFiles``
+    (no commit when there was nothing to rewrite)."""
     from delta.tables import DeltaTable
 
     session = spark.newSession()
@@ -187,10 +189,17 @@ def data_files_on_disk(table: LakeDir) -> list[Any]:
     return [p for p in table.rglob("*.parquet") if LOG_DIR not in p.parts]
 
 
-def check_vacuum(lake: LakeDir, retain_hours: float, now_ms: int | None = None) -> None:
-    """``VacuumRefused`` when changes not yet compacted were committed before the retention horizon."""
+def check_vacuum(lake: LakeDir, retain_hours: float, now_ms: int | None = None, *, force: bool = False) -> None:
+    """``VacuumRefused`` when ``retain_hours`` is below Delta's default without ``force``, or changes not
+    yet compacted were committed before the retention horizon."""
     if retain_hours < 0:
-        raise VacuumRefused(f"--retain-hours {retain_hours}: must be >= 0")
+        raise VacuumRefused(f"--retain-hours {retain_hours:g}: must be >= 0")
+    if retain_hours < DEFAULT_RETAIN_HOURS and not force:
+        raise VacuumRefused(
+            f"--retain-hours {retain_hours:g} is below Delta's default retention ({DEFAULT_RETAIN_HOURS:g} h): "
+            "a reader of an older snapshot (time travel, a query or stream in flight) may lose files it still "
+            "needs; add --force to vacuum anyway (Delta's retention check is then off for that run)"
+        )
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     horizon_ms = now_ms - int(retain_hours * 3600 * 1000)
     changes = lake / CHANGES
@@ -206,26 +215,56 @@ def check_vacuum(lake: LakeDir, retain_hours: float, now_ms: int | None = None) 
             )
 
 
-def vacuum(spark: Any, lake: LakeDir, retain_hours: float, now_ms: int | None = None) -> dict[str, int]:
+@dataclass(frozen=True)
+class Vacuumed:
+    """One table's vacuum, measured on its directory (Delta's VACUUM reports no figures)."""
+
+    deleted_files: int
+    deleted_bytes: int
+    files_left: int
+
+
+def _file_sizes(table: LakeDir) -> dict[str, int]:
+    return {str(p): p.size() if isinstance(p, ObjectPath) else p.stat().st_size for p in data_files_on_disk(table)}
+
+
+def vacuum(
+    spark: Any, lake: LakeDir, retain_hours: float, now_ms: int | None = None, *, force: bool = False
+) -> dict[str, Vacuumed]:
     """Delete files no snapshot within ``retain_hours`` needs (replaced by OPTIMIZE or MERGE, and
     orphans of writes that never committed). Refused (``VacuumRefused``) when changes not yet
     compacted are older than that: their original files may be among those deleted, and the next
-    compaction reads them through the change data feed. Returns the data files left per table."""
+    compaction reads them through the change data feed; and below Delta's default retention without
+    ``force`` (which turns Delta's own retention check off for this run). Returns per table the data
+    files deleted, their bytes, and the data files left."""
     from delta.tables import DeltaTable
 
-    check_vacuum(lake, retain_hours, now_ms)
+    check_vacuum(lake, retain_hours, now_ms, force=force)
     session = spark.newSession()
     if retain_hours < DEFAULT_RETAIN_HOURS:
-        # Delta refuses a shorter retention unless told: the operator asked for it explicitly.
+        # Delta refuses a shorter retention unless told: the operator asked for it with --force.
         session.conf.set("spark.databricks.delta.retentionDurationCheck.enabled", "false")
-    left: dict[str, int] = {}
+    out: dict[str, Vacuumed] = {}
     for name, path in _maintained(lake):
         if not DeltaTable.isDeltaTable(session, spark_path(path)):
             continue
+        before = _file_sizes(path)
         DeltaTable.forPath(session, spark_path(path)).vacuum(retain_hours)
-        left[name] = len(data_files_on_disk(path))
-        log.info("lake_vacuumed", table=name, retain_hours=retain_hours, files=left[name])
-    return left
+        after = _file_sizes(path)
+        gone = before.keys() - after.keys()
+        out[name] = Vacuumed(len(gone), sum(before[p] for p in gone), len(after))
+        log.info("lake_vacuumed", table=name, retain_hours=retain_hours, deleted=len(gone), files=len(after))
+    return out
 
 
-__all__ = ["COMPACT_APP_ID", "LakeInfo", "TableInfo", "VacuumRefused", "history", "optimize", "show", "vacuum"]
+__all__ = [
+    "COMPACT_APP_ID",
+    "LakeInfo",
+    "TableInfo",
+    "VacuumRefused",
+    "Vacuumed",
+    "history",
+    "optimize",
+    "show",
+    "vacuum",
+]

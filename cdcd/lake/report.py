@@ -10,7 +10,8 @@ from typing import Any
 
 import click
 
-from cdcd.lake.ops import LakeInfo
+from cdcd.lake.compact import CompactResult
+from cdcd.lake.ops import DEFAULT_RETAIN_HOURS, LakeInfo, Vacuumed
 from cdcd.lake.printable import printable
 from cdcd.lake.verify import CacheCheck
 
@@ -76,13 +77,62 @@ def print_history(table: str, rows: list[dict[str, Any]]) -> None:
         click.echo(f"{table:<8} {r['version']:>8}  {when:<29} {op:<18} {', '.join(details)}")
 
 
+def byte_size(n: int) -> str:
+    """``512 B``, ``3.4 MiB``: a size for people (binary units, one decimal)."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def compact_summary(result: CompactResult) -> str:
+    """``cdcd lake compact``'s line: state's rows upserted and deleted, from Delta's MERGE metrics."""
+    if not result.did_work:
+        return f"nothing new to compact: state reflects changes version {result.to_version}"
+    idle = result.keys - result.upserted - result.deleted
+    line = (
+        f"state version {result.state_version} (changes versions {result.from_version}..{result.to_version}): "
+        f"{result.upserted:,} rows upserted ({result.inserted:,} new, {result.updated:,} updated), "
+        f"{result.deleted:,} deleted"
+    )
+    if idle:
+        line += f", {idle:,} changes without effect (a delete of an absent key, or older than state's row)"
+    return f"{line}; {len(result.tables)} typed tables, {result.rescued:,} fields rescued"
+
+
+def optimize_line(table: str, metrics: dict[str, Any]) -> str:
+    removed, added = metrics.get("numFilesRemoved") or 0, metrics.get("numFilesAdded") or 0
+    considered = metrics.get("totalConsideredFiles") or 0
+    if not removed:
+        return f"{table}: nothing to optimize: {considered:,} files, already compact"
+    return f"{table}: {removed:,} small files rewritten as {added:,} ({considered:,} files considered)"
+
+
+def vacuum_line(table: str, done: Vacuumed, retain_hours: float) -> str:
+    if not done.deleted_files:
+        return f"{table}: nothing to delete (retention {retain_hours:g} h); {done.files_left:,} data files"
+    return (
+        f"{table}: deleted {done.deleted_files:,} data files ({byte_size(done.deleted_bytes)}) no snapshot of the "
+        f"last {retain_hours:g} h needs; {done.files_left:,} data files left"
+    )
+
+
+def retention_check_off(retain_hours: float) -> str:
+    """What ``lake vacuum --force`` says before it deletes anything."""
+    return (
+        f"--force: Delta's retention check (spark.databricks.delta.retentionDurationCheck.enabled) is off for "
+        f"this run: files replaced more than {retain_hours:g} h ago are deleted, below the "
+        f"{DEFAULT_RETAIN_HOURS:g} h Delta keeps by default"
+    )
+
+
 DEMO_QUERY = "SELECT count(*) AS keys, min(seq) AS first_seq, max(seq) AS last_seq FROM load"
 """The typed query ``make run`` ends with: the demo's cache ``load`` by its columns, no JSON functions."""
 
 
-def print_demo_ending(
-    spark: Any, lake: Path, checks: list[CacheCheck], since: float, query: str = DEMO_QUERY
-) -> None:
+def print_demo_ending(spark: Any, lake: Path, checks: list[CacheCheck], since: float, query: str = DEMO_QUERY) -> None:
     """``make run``'s last lines: where the lake is, the cut its tables are read at, a Spark SQL query
     over the typed cache tables (views registered in ``spark``, at that cut) and its result, then
     one summary line (``verified: N keys, OK in S s``: S seconds since ``since``, a monotonic time)."""

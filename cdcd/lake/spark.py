@@ -182,7 +182,9 @@ def _jvm_popen(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
     """PySpark's gateway Popen, with SIGTERM and SIGINT ignored in the JVM (as PySpark already does for
     SIGINT): systemd (every process of the unit's cgroup) and Ctrl-C (the process group) signal the JVM
     too, which would fail the batch in flight; the daemon stops the JVM itself (session stop, or EOF on
-    the JVM's stdin when the daemon dies)."""
+    the JVM's stdin when the daemon dies). The JVM's stdout and stderr go to this process's logger: what
+    Spark and Delta print (VACUUM's "Deleted N files ..." line, log4j's lines) is not a result of cdcd's
+    commands, whose stdout is theirs alone, nor a raw line in a JSON log."""
     inner = kwargs.get("preexec_fn")
 
     def preexec() -> None:
@@ -192,8 +194,6 @@ def _jvm_popen(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     kwargs["preexec_fn"] = preexec
-    # The JVM's own output (log4j's console lines, the JVM's warnings) goes through the process's logger:
-    # one JSON line each for the daemon, nothing raw on a terminal or in a JSON log.
     kwargs.setdefault("stdout", subprocess.PIPE)
     kwargs.setdefault("stderr", subprocess.STDOUT)
     proc = subprocess.Popen(*args, **kwargs)

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from cdcd.config import check_address, check_ranges
+from cdcd.config import BadCacheFilter, CacheFilter, check_address, check_ranges
 
 MiB = 1 << 20
 MAX_SOCKET_NAME_BYTES = 80
@@ -139,6 +139,10 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
             raise msgspec.ValidationError(
                 "realtime_cdc = true needs a realtime_consumer table - at `$.realtime_consumer`"
             )
+        try:
+            CacheFilter.parse(self.realtime_consumer)
+        except BadCacheFilter as exc:
+            raise msgspec.ValidationError(f"{exc.what} - at `$.realtime_consumer.{exc.key}`") from None
         check_ranges(self, checks)
         check_address(self.replication_listen, "replication_listen")
         check_address(self.metrics_address, "metrics_address")

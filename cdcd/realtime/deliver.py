@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 import structlog
 
 from cdcd import metrics
+from cdcd.config import CacheFilter
 from cdcd.consumer import DEFAULT_RETRY_TIMEOUT_S, Consumer, EventBatch, RecordSlice, RetriableError
 from cdcd.delivery import Batch, Batcher, CacheChange, DeliveryLoop, feed_active
 from cdcd.logging import describe
@@ -58,6 +59,9 @@ class Deliverer:
         self.wal = wal
         self.node_id = node_id
         self._caches = caches
+        selected = CacheFilter.from_table(config.realtime_consumer, "realtime_consumer")
+        self._selected = None if selected.everything else selected
+        """The consumer table's ``caches``/``exclude_caches`` (checked with the node config)."""
         self._consumer = consumer
         self._committed = committed
         self._stop = stop
@@ -112,11 +116,12 @@ class Deliverer:
                 batch_max_events=self.config.realtime_batch_max_events,
                 batch_max_bytes=_NO_BYTE_BOUND,
                 names=self._names,
+                selected=self._selected,
             )
         batcher.restart(self.machine.position)
         for cid, info in self._caches().items():
             self._names[cid] = info.name
-            if not info.config.cdc_enabled and cid not in batcher.caches:  # created before what this worker read
+            if not batcher.delivers(info) and cid not in batcher.caches:  # created before what this worker read
                 batcher.disabled.add(cid)
         skipped = False
         for ptr, record, done in self._records():

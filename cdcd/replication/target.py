@@ -5,13 +5,13 @@ in one place."""
 from __future__ import annotations
 
 import ssl
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from cdcd.config import ConfigError, cache_filter, convert, split_host_port
+from cdcd.config import ConfigError, convert, split_host_port
 from cdcd.replication import credentials
 from cdcd.replication.client import ReplicationClient
 
@@ -32,8 +32,6 @@ class TargetOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     """Client certificate and key, for a target with ``replication_tls_ca``."""
     tls_server_name: str = ""
     """Name checked against the target's certificate (default: the target's host)."""
-    caches: list[str] | str = msgspec.field(default_factory=list)
-    """Cache names to send, or one regular expression matching whole names ([]: all)."""
 
     def open(self, source: str) -> Target:
         """The address checked, the token read, the TLS context built: ConfigError naming ``source`` and
@@ -46,7 +44,7 @@ class TargetOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         tls: ssl.SSLContext | None = None
         if self.tls or self.tls_ca or self.tls_cert or self.tls_key:
             tls = credentials.client_context(self.tls_ca, self.tls_cert, self.tls_key, source)
-        return Target(address, token, tls, self.tls_server_name, cache_filter(self.caches, source))
+        return Target(address, token, tls, self.tls_server_name)
 
     @classmethod
     def split(cls, options: Mapping[str, Any], source: str) -> tuple[TargetOptions, dict[str, Any]]:
@@ -64,8 +62,6 @@ class Target:
     token: bytes
     tls: ssl.SSLContext | None
     tls_server_name: str
-    selected: Callable[[str], bool]
-    """Whether a cache (by name) is sent."""
 
     def client(
         self,

@@ -6,10 +6,10 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from cdcd.config import ConfigError
+from cdcd.config import CACHE_FILTER_KEYS, CacheFilter, ConfigError
 from cdcd.consumer import DEFAULT_RETRY_TIMEOUT_S, Consumer
 
-COMMON_KEYS = ("kind", "retry_timeout_s")
+COMMON_KEYS = ("kind", "retry_timeout_s", *CACHE_FILTER_KEYS)
 """Keys of every ``[consumer]`` table, read here (the rest goes to the kind's own options)."""
 
 ConsumerFactory = Callable[[Mapping[str, Any], str], Consumer]
@@ -62,13 +62,17 @@ KINDS: dict[str, ConsumerFactory] = {
 
 
 def load_consumer(table: Mapping[str, Any], source: str = "consumer") -> Consumer:
-    """Build the consumer a ``[consumer]`` table describes; errors name ``source`` and the key."""
+    """Build the consumer a ``[consumer]`` table describes; errors name ``source`` and the key.
+
+    ``caches`` and ``exclude_caches`` are checked here but are not the consumer's: whoever delivers
+    to it (the daemon, the node's realtime worker) applies them to the batches (``CacheFilter``)."""
     kind = table.get("kind")
     if kind is None:
         raise ConfigError(f"{source}: missing key 'kind' (one of: {', '.join(sorted(KINDS))})")
     factory = KINDS.get(kind)
     if factory is None:
         raise ConfigError(f"{source}: key 'kind': unknown consumer kind {kind!r} (one of: {', '.join(sorted(KINDS))})")
+    CacheFilter.from_table(table, source)
     retry_timeout_s = _retry_timeout_s(table, source)
     options = {k: v for k, v in table.items() if k not in COMMON_KEYS}
     consumer = factory(options, source)

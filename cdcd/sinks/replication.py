@@ -58,8 +58,6 @@ class ReplicationConsumer(Consumer):
     def __init__(self, options: ReplicationOptions, source: str) -> None:
         self.options = options
         target = options.open(source)
-        self._selected = target.selected
-        self._selected_cache: dict[str, bool] = {}
         self.client = target.client(
             connect_timeout_s=options.connect_timeout_ms / 1000,
             request_timeout_s=options.request_timeout_ms / 1000,
@@ -86,12 +84,6 @@ class ReplicationConsumer(Consumer):
         """Stop waiting for a failing target: the batch stays unconfirmed and the next run sends it."""
         self._interrupted.set()
 
-    def _is_selected(self, name: str) -> bool:
-        ok = self._selected_cache.get(name)
-        if ok is None:
-            ok = self._selected_cache[name] = bool(self._selected(name))
-        return ok
-
     def _requests(self, batch: EventBatch, skipped: dict[str, int]) -> Iterator[tuple[str, list[ReplEntry]]]:
         """Per-cache requests in WAL order per cache; a repeated key or a full request closes one."""
         max_entries = self.options.max_batch_size
@@ -107,9 +99,6 @@ class ReplicationConsumer(Consumer):
                     continue
                 if only_primary and not e.primary:
                     skipped["backup"] += 1
-                    continue
-                if not self._is_selected(batch.cache_name(e.cache_id)):
-                    skipped["filtered"] += 1
                     continue
                 slot = pending.get(e.cache_id)
                 if slot is None:
@@ -137,7 +126,7 @@ class ReplicationConsumer(Consumer):
         skipped: dict[str, int] = {}
 
         def attempt() -> Applied:
-            skipped.update(replicated=0, backup=0, filtered=0)  # counted again by each attempt
+            skipped.update(replicated=0, backup=0)  # counted again by each attempt
             if not self.client.connected:
                 first = batch.slices[0]
                 self.client.sender_node = batch.source_node
