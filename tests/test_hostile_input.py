@@ -23,7 +23,7 @@ from cdcd.control import ControlServer, request
 from cdcd.daemon.config import NON_CONFIG_ENV, DaemonConfig, env_overrides, load_daemon_config
 from cdcd.node import Node, NodeConfig
 from cdcd.sinks.lake import LakeOptions
-from tests.support.procs import cdcd, child_env
+from tests.support.procs import cdcd, child_env, start_daemon, stop_daemon, wait_for
 
 
 def one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
@@ -104,12 +104,16 @@ def test_documented_non_config_variables_are_accepted_and_unknown_ones_warned(tm
     loaded = load_daemon_config(config, environ=env, ignored=ignored)
     assert loaded.batch_max_events == 7
     assert ignored == ["CDCD_DEPLOY_COLOUR"]
-    # Through the CLI: the daemon starts (here: fails later for its own reason, not the variable).
-    proc = cdcd(
-        "run", "--config", str(config), env=child_env() | {"CDCD_SPARK_JARS_DIR": "/x", "CDCD_DEPLOY_COLOUR": "b"}
-    )
-    assert "CDCD_SPARK_JARS_DIR" not in proc.stderr
-    assert "environment_variable_ignored" in proc.stderr and "CDCD_DEPLOY_COLOUR" in proc.stderr
+    # Through the CLI: the daemon starts and waits for its node (it does not exist here), past the variables.
+    err = tmp_path / "daemon.err"
+    proc = start_daemon(config, err, env=child_env() | {"CDCD_SPARK_JARS_DIR": "/x", "CDCD_DEPLOY_COLOUR": "b"})
+    try:
+        wait_for(lambda: b"waiting_for_node" in err.read_bytes() or proc.poll() is not None, 60, "the daemon")
+    finally:
+        assert stop_daemon(proc) == 0, err.read_text()[-2000:]
+    text = err.read_text()
+    assert "waiting_for_node" in text and "CDCD_SPARK_JARS_DIR" not in text
+    assert "environment_variable_ignored" in text and "CDCD_DEPLOY_COLOUR" in text
 
 
 def test_a_variable_one_typo_from_a_key_is_refused_naming_the_key() -> None:
