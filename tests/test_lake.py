@@ -53,7 +53,7 @@ def test_daemon_lands_30k_entries_exactly_once_then_compact_and_verify(tmp_path:
     `lake verify` agree, and verify notices a node write the lake does not have. (Volume is the benchmarks' job:
     `make bench` lands millions.)"""
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
-    n_tx = 600  # ~51 entries each (40 puts, removes of present keys): > 30k entries
+    n_tx = 700  # ~46 entries each (40 puts, removes of present keys): > 30k entries
     writer = start_writer(tmp_path, node_dir, count=n_tx, pause_ms=5)
     wait_for(lambda: (node_dir / "cdc").is_dir() or writer.poll() is not None, 30, "the node's cdc dir")
     config = write_config(tmp_path / "cdcd.toml", node_dir, lake_consumer(lake, "spark"), batch_max_delay_ms=500)

@@ -266,7 +266,8 @@ def build_snapshot(
         k: v
         for samples in (node_m or {}, daemon_m or {})
         for k, v in samples.items()
-        if any(word in k.partition("{")[0] for word in PROBLEM_WORDS)
+        # A counter at zero is no problem (unlabelled ones are exported from the start).
+        if v and any(word in k.partition("{")[0] for word in PROBLEM_WORDS)
     }
     return Snapshot(
         taken_unix_s=taken_unix_s,
