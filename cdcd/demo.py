@@ -39,7 +39,8 @@ def run_demo(*, var: Path, seconds: float, rate: int, spark_master: str, fresh: 
         wal_force_archive_timeout_ms=1000,
         archive_max_bytes=256 << 20,
     )
-    consumer = LakeConsumer(LakeOptions(lake_path=str(lake), spark_master=spark_master))
+    # Compaction on a schedule while the load runs: the stop then folds only the last interval's changes.
+    consumer = LakeConsumer(LakeOptions(lake_path=str(lake), spark_master=spark_master, compact_interval_s=20))
     daemon = Daemon(
         DaemonConfig(node_dir=str(node_dir), metrics_address="", batch_max_delay_ms=1000, check_interval_ms=250),
         consumer,
