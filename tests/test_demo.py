@@ -58,6 +58,7 @@ def test_ctrl_c_stops_in_announced_phases_verifies_and_leaves_nothing_running(pa
     assert any(line.startswith("spark.sql> SELECT") for line in lines), screen
     assert re.fullmatch(r"verified: [\d,]+ keys, OK; stopped in \d+ s", lines[-1]), screen
     assert "WARN" not in screen, "Spark's own log lines reached the terminal"
+    assert '"level": "warning"' not in screen, "a warning in a clean run"
     wait_for(lambda: not alive(below | {pid}), 60, "every process of the demo to end")
     check_lake(tmp_path / "var" / "demo" / "lake", tmp_path / "var" / "demo" / "node")
 

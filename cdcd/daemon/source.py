@@ -86,5 +86,10 @@ def node_caches(node: NodeConfig) -> tuple[dict[int, CacheInfo], str]:
             error = str(exc)
             continue
         return {i.cache_id: i for i in infos}, f"node page store {db}"
+    if "already open in this process" in error:
+        # A daemon inside the node's own process (cdcd demo, tests): LMDB opens an environment once per
+        # process; the cache names come from the WAL's cache records all the same.
+        log.info("node_caches_from_wal", path=str(data), reason="the node runs in this process")
+        return {}, "none (the node runs in this process; names from the WAL)"
     log.warning("node_caches_unreadable", path=str(data), error=error)
     return {}, f"none (the node's page store is unreadable: {error})"
