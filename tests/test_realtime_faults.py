@@ -284,8 +284,13 @@ def test_close_with_realtime_on_drains_the_buffer(rig_factory: Any, tmp_path: Pa
     rig.start_daemon()
     rig.wait_mode("on", "PASSIVE")
     rig.go()
-    # A backlog builds up behind the slow consumer: close() has something to drain.
-    wait_for(lambda: rig.status()["realtime"]["buffer_used_bytes"] > 100_000, 120, "a realtime backlog")
+    # A backlog builds up behind the slow consumer, after over 5000 events were delivered (how many the writer
+    # wrote by the time the backlog formed depends on the machine's speed): close() has something to drain.
+    wait_for(
+        lambda: rig.delivered("node") > 5000 and rig.status()["realtime"]["buffer_used_bytes"] > 100_000,
+        120,
+        "5000 events delivered and a realtime backlog",
+    )
     rig.stop_node()
     final = rig.final_status()  # just before close()
     assert final["realtime"]["mode"] == "on"
