@@ -19,10 +19,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import structlog
+
 from cdcd.consumer import DEFAULT_RETRY_TIMEOUT_S, EventBatch, RecordSlice, RetriableError, enabled_slices
+from cdcd.logging import describe
 from cdcd.retry import Backoff, Retry, RetryInterrupted, retry_until
 from cdcd.wal.pointer import WalPointer, WalPosition
 from cdcd.wal.records import CacheInfo, CacheOp, CacheRecord, DataRecord, Record, SegmentEnd
+
+log = structlog.get_logger("cdcd.delivery")
 
 _cache_id = operator.attrgetter("cache_id")
 
@@ -223,7 +228,8 @@ class DeliveryLoop:
     ``on_events`` raising ``RetriableError`` (passed through by the side's wrapper): the same events
     are offered again, as a fresh batch (what the failed call iterated does not count as taken),
     after ``pause(delay_s)`` (True: the side is stopping, ``deliver`` returns False) with
-    ``RETRY_BACKOFF``; ``on_retry`` hears of each step. Still failing ``retry_timeout_s`` after the
+    ``RETRY_BACKOFF``; each step is one ``consumer_retrying`` line, then ``on_retry`` hears of it (the
+    side's metric). Still failing ``retry_timeout_s`` after the
     first failure: ``RetriesExhausted`` (the side fails)."""
 
     def __init__(
@@ -315,11 +321,23 @@ class DeliveryLoop:
                 RETRY_BACKOFF,
                 retriable=(RetriableError,),
                 wait=self.pause,
-                on_retry=self.on_retry,
+                on_retry=self._retrying,
             )
         except RetryInterrupted:
             return None
         return ok, given
+
+    def _retrying(self, retry: Retry) -> None:
+        log.warning(
+            "consumer_retrying",
+            error=describe(retry.error),
+            attempt=retry.attempt,
+            retry_in_s=round(retry.retry_in_s, 3),
+            failing_for_s=round(retry.failing_for_s, 1),
+            retry_timeout_s=self.retry_timeout_s,
+        )
+        if self.on_retry is not None:
+            self.on_retry(retry)
 
     def _sleep_unless_stopping(self, delay_s: float) -> bool:
         if self.stopping():

@@ -114,14 +114,6 @@ class Committer:
 
     def _on_retry(self, retry: Retry) -> None:
         metrics.DAEMON_CONSUMER_RETRIES.inc()
-        log.warning(
-            "consumer_retrying",
-            error=describe(retry.error),
-            attempt=retry.attempt,
-            retry_in_s=round(retry.retry_in_s, 3),
-            failing_for_s=round(retry.failing_for_s, 1),
-            retry_timeout_s=self.retry_timeout_s,
-        )
         if self.retrying is not None:
             self.retrying()
 

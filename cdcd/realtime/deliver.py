@@ -176,14 +176,6 @@ class Deliverer:
 
     def _on_retry(self, retry: Retry) -> None:
         metrics.RT_CONSUMER_RETRIES.inc()
-        log.warning(
-            "consumer_retrying",
-            error=describe(retry.error),
-            attempt=retry.attempt,
-            retry_in_s=round(retry.retry_in_s, 3),
-            failing_for_s=round(retry.failing_for_s, 1),
-            retry_timeout_s=self.loop.retry_timeout_s,
-        )
 
     def _pause(self, delay_s: float) -> bool:
         with self._cv:
