@@ -5,7 +5,9 @@ it took of the batch durable (the caller then commits the position after it), Fa
 committed yet, keep going" (a later True commits everything before it). Events the consumer did
 not pull come again in the next call (``EventBatch.split_taken``). A ``RetriableError`` is a
 transient failure: the caller offers the same events again with backoff for up to
-``retry_timeout_s`` (``[consumer] retry_timeout_s``); any other exception is fatal.
+``retry_timeout_s`` (``[consumer] retry_timeout_s``). A ``RefusedEvent`` names one event the target
+will never take: with ``[consumer] dead_letters = "on"`` the caller sets it aside and goes on,
+otherwise it fails naming its position. Any other exception is fatal.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ __all__ = [
     "EventBatch",
     "EventSource",
     "RecordSlice",
+    "RefusedEvent",
     "RetriableError",
     "enabled_slices",
 ]
@@ -43,6 +46,19 @@ class RetriableError(Exception):
     exponential backoff and exits (code 4) only once it has failed for ``retry_timeout_s``. Raise
     it ``from`` the underlying error: the log line shows both. The consumer must be able to take
     the same events again (what an earlier attempt landed must not land twice)."""
+
+
+class RefusedEvent(Exception):
+    """Raised by ``on_events``: the target refuses the event at ``position`` for good (too large for
+    it, a value it cannot hold, a user rule); ``str()`` says why. As with ``RetriableError`` nothing
+    of the batch counts as taken. The caller then offers the events before it again, sets it aside
+    as a dead letter (``[consumer] dead_letters``; off: it fails, naming the position) and goes on
+    with the events after it, so the consumer must take the same events again as well."""
+
+    def __init__(self, position: EventAddress, reason: str) -> None:
+        super().__init__(reason)
+        self.position = position
+        self.reason = reason
 
 
 _decode = msgspec.msgpack.Decoder().decode
@@ -303,6 +319,11 @@ class Consumer:
 
     retry_timeout_s: float = DEFAULT_RETRY_TIMEOUT_S
     """How long the caller retries a ``RetriableError`` (set from ``[consumer] retry_timeout_s``)."""
+    dead_letters: bool = False
+    """``[consumer] dead_letters = "on"``: set refused events aside instead of failing."""
+    dead_letters_path: str = ""
+    """The jsonl file the caller writes a ``RefusedEvent``'s event to (``[consumer] dead_letters_path``);
+    empty for a consumer that keeps its dead letters itself (Kafka's ``<topic>.dlq``)."""
 
     def start(self, registry: CollectorRegistry) -> None:
         """Called once before any event; ``registry`` is where the consumer may add metrics."""

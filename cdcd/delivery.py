@@ -9,7 +9,8 @@ positions are passed all the same; they are never announced);
 ``DeliveryLoop`` hands one batch to a consumer (Ignite's loop): each side passes its consumer
 call, its ``commit(cursor)``, its stop check and its retry wait. It is also the one place where a
 consumer's ``RetriableError`` is waited out, for every sink: the same events again, with backoff,
-for up to the consumer's ``retry_timeout_s``.
+for up to the consumer's ``retry_timeout_s``; and where a ``RefusedEvent`` splits the batch: the
+events before it, the refused one to the dead letters, the events after it.
 """
 
 from __future__ import annotations
@@ -21,10 +22,19 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from cdcd.consumer import DEFAULT_RETRY_TIMEOUT_S, EventBatch, RecordSlice, RetriableError, enabled_slices
+from cdcd import failpoints
+from cdcd.consumer import (
+    DEFAULT_RETRY_TIMEOUT_S,
+    CdcEvent,
+    EventBatch,
+    RecordSlice,
+    RefusedEvent,
+    RetriableError,
+    enabled_slices,
+)
 from cdcd.logging import describe
 from cdcd.retry import Backoff, Retry, RetryInterrupted, retry_until
-from cdcd.wal.pointer import WalPointer, WalPosition
+from cdcd.wal.pointer import EventAddress, WalPointer, WalPosition
 from cdcd.wal.records import CacheInfo, CacheOp, CacheRecord, DataRecord, Record, SegmentEnd
 
 log = structlog.get_logger("cdcd.delivery")
@@ -211,6 +221,37 @@ RETRY_BACKOFF = Backoff(initial_ms=200, max_ms=5000, jitter=0.2)
 """Between attempts of a consumer that raised ``RetriableError``: quick at first (a blip), then
 every few seconds (an outage); jittered so that daemons sharing a store do not retry in step."""
 
+DeadLetter = Callable[[CdcEvent, str], object]
+"""Sets a refused event aside durably (once per position), with the refusal's text."""
+
+
+class EventRefused(Exception):
+    """A consumer refused an event and there is nowhere to set it aside: the side fails with this line."""
+
+
+def split_at(
+    events: EventBatch, address: EventAddress
+) -> tuple[EventBatch | None, RecordSlice, EventBatch | None] | None:
+    """``events`` cut around the event at ``address``: (the events before it, its slice, the events
+    after it; None where there are none); None if it is not in ``events``."""
+    slices = events.peek_slices()
+    for k, s in enumerate(slices):
+        i = address.entry_index
+        if s.pointer.segment != address.segment or s.pointer.offset != address.offset or not s.start <= i < s.end:
+            continue
+        before = [*slices[:k], RecordSlice(s.pointer, s.record, s.start, i)] if i > s.start else list(slices[:k])
+        after = list(slices[k + 1 :])
+        if i + 1 < s.end:
+            after.insert(0, RecordSlice(s.pointer, s.record, i + 1, s.stop))
+        node, names = events.source_node, events.cache_names
+        return (
+            EventBatch(node, before, names) if before else None,
+            RecordSlice(s.pointer, s.record, i, i + 1),
+            EventBatch(node, after, names) if after else None,
+        )
+    return None
+
+
 Observe = Callable[[Sequence[RecordSlice], EventBatch, int, bool], None]
 """After each consumer call: the slices it took, the batch it was given, how many events it took,
 and whether it confirmed (metrics, lag)."""
@@ -230,7 +271,13 @@ class DeliveryLoop:
     after ``pause(delay_s)`` (True: the side is stopping, ``deliver`` returns False) with
     ``RETRY_BACKOFF``; each step is one ``consumer_retrying`` line, then ``on_retry`` hears of it (the
     side's metric). Still failing ``retry_timeout_s`` after the
-    first failure: ``RetriesExhausted`` (the side fails)."""
+    first failure: ``RetriesExhausted`` (the side fails).
+
+    ``on_events`` raising ``RefusedEvent``: the events before the refused one are offered again (and
+    committed once confirmed), ``dead_letter`` sets the refused one aside, the position moves past
+    it, and the events after it follow. A ``dead_letter`` that runs again for the same event (a
+    crash before that commit) must not set it aside twice. No ``dead_letter`` (dead letters off):
+    ``EventRefused``, one line naming the position (the side fails)."""
 
     def __init__(
         self,
@@ -243,8 +290,10 @@ class DeliveryLoop:
         pause: Callable[[float], bool] | None = None,
         on_retry: Callable[[Retry], None] | None = None,
         retry_timeout_s: float = DEFAULT_RETRY_TIMEOUT_S,
+        dead_letter: DeadLetter | None = None,
     ) -> None:
         self.on_events = on_events
+        self.dead_letter = dead_letter
         self.commit = commit
         self.stopping = stopping
         self.retry_wait = retry_wait
@@ -263,10 +312,20 @@ class DeliveryLoop:
             if not self.unconfirmed:
                 self.commit(item.end)  # only the position moves (markers, CDC-off entries, segment ends)
             return True
+        return self._deliver(events, item.end)
+
+    def _deliver(self, events: EventBatch | None, end: WalPosition) -> bool:
+        """``deliver`` of ``events``, of which everything before ``end`` is committed once all is taken."""
         while events is not None:
             # What the consumer did not pull goes to its next call, also from inside a record; a
             # True commits the position after what it took.
-            offered = self._offer(events)
+            try:
+                offered = self._offer(events)
+            except RefusedEvent as refused:
+                done, events = self._set_aside(events, end, refused)
+                if not done:
+                    return False
+                continue
             if offered is None:
                 return False
             ok, events = offered
@@ -276,7 +335,7 @@ class DeliveryLoop:
                 self.observe(taken, events, took, ok)
             if ok:
                 self.unconfirmed = False
-                self.commit(item.end if rest is None or rest.first is None else rest.first.cursor())
+                self.commit(end if rest is None or rest.first is None else rest.first.cursor())
             else:
                 self.unconfirmed = True  # the next confirmed call commits both
             if rest is not None and not took:
@@ -285,6 +344,34 @@ class DeliveryLoop:
                 self.retry_wait()
             events = rest
         return True
+
+    def _set_aside(self, events: EventBatch, end: WalPosition, refused: RefusedEvent) -> tuple[bool, EventBatch | None]:
+        """The events before the refused one delivered, it set aside: (False: stopping cut it short,
+        the events after it)."""
+        at = refused.position
+        split = split_at(events, at)
+        if split is None:
+            first, last = events.first, events.last
+            raise EventRefused(
+                f"consumer refused the event at {at.cursor()}, which is not in the batch it was given "
+                f"({first and first.cursor()} to {last and last.cursor()}): {refused.reason}"
+            )
+        before, one, after = split
+        event = next(iter(EventBatch(events.source_node, [one], events.cache_names)))
+        error = describe(refused).removeprefix(f"{type(refused).__name__}: ")
+        if self.dead_letter is None:
+            raise EventRefused(
+                f"consumer refused the event at {at.cursor()} (cache {event.cache_name}): {error} "
+                '(set [consumer] dead_letters = "on" to set such events aside)'
+            )
+        if before is not None and not self._deliver(before, at.cursor()):
+            return False, None
+        self.dead_letter(event, error)
+        failpoints.hit("delivery.dead_letter.written")  # set aside, the position not yet past it
+        log.warning("dead_letter", position=str(at.cursor()), cache=event.cache_name, error=error)
+        if not self.unconfirmed:
+            self.commit(end if after is None or after.first is None else after.first.cursor())
+        return True, after
 
     def confirm(self) -> bool:
         """Before a switch: empty calls until the consumer confirms what it took unconfirmed;

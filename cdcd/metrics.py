@@ -176,6 +176,12 @@ DAEMON_CONSUMER_RETRIES = Counter(
     "Backoff steps after a consumer's transient failure (RetriableError), before the same events go again",
     registry=DAEMON,
 )
+DAEMON_DEAD_LETTERS = Counter(
+    "cdcd_daemon_dead_letters_total",
+    "Events the consumer refused for good, set aside as dead letters ([consumer] dead_letters)",
+    ["cache"],
+    registry=DAEMON,
+)
 DAEMON_COMMIT_SECONDS = Histogram(
     "cdcd_daemon_commit_seconds", "Time to persist the state (synced LMDB txn)", registry=DAEMON
 )

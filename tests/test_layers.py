@@ -14,7 +14,7 @@ LAYERS: list[set[str]] = [
     {"cdcd.durable", "cdcd.secrets", "cdcd.failpoints", "cdcd.wiring", "cdcd.faults", "cdcd.retry"},
     {"cdcd.wal", "cdcd.logging", "cdcd.config", "cdcd.lock"},
     {"cdcd.metrics", "cdcd.control", "cdcd.consumer", "cdcd.daemon_state"},
-    {"cdcd.delivery"},
+    {"cdcd.delivery", "cdcd.dead_letters"},
     {"cdcd.node"},
     {"cdcd.replication", "cdcd.realtime", "cdcd.daemon"},
     {"cdcd.lake", "cdcd.kafka", "cdcd.top"},

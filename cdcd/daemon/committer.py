@@ -18,11 +18,12 @@ import numpy as np
 import structlog
 
 from cdcd import failpoints, metrics
-from cdcd.consumer import DEFAULT_RETRY_TIMEOUT_S, Consumer, EventBatch, RecordSlice, RetriableError
+from cdcd.consumer import DEFAULT_RETRY_TIMEOUT_S, Consumer, EventBatch, RecordSlice, RefusedEvent, RetriableError
 from cdcd.daemon.follower import delete_links_below
 from cdcd.daemon.processor import Item, MarkerCommit, Switch
 from cdcd.daemon_state import CdcMode, DaemonState, StateStore
-from cdcd.delivery import Batch, CacheChange, DeliveryLoop
+from cdcd.dead_letters import DeadLetterError, DeadLetterFile
+from cdcd.delivery import Batch, CacheChange, DeliveryLoop, EventRefused
 from cdcd.faults import ExitCode, Fault
 from cdcd.logging import describe
 from cdcd.retry import RetriesExhausted, Retry
@@ -67,6 +68,8 @@ class Committer:
         """Set when the daemon stops: a consumer that takes nothing is not offered the rest again."""
         self.retrying = retrying
         self.retry_timeout_s = float(getattr(consumer, "retry_timeout_s", DEFAULT_RETRY_TIMEOUT_S))
+        path = getattr(consumer, "dead_letters_path", "") if getattr(consumer, "dead_letters", False) else ""
+        self.dead_letters = DeadLetterFile(path) if path else None
         self.loop = DeliveryLoop(
             self._on_events,
             self.commit,
@@ -76,6 +79,7 @@ class Committer:
             pause=self._pause,
             on_retry=self._on_retry,
             retry_timeout_s=self.retry_timeout_s,
+            dead_letter=self.dead_letters.write if self.dead_letters is not None else None,
         )
         self._pending_caches: dict[int, CacheInfo] = {}
         self._pending_destroyed: list[int] = []
@@ -89,6 +93,8 @@ class Committer:
                 self.loop.deliver(item)
             except RetriesExhausted as exc:
                 raise self._gave_up(exc) from exc.last
+            except (EventRefused, DeadLetterError) as exc:
+                raise ConsumerFailed(str(exc)) from exc
         elif isinstance(item, CacheChange):
             self._cache_change(item)
         elif isinstance(item, MarkerCommit):
@@ -103,6 +109,10 @@ class Committer:
             return fn(*args)  # type: ignore[operator]
         except RetriableError:
             raise  # waited out by the delivery loop
+        except RefusedEvent as exc:
+            if what == "on_events()":
+                raise  # the delivery loop sets the event aside (or fails naming it)
+            raise ConsumerFailed(f"consumer {what} raised {describe(exc)}") from exc
         except Exception as exc:
             raise ConsumerFailed(f"consumer {what} raised {describe(exc)}") from exc
 

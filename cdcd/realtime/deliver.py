@@ -14,8 +14,17 @@ import structlog
 
 from cdcd import metrics
 from cdcd.config import CacheFilter
-from cdcd.consumer import DEFAULT_RETRY_TIMEOUT_S, Consumer, EventBatch, RecordSlice, RetriableError
-from cdcd.delivery import Batch, Batcher, CacheChange, DeliveryLoop, feed_active
+from cdcd.consumer import (
+    DEFAULT_RETRY_TIMEOUT_S,
+    CdcEvent,
+    Consumer,
+    EventBatch,
+    RecordSlice,
+    RefusedEvent,
+    RetriableError,
+)
+from cdcd.dead_letters import DeadLetterError, DeadLetterFile
+from cdcd.delivery import Batch, Batcher, CacheChange, DeliveryLoop, EventRefused, feed_active
 from cdcd.logging import describe
 from cdcd.node.config import NodeConfig
 from cdcd.node.wal_log import WalLog
@@ -77,6 +86,7 @@ class Deliverer:
         )
         self.batcher: Batcher | None = None
         """Batches and cache changes of the current run of deliveries (None: a new run begins)."""
+        self._dead_letters: DeadLetterFile | None = None
         self._names: dict[int, str] = {}
         """Names of the node's caches, kept for events of a cache destroyed meanwhile."""
 
@@ -149,10 +159,24 @@ class Deliverer:
         if change.destroyed:  # the consumer never heard of a cache with CDC off
             consumer.on_cache_destroy(change.destroyed)
 
+    def _dead_letter(self, event: CdcEvent, error: str) -> object:
+        consumer = self._consumer()
+        path = consumer.dead_letters_path if consumer.dead_letters else ""
+        if self._dead_letters is None or str(self._dead_letters.path) != path:
+            self._dead_letters = DeadLetterFile(path)
+        return self._dead_letters.write(event, error)
+
     def _deliver(self, item: Batch) -> None:
-        self.loop.retry_timeout_s = float(getattr(self._consumer(), "retry_timeout_s", DEFAULT_RETRY_TIMEOUT_S))
+        consumer = self._consumer()
+        self.loop.retry_timeout_s = float(getattr(consumer, "retry_timeout_s", DEFAULT_RETRY_TIMEOUT_S))
+        keeps = getattr(consumer, "dead_letters", False) and getattr(consumer, "dead_letters_path", "")
+        self.loop.dead_letter = self._dead_letter if keeps else None
         try:
             delivered = self.loop.deliver(item)
+        except (EventRefused, DeadLetterError) as exc:
+            log.error("realtime_consumer_failed", error=str(exc))
+            self._stop("consumer_error", True)
+            raise Stopped from None
         except RetriesExhausted as exc:
             log.error(
                 "realtime_consumer_failed",
@@ -167,8 +191,8 @@ class Deliverer:
     def _on_events(self, events: EventBatch) -> bool:
         try:
             return self._consumer().on_events(events)
-        except RetriableError:
-            raise  # waited out by the delivery loop
+        except (RetriableError, RefusedEvent):
+            raise  # waited out, or set aside, by the delivery loop
         except Exception as exc:
             log.error("realtime_consumer_failed", error=describe(exc))
             self._stop("consumer_error", True)

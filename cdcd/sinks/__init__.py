@@ -9,8 +9,12 @@ from typing import Any
 from cdcd.config import CACHE_FILTER_KEYS, CacheFilter, ConfigError
 from cdcd.consumer import DEFAULT_RETRY_TIMEOUT_S, Consumer
 
-COMMON_KEYS = ("kind", "retry_timeout_s", *CACHE_FILTER_KEYS)
+COMMON_KEYS = ("kind", "retry_timeout_s", "dead_letters", "dead_letters_path", *CACHE_FILTER_KEYS)
 """Keys of every ``[consumer]`` table, read here (the rest goes to the kind's own options)."""
+
+NATIVE_DEAD_LETTERS = {"kafka": "<topic>.dlq, in the same transaction as its batch"}
+"""Kinds that keep dead letters themselves; the others get ``dead_letters_path`` (the delivery loop's file)."""
+NO_DEAD_LETTERS = {"lake": "it refuses no single event (every value lands as JSON text; a failing store is retried)"}
 
 ConsumerFactory = Callable[[Mapping[str, Any], str], Consumer]
 
@@ -74,16 +78,46 @@ def load_consumer(table: Mapping[str, Any], source: str = "consumer") -> Consume
         raise ConfigError(f"{source}: key 'kind': unknown consumer kind {kind!r} (one of: {', '.join(sorted(KINDS))})")
     CacheFilter.from_table(table, source)
     retry_timeout_s = _retry_timeout_s(table, source)
+    dead_letters, dead_letters_path = _dead_letters(table, kind, source)
     options = {k: v for k, v in table.items() if k not in COMMON_KEYS}
     consumer = factory(options, source)
     try:
         consumer.retry_timeout_s = retry_timeout_s
+        if dead_letters:  # set only when on: a user class without the attributes still runs fail-fast
+            consumer.dead_letters = True
+            consumer.dead_letters_path = dead_letters_path
     except AttributeError:  # a user class with __slots__ and no such slot
         raise ConfigError(
-            f"{source}: key 'class': {type(consumer).__name__} cannot take retry_timeout_s "
+            f"{source}: key 'class': {type(consumer).__name__} cannot take retry_timeout_s or dead_letters "
             "(subclass cdcd.consumer.Consumer)"
         ) from None
     return consumer
+
+
+def _dead_letters(table: Mapping[str, Any], kind: str, source: str) -> tuple[bool, str]:
+    """``dead_letters`` ("off" or "on") and, for kinds without a destination of their own, ``dead_letters_path``."""
+    value = table.get("dead_letters", "off")
+    if value not in ("off", "on"):
+        raise ConfigError(f'{source}: key \'dead_letters\': {value!r}: must be "off" or "on"')
+    path = table.get("dead_letters_path", "")
+    if not isinstance(path, str):
+        raise ConfigError(f"{source}: key 'dead_letters_path': {path!r}: must be a file path")
+    if value == "off":
+        if path:
+            raise ConfigError(f"{source}: key 'dead_letters_path': set, but dead_letters is \"off\"")
+        return False, ""
+    if kind in NO_DEAD_LETTERS:
+        raise ConfigError(f"{source}: key 'dead_letters': kind {kind!r} has no dead letters: {NO_DEAD_LETTERS[kind]}")
+    if kind in NATIVE_DEAD_LETTERS:
+        if path:
+            raise ConfigError(
+                f"{source}: key 'dead_letters_path': kind {kind!r} keeps dead letters in {NATIVE_DEAD_LETTERS[kind]}"
+            )
+    elif not path:
+        raise ConfigError(
+            f"{source}: key 'dead_letters_path': required with dead_letters = \"on\" for kind {kind!r} (a jsonl file)"
+        )
+    return True, path
 
 
 def _retry_timeout_s(table: Mapping[str, Any], source: str) -> float:

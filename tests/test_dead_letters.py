@@ -1,0 +1,206 @@
+"""Dead letters (issue 31 item 8) through a real `cdcd run` and a `kind = "python"` consumer that refuses every
+1000th event with ``cdcd.consumer.RefusedEvent``: with ``dead_letters = "on"`` the refused events land in the
+jsonl file ``dead_letters_path`` exactly once (also across a SIGKILL between the dead letter and the commit after
+it) and every other event lands exactly once, in order; with the default the daemon exits 4 with one line naming
+the position. Kafka's and replication's own refusals are tested in test_kafka_dead_letters.py and
+test_replication_dead_letters.py."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from tests.support.chaos import free_port, scrape
+from tests.support.config import write_daemon_config
+from tests.support.procs import cdcd, child_env, error_lines, log_events, start_daemon, stop_daemon, wait_for
+from tests.support.wal import wal_events
+from tests.support.writer import make_node
+
+SINKS = textwrap.dedent(
+    '''
+    """A test consumer for `kind = "python"`."""
+    import json
+    import os
+
+    from cdcd.consumer import Consumer, RefusedEvent
+
+
+    class Picky(Consumer):
+        """Appends the position of every event it takes to ``log`` (fsynced), skipping positions it already has
+        (so it is exactly once across a crash); refuses the events at the positions in ``refuse``, before writing
+        anything of the batch."""
+
+        def __init__(self, log, refuse):
+            self.log, self.refuse = log, {tuple(p) for p in refuse}
+            self.last = None
+            if os.path.exists(log):
+                lines = open(log).read().splitlines()
+                if lines:
+                    self.last = tuple(json.loads(lines[-1]))
+
+        def on_events(self, batch):
+            out = []
+            for ev in batch:
+                p = ev.position
+                here = (p.segment, p.offset, p.entry_index)
+                if here in self.refuse:
+                    raise RefusedEvent(p, f"key {ev.key!r} breaks the rule")
+                if self.last is None or here > self.last:
+                    out.append(here)
+            with open(self.log, "a") as f:
+                f.writelines(json.dumps(list(here)) + "\\n" for here in out)
+                f.flush()
+                os.fsync(f.fileno())
+            if out:
+                self.last = out[-1]
+            return True
+    '''
+)
+
+
+def picky(tmp_path: Path, log: Path, refuse: list[list[int]]) -> tuple[dict[str, Any], dict[str, str]]:
+    mods = tmp_path / "mods"
+    mods.mkdir(exist_ok=True)
+    (mods / "dlq_sinks.py").write_text(SINKS)
+    return {"kind": "python", "class": "dlq_sinks:Picky", "options": {"log": str(log), "refuse": refuse}}, child_env(
+        mods
+    )
+
+
+def lines(path: Path) -> list[Any]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def setup(tmp_path: Path) -> tuple[Path, list[dict[str, Any]], list[dict[str, Any]]]:
+    """A node of about 5,000 events; (its dir, every event as the jsonl sink writes it, every 1000th of them)."""
+    node_dir = tmp_path / "node"
+    make_node(node_dir, segments=2, tx_per_segment=50)
+    events = wal_events(node_dir)
+    assert len(events) > 4000
+    return node_dir, events, events[999::1000]
+
+
+def check_exactly_once(log: Path, dead: Path, events: list[dict[str, Any]], refused: list[dict[str, Any]]) -> None:
+    refused_pos = [e["pos"] for e in refused]
+    assert lines(log) == [e["pos"] for e in events if e["pos"] not in refused_pos], "the rest exactly once, in order"
+    letters = lines(dead)
+    assert [d["pos"] for d in letters] == refused_pos, "the refused events exactly once, in order"
+    for d, e in zip(letters, refused, strict=True):
+        assert (d["cache"], d["op"], d["key"], d["value"]) == (e["cache"], e["op"], e["key"], e["value"])
+        assert d["error"] == f"key {e['key']!r} breaks the rule" and d["commit_ts_ns"] == e["commit_ts_ns"]
+
+
+def test_refused_events_go_to_the_dead_letter_file_and_the_rest_lands_once(tmp_path: Path) -> None:
+    """Every 1000th event refused: each is one dead_letter warning, one line of the file and one count of
+    cdcd_daemon_dead_letters_total{cache}; the daemon keeps running and no error line is written."""
+    node_dir, events, refused = setup(tmp_path)
+    log, dead = tmp_path / "delivered.jsonl", tmp_path / "dead" / "letters.jsonl"
+    consumer, env = picky(tmp_path, log, [e["pos"] for e in refused])
+    port = free_port()
+    config = write_daemon_config(
+        tmp_path / "cdcd.toml",
+        node_dir,
+        {**consumer, "dead_letters": "on", "dead_letters_path": str(dead)},
+        batch_max_events=700,
+        metrics_address=f"127.0.0.1:{port}",
+    )
+    err = tmp_path / "run.err"
+    proc = start_daemon(config, err, env=env)
+    try:
+        wait_for(lambda: proc.poll() is not None or len(lines(log)) + len(lines(dead)) >= len(events), 60, "all")
+        assert proc.poll() is None, err.read_text()[-3000:]
+        counted = {labels["cache"]: value for labels, value in scrape(port)["cdcd_daemon_dead_letters_total"]}
+    finally:
+        rc = stop_daemon(proc)
+    assert rc == 0 and error_lines(err) == [], err.read_text()[-3000:]
+    check_exactly_once(log, dead, events, refused)
+    per_cache: dict[str, int] = {}
+    for e in refused:
+        per_cache[e["cache"]] = per_cache.get(e["cache"], 0) + 1
+    assert counted == per_cache
+    warned = [e for e in log_events(err) if e["event"] == "dead_letter"]
+    assert [w["position"] for w in warned] == ["{}:{}#{}".format(*e["pos"]) for e in refused]
+    assert all(w["level"] == "warning" and w["cache"] for w in warned)
+
+
+def test_sigkill_between_a_dead_letter_and_its_commit_keeps_it_once(tmp_path: Path) -> None:
+    """The daemon SIGKILLs itself right after the 2nd dead letter is durable, before the position moves past it;
+    the next run is offered that event again, is refused again, and the file still holds it once."""
+    node_dir, events, refused = setup(tmp_path)
+    log, dead = tmp_path / "delivered.jsonl", tmp_path / "letters.jsonl"
+    consumer, env = picky(tmp_path, log, [e["pos"] for e in refused])
+    config = write_daemon_config(
+        tmp_path / "cdcd.toml",
+        node_dir,
+        {**consumer, "dead_letters": "on", "dead_letters_path": str(dead)},
+        batch_max_events=700,
+    )
+    err = tmp_path / "run.err"
+    proc = start_daemon(config, err, env={**env, "CDCD_FAILPOINTS": "delivery.dead_letter.written@2"})
+    assert proc.wait(60) == -9, err.read_text()[-3000:]
+    assert len(lines(dead)) == 2 and len(lines(log)) < len(events) - len(refused)
+    proc = start_daemon(config, err, env=env)
+    try:
+        wait_for(lambda: proc.poll() is not None or len(lines(log)) + len(lines(dead)) >= len(events), 60, "all")
+        assert proc.poll() is None, err.read_text()[-3000:]
+    finally:
+        rc = stop_daemon(proc)
+    assert rc == 0 and error_lines(err) == [], err.read_text()[-3000:]
+    check_exactly_once(log, dead, events, refused)
+
+
+def test_by_default_a_refused_event_stops_the_daemon_naming_its_position(tmp_path: Path) -> None:
+    """dead_letters off (the default): exit 4 with one line naming the position, the cache, the reason and the
+    option; everything before the refused event was delivered, nothing after it."""
+    node_dir, events, refused = setup(tmp_path)
+    log = tmp_path / "delivered.jsonl"
+    consumer, env = picky(tmp_path, log, [e["pos"] for e in refused])
+    config = write_daemon_config(tmp_path / "cdcd.toml", node_dir, consumer, batch_max_events=700)
+    err = tmp_path / "run.err"
+    proc = start_daemon(config, err, env=env)
+    assert proc.wait(60) == 4, err.read_text()[-3000:]
+    first = refused[0]
+    position = "{}:{}#{}".format(*first["pos"])
+    assert error_lines(err) == [
+        f"cdcd: error: consumer refused the event at {position} (cache {first['cache']}): key {first['key']!r} "
+        'breaks the rule (set [consumer] dead_letters = "on" to set such events aside)'
+    ]
+    assert err.read_text().splitlines()[-1].startswith("cdcd: error:")
+    assert set(map(tuple, lines(log))) <= {tuple(e["pos"]) for e in events[:999]}
+
+
+def test_dead_letter_options_are_checked(tmp_path: Path) -> None:
+    """Each wrong setting is exit 2 with one line naming the key."""
+    node_dir = tmp_path / "node"
+    make_node(node_dir, segments=1, tx_per_segment=1)
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"kind": "null", "dead_letters": "yes"}, "key 'dead_letters': 'yes': must be \"off\" or \"on\""),
+        (
+            {"kind": "null", "dead_letters": "on"},
+            "key 'dead_letters_path': required with dead_letters = \"on\" for kind 'null' (a jsonl file)",
+        ),
+        ({"kind": "null", "dead_letters_path": "x.jsonl"}, "key 'dead_letters_path': set, but dead_letters is \"off\""),
+        (
+            {
+                "kind": "kafka",
+                "bootstrap_servers": "127.0.0.1:1",
+                "topic": "t",
+                "dead_letters": "on",
+                "dead_letters_path": "x.jsonl",
+            },
+            "key 'dead_letters_path': kind 'kafka' keeps dead letters in <topic>.dlq, in the same transaction as its "
+            "batch",
+        ),
+        (
+            {"kind": "lake", "path": str(tmp_path / "lake"), "dead_letters": "on"},
+            "key 'dead_letters': kind 'lake' has no dead letters: it refuses no single event",
+        ),
+    ]
+    for i, (table, expected) in enumerate(cases):
+        config = write_daemon_config(tmp_path / f"c{i}.toml", node_dir, table)
+        res = cdcd("run", "--config", str(config))
+        assert res.returncode == 2, (table, res.stderr[-2000:])
+        last = res.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"cdcd: error: {config}: consumer: {expected}"), last
