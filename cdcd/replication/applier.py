@@ -47,7 +47,7 @@ def replication_server(node: Node) -> ReplicationServer | None:
         token=credentials.read_token(config.replication_token_file, "replication_token_file", source),
         apply=lambda request: stage_replicated(node, request, resolver),
         wait_durable=node.wal.wait_durable,
-        welcome=Welcome(config.cluster_id, str(node.node_id)),
+        welcome=Welcome(config.cluster_id, str(node.node_id), max_frame_bytes=config.replication_max_frame_bytes),
         tls=credentials.server_context(
             config.replication_tls_cert, config.replication_tls_key, config.replication_tls_ca, source
         ),

@@ -36,6 +36,9 @@ class Welcome(msgspec.Struct, frozen=True, tag="welcome"):
     cluster_id: int
     node_id: str
     protocol: int = PROTOCOL_VERSION
+    max_frame_bytes: int = 0
+    """The largest frame the target reads (its ``replication_max_frame_bytes``); 0: not told (an
+    older target). A sender refuses an entry that cannot fit one, rather than send it in vain."""
 
 
 class ReplEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -6,7 +6,9 @@ confirmed only when the target has made every request durable. A lost connection
 exponential backoff by the delivery loop (``RetriableError``), re-sending the whole batch: the
 target's resolver recognises the changes it already applied (same origin version) and counts them
 as duplicates. After ``retry_timeout_s`` without success the daemon exits (code 4) and its service
-manager restarts it; a target that refuses us (``TargetRefused``) fails at once.
+manager restarts it; a target that refuses us (``TargetRefused``) fails at once. An entry too large
+for the target's frame limit (told in its welcome) is a ``RefusedEvent``: never sent, it fails the
+daemon naming its position, or becomes a dead letter (``dead_letters = "on"``).
 """
 
 from __future__ import annotations
@@ -20,14 +22,17 @@ import structlog
 
 from cdcd import metrics
 from cdcd.config import check_ranges, convert
-from cdcd.consumer import Consumer, EventBatch, RetriableError
+from cdcd.consumer import Consumer, EventBatch, RefusedEvent, RetriableError
 from cdcd.replication.client import TargetRefused
 from cdcd.replication.protocol import Applied, ProtocolError, ReplEntry
 from cdcd.replication.target import TargetOptions
+from cdcd.wal.pointer import EventAddress
 
 log = structlog.get_logger("cdcd.sinks.replication")
 
 MiB = 1 << 20
+FRAME_OVERHEAD_BYTES = 256
+"""What a one-entry Apply frame holds besides the entry's key, value and cache name (an upper bound)."""
 
 
 class ReplicationOptions(TargetOptions, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -87,7 +92,11 @@ class ReplicationConsumer(Consumer):
     def _requests(self, batch: EventBatch, skipped: dict[str, int]) -> Iterator[tuple[str, list[ReplEntry]]]:
         """Per-cache requests in WAL order per cache; a repeated key or a full request closes one."""
         max_entries = self.options.max_batch_size
+        welcome = self.client.welcome
+        frame_limit = welcome.max_frame_bytes if welcome is not None and welcome.max_frame_bytes else 0
         max_bytes = self.options.max_batch_bytes
+        if frame_limit:  # half of it: the per-entry estimate stays well inside the target's frame
+            max_bytes = min(max_bytes, frame_limit // 2)
         only_primary = self.options.only_primary
         pending: dict[int, tuple[list[ReplEntry], set[bytes], list[int]]] = {}
         for s in batch.slices:
@@ -105,12 +114,25 @@ class ReplicationConsumer(Consumer):
                     slot = pending[e.cache_id] = ([], set(), [0])
                 out, keys, size = slot
                 key = bytes(e.key)
+                entry_bytes = len(key) + len(e.value) + 48
+                if frame_limit:
+                    cache = batch.cache_name(e.cache_id)
+                    if len(key) + len(e.value) + len(cache) + FRAME_OVERHEAD_BYTES > frame_limit:
+                        raise RefusedEvent(
+                            EventAddress(s.pointer.segment, s.pointer.offset, i),
+                            f"an entry of {len(key) + len(e.value)} bytes (key and value) does not fit the "
+                            f"frame limit of replication target {self.client.target} ({frame_limit} bytes, its "
+                            "replication_max_frame_bytes)",
+                        )
+                    if out and size[0] + entry_bytes > max_bytes:  # alone it fits; with the others it might not
+                        yield cache, out
+                        out, keys, size = slot = pending[e.cache_id] = ([], set(), [0])
                 if key in keys:
                     yield batch.cache_name(e.cache_id), out
                     out, keys, size = slot = pending[e.cache_id] = ([], set(), [0])
                 out.append(ReplEntry(e.op, e.key, e.value, e.version, e.expire_time_ms))
                 keys.add(key)
-                size[0] += len(key) + len(e.value) + 48
+                size[0] += entry_bytes
                 if len(out) >= max_entries or size[0] >= max_bytes:
                     yield batch.cache_name(e.cache_id), out
                     del pending[e.cache_id]
