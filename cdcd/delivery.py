@@ -277,7 +277,8 @@ class DeliveryLoop:
     committed once confirmed), ``dead_letter`` sets the refused one aside, the position moves past
     it, and the events after it follow. A ``dead_letter`` that runs again for the same event (a
     crash before that commit) must not set it aside twice. No ``dead_letter`` (dead letters off):
-    ``EventRefused``, one line naming the position (the side fails)."""
+    the events before it are delivered all the same, then ``EventRefused``, one line naming the
+    position (the side fails)."""
 
     def __init__(
         self,
@@ -359,13 +360,14 @@ class DeliveryLoop:
         before, one, after = split
         event = next(iter(EventBatch(events.source_node, [one], events.cache_names)))
         error = describe(refused).removeprefix(f"{type(refused).__name__}: ")
+        # Everything before it is delivered either way: a restart meets the refused event first.
+        if before is not None and not self._deliver(before, at.cursor()):
+            return False, None
         if self.dead_letter is None:
             raise EventRefused(
                 f"consumer refused the event at {at.cursor()} (cache {event.cache_name}): {error} "
                 '(set [consumer] dead_letters = "on" to set such events aside)'
             )
-        if before is not None and not self._deliver(before, at.cursor()):
-            return False, None
         self.dead_letter(event, error)
         failpoints.hit("delivery.dead_letter.written")  # set aside, the position not yet past it
         log.warning("dead_letter", position=str(at.cursor()), cache=event.cache_name, error=error)

@@ -288,9 +288,9 @@ def test_sigkills_and_broker_restart_deliver_every_entry_exactly_once(kafka_brok
 
 def test_bad_settings_fail_with_one_line_and_nothing_advanced(kafka_broker: Broker, tmp_path: Path) -> None:
     """An unreachable broker, an unknown key and a change over max_message_bytes each stop `cdcd run`
-    with one error line naming the setting and a non-zero exit; the too-large change's batch is not
-    committed (the stored position stays where the earlier batches left it) and the daemon keeps
-    its own position too (the next run meets the same change)."""
+    with one error line naming the setting (the too-large change: its position) and a non-zero exit;
+    the change before it is delivered, the too-large one and nothing after it (the next run meets
+    the same change)."""
     node_dir = tmp_path / "node"
     with Node.open(node_dir, wal_force_archive_timeout_ms=0) as node:
         node.cache("small").put_all({i: {"v": i} for i in range(5)})
@@ -341,15 +341,19 @@ def test_bad_settings_fail_with_one_line_and_nothing_advanced(kafka_broker: Brok
         node.cache("small").put(100, {"v": 100})
         node.cache("small").put(101, {"big": "x" * 4000})
         node.force_archive()
-    for attempt in range(2):
-        err = tmp_path / f"big-{attempt}.err"
+    assert before is not None
+    *_, small, big = wal_events(node_dir)
+    for _attempt in range(2):
         res = cdcd("run", "--config", str(good), timeout=120)
         assert res.returncode == 4, res.stderr[-2000:]
         (line,) = [x for x in res.stderr.splitlines() if x.startswith("cdcd: error:")]
-        assert "key 'max_message_bytes'" in line and "MSG_SIZE_TOO_LARGE" in line, line
-        assert _stored_position(kafka_broker, node_dir) == before
+        position = "{}:{}#{}".format(*big["pos"])
+        assert line.startswith(f"cdcd: error: consumer refused the event at {position} (cache small): "), line
+        assert "bytes is over the 2048 bytes topic bad takes (its max.message.bytes, at most max_message_bytes)" in line
+        # the change before it (same batch) went; the refused one and nothing after it
+        assert _stored_position(kafka_broker, node_dir) == tuple(small["pos"])
     msgs = [m for ms in read_topic(kafka_broker.bootstrap, "bad").values() for m in ms]
-    assert sorted(json.loads(m.key())["key"] for m in msgs) == [0, 1, 2, 3, 4]
+    assert sorted(json.loads(m.key())["key"] for m in msgs) == [0, 1, 2, 3, 4, 100]
 
 
 def test_embedded_schema(kafka_broker: Broker, tmp_path: Path) -> None:

@@ -17,6 +17,11 @@ With ``transaction_metadata`` each node transaction's BEGIN/END records go to th
 topic in the same Kafka transactions as its events (``transactions``). Headers ``cdcd.entry`` (the WAL entry,
 MessagePack) and ``cdcd.cache`` let ``cdcd kafka-to-node`` apply the exact bytes. Cache
 created/destroyed records go to the metadata topic before the changes of the cache.
+
+A change whose message is larger than its topic takes (``max.message.bytes``, at most
+``max_message_bytes``; measured before compression) is refused: with ``dead_letters = "on"`` it goes
+to ``<topic>.dlq`` instead, in the same transaction (so exactly once, as the rest); otherwise the
+daemon fails with one line naming its position.
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ from confluent_kafka.admin import AdminClient  # type: ignore[attr-defined]
 
 from cdcd import failpoints, metrics
 from cdcd.config import ConfigError
-from cdcd.consumer import CacheInfo, Consumer, EventBatch, RetriableError
+from cdcd.consumer import CacheInfo, CdcEvent, Consumer, EventBatch, RefusedEvent, RetriableError
 from cdcd.kafka import envelope, offsets, topics, transactions
+from cdcd.kafka.dlq import dlq_record
 from cdcd.kafka.errors import KafkaSetupError, describe, error_of, missing_topic, setting_of, unknown_topic
 from cdcd.kafka.options import KafkaSinkOptions
 from cdcd.wal.records import Op
@@ -45,6 +51,8 @@ log = structlog.get_logger("cdcd.kafka.sink")
 
 _entry_encoder = msgspec.msgpack.Encoder()
 OFFSETS_TOPIC_PARTITIONS = 1
+RECORD_OVERHEAD_BYTES = 128
+"""A record's bytes besides key, value and headers, and its batch's header (an upper bound)."""
 
 
 class MetadataRecord(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -77,6 +85,10 @@ class KafkaSink(Consumer):
         self._alive = True
         self._interrupted = threading.Event()
         self._meta_producer: Producer | None = None
+        self._limits: dict[str, int] = {}
+        """Topic -> the largest message it takes."""
+        self._dlqs: set[str] = set()
+        """Dead-letter topics known to exist."""
         self.sent = 0
 
     @classmethod
@@ -253,6 +265,9 @@ class KafkaSink(Consumer):
             if self._producer is None or self._node != batch.source_node:
                 self._open(batch.source_node)
             self._send(batch)
+        except RefusedEvent:
+            self._drop_producer()  # its open transaction is aborted by the next producer's init
+            raise
         except (KafkaException, TimeoutError, BufferError) as exc:
             err = error_of(exc) or self._delivery_error
             setting = setting_of(err) if err is not None else None
@@ -297,6 +312,7 @@ class KafkaSink(Consumer):
         self._delivery_error = None
         skipped = {"already_sent": 0, "backup": 0}
         sent_per_cache: dict[str, int] = {}
+        dead: list[tuple[CdcEvent, str]] = []
         now_ns = time.time_ns()
         # a record's last entry in the batch (its last slice's end): its node transaction ends there
         record_ends = {(s.pointer.segment, s.pointer.offset): s.end - 1 for s in batch.peek_slices()}
@@ -349,15 +365,17 @@ class KafkaSink(Consumer):
                     e, source, now_ns, total_order, order, per_cache=per_cache, schemas=schemas
                 )
                 part = e.partition % nparts
-                headers: list[tuple[str, str | bytes | None]] = [
-                    ("cdcd.cache", cache.encode()),
-                    ("cdcd.entry", _entry_encoder.encode(e)),
-                ]
-                self._produce(p, topic, key, value, part=part, headers=headers)
-                if tombstones and e.op == Op.DELETE:
-                    self._produce(p, topic, key, None, part=part, headers=None)
-                sent_per_cache[cache] = sent_per_cache.get(cache, 0) + 1
-                n += 1
+                entry = _entry_encoder.encode(e)
+                headers: list[tuple[str, str | bytes | None]] = [("cdcd.cache", cache.encode()), ("cdcd.entry", entry)]
+                size = len(key) + len(value) + len(entry) + len(cache) + RECORD_OVERHEAD_BYTES
+                if size > (self._limits.get(topic) or self._limit_of(topic)):
+                    dead.append((ev, self._dead_letter(p, topic, ev, key=key, value=value, headers=headers, size=size)))
+                else:
+                    self._produce(p, topic, key, value, part=part, headers=headers)
+                    if tombstones and e.op == Op.DELETE:
+                        self._produce(p, topic, key, None, part=part, headers=None)
+                    sent_per_cache[cache] = sent_per_cache.get(cache, 0) + 1
+                    n += 1
             if pos.entry_index == record_ends.get(record):
                 end_transaction(ts_ms)
             if n >= opts.max_events_per_transaction:
@@ -385,7 +403,46 @@ class KafkaSink(Consumer):
         for cache, count in sent_per_cache.items():
             metrics.KAFKA_SENT_EVENTS.labels(cache).inc(count)
             self.sent += count
+        for ev, error in dead:
+            metrics.DAEMON_DEAD_LETTERS.labels(ev.cache_name).inc()
+            log.warning("dead_letter", position=str(ev.position.cursor()), cache=ev.cache_name, error=error)
         return last
+
+    def _limit_of(self, topic: str) -> int:
+        assert self._admin is not None, "start() first"
+        limit = self._limits[topic] = topics.max_message_bytes(self._admin, topic, self.options, self.source)
+        return limit
+
+    def _dead_letter(
+        self,
+        p: Producer,
+        topic: str,
+        ev: CdcEvent,
+        *,
+        key: bytes,
+        value: bytes,
+        headers: list[tuple[str, str | bytes | None]],
+        size: int,
+    ) -> str:
+        """Send the change that ``topic`` refuses to ``<topic>.dlq`` in the open transaction (or raise
+        ``RefusedEvent`` with dead letters off); returns why it was refused."""
+        error = (
+            f"a message of {size} bytes is over the {self._limits[topic]} bytes topic {topic} takes "
+            "(its max.message.bytes, at most max_message_bytes)"
+        )
+        if not self.dead_letters:
+            raise RefusedEvent(ev.position, error)
+        dlq = f"{topic}.dlq"
+        limit = self.options.max_message_bytes
+        if dlq not in self._dlqs:
+            assert self._admin is not None, "start() first"
+            topics.ensure_topics(self._admin, {dlq: (1, {"max.message.bytes": str(limit)})}, self.options, self.source)
+            self._dlqs.add(dlq)
+        data = dlq_record(ev, topic, error, key=key, value=value, max_bytes=limit - len(key) - RECORD_OVERHEAD_BYTES)
+        if len(data) + len(key) + len(headers[1][1] or b"") + RECORD_OVERHEAD_BYTES > limit:
+            headers = headers[:1]  # the entry too: it holds the value again
+        self._produce(p, dlq, key, data, part=0, headers=headers)
+        return error
 
     def _produce(
         self,

@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic  # type: ignore[attr-defined]
 
 from cdcd.kafka.errors import KafkaSetupError, describe, error_of
 from cdcd.kafka.options import KafkaSinkOptions
@@ -116,6 +116,21 @@ def ensure_topics(
                 f"{source}: key 'topic_partitions': topic {name} has {len(data.partitions)} partitions, "
                 f"fewer than topic_partitions = {opts.topic_partitions}"
             )
+
+
+def max_message_bytes(admin: AdminClient, topic: str, opts: KafkaSinkOptions, source: str) -> int:
+    """The largest message ``topic`` takes: its ``max.message.bytes`` (the broker's default when the
+    topic sets none), and never more than the producer's ``max_message_bytes``."""
+    resource = ConfigResource("topic", topic)
+    try:
+        future = admin.describe_configs([resource], request_timeout=opts.connect_timeout_ms / 1000)[resource]
+        entries = future.result()
+        value = int(entries["max.message.bytes"].value)
+    except (KafkaException, KeyError, ValueError) as exc:
+        raise KafkaSetupError(
+            f"{source}: key '{setting_of(topic, opts)}': cannot read max.message.bytes of topic {topic}: {exc}"
+        ) from None
+    return min(value, opts.max_message_bytes)
 
 
 def settled(admin: AdminClient, topics: Sequence[str], opts: KafkaSinkOptions, source: str) -> Any:
