@@ -153,6 +153,7 @@ def test_alert_rules_pass_promtool_and_name_exported_metrics(promtool: str) -> N
         "CdcdCdcLinksSkipped",
         "CdcdReplicationRejected",
         "CdcdConsumerRetrying",
+        "CdcdDeadLetters",
     ):
         assert f"alert: {alert}\n" in text, alert
     used = expr_metric_names("\n".join(line for line in text.splitlines() if "expr:" in line))
@@ -194,6 +195,45 @@ def test_consumer_retrying_alert_fires_after_a_minute_of_retries(promtool: str, 
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+DEAD_LETTERS_RULE_TEST = """
+rule_files: [{rules}]
+evaluation_interval: 1m
+tests:
+  - interval: 1m
+    input_series:
+      # two dead letters of cache "orders" at minute 5, then none
+      - series: 'cdcd_daemon_dead_letters_total{{instance="d1", job="cdcd-daemon", cache="orders"}}'
+        values: '0 0 0 0 0 2 2 2 2 2 2 2 2 2 2 2 2 2 2 2 2 2 2 2 2 2 2 2'
+    alert_rule_test:
+      - {{eval_time: 4m, alertname: CdcdDeadLetters, exp_alerts: []}}
+      - eval_time: 6m
+        alertname: CdcdDeadLetters
+        exp_alerts:
+          - exp_labels: {{severity: warning, instance: d1, job: cdcd-daemon, cache: orders}}
+            exp_annotations:
+              summary: "{summary}"
+              description: "{description}"
+      - {{eval_time: 20m, alertname: CdcdDeadLetters, exp_alerts: []}}
+"""
+
+
+def test_dead_letters_alert_fires_when_events_are_set_aside(promtool: str, tmp_path: Path) -> None:
+    """`promtool test rules`: CdcdDeadLetters fires at once when a cache's events become dead letters, naming the
+    cache, and clears ten minutes after the last one."""
+    rules = CONFIG / "prometheus-alerts.yml"
+    rule = re.search(r"CdcdDeadLetters.*?summary: \"(.*?)\"\n.*?description: \"(.*?)\"\n", rules.read_text(), re.S)
+    assert rule is not None
+    summary = rule.group(1).replace("{{ $labels.instance }}", "d1").replace("{{ $labels.cache }}", "orders")
+    test = tmp_path / "dead-letters-test.yml"
+    test.write_text(
+        DEAD_LETTERS_RULE_TEST.format(
+            rules=json.dumps(str(rules)), summary=summary.replace("{{ $value }}", "2"), description=rule.group(2)
+        )
+    )
+    res = subprocess.run([promtool, "test", "rules", str(test)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
 def test_grafana_dashboard_queries_exported_metrics() -> None:
     """config/grafana-dashboard.json is a dashboard whose every query names metrics cdcd exports (no stale names
     such as the old cdcd_node_realtime_lag_ms)."""
@@ -207,6 +247,7 @@ def test_grafana_dashboard_queries_exported_metrics() -> None:
         "cdcd_daemon_segments_pending",
         "cdcd_node_realtime_lag_seconds_bucket",
         "cdcd_daemon_consumer_retries_total",
+        "cdcd_daemon_dead_letters_total",
     ):
         assert wanted in used, wanted
 

@@ -53,8 +53,9 @@ def test_entries_over_the_targets_frame_limit_become_dead_letters(tmp_path: Path
     assert [d["pos"] for d in letters] == [e["pos"] for e in refused]
     for d, e in zip(letters, refused, strict=True):
         assert (d["cache"], d["op"], d["key"], d["value"]) == (e["cache"], e["op"], e["key"], e["value"])
-        assert d["error"].startswith("an entry of ") and f"({FRAME_LIMIT} bytes, its replication_max_frame_bytes)" in (
-            d["error"]
+        assert (
+            d["error"].startswith("an entry of ")
+            and f"({FRAME_LIMIT} bytes, its replication_max_frame_bytes)" in (d["error"])
         )
     assert len(warned) == len(refused)
 
