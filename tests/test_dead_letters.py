@@ -12,6 +12,10 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from cdcd.node import Node
+from cdcd.realtime import RealtimeMode
 from tests.support.chaos import free_port, scrape
 from tests.support.config import write_daemon_config
 from tests.support.procs import cdcd, child_env, error_lines, log_events, start_daemon, stop_daemon, wait_for
@@ -32,8 +36,8 @@ SINKS = textwrap.dedent(
         (so it is exactly once across a crash); refuses the events at the positions in ``refuse``, before writing
         anything of the batch."""
 
-        def __init__(self, log, refuse):
-            self.log, self.refuse = log, {tuple(p) for p in refuse}
+        def __init__(self, log, refuse=(), refuse_keys=()):
+            self.log, self.refuse, self.refuse_keys = log, {tuple(p) for p in refuse}, set(refuse_keys)
             self.last = None
             if os.path.exists(log):
                 lines = open(log).read().splitlines()
@@ -45,7 +49,7 @@ SINKS = textwrap.dedent(
             for ev in batch:
                 p = ev.position
                 here = (p.segment, p.offset, p.entry_index)
-                if here in self.refuse:
+                if here in self.refuse or (self.refuse_keys and ev.key in self.refuse_keys):
                     raise RefusedEvent(p, f"key {ev.key!r} breaks the rule")
                 if self.last is None or here > self.last:
                     out.append(here)
@@ -205,3 +209,69 @@ def test_dead_letter_options_are_checked(tmp_path: Path) -> None:
         assert res.returncode == 2, (table, res.stderr[-2000:])
         last = res.stderr.strip().splitlines()[-1]
         assert last.startswith(f"cdcd: error: {config}: consumer: {expected}"), last
+
+
+def test_the_realtime_worker_sets_refused_events_aside_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node's realtime worker, with the same consumer and options: keys 42, 142 and 242 refused (one in the
+    middle of each 50-entry record) land in the dead-letter file once, every other event in the log once, in order,
+    and realtime stays on."""
+    node_dir, log, dead = tmp_path / "node", tmp_path / "rt.jsonl", tmp_path / "rt-dead.jsonl"
+    consumer, _env = picky(tmp_path, log, [])
+    consumer["options"]["refuse_keys"] = [42, 142, 242]
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+    table = {**consumer, "dead_letters": "on", "dead_letters_path": str(dead)}
+    with Node.open(
+        node_dir,
+        realtime_cdc=True,
+        realtime_consumer=table,
+        cdc_enabled=False,
+        wal_force_archive_timeout_ms=0,
+        realtime_commit_record_interval_ms=0,
+    ) as node:
+        wait_for(lambda: node.realtime.mode is RealtimeMode.ON, 30, "realtime on")
+        cache = node.cache("c")
+        for i in range(0, 300, 50):
+            cache.put_all({k: {"k": k} for k in range(i, i + 50)})
+        node.flush()
+        wait_for(lambda: len(lines(log)) + len(lines(dead)) >= 300, 30, "every event")
+        assert node.realtime.mode is RealtimeMode.ON
+    events = wal_events(node_dir)
+    refused = [e for e in events if e["key"] in (42, 142, 242)]
+    assert len(events) == 300 and len(refused) == 3
+    assert lines(log) == [e["pos"] for e in events if e not in refused]
+    assert [(d["pos"], d["key"], d["value"]) for d in lines(dead)] == [
+        (e["pos"], e["key"], e["value"]) for e in refused
+    ]
+
+
+def test_the_dead_letter_file_cuts_a_torn_line_and_skips_what_it_holds(tmp_path: Path) -> None:
+    """A real file: two dead letters, then a torn third line (a kill while writing). A new writer (the next run)
+    cuts the torn line, skips events at or before the last whole one, and appends the next one after it."""
+    from cdcd.consumer import EventBatch, RecordSlice
+    from cdcd.dead_letters import DeadLetterFile
+    from cdcd.wal.records import CacheRecord, DataRecord
+    from tests.support.wal import wal_records
+
+    node_dir = tmp_path / "node"
+    make_node(node_dir, segments=1, tx_per_segment=3)
+    names: dict[int, str] = {}
+    evs = []
+    for ptr, rec in wal_records(node_dir):
+        if type(rec) is CacheRecord:
+            names[rec.cache_id] = rec.name
+        elif type(rec) is DataRecord:
+            evs.extend(EventBatch("n", [RecordSlice(ptr, rec)], names))
+    path = tmp_path / "dead.jsonl"
+    first = DeadLetterFile(path)
+    assert first.write(evs[3], "too big") and first.write(evs[10], "too big")
+    assert not first.write(evs[10], "again")
+    whole = path.read_bytes()
+    with path.open("ab") as f:
+        f.write(b'{"pos": [1, 2')
+    second = DeadLetterFile(path)
+    assert not second.write(evs[3], "again") and not second.write(evs[10], "again")
+    assert path.read_bytes() == whole, "the torn line is cut, nothing written twice"
+    assert second.write(evs[11], "too big")
+    got = [(d["pos"], d["error"]) for d in lines(path)]
+    want = [([p.segment, p.offset, p.entry_index], "too big") for p in (e.position for e in (evs[3], evs[10], evs[11]))]
+    assert got == want
