@@ -379,7 +379,13 @@ class DeliveryLoop:
         """Before a switch: empty calls until the consumer confirms what it took unconfirmed;
         False if stopping cut it short."""
         while self.unconfirmed:
-            offered = self._offer(EventBatch("", [], {}))
+            try:
+                offered = self._offer(EventBatch("", [], {}))
+            except RefusedEvent as refused:
+                raise EventRefused(
+                    f"consumer refused the event at {refused.position.cursor()} in a call without events: "
+                    f"{refused.reason}"
+                ) from refused
             if offered is None:
                 return False
             if offered[0]:

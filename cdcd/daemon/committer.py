@@ -202,6 +202,8 @@ class Committer:
             confirmed = self.loop.confirm()
         except RetriesExhausted as exc:
             raise self._gave_up(exc) from exc.last
+        except EventRefused as exc:
+            raise ConsumerFailed(str(exc)) from exc
         if not confirmed:
             return
         old = self.state.mode
