@@ -116,8 +116,9 @@ class ReplicationConsumer(Consumer):
                 key = bytes(e.key)
                 entry_bytes = len(key) + len(e.value) + 48
                 if frame_limit:
-                    cache = batch.cache_name(e.cache_id)
-                    if len(key) + len(e.value) + len(cache) + FRAME_OVERHEAD_BYTES > frame_limit:
+                    # only an entry over half the frame (max_bytes) can be over all of it: the name is looked up then
+                    one_frame = len(key) + len(e.value) + FRAME_OVERHEAD_BYTES
+                    if entry_bytes > max_bytes and one_frame + len(batch.cache_name(e.cache_id)) > frame_limit:
                         raise RefusedEvent(
                             EventAddress(s.pointer.segment, s.pointer.offset, i),
                             f"an entry of {len(key) + len(e.value)} bytes (key and value) does not fit the "
@@ -125,7 +126,7 @@ class ReplicationConsumer(Consumer):
                             "replication_max_frame_bytes)",
                         )
                     if out and size[0] + entry_bytes > max_bytes:  # alone it fits; with the others it might not
-                        yield cache, out
+                        yield batch.cache_name(e.cache_id), out
                         out, keys, size = slot = pending[e.cache_id] = ([], set(), [0])
                 if key in keys:
                     yield batch.cache_name(e.cache_id), out
