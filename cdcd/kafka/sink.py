@@ -410,7 +410,7 @@ class KafkaSink(Consumer):
 
     def _limit_of(self, topic: str) -> int:
         assert self._admin is not None, "start() first"
-        limit = self._limits[topic] = topics.max_message_bytes(self._admin, topic, self.options, self.source)
+        limit = self._limits[topic] = topics.max_message_bytes(self._admin, topic, self.options)
         return limit
 
     def _dead_letter(

@@ -118,18 +118,22 @@ def ensure_topics(
             )
 
 
-def max_message_bytes(admin: AdminClient, topic: str, opts: KafkaSinkOptions, source: str) -> int:
+def max_message_bytes(admin: AdminClient, topic: str, opts: KafkaSinkOptions) -> int:
     """The largest message ``topic`` takes: its ``max.message.bytes`` (the broker's default when the
-    topic sets none), and never more than the producer's ``max_message_bytes``."""
+    topic sets none), and never more than the producer's ``max_message_bytes``. A cluster that does
+    not tell (no DescribeConfigs right) leaves ``max_message_bytes``: a larger message then fails its
+    batch at the broker, as it did before dead letters."""
     resource = ConfigResource("topic", topic)
     try:
         future = admin.describe_configs([resource], request_timeout=opts.connect_timeout_ms / 1000)[resource]
-        entries = future.result()
-        value = int(entries["max.message.bytes"].value)
+        value = int(future.result()["max.message.bytes"].value)
     except (KafkaException, KeyError, ValueError) as exc:
-        raise KafkaSetupError(
-            f"{source}: key '{setting_of(topic, opts)}': cannot read max.message.bytes of topic {topic}: {exc}"
-        ) from None
+        log.warning(
+            "kafka_topic_limit_unknown",
+            topic=topic,
+            error=describe(exc) if isinstance(exc, KafkaException) else repr(exc),
+        )
+        return opts.max_message_bytes
     return min(value, opts.max_message_bytes)
 
 
