@@ -116,6 +116,11 @@ def test_refused_events_go_to_the_dead_letter_file_and_the_rest_lands_once(tmp_p
         wait_for(lambda: proc.poll() is not None or len(lines(log)) + len(lines(dead)) >= len(events), 60, "all")
         assert proc.poll() is None, err.read_text()[-3000:]
         counted = {labels["cache"]: value for labels, value in scrape(port)["cdcd_daemon_dead_letters_total"]}
+        top = cdcd(
+            "top", "--node-dir", str(node_dir), "--config", str(config), "--interval-ms", "100", "--once", "--json"
+        )
+        assert top.returncode == 0, top.stderr
+        problems = json.loads(top.stdout)["problems"]
     finally:
         rc = stop_daemon(proc)
     assert rc == 0 and error_lines(err) == [], err.read_text()[-3000:]
@@ -124,6 +129,8 @@ def test_refused_events_go_to_the_dead_letter_file_and_the_rest_lands_once(tmp_p
     for e in refused:
         per_cache[e["cache"]] = per_cache.get(e["cache"], 0) + 1
     assert counted == per_cache
+    shown = {k: v for k, v in problems.items() if k.startswith("cdcd_daemon_dead_letters_total")}
+    assert shown == {f'cdcd_daemon_dead_letters_total{{cache="{c}"}}': n for c, n in per_cache.items()}, problems
     warned = [e for e in log_events(err) if e["event"] == "dead_letter"]
     assert [w["position"] for w in warned] == ["{}:{}#{}".format(*e["pos"]) for e in refused]
     assert all(w["level"] == "warning" and w["cache"] for w in warned)
