@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from cdcd.consumer import DEFAULT_RETRY_TIMEOUT_S, EventBatch, RecordSlice, RetriableError, enabled_slices
+from cdcd.consumer import DEFAULT_RETRY_TIMEOUT_S, CacheDrop, EventBatch, RecordSlice, RetriableError, enabled_slices
 from cdcd.logging import describe
 from cdcd.retry import Backoff, Retry, RetryInterrupted, retry_until
 from cdcd.wal.pointer import WalPointer, WalPosition
@@ -77,6 +77,8 @@ class CacheChange:
     created: list[CacheInfo] = field(default_factory=list)
     destroyed: list[int] = field(default_factory=list)
     quiet: bool = False
+    drops: list[CacheDrop] = field(default_factory=list)
+    """``destroyed`` with their DESTROY records' place, time and version."""
 
 
 class Batcher:
@@ -170,7 +172,8 @@ class Batcher:
         else:
             # Keep the name for events of this cache still in flight; the registry forgets it.
             self.caches.pop(cid, None)
-            out.append(CacheChange(end, destroyed=[cid]))
+            drop = CacheDrop(cid, record.name, ptr, record.ts_ns, record.version, self.source_node)
+            out.append(CacheChange(end, destroyed=[cid], drops=[drop]))
         return out
 
     def restart(self, position: WalPosition | None) -> None:
