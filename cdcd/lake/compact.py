@@ -348,11 +348,15 @@ def compact(
             )
             versions, rescued = typed.versions, rescued + typed.rescued
         failpoints.hit("lake.compact.tables_committed")
+        if truncated:
+            # Without an application transaction (an earlier range's is still set): Delta would skip
+            # the commit as a repeat, or count it as the range's.
+            session.conf.unset(_TXN_APP)
+            session.conf.unset(_TXN_VERSION)
+            deleted += _truncate_state(session, lake, truncated)
         session.conf.set(_TXN_APP, COMPACT_APP_ID)
         session.conf.set(_TXN_VERSION, str(last))
         source = session.createDataFrame(winners)
-        if truncated:
-            deleted += _truncate_state(session, lake, truncated)
         if _is_empty(lake / STATE):
             # Nothing to match against (the first compaction): a plain append of the live winners,
             # same application transaction, no join. One writer per cache: one file per cache.

@@ -1,0 +1,205 @@
+"""A cache dropped and created again on the node travels to every target (issue 28, item 4).
+
+One scenario on a real node, delivered by a real ``cdcd run``: cache ``c`` gets five keys (one updated, one
+removed), is destroyed, is created again with three keys (one of them an old key), while cache ``o`` goes on
+beside it. Each target is checked entry by entry against the WAL:
+
+- the lake: ``changes`` holds every WAL entry once and one ``truncate`` row at the DESTROY record, also when
+  the daemon is SIGKILLed just before and just after landing it; compaction leaves in ``state`` and in
+  ``tables/c`` exactly the re-created rows (also when an earlier compaction had folded the old ones), and
+  ``lake verify`` agrees with the node;
+- Kafka: the topic holds every change and exactly one ``op = "t"`` between the last old and the first new
+  change of ``c``; ``kafka-to-node`` empties ``c`` on it;
+- replication: the replica drops ``c`` and takes the new rows (``node diff`` says same), and an entry written
+  before the drop that arrives late is rejected.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pyarrow.compute as pc
+import pytest
+from deltalake import DeltaTable
+
+from cdcd.lake.verify import verify
+from cdcd.node import Node
+from cdcd.wal.pointer import WalPointer
+from cdcd.wal.records import CacheOp, CacheRecord
+from tests.support.delta_lake import lake_consumer
+from tests.support.lake import run_to_end, write_config
+from tests.support.procs import child_env, reap, start_daemon
+from tests.support.wal import wal_events, wal_records
+
+NODE = {"wal_segment_size_bytes": 64 * 1024, "wal_force_archive_timeout_ms": 0}
+OLD = {0: {"v": 0}, 1: {"v": 11}, 3: {"v": 3}, 4: {"v": 4}}
+"""What ``c`` held when it was dropped."""
+NEW = {0: {"v": 100}, 7: {"v": 7}, 8: {"v": 8}}
+"""What ``c`` holds after it was created again."""
+OTHER = {"x": 1, "y": 2}
+
+
+def write_scenario(node_dir: Path) -> WalPointer:
+    """The node's history (every record archived); returns the DESTROY record's pointer."""
+    with Node.open(node_dir, **NODE) as node:
+        c, o = node.cache("c"), node.cache("o")
+        for k in range(5):
+            c.put(k, {"v": k})
+        c.put(1, {"v": 11})
+        c.remove(2)
+        o.put("x", 1)
+        node.force_archive()
+        assert node.destroy_cache("c")
+        again = node.cache("c")
+        for k, v in NEW.items():
+            again.put(k, v)
+        o.put("y", 2)
+        node.force_archive()
+    drops = [p for p, r in wal_records(node_dir) if type(r) is CacheRecord and r.op == CacheOp.DESTROY]
+    assert len(drops) == 1
+    return drops[0]
+
+
+def node_items(node_dir: Path, cache: str) -> dict[Any, Any]:
+    with Node.open(node_dir, **NODE) as node:
+        info = node.cache_info(cache)
+        return {} if info is None else dict(node.cache(cache).items())
+
+
+# --- the lake ----------------------------------------------------------------------------------------------
+DROP_KILL_PLUGIN = '''
+"""The real LakeConsumer, SIGKILLing its process before or after it lands a drop (once: a marker file)."""
+import os
+import signal
+from pathlib import Path
+
+from cdcd.sinks.lake import LakeConsumer, LakeOptions
+
+
+class KillAtDrop(LakeConsumer):
+    def __init__(self, kill_at, marker, **options):
+        super().__init__(LakeOptions(**options))
+        self.kill_at = kill_at
+        self.marker = Path(marker)
+
+    def on_cache_drop(self, drops):
+        if self.kill_at == "before":
+            self.marker.write_text("before")
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().on_cache_drop(drops)
+        self.marker.write_text("after")
+        os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+def changes_rows(lake: Path) -> list[dict[str, Any]]:
+    return DeltaTable(str(lake / "changes")).to_pyarrow_table().to_pylist()
+
+
+def check_changes(lake: Path, node_dir: Path, drop: WalPointer, *, complete: bool) -> None:
+    """Every WAL entry at most once (all of them when ``complete``), and one truncate row, at ``drop``,
+    once the lake got past it."""
+    rows = changes_rows(lake)
+    truncates = [r for r in rows if r["op"] == "truncate"]
+    data = [r for r in rows if r["op"] != "truncate"]
+    landed = [(r["wal_segment"], r["wal_offset"], r["wal_index"]) for r in data]
+    assert len(landed) == len(set(landed)), "an entry landed twice"
+    expected = {tuple(e["pos"]): e for e in wal_events(node_dir)}
+    assert set(landed) <= set(expected)
+    for r in data:
+        e = expected[(r["wal_segment"], r["wal_offset"], r["wal_index"])]
+        assert (r["cache"], r["op"], json.loads(r["key"])) == (e["cache"], e["op"], e["key"])
+    if complete:
+        assert set(landed) == set(expected)
+    past_drop = any((s, o) > (drop.segment, drop.offset) for s, o, _ in landed)
+    if complete or past_drop:
+        assert len(truncates) == 1, truncates
+    assert len(truncates) <= 1, truncates
+    for t in truncates:
+        assert (t["cache"], t["wal_segment"], t["wal_offset"], t["wal_index"]) == ("c", drop.segment, drop.offset, 0)
+        assert t["key"] is None and t["value"] is None and t["source_node"]
+
+
+def state_rows(lake: Path, cache: str) -> dict[Any, Any]:
+    table = DeltaTable(str(lake / "state")).to_pyarrow_table()
+    table = table.filter(pc.equal(table.column("cache"), cache))
+    keys, values = table["key"].to_pylist(), table["value"].to_pylist()
+    return {json.loads(k): json.loads(v) for k, v in zip(keys, values, strict=True)}
+
+
+def typed_rows(lake: Path, cache: str) -> dict[Any, Any]:
+    """``tables/<cache>`` of ``c``: an int key column and the value's field ``v``."""
+    return {r["key"]: {"v": r["v"]} for r in DeltaTable(str(lake / "tables" / cache)).to_pyarrow_table().to_pylist()}
+
+
+@pytest.mark.timeout(300)
+def test_lake_drop_truncates_exactly_once_and_compaction_keeps_only_the_new_rows(tmp_path: Path, spark: Any) -> None:
+    from cdcd.lake.compact import compact
+
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    drop = write_scenario(node_dir)
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "drop_kill.py").write_text(DROP_KILL_PLUGIN)
+    env = child_env(plugins)
+    plain = lake_consumer(lake)
+    marker = tmp_path / "killed"
+    for kill_at in ("before", "after"):
+        options = {"kind": "python", "class": "drop_kill:KillAtDrop", "options": {**plain, "kill_at": kill_at}}
+        options["options"]["marker"] = str(marker)
+        del options["options"]["kind"]
+        config = write_config(tmp_path / f"{kill_at}.toml", node_dir, options)
+        err = tmp_path / f"{kill_at}.err"
+        proc = start_daemon(config, err, env)
+        try:
+            assert proc.wait(120) == -signal.SIGKILL, err.read_text()[-3000:]
+        finally:
+            reap(proc)
+        assert marker.read_text() == kill_at
+        check_changes(lake, node_dir, drop, complete=False)
+        truncates = [r for r in changes_rows(lake) if r["op"] == "truncate"]
+        assert len(truncates) == (kill_at == "after")
+        if kill_at == "before":
+            # state folds the old rows of c: the drop's compaction must remove them from there
+            compact(spark, lake)
+            assert state_rows(lake, "c") == OLD
+            assert typed_rows(lake, "c") == OLD
+
+    config = write_config(tmp_path / "plain.toml", node_dir, plain)
+    run_to_end(config, node_dir, tmp_path / "plain.err")
+    check_changes(lake, node_dir, drop, complete=True)
+
+    result = compact(spark, lake)
+    assert result.did_work
+    assert state_rows(lake, "c") == NEW
+    assert state_rows(lake, "o") == OTHER
+    assert typed_rows(lake, "c") == NEW
+    with Node.open(node_dir, **NODE) as node:
+        checks = verify(lake, [node])
+    assert {c.cache: (c.ok, c.lake_rows) for c in checks} == {"c": (True, 3), "o": (True, 2)}
+    # Compacting again changes nothing (the drop is folded once).
+    assert not compact(spark, lake).did_work
+    assert state_rows(lake, "c") == NEW
+
+
+def test_wal_keeps_the_drop_version_and_old_segments_decode(tmp_path: Path) -> None:
+    """The DESTROY record carries the version the node's next write gets; a record without it (an
+    older segment) decodes with none."""
+    node_dir = tmp_path / "node"
+    drop = write_scenario(node_dir)
+    records = dict(wal_records(node_dir))
+    rec = records[drop]
+    assert isinstance(rec, CacheRecord) and rec.version is not None
+    events = wal_events(node_dir)
+    before = [e for e in events if tuple(e["pos"][:2]) < (drop.segment, drop.offset)]
+    after = [e for e in events if tuple(e["pos"][:2]) > (drop.segment, drop.offset)]
+    key = lambda v: (v["topology_version"], v["order"], v["node_order"])  # noqa: E731
+    drop_key = (rec.version.topology_version, rec.version.order, rec.version.node_order)
+    assert all(key(e["version"]) < drop_key for e in before)
+    assert all(key(e["version"]) >= drop_key for e in after)
+    legacy = msgspec.msgpack.encode([2, 1, "c", 1, [1024, True, 0], 5])
+    assert msgspec.msgpack.decode(legacy, type=CacheRecord).version is None
