@@ -28,12 +28,17 @@ from deltalake import DeltaTable
 
 from cdcd.lake.verify import verify
 from cdcd.node import Node
+from cdcd.replication.client import ReplicationClient
+from cdcd.replication.protocol import ReplEntry
 from cdcd.wal.pointer import WalPointer
-from cdcd.wal.records import CacheOp, CacheRecord
+from cdcd.wal.records import CacheOp, CacheRecord, DataRecord
 from tests.support.delta_lake import lake_consumer
-from tests.support.lake import run_to_end, write_config
-from tests.support.procs import child_env, reap, start_daemon
+from tests.support.lake import caught_up, position, run_to_end, write_config
+from tests.support.procs import child_env, reap, start_daemon, wait_for
+from tests.support.replication_rig import DaemonProc, NodeProc, Procs, node_data, node_diff, procs
 from tests.support.wal import wal_events, wal_records
+
+__all__ = ["procs"]  # a fixture, used by name
 
 NODE = {"wal_segment_size_bytes": 64 * 1024, "wal_force_archive_timeout_ms": 0}
 OLD = {0: {"v": 0}, 1: {"v": 11}, 3: {"v": 3}, 4: {"v": 4}}
@@ -203,3 +208,51 @@ def test_wal_keeps_the_drop_version_and_old_segments_decode(tmp_path: Path) -> N
     assert all(key(e["version"]) >= drop_key for e in after)
     legacy = msgspec.msgpack.encode([2, 1, "c", 1, [1024, True, 0], 5])
     assert msgspec.msgpack.decode(legacy, type=CacheRecord).version is None
+
+
+# --- replication -------------------------------------------------------------------------------------------
+def test_replica_drops_the_cache_and_rejects_a_late_entry_from_before_the_drop(tmp_path: Path, procs: Procs) -> None:
+    """A `cdcd run` replicating A to node process B: B destroys ``c`` where A did and takes A's new rows
+    (``node diff`` same); A's entries of ``c`` from before the drop sent again are all rejected and the
+    drop sent again destroys nothing."""
+    a = NodeProc(procs, tmp_path, "a", 1, listen=False)
+    drop = write_scenario(a.dir)
+    b = NodeProc(procs, tmp_path, "b", 2)
+    b.start()
+    daemon = DaemonProc(procs, tmp_path, a, b)
+    daemon.start()
+    until = caught_up(a.dir)
+    wait_for(
+        lambda: daemon.proc is None or daemon.proc.poll() is not None or position(daemon.config) == until, 120, "B"
+    )
+    daemon.check_running()
+    rc, diff = node_diff(a, b)
+    assert rc == 0 and diff["c"]["same"] and diff["o"]["same"], diff
+
+    # Late entries of A written before the drop (a reordered batch, a resend): rejected, B keeps NEW.
+    records = dict(wal_records(a.dir))
+    destroy = records[drop]
+    assert isinstance(destroy, CacheRecord)
+    old = [
+        e
+        for p, r in records.items()
+        if type(r) is DataRecord and p < drop
+        for e in r.entries
+        if e.cache_id == destroy.cache_id
+    ]
+    assert len(old) == 7  # five puts, an update, a remove
+    late = [ReplEntry(e.op, e.key, e.value, e.version, e.expire_time_ms) for e in old]
+    with ReplicationClient(("127.0.0.1", b.repl_port), b.token.read_bytes().strip(), sender_cluster_id=1) as client:
+        client.connect()
+        reply = client.apply_all([("c", late)])
+        assert (reply.applied, reply.rejected, reply.duplicates) == (0, 7, 0)
+        again = client.drop("c", destroy.version)  # the same drop once more: nothing destroyed
+        assert (again.applied, again.duplicates) == (0, 1)
+    rc, diff = node_diff(a, b)
+    assert rc == 0, diff
+    daemon.stop()
+    b.stop()
+    assert node_data(b)["c"] == NEW and node_data(b)["o"] == OTHER
+    # B's WAL: c created by the first replicated change, destroyed once, created again.
+    b_caches = [(r.name, r.op) for _p, r in wal_records(b.dir) if type(r) is CacheRecord and r.name == "c"]
+    assert b_caches == [("c", CacheOp.CREATE), ("c", CacheOp.DESTROY), ("c", CacheOp.CREATE)]
