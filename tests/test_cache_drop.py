@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +34,13 @@ from cdcd.replication.protocol import ReplEntry
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import CacheOp, CacheRecord, DataRecord
 from tests.support.delta_lake import lake_consumer
+from tests.support.kafka import Broker, kafka_broker, read_topic
 from tests.support.lake import caught_up, position, run_to_end, write_config
-from tests.support.procs import child_env, reap, start_daemon, wait_for
+from tests.support.procs import CDCD, child_env, reap, start_daemon, wait_for
 from tests.support.replication_rig import DaemonProc, NodeProc, Procs, node_data, node_diff, procs
 from tests.support.wal import wal_events, wal_records
 
-__all__ = ["procs"]  # a fixture, used by name
+__all__ = ["kafka_broker", "procs"]  # fixtures, used by name
 
 NODE = {"wal_segment_size_bytes": 64 * 1024, "wal_force_archive_timeout_ms": 0}
 OLD = {0: {"v": 0}, 1: {"v": 11}, 3: {"v": 3}, 4: {"v": 4}}
@@ -256,3 +258,76 @@ def test_replica_drops_the_cache_and_rejects_a_late_entry_from_before_the_drop(t
     # B's WAL: c created by the first replicated change, destroyed once, created again.
     b_caches = [(r.name, r.op) for _p, r in wal_records(b.dir) if type(r) is CacheRecord and r.name == "c"]
     assert b_caches == [("c", CacheOp.CREATE), ("c", CacheOp.DESTROY), ("c", CacheOp.CREATE)]
+
+
+# --- Kafka ---------------------------------------------------------------------------------------------------
+def test_kafka_gets_one_truncate_per_partition_at_the_drop_and_kafka_to_node_drops_the_cache(
+    kafka_broker: Broker, tmp_path: Path, procs: Procs
+) -> None:
+    """`cdcd run` into per-cache topics of two partitions, SIGKILLed right after the truncate's Kafka
+    transaction committed, then run again: each partition of ``pk.c`` holds every change of ``c`` once, in
+    WAL order, and one ``op = "t"`` between the last change before the drop and the first after it (Debezium's
+    truncate: null key, null before/after, source at the DESTROY record); the metadata topic says destroy.
+    ``cdcd kafka-to-node`` applying the topics to node B leaves B equal to A (``node diff`` same)."""
+    a = NodeProc(procs, tmp_path, "a", 1, listen=False)
+    drop = write_scenario(a.dir)
+    options = {
+        "kind": "kafka",
+        "bootstrap_servers": kafka_broker.bootstrap,
+        "topic_prefix": "pk",
+        "topic_partitions": 2,
+    }
+    config = write_config(tmp_path / "kafka.toml", a.dir, options)
+    err = tmp_path / "killed.err"
+    proc = start_daemon(config, err, {**child_env(), "CDCD_FAILPOINTS": "kafka.truncate_committed"})
+    try:
+        assert proc.wait(120) == -signal.SIGKILL, err.read_text()[-3000:]
+    finally:
+        reap(proc)
+    run_to_end(config, a.dir, tmp_path / "plain.err")
+
+    expected = [e for e in wal_events(a.dir) if e["cache"] == "c"]
+    parts = read_topic(kafka_broker.bootstrap, "pk.c")
+    assert sorted(parts) == [0, 1]
+    seen = []
+    for msgs in parts.values():
+        values = [json.loads(m.value()) for m in msgs if m.value() is not None]
+        ops = [v["op"] for v in values]
+        assert ops.count("t") == 1, ops
+        t = ops.index("t")
+        truncate = values[t]
+        assert truncate["before"] is None and truncate["after"] is None
+        assert [m for m in msgs if m.value() is not None][t].key() is None
+        src = truncate["source"]
+        assert (src["cache"], src["segment"], src["offset"], src["entry_index"]) == ("c", drop.segment, drop.offset, 0)
+        here = [(v["source"]["segment"], v["source"]["offset"], v["source"]["entry_index"]) for v in values]
+        assert all(p < here[t] for p in here[:t]) and all(p > here[t] for p in here[t + 1 :])
+        assert here[:t] == sorted(here[:t]) and here[t + 1 :] == sorted(here[t + 1 :])
+        seen += here[:t] + here[t + 1 :]
+    assert sorted(seen) == [tuple(e["pos"]) for e in expected]
+    meta_parts = read_topic(kafka_broker.bootstrap, "pk")  # the metadata topic of topic_prefix "pk"
+    meta = [json.loads(m.value()) for msgs in meta_parts.values() for m in msgs]
+    assert [(m["op"], m.get("name")) for m in meta if m.get("name") == "c"][-2:] == [("destroy", "c"), ("create", "c")]
+
+    b = NodeProc(procs, tmp_path, "b", 2)
+    b.start()
+    k2n = tmp_path / "k2n.toml"
+    k2n.write_text(
+        f'bootstrap_servers = "{kafka_broker.bootstrap}"\ntopic_prefix = "pk"\ntarget = "{b.target}"\n'
+        f'token_file = "{b.token}"\ngroup_id = "drop"\nmetrics_address = ""\n'
+    )
+    with (tmp_path / "k2n.err").open("wb") as f:
+        app = procs.track(
+            subprocess.Popen(
+                [*CDCD, "kafka-to-node", "--config", str(k2n), "--log-format", "json"],
+                stdout=subprocess.DEVNULL,
+                stderr=f,
+                env=child_env(),
+            )
+        )
+    wait_for(lambda: app.poll() is not None or node_diff(a, b)[0] == 0, 120, "B equal to A")
+    assert app.poll() is None, (tmp_path / "k2n.err").read_text()[-3000:]
+    app.send_signal(signal.SIGTERM)
+    assert app.wait(60) == 0
+    b.stop()
+    assert node_data(b)["c"] == NEW and node_data(b)["o"] == OTHER

@@ -19,7 +19,7 @@ import msgspec
 import structlog
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from cdcd import metrics
+from cdcd import failpoints, metrics
 from cdcd.consumer import CacheDrop
 from cdcd.kafka import envelope, offsets, transactions
 from cdcd.kafka.options import KafkaSinkOptions
@@ -79,6 +79,7 @@ def send_truncate(
         on_delivery=delivered,
     )
     p.commit_transaction(opts.transaction_timeout_ms / 1000)
+    failpoints.hit("kafka.truncate_committed")  # in Kafka, the daemon not told: it sends the drop again
     if errors:
         raise KafkaException(errors[0])
     metrics.KAFKA_TRANSACTIONS.inc()
