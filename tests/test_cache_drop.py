@@ -23,10 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 from deltalake import DeltaTable
 
+from cdcd.lake.table import CHANGE_SCHEMA
 from cdcd.lake.verify import verify
 from cdcd.node import Node
 from cdcd.replication.client import ReplicationClient
@@ -336,3 +338,41 @@ def test_kafka_gets_one_truncate_per_partition_at_the_drop_and_kafka_to_node_dro
     assert app.wait(60) == 0
     b.stop()
     assert node_data(b)["c"] == NEW and node_data(b)["o"] == OTHER
+
+
+# --- compaction's reading of truncate rows ---------------------------------------------------------------
+def _feed_row(op: str, cache: str, source: str, pos: tuple[int, int, int, int], key: str | None) -> dict[str, Any]:
+    gen, seg, off, idx = pos
+    row = dict.fromkeys(CHANGE_SCHEMA.names)
+    row.update(op=op, cache=cache, source_node=source, key=key, version_order=1, version_cluster_id=1, node_order=1)
+    row.update(topology_version=1, source_generation=gen, wal_segment=seg, wal_offset=off, wal_index=idx)
+    return row
+
+
+def test_split_truncates_drops_only_the_same_sources_older_rows_of_the_cache() -> None:
+    """A truncate of ``c`` by source A at (gen 1, 5:100) removes A's rows of ``c`` before it (an earlier
+    generation at a higher position included) and keeps A's rows after it, B's rows of ``c`` and A's rows of
+    other caches; the truncate rows themselves never reach the winners."""
+    from cdcd.lake.compact import FEED_COLUMNS, split_truncates
+
+    rows = [
+        _feed_row("create", "c", "A", (0, 9, 0, 0), '"gen0-later-pos"'),
+        _feed_row("create", "c", "A", (1, 5, 50, 3), '"before"'),
+        _feed_row("update", "c", "A", (1, 5, 99, 0), '"previous-record"'),
+        _feed_row("truncate", "c", "A", (1, 5, 100, 0), None),
+        _feed_row("create", "c", "A", (1, 5, 120, 0), '"after"'),
+        _feed_row("create", "c", "B", (0, 1, 0, 0), '"other-source"'),
+        _feed_row("create", "d", "A", (1, 5, 50, 0), '"other-cache"'),
+    ]
+    rows[2]["op"] = "create"
+    rows[2]["key"] = '"same-record-before"'
+    rows[2]["wal_offset"] = 99
+    feed = pa.Table.from_pylist(
+        rows, schema=pa.schema([CHANGE_SCHEMA.field(n) for n in (*FEED_COLUMNS, "source_generation")])
+    )
+    kept, truncated = split_truncates(feed)
+    assert truncated == frozenset({"c"})
+    assert kept.column_names == list(FEED_COLUMNS)
+    assert sorted(kept.column("key").to_pylist()) == ['"after"', '"other-cache"', '"other-source"']
+    plain, none = split_truncates(feed.filter(pc.not_equal(feed.column("op"), "truncate")))
+    assert none == frozenset() and plain.num_rows == 6
