@@ -26,6 +26,7 @@ from cdcd.wal.records import CacheInfo, CacheVersion, DataEntry, DataRecord, Op
 
 __all__ = [
     "DEFAULT_RETRY_TIMEOUT_S",
+    "CacheDrop",
     "CacheInfo",
     "CdcEvent",
     "Consumer",
@@ -159,6 +160,20 @@ class CdcEvent(msgspec.Struct, frozen=True, gc=False, eq=False):
 
     def __repr__(self) -> str:
         return f"CdcEvent({self.cache_name}, {self.op_name}, {self.key!r}, pos={self.position})"
+
+
+class CacheDrop(msgspec.Struct, frozen=True):
+    """A cache destroyed on the source node (its WAL ``CacheRecord`` DESTROY): everything of the cache
+    before ``position`` is gone; a cache of the same name may be created again after it."""
+
+    cache_id: int
+    name: str
+    position: WalPointer
+    """The DESTROY record: a sink that lands the drop exactly once keys it by this."""
+    ts_ns: int
+    version: CacheVersion | None
+    """Entries of the cache written before the drop have lower versions (None: an old segment)."""
+    source_node: str
 
 
 class RecordSlice(msgspec.Struct, frozen=True, gc=False):
@@ -337,6 +352,12 @@ class Consumer:
 
     def on_cache_destroy(self, cache_ids: Sequence[int]) -> None:
         """Caches destroyed."""
+
+    def on_cache_drop(self, drops: Sequence[CacheDrop]) -> None:
+        """Caches destroyed, with where and when (after every event before the drops was delivered
+        and confirmed; the caller commits its position past them once this returns). The default
+        calls ``on_cache_destroy``; a sink that carries drops to its target overrides this."""
+        self.on_cache_destroy([d.cache_id for d in drops])
 
     def stop(self) -> None:
         """Release resources; called once, also after a failure."""

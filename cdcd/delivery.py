@@ -25,6 +25,7 @@ import structlog
 from cdcd import failpoints
 from cdcd.consumer import (
     DEFAULT_RETRY_TIMEOUT_S,
+    CacheDrop,
     CdcEvent,
     EventBatch,
     RecordSlice,
@@ -87,6 +88,8 @@ class CacheChange:
     created: list[CacheInfo] = field(default_factory=list)
     destroyed: list[int] = field(default_factory=list)
     quiet: bool = False
+    drops: list[CacheDrop] = field(default_factory=list)
+    """``destroyed`` with their DESTROY records' place, time and version."""
 
 
 class Batcher:
@@ -180,7 +183,8 @@ class Batcher:
         else:
             # Keep the name for events of this cache still in flight; the registry forgets it.
             self.caches.pop(cid, None)
-            out.append(CacheChange(end, destroyed=[cid]))
+            drop = CacheDrop(cid, record.name, ptr, record.ts_ns, record.version, self.source_node)
+            out.append(CacheChange(end, destroyed=[cid], drops=[drop]))
         return out
 
     def restart(self, position: WalPosition | None) -> None:

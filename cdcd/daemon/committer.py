@@ -183,7 +183,10 @@ class Committer:
                 self._pending_caches[info.cache_id] = info
                 log.info("cache_seen", cache=info.name, cache_id=info.cache_id)
         if item.destroyed:
-            self._call("on_cache_destroy()", self.consumer.on_cache_destroy, item.destroyed)
+            if item.drops:
+                self._call("on_cache_drop()", self.consumer.on_cache_drop, item.drops)
+            else:
+                self._call("on_cache_destroy()", self.consumer.on_cache_destroy, item.destroyed)
             for cache_id in item.destroyed:
                 self.caches.pop(cache_id, None)
                 self._pending_caches.pop(cache_id, None)

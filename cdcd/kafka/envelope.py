@@ -15,13 +15,15 @@ Message value::
      "source": {"version", "connector": "cdcd", "name", "db", "table", "node", "generation", "cache", "partition",
                 "segment", "offset", "entry_index", "ts_ms", "ts_us", "ts_ns", "snapshot", "primary",
                 "cache_version": {"order", "node_order", "cluster_id", "topology_version"}},
-     "op": "c"|"u"|"d"|"r", "ts_ms", "ts_us", "ts_ns",
+     "op": "c"|"u"|"d"|"r"|"t", "ts_ms", "ts_us", "ts_ns",
      "transaction": {"id", "total_order", "data_collection_order"}}
 
 ``before`` of a delete holds the key columns, the rest absent: a WAL entry holds the new value
 only, which is what Debezium's PostgreSQL connector sends with ``REPLICA IDENTITY DEFAULT``
-(updates: null). Message key: the key columns with one topic per cache; ``{"cache", "key"}`` in
-the single-topic mode, where keys of different caches share a topic.
+(updates: null). A dropped cache is Debezium's truncate event (``op = "t"``, ``before`` and ``after``
+null, message key null), sent to every partition of the cache's topic. Message key: the key
+columns with one topic per cache; ``{"cache", "key"}`` in the single-topic mode, where keys of
+different caches share a topic.
 
 With ``schemas = true`` key and value are Kafka Connect JSON (``{"schema", "payload"}``), the
 schema inferred from each message (what ``JsonConverter`` with ``schemas.enable`` expects, and
@@ -37,7 +39,7 @@ import msgspec
 
 from cdcd.wal.dump import jsonable
 from cdcd.wal.pointer import EventAddress
-from cdcd.wal.records import DataEntry, Op
+from cdcd.wal.records import CacheVersion, DataEntry, Op
 
 try:  # not ``cdcd.__version__``: the package root is the composition root, above every layer
     __version__ = metadata.version("cdcd")
@@ -46,6 +48,7 @@ except metadata.PackageNotFoundError:  # running from a source tree that was nev
 
 OPS = {Op.CREATE: "c", Op.UPDATE: "u", Op.DELETE: "d"}
 SNAPSHOT_OP = "r"
+TRUNCATE_OP = "t"
 KEY_COLUMN = "key"
 VALUE_COLUMN = "value"
 
@@ -192,6 +195,46 @@ def change(
         return _encode(key), _encode(envelope)
     schema = envelope_schema(schema_name, after if after is not None else before)
     return _encode(key), _encode({"schema": schema, "payload": envelope})
+
+
+def truncate(src: Source, version: CacheVersion | None, partition: int, now_ns: int, *, schemas: bool) -> bytes:
+    """The value of Debezium's truncate event for a dropped cache: ``before`` and ``after`` null, the
+    source block at the DESTROY record (``cache_version``: the version the node's next write gets)."""
+    pos = src.position
+    ts_ns = src.commit_ts_ns
+    v = version or CacheVersion(0, 0, 0, 0)
+    envelope = _Envelope(
+        None,
+        None,
+        _Source(
+            __version__,
+            "cdcd",
+            src.name,
+            src.db,
+            src.cache,
+            src.node,
+            src.generation,
+            src.cache,
+            partition,
+            pos.segment,
+            pos.offset,
+            pos.entry_index,
+            ts_ns // 1_000_000,
+            ts_ns // 1_000,
+            ts_ns,
+            "false",
+            True,
+            _CacheVersion(v.order, v.node_order, v.cluster_id, v.topology_version),
+        ),
+        TRUNCATE_OP,
+        now_ns // 1_000_000,
+        now_ns // 1_000,
+        now_ns,
+        _Transaction(transaction_id(src.node, src.generation, pos.segment, pos.offset), 1, 1),
+    )
+    if not schemas:
+        return _encode(envelope)
+    return _encode({"schema": envelope_schema(f"{src.name}.{src.cache}", None), "payload": envelope})
 
 
 def transaction_id(node: str, generation: int, segment: int, offset: int) -> str:

@@ -39,7 +39,8 @@ from confluent_kafka.admin import AdminClient  # type: ignore[attr-defined]
 
 from cdcd import failpoints, metrics
 from cdcd.config import ConfigError
-from cdcd.consumer import CacheInfo, CdcEvent, Consumer, EventBatch, RefusedEvent, RetriableError
+from cdcd.consumer import CacheDrop, CacheInfo, CdcEvent, Consumer, EventBatch, RefusedEvent, RetriableError
+from cdcd.kafka import drops as drops_mod
 from cdcd.kafka import envelope, offsets, topics, transactions
 from cdcd.kafka.dlq import dlq_record
 from cdcd.kafka.errors import KafkaSetupError, describe, error_of, missing_topic, setting_of, unknown_topic
@@ -199,6 +200,34 @@ class KafkaSink(Consumer):
     def on_cache_destroy(self, cache_ids: Sequence[int]) -> None:
         if cache_ids:
             self._send_metadata([MetadataRecord("destroy", cid, node=self._node) for cid in cache_ids])
+
+    def on_cache_drop(self, drops: Sequence[CacheDrop]) -> None:
+        """The metadata record, then a truncate event (``op = "t"``) on every partition of the cache's
+        topic in a transaction of its own that also moves the stored position to the DESTROY record:
+        sent once, as a batch is (cdcd/kafka/drops.py)."""
+        if not drops:
+            return
+        self._send_metadata([MetadataRecord("destroy", d.cache_id, d.name, node=d.source_node) for d in drops])
+        for drop in drops:
+            try:
+                if self._producer is None or self._node != drop.source_node:
+                    self._open(drop.source_node)
+                assert self._producer is not None
+                self._stored = drops_mod.send_truncate(
+                    self._producer,
+                    self.options,
+                    self._stored,
+                    drop,
+                    topic_of=self._topic_of,
+                    offsets_partitions=self._offsets_partitions,
+                )
+            except (KafkaException, TimeoutError, BufferError) as exc:
+                self._drop_producer()
+                # No retry loop around cache changes: the daemon exits (4); its next run sends it again.
+                raise ConnectionError(
+                    f"{self.source}: Kafka at {self.options.bootstrap_servers}: truncate of cache {drop.name!r}: "
+                    f"{describe(exc)}"
+                ) from None
 
     # --- data -------------------------------------------------------------------------------------
 

@@ -8,16 +8,17 @@ the last batches: the target recognises a version it already holds and counts it
 (``cdcd_kafka_to_node_events_ignored_total``), never applies it twice.
 
 Changes come from the ``cdcd.entry`` header (the WAL entry, exact bytes and version); tombstones
-and messages without it are skipped. Cache partition counts come from the metadata topic, read
-with a group of its own (``<group_id>-metadata``) from its start and again whenever a change of an
-unknown cache arrives (Ignite's metadata markers, IGNITE-20954).
+and messages without it are skipped. A truncate event (a dropped cache, header ``cdcd.drop``) drops
+the cache on the target once the changes read before it are applied. Cache partition counts come
+from the metadata topic, read with a group of its own (``<group_id>-metadata``) from its start and
+again whenever a change of an unknown cache arrives (Ignite's metadata markers, IGNITE-20954).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -27,18 +28,20 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from cdcd import failpoints, metrics
 from cdcd.config import CacheFilter
 from cdcd.faults import ExitCode, Fault
+from cdcd.kafka.drops import DROP_HEADER
 from cdcd.kafka.errors import describe, error_of, missing_topic, unknown_topic
 from cdcd.kafka.options import KafkaToNodeOptions, parse_partitions
 from cdcd.replication.client import TargetRefused
 from cdcd.replication.protocol import Applied, ProtocolError, ReplEntry
 from cdcd.retry import Backoff, RetriesExhausted, Retry, RetryInterrupted, retry_until
-from cdcd.wal.records import DataEntry
+from cdcd.wal.records import CacheVersion, DataEntry
 
 log = structlog.get_logger("cdcd.kafka.to_node")
 
 _BACKOFF = Backoff(initial_ms=100, max_ms=5000)
 
 _entry_decoder = msgspec.msgpack.Decoder(DataEntry)
+_version_decoder = msgspec.msgpack.Decoder(CacheVersion | None)
 TOPIC_REFRESH_S = 5.0
 """How often kafka-to-node looks for new per-cache topics (``topic_prefix``)."""
 
@@ -221,6 +224,13 @@ class _Worker:
                 raise _TopicError(err, m.topic() or "")
             next_offsets[(m.topic() or "", m.partition() or 0)] = (m.offset() or 0) + 1
             headers: dict[str, Any] = dict(m.headers() or ())
+            if DROP_HEADER in headers:  # a truncate event: what came before it first, then the drop
+                cache = bytes(headers.get("cdcd.cache") or b"").decode()
+                if app.selected(cache):
+                    self._flush(entries)
+                    entries = []
+                    self._drop(cache, _version_decoder.decode(headers[DROP_HEADER] or b"\xc0"))
+                continue
             raw = headers.get("cdcd.entry")
             if m.value() is None or not isinstance(raw, bytes):
                 skipped["tombstone"] += 1
@@ -239,14 +249,31 @@ class _Worker:
             if n:
                 metrics.K2N_SKIPPED.labels(reason).inc(n)
         failpoints.hit("kafka_to_node.received")  # read, neither applied nor committed
-        if entries:
-            if app.opts.metadata and any(cache not in app.metadata.partitions for cache, _e in entries):
-                app.metadata.refresh()
-            self._apply(entries)
+        self._flush(entries)
         failpoints.hit("kafka_to_node.applied")  # on the target, offsets not committed: a replay follows
         # only now: everything before these offsets is durable on the target
         consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in next_offsets.items()], asynchronous=False)
         metrics.K2N_LAST_BATCH.set(time.time())
+
+    def _flush(self, entries: list[tuple[str, DataEntry]]) -> None:
+        app = self.app
+        if entries:
+            if app.opts.metadata and any(cache not in app.metadata.partitions for cache, _e in entries):
+                app.metadata.refresh()
+            self._apply(entries)
+
+    def _drop(self, cache: str, version: CacheVersion | None) -> None:
+        """The target drops ``cache`` (once per drop: the truncate event of every other partition,
+        or of a replay, is a duplicate there)."""
+
+        def attempt() -> Applied:
+            if not self.client.connected:
+                self.client.sender_cluster_id = version.cluster_id if version is not None else 0
+                self.client.connect()
+            return self.client.drop(cache, version)
+
+        result = self._retried(attempt)
+        log.info("kafka_to_node_cache_dropped", thread=self.index, cache=cache, duplicate=bool(result.duplicates))
 
     def _requests(self, entries: list[tuple[str, DataEntry]]) -> Iterator[tuple[str, list[ReplEntry]]]:
         """Per-cache requests in topic order; a key that comes again closes its cache's request
@@ -272,7 +299,6 @@ class _Worker:
 
     def _apply(self, entries: list[tuple[str, DataEntry]]) -> None:
         app = self.app
-        opts = app.opts
 
         def attempt() -> Applied:
             if not self.client.connected:
@@ -286,13 +312,20 @@ class _Worker:
                 )
             return self.client.apply_all(self._requests(entries), partitions=app.metadata.partitions)
 
+        result = self._retried(attempt)
+        metrics.K2N_APPLIED.inc(result.applied)
+        metrics.K2N_IGNORED.inc(result.duplicates)
+        metrics.K2N_REJECTED.inc(result.rejected)
+
+    def _retried(self, attempt: Callable[[], Applied]) -> Applied:
+        opts = self.app.opts
         try:
-            result = retry_until(
+            return retry_until(
                 attempt,
                 opts.retry_timeout_s,
                 _BACKOFF,
                 retriable=(OSError, ProtocolError),
-                stop=app.stopping,
+                stop=self.app.stopping,
                 on_retry=self._retrying,
             )
         except TargetRefused as exc:
@@ -302,9 +335,6 @@ class _Worker:
                 f"key 'target': replication target {self.client.target} failing for {exc.failing_for_s:.1f} s "
                 f"(retry_timeout_s = {opts.retry_timeout_s:g}): {type(exc.last).__name__}: {exc.last}"
             ) from None
-        metrics.K2N_APPLIED.inc(result.applied)
-        metrics.K2N_IGNORED.inc(result.duplicates)
-        metrics.K2N_REJECTED.inc(result.rejected)
 
 
 class KafkaToNode:

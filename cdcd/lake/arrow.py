@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import structlog
 
-from cdcd.consumer import OP_NAMES, EventBatch, RecordSlice
+from cdcd.consumer import OP_NAMES, CacheDrop, EventBatch, RecordSlice
 from cdcd.lake import rows_py
 from cdcd.lake.jsontext import key_json_bytes, to_json_bytes
 from cdcd.lake.table import CHANGE_SCHEMA, DAY_FIELD
@@ -174,3 +174,39 @@ def table_from_packed(
         columns.append(pa.array(days, pa.string()).take(pa.array(day_of_row)))
         schema = schema.append(DAY_FIELD)
     return pa.Table.from_arrays(columns, schema=schema), stats
+
+
+TRUNCATE = "truncate"
+"""The ``op`` of a change row that empties a cache: its DESTROY (key and value null). Compaction
+drops every row of the cache older than it from ``state`` and the cache's typed table."""
+
+
+def truncate_table(drops: Sequence[CacheDrop], partition_by_day: bool, generation: int) -> pa.Table:
+    """One ``truncate`` row per dropped cache, at its DESTROY record's place (entry index 0)."""
+    versions = [d.version for d in drops]
+    ts_ns = [d.ts_ns for d in drops]
+    data: dict[str, pa.Array] = {
+        "op": pa.array([TRUNCATE] * len(drops), pa.string()),
+        "key": pa.nulls(len(drops), pa.string()),
+        "value": pa.nulls(len(drops), pa.string()),
+        "partition": pa.array([0] * len(drops), pa.int32()),
+        "primary": pa.array([True] * len(drops)),
+        "version_order": pa.array([v.order if v else 0 for v in versions], pa.int64()),
+        "version_cluster_id": pa.array([v.cluster_id if v else 0 for v in versions], pa.int32()),
+        "node_order": pa.array([v.node_order if v else 0 for v in versions], pa.int32()),
+        "topology_version": pa.array([v.topology_version if v else 0 for v in versions], pa.int64()),
+        "commit_ts": pa.array([t // 1000 for t in ts_ns], pa.int64()).cast(pa.timestamp("us", tz="UTC")),
+        "source_node": pa.array([d.source_node for d in drops], pa.string()),
+        "wal_segment": pa.array([d.position.segment for d in drops], pa.int64()),
+        "wal_offset": pa.array([d.position.offset for d in drops], pa.int64()),
+        "wal_index": pa.array([0] * len(drops), pa.int32()),
+        "expire_time_ms": pa.array([0] * len(drops), pa.int64()),
+        "cache": pa.array([d.name for d in drops], pa.string()),
+        "source_generation": pa.array([generation] * len(drops), pa.int32()),
+    }
+    schema = SCHEMA
+    if partition_by_day:
+        days = [datetime.fromtimestamp(t // 10**9, UTC).strftime("%Y-%m-%d") for t in ts_ns]
+        data["day"] = pa.array(days, pa.string())
+        schema = schema.append(DAY_FIELD)
+    return pa.Table.from_pydict(data, schema=schema)

@@ -26,6 +26,7 @@ import structlog
 
 from cdcd import failpoints
 from cdcd.faults import ExitCode, Fault
+from cdcd.lake.arrow import TRUNCATE
 from cdcd.lake.deltalog import DeltaLogError, data_changing_versions, read_commit, rows_added
 from cdcd.lake.storage import LakeDir, ObjectPath, file_source, is_delta, open_delta, spark_path
 from cdcd.lake.table import (
@@ -137,6 +138,9 @@ def ensure_state_table(spark: Any, lake: LakeDir) -> None:
 
 
 FEED_COLUMNS = ("op", *STATE_COLUMNS)
+_FEED_READ = (*FEED_COLUMNS, "source_generation")
+"""What ``read_feed`` returns: the feed and the generation (which orders one source's rows with
+``wal_*``; ``split_truncates`` needs it and drops it)."""
 
 
 def read_feed(changes: LakeDir, start: int, end: int) -> pa.Table:
@@ -146,8 +150,8 @@ def read_feed(changes: LakeDir, start: int, end: int) -> pa.Table:
     file scan (and delta-rs's ``load_cdf`` misreads partition directories it had to escape)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    schema = pa.schema([CHANGE_SCHEMA.field(name) for name in FEED_COLUMNS])
-    data_columns = [name for name in FEED_COLUMNS if name not in PARTITION_BY]
+    schema = pa.schema([CHANGE_SCHEMA.field(name) for name in _FEED_READ])
+    data_columns = [name for name in _FEED_READ if name not in PARTITION_BY]
     files: list[tuple[LakeDir, dict[str, str | None]]] = []
     for version in range(start, end + 1):
         try:
@@ -169,7 +173,15 @@ def read_feed(changes: LakeDir, start: int, end: int) -> pa.Table:
 
     def read(item: tuple[LakeDir, dict[str, str | None]]) -> pa.Table:
         # ParquetFile, not read_table: no dataset discovery per file (many caches: many tiny files).
-        table = pq.ParquetFile(file_source(item[0])).read(columns=data_columns).select(data_columns)
+        pf = pq.ParquetFile(file_source(item[0]))
+        have = set(pf.schema_arrow.names)
+        table = pf.read(columns=[c for c in data_columns if c in have])
+        for name in data_columns:
+            if name not in have:  # a column the table got later (source_generation): null in older files
+                table = table.append_column(
+                    data_schema.field(name), pa.nulls(table.num_rows, data_schema.field(name).type)
+                )
+        table = table.select(data_columns)
         return table if table.schema.equals(data_schema) else table.cast(data_schema)
 
     if not files:
@@ -182,7 +194,7 @@ def read_feed(changes: LakeDir, start: int, end: int) -> pa.Table:
     for name in PARTITION_BY:
         values = pa.array([partitions.get(name) for _, partitions in files], pa.string())
         data = data.append_column(name, values.take(of_row))
-    return data.select(list(FEED_COLUMNS)).cast(schema)
+    return data.select(list(_FEED_READ)).cast(schema)
 
 
 def _data_file(table: LakeDir, path: str) -> LakeDir:
@@ -214,6 +226,51 @@ def latest_per_key(feed: pa.Table) -> pa.Table:
     )
     last = pa.concat_arrays([differs, pa.array([True])])
     return ordered.filter(last)
+
+
+def split_truncates(feed: pa.Table) -> tuple[pa.Table, frozenset[str]]:
+    """The feed without its ``truncate`` rows (cache drops) and without the rows each one makes
+    obsolete: the same source's rows of that cache before it, in (generation, WAL position) order.
+    Also the caches dropped: ``state`` rows of theirs, from earlier ranges, are all older."""
+    feed = feed.set_column(
+        feed.schema.get_field_index("source_generation"),
+        "source_generation",
+        feed.column("source_generation").fill_null(0),
+    )
+    is_truncate = pc.equal(feed.column("op"), TRUNCATE)
+    truncates = feed.filter(is_truncate)
+    if not truncates.num_rows:
+        return feed.select(list(FEED_COLUMNS)), frozenset()
+    rows = feed.filter(pc.invert(is_truncate))
+    drop = np.zeros(rows.num_rows, bool)
+    cols = {c: rows.column(c).to_numpy(zero_copy_only=False) for c in ("cache", "source_node", *_POSITION)}
+    for t in truncates.to_pylist():
+        older = np.zeros(rows.num_rows, bool)
+        equal = np.ones(rows.num_rows, bool)
+        for c in _POSITION:  # (generation, segment, offset, index) < the truncate's, lexicographically
+            older |= equal & (cols[c] < t[c])
+            equal &= cols[c] == t[c]
+        drop |= (cols["cache"] == t["cache"]) & (cols["source_node"] == t["source_node"]) & older
+    kept = rows.filter(pa.array(~drop)).select(list(FEED_COLUMNS))
+    return kept, frozenset(truncates.column("cache").to_pylist())
+
+
+_POSITION = ("source_generation", "wal_segment", "wal_offset", "wal_index")
+
+
+def _truncate_state(session: Any, lake: LakeDir, caches: frozenset[str]) -> int:
+    """Delete every ``state`` row of the dropped caches (before the range's MERGE brings their rows
+    after the drop; a compaction that dies in between deletes again when it redoes the range)."""
+    from delta.tables import DeltaTable
+    from pyspark.sql import functions as F
+
+    if not is_delta(lake / STATE):
+        return 0
+    table = DeltaTable.forPath(session, spark_path(lake / STATE))
+    table.delete(F.col("cache").isin(sorted(caches)))
+    metrics = table.history(1).select("operationMetrics").collect()[0][0] or {}
+    log.info("lake_state_truncated", caches=sorted(caches), rows=metrics.get("numDeletedRows"))
+    return int(metrics.get("numDeletedRows", 0))
 
 
 def version_ranges(changes: LakeDir, start: int, end: int, max_rows: int) -> list[tuple[int, int]]:
@@ -279,15 +336,24 @@ def compact(
     keys = rescued = inserted = updated = deleted = 0
     versions: dict[str, int] = {}
     for first, last in version_ranges(changes, done + 1, end, max_rows_per_merge):
-        winners = latest_per_key(read_feed(changes, first, last))
+        feed, truncated = split_truncates(read_feed(changes, first, last))
+        winners = latest_per_key(feed)
         keys += winners.num_rows
         failpoints.hit("lake.compact.source_read")
         # The typed tables first: state's application transaction is the progress mark, so a
         # compaction killed between the two redoes this range (tables already past it are skipped).
         if typed_tables:
-            typed = compact_tables(session, lake, winners, last, app_id=COMPACT_APP_ID, declared=tables)
+            typed = compact_tables(
+                session, lake, winners, last, app_id=COMPACT_APP_ID, declared=tables, truncated=truncated
+            )
             versions, rescued = typed.versions, rescued + typed.rescued
         failpoints.hit("lake.compact.tables_committed")
+        if truncated:
+            # Without an application transaction (an earlier range's is still set): Delta would skip
+            # the commit as a repeat, or count it as the range's.
+            session.conf.unset(_TXN_APP)
+            session.conf.unset(_TXN_VERSION)
+            deleted += _truncate_state(session, lake, truncated)
         session.conf.set(_TXN_APP, COMPACT_APP_ID)
         session.conf.set(_TXN_VERSION, str(last))
         source = session.createDataFrame(winners)

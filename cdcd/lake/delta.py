@@ -430,6 +430,7 @@ class ChangeTable:
         cols = ["wal_segment", "wal_offset", "wal_index", "op", "key", "value", "source_node", "source_generation"]
         rows = ds.to_table(columns=cols, filter=f)
         rows = rows.filter(pc.equal(rows.column("source_node"), source))
+        rows = rows.filter(pc.not_equal(rows.column("op"), "truncate"))  # a drop, not an entry of a record
         key = pc.add(pc.multiply(rows.column("wal_segment"), 1 << OFFSET_BITS), rows.column("wal_offset"))
         keep = pc.and_(pc.greater_equal(key, encode_version(lo)), pc.less_equal(key, encode_version(hi)))
         rows = rows.append_column("_ptr", key).filter(keep)

@@ -64,8 +64,11 @@ def compact_tables(
     *,
     app_id: str,
     declared: Mapping[str, DeclaredTable] | None = None,
+    truncated: frozenset[str] = frozenset(),
 ) -> TablesResult:
-    """Fold one range's winners (latest change per (cache, key), deletes included) into the typed tables."""
+    """Fold one range's winners (latest change per (cache, key), deletes included) into the typed tables.
+    ``truncated``: caches dropped in the range: their tables are emptied first (``winners`` holds
+    only their rows after the drop)."""
     declared = declared or {}
     tables = list_tables(lake)
     rescued = added = 0
@@ -81,11 +84,11 @@ def compact_tables(
         rescued += conv.rescued
         log.info("lake_table_created_from_state", cache=cache, rows=conv.rows.num_rows)
     jobs = []
-    for cache in sorted(caches):
+    for cache in sorted(caches | {c for c in truncated if c in tables}):
         path = tables.get(cache) or table_dir(lake, cache)
         tables[cache] = path
         rows = winners.filter(pc.equal(winners.column("cache"), cache))
-        jobs.append((cache, path, rows, declared.get(cache)))
+        jobs.append((cache, path, rows, declared.get(cache), cache in truncated))
     # Tables side by side: each MERGE is mostly a few short Spark jobs and commits, so two at a
     # time keep the executors busy while the driver plans and commits the other.
     from pyspark import inheritable_thread_target  # the maintainer's job group (cancel on stop) follows
@@ -103,15 +106,26 @@ def compact_tables(
 
 
 def _one_table(
-    spark: Any, lake: LakeDir, job: tuple[str, LakeDir, pa.Table, DeclaredTable | None], app_id: str, last: int
+    spark: Any,
+    lake: LakeDir,
+    job: tuple[str, LakeDir, pa.Table, DeclaredTable | None, bool],
+    app_id: str,
+    last: int,
 ) -> tuple[int, int]:
     """Type one cache's winners and merge them into its table: (fields rescued, columns added)."""
-    cache, path, rows, declared = job
+    cache, path, rows, declared, truncate = job
     # A session of its own: no application transaction set by anyone else applies to its writes.
     spark = spark.newSession()
     existing = is_delta(path)
     if existing and (open_delta(path).transaction_version(app_id) or -1) >= last:
         return 0, 0  # committed by a compaction that died before state's MERGE
+    if truncate and existing:
+        # The cache was dropped in this range: nothing of the table is newer than the drop (a
+        # compaction that dies here deletes again, the range's transaction not being recorded yet).
+        open_delta(path).delete()
+        log.info("lake_table_truncated", cache=cache)
+        if not rows.num_rows:
+            return 0, 0
     stored = read_layout(path) if existing else Layout()
     conv = convert(rows, with_declared(stored, declared))
     had = {c for c, _ in stored.columns.values()}

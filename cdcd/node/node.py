@@ -35,6 +35,7 @@ from cdcd.wal.records import (
     CacheInfo,
     CacheOp,
     CacheRecord,
+    CacheVersion,
     Op,
 )
 
@@ -339,7 +340,10 @@ class Node:
             info = self._caches.get(name)
             if info is None:
                 return False
-            rec = CacheRecord(info.cache_id, name, CacheOp.DESTROY, info.config, time.time_ns())
+            w = self.writes
+            # The next write's version: every entry before the drop is lower, every entry after it not.
+            version = CacheVersion(w.order + 1, self.config.node_order, self.config.cluster_id, w.topology_version)
+            rec = CacheRecord(info.cache_id, name, CacheOp.DESTROY, info.config, time.time_ns(), version)
             _ptr, end = self._wal.append(rec)
             del self._caches[name]
             prefix = cache_prefix(info.cache_id)

@@ -156,7 +156,9 @@ class Deliverer:
         consumer = self._consumer()
         if change.created and not change.quiet:
             consumer.on_cache_change(change.created)
-        if change.destroyed:  # the consumer never heard of a cache with CDC off
+        if change.drops:  # the consumer never heard of a cache with CDC off
+            consumer.on_cache_drop(change.drops)
+        elif change.destroyed:
             consumer.on_cache_destroy(change.destroyed)
 
     def _dead_letter(self, event: CdcEvent, error: str) -> object:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import msgspec
+import structlog
 
 from cdcd import metrics
 from cdcd.config import split_host_port
@@ -21,7 +22,8 @@ from cdcd.node.writes import (
     too_deep,
 )
 from cdcd.replication import credentials
-from cdcd.replication.protocol import Applied, Apply, ReplEntry, Welcome
+from cdcd.replication.drops import DropMarks
+from cdcd.replication.protocol import Applied, Apply, Drop, ReplEntry, Welcome
 from cdcd.replication.resolver import ConflictResolver, Held, Rule, load_resolver, origin_version
 from cdcd.replication.server import ReplicationServer, RequestRefused
 from cdcd.wal.pointer import WalPointer
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     from cdcd.node.node import Node
 
 _DELETE = Op.DELETE
+log = structlog.get_logger("cdcd.replication")
 
 
 def replication_server(node: Node) -> ReplicationServer | None:
@@ -69,12 +72,23 @@ def apply_replicated(node: Node, request: Apply, resolver: ConflictResolver) -> 
     return reply
 
 
-def stage_replicated(node: Node, request: Apply, resolver: ConflictResolver) -> tuple[Applied, WalPointer | None]:
+def stage_replicated(
+    node: Node, request: Apply | Drop, resolver: ConflictResolver
+) -> tuple[Applied, WalPointer | None]:
     """``apply_replicated`` without the wait: the reply, and the WAL end that must be durable
     before it is sent (None: nothing was written)."""
+    marks = DropMarks.of(node)
+    if isinstance(request, Drop):
+        return _drop(node, request, marks), None
     prepared = _prepare(request)
+    before = len(prepared)
+    prepared = [(k, e) for k, e in prepared if not marks.covers(request.cache, e.version)]
+    dropped = before - len(prepared)
+    if dropped:
+        metrics.REPL_REJECTED.inc(dropped)
+        log.info("replication_rejected_before_drop", cache=request.cache, entries=dropped)
     if not prepared:
-        return Applied(request.seq, 0, 0), None
+        return Applied(request.seq, 0, dropped), None
     info = node.cache_info(request.cache)
     if info is None:
         try:
@@ -115,7 +129,22 @@ def stage_replicated(node: Node, request: Apply, resolver: ConflictResolver) -> 
         metrics.REPL_RECEIVED.labels("duplicate").inc(duplicates)
     if rejected:
         metrics.REPL_REJECTED.inc(rejected)
-    return Applied(request.seq, applied, rejected, duplicates), end
+    return Applied(request.seq, applied, rejected + dropped, duplicates), end
+
+
+def _drop(node: Node, request: Drop, marks: DropMarks) -> Applied:
+    """Destroy the cache as its origin did, once per drop (cdcd/replication/drops.py)."""
+    version = request.version
+    with marks.lock:
+        if version is not None:
+            held = marks.version(request.cache, version.cluster_id)
+            if held is not None and version <= held:
+                return Applied(request.seq, 0, 0, 1)  # this drop again: rows after it stay
+        existed = node.destroy_cache(request.cache)
+        if version is not None:
+            marks.record(request.cache, version)  # after the destroy: a crash in between destroys again
+    log.info("replication_cache_dropped", cache=request.cache, existed=existed)
+    return Applied(request.seq, 1, 0)
 
 
 def _prepare(request: Apply) -> list[tuple[bytes, ReplEntry]]:

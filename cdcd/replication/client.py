@@ -13,6 +13,7 @@ from cdcd import metrics
 from cdcd.replication.protocol import (
     Applied,
     Apply,
+    Drop,
     Error,
     Hello,
     ProtocolError,
@@ -22,6 +23,7 @@ from cdcd.replication.protocol import (
     encode_frame,
     read_payload,
 )
+from cdcd.wal.records import CacheVersion
 
 
 class TargetRefused(Exception):
@@ -146,6 +148,21 @@ class ReplicationClient:
                     self._answer(sock, in_flight, totals)
             while in_flight:
                 self._answer(sock, in_flight, totals)
+        except BaseException:
+            self.close()
+            raise
+        return Applied(self._seq, totals[0], totals[1], totals[2])
+
+    def drop(self, cache: str, version: CacheVersion | None) -> Applied:
+        """Tell the target its origin dropped ``cache`` (every earlier request answered first)."""
+        sock = self._sock
+        if sock is None:
+            raise ConnectionError(f"replication target {self.target}: not connected")
+        totals = [0, 0, 0]
+        try:
+            self._seq += 1
+            sock.sendall(encode_frame(Drop(self._seq, cache, version)))
+            self._answer(sock, collections.deque([(self._seq, time.perf_counter())]), totals)
         except BaseException:
             self.close()
             raise

@@ -61,6 +61,16 @@ class Apply(msgspec.Struct, frozen=True, tag="apply"):
     """The origin's partition count, used if the receiver has to create the cache."""
 
 
+class Drop(msgspec.Struct, frozen=True, tag="drop"):
+    """The origin dropped ``cache``: the receiver destroys it and rejects the origin's older entries
+    of it from now on (``version``: the origin's version at the drop; None: only destroy). Answered
+    by ``Applied`` (1 applied, or 1 duplicate for a drop it already made)."""
+
+    seq: int
+    cache: str
+    version: CacheVersion | None = None
+
+
 class Applied(msgspec.Struct, frozen=True, tag="applied"):
     seq: int
     applied: int
@@ -78,7 +88,7 @@ class Error(msgspec.Struct, frozen=True, tag="error"):
     """True: a passing state of the server (it is closing); the same request may succeed later."""
 
 
-Frame = Hello | Welcome | Apply | Applied | Error
+Frame = Hello | Welcome | Apply | Drop | Applied | Error
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Frame)

@@ -20,6 +20,7 @@ from cdcd.replication.protocol import (
     PROTOCOL_VERSION,
     Applied,
     Apply,
+    Drop,
     Error,
     Frame,
     Hello,
@@ -32,7 +33,7 @@ from cdcd.replication.protocol import (
 
 log = structlog.get_logger("cdcd.replication")
 
-ApplyFn = Callable[[Apply], tuple[Applied, Any]]
+ApplyFn = Callable[[Apply | Drop], tuple[Applied, Any]]
 """Applies a request without waiting for the WAL: the reply, and the WAL end to wait for (or None)."""
 WaitFn = Callable[[Any], object]
 MAX_STAGED_REPLIES = 16
@@ -147,7 +148,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 log.warning("replication_bad_frame", peer=peer, error=str(exc))
                 reply((Error(str(exc)), None))
                 continue
-            if not isinstance(frame, Apply):
+            if not isinstance(frame, Apply | Drop):
                 metrics.REPL_REFUSED.labels("frame").inc()
                 reply((Error(f"unexpected {type(frame).__name__.lower()} frame"), None))
                 continue

@@ -24,11 +24,11 @@ import structlog
 
 from cdcd import metrics
 from cdcd.config import check_ranges, convert
-from cdcd.consumer import CacheInfo, Consumer, EventBatch, RecordSlice, RetriableError
+from cdcd.consumer import CacheDrop, CacheInfo, Consumer, EventBatch, RecordSlice, RetriableError
 from cdcd.delivery import slices_from
 from cdcd.durable import write_atomic
 from cdcd.lake import spark as spark_session
-from cdcd.lake.arrow import build_table, split_slices
+from cdcd.lake.arrow import build_table, split_slices, truncate_table
 from cdcd.lake.compact import compact
 from cdcd.lake.delta import ChangeTable, LakeWriteError, SourceMark, WrittenFiles
 from cdcd.lake.maintainer import Maintainer, MaintainerOptions
@@ -241,6 +241,38 @@ class LakeConsumer(Consumer):
             path.write_bytes(data)  # a PUT replaces the object whole
         else:
             write_atomic(path, data)
+
+    def on_cache_drop(self, drops: Sequence[CacheDrop]) -> None:
+        """A ``truncate`` row per drop, in a commit of its own that moves the source's mark to the
+        DESTROY record: exactly once as a batch is (a drop at or below the mark landed already).
+        The caller commits its position past the drop only after this returns, so landing it with
+        the next batch instead could lose it to a crash in between."""
+        table = self._table
+        if table is None:
+            raise RuntimeError("lake sink used before start()")
+        for drop in drops:
+            while True:
+                table.refresh()
+                read = table.mark(drop.source_node)
+                if read.last is not None and read.last >= drop.position:
+                    log.info("lake_drop_landed_before", cache=drop.name, at=str(drop.position))
+                    break
+                data = truncate_table([drop], self.options.partition_by_day, read.generation)
+                files = table.write_arrow(data)
+                meta = {"rows": 1, "first": str(drop.position), "truncate": drop.name, "pid": os.getpid()}
+                if table.commit(
+                    files=files,
+                    source=drop.source_node,
+                    read=read,
+                    generation=read.generation,
+                    last=drop.position,
+                    first=drop.position,
+                    metadata=meta,
+                ):
+                    metrics.LAKE_ROWS.labels(drop.name).inc()
+                    log.info("lake_cache_truncated", cache=drop.name, at=str(drop.position))
+                    break
+                metrics.LAKE_CONFLICTS.inc()
 
     def on_events(self, batch: EventBatch) -> bool:
         table = self._table

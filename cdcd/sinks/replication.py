@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import structlog
 
 from cdcd import metrics
 from cdcd.config import check_ranges, convert
-from cdcd.consumer import Consumer, EventBatch, RefusedEvent, RetriableError
+from cdcd.consumer import CacheDrop, Consumer, EventBatch, RefusedEvent, RetriableError
 from cdcd.replication.client import TargetRefused
 from cdcd.replication.protocol import Applied, ProtocolError, ReplEntry
 from cdcd.replication.target import TargetOptions
@@ -140,6 +140,25 @@ class ReplicationConsumer(Consumer):
         for cache_id, (out, _keys, _size) in pending.items():
             if out:
                 yield batch.cache_name(cache_id), out
+
+    def on_cache_drop(self, drops: Sequence[CacheDrop]) -> None:
+        """The target destroys the cache too, and from now on rejects its entries older than the drop
+        (cdcd/replication/drops.py): sent after every earlier batch was confirmed, once per drop (a
+        resend after a crash is a duplicate there)."""
+        for d in drops:
+            try:
+                if not self.client.connected:
+                    self.client.sender_node = d.source_node
+                    self.client.sender_cluster_id = d.version.cluster_id if d.version is not None else 0
+                    self.client.connect()
+                result = self.client.drop(d.name, d.version)
+            except (OSError, ProtocolError) as exc:
+                # No retry loop around cache changes: the daemon exits (4), and its next run sends
+                # the drop again.
+                raise ConnectionError(
+                    f"replication target {self.client.target}: dropping cache {d.name!r}: {type(exc).__name__}: {exc}"
+                ) from exc
+            log.info("replication_cache_dropped", cache=d.name, duplicate=bool(result.duplicates))
 
     def on_events(self, batch: EventBatch) -> bool:
         if not len(batch):

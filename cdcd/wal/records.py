@@ -133,6 +133,10 @@ class CacheRecord(_Record, frozen=True, tag=2):
     op: CacheOp
     config: CacheConfig = CacheConfig()
     ts_ns: int = 0
+    version: CacheVersion | None = None
+    """DESTROY: the version the node's next write gets. Every entry of the cache written before the
+    drop has a lower version, so a replica rejects such an entry arriving late (None: a segment
+    written before drops carried one)."""
 
 
 class RealtimeCdcRecord(_Record, frozen=True, tag=3):
