@@ -115,13 +115,15 @@ def delta_conf(jars: list[Path], user_conf: Mapping[str, str] | None = None) -> 
 
 
 def _local_defaults(master: str) -> dict[str, str]:
-    """Sizes for a single machine: Delta's snapshot replay (50 partitions) and Spark's shuffles (200)
-    are sized for clusters and cost seconds per job in local mode; cluster masters keep theirs."""
+    """Sizes for a single machine: Delta's snapshot replay (50 partitions), Spark's shuffles (200) and
+    parallel file listing (10,000 tasks, which Delta's VACUUM uses to list a table) are sized for
+    clusters and cost seconds to minutes per job in local mode; cluster masters keep theirs."""
     if not master.startswith("local"):
         return {}
     return {
         "spark.databricks.delta.snapshotPartitions": "4",
         "spark.sql.shuffle.partitions": "8",
+        "spark.sql.sources.parallelPartitionDiscovery.parallelism": "8",
     }
 
 
