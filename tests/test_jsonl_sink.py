@@ -199,7 +199,7 @@ def _run(consumer: Any, fd: int, batches: list[EventBatch]) -> tuple[bytes, str 
 # --- tests -------------------------------------------------------------------------------------
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(
     batches=st.lists(_batch(bad=None), min_size=1, max_size=3)
     | st.lists(_batch(bad=_UNENCODABLE), min_size=1, max_size=2)

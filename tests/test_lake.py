@@ -212,7 +212,7 @@ def test_standalone_cluster_lands_exactly_once(tmp_path: Path, spark: Any, stand
     on a real standalone master and worker, and the lake is still exactly the WAL and verifies."""
     cluster = standalone_cluster
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
-    n_tx = 400
+    n_tx = 120  # several batches; the 30k-entry case is the local-master test above
     writer = start_writer(tmp_path, node_dir, count=n_tx, pause_ms=20)
     wait_for(lambda: (node_dir / "cdc").is_dir() or writer.poll() is not None, 30, "the node's cdc dir")
     spark_conf = {
@@ -247,7 +247,7 @@ def test_standalone_cluster_lands_exactly_once(tmp_path: Path, spark: Any, stand
     assert list((cluster["work"] / "worker").glob("app-*/*/stderr")), "no executor ran on the worker"
 
     expected = wal_events(node_dir)
-    assert len(expected) > 15_000
+    assert len(expected) > 4_000
     check_lake(lake, node_dir, expected)
     res = subprocess.run(
         [*CDCD, "lake", "compact", "--lake", str(lake), "--spark-master", cluster["url"]],
