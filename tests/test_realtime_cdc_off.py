@@ -15,8 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 
+from cdcd.node import Node
+from cdcd.node.attach import AttachError
 from cdcd.wal.records import StopRealtimeCdcRecord
+from tests.support.config import jsonl_consumer
 from tests.support.procs import cdcd, error_lines, wait_for
 from tests.support.realtime import Rig, check_delivery, entries_in, markers, rig_maker
 
@@ -86,3 +90,31 @@ def test_cdc_off_stops_realtime_and_the_gap_is_recovered_exactly_once(rig_factor
     (a, b) = intervals[-1]
     assert b is not None and a[0] < gap_from <= skipped[-1] < b[0]
     assert entries_in(daemon_exp, (gap_from, 0, 0), (skipped[-1] + 1, 0, 0)) > 0
+
+
+def test_realtime_stays_off_while_cdc_is_off_across_a_restart(tmp_path: Path) -> None:
+    """`cdc off` during a try-start stops it (reason cdc_off); reopened with `realtime_cdc = true` and CDC still off,
+    the node does not start realtime (one warning), `realtime on` is refused naming `cdc on`, and after `cdc on` it
+    starts a try-start again."""
+    settings: dict[str, Any] = {
+        "realtime_cdc": True,
+        "realtime_consumer": jsonl_consumer(tmp_path / "node.jsonl"),
+        "wal_force_archive_timeout_ms": 0,
+    }
+    node_dir = tmp_path / "node"
+    with Node.open(node_dir, **settings) as n:
+        assert n.status()["realtime"]["mode"] == "try_start"  # no daemon passes it here
+        n.cache("a").put(1, 1)
+        _position, stopped = n.set_cdc_links(False)
+        rt = n.status()["realtime"]
+        assert stopped and (rt["mode"], rt["stops"]) == ("off", {"cdc_off": 1})
+        assert n.set_cdc_links(False)[1] is False  # already off: nothing more to stop
+    with structlog.testing.capture_logs() as logs, Node.open(node_dir, **settings) as n:
+        assert n.status()["realtime"]["mode"] == "off"
+        with pytest.raises(AttachError, match="cdcd control cdc on"):
+            n.realtime.switch("on")
+        assert n.set_cdc_links(True)[1] is False
+        assert n.realtime.switch("on") == "try_start"
+    assert [e["reason"] for e in logs if e["event"] == "realtime_not_started"] == ["cdc_off"]
+    stops = [rec.reason for _, rec in markers(node_dir) if isinstance(rec, StopRealtimeCdcRecord)]
+    assert stops[:3] == ["node_start_realtime_off", "cdc_off", "node_start_realtime_off"]
