@@ -102,10 +102,17 @@ def control_realtime(ctx: click.Context, state: str) -> None:
 def control_cdc(ctx: click.Context, state: str) -> None:
     """Switch CDC links (Ignite's cdc.disabled, the brake for a CDC dir filling the disk): `off` stops
     linking archived segments into the CDC dir, `on` resumes; persisted across restarts. The segments
-    archived while off are a gap the daemon reports as `missing segment N`. (`cdc realtime on|off`
-    is `cdcd control realtime on|off`.)"""
+    archived while off are a gap the daemon reports as `missing segment N`. As Ignite's, `off` stops
+    realtime capture too (the daemon delivers up to the switch) and `realtime on` is refused until
+    `cdc on`; `cdc on` does not restart it. (`cdc realtime on|off` is `cdcd control realtime on|off`.)"""
     reply = _node_request(ctx, {"cmd": "cdc", "state": state})
-    click.echo(f"cdc: {reply['cdc']} (from WAL position {reply['wal_position']})")
+    line = f"cdc: {reply['cdc']} (from WAL position {reply['wal_position']})"
+    if reply.get("realtime_stopped"):
+        line += (
+            "; realtime capture stopped too: the daemon delivers up to here "
+            "(`cdcd control realtime on` again after `cdc on`)"
+        )
+    click.echo(line)
 
 
 @control.command("status")

@@ -62,6 +62,12 @@ class Realtime(Protocol):
         """At least ``mode`` ("on" while the node delivers) and ``last_event_commit_ts_ns``."""
         ...
 
+    def cdc_links(self, on: bool) -> bool:
+        """The node's CDC switch (``cdcd control cdc on|off``), also told once before ``open``. Off
+        stops capture (its Stop record durable when this returns) and refuses ``on`` until CDC is on
+        again. True: capture was running and stopped. Raises AttachError if it did not stop in time."""
+        ...
+
 
 class Service(Protocol):
     """A server beside the node (the replication endpoint)."""

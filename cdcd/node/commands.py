@@ -67,10 +67,10 @@ def handle(node: Node, req: dict[str, Any]) -> dict[str, Any]:
         if state not in ("on", "off"):
             raise ControlError("cdc: state must be 'on' or 'off'")
         try:
-            position = node.set_cdc_links(state == "on")
-        except ValueError as exc:
+            position, realtime_stopped = node.set_cdc_links(state == "on")
+        except (ValueError, AttachError) as exc:
             raise ControlError(str(exc)) from None
-        return {"cdc": state, "wal_position": str(position)}
+        return {"cdc": state, "wal_position": str(position), "realtime_stopped": realtime_stopped}
     if cmd == "status":
         return status(node)
     if cmd == "digest":

@@ -184,6 +184,7 @@ class Node:
                 node_id=str(self.node_id),
             )
         )
+        self.realtime.cdc_links(self.cdc_links_on or not config.cdc_enabled)
         self._wal.add_flush_listener(self.realtime.offer)
         self._wal.start()
         # Restores or starts realtime CDC, or (off) writes the Stop record that makes the daemon ACTIVE.
@@ -424,19 +425,27 @@ class Node:
         """False while the runtime CDC switch is off (``cdcd control cdc off``)."""
         return self.config.cdc_enabled and self._archiver.links_on
 
-    def set_cdc_links(self, on: bool) -> WalPointer:
+    def set_cdc_links(self, on: bool) -> tuple[WalPointer, bool]:
         """Ignite's ``cdc.disabled``, the brake for a CDC dir filling the disk: stop (or resume)
         linking archived segments into the CDC dir, from the active segment on. Persisted before it
         takes effect, so it survives a restart. The daemon reports the segments archived meanwhile
-        as a gap (``missing segment N``). Returns the WAL position at the switch."""
+        as a gap (``missing segment N``). Off stops realtime capture too, as Ignite's does: its Stop
+        record goes into a segment still linked, so the daemon delivers up to the switch and the gap
+        is the same as without realtime. Returns the WAL position at the switch, and whether
+        realtime capture stopped. Raises AttachError when it did not stop in time (links stay on)."""
         self._check_open()
         if not self.config.cdc_enabled:
             raise ValueError("CDC is off in the node config (cdc_enabled = false): there is nothing to switch")
         with self._cdc_switch_lock:  # one switch at a time; the flusher reads links_on without a lock
+            stopped = not on and self._archiver.links_on and self.realtime.cdc_links(False)
+            if stopped:
+                self._wal.force_archive()  # archived and linked: the daemon reads the Stop record now
             self._metastorage.put_flag(_CDC_DISABLED_KEY, not on)
             was = self._archiver.links_on
             self._archiver.links_on = on
             position = self._wal.position
+            if on:
+                self.realtime.cdc_links(True)
         metrics.CDC_DISABLED.set(0 if on else 1)
         if was != on:
             log.warning(
@@ -446,8 +455,9 @@ class Node:
                 hint="segments archived while CDC was off are a gap for the daemon"
                 if on
                 else "archived segments are not linked for CDC until `cdcd control cdc on`",
+                realtime_stopped=stopped,
             )
-        return position
+        return position, stopped
 
     @property
     def cdc_links_skipped(self) -> int:

@@ -160,11 +160,12 @@ class RealtimeMachine:
         self.mode = RealtimeMode.ON
         return self.position
 
-    def request_off(self) -> bool:
-        """``realtime off``: stop after the batch in flight. False: already off."""
+    def request_off(self, reason: str = "command") -> bool:
+        """``realtime off`` (or ``cdc off``, reason ``cdc_off``): stop after the batch in flight.
+        False: already off."""
         if self.mode is RealtimeMode.OFF:
             return False
-        self.stop_reason = "command"
+        self.stop_reason = reason
         return True
 
     def close(self) -> None:

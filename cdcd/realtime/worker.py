@@ -84,6 +84,10 @@ class RealtimeWorker:
             stop=lambda reason, failed: self._stop(reason, consumer_failed=failed),
         )
         self._consumer: Consumer | None = None
+        self._cdc_off = False
+        """CDC links are off (``cdcd control cdc off``): nothing is captured, ``on`` is refused."""
+        self._stops_done = 0
+        """Stop records made durable; ``cdc_links`` waits on it (guarded by ``_cv``)."""
         self._set_mode_metric()
 
     @property
@@ -127,7 +131,9 @@ class RealtimeWorker:
             log.info("realtime_restoring", position=str(saved.position))
         else:
             self.wal.append(StopRealtimeCdcRecord(saved.position, "node_start_realtime_off"))
-            if self.config.realtime_cdc:
+            if self.config.realtime_cdc and self._cdc_off:
+                log.warning("realtime_not_started", reason="cdc_off", hint="`cdcd control cdc on`, then `realtime on`")
+            elif self.config.realtime_cdc:
                 self.request_on()
         self._set_mode_metric()
         self._thread = threading.Thread(target=self._run, name="cdcd-realtime", daemon=True)
@@ -157,10 +163,12 @@ class RealtimeWorker:
     def request_on(self) -> RealtimeMode:
         """Try to start: write TryStart, roll the segment, buffer from there, wait for the daemon."""
         with self._cv:
+            self._refuse_while_cdc_off()
             if self.machine.mode is not RealtimeMode.OFF or self.machine.closing:
                 return self.machine.mode
         self._ensure_consumer()
         with self._cv:
+            self._refuse_while_cdc_off()  # `cdc off` may have come in while the consumer started
             if not self.machine.begin_try_start():
                 return self.machine.mode
         self._set_mode_metric()
@@ -180,6 +188,33 @@ class RealtimeWorker:
         failpoints.hit("realtime.on.try_start_persisted")
         log.info("realtime_try_start", try_start=str(ptr), buffer_max_bytes=self.buffer_limit_bytes)
         return RealtimeMode.TRY_START
+
+    def _refuse_while_cdc_off(self) -> None:
+        if self._cdc_off:
+            raise RealtimeError(
+                "realtime: CDC is off (`cdcd control cdc off`), so nothing is captured; "
+                "run `cdcd control cdc on` first, then `cdcd control realtime on`"
+            )
+
+    def cdc_links(self, on: bool) -> bool:
+        """The node's CDC switch. Off stops capture as Ignite's ``cdc.disabled`` does: after the batch
+        in flight (delivered and committed, so the daemon does not send it again), with the Stop record
+        durable before this returns, so the node can still link its segment for the daemon."""
+        timeout_s = self.config.realtime_close_timeout_ms / 1000
+        with self._cv:
+            self._cdc_off = not on
+            if on or not self.machine.request_off("cdc_off"):
+                return False
+            done = self._stops_done
+            self._cv.notify_all()
+            if not self._cv.wait_for(lambda: self._stops_done > done, timeout_s):
+                self._cdc_off = False
+                raise RealtimeError(
+                    f"cdc off: realtime capture did not stop within realtime_close_timeout_ms "
+                    f"({self.config.realtime_close_timeout_ms}; a consumer call in flight), so CDC links stay on; "
+                    "run `cdcd control cdc off` again once `cdcd control status` shows realtime off"
+                )
+        return True
 
     def switch(self, state: str) -> str:
         """The control command: ``on`` starts a try-start, ``off`` stops (``stopping`` while the
@@ -283,6 +318,9 @@ class RealtimeWorker:
         # After the machine went OFF no delivery still in flight commits; a marker being written
         # finishes first (it is for a position before this Stop's).
         self.wal.wait_durable(self.markers.stop_record(stopped.last, reason))
+        with self._cv:
+            self._stops_done += 1
+            self._cv.notify_all()
         failpoints.hit("realtime.off.stop_durable")
         if self.machine.closing:
             # The node is going away: roll the segment so the daemon sees the Stop now, not at next start.
