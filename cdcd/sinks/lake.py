@@ -283,6 +283,7 @@ class LakeConsumer(Consumer):
         try:
             return self._land(table, batch)
         except (LakeWriteError, OSError) as exc:
+            metrics.LAKE_COMMIT_FAILURES.inc()
             # The store unreachable, the disk full: the delivery loop offers the batch again (the
             # source's mark in the table drops whatever an attempt did land).
             if isinstance(exc, OSError) or exc.transient:
@@ -341,6 +342,7 @@ class LakeConsumer(Consumer):
                 for name, n in stats.items():
                     metrics.LAKE_ROWS.labels(name).inc(n)
                 metrics.LAKE_LAG_SECONDS.set(max(0.0, time.time() - batch.last_commit_ts_ns / 1e9))
+                metrics.LAKE_FILES_PER_PARTITION_MAX.set(table.files_per_partition_max())
                 return True
             metrics.LAKE_CONFLICTS.inc()
             log.warning("lake_commit_conflict", source=source, detail="another writer landed this source first")
