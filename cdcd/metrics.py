@@ -304,8 +304,8 @@ LAKE_LAST_MAINTENANCE = Gauge(
 )
 LAKE_FILES_PER_PARTITION_MAX = Gauge(
     "cdcd_lake_files_per_partition_max",
-    "Most data files in one partition of the changes table: set after each of this sink's commits, "
-    "from the Delta snapshot the sink already holds",
+    "Most data files in one partition of the changes table: set after each of this sink's commits, from the "
+    "Delta snapshot the sink holds (brought up to date with the log's new entries)",
     registry=LAKE,
 )
 LAKE_GENERATIONS = Counter(

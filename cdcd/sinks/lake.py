@@ -342,6 +342,7 @@ class LakeConsumer(Consumer):
                 for name, n in stats.items():
                     metrics.LAKE_ROWS.labels(name).inc(n)
                 metrics.LAKE_LAG_SECONDS.set(max(0.0, time.time() - batch.last_commit_ts_ns / 1e9))
+                table.refresh()  # the commit's own files in the snapshot (its new log entries read)
                 metrics.LAKE_FILES_PER_PARTITION_MAX.set(table.files_per_partition_max())
                 return True
             metrics.LAKE_CONFLICTS.inc()
