@@ -127,3 +127,26 @@ def test_lake_kafka_and_kafka_to_node_alerts_fire_and_stay_quiet(promtool: str, 
     test.write_text(json.dumps({"rule_files": [str(RULES)], "evaluation_interval": "1m", "tests": CASES}))
     res = subprocess.run([promtool, "test", "rules", str(test)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+NEW_METRICS = (
+    "cdcd_lake_lag_seconds",
+    "cdcd_lake_commit_failures_total",
+    "cdcd_lake_maintenance_failures_total",
+    "cdcd_lake_last_maintenance_timestamp_seconds",
+    "cdcd_lake_files_per_partition_max",
+    "cdcd_kafka_transaction_aborts_total",
+    "cdcd_kafka_to_node_events_received_total",
+    "cdcd_kafka_to_node_last_batch_timestamp_seconds",
+    "cdcd_kafka_to_node_events_rejected_total",
+)
+
+
+def test_every_lake_kafka_and_kafka_to_node_figure_has_a_panel_and_an_alert() -> None:
+    dashboard = json.loads((CONFIG / "grafana-dashboard.json").read_text())
+    panels = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", []))
+    exprs = " ".join(line for line in RULES.read_text().splitlines() if "expr:" in line)
+    for name in NEW_METRICS:
+        assert re.search(rf"\b{name}\b", panels), f"no dashboard panel queries {name}"
+        assert re.search(rf"\b{name}\b", exprs), f"no alert rule uses {name}"
+    assert re.search(r"\bcdcd_kafka_retries_total\b", panels)
