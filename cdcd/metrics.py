@@ -285,6 +285,29 @@ LAKE_MAINTENANCE_CONFLICTS = Counter(
     ["task"],
     registry=LAKE,
 )
+LAKE_COMMIT_FAILURES = Counter(
+    "cdcd_lake_commit_failures_total",
+    "Batches whose landing failed with an error (store unreachable, disk full, commit refused), retried or not",
+    registry=LAKE,
+)
+LAKE_MAINTENANCE_FAILURES = Counter(
+    "cdcd_lake_maintenance_failures_total",
+    "Scheduled maintenance runs that failed (conflicts with another writer are not failures)",
+    ["task"],
+    registry=LAKE,
+)
+LAKE_LAST_MAINTENANCE = Gauge(
+    "cdcd_lake_last_maintenance_timestamp_seconds",
+    "Wall time at the end of the last successful scheduled maintenance run",
+    ["task"],
+    registry=LAKE,
+)
+LAKE_FILES_PER_PARTITION_MAX = Gauge(
+    "cdcd_lake_files_per_partition_max",
+    "Most data files in one partition of the changes table: set after each of this sink's commits, from the "
+    "Delta snapshot the sink holds (brought up to date with the log's new entries)",
+    registry=LAKE,
+)
 LAKE_GENERATIONS = Counter(
     "cdcd_lake_source_generations_total",
     "New generations started because a source's history diverged from what the lake landed",
@@ -363,6 +386,12 @@ KAFKA_SKIPPED_EVENTS = Counter(
     registry=KAFKA_SINK,
 )
 KAFKA_TRANSACTIONS = Counter("cdcd_kafka_transactions_total", "Kafka transactions committed", registry=KAFKA_SINK)
+KAFKA_TRANSACTION_ABORTS = Counter(
+    "cdcd_kafka_transaction_aborts_total",
+    "Kafka transactions begun and not committed: dropped after an error (the next producer's init aborts them) "
+    "or aborted at stop",
+    registry=KAFKA_SINK,
+)
 KAFKA_RETRIES = Counter(
     "cdcd_kafka_retries_total", "Batches retried with a new producer after a Kafka error", registry=KAFKA_SINK
 )
@@ -382,7 +411,9 @@ KAFKA_COMMIT_SECONDS = Histogram(
 )
 
 K2N_RECEIVED = Counter(
-    "cdcd_kafka_to_node_events_received_total", "Messages read from the data topic", registry=KAFKA_TO_NODE
+    "cdcd_kafka_to_node_events_received_total",
+    "Messages read from the data topics: each is applied, ignored, rejected or skipped",
+    registry=KAFKA_TO_NODE,
 )
 K2N_APPLIED = Counter("cdcd_kafka_to_node_events_applied_total", "Changes the target applied", registry=KAFKA_TO_NODE)
 K2N_IGNORED = Counter(
@@ -395,7 +426,8 @@ K2N_REJECTED = Counter(
 )
 K2N_SKIPPED = Counter(
     "cdcd_kafka_to_node_skipped_messages_total",
-    "Messages not applied: tombstones, caches not selected",
+    "Messages not applied as changes: tombstones, caches not selected, replicated from elsewhere, truncates "
+    "(each applied as one cache drop)",
     ["reason"],
     registry=KAFKA_TO_NODE,
 )

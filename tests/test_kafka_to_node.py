@@ -143,6 +143,11 @@ def test_kafka_to_node_killed_mid_stream_then_full_replay(kafka_broker: Broker, 
     assert ignored > total // 2
     assert b.received()["duplicate"] - dup_before == ignored
     assert replay.metric("cdcd_kafka_to_node_events_received_total") == total + n_deletes(a_dir)  # + tombstones
+    # every message read is accounted for once: decided by the target, or skipped (the tombstones); the replication
+    # sender's figures this process exports say the same
+    assert replay.metric("cdcd_kafka_to_node_skipped_messages_total") == n_deletes(a_dir)
+    assert replay.metric("cdcd_replication_sent_events_total") == replay_applied(replay) == total
+    assert replay.metric("cdcd_replication_last_batch_timestamp_seconds") > 0
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0, replay.tail()
     _, b_repl_2 = split_entries(b)

@@ -45,10 +45,16 @@ def operations(table: Path) -> list[str]:
 
 
 def test_compacts_and_optimizes_on_schedule_while_changes_arrive(spark: Any, tmp_path: Path) -> None:
+    from prometheus_client import REGISTRY
+
+    from cdcd import metrics
+
+    metrics.export(metrics.LAKE)
     lake = tmp_path / "lake"
     rows = [change("orders", "0", '"first"', 1)]
     append_changes(lake, rows)
     m = Maintainer(lake, spark, MaintainerOptions(compact_interval_s=0.2, optimize_interval_s=2.0))
+    started = time.time()
     m.start()
     try:
         for i in range(1, 4):  # each batch is picked up by a later scheduled compaction
@@ -67,6 +73,10 @@ def test_compacts_and_optimizes_on_schedule_while_changes_arrive(spark: Any, tmp
         m.check()
     finally:
         m.stop()
+    # each task's last success is stamped at the end of its run, within this test
+    for task in ("compact", "optimize"):
+        last = REGISTRY.get_sample_value("cdcd_lake_last_maintenance_timestamp_seconds", {"task": task})
+        assert last is not None and started < last <= time.time(), (task, last)
     assert not any(t.name == "cdcd-lake-maintainer" for t in __import__("threading").enumerate())
     # The OPTIMIZE changed no data: the state still equals every change folded, nothing left to compact.
     assert state_rows(lake) == expected_state(rows)
@@ -79,6 +89,16 @@ def test_failures_are_logged_retried_then_surfaced(
     """A lake whose changes table is not a Delta table: every compaction fails; each failure is logged
     with its exception, and after three in a row the Maintainer stops: alive() False, check() raises
     naming the error."""
+    from prometheus_client import REGISTRY
+
+    from cdcd import metrics
+
+    metrics.export(metrics.LAKE)
+
+    def failures() -> float:
+        return REGISTRY.get_sample_value("cdcd_lake_maintenance_failures_total", {"task": "compact"}) or 0.0
+
+    before = failures()
     lake = tmp_path / "lake"
     (lake / CHANGES).mkdir(parents=True)
     m = Maintainer(
@@ -88,7 +108,7 @@ def test_failures_are_logged_retried_then_surfaced(
         m.start()
         wait_for(lambda: not m.alive(), "the maintainer to give up")
         m.stop()
-    assert m.failures == 3
+    assert m.failures == 3 and failures() - before == 3
     assert isinstance(m.error, NotADeltaLake)
     with pytest.raises(MaintenanceFailed, match=r"failed 3 times in a row, last: NotADeltaLake: .*not a Delta table"):
         m.check()
@@ -175,7 +195,10 @@ def test_conflicts_with_a_neighbour_are_retried_not_counted(spark: Any, tmp_path
     def conflicts() -> float:
         return REGISTRY.get_sample_value("cdcd_lake_maintenance_conflicts_total", {"task": "compact"}) or 0.0
 
-    before = conflicts()
+    def failures() -> float:
+        return REGISTRY.get_sample_value("cdcd_lake_maintenance_failures_total", {"task": "compact"}) or 0.0
+
+    before, failures_before = conflicts(), failures()
     m = Maintainer(
         lake,
         spark,
@@ -190,7 +213,7 @@ def test_conflicts_with_a_neighbour_are_retried_not_counted(spark: Any, tmp_path
     finally:
         m.stop()
     assert compacted_version(lake) >= version and state_rows(lake) == expected_state(rows)
-    assert conflicts() - before == 3
+    assert conflicts() - before == 3 and failures() == failures_before
     assert is_conflict(ConcurrentAppend(CONFLICT_TEXT))
     assert not is_conflict(NotADeltaLake("lake/changes is not a Delta table"))
     from deltalake.exceptions import CommitFailedError

@@ -52,6 +52,7 @@ log = structlog.get_logger("cdcd.kafka.sink")
 
 _entry_encoder = msgspec.msgpack.Encoder()
 OFFSETS_TOPIC_PARTITIONS = 1
+Headers = list[tuple[str, str | bytes | None]]
 RECORD_OVERHEAD_BYTES = 128
 """A record's bytes besides key, value and headers, and its batch's header (an upper bound)."""
 
@@ -83,6 +84,8 @@ class KafkaSink(Consumer):
         """Cache name -> its topic (``topic_prefix``), once the topic exists."""
         self._offsets_partitions = OFFSETS_TOPIC_PARTITIONS
         self._delivery_error: KafkaError | None = None
+        self._tx_open = False
+        """A Kafka transaction is begun and not committed (aborted if the producer is dropped)."""
         self._alive = True
         self._interrupted = threading.Event()
         self._meta_producer: Producer | None = None
@@ -125,6 +128,9 @@ class KafkaSink(Consumer):
         if p is not None:
             # nothing of ours should be open; if something is (or the cluster is away), the next
             # producer's init aborts it: never wait long here
+            if self._tx_open:
+                self._tx_open = False
+                metrics.KAFKA_TRANSACTION_ABORTS.inc()
             with contextlib.suppress(KafkaException):
                 p.abort_transaction(1.0)
         m, self._meta_producer = self._meta_producer, None
@@ -213,6 +219,7 @@ class KafkaSink(Consumer):
                 if self._producer is None or self._node != drop.source_node:
                     self._open(drop.source_node)
                 assert self._producer is not None
+                self._tx_open = True  # from its begin_transaction on; a failure before it counts one abort too many
                 self._stored = drops_mod.send_truncate(
                     self._producer,
                     self.options,
@@ -221,6 +228,7 @@ class KafkaSink(Consumer):
                     topic_of=self._topic_of,
                     offsets_partitions=self._offsets_partitions,
                 )
+                self._tx_open = False
             except (KafkaException, TimeoutError, BufferError) as exc:
                 self._drop_producer()
                 # No retry loop around cache changes: the daemon exits (4); its next run sends it again.
@@ -264,6 +272,9 @@ class KafkaSink(Consumer):
 
     def _drop_producer(self) -> None:
         p, self._producer = self._producer, None
+        if self._tx_open:  # begun and never committed: aborted by the next producer's init (or times out)
+            self._tx_open = False
+            metrics.KAFKA_TRANSACTION_ABORTS.inc()
         if p is not None:
             # purge what is queued, not flush: the next producer's init aborts the open transaction
             with contextlib.suppress(KafkaException):  # a fatal producer refuses even that
@@ -375,7 +386,7 @@ class KafkaSink(Consumer):
             ts_ms = ev.commit_ts_ns // 1_000_000
             if not begun:
                 p.begin_transaction()
-                begun = True
+                self._tx_open = begun = True
             if tracker.record is not None and tracker.record != record:
                 end_transaction(ts_ms)  # its last entries were not in a batch (a cdc-disabled cache's)
             e = ev.entry
@@ -424,6 +435,7 @@ class KafkaSink(Consumer):
         )
         t0 = time.perf_counter()
         p.commit_transaction(opts.transaction_timeout_ms / 1000)
+        self._tx_open = False
         failpoints.hit("kafka.committed")  # in Kafka, not yet in the caller's state: a re-delivery follows
         metrics.KAFKA_COMMIT_SECONDS.observe(time.perf_counter() - t0)
         self._stored = new_stored
@@ -443,15 +455,7 @@ class KafkaSink(Consumer):
         return limit
 
     def _dead_letter(
-        self,
-        p: Producer,
-        topic: str,
-        ev: CdcEvent,
-        *,
-        key: bytes,
-        value: bytes,
-        headers: list[tuple[str, str | bytes | None]],
-        size: int,
+        self, p: Producer, topic: str, ev: CdcEvent, *, key: bytes, value: bytes, headers: Headers, size: int
     ) -> str:
         """Send the change that ``topic`` refuses to ``<topic>.dlq`` in the open transaction (or raise
         ``RefusedEvent`` with dead letters off); returns why it was refused."""
@@ -474,14 +478,7 @@ class KafkaSink(Consumer):
         return error
 
     def _produce(
-        self,
-        p: Producer,
-        topic: str,
-        key: bytes,
-        value: bytes | None,
-        *,
-        part: int,
-        headers: list[tuple[str, str | bytes | None]] | None,
+        self, p: Producer, topic: str, key: bytes, value: bytes | None, *, part: int, headers: Headers | None
     ) -> None:
         while True:
             try:

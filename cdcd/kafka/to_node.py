@@ -215,17 +215,20 @@ class _Worker:
         app = self.app
         next_offsets: dict[tuple[str, int], int] = {}
         entries: list[tuple[str, DataEntry]] = []
-        skipped = {"tombstone": 0, "filtered": 0, "replicated": 0}
+        skipped = {"tombstone": 0, "filtered": 0, "replicated": 0, "truncate": 0}
+        read = 0
         for m in msgs:
             err = m.error()
             if err is not None:
                 if err.code() == KafkaError._PARTITION_EOF:
                     continue
                 raise _TopicError(err, m.topic() or "")
+            read += 1
             next_offsets[(m.topic() or "", m.partition() or 0)] = (m.offset() or 0) + 1
             headers: dict[str, Any] = dict(m.headers() or ())
             if DROP_HEADER in headers:  # a truncate event: what came before it first, then the drop
                 cache = bytes(headers.get("cdcd.cache") or b"").decode()
+                skipped["truncate" if app.selected(cache) else "filtered"] += 1
                 if app.selected(cache):
                     self._flush(entries)
                     entries = []
@@ -244,16 +247,24 @@ class _Worker:
                 skipped["filtered"] += 1
                 continue
             entries.append((cache, e))
-        metrics.K2N_RECEIVED.inc(len(msgs))
+        if not next_offsets:
+            return  # partition ends only: nothing read, nothing to commit
+        # Every message read ends in exactly one of applied, ignored, rejected or skipped (partition-end
+        # events are no messages).
+        metrics.K2N_RECEIVED.inc(read)
         for reason, n in skipped.items():
             if n:
                 metrics.K2N_SKIPPED.labels(reason).inc(n)
+        if skipped["replicated"]:  # what a replication sender reports (this process exports its families)
+            metrics.REPL_SKIPPED_EVENTS.labels("replicated").inc(skipped["replicated"])
         failpoints.hit("kafka_to_node.received")  # read, neither applied nor committed
         self._flush(entries)
         failpoints.hit("kafka_to_node.applied")  # on the target, offsets not committed: a replay follows
         # only now: everything before these offsets is durable on the target
         consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in next_offsets.items()], asynchronous=False)
-        metrics.K2N_LAST_BATCH.set(time.time())
+        now = time.time()
+        metrics.K2N_LAST_BATCH.set(now)
+        metrics.REPL_LAST_BATCH.set(now)
 
     def _flush(self, entries: list[tuple[str, DataEntry]]) -> None:
         app = self.app
@@ -295,6 +306,7 @@ class _Worker:
 
     def _retrying(self, retry: Retry) -> None:
         metrics.K2N_RETRIES.inc()
+        metrics.REPL_RETRIES.inc()
         log.warning("kafka_to_node_retry", thread=self.index, error=f"{type(retry.error).__name__}: {retry.error}")
 
     def _apply(self, entries: list[tuple[str, DataEntry]]) -> None:
@@ -316,6 +328,8 @@ class _Worker:
         metrics.K2N_APPLIED.inc(result.applied)
         metrics.K2N_IGNORED.inc(result.duplicates)
         metrics.K2N_REJECTED.inc(result.rejected)
+        metrics.REPL_SENT_EVENTS.inc(result.applied + result.rejected + result.duplicates)
+        metrics.REPL_CONFLICTS.inc(result.rejected)
 
     def _retried(self, attempt: Callable[[], Applied]) -> Applied:
         opts = self.app.opts

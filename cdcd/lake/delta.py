@@ -408,6 +408,16 @@ class ChangeTable:
                 return True
         return False
 
+    def files_per_partition_max(self) -> int:
+        """Most data files in one partition of the snapshot last refreshed or committed (0: none). The
+        snapshot holds every add action already: a group-by in memory, no listing of the store."""
+        adds = pa.table(self.table.get_add_actions(flatten=True))
+        if not adds.num_rows:
+            return 0
+        keys = [f"partition.{c}" for c in self.partition_by]
+        counts = adds.group_by(keys).aggregate([([], "count_all")]).column("count_all")
+        return int(pc.max(counts).as_py())
+
     # --- what landed ------------------------------------------------------------------------------
     def landed_rows(self, source: str, generation: int, lo: WalPointer, hi: WalPointer) -> pa.Table:
         """The rows of ``source`` with pointers in ``lo..hi`` (inclusive), each position's rows of the

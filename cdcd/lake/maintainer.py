@@ -1,7 +1,9 @@
 """Scheduled lake maintenance inside a process that already has a SparkSession (the lake sink):
 ``compact`` every ``compact_interval_s`` and ``optimize`` every ``optimize_interval_s``.
 
-One owned background thread. A failed run is logged with its exception and counted; the next run
+One owned background thread. A failed run is logged with its exception and counted
+(``cdcd_lake_maintenance_failures_total``; a successful one sets
+``cdcd_lake_last_maintenance_timestamp_seconds``); the next run
 is tried at its normal time (a manual ``cdcd lake compact`` committing at the same moment makes
 one MERGE lose, harmlessly). A run that loses to another writer's concurrent commit (another
 daemon's maintenance on the same lake: Delta's concurrent-modification conflicts) is no failure:
@@ -179,6 +181,7 @@ class Maintainer:
                 break
             try:
                 self._run_one(task)
+                metrics.LAKE_LAST_MAINTENANCE.labels(task).set(time.time())
                 consecutive = 0
                 conflict_delays = CONFLICT_BACKOFF.delays_s()
             except Exception as exc:
@@ -195,6 +198,7 @@ class Maintainer:
                     continue
                 consecutive += 1
                 self.failures += 1
+                metrics.LAKE_MAINTENANCE_FAILURES.labels(task).inc()
                 self.last_failure = exc
                 log.error("lake_maintenance_failed", task=task, consecutive=consecutive, exc_info=exc)
                 if consecutive >= opts.max_consecutive_failures:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import msgspec
 import pyarrow as pa
 import structlog
+from deltalake.exceptions import DeltaError
 
 from cdcd import metrics
 from cdcd.config import check_ranges, convert
@@ -283,6 +284,7 @@ class LakeConsumer(Consumer):
         try:
             return self._land(table, batch)
         except (LakeWriteError, OSError) as exc:
+            metrics.LAKE_COMMIT_FAILURES.inc()
             # The store unreachable, the disk full: the delivery loop offers the batch again (the
             # source's mark in the table drops whatever an attempt did land).
             if isinstance(exc, OSError) or exc.transient:
@@ -341,6 +343,11 @@ class LakeConsumer(Consumer):
                 for name, n in stats.items():
                     metrics.LAKE_ROWS.labels(name).inc(n)
                 metrics.LAKE_LAG_SECONDS.set(max(0.0, time.time() - batch.last_commit_ts_ns / 1e9))
+                try:
+                    table.refresh()  # the commit's own files in the snapshot (its new log entries read)
+                    metrics.LAKE_FILES_PER_PARTITION_MAX.set(table.files_per_partition_max())
+                except (DeltaError, OSError) as exc:  # landed already: a figure is no reason to send it again
+                    log.warning("lake_files_gauge_not_updated", error=describe(exc))
                 return True
             metrics.LAKE_CONFLICTS.inc()
             log.warning("lake_commit_conflict", source=source, detail="another writer landed this source first")
