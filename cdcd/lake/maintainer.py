@@ -135,8 +135,10 @@ class Maintainer:
         self._thread.start()
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        """Stop the thread; a run in progress is cancelled (its Spark jobs) and its partial work
-        discarded by Delta (nothing is committed). Waits up to ``timeout_s``."""
+        """Stop the thread; a run in progress is cancelled (its Spark jobs): Delta discards their
+        partial work. A compaction's typed tables, merged before state without Spark, may be
+        committed already; the next compaction skips them (their application transaction) and
+        finishes state and the cut. Waits up to ``timeout_s``."""
         self._stop.set()
         thread = self._thread
         if thread is None or not thread.is_alive():
