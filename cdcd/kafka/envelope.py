@@ -159,32 +159,11 @@ def change(
     after = None if deleted else row(key_columns, e.value)
     before = key_columns if deleted else None
     pos = src.position
-    ts_ns = src.commit_ts_ns
-    v = e.version
     op = SNAPSHOT_OP if src.resend else OPS[e.op]
     envelope = _Envelope(
         before,
         after,
-        _Source(
-            __version__,
-            "cdcd",
-            src.name,
-            src.db,
-            cache,
-            src.node,
-            src.generation,
-            cache,
-            e.partition,
-            pos.segment,
-            pos.offset,
-            pos.entry_index,
-            ts_ns // 1_000_000,
-            ts_ns // 1_000,
-            ts_ns,
-            "true" if op == SNAPSHOT_OP else "false",
-            e.primary,
-            _CacheVersion(v.order, v.node_order, v.cluster_id, v.topology_version),
-        ),
+        _source(src, e.partition, e.version, snapshot=op == SNAPSHOT_OP, primary=e.primary),
         op,
         now_ns // 1_000_000,
         now_ns // 1_000,
@@ -201,31 +180,10 @@ def truncate(src: Source, version: CacheVersion | None, partition: int, now_ns: 
     """The value of Debezium's truncate event for a dropped cache: ``before`` and ``after`` null, the
     source block at the DESTROY record (``cache_version``: the version the node's next write gets)."""
     pos = src.position
-    ts_ns = src.commit_ts_ns
-    v = version or CacheVersion(0, 0, 0, 0)
     envelope = _Envelope(
         None,
         None,
-        _Source(
-            __version__,
-            "cdcd",
-            src.name,
-            src.db,
-            src.cache,
-            src.node,
-            src.generation,
-            src.cache,
-            partition,
-            pos.segment,
-            pos.offset,
-            pos.entry_index,
-            ts_ns // 1_000_000,
-            ts_ns // 1_000,
-            ts_ns,
-            "false",
-            True,
-            _CacheVersion(v.order, v.node_order, v.cluster_id, v.topology_version),
-        ),
+        _source(src, partition, version or CacheVersion(0, 0, 0, 0), snapshot=False, primary=True),
         TRUNCATE_OP,
         now_ns // 1_000_000,
         now_ns // 1_000,
@@ -235,6 +193,32 @@ def truncate(src: Source, version: CacheVersion | None, partition: int, now_ns: 
     if not schemas:
         return _encode(envelope)
     return _encode({"schema": envelope_schema(f"{src.name}.{src.cache}", None), "payload": envelope})
+
+
+def _source(src: Source, partition: int, v: CacheVersion, *, snapshot: bool, primary: bool) -> _Source:
+    """The envelope's ``source`` block of an event at ``src.position`` (a change or a truncate)."""
+    pos = src.position
+    ts_ns = src.commit_ts_ns
+    return _Source(
+        __version__,
+        "cdcd",
+        src.name,
+        src.db,
+        src.cache,
+        src.node,
+        src.generation,
+        src.cache,
+        partition,
+        pos.segment,
+        pos.offset,
+        pos.entry_index,
+        ts_ns // 1_000_000,
+        ts_ns // 1_000,
+        ts_ns,
+        "true" if snapshot else "false",
+        primary,
+        _CacheVersion(v.order, v.node_order, v.cluster_id, v.topology_version),
+    )
 
 
 def transaction_id(node: str, generation: int, segment: int, offset: int) -> str:
