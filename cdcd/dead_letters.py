@@ -27,6 +27,14 @@ _TAIL_BYTES = 1 << 16
 """Read backwards in steps of this much to find the last line."""
 
 
+def path_of(consumer: object) -> str:
+    """The jsonl file ``consumer`` sets refused events aside in; "" when it sets none aside (off, the
+    default, or a user class without the attributes: fail-fast)."""
+    if not getattr(consumer, "dead_letters", False):
+        return ""
+    return str(getattr(consumer, "dead_letters_path", "") or "")
+
+
 class DeadLetterError(Exception):
     """The dead-letter file cannot be read or written; the message names it."""
 

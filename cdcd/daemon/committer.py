@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 import structlog
 
-from cdcd import failpoints, metrics
+from cdcd import dead_letters, failpoints, metrics
 from cdcd.consumer import DEFAULT_RETRY_TIMEOUT_S, Consumer, EventBatch, RecordSlice, RefusedEvent, RetriableError
 from cdcd.daemon.follower import delete_links_below
 from cdcd.daemon.processor import Item, MarkerCommit, Switch
@@ -68,7 +68,7 @@ class Committer:
         """Set when the daemon stops: a consumer that takes nothing is not offered the rest again."""
         self.retrying = retrying
         self.retry_timeout_s = float(getattr(consumer, "retry_timeout_s", DEFAULT_RETRY_TIMEOUT_S))
-        path = getattr(consumer, "dead_letters_path", "") if getattr(consumer, "dead_letters", False) else ""
+        path = dead_letters.path_of(consumer)
         self.dead_letters = DeadLetterFile(path) if path else None
         self.loop = DeliveryLoop(
             self._on_events,

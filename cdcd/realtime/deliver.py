@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import structlog
 
-from cdcd import metrics
+from cdcd import dead_letters, metrics
 from cdcd.config import CacheFilter
 from cdcd.consumer import (
     DEFAULT_RETRY_TIMEOUT_S,
@@ -162,8 +162,7 @@ class Deliverer:
             consumer.on_cache_destroy(change.destroyed)
 
     def _dead_letter(self, event: CdcEvent, error: str) -> object:
-        consumer = self._consumer()
-        path = consumer.dead_letters_path if consumer.dead_letters else ""
+        path = dead_letters.path_of(self._consumer())
         if self._dead_letters is None or str(self._dead_letters.path) != path:
             self._dead_letters = DeadLetterFile(path)
         return self._dead_letters.write(event, error)
@@ -171,8 +170,7 @@ class Deliverer:
     def _deliver(self, item: Batch) -> None:
         consumer = self._consumer()
         self.loop.retry_timeout_s = float(getattr(consumer, "retry_timeout_s", DEFAULT_RETRY_TIMEOUT_S))
-        keeps = getattr(consumer, "dead_letters", False) and getattr(consumer, "dead_letters_path", "")
-        self.loop.dead_letter = self._dead_letter if keeps else None
+        self.loop.dead_letter = self._dead_letter if dead_letters.path_of(consumer) else None
         try:
             delivered = self.loop.deliver(item)
         except (EventRefused, DeadLetterError) as exc:
