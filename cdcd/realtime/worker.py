@@ -13,21 +13,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import structlog
-from prometheus_client import REGISTRY
 
 from cdcd import failpoints, metrics
-from cdcd.consumer import Consumer
 from cdcd.node.attach import AttachError, NodeParts
 from cdcd.node.metastorage import RealtimeState
 from cdcd.realtime.deliver import Deliverer, Stopped
 from cdcd.realtime.links import LinkWatch
 from cdcd.realtime.machine import AwaitDaemon, Deliver, Finish, RealtimeMachine, RealtimeMode, Restore, Stop, Work
 from cdcd.realtime.markers import Markers
-from cdcd.realtime.restore import Overflow, read_back
+from cdcd.realtime.restore import restore_into
+from cdcd.realtime.slot import ConsumerFactory, ConsumerSlot, RealtimeError
 from cdcd.wal.pointer import WalPointer, WalPosition
 from cdcd.wal.records import StopRealtimeCdcRecord, TryStartRealtimeCdcRecord
 from cdcd.wal.writer import Chunk
@@ -40,14 +38,6 @@ OFF_ANSWER_WAIT_S = 2.0
 __all__ = ["ConsumerFactory", "RealtimeError", "RealtimeMode", "RealtimeWorker"]
 
 
-class RealtimeError(AttachError):
-    pass
-
-
-ConsumerFactory = Callable[[Mapping[str, Any], str], Consumer]
-"""Builds the consumer a ``realtime_consumer`` table describes (``cdcd.sinks.load_consumer``)."""
-
-
 class RealtimeWorker:
     """The node's realtime attachment (``cdcd.node.attach.Realtime``)."""
 
@@ -55,7 +45,7 @@ class RealtimeWorker:
         self.config = parts.config
         self.wal = parts.wal
         self.node_id = parts.node_id
-        self._load_consumer = load_consumer
+        self._slot = ConsumerSlot(self.config, load_consumer)
         self.buffer_limit_bytes = self.config.cdc_buffer_limit_bytes
         self.machine = RealtimeMachine(parts.metastorage.get() or RealtimeState(), self.buffer_limit_bytes)
         self._cv = threading.Condition()
@@ -79,11 +69,10 @@ class RealtimeWorker:
             self.wal,
             self.node_id,
             caches=parts.caches,
-            consumer=self._ensure_consumer,
+            consumer=self._slot.get,
             committed=self.markers.committed,
             stop=lambda reason, failed: self._stop(reason, consumer_failed=failed),
         )
-        self._consumer: Consumer | None = None
         self._cdc_off = False
         """CDC links are off (``cdcd control cdc off``): nothing is captured, ``on`` is refused."""
         self._stops_done = 0
@@ -122,11 +111,11 @@ class RealtimeWorker:
             self.markers.persist(enabled=False)
             saved = m.saved
         if saved.try_start is not None:
-            self._ensure_consumer()
+            self._slot.get()
             m.resume(RealtimeMode.TRY_START, WalPosition(saved.try_start.segment + 1, 0, 0), open_position)
             log.info("realtime_try_start_resumed", try_start=str(saved.try_start))
         elif saved.enabled and saved.position is not None:
-            self._ensure_consumer()
+            self._slot.get()
             m.resume(RealtimeMode.ON, saved.position, open_position)
             log.info("realtime_restoring", position=str(saved.position))
         else:
@@ -139,15 +128,6 @@ class RealtimeWorker:
         self._thread = threading.Thread(target=self._run, name="cdcd-realtime", daemon=True)
         self._thread.start()
         self.markers.start()
-
-    def _ensure_consumer(self) -> Consumer:
-        if self._consumer is None:
-            if not self.config.realtime_consumer:
-                raise RealtimeError("realtime CDC needs a realtime_consumer table in the node config")
-            consumer = self._load_consumer(self.config.realtime_consumer, "realtime_consumer")
-            consumer.start(REGISTRY)
-            self._consumer = consumer
-        return self._consumer
 
     # --- inputs from other threads -------------------------------------------------------------------
     def offer(self, chunks: list[Chunk]) -> None:
@@ -166,7 +146,7 @@ class RealtimeWorker:
             self._refuse_while_cdc_off()
             if self.machine.mode is not RealtimeMode.OFF or self.machine.closing:
                 return self.machine.mode
-        self._ensure_consumer()
+        self._slot.get()
         with self._cv:
             self._refuse_while_cdc_off()  # `cdc off` may have come in while the consumer started
             if not self.machine.begin_try_start():
@@ -282,27 +262,11 @@ class RealtimeWorker:
         log.info("realtime_switch", direction="daemon_to_node", position=str(position))
 
     def _restore(self, work: Restore) -> None:
-        try:
-            got = read_back(self.config, work.start, work.until, self.buffer_limit_bytes)
-        except Exception as exc:
-            log.error("realtime_restore_failed", error=f"{type(exc).__name__}: {exc}", start=str(work.start))
-            with self._cv:
-                self.machine.restore_failed()
+        restored = restore_into(self.machine, self._cv, self.config, work, self.buffer_limit_bytes)
+        if restored is None:
             self._stop("restore_failed")
-            return
-        with self._cv:
-            if isinstance(got, Overflow):
-                log.warning(
-                    "realtime_restore_overflow", read_bytes=got.read_bytes, buffer_max_bytes=self.buffer_limit_bytes
-                )
-                self.machine.restore_overflowed()
-                return
-            records, total = got
-            self.machine.restored(records, total)
-        self.restored_records = len(records)
-        metrics.RT_RESTORED_RECORDS.set(len(records))
-        last = str(records[-1][0]) if records else None
-        log.info("realtime_restored", records=len(records), bytes=total, last=last)
+        else:
+            self.restored_records = restored
 
     def _stop(self, reason: str, *, consumer_failed: bool = False) -> None:
         """Stop: persist disabled, write Stop(last), drop the buffer. The daemon delivers from ``last``."""
@@ -329,12 +293,8 @@ class RealtimeWorker:
         metrics.RT_STOPS.labels(reason).inc()
         last = str(stopped.last) if stopped.last else None
         log.warning("realtime_switch", direction="node_to_daemon", reason=reason, was=stopped.was.value, last=last)
-        if consumer_failed and self._consumer is not None:
-            consumer, self._consumer = self._consumer, None
-            try:
-                consumer.stop()
-            except Exception as exc:
-                log.error("realtime_consumer_stop_failed", error=f"{type(exc).__name__}: {exc}")
+        if consumer_failed:
+            self._slot.drop(failed=True)
 
     def _set_mode_metric(self) -> None:
         mode = self.machine.mode
@@ -352,9 +312,7 @@ class RealtimeWorker:
             worker.join(self.config.realtime_close_timeout_ms / 1000)
             if worker.is_alive():
                 log.error("realtime_close_timeout", buffered_bytes=self.machine.buffered_bytes)
-                interrupt = getattr(self._consumer, "interrupt", None)  # e.g. retrying a dead target
-                if callable(interrupt):
-                    interrupt()
+                if self._slot.interrupt():
                     worker.join(5.0)
                 self._stop("close_timeout")
         self._links.stop()
@@ -362,9 +320,7 @@ class RealtimeWorker:
         end = self.markers.write_marker()
         if end is not None:
             self.wal.wait_durable(end)
-        if self._consumer is not None:
-            consumer, self._consumer = self._consumer, None
-            consumer.stop()
+        self._slot.drop(failed=False)
 
     def status(self) -> dict[str, Any]:
         m = self.machine
