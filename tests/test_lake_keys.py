@@ -403,7 +403,8 @@ def _typed_keys(lake: Path, cache: str) -> tuple[pa.DataType, list[Any]]:
     return table.schema.field("key").type, sorted(table.column("key").to_pylist())
 
 
-def _land_compact_verify(tmp_path: Path, node_dir: Path, lake: Path, run: str) -> str:
+def _land_compact_verify(tmp_path: Path, node_dir: Path, lake: Path, run: str, spark: Any) -> str:
+    from cdcd.lake.compact import compact
     from tests.support.delta_lake import lake_consumer
     from tests.support.lake import wait_caught_up, wait_started, write_config
     from tests.support.procs import cdcd, start_daemon, stop_daemon
@@ -416,15 +417,16 @@ def _land_compact_verify(tmp_path: Path, node_dir: Path, lake: Path, run: str) -
         wait_caught_up(proc, config, node_dir, err, 300)
     finally:
         assert stop_daemon(proc, timeout=60) == 0, err.read_text()[-3000:]
-    res = cdcd("lake", "compact", "--lake", str(lake), "--spark-master", "local[1]", timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
+    # The module's session, not `cdcd lake compact`: the same function without a JVM start per run
+    # (tests/test_lake.py runs the command end to end).
+    compact(spark, lake)
     res = cdcd("lake", "verify", "--lake", str(lake), "--node-dir", str(node_dir), timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     return res.stdout.splitlines()[-1]
 
 
 @pytest.mark.timeout(1800)  # two daemon runs and two Spark compactions on a loaded 2-core machine
-def test_colliding_keys_land_compact_and_verify_as_one_row_each(tmp_path: Path) -> None:
+def test_colliding_keys_land_compact_and_verify_as_one_row_each(tmp_path: Path, spark: Any) -> None:
     from cdcd.node import Node
     from tests.support.delta_lake import wal_batch
 
@@ -441,7 +443,7 @@ def test_colliding_keys_land_compact_and_verify_as_one_row_each(tmp_path: Path) 
     # The real WAL through both row builders: the same buffers.
     compare_row_builders(pack(wal_batch(node_dir).peek_slices()))
 
-    last = _land_compact_verify(tmp_path, node_dir, lake, "first")
+    last = _land_compact_verify(tmp_path, node_dir, lake, "first", spark)
     n_keys = sum(len(items) for items in keys.values()) + 1
     assert last == f"verified: {n_keys:,} keys, OK"
     state = _state(lake)
@@ -464,7 +466,7 @@ def test_colliding_keys_land_compact_and_verify_as_one_row_each(tmp_path: Path) 
         for key in (b"abc", float("inf"), {"$float": "NaN"}, 1.0):
             assert c.remove(key)
         node.cache("floats").put(-0.0, "minus zero")
-    last = _land_compact_verify(tmp_path, node_dir, lake, "second")
+    last = _land_compact_verify(tmp_path, node_dir, lake, "second", spark)
     assert last == f"verified: {n_keys - 4 + 1:,} keys, OK"
     state = _state(lake)
     assert state == _node_state(node_dir)

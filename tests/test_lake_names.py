@@ -22,7 +22,7 @@ from cdcd.sinks.lake import LakeConsumer, LakeOptions
 from tests.support.delta_lake import lake_consumer, wal_batch
 from tests.support.delta_tables import append_changes, change, expected_state, state_rows
 from tests.support.lake import run_to_end, write_config
-from tests.support.procs import cdcd, child_env
+from tests.support.procs import cdcd
 
 NODE_NAMES = ["\0", "nul\0mid", "x" * 255, "é" * 200, "..", "..x", "Orders", "orders", "ORDERS", "plain"]
 """Every hostile name the node accepts (it refuses "/" and "="; those are below, landed by delta-rs)."""
@@ -65,14 +65,14 @@ def dir_names(root: Path) -> set[str]:
 
 
 @pytest.mark.timeout(1500)  # three daemon runs and two compaction JVMs, on a machine shared with other work
-def test_the_daemon_lands_any_cache_name_and_compact_and_verify_succeed(tmp_path: Path) -> None:
+def test_the_daemon_lands_any_cache_name_and_compact_and_verify_succeed(tmp_path: Path, spark: Any) -> None:
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
     config = write_config(tmp_path / "cdcd.toml", node_dir, lake_consumer(lake))
-    env = {**child_env(), "JAVA_TOOL_OPTIONS": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"}
 
     def compact_and_verify() -> None:
-        res = cdcd("lake", "compact", "--lake", str(lake), "--spark-master", "local[1]", env=env, timeout=600)
-        assert res.returncode == 0, res.stderr[-3000:]
+        # The module's session, not `cdcd lake compact`: the command is the same function plus a JVM start
+        # (tests/test_lake.py runs the command end to end).
+        compact(spark, lake)
         res = cdcd("lake", "verify", "--lake", str(lake), "--node-dir", str(node_dir), timeout=300)
         assert res.returncode == 0, res.stdout + res.stderr[-3000:]
         assert res.stdout.splitlines()[-1].endswith("keys, OK"), res.stdout
