@@ -7,6 +7,7 @@ verification fails). docs/cluster.md gives the phases and what each costs."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -88,8 +89,13 @@ def on_signals(stop: threading.Event) -> None:
         stop.set()
         print(f"\n{signal.Signals(signum).name}: stopping in order (again: stop at once)", flush=True)
 
+    def hang_up(signum: int, _frame: object) -> None:
+        # The terminal closed: nobody watches an orderly stop, but nothing may be left running either.
+        raise Abort(signal.Signals(signum).name)
+
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGHUP, hang_up)
 
 
 class Watch:
@@ -270,11 +276,12 @@ def main() -> int:
         print(f"{'OK' if ok else 'verification FAILED'}; stopped in {time.monotonic() - stopping:.0f} s", flush=True)
         return 0 if ok else 1
     except Abort as exc:
-        print(f"{exc}: stopping at once", flush=True)
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            print(f"{exc}: stopping at once", flush=True)
         return 130
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the clean-up below is not interrupted
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # the clean-up below is not interrupted
         for p in [*writers, *daemons]:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)  # the process and what it started (a Spark JVM)
@@ -288,6 +295,7 @@ if __name__ == "__main__":
     code = main()
     # This process's Spark JVM ends with it (its pipe closes); Arrow's and delta-rs' native pools can abort
     # the interpreter's shutdown (see `cdcd lake verify`), so leave without it once the result is printed.
-    sys.stdout.flush()
-    sys.stderr.flush()
+    with contextlib.suppress(OSError):
+        sys.stdout.flush()
+        sys.stderr.flush()
     os._exit(code)

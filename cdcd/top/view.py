@@ -261,7 +261,7 @@ def cluster_table(rows: list[tuple[str, Snapshot, Rates | None]]) -> Table:
     """One row of the main figures per node (``make run-cluster`` on a terminal)."""
     cells = [(name, figures(snap, r)) for name, snap, r in rows]
     columns = list(dict.fromkeys(k for _, f in cells for k in f))
-    table = Table(box=None, padding=(0, 1), header_style="bold")
+    table = Table(box=None, padding=(0, 1), pad_edge=False, header_style="bold")
     table.add_column("node", no_wrap=True)
     for col in columns:
         table.add_column(col, no_wrap=True, overflow="ellipsis")
