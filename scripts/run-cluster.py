@@ -40,8 +40,11 @@ COMPACT_INTERVAL_S = 30
 """node0's daemon compacts on the cluster this often while the load runs: the stop then folds only the
 changes of the last interval, not the whole run."""
 STATUS_EVERY_S = 2.0
-DAEMON_STOP_TIMEOUT_S = 60
+DAEMON_STOP_TIMEOUT_S = 120
+"""node0's daemon may be in a scheduled compaction: its Spark jobs are cancelled, but the typed tables' delta-rs
+commits finish first."""
 CATCH_UP_TIMEOUT_S = 300
+CATCH_UP_REPORT_S = 5.0
 
 
 def node_main(node_dir: str, cache: str, rate: int, stop_file: str, metrics_port: int) -> None:
@@ -73,6 +76,10 @@ def start_node(var: Path, i: int, rate: int, metrics_port: int) -> subprocess.Po
     # Every child runs in a session of its own: the terminal's Ctrl-C reaches only this script, which stops
     # them in order (a node stopped by Ctrl-C mid-load would not archive its last writes).
     return subprocess.Popen(cmd, stdout=log, stderr=log, env=child_env(), start_new_session=True)
+
+
+def show_pos(pos: tuple[int, int, int] | None) -> str:
+    return "-" if pos is None else f"{pos[0]}:{pos[1]}#{pos[2]}"
 
 
 class Abort(Exception):
@@ -246,7 +253,12 @@ def main() -> int:
         for w in writers:
             w.wait(120)
         deadline = time.monotonic() + CATCH_UP_TIMEOUT_S
+        report = time.monotonic() + CATCH_UP_REPORT_S
         while behind := [i for i, (d, c) in enumerate(zip(dirs, configs, strict=True)) if position(c) != caught_up(d)]:
+            if time.monotonic() >= report:
+                report += CATCH_UP_REPORT_S
+                at = {i: (show_pos(position(configs[i])), show_pos(caught_up(dirs[i]))) for i in behind}
+                print("catching up: " + ", ".join(f"node{i} at {a} of {b}" for i, (a, b) in at.items()), flush=True)
             if gone := [i for i in behind if daemons[i].poll() is not None]:
                 print(f"daemon {gone[0]} exited {daemons[gone[0]].returncode}: see {errs[gone[0]]}", flush=True)
                 return 1
@@ -257,7 +269,11 @@ def main() -> int:
         t1 = time.monotonic()
         for p in daemons:  # all at once: each finishes its batch in flight and its consumer in parallel
             p.send_signal(signal.SIGTERM)
-        codes = [p.wait(DAEMON_STOP_TIMEOUT_S) for p in daemons]
+        try:
+            codes = [p.wait(max(0.0, t1 + DAEMON_STOP_TIMEOUT_S - time.monotonic())) for p in daemons]
+        except subprocess.TimeoutExpired:
+            print(f"a daemon did not stop within {DAEMON_STOP_TIMEOUT_S} s of SIGTERM: see {errs}", flush=True)
+            return 1
         t2 = time.monotonic()
         if any(codes):
             print(f"a daemon exited {codes}: see {errs}", flush=True)

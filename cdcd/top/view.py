@@ -260,7 +260,7 @@ def status_line(snap: Snapshot, rates: Rates | None) -> str:
 def cluster_table(rows: list[tuple[str, Snapshot, Rates | None]]) -> Table:
     """One row of the main figures per node (``make run-cluster`` on a terminal)."""
     cells = [(name, figures(snap, r)) for name, snap, r in rows]
-    columns = list(dict.fromkeys(k for _, f in cells for k in f))
+    columns = [k for k in dict.fromkeys(k for _, f in cells for k in f) if k != "problems"] + ["problems"]
     table = Table(box=None, padding=(0, 1), pad_edge=False, header_style="bold")
     table.add_column("node", no_wrap=True)
     for col in columns:
