@@ -123,6 +123,7 @@ def run_demo(*, var: Path, seconds: float, rate: int, spark_master: str, fresh: 
     verified = False
     spark_held = False
     try:
+        click.echo(f"starting: a node in {node_dir}, the daemon, its lake sink into {lake} (a Spark JVM)")
         daemon.start()
         daemon_thread.start()
         load.start()
