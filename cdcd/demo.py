@@ -145,14 +145,15 @@ def run_demo(*, var: Path, seconds: float, rate: int, spark_master: str, fresh: 
                 break
             time.sleep(0.2)
         caught = time.monotonic()
-        # The sink's SparkSession stays up for the compaction (its release would stop it, the next acquire
-        # start it again).
-        spark = spark_session.acquire(spark_master, "cdcd-demo-compact", {})
-        spark_held = True
-        daemon.stop()  # cancels a scheduled compaction in flight: the one below folds its changes too
+        # Cancels a scheduled compaction in flight (the one below folds its changes too) and stops the sink's
+        # SparkSession: a maintenance run that outlived its stop timeout must not write state beside the
+        # compaction below (Delta refuses one of the two commits), so the session is not kept for it.
+        daemon.stop()
         daemon_thread.join()
         daemon.close()
         node.close()
+        spark = spark_session.acquire(spark_master, "cdcd-demo-compact", {})
+        spark_held = True
         phase = time.monotonic()
         click.echo(
             f"caught up in {caught - stopping:.1f} s ({consumer.rows_written:,} rows landed), daemon stopped in "
