@@ -26,7 +26,7 @@ from rich.console import Console  # noqa: E402
 from rich.live import Live  # noqa: E402
 
 from cdcd.daemon.config import load_daemon_config  # noqa: E402
-from cdcd.top.snapshot import Rates, Snapshot, collect, rates  # noqa: E402
+from cdcd.top.snapshot import Rates, Snapshot, collect, metric, rates  # noqa: E402
 from cdcd.top.view import cluster_table, status_line  # noqa: E402
 from tests.support.lake import caught_up, position, write_config  # noqa: E402
 from tests.support.procs import child_env, start_daemon  # noqa: E402
@@ -241,8 +241,9 @@ def main() -> int:
                     if p.poll() is not None:
                         print(f"daemon {i} exited {p.returncode}: see {errs[i]}", flush=True)
                         return 1
-                # After node0's daemon holds the cores: an application registered before it would take them.
-                if not warm.started and position(configs[0]) is not None:
+                # Once node0's daemon has landed rows its executors hold the cores; an application registered
+                # before would take them (its committed position alone is no sign: a fresh daemon starts at one).
+                if not warm.started and metric(rows[0][1].consumer, "cdcd_lake_rows_written_total"):
                     warm.start()
         stopping = time.monotonic()
         if live is not None:
