@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 import structlog
+from rich.console import Console
+from rich.live import Live
 
+from cdcd import metrics
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.lake import spark as spark_session
@@ -23,8 +28,74 @@ from cdcd.node.load import LoadGenerator
 from cdcd.node.node import Node
 from cdcd.node.snapshot import NodeSnapshot
 from cdcd.sinks.lake import LakeConsumer, LakeOptions
+from cdcd.top import DeliverySince
+from cdcd.top.snapshot import Rates, Snapshot, collect, rates, read_registries, running_state
+from cdcd.top.view import render, status_line
 
 log = structlog.get_logger("cdcd.demo")
+
+LIVE_EVERY_S = 1.0
+PLAIN_EVERY_S = 2.0
+"""Without a terminal (CI, a pipe) a line every this often: fewer than a screen needs."""
+
+
+class _Watch:
+    """``cdcd top``'s figures of this process's node and daemon: the full screen on a terminal, else one
+    plain line every ``PLAIN_EVERY_S``. The daemon's state and the metrics are read in process."""
+
+    def __init__(self, node_dir: Path, daemon: Daemon) -> None:
+        self.node_dir = node_dir
+        self.daemon = daemon
+        self.config = daemon.config
+        self.previous: Snapshot | None = None
+        self.last_line = ""
+        self.since = DeliverySince(time.time())
+
+    def _state(self, config: DaemonConfig) -> tuple[dict[str, Any] | None, int | None, str]:
+        return running_state(config, self.daemon.state, "lake"), os.getpid(), "ok"
+
+    def read(self) -> tuple[Snapshot, Rates | None]:
+        snap = collect(
+            self.node_dir,
+            self.config,
+            "",
+            state_reader=self._state,
+            node_metrics=lambda: read_registries(metrics.NODE),
+            daemon_metrics=lambda: read_registries(metrics.DAEMON, metrics.LAKE),
+        )
+        r = rates(self.previous, snap) if self.previous is not None else None
+        self.previous = snap
+        self.last_line = status_line(snap, r)
+        return snap, r
+
+    def run(self, stop: threading.Event, seconds: float) -> float:
+        """Show the figures until ``stop`` is set or ``seconds`` pass (0: no limit); the seconds it ran."""
+        started = time.monotonic()
+
+        def done() -> bool:
+            return stop.is_set() or bool(seconds and time.monotonic() - started >= seconds)
+
+        if not sys.stdout.isatty():
+            while not done():
+                self.read()
+                click.echo(f"{time.monotonic() - started:6.0f}s  {self.last_line}")
+                stop.wait(PLAIN_EVERY_S)
+            return time.monotonic() - started
+        with Live(console=Console(), screen=True, auto_refresh=False, redirect_stderr=False) as live:
+            while not done():
+                snap, r = self.read()
+                view = render(
+                    snap,
+                    r,
+                    node_dir=str(self.node_dir),
+                    since=self.since.see(snap),
+                    interval_ms=int(LIVE_EVERY_S * 1000),
+                    title=f"make run  {time.monotonic() - started:.0f}s",
+                    keys="Ctrl-C: stop, catch up, compact, verify",
+                )
+                live.update(view, refresh=True)
+                stop.wait(LIVE_EVERY_S)
+        return time.monotonic() - started
 
 
 def run_demo(*, var: Path, seconds: float, rate: int, spark_master: str, fresh: bool, stop: threading.Event) -> bool:
@@ -50,28 +121,20 @@ def run_demo(*, var: Path, seconds: float, rate: int, spark_master: str, fresh: 
     loop = asyncio.new_event_loop()
     daemon_thread = threading.Thread(target=loop.run_until_complete, args=(daemon.run(),), name="cdcd-demo-daemon")
     verified = False
+    spark_held = False
     try:
+        click.echo(f"starting: a node in {node_dir}, the daemon, its lake sink into {lake} (a Spark JVM)")
         daemon.start()
         daemon_thread.start()
         load.start()
-        started = time.monotonic()
-        tty = sys.stdout.isatty()
-        while not stop.wait(1.0):
-            elapsed = time.monotonic() - started
-            if seconds and elapsed >= seconds:
-                break
-            pos = daemon.state.position
-            line = (
-                f"{elapsed:6.0f}s  written {load.written:>9,}  landed {consumer.rows_written:>9,}  "
-                f"WAL {node.wal_position}  daemon at {pos or '-'}"
-            )
-            click.echo(("\r" + line) if tty else line, nl=not tty)
-        if tty:
-            click.echo()
+        watch = _Watch(node_dir, daemon)
+        elapsed = watch.run(stop, seconds)
         stopping = time.monotonic()
         load.stop()
         end = node.wal_position
         node.force_archive()
+        watch.read()
+        click.echo(f"{elapsed:.0f}s  {watch.last_line}")
         pos = daemon.state.position
         behind = end.segment + 1 - (pos.segment if pos is not None else 0)
         click.echo(f"stopping: load stopped at WAL {end} ({load.written:,} entries); catching up {behind} segment(s)")
@@ -81,29 +144,36 @@ def run_demo(*, var: Path, seconds: float, rate: int, spark_master: str, fresh: 
             if pos is not None and pos.segment > end.segment - (1 if end.offset == 0 else 0):
                 break
             time.sleep(0.2)
+        caught = time.monotonic()
+        # Cancels a scheduled compaction in flight (the one below folds its changes too) and stops the sink's
+        # SparkSession: a maintenance run that outlived its stop timeout must not write state beside the
+        # compaction below (Delta refuses one of the two commits), so the session is not kept for it.
         daemon.stop()
         daemon_thread.join()
         daemon.close()
         node.close()
-        phase = time.monotonic()
-        click.echo(f"caught up in {phase - stopping:.1f} s ({consumer.rows_written:,} rows landed); compacting {lake}")
         spark = spark_session.acquire(spark_master, "cdcd-demo-compact", {})
+        spark_held = True
+        phase = time.monotonic()
+        click.echo(
+            f"caught up in {caught - stopping:.1f} s ({consumer.rows_written:,} rows landed), daemon stopped in "
+            f"{phase - caught:.1f} s; compacting {lake}"
+        )
         spark.sparkContext.setLogLevel("ERROR")  # Spark's own warnings are not the demo's output
-        try:
-            done = compact(spark, lake)
-            click.echo(
-                f"compacted in {time.monotonic() - phase:.1f} s ({done.keys:,} keys into state and "
-                f"{len(done.tables)} typed table(s)); verifying against the node"
-            )
-            with NodeSnapshot(node_dir) as snapshot:
-                checks = verify(lake, [snapshot])
-            verified = all(c.ok for c in checks)
-            print_show(show(lake))
-            print_verify(checks)
-            print_demo_ending(spark, lake, checks, stopping)
-        finally:
-            spark_session.release()
+        done = compact(spark, lake)
+        click.echo(
+            f"compacted in {time.monotonic() - phase:.1f} s ({done.keys:,} keys into state and "
+            f"{len(done.tables)} typed table(s)); verifying against the node"
+        )
+        with NodeSnapshot(node_dir) as snapshot:
+            checks = verify(lake, [snapshot])
+        verified = all(c.ok for c in checks)
+        print_show(show(lake))
+        print_verify(checks)
+        print_demo_ending(spark, lake, checks, stopping)
     finally:
+        if spark_held:
+            spark_session.release()
         load.stop()
         daemon.stop()
         if daemon_thread.is_alive():

@@ -308,6 +308,9 @@ LAKE_FILES_PER_PARTITION_MAX = Gauge(
     "Delta snapshot the sink holds (brought up to date with the log's new entries)",
     registry=LAKE,
 )
+LAKE_TABLE_VERSION = Gauge(
+    "cdcd_lake_table_version", "Version of the changes table after this sink's last commit", registry=LAKE
+)
 LAKE_GENERATIONS = Counter(
     "cdcd_lake_source_generations_total",
     "New generations started because a source's history diverged from what the lake landed",

@@ -1,6 +1,7 @@
 """`make run` (`cdcd demo`) at a terminal, driven in a tmux pane with real key presses and signals:
 Ctrl-C stops it in announced phases and it verifies (exit 0); kill -TERM starts the same stop and a
-second Ctrl-C ends it at once (exit 130); afterwards none of its processes (the Spark JVM included) runs."""
+second Ctrl-C ends it at once (exit 130); afterwards none of its processes (the Spark JVM included) runs.
+While it runs the pane shows `cdcd top`'s screen of the demo's node and daemon, the lake's figures among them."""
 
 from __future__ import annotations
 
@@ -14,7 +15,26 @@ from tests.support.procs import CDCD, wait_for
 from tests.support.tmux import Pane, alive, descendants
 
 DEADLINE_S = 300.0
-STATUS = re.compile(r"^\s*\d+s\s+written\s+[\d,]+\s+landed\s+[\d,]+\s+WAL ", re.M)
+ROWS_LANDED = re.compile(r'cdcd_lake_rows_written_total\{cache="load"\}\s+[1-9][\d,]*\s')
+TOP_FIGURES = (
+    # node: WAL position and rate, who delivers and since when
+    re.compile(r"WAL position\s+\d+:\d+"),
+    re.compile(r"WAL rate\s+[\d.,]+ \w+/s\s+[\d,]+ entries/s"),
+    re.compile(r"delivering\s+daemon \(since "),
+    # daemon: position, lag, rate, backlog
+    re.compile(r"position\s+\d+:\d+#\d+"),
+    re.compile(r"lag\s+\d+ seg\s+[\d.]+ s"),
+    re.compile(r"rate\s+[\d,]+ events/s"),
+    re.compile(r"backlog\s+\d+ seg"),
+    # the consumer's own: lake version, files per partition, last compaction
+    re.compile(r"cdcd_lake_table_version\s+[1-9]\d*\s"),
+    re.compile(r"cdcd_lake_files_per_partition_max\s+\d+"),
+    re.compile(r"cdcd_lake_lag_seconds\s+[\d.]+"),
+    # retries, stalls, dead letters: none in a clean run
+    re.compile(r"no retries, stalls or dead letters reported"),
+)
+LAST_FIGURES = re.compile(r"^\d+s  WAL \d+:\d+  WAL rate .*  daemon \d+:\d+#\d+  .*  lake v\d+  rows [\d,]+  ", re.M)
+"""The plain line of the same figures the demo leaves above its stop announcements."""
 
 
 def _start(pane: Pane, tmp_path: Path) -> tuple[int, Path, set[int]]:
@@ -26,11 +46,10 @@ def _start(pane: Pane, tmp_path: Path) -> tuple[int, Path, set[int]]:
     pid = pane.run([*CDCD, "demo", "--rate", "1000"], rc_file, cwd=tmp_path)
 
     def landing() -> bool:
-        lines = STATUS.findall(pane.capture(history=True))
-        return bool(lines) and re.search(r"landed\s+[1-9]", pane.last.replace("\r", "\n")) is not None
+        return ROWS_LANDED.search(pane.capture()) is not None
 
     try:
-        wait_for(landing, DEADLINE_S, "the demo's status line with rows landed", interval=0.5)
+        wait_for(landing, DEADLINE_S, "cdcd top's screen with rows landed in the lake", interval=0.5)
     except AssertionError as exc:
         raise AssertionError(f"{exc}; the pane shows:\n{pane.last}") from None
     below = descendants(pid)
@@ -48,6 +67,13 @@ def _exit_code(pane: Pane, rc_file: Path, what: str) -> int:
 
 def test_ctrl_c_stops_in_announced_phases_verifies_and_leaves_nothing_running(pane: Pane, tmp_path: Path) -> None:
     pid, rc_file, below = _start(pane, tmp_path)
+    # The table version counts this sink's commits; one more shows every figure once rows have landed.
+    wait_for(
+        lambda: all(f.search(pane.capture()) for f in TOP_FIGURES), DEADLINE_S, "every figure of top's screen", 0.5
+    )
+    screen = pane.last
+    assert screen.startswith("make run"), screen
+    assert "Ctrl-C: stop, catch up, compact, verify" in screen, screen
     pane.tmux("send-keys", "-t", pane.session, "C-c")
     rc = _exit_code(pane, rc_file, "the demo to finish after Ctrl-C")
     screen = pane.capture(history=True)
@@ -55,6 +81,8 @@ def test_ctrl_c_stops_in_announced_phases_verifies_and_leaves_nothing_running(pa
     lines = [s for line in screen.splitlines() if (s := line.strip()) and not s.startswith("Pane is dead")]
     phases = [line.split(" ")[0] for line in lines if line.startswith(("stopping:", "caught up", "compacted in"))]
     assert phases == ["stopping:", "caught", "compacted"], screen
+    before_stop = lines[lines.index(next(line for line in lines if line.startswith("stopping:"))) - 1]
+    assert LAST_FIGURES.match(before_stop), screen
     assert any(line.startswith("spark.sql> SELECT") for line in lines), screen
     assert re.fullmatch(r"verified: [\d,]+ keys, OK; stopped in \d+ s", lines[-1]), screen
     assert "WARN" not in screen, "Spark's own log lines reached the terminal"

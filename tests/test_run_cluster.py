@@ -6,6 +6,7 @@ what `make run-cluster` shows; docs/cluster.md gives its phases.)"""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -40,12 +41,23 @@ def test_term_then_ctrl_c_stops_everything_at_once(pane: Pane, tmp_path: Path) -
     var = tmp_path / "var"
     rc_file = tmp_path / "rc"
     script = str(ROOT / "scripts" / "run-cluster.py")
+    with pane.conf.open("a") as conf:
+        conf.write("set -g default-size 200x50\n")  # a row per node, a column per figure
     pid = pane.run([sys.executable, script, "--var", str(var), "--rate", "500"], rc_file)
 
     def running() -> bool:
-        return any(line.startswith("[") and "landed to (" in line for line in pane.capture().splitlines())
+        """`cdcd top`'s figures, a row per node: every node writes and a daemon has committed (node0's, which
+        writes through the Spark cluster, can take minutes for its first commit on a busy machine)."""
+        rows = {line.split()[0]: line for line in pane.capture().splitlines() if line.startswith("node")}
+        writing = r"\s+\d+:\d+\s+[\d.]+ \w+/s [\d,]+ entries/s\s+daemon\s+"
+        return all(re.match(f"node{i}{writing}", rows.get(f"node{i}", "")) for i in range(3)) and any(
+            re.match(rf"node{i}{writing}\d+:\d+#\d+\s", rows.get(f"node{i}", "")) for i in range(3)
+        )
 
-    wait_for(running, DEADLINE_S, "the cluster's status lines", interval=1)
+    wait_for(running, DEADLINE_S, "top's figures of the three nodes", interval=1)
+    header = next(line for line in pane.last.splitlines() if line.startswith("node "))
+    for column in ("WAL", "WAL rate", "delivering", "daemon", "lag", "rate", "backlog", "last commit", "problems"):
+        assert f" {column} " in f" {header} ", pane.last
     assert len(_ours(var)) >= 7, "MinIO, three nodes, three daemons at least"
     os.kill(pid, signal.SIGTERM)
     wait_for(lambda: "stopping:" in pane.capture(history=True), DEADLINE_S, "the stop to be announced", interval=0.5)

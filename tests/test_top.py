@@ -303,3 +303,47 @@ def test_rates_from_two_snapshots() -> None:
         104.0, sources={}, status=status, state=state, daemon_pid=None, node_m=None, daemon_m=parse_metrics(text)
     )
     assert rates(new, restarted).daemon_events_per_s == 0.0
+
+
+def test_the_plain_line_and_the_cluster_row_carry_the_same_figures() -> None:
+    """`make run` without a terminal and `make run-cluster` show top's figures from one snapshot: the lake's
+    version, rows, files per partition and last compaction (a clock, not a number), and any problem."""
+    from rich.console import Console
+
+    from cdcd.top.snapshot import build_snapshot, parse_metrics
+    from cdcd.top.view import cluster_table, status_line
+
+    status = {"node_id": "n", "wal_position": "10:500", "cdc": "on", "realtime": {}, "delivering": "daemon"}
+    state = {"mode": "ACTIVE", "position": "8:0#0", "position_parts": [8, 0, 0], "links": 3}
+    text = (
+        "# TYPE cdcd_lake_table_version gauge\ncdcd_lake_table_version 41\n"
+        '# TYPE cdcd_lake_rows_written counter\ncdcd_lake_rows_written_total{cache="a"} 1000\n'
+        'cdcd_lake_rows_written_total{cache="b"} 234\n'
+        "# TYPE cdcd_lake_files_per_partition_max gauge\ncdcd_lake_files_per_partition_max 7\n"
+        "# TYPE cdcd_lake_last_maintenance_timestamp_seconds gauge\n"
+        'cdcd_lake_last_maintenance_timestamp_seconds{task="compact"} 1795720000\n'
+        "# TYPE cdcd_daemon_dead_letters counter\n"
+        'cdcd_daemon_dead_letters_total{cache="a"} 2\n'
+    )
+    snap = build_snapshot(
+        100.0, sources={}, status=status, state=state, daemon_pid=None, node_m=None, daemon_m=parse_metrics(text)
+    )
+    line = status_line(snap, None)
+    for part in (
+        "WAL 10:500",
+        "delivering daemon",
+        "daemon 8:0#0",
+        "lag 2 seg",
+        "backlog 3 seg",
+        "lake v41",
+        "rows 1,234",
+        "files/part 7",
+        "compacted 19:06:40",
+        "problems daemon_dead_letters_total 2",
+    ):
+        assert part in line, line
+    console = Console(width=250, record=True)
+    console.print(cluster_table([("node0", snap, None)]))
+    header, row = console.export_text().splitlines()[:2]
+    assert header.split()[:3] == ["node", "WAL", "WAL"] and header.rstrip().endswith("problems"), header
+    assert row.startswith("node0  10:500") and "v41" in row and "19:06:40" in row, row

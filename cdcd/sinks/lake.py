@@ -346,6 +346,7 @@ class LakeConsumer(Consumer):
                 try:
                     table.refresh()  # the commit's own files in the snapshot (its new log entries read)
                     metrics.LAKE_FILES_PER_PARTITION_MAX.set(table.files_per_partition_max())
+                    metrics.LAKE_TABLE_VERSION.set(table.table.version())
                 except (DeltaError, OSError) as exc:  # landed already: a figure is no reason to send it again
                     log.warning("lake_files_gauge_not_updated", error=describe(exc))
                 return True

@@ -30,7 +30,7 @@ from cdcd.daemon.config import DaemonConfig, load_daemon_config
 from cdcd.top.snapshot import Rates, Snapshot, collect, daemon_lag_segments, rates
 from cdcd.top.view import render, render_once
 
-__all__ = ["snapshot_dict", "top_command"]
+__all__ = ["DeliverySince", "snapshot_dict", "top_command"]
 
 EXIT_BAD_INPUT = 2
 MIN_INTERVAL_MS = 100
@@ -53,7 +53,7 @@ def snapshot_dict(snap: Snapshot, r: Rates | None, node_dir: Path) -> dict[str, 
     }
 
 
-class _DeliverySince:
+class DeliverySince:
     """When the current deliverer was first seen delivering (top watches; the node does not say)."""
 
     def __init__(self, started_unix_s: float) -> None:
@@ -105,7 +105,7 @@ def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def _live(node_dir: Path, config: DaemonConfig, node_metrics: str, interval_ms: int) -> int:
-    since = _DeliverySince(time.time())
+    since = DeliverySince(time.time())
     previous: Snapshot | None = None
     old_handler = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
@@ -168,6 +168,6 @@ def top_command(
     if as_json:
         sys.stdout.write(msgspec.json.encode(snapshot_dict(snap, r, node_dir)).decode() + "\n")
     else:
-        since = _DeliverySince(first.taken_unix_s).see(snap)
+        since = DeliverySince(first.taken_unix_s).see(snap)
         Console().print(render_once(snap, r, node_dir=str(node_dir), since=since, interval_ms=interval_ms))
     return 0

@@ -15,19 +15,22 @@ import os
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import lmdb
 import msgspec
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cdcd.control import request
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.ops import show_state
-from cdcd.daemon_state import StateRefused
+from cdcd.daemon_state import DaemonState, StateRefused
 from cdcd.lock import read_holder_pid
+from cdcd.wal.segment import list_segments
 
 # Prefixes of the consumer's own figures on the daemon's endpoint (lake, Kafka, replication).
 CONSUMER_PREFIXES = ("cdcd_lake_", "cdcd_kafka_", "cdcd_replication_")
@@ -35,6 +38,11 @@ CONSUMER_PREFIXES = ("cdcd_lake_", "cdcd_kafka_", "cdcd_replication_")
 PROBLEM_WORDS = ("retries", "stall", "dead_letter", "refused", "rejected", "conflicts", "aborts")
 SCRAPE_TIMEOUT_S = 2.0
 CONTROL_TIMEOUT_S = 2.0
+
+MetricsReader = Callable[[], tuple[dict[str, float] | None, str]]
+"""One read of an endpoint: its samples (``name{labels}``: value) and ``ok``, or None and why not."""
+StateReader = Callable[[DaemonConfig], tuple[dict[str, Any] | None, int | None, str]]
+"""The daemon's state as ``cdcd state show`` gives it, the daemon's pid, and ``ok`` or why not."""
 
 
 class NodeFigures(msgspec.Struct, frozen=True, kw_only=True):
@@ -182,12 +190,48 @@ def metric(samples: Mapping[str, float] | None, name: str) -> float | None:
     return sum(found) if found else None
 
 
-def collect(node_dir: Path, config: DaemonConfig, node_metrics_address: str) -> Snapshot:
-    """Read the three sources once."""
+def read_registries(*registries: CollectorRegistry) -> tuple[dict[str, float] | None, str]:
+    """What a metrics listener would serve of ``registries``: for a node or daemon in this process."""
+    samples: dict[str, float] = {}
+    for registry in registries:
+        samples.update(parse_metrics(generate_latest(registry).decode()))
+    return samples, "ok"
+
+
+def running_state(config: DaemonConfig, state: DaemonState, consumer_kind: str) -> dict[str, Any]:
+    """What ``read_state`` gives (the keys top reads) for a daemon running in this process: LMDB refuses
+    a second open of an environment in one process, so its state comes from the daemon itself."""
+    links, _ = list_segments(config.cdc_path)
+    pos = state.position
+    return {
+        "fresh": state.commits == 0,
+        "mode": state.mode.value,
+        "position": str(pos) if pos else None,
+        "position_parts": msgspec.to_builtins(pos) if pos else None,
+        "updated": datetime.fromtimestamp(state.updated_ns / 1e9, UTC).isoformat() if state.updated_ns else None,
+        "commits": state.commits,
+        "links": len(links),
+        "first_link": min(links) if links else None,
+        "last_link": max(links) if links else None,
+        "consumer": {"kind": consumer_kind},
+    }
+
+
+def collect(
+    node_dir: Path,
+    config: DaemonConfig,
+    node_metrics_address: str,
+    *,
+    state_reader: StateReader = read_state,
+    node_metrics: MetricsReader | None = None,
+    daemon_metrics: MetricsReader | None = None,
+) -> Snapshot:
+    """Read the three sources once. A node or daemon in this process (``make run``) is read through
+    ``state_reader`` and the metrics readers instead of its LMDB file and its listeners."""
     status, status_src = read_status(node_dir / "control.sock")
-    state, pid, state_src = read_state(config)
-    node_m, node_m_src = scrape(node_metrics_address)
-    daemon_m, daemon_m_src = scrape(config.metrics_address)
+    state, pid, state_src = state_reader(config)
+    node_m, node_m_src = node_metrics() if node_metrics else scrape(node_metrics_address)
+    daemon_m, daemon_m_src = daemon_metrics() if daemon_metrics else scrape(config.metrics_address)
     sources = {
         "control_socket": status_src,
         "daemon_state": state_src,

@@ -14,6 +14,17 @@ from cdcd.top.snapshot import Rates, Snapshot, daemon_lag_segments
 
 MAX_METRIC_ROWS = 12
 """Consumer and problem rows shown at most (the JSON has them all)."""
+FIRST_FIGURES = (
+    "cdcd_lake_table_version",
+    "cdcd_lake_rows_written_total",
+    "cdcd_lake_files_per_partition_max",
+    "cdcd_lake_last_maintenance_timestamp_seconds",
+    "cdcd_lake_lag_seconds",
+    "cdcd_kafka_transactions_total",
+    "cdcd_kafka_sent_events_total",
+    "cdcd_kafka_last_commit_timestamp_seconds",
+)
+"""The consumer's figures shown first, whatever else it exports."""
 
 
 def _clock(unix_s: float | None) -> str:
@@ -98,24 +109,36 @@ def _daemon_panel(snap: Snapshot, rates: Rates | None) -> Panel:
     return Panel(t, title="Daemon")
 
 
+def _first(item: tuple[str, float]) -> tuple[int, str]:
+    """Sort key: the figures ``FIRST_FIGURES`` names first (in that order), then the rest by name."""
+    base = item[0].partition("{")[0]
+    return next((i for i, name in enumerate(FIRST_FIGURES) if base == name), len(FIRST_FIGURES)), item[0]
+
+
+def _value(name: str, value: float) -> str:
+    if name.partition("{")[0].endswith("_timestamp_seconds"):
+        return f"{_clock(value)} UTC" if value else "never"
+    return f"{value:,.6g}"
+
+
 def _metrics_panel(title: str, samples: dict[str, float], empty: str) -> Panel:
     if not samples:
         return Panel(Text(empty, style="dim"), title=title)
     t = Table.grid(padding=(0, 2))
     t.add_column(overflow="ellipsis", no_wrap=True)
     t.add_column(justify="right", no_wrap=True)
-    rows = sorted(samples.items())
+    rows = sorted(samples.items(), key=_first)
     for name, value in rows[:MAX_METRIC_ROWS]:
-        t.add_row(name, f"{value:,.6g}", style="red" if title == "Problems" and value else None)
+        t.add_row(name, _value(name, value), style="red" if title == "Problems" and value else None)
     if len(rows) > MAX_METRIC_ROWS:
         t.add_row(f"... {len(rows) - MAX_METRIC_ROWS} more (--once --json shows all)", "")
     return Panel(t, title=title)
 
 
-def _header(snap: Snapshot, node_dir: str, interval_ms: int) -> Text:
+def _header(snap: Snapshot, node_dir: str, interval_ms: int, title: str, keys: str) -> Text:
     text = Text()
-    text.append("cdcd top", style="bold")
-    text.append(f"  {node_dir}  {_clock(snap.taken_unix_s)} UTC  every {interval_ms} ms  q: quit\n")
+    text.append(title, style="bold")
+    text.append(f"  {node_dir}  {_clock(snap.taken_unix_s)} UTC  every {interval_ms} ms  {keys}\n")
     for name, state in snap.sources.items():
         style = "green" if state == "ok" else "dim" if state == "off" else "yellow"
         text.append(f"{name}: ", style="bold")
@@ -155,11 +178,11 @@ class _Screen:
 
 
 def _panels(
-    snap: Snapshot, rates: Rates | None, node_dir: str, since: str, interval_ms: int
+    snap: Snapshot, rates: Rates | None, node_dir: str, since: str, interval_ms: int, *, title: str, keys: str
 ) -> tuple[Text, Panel, Panel, Panel, Panel]:
     """Header, node, daemon, consumer and problems: what both forms of the screen show."""
     return (
-        _header(snap, node_dir, interval_ms),
+        _header(snap, node_dir, interval_ms, title, keys),
         _node_panel(snap, rates, since),
         _daemon_panel(snap, rates),
         _metrics_panel("Consumer", snap.consumer, "no consumer metrics (daemon_metrics above)"),
@@ -167,11 +190,82 @@ def _panels(
     )
 
 
-def render(snap: Snapshot, rates: Rates | None, *, node_dir: str, since: str, interval_ms: int) -> RenderableType:
-    """The whole screen. ``since``: when the current deliverer was first seen delivering."""
-    return _Screen(*_panels(snap, rates, node_dir, since, interval_ms))
+def render(
+    snap: Snapshot,
+    rates: Rates | None,
+    *,
+    node_dir: str,
+    since: str,
+    interval_ms: int,
+    title: str = "cdcd top",
+    keys: str = "q: quit",
+) -> RenderableType:
+    """The whole screen. ``since``: when the current deliverer was first seen delivering; ``title`` and
+    ``keys`` head it (``make run`` shows the same screen under its own name)."""
+    return _Screen(*_panels(snap, rates, node_dir, since, interval_ms, title=title, keys=keys))
 
 
 def render_once(snap: Snapshot, rates: Rates | None, *, node_dir: str, since: str, interval_ms: int) -> Group:
     """The same panels stacked, for a plain-text print (no full-screen layout to fill)."""
-    return Group(*_panels(snap, rates, node_dir, since, interval_ms))
+    return Group(*_panels(snap, rates, node_dir, since, interval_ms, title="cdcd top", keys="q: quit"))
+
+
+# --- one line of the same figures (make run and make run-cluster when stdout is not a terminal) ------
+def _problems_text(problems: dict[str, float]) -> str:
+    if not problems:
+        return "none"
+    return ", ".join(f"{k.partition('{')[0].removeprefix('cdcd_')} {v:,.6g}" for k, v in sorted(problems.items()))
+
+
+def figures(snap: Snapshot, rates: Rates | None) -> dict[str, str]:
+    """The view's main figures as short texts, column by column: ``status_line`` and ``cluster_table``."""
+    n, d, c = snap.node, snap.daemon, snap.consumer
+    out: dict[str, str] = {}
+    if n is None:
+        out["WAL"] = "node not answering"
+    else:
+        out["WAL"] = n.wal_position
+        out["WAL rate"] = (
+            f"{_bytes(rates.wal_bytes_per_s if rates else None, per_s=True)} "
+            f"{_num(rates.node_entries_per_s if rates else None, ' entries/s')}"
+        )
+        out["delivering"] = n.delivering + ("" if n.cdc == "on" else f" (cdc {n.cdc})")
+    if d is None:
+        out["daemon"] = "state unreadable"
+    else:
+        out["daemon"] = d.position or "-"
+        out["lag"] = f"{_num(daemon_lag_segments(snap), ' seg')} {_num(d.lag_seconds, ' s', 1)}"
+        out["rate"] = _num(rates.daemon_events_per_s if rates else None, " events/s")
+        out["backlog"] = f"{d.backlog_segments} seg"
+        out["last commit"] = _clock(d.last_commit_unix_s or None)  # 0: none yet
+    lake_keys = [k for k in c if k.startswith("cdcd_lake_")]
+    if lake_keys:
+        compacted = c.get('cdcd_lake_last_maintenance_timestamp_seconds{task="compact"}')
+        out["lake"] = f"v{_num(c.get('cdcd_lake_table_version'))}"
+        out["rows"] = _num(sum(v for k, v in c.items() if k.startswith("cdcd_lake_rows_written_total")))
+        out["files/part"] = _num(c.get("cdcd_lake_files_per_partition_max"))
+        out["compacted"] = _clock(compacted) if compacted else "not yet"
+    elif "cdcd_kafka_transactions_total" in c:
+        out["kafka txns"] = _num(c["cdcd_kafka_transactions_total"])
+        out["sent"] = _num(sum(v for k, v in c.items() if k.startswith("cdcd_kafka_sent_events_total")))
+    out["problems"] = _problems_text(snap.problems)
+    return out
+
+
+def status_line(snap: Snapshot, rates: Rates | None) -> str:
+    """The main figures on one plain line (no colours, no panels)."""
+    return "  ".join(f"{k} {v}" for k, v in figures(snap, rates).items())
+
+
+def cluster_table(rows: list[tuple[str, Snapshot, Rates | None]]) -> Table:
+    """One row of the main figures per node (``make run-cluster`` on a terminal)."""
+    cells = [(name, figures(snap, r)) for name, snap, r in rows]
+    columns = [k for k in dict.fromkeys(k for _, f in cells for k in f) if k != "problems"] + ["problems"]
+    table = Table(box=None, padding=(0, 1), pad_edge=False, header_style="bold")
+    table.add_column("node", no_wrap=True)
+    for col in columns:
+        table.add_column(col, no_wrap=True, overflow="ellipsis")
+    for name, f in cells:
+        row = [Text(f.get(col, ""), style="red" if col == "problems" and f[col] != "none" else "") for col in columns]
+        table.add_row(name, *row)
+    return table
