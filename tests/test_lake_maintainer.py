@@ -235,3 +235,43 @@ def test_a_table_created_by_a_neighbour_meanwhile_is_a_conflict(tmp_path: Path) 
     assert not is_conflict(error), "a stray directory is a real failure"
     (state / "_delta_log").mkdir()
     assert is_conflict(error)
+
+
+def test_stop_also_cancels_a_spark_job_the_run_starts_after_the_stop(spark: Any, tmp_path: Path) -> None:
+    """A compaction caught between Spark jobs (planning, or its delta-rs part) when stop() comes submits its
+    next job after the cancel; stop() cancels again until the run ends, so it returns, not waits for that job
+    (one that would never end here) until its timeout."""
+    import threading
+
+    from py4j.protocol import Py4JJavaError
+
+    began = threading.Event()
+    finished: list[str] = []
+    maintainer: list[Maintainer] = []
+
+    def compact_then_an_endless_job(session: Any, _lake: Any) -> Any:
+        began.set()
+        maintainer[0]._stop.wait()  # stop() has been called (and has cancelled what ran): the next job starts
+        try:
+            session.range(0, 1 << 62, numPartitions=2).selectExpr("sum(id % 7)").collect()
+        except Py4JJavaError as exc:
+            finished.append("cancelled" if "cancel" in str(exc).lower() else f"failed: {exc}")
+            raise
+        finished.append("completed")
+        raise AssertionError("an endless job completed")
+
+    m = Maintainer(
+        tmp_path / "lake",
+        spark,
+        MaintainerOptions(compact_interval_s=0.05, optimize_interval_s=0, max_consecutive_failures=1),
+        compact_fn=compact_then_an_endless_job,
+    )
+    maintainer.append(m)
+    m.start()
+    try:
+        assert began.wait(DEADLINE_S), "the scheduled compaction never began"
+        m.stop(timeout_s=DEADLINE_S)
+    finally:
+        spark.sparkContext.cancelAllJobs()  # whatever happened, no endless job outlives the test
+    assert finished == ["cancelled"]
+    assert m.alive() and m.failures == 0, "a run cancelled by stop() is not a failure"

@@ -55,6 +55,8 @@ CONFLICTS = (
 text) and delta-rs' ``CommitFailedError``. Another writer committed first; the run can be redone."""
 
 CONFLICT_BACKOFF = Backoff(initial_ms=500, max_ms=30_000, jitter=0.5)
+CANCEL_REPEAT_S = 0.5
+"""How often ``stop`` cancels the maintenance job group again while the run winds down."""
 """Between a lost run and its retry: jittered, so that two daemons do not collide again in step."""
 
 
@@ -143,11 +145,15 @@ class Maintainer:
         thread = self._thread
         if thread is None or not thread.is_alive():
             return
-        try:
-            self._spark.sparkContext.cancelJobGroup(self._group)
-        except Exception:  # the session may already be stopped by its owner
-            log.debug("lake_maintainer_cancel_failed", exc_info=True)
-        thread.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        # Again and again: a cancel ends only the jobs running at that moment, and a compaction caught
+        # planning (or in its delta-rs part) would start its next Spark job after a single one.
+        while thread.is_alive() and (left_s := deadline - time.monotonic()) > 0:
+            try:
+                self._spark.sparkContext.cancelJobGroup(self._group)
+            except Exception:  # the session may already be stopped by its owner
+                log.debug("lake_maintainer_cancel_failed", exc_info=True)
+            thread.join(min(left_s, CANCEL_REPEAT_S))
         if thread.is_alive():
             raise TimeoutError(f"lake maintainer did not stop within {timeout_s:g} s")
 
