@@ -23,7 +23,7 @@ import lmdb
 import pytest
 
 from tests.support.config import jsonl_consumer, write_daemon_config
-from tests.support.procs import committed, start_daemon, stop_daemon, wait_for
+from tests.support.procs import committed, start_daemon, stop_daemon, wait_for, wait_progress
 from tests.support.wal import archived_segments, cdc_links, wal_events
 from tests.support.writer import CACHES, expected_final_state, start_writer, writer_count
 
@@ -79,8 +79,9 @@ def test_daemon_sigkill_loop_delivers_everything_in_order(tmp_path: Path) -> Non
         wait_for(
             lambda: proc.poll() is not None or b"daemon_started" in err.read_bytes(), 60, "the final daemon to start"
         )
-        wait_for(
-            lambda: proc.poll() is not None or committed_while_running(config) == (last + 1, 0, 0),
+        wait_progress(
+            lambda: "exited" if proc.poll() is not None else committed_while_running(config),
+            lambda pos: pos in ("exited", (last + 1, 0, 0)),
             60,
             f"the final daemon to commit {last + 1}:0#0",
         )

@@ -115,6 +115,22 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float
         time.sleep(interval)
 
 
+def wait_progress(
+    progress: Callable[[], Any], done: Callable[[Any], bool], stall_s: float, what: str, interval: float = 0.2
+) -> Any:
+    """Poll ``progress()`` until ``done`` says so; fail only when it stops changing for ``stall_s``. A catch-up
+    on a machine busy with other work takes as long as it takes, but one that stands still is a bug."""
+    last, since = progress(), time.monotonic()
+    while not done(last):
+        time.sleep(interval)
+        now = progress()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since > stall_s:
+            raise AssertionError(f"no progress for {stall_s}s (at {last!r}) waiting for {what}")
+    return last
+
+
 def log_events(stderr_path: Path) -> list[dict[str, Any]]:
     """The JSON log lines of a daemon's stderr (the final ``cdcd: error:`` line is not JSON)."""
     out = []
