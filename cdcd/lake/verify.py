@@ -15,6 +15,7 @@ several nodes with different values shows it; such a cache is not OK, and one
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,9 +98,9 @@ def verify(lake: LakeDir, nodes: list[Any]) -> list[CacheCheck]:
             continue
         entries = {(key_to_json(k), to_json(v)) for node in holders for k, v in node.raw_items(cache)}
         node_sums[cache] = (len(entries), sum(row_hash(k, v) for k, v in entries) & _MASK)
-        keys = len({k for k, _ in entries})
-        if keys < len(entries):
-            conflicts[cache] = len(entries) - keys
+        values_per_key = Counter(k for k, _ in entries)
+        if len(values_per_key) < len(entries):
+            conflicts[cache] = sum(n > 1 for n in values_per_key.values())
             log.warning(
                 "lake_verify_conflicting_nodes",
                 cache=cache,
