@@ -9,8 +9,10 @@ positions are passed all the same; they are never announced);
 ``DeliveryLoop`` hands one batch to a consumer (Ignite's loop): each side passes its consumer
 call, its ``commit(cursor)``, its stop check and its retry wait. It is also the one place where a
 consumer's ``RetriableError`` is waited out, for every sink: the same events again, with backoff,
-for up to the consumer's ``retry_timeout_s``; and where a ``RefusedEvent`` splits the batch: the
-events before it, the refused one to the dead letters, the events after it.
+for up to the consumer's ``retry_timeout_s``; the cache calls (``on_cache_change``,
+``on_cache_drop``) go through the same policy (``DeliveryLoop.cache_call``); and where a
+``RefusedEvent`` splits the batch: the events before it, the refused one to the dead letters, the
+events after it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import structlog
 
@@ -39,6 +42,8 @@ from cdcd.wal.pointer import EventAddress, WalPointer, WalPosition
 from cdcd.wal.records import CacheInfo, CacheOp, CacheRecord, DataRecord, Record, SegmentEnd
 
 log = structlog.get_logger("cdcd.delivery")
+
+T = TypeVar("T")
 
 _cache_id = operator.attrgetter("cache_id")
 
@@ -282,7 +287,11 @@ class DeliveryLoop:
     it, and the events after it follow. A ``dead_letter`` that runs again for the same event (a
     crash before that commit) must not set it aside twice. No ``dead_letter`` (dead letters off):
     the events before it are delivered all the same, then ``EventRefused``, one line naming the
-    position (the side fails)."""
+    position (the side fails).
+
+    ``cache_call`` runs a consumer's cache call under the same retry policy (its own retry steps,
+    lines and ``on_retry``), so that a cache created or dropped during an outage waits it out as a
+    batch does."""
 
     def __init__(
         self,
@@ -414,21 +423,40 @@ class DeliveryLoop:
             return self.on_events(given)
 
         try:
-            ok = retry_until(
-                attempt,
-                self.retry_timeout_s,
-                RETRY_BACKOFF,
-                retriable=(RetriableError,),
-                wait=self.pause,
-                on_retry=self._retrying,
-            )
+            ok = self._retried("on_events", attempt)
         except RetryInterrupted:
             return None
         return ok, given
 
-    def _retrying(self, retry: Retry) -> None:
+    def cache_call(self, what: str, call: Callable[[], object]) -> bool:
+        """``call()``, the consumer's cache call ``what`` (``on_cache_drop``, ...), with a
+        ``RetriableError`` waited out as for a batch; False: stopping cut the retries short (the call
+        did not succeed: the side must not move its position past it). Still failing after
+        ``retry_timeout_s``: ``RetriesExhausted``."""
+        failpoints.hit(f"delivery.{what}")  # a test stops the target here, before the first attempt
+        try:
+            self._retried(what, call)
+        except RetryInterrupted:
+            return False
+        return True
+
+    def _retried(self, what: str, call: Callable[[], T]) -> T:
+        def retrying(retry: Retry) -> None:
+            self._retrying(what, retry)
+
+        return retry_until(
+            call,
+            self.retry_timeout_s,
+            RETRY_BACKOFF,
+            retriable=(RetriableError,),
+            wait=self.pause,
+            on_retry=retrying,
+        )
+
+    def _retrying(self, what: str, retry: Retry) -> None:
         log.warning(
             "consumer_retrying",
+            call=what,
             error=describe(retry.error),
             attempt=retry.attempt,
             retry_in_s=round(retry.retry_in_s, 3),

@@ -221,6 +221,9 @@ DAEMON_MODE_SWITCHES = Counter(
     "cdcd_daemon_mode_switches_total", "Hand-overs (node_to_daemon, daemon_to_node)", ["direction"], registry=DAEMON
 )
 DAEMON_LINKS_DELETED = Counter("cdcd_daemon_links_deleted_total", "Consumed segment links deleted", registry=DAEMON)
+DAEMON_WAITING_FOR_NODE = Gauge(
+    "cdcd_daemon_waiting_for_node", "1 while the daemon waits for its node's directories to appear", registry=DAEMON
+)
 
 # --- node: realtime CDC -------------------------------------------------------------------------------
 RT_MODE = Gauge("cdcd_node_realtime_mode", "1 for the realtime worker's current mode", ["mode"], registry=NODE)

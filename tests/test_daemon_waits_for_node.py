@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+from tests.support.chaos import free_port, scrape
 from tests.support.config import jsonl_consumer, write_daemon_config
 from tests.support.procs import child_env, reap, wait_for
 from tests.support.wal import read_jsonl, wal_events
@@ -110,3 +111,48 @@ def test_sigterm_while_waiting_for_the_node_exits_0_promptly(tmp_path: Path) -> 
         notify.close()
     assert "Traceback" not in err.read_text()
     assert not node_dir.exists() and not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_waiting_daemon_serves_its_metrics_saying_so(tmp_path: Path) -> None:
+    """While it waits for a node dir that does not exist, `cdcd run` answers on its metrics_address with
+    cdcd_daemon_waiting_for_node 1 (and systemd's status says so); once the node appears the gauge is 0 and the
+    same endpoint counts the delivered events."""
+    node_dir, out, err = tmp_path / "node", tmp_path / "events.jsonl", tmp_path / "daemon.err"
+    port = free_port()
+    config = write_daemon_config(
+        tmp_path / "cdcd.toml", node_dir, jsonl_consumer(out), metrics_address=f"127.0.0.1:{port}"
+    )
+    notify = NotifySocket(tmp_path / "notify.sock")
+    proc = start(config, err, notify)
+
+    def samples() -> dict[str, list[tuple[dict[str, str], float]]] | None:
+        try:
+            return scrape(port)
+        except OSError:
+            return None
+
+    try:
+        wait_for(lambda: samples() is not None or proc.poll() is not None, 60, "the metrics endpoint")
+        assert proc.poll() is None, err.read_text()
+        waiting = samples()
+        assert waiting is not None and waiting["cdcd_daemon_waiting_for_node"] == [({}, 1.0)]
+        assert "waiting_for_node" in events(err) and not node_dir.exists()
+        assert f"STATUS=waiting for node dir {node_dir}" in notify.messages[0]
+
+        make_node(node_dir, segments=2, tx_per_segment=20)
+        expected = wal_events(node_dir)
+
+        def counted() -> float:
+            m = samples() or {}
+            return sum(v for _, v in m.get("cdcd_daemon_events_total", []))
+
+        wait_for(lambda: proc.poll() is not None or counted() >= len(expected), 120, "every event counted")
+        assert proc.poll() is None, err.read_text()[-3000:]
+        going = samples()
+        assert going is not None and going["cdcd_daemon_waiting_for_node"] == [({}, 0.0)]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, err.read_text()[-3000:]
+    finally:
+        reap(proc)
+        notify.close()
+    assert read_jsonl(out) == expected, "every event once, in WAL order"

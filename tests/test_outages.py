@@ -24,6 +24,7 @@ from tests.support.procs import child_env, log_events, start_daemon, stop_daemon
 from tests.support.servers import MINIO_BIN, MINIO_PASSWORD, MINIO_USER, MinioServer
 from tests.support.wal import wal_events
 from tests.support.writer import start_writer, writer_count
+from tests.test_cache_drop import write_scenario
 
 __all__ = ["kafka_broker"]  # the fixture, used by name
 
@@ -171,3 +172,74 @@ def test_a_30s_broker_outage_is_ridden_out(kafka_broker: Broker, tmp_path: Path)
     )
     print(f"\nbroker outage {outage_s:.1f} s: {retries} retry steps during it ({total_retries} in all), ", end="")
     print(f"{len(events)} entries sent once")
+
+
+def test_a_broker_outage_during_a_cache_drop_is_ridden_out(kafka_broker: Broker, tmp_path: Path) -> None:
+    """The broker stopped just as the daemon hands a cache drop to the Kafka sink (a failpoint holds it there):
+    the drop's truncate is retried like a batch (consumer_retrying lines naming on_cache_drop, the retries
+    counter), the daemon never exits, and once the broker is back each partition of the cache's topic holds
+    every change of the cache once and one truncate ``t`` at the DESTROY record, between the changes before
+    and after it."""
+    node_dir = tmp_path / "node"
+    drop = write_scenario(node_dir)
+    consumer = {
+        "kind": "kafka",
+        "bootstrap_servers": kafka_broker.bootstrap,
+        "topic_prefix": "po",
+        "topic_partitions": 2,
+        "transaction_timeout_ms": 10_000,
+        "request_timeout_ms": 5000,
+    }
+    port = free_port()
+    config = write_config(tmp_path / "cdcd.toml", node_dir, consumer, metrics_address=f"127.0.0.1:{port}")
+    held = tmp_path / "failpoints"
+    held.mkdir()
+    env = {**child_env(), "CDCD_FAILPOINTS": "delivery.on_cache_drop=pause", "CDCD_FAILPOINTS_DIR": str(held)}
+    err = tmp_path / "daemon.err"
+    proc = start_daemon(config, err, env=env)
+    try:
+        wait_for(lambda: proc.poll() is not None or (held / "delivery.on_cache_drop").exists(), 120, "the drop")
+        assert proc.poll() is None, err.read_text()[-3000:]
+        kafka_broker.stop()
+        (held / "delivery.on_cache_drop").unlink()  # the drop goes to the sink with the broker away
+        t0 = time.monotonic()
+
+        def retried() -> int:
+            return sum(e["event"] == "consumer_retrying" for e in log_events(err))
+
+        wait_for(lambda: proc.poll() is not None or retried() >= 3, OUTAGE_S + 60, "3 retry steps of the drop")
+        assert proc.poll() is None, f"the daemon exited during the outage:\n{err.read_text()[-3000:]}"
+        retries = int(scrape(port)["cdcd_daemon_consumer_retries_total"][0][1])
+        kafka_broker.start()
+        outage_s = time.monotonic() - t0
+        until = caught_up(node_dir)
+        wait_for(lambda: proc.poll() is not None or position(config) == until, 180, f"the daemon to send {until}", 0.25)
+        assert proc.poll() is None, err.read_text()[-3000:]
+    finally:
+        rc = stop_daemon(proc, timeout=60)
+    assert rc == 0, err.read_text()[-3000:]
+    steps = [e for e in log_events(err) if e["event"] == "consumer_retrying"]
+    assert retries >= 3 and len(steps) >= retries, (retries, len(steps))
+    assert {e["call"] for e in steps} == {"on_cache_drop"}, steps
+    assert all(f"Kafka at {kafka_broker.bootstrap}" in e["error"] and "\n" not in e["error"] for e in steps), steps[0]
+
+    expected = [tuple(e["pos"]) for e in wal_events(node_dir) if e["cache"] == "c"]
+    parts = read_topic(kafka_broker.bootstrap, "po.c")
+    assert sorted(parts) == [0, 1]
+    for msgs in parts.values():
+        values = [json.loads(m.value()) for m in msgs if m.value() is not None]
+        here = [(v["source"]["segment"], v["source"]["offset"], v["source"]["entry_index"]) for v in values]
+        ops = [v["op"] for v in values]
+        assert ops.count("t") == 1, ops
+        t = ops.index("t")
+        assert here[t] == (drop.segment, drop.offset, 0)
+        assert here[:t] == sorted(here[:t]) and here[t + 1 :] == sorted(here[t + 1 :])
+        assert all(p < here[t] for p in here[:t]) and all(p > here[t] for p in here[t + 1 :])
+    changes = sorted(p for msgs in parts.values() for v in msgs if v.value() is not None for p in [_source(v)])
+    assert [p for p in changes if p[2] >= 0 and p != (drop.segment, drop.offset, 0)] == expected
+    print(f"\nbroker outage during a drop {outage_s:.1f} s: {retries} retry steps of on_cache_drop, drop landed once")
+
+
+def _source(msg: Any) -> tuple[int, int, int]:
+    src = json.loads(msg.value())["source"]
+    return (src["segment"], src["offset"], src["entry_index"])

@@ -117,11 +117,19 @@ def daemon_run(config_path: Path, log_format: str | None) -> None:
             os._exit(code)
 
     try:
-        # A node not there yet is waited for (a library caller of Daemon.start() gets FileNotFoundError).
-        if not wait_for_node(Path(config.node_dir), daemon.cdc_dir, Notifier(), stopped):
+        # A node not there yet is waited for (a library caller of Daemon.start() gets FileNotFoundError),
+        # with the metrics served meanwhile; otherwise they are served once the daemon holds its lock.
+        served: list[bool] = []
+
+        def serve() -> None:
+            serve_metrics(config.metrics_address, config_path)
+            served.append(True)
+
+        if not wait_for_node(Path(config.node_dir), daemon.cdc_dir, Notifier(), stopped, serve=serve):
             return
         daemon.start()
-        serve_metrics(config.metrics_address, config_path)
+        if not served:
+            serve()
         asyncio.run(main_async())
     except LockHeld as exc:
         fatal(exc, "another cdcd daemon runs for this node", "daemon_locked")

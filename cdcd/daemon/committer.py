@@ -108,7 +108,7 @@ class Committer:
         try:
             return fn(*args)  # type: ignore[operator]
         except RetriableError:
-            raise  # waited out by the delivery loop
+            raise  # waited out by the delivery loop (batches and cache calls alike)
         except RefusedEvent as exc:
             if what == "on_events()":
                 raise  # the delivery loop sets the event aside (or fails naming it)
@@ -116,9 +116,9 @@ class Committer:
         except Exception as exc:
             raise ConsumerFailed(f"consumer {what} raised {describe(exc)}") from exc
 
-    def _gave_up(self, exc: RetriesExhausted) -> ConsumerFailed:
+    def _gave_up(self, exc: RetriesExhausted, what: str = "on_events()") -> ConsumerFailed:
         return ConsumerFailed(
-            f"consumer on_events() failing for {exc.failing_for_s:.1f} s over {exc.attempts} attempt(s) "
+            f"consumer {what} failing for {exc.failing_for_s:.1f} s over {exc.attempts} attempt(s) "
             f"(retry_timeout_s = {self.retry_timeout_s:g}): {describe(exc.last)}"
         )
 
@@ -174,19 +174,36 @@ class Committer:
         for code, count in zip(values.tolist(), counts.tolist(), strict=True):
             metrics.DAEMON_EVENTS.labels(events.cache_name(code // 4), _OPS[code % 4]).inc(count)
 
+    def _cache_call(self, what: str, fn: object, arg: object) -> bool:
+        """The consumer's cache call under the delivery loop's retry policy; False: the daemon is
+        stopping (the call did not succeed, nothing of it may be committed)."""
+        try:
+            return self.loop.cache_call(what.removesuffix("()"), lambda: self._call(what, fn, arg))
+        except RetriesExhausted as exc:
+            raise self._gave_up(exc, what) from exc.last
+
+    def announce(self, caches: list[CacheInfo]) -> None:
+        """At start: tell the consumer of the caches the registry knows (retried as any cache call; a
+        stop meanwhile leaves it to the next start, which announces them again)."""
+        if caches:
+            self._cache_call("on_cache_change()", self.consumer.on_cache_change, caches)
+
     def _cache_change(self, item: CacheChange) -> None:
         if item.created:
-            if not item.quiet:
-                self._call("on_cache_change()", self.consumer.on_cache_change, item.created)
+            created = item.quiet or self._cache_call("on_cache_change()", self.consumer.on_cache_change, item.created)
+            if not created:
+                return
             for info in item.created:
                 self.caches[info.cache_id] = info
                 self._pending_caches[info.cache_id] = info
                 log.info("cache_seen", cache=info.name, cache_id=info.cache_id)
         if item.destroyed:
             if item.drops:
-                self._call("on_cache_drop()", self.consumer.on_cache_drop, item.drops)
+                called = self._cache_call("on_cache_drop()", self.consumer.on_cache_drop, item.drops)
             else:
-                self._call("on_cache_destroy()", self.consumer.on_cache_destroy, item.destroyed)
+                called = self._cache_call("on_cache_destroy()", self.consumer.on_cache_destroy, item.destroyed)
+            if not called:
+                return
             for cache_id in item.destroyed:
                 self.caches.pop(cache_id, None)
                 self._pending_caches.pop(cache_id, None)

@@ -144,15 +144,13 @@ class Daemon:
             try:
                 self.consumer.start(REGISTRY)
                 self._consumer_started = True
-                announced = [info for info in caches.values() if info.config.cdc_enabled and self.selected(info.name)]
-                if announced:
-                    self.consumer.on_cache_change(announced)
             except Exception as exc:
                 raise ConsumerFailed(f"consumer start() raised {describe(exc)}") from exc
             retrying = functools.partial(self._watch.touch, "consumer")  # a retry step is not a stall
             self._committer = Committer(
                 self._store, state, caches, self.consumer, self.cdc_dir, stopping=self._stopping, retrying=retrying
             )
+            self._committer.announce([i for i in caches.values() if i.config.cdc_enabled and self.selected(i.name)])
             self._started = True
             log.info(
                 "daemon_started",

@@ -165,9 +165,16 @@ class KafkaSink(Consumer):
                 partition=0,
                 on_delivery=delivered,
             )
-        left = p.flush(max(self.retry_timeout_s, 1.0))
-        if errors or left:
-            reason = f"{errors[0].name()}: {errors[0].str()}" if errors else f"{left} records not confirmed"
+        # Bounded as a transaction is: a broker away for longer is waited out by the delivery loop's
+        # retries (a re-send of a queued record is harmless: the topic keeps the last per key).
+        left = p.flush(self.options.transaction_timeout_ms / 1000)
+        if left and not errors:
+            raise RetriableError(
+                f"{self.source}: Kafka at {self.options.bootstrap_servers}: {left} metadata records not confirmed "
+                f"within transaction_timeout_ms = {self.options.transaction_timeout_ms}"
+            )
+        if errors:
+            reason = f"{errors[0].name()}: {errors[0].str()}"
             self._alive = False
             raise ConnectionError(
                 f"{self.source}: key 'metadata_topic': cannot write to {self.options.metadata_topic_name}: {reason}"
@@ -231,8 +238,8 @@ class KafkaSink(Consumer):
                 self._tx_open = False
             except (KafkaException, TimeoutError, BufferError) as exc:
                 self._drop_producer()
-                # No retry loop around cache changes: the daemon exits (4); its next run sends it again.
-                raise ConnectionError(
+                # The delivery loop offers the drop again (the stored position skips a truncate that landed).
+                raise RetriableError(
                     f"{self.source}: Kafka at {self.options.bootstrap_servers}: truncate of cache {drop.name!r}: "
                     f"{describe(exc)}"
                 ) from None

@@ -2,18 +2,31 @@
 order-independent checksum), read with delta-rs (no JVM), after ``cdcd lake check``'s checks of
 both tables (a damaged lake raises DamagedLake: one line naming the file). The node's entries are
 hashed as the lake writes them: keys as key text (one per key: two node keys never count once),
-values as value text."""
+values as value text.
+
+Several nodes are taken as one cluster's: a key lives on its primary and backups, with the same
+value on each, and the lake's ``state`` is the union of their entries. Nodes that wrote the same
+keys independently (two clusters landing into one lake under the same cache names) leave a
+``state`` holding, per key, the change of highest version of either, and a key one of them removed
+later is gone: no comparison with the nodes' entries can say whether that is right. A key live on
+several nodes with different values shows it; such a cache is not OK, and one
+``lake_verify_conflicting_nodes`` warning names it."""
 
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
+
+import structlog
 
 from cdcd.lake.arrow import key_to_json, to_json
 from cdcd.lake.check import require_sound
 from cdcd.lake.storage import LakeDir, is_delta, open_delta
 from cdcd.lake.table import STATE
+
+log = structlog.get_logger("cdcd.lake")
 
 _MASK = (1 << 64) - 1
 
@@ -30,10 +43,14 @@ class CacheCheck:
     lake_rows: int
     node_checksum: int
     lake_checksum: int
+    conflicting_keys: int = 0
+    """Keys live on several of the nodes with different values (not one cluster's copies)."""
 
     @property
     def ok(self) -> bool:
-        return self.node_rows == self.lake_rows and self.node_checksum == self.lake_checksum
+        return (
+            self.node_rows == self.lake_rows and self.node_checksum == self.lake_checksum and not self.conflicting_keys
+        )
 
 
 def lake_checksums(lake: LakeDir) -> dict[str, tuple[int, int]]:
@@ -72,6 +89,7 @@ def verify(lake: LakeDir, nodes: list[Any]) -> list[CacheCheck]:
         infos = node.cache_infos() if hasattr(node, "cache_infos") else {}
         off |= {name for name, info in infos.items() if not info.config.cdc_enabled}
     node_sums: dict[str, tuple[int, int]] = {}
+    conflicts: dict[str, int] = {}
     caches = sorted({c for node in nodes for c in node.caches()} - off)
     for cache in caches:
         holders = [node for node in nodes if cache in node.caches()]
@@ -80,9 +98,21 @@ def verify(lake: LakeDir, nodes: list[Any]) -> list[CacheCheck]:
             continue
         entries = {(key_to_json(k), to_json(v)) for node in holders for k, v in node.raw_items(cache)}
         node_sums[cache] = (len(entries), sum(row_hash(k, v) for k, v in entries) & _MASK)
+        values_per_key = Counter(k for k, _ in entries)
+        if len(values_per_key) < len(entries):
+            conflicts[cache] = sum(n > 1 for n in values_per_key.values())
+            log.warning(
+                "lake_verify_conflicting_nodes",
+                cache=cache,
+                keys=conflicts[cache],
+                nodes=len(holders),
+                hint="these nodes hold different values under the same keys: they wrote them independently, "
+                "not as one cluster's copies; the lake keeps the highest version of each, which their data "
+                "cannot be checked against",
+            )
     out = []
     for cache in sorted(set(node_sums) | set(lake_sums)):
         n_rows, n_sum = node_sums.get(cache, (0, 0))
         l_rows, l_sum = lake_sums.get(cache, (0, 0))
-        out.append(CacheCheck(cache, n_rows, l_rows, n_sum, l_sum))
+        out.append(CacheCheck(cache, n_rows, l_rows, n_sum, l_sum, conflicts.get(cache, 0)))
     return out

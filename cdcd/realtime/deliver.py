@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import NoReturn
 
 import structlog
 
@@ -155,11 +156,21 @@ class Deliverer:
     def _cache_change(self, change: CacheChange) -> None:
         consumer = self._consumer()
         if change.created and not change.quiet:
-            consumer.on_cache_change(change.created)
+            self._cache_call(consumer, "on_cache_change", lambda: consumer.on_cache_change(change.created))
         if change.drops:  # the consumer never heard of a cache with CDC off
-            consumer.on_cache_drop(change.drops)
+            self._cache_call(consumer, "on_cache_drop", lambda: consumer.on_cache_drop(change.drops))
         elif change.destroyed:
-            consumer.on_cache_destroy(change.destroyed)
+            self._cache_call(consumer, "on_cache_destroy", lambda: consumer.on_cache_destroy(change.destroyed))
+
+    def _cache_call(self, consumer: Consumer, what: str, call: Callable[[], object]) -> None:
+        """A cache call with a ``RetriableError`` waited out as a batch's is."""
+        self.loop.retry_timeout_s = float(getattr(consumer, "retry_timeout_s", DEFAULT_RETRY_TIMEOUT_S))
+        try:
+            called = self.loop.cache_call(what, call)
+        except RetriesExhausted as exc:
+            self._gave_up(f"{what}() ", exc)
+        if not called:
+            raise Stopped  # the daemon delivers from the last commit, which is before this call
 
     def _dead_letter(self, event: CdcEvent, error: str) -> object:
         path = dead_letters.path_of(self._consumer())
@@ -178,15 +189,18 @@ class Deliverer:
             self._stop("consumer_error", True)
             raise Stopped from None
         except RetriesExhausted as exc:
-            log.error(
-                "realtime_consumer_failed",
-                error=f"failing for {exc.failing_for_s:.1f} s over {exc.attempts} attempt(s) "
-                f"(retry_timeout_s = {self.loop.retry_timeout_s:g}): {describe(exc.last)}",
-            )
-            self._stop("consumer_error", True)
-            raise Stopped from None
+            self._gave_up("", exc)
         if not delivered:
             raise Stopped  # the daemon delivers from the last commit, which is before these events
+
+    def _gave_up(self, what: str, exc: RetriesExhausted) -> NoReturn:
+        log.error(
+            "realtime_consumer_failed",
+            error=f"{what}failing for {exc.failing_for_s:.1f} s over {exc.attempts} attempt(s) "
+            f"(retry_timeout_s = {self.loop.retry_timeout_s:g}): {describe(exc.last)}",
+        )
+        self._stop("consumer_error", True)
+        raise Stopped from None
 
     def _on_events(self, events: EventBatch) -> bool:
         try:

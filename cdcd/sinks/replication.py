@@ -153,9 +153,10 @@ class ReplicationConsumer(Consumer):
                     self.client.connect()
                 result = self.client.drop(d.name, d.version)
             except (OSError, ProtocolError) as exc:
-                # No retry loop around cache changes: the daemon exits (4), and its next run sends
-                # the drop again.
-                raise ConnectionError(
+                # The delivery loop offers the drop again, as it does a batch (the client reconnects;
+                # the target counts a drop it had as a duplicate).
+                metrics.REPL_RETRIES.inc()
+                raise RetriableError(
                     f"replication target {self.client.target}: dropping cache {d.name!r}: {type(exc).__name__}: {exc}"
                 ) from exc
             log.info("replication_cache_dropped", cache=d.name, duplicate=bool(result.duplicates))

@@ -43,19 +43,21 @@ def _key(cache: str, k: int) -> Any:
     return [k // 100, k % 100]  # a composite key (a MessagePack array, a JSON list)
 
 
-def tx_writes(n: int) -> list[tuple[str, Any, Any]]:
+def tx_writes(n: int, key_base: int = 0) -> list[tuple[str, Any, Any]]:
     """Writes of transaction ``n`` as (cache, key, value); value None is a remove.
 
     Puts go to one cache, removes to another, so one DataRecord spans two caches; removes reach
-    keys written by earlier transactions (and write nothing when the key is absent).
+    keys written by earlier transactions (and write nothing when the key is absent). ``key_base``
+    shifts the keys (``KEYSPACE`` apart: writers that must not share keys, as a cluster's nodes
+    each own theirs).
     """
     put_cache, del_cache = CACHES[n % 3], CACHES[(n + 1) % 3]
     writes: list[tuple[str, Any, Any]] = []
     for i in range(PUTS_PER_TX):
-        k = (n * 37 + i * 101) % KEYSPACE
+        k = key_base + (n * 37 + i * 101) % KEYSPACE
         writes.append((put_cache, _key(put_cache, k), {"n": n, "i": i, "pad": "x" * (n % 13)}))
     for i in range(REMOVES_PER_TX):
-        k = (n * 53 + i * 211) % KEYSPACE
+        k = key_base + (n * 53 + i * 211) % KEYSPACE
         writes.append((del_cache, _key(del_cache, k), None))
     return writes
 
@@ -74,15 +76,16 @@ def expected_final_state(n_tx: int) -> dict[str, dict[str, Any]]:
 
 
 def writer_main() -> None:
-    """Child process: ``node_dir count stop_file pause_ms done_file`` (count 0: until stop_file exists)."""
+    """Child process: ``node_dir count stop_file pause_ms done_file [key_base]`` (count 0: until stop_file exists)."""
     node_dir, count_s, stop_file, pause_ms_s, done_file = sys.argv[1:6]
     count, pause_s = int(count_s), float(pause_ms_s) / 1000
+    key_base = int(sys.argv[6]) if len(sys.argv) > 6 else 0
     node = Node.open(node_dir, **WRITER_NODE_SETTINGS)
     n = 0
     try:
         while (n < count) if count else not os.path.exists(stop_file):
             with node.transaction() as tx:
-                for cache, key, value in tx_writes(n):
+                for cache, key, value in tx_writes(n, key_base):
                     if value is None:
                         tx.remove(cache, key)
                     else:
@@ -96,9 +99,11 @@ def writer_main() -> None:
     Path(done_file).write_text(f"{n}\n")
 
 
-def start_writer(tmp: Path, node_dir: Path, *, count: int = 0, pause_ms: float = 0) -> subprocess.Popen[bytes]:
+def start_writer(
+    tmp: Path, node_dir: Path, *, count: int = 0, pause_ms: float = 0, key_base: int = 0
+) -> subprocess.Popen[bytes]:
     code = "import tests.support.writer as t; t.writer_main()"
-    args = [str(node_dir), str(count), str(tmp / "writer.stop"), str(pause_ms), str(tmp / "writer.done")]
+    args = [str(node_dir), str(count), str(tmp / "writer.stop"), str(pause_ms), str(tmp / "writer.done"), str(key_base)]
     log = (tmp / "writer.log").open("wb")
     return subprocess.Popen([sys.executable, "-c", code, *args], stdout=log, stderr=log, env=child_env(), cwd=ROOT)
 
