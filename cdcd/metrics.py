@@ -221,6 +221,16 @@ DAEMON_MODE_SWITCHES = Counter(
     "cdcd_daemon_mode_switches_total", "Hand-overs (node_to_daemon, daemon_to_node)", ["direction"], registry=DAEMON
 )
 DAEMON_LINKS_DELETED = Counter("cdcd_daemon_links_deleted_total", "Consumed segment links deleted", registry=DAEMON)
+DAEMON_REWINDS = Counter(
+    "cdcd_daemon_rewinds_total",
+    "Starts that moved the position back because the consumer's target lost delivered records",
+    registry=DAEMON,
+)
+DAEMON_RELINKED_SEGMENTS = Counter(
+    "cdcd_daemon_relinked_segments_total",
+    "Segments hard-linked back from the node's archive to re-deliver what a target lost",
+    registry=DAEMON,
+)
 
 # --- node: realtime CDC -------------------------------------------------------------------------------
 RT_MODE = Gauge("cdcd_node_realtime_mode", "1 for the realtime worker's current mode", ["mode"], registry=NODE)
