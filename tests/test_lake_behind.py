@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 from deltalake import DeltaTable
 from prometheus_client import REGISTRY
@@ -17,12 +18,13 @@ from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.daemon_state import CdcMode, StateStore
 from cdcd.faults import ExitCode
+from cdcd.lake.compact import compact, compacted_version, state_lag, table_version
 from cdcd.lake.delta import app_id, decode_version
 from cdcd.node.identity import read_node_id
 from cdcd.sinks.lake import LakeConsumer, LakeOptions
 from tests.support.delta_lake import check_lake, delta_commits, lake_consumer, lake_rows
 from tests.support.lake import error_lines, run_to_end, write_config
-from tests.support.procs import log_events, run_daemon_until_exit
+from tests.support.procs import cdcd, log_events, run_daemon_until_exit
 from tests.support.wal import archived_segments, cdc_links, wal_events
 from tests.support.writer import make_node
 
@@ -131,3 +133,29 @@ def test_a_restored_lake_whose_segments_are_gone_stops_the_daemon_with_one_line(
     store = StateStore(node_dir / "cdcd-state", readonly=True)
     assert store.load(CdcMode.DAEMON_ACTIVE) == state, "nothing committed"
     store.close()
+
+
+def test_compaction_folds_a_reused_changes_version_in(tmp_path: Path, spark: Any) -> None:
+    """The newest ``changes`` commit deleted after ``state`` compacted it, and the node writes on: the daemon lands
+    the lost records again together with new ones, in a commit that takes the deleted one's version number. The
+    next compaction sees that ``state``'s version now names another commit, folds it in, and ``cdcd lake verify``
+    finds state equal to the node's caches."""
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    n = make_node(node_dir, segments=3, tx_per_segment=15)
+    config = write_config(tmp_path / "cdcd.toml", node_dir, lake_consumer(lake), batch_max_events=700)
+    run_to_end(config, node_dir, tmp_path / "run1.err")
+    first = compact(spark, lake, typed_tables=False)
+    reused = first.to_version
+    assert compacted_version(lake) == reused and not state_lag(lake)[2]
+    (lake / "changes" / "_delta_log" / f"{reused:020d}.json").unlink()
+    make_node(node_dir, segments=2, tx_per_segment=15, first_tx=n)
+    run_to_end(config, node_dir, tmp_path / "run2.err")
+    check_lake(lake, node_dir)
+    assert state_lag(lake)[2], "state is behind: the version it names holds other records now"
+    again = compact(spark, lake, typed_tables=False)
+    assert again.from_version == reused and again.to_version == table_version(lake / "changes")
+    assert compacted_version(lake) == again.to_version and not state_lag(lake)[2]
+    res = cdcd("lake", "verify", "--lake", str(lake), "--node-dir", str(node_dir), timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    # Nothing replaced any more: the next compaction has nothing to do.
+    assert not compact(spark, lake, typed_tables=False).did_work

@@ -27,6 +27,15 @@ import structlog
 from cdcd import failpoints
 from cdcd.faults import ExitCode, Fault
 from cdcd.lake.arrow import TRUNCATE
+from cdcd.lake.compact_mark import (
+    COMPACT_APP_ID,
+    USER_METADATA_CONF,
+    CompactMark,
+    commit_ids,
+    compact_app_id,
+    read_mark,
+    replaced_from,
+)
 from cdcd.lake.deltalog import DeltaLogError, data_changing_versions, read_commit, rows_added
 from cdcd.lake.storage import LakeDir, ObjectPath, file_source, is_delta, open_delta, spark_path
 from cdcd.lake.table import (
@@ -43,8 +52,23 @@ from cdcd.lake.typed_tables import compact_tables, missing_tables
 
 log = structlog.get_logger("cdcd.lake")
 
-COMPACT_APP_ID = "cdcd-compact"
-"""The state table's application transaction: its version is the changes-table version compacted up to."""
+__all__ = [
+    "COMPACT_APP_ID",
+    "FEED_COLUMNS",
+    "MAX_ROWS_PER_MERGE",
+    "ORDER_COLUMNS",
+    "CompactResult",
+    "NotADeltaLake",
+    "behind",
+    "compact",
+    "compacted_version",
+    "latest_per_key",
+    "read_feed",
+    "split_truncates",
+    "state_lag",
+    "table_version",
+    "version_ranges",
+]
 
 MAX_ROWS_PER_MERGE = 2_000_000
 """Change rows one MERGE reads into the driver at most (a backlog is compacted in several MERGEs)."""
@@ -117,11 +141,25 @@ def table_version(path: LakeDir) -> int | None:
 
 def compacted_version(lake: LakeDir) -> int:
     """The changes-table version ``state`` reflects (-1: never compacted)."""
-    state = lake / STATE
-    if not is_delta(state):
-        return -1
-    version = open_delta(state).transaction_version(COMPACT_APP_ID)
-    return -1 if version is None else int(version)
+    return read_mark(lake).version
+
+
+def _start(lake: LakeDir, end: int) -> tuple[int, str]:
+    """(the changes version to fold in after, the application id of state's commits): the mark, or,
+    when a version it names was replaced by another commit, the version before it in the next epoch."""
+    mark: CompactMark = read_mark(lake)
+    replaced = replaced_from(lake / CHANGES, mark, end)
+    if replaced is None:
+        return mark.version, mark.app_id
+    log.warning(
+        "lake_compacted_version_replaced",
+        changes=str(lake / CHANGES),
+        version=replaced,
+        compacted_to=mark.version,
+        detail="a changes commit state reflects is gone and its version reused (newest commit deleted, lake "
+        "restored?): compacting again from it",
+    )
+    return replaced - 1, compact_app_id(mark.epoch + 1)
 
 
 def ensure_state_table(spark: Any, lake: LakeDir) -> None:
@@ -315,7 +353,7 @@ def compact(
     if end is None:
         raise NotADeltaLake(f"{changes}: not a Delta table (no _delta_log/): nothing to compact")
     list_tables(lake)  # a directory under tables/ that is not a table stops compaction here, naming it
-    done = compacted_version(lake)
+    done, app_id = _start(lake, end)
     if not behind(changes, done, end):
         if not typed_tables or not missing_tables(lake):
             if typed_tables:
@@ -324,7 +362,7 @@ def compact(
         # Nothing new, but state holds caches without a table (a lake compacted before the typed tables).
         session = spark.newSession()
         empty = CHANGE_SCHEMA.empty_table()
-        typed = compact_tables(session, lake, empty, done, app_id=COMPACT_APP_ID, declared=tables)
+        typed = compact_tables(session, lake, empty, done, app_id=app_id, declared=tables)
         _after_tables_committed(lake, typed.versions, done)
         return CompactResult(-1, done, 0, _state_version(lake), typed.versions, typed.rescued)
     # Its own session: the application-transaction settings are per session, and the lake sink may
@@ -343,9 +381,7 @@ def compact(
         # The typed tables first: state's application transaction is the progress mark, so a
         # compaction killed between the two redoes this range (tables already past it are skipped).
         if typed_tables:
-            typed = compact_tables(
-                session, lake, winners, last, app_id=COMPACT_APP_ID, declared=tables, truncated=truncated
-            )
+            typed = compact_tables(session, lake, winners, last, app_id=app_id, declared=tables, truncated=truncated)
             versions, rescued = typed.versions, rescued + typed.rescued
         failpoints.hit("lake.compact.tables_committed")
         if truncated:
@@ -354,8 +390,9 @@ def compact(
             session.conf.unset(_TXN_APP)
             session.conf.unset(_TXN_VERSION)
             deleted += _truncate_state(session, lake, truncated)
-        session.conf.set(_TXN_APP, COMPACT_APP_ID)
+        session.conf.set(_TXN_APP, app_id)
         session.conf.set(_TXN_VERSION, str(last))
+        session.conf.set(USER_METADATA_CONF, commit_ids(changes, first, last))
         source = session.createDataFrame(winners)
         if _is_empty(lake / STATE):
             # Nothing to match against (the first compaction): a plain append of the live winners,
@@ -366,6 +403,7 @@ def compact(
         else:
             ins, upd, dele = _merge(session, lake, source, winners.column("cache").unique().to_pylist())
             inserted, updated, deleted = inserted + ins, updated + upd, deleted + dele
+        session.conf.unset(USER_METADATA_CONF)
         failpoints.hit("lake.compact.committed")
         if typed_tables:
             _after_tables_committed(lake, versions, last)
@@ -436,8 +474,9 @@ def state_lag(lake: LakeDir) -> tuple[int, int, bool]:
     end = table_version(changes)
     if end is None:
         raise NotADeltaLake(f"{changes}: not a Delta table (no _delta_log/)")
-    done = compacted_version(lake)
-    return end, done, behind(changes, done, end)
+    mark = read_mark(lake)
+    replaced = replaced_from(changes, mark, end)
+    return end, mark.version, replaced is not None or behind(changes, mark.version, end)
 
 
 def _state_version(lake: LakeDir) -> int:
