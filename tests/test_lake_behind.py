@@ -18,11 +18,14 @@ from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.daemon_state import CdcMode, StateStore
 from cdcd.faults import ExitCode
+from cdcd.lake.arrow import key_to_json
 from cdcd.lake.compact import compact, compacted_version, state_lag, table_version
 from cdcd.lake.delta import app_id, decode_version
 from cdcd.node.identity import read_node_id
+from cdcd.node.snapshot import NodeSnapshot
 from cdcd.sinks.lake import LakeConsumer, LakeOptions
 from tests.support.delta_lake import check_lake, delta_commits, lake_consumer, lake_rows
+from tests.support.delta_tables import state_rows
 from tests.support.lake import error_lines, run_to_end, write_config
 from tests.support.procs import cdcd, log_events, run_daemon_until_exit
 from tests.support.wal import archived_segments, cdc_links, wal_events
@@ -43,6 +46,12 @@ def sync(node_dir: Path, lake: Path) -> int:
     with Daemon(config, LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake"))) as daemon:
         assert daemon.state.mode is CdcMode.DAEMON_ACTIVE
         return daemon.sync_once()
+
+
+def node_keys(node_dir: Path) -> set[tuple[str, str]]:
+    """(cache, key as the lake's key text) of every entry the (stopped) node holds."""
+    with NodeSnapshot(node_dir) as snap:
+        return {(cache, key_to_json(key)) for cache in snap.caches() for key, _ in snap.raw_items(cache)}
 
 
 def last_delivered(node_dir: Path) -> tuple[int, int] | None:
@@ -159,3 +168,33 @@ def test_compaction_folds_a_reused_changes_version_in(tmp_path: Path, spark: Any
     assert res.returncode == 0, res.stdout + res.stderr
     # Nothing replaced any more: the next compaction has nothing to do.
     assert not compact(spark, lake, typed_tables=False).did_work
+
+
+def test_keys_of_a_restored_nodes_lost_history_leave_state(tmp_path: Path, spark: Any) -> None:
+    """A node dir (with its daemon state) restored from a backup, after the lost history wrote keys the restored
+    node never writes and had been compacted into ``state``: the lake lands the restored node's writes as a new
+    generation, and the next compaction rebuilds ``state`` and the typed tables without the lost history's rows.
+    ``cdcd lake verify`` then finds every cache equal to the node, keys of the lost history gone."""
+    node_dir, lake, backup = tmp_path / "node", tmp_path / "lake", tmp_path / "node-backup"
+    n = make_node(node_dir, segments=2, tx_per_segment=15)
+    config = write_config(tmp_path / "cdcd.toml", node_dir, lake_consumer(lake))
+    run_to_end(config, node_dir, tmp_path / "run1.err")
+    shutil.copytree(node_dir, backup)
+    make_node(node_dir, segments=2, tx_per_segment=15, first_tx=n)  # the history the restore loses
+    run_to_end(config, node_dir, tmp_path / "run2.err")
+    compact(spark, lake)
+    lost_keys = set(state_rows(lake))
+    shutil.rmtree(node_dir)
+    shutil.copytree(backup, node_dir)
+    make_node(node_dir, segments=2, tx_per_segment=15, first_tx=n + 2000)
+    run_to_end(config, node_dir, tmp_path / "run3.err")
+    assert DeltaTable(str(lake / "changes")).transaction_version(app_id(str(read_node_id(node_dir)), 1)) is not None
+    only_lost = lost_keys - node_keys(node_dir)
+    assert only_lost, "the lost history wrote keys the restored node does not have"
+    result = compact(spark, lake)
+    assert result.from_version == 0, "rebuilt from the first changes version"
+    assert not state_lag(lake)[2]
+    assert not (set(state_rows(lake)) & only_lost)
+    res = cdcd("lake", "verify", "--lake", str(lake), "--node-dir", str(node_dir), timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert not compact(spark, lake).did_work, "rebuilt once"

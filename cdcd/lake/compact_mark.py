@@ -29,6 +29,7 @@ IDENTIFIED_VERSIONS = 64
 
 USER_METADATA_CONF = "spark.databricks.delta.commitInfo.userMetadata"
 _KEY = "cdcd_changes_commits"
+_STARTS = "cdcd_generation_starts"
 _HISTORY_LIMIT = 200
 """State commits searched, newest first, for the one that recorded the mark (OPTIMIZE and the
 typed-table truncates come in between)."""
@@ -45,6 +46,8 @@ class CompactMark:
     """The changes version ``state`` reflects (-1: never compacted)."""
     commits: dict[int, str] | None
     """Identifiers of the newest changes commits folded in (None: not recorded, an older cdcd)."""
+    generation_starts: frozenset[str] | None = None
+    """The sources' generation starts compaction had seen (cdcd/lake/lost_history.py; None: not recorded)."""
 
     @property
     def app_id(self) -> str:
@@ -60,10 +63,11 @@ def commit_id(changes: LakeDir, version: int) -> str | None:
         return None
 
 
-def commit_ids(changes: LakeDir, first: int, last: int) -> str:
-    """``userMetadata`` of a compaction commit that folded ``first..last`` in."""
+def commit_ids(changes: LakeDir, first: int, last: int, generation_starts: list[str]) -> str:
+    """``userMetadata`` of a compaction commit that folded ``first..last`` in, having seen ``generation_starts``."""
     ids = {str(v): commit_id(changes, v) for v in range(max(first, last - IDENTIFIED_VERSIONS + 1), last + 1)}
-    return json.dumps({_KEY: {v: i for v, i in ids.items() if i is not None}}, sort_keys=True)
+    meta = {_KEY: {v: i for v, i in ids.items() if i is not None}, _STARTS: generation_starts}
+    return json.dumps(meta, sort_keys=True)
 
 
 def read_mark(lake: LakeDir) -> CompactMark:
@@ -86,7 +90,9 @@ def read_mark(lake: LakeDir) -> CompactMark:
             continue
         ids = meta.get(_KEY) if isinstance(meta, dict) else None
         if isinstance(ids, dict) and ids and max(int(v) for v in ids) == int(version):
-            return CompactMark(epoch, int(version), {int(v): str(i) for v, i in ids.items()})
+            starts = meta.get(_STARTS)
+            seen = frozenset(str(s) for s in starts) if isinstance(starts, list) else None
+            return CompactMark(epoch, int(version), {int(v): str(i) for v, i in ids.items()}, seen)
     return CompactMark(epoch, int(version), None)
 
 
