@@ -75,7 +75,6 @@ def test_a_lake_restored_from_a_backup_gets_what_came_after_again(tmp_path: Path
     make_node(node_dir, segments=3, tx_per_segment=20, first_tx=n)
     assert sync(node_dir, lake) > 0
     check_lake(lake, node_dir)
-    assert last_delivered(node_dir) == tuple(wal_events(node_dir)[-1]["pos"][:2])
     assert not cdc_links(node_dir), "every consumed link deleted"
     shutil.rmtree(lake)
     shutil.copytree(backup, lake)
@@ -83,6 +82,7 @@ def test_a_lake_restored_from_a_backup_gets_what_came_after_again(tmp_path: Path
     before, before_links = rewinds(), relinked()
     sync(node_dir, lake)
     check_lake(lake, node_dir)
+    assert last_delivered(node_dir) == tuple(wal_events(node_dir)[-1]["pos"][:2])
     assert rewinds() - before == 1
     assert relinked() - before_links == 4, "the mark's segment (1) and 2..4, from the archive"
     # Caught up: the next start compares again and finds nothing to do.
