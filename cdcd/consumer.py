@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 from prometheus_client import CollectorRegistry
 
-from cdcd.wal.pointer import EventAddress, WalPointer
+from cdcd.wal.pointer import EventAddress, WalPointer, WalPosition
 from cdcd.wal.records import CacheInfo, CacheVersion, DataEntry, DataRecord, Op
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "EventSource",
     "RecordSlice",
     "RefusedEvent",
+    "ResumeAt",
     "RetriableError",
     "enabled_slices",
 ]
@@ -329,6 +330,15 @@ class EventBatch:
         return self._names
 
 
+class ResumeAt(msgspec.Struct, frozen=True):
+    """A consumer's answer to ``Consumer.resume_at``: its target lost part of what was delivered."""
+
+    position: WalPosition
+    """Where delivery must start again (a record's start: the consumer drops what it holds already)."""
+    holds: str
+    """What the target holds, for the caller's log or error line (e.g. the lake, its version, its mark)."""
+
+
 class Consumer:
     """Base class of consumers; override what you need. ``start``/``stop`` run once each."""
 
@@ -346,6 +356,15 @@ class Consumer:
     def on_events(self, batch: EventBatch) -> bool:
         """Handle a batch; True once it is durable on the consumer's side."""
         raise NotImplementedError
+
+    def resume_at(self, source_node: str, delivered: WalPointer) -> ResumeAt | None:
+        """Called after ``start()`` by a caller that knows ``delivered``, the last data record of
+        ``source_node`` it delivered and committed. A consumer whose target can say how far it holds
+        (the lake's mark) returns where delivery must start again when that is before ``delivered``
+        (the target restored from a backup, its newest commit deleted): the caller moves back there,
+        or stops with one line when those records are gone. None: the target holds everything, or
+        cannot tell (the default)."""
+        return None
 
     def on_cache_change(self, caches: Sequence[CacheInfo]) -> None:
         """Caches created (or first seen), before any event of theirs."""

@@ -19,7 +19,7 @@ import lmdb
 import msgspec
 
 from cdcd.faults import ExitCode, Fault
-from cdcd.wal.pointer import WalPosition
+from cdcd.wal.pointer import WalPointer, WalPosition
 from cdcd.wal.records import CacheInfo
 
 __all__ = [
@@ -57,6 +57,10 @@ class DaemonState(msgspec.Struct, frozen=True):
     commits: int = 0
     node_id: str = ""
     """The node this state belongs to ("" until the daemon learnt it); a state of another node is refused."""
+    last_delivered: WalPointer | None = None
+    """The last data record a consumer took, as of ``position`` (None: none yet, or a state written
+    before this field): unlike the position, never moved by markers or cache records, so a consumer
+    whose target says how far it holds (the lake's mark) can be compared with it exactly."""
 
 
 _enc = msgspec.msgpack.Encoder()

@@ -26,6 +26,9 @@ class ExitCode(IntEnum):
     """The daemon's state is damaged or belongs to another node: ``cdcd state reset``."""
     DAMAGED_LAKE = 8
     """A Delta log or a file it names is damaged or missing: ``cdcd lake check`` lists every fault."""
+    TARGET_BEHIND = 9
+    """The consumer's target lost delivered records (a lake restored from a backup) and the WAL no
+    longer has them: the line names both positions and the way on."""
 
 
 class Fault:

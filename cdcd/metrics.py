@@ -224,6 +224,16 @@ DAEMON_LINKS_DELETED = Counter("cdcd_daemon_links_deleted_total", "Consumed segm
 DAEMON_WAITING_FOR_NODE = Gauge(
     "cdcd_daemon_waiting_for_node", "1 while the daemon waits for its node's directories to appear", registry=DAEMON
 )
+DAEMON_REWINDS = Counter(
+    "cdcd_daemon_rewinds_total",
+    "Starts that moved the position back because the consumer's target lost delivered records",
+    registry=DAEMON,
+)
+DAEMON_RELINKED_SEGMENTS = Counter(
+    "cdcd_daemon_relinked_segments_total",
+    "Segments hard-linked back from the node's archive to re-deliver what a target lost",
+    registry=DAEMON,
+)
 
 # --- node: realtime CDC -------------------------------------------------------------------------------
 RT_MODE = Gauge("cdcd_node_realtime_mode", "1 for the realtime worker's current mode", ["mode"], registry=NODE)

@@ -124,6 +124,7 @@ def test_units_restart_policy_matches_the_cli_exit_codes() -> None:
         ExitCode.BAD_WAL,
         ExitCode.BAD_STATE,
         ExitCode.DAMAGED_LAKE,
+        ExitCode.TARGET_BEHIND,
     }
     daemon = unit_settings("cdcd@.service")
     assert set(daemon["RestartPreventExitStatus"][0].split()) == {str(int(c)) for c in operator}

@@ -85,6 +85,7 @@ class Committer:
         self._pending_destroyed: list[int] = []
         self.events_delivered = 0
         self.last_event_ts_ns = 0
+        self._taken_until = state.last_delivered
         metrics.DAEMON_MODE.labels(state.mode.name).set(1)
 
     def apply(self, item: Item) -> None:
@@ -150,6 +151,7 @@ class Committer:
         self.events_delivered += took
         if took:
             self.last_event_ts_ns = taken[-1].record.commit_ts_ns
+            self._taken_until = taken[-1].pointer
             self._count(taken, events)
         metrics.DAEMON_BATCHES.labels("committed" if ok else "not_committed").inc()
 
@@ -244,7 +246,9 @@ class Committer:
 
     def commit(self, position: WalPosition | None, mode: CdcMode | None = None) -> None:
         """Persist ``position`` (and mode, registry changes) durably, then delete links below it."""
-        new = msgspec.structs.replace(self.state, position=position, mode=mode or self.state.mode)
+        new = msgspec.structs.replace(
+            self.state, position=position, mode=mode or self.state.mode, last_delivered=self._taken_until
+        )
         t0 = time.perf_counter()
         self.state = self.store.commit(new, caches=self._pending_caches, destroyed=self._pending_destroyed)
         metrics.DAEMON_COMMIT_SECONDS.observe(time.perf_counter() - t0)

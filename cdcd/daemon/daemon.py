@@ -31,10 +31,12 @@ from cdcd.consumer import Consumer
 from cdcd.daemon.committer import Committer, ConsumerFailed
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.follower import ReadItem, SegmentFollower, delete_links_below
-from cdcd.daemon.processor import INITIAL_MODE, Batch, Item, Processor, Switch, start_from_node
+from cdcd.daemon.processor import Batch, Item, Processor, Switch
+from cdcd.daemon.rewind import rewind
 from cdcd.daemon.sdnotify import Notifier
+from cdcd.daemon.start_state import load_start_state
 from cdcd.daemon.watch import PipelineStalled, Watch
-from cdcd.daemon_state import CdcMode, DaemonState, ForeignState, StateStore
+from cdcd.daemon_state import CdcMode, DaemonState, StateStore
 from cdcd.lock import DirLock
 from cdcd.logging import describe
 from cdcd.node.identity import read_node_id
@@ -126,26 +128,17 @@ class Daemon:
         try:
             self.node_id = read_node_id(self.config.node_dir)
             self._store = StateStore(self.config.state_path)
-            state = self._store.load(INITIAL_MODE)
-            caches = self._store.caches()
-            if not self._store.has_state():
-                state = self._initial_state(state)
-                if not caches:
-                    from cdcd.daemon.source import node_caches
-
-                    caches, caches_from = node_caches(self.config.node())
-                    self._store.commit(state, caches=caches)  # the registry stays with the state
-                    state = self._store.load(INITIAL_MODE)
-                    log.info("cache_registry_from_node", caches=len(caches), source=caches_from)
-            state = self._check_owner(state)
-            if state.position is not None:
-                for seg in delete_links_below(self.cdc_dir, state.position.segment):
-                    log.info("stale_link_deleted", segment=seg)
+            state, caches, self.node_id = load_start_state(self.config, self._store, self.node_id)
             try:
                 self.consumer.start(REGISTRY)
                 self._consumer_started = True
             except Exception as exc:
                 raise ConsumerFailed(f"consumer start() raised {describe(exc)}") from exc
+            # Before links are deleted: a target behind the position is re-delivered from them.
+            state = rewind(self.config, self._store, state, self.consumer, str(self.node_id) if self.node_id else "")
+            if state.position is not None:
+                for seg in delete_links_below(self.cdc_dir, state.position.segment):
+                    log.info("stale_link_deleted", segment=seg)
             retrying = functools.partial(self._watch.touch, "consumer")  # a retry step is not a stall
             self._committer = Committer(
                 self._store, state, caches, self.consumer, self.cdc_dir, stopping=self._stopping, retrying=retrying
@@ -166,52 +159,6 @@ class Daemon:
         except BaseException:
             self._shutdown()
             raise
-
-    def _initial_state(self, state: DaemonState) -> DaemonState:
-        """No state (new, deleted or emptied): ask the node who delivers rather than wait PASSIVE for a Stop
-        record that a running node writes only when it opens. Its realtime worker delivers: PASSIVE. It does
-        not: ACTIVE from where its realtime worker stopped, or the oldest link."""
-        from cdcd.daemon.source import ask_node
-
-        node = ask_node(self.config.node())
-        if node is None:
-            log.warning(
-                "daemon_without_state_waits",
-                node_dir=self.config.node_dir,
-                hint="the node neither answers on its control socket nor has a metastorage; "
-                "PASSIVE until it writes a Stop record (at its next start)",
-            )
-            return state
-        links = self._follower_scan()
-        mode, position = start_from_node(node.realtime_on, node.position, min(links) if links else None)
-        log.info(
-            "daemon_state_from_node",
-            source=node.source,
-            mode=mode.value,
-            cdc_mode=mode.name,
-            position=str(position) if position else None,
-            start="the oldest link" if position is None and mode is CdcMode.DAEMON_ACTIVE else None,
-        )
-        return msgspec.structs.replace(state, mode=mode, position=position)
-
-    def _follower_scan(self) -> dict[int, Path]:
-        return SegmentFollower(self.cdc_dir, None).scan()
-
-    def _check_owner(self, state: DaemonState) -> DaemonState:
-        """A state of another node is an error before anything acts on it (its position would delete this
-        node's links); a state that does not say whose it is yet gets this node's id."""
-        assert self._store is not None
-        if state.node_id and self.node_id is not None and state.node_id != str(self.node_id):
-            raise ForeignState(
-                f"{self._store.data_file}: daemon state of node {state.node_id}, but {self.config.node_dir} is node "
-                f"{self.node_id} (node dir re-created, or state_dir of another node?); stop the daemon and run "
-                "`cdcd state reset`"
-            )
-        if state.node_id and self.node_id is None:
-            self.node_id = uuid.UUID(state.node_id)
-        if self.node_id is not None and (not state.node_id or not self._store.has_state()):
-            state = self._store.commit(msgspec.structs.replace(state, node_id=str(self.node_id)))
-        return state
 
     def stop(self) -> None:
         """Ask a running ``run()`` to finish its in-flight batch and return (thread- and signal-safe)."""

@@ -14,21 +14,29 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from dataclasses import field as dc_field
-from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import structlog
 
 from cdcd import failpoints
 from cdcd.faults import ExitCode, Fault
 from cdcd.lake.arrow import TRUNCATE
-from cdcd.lake.deltalog import DeltaLogError, data_changing_versions, read_commit, rows_added
-from cdcd.lake.storage import LakeDir, ObjectPath, file_source, is_delta, open_delta, spark_path
+from cdcd.lake.compact_mark import (
+    COMPACT_APP_ID,
+    USER_METADATA_CONF,
+    CompactMark,
+    commit_ids,
+    compact_app_id,
+    read_mark,
+    replaced_from,
+)
+from cdcd.lake.deltalog import data_changing_versions, rows_added
+from cdcd.lake.feed import FEED_COLUMNS, read_feed
+from cdcd.lake.lost_history import drop_lost, generation_starts, start_ids
+from cdcd.lake.storage import LakeDir, is_delta, open_delta, spark_path
 from cdcd.lake.table import (
     CHANGE_SCHEMA,
     CHANGES,
@@ -43,14 +51,32 @@ from cdcd.lake.typed_tables import compact_tables, missing_tables
 
 log = structlog.get_logger("cdcd.lake")
 
-COMPACT_APP_ID = "cdcd-compact"
-"""The state table's application transaction: its version is the changes-table version compacted up to."""
+__all__ = [
+    "COMPACT_APP_ID",
+    "FEED_COLUMNS",
+    "MAX_ROWS_PER_MERGE",
+    "ORDER_COLUMNS",
+    "CompactResult",
+    "NotADeltaLake",
+    "behind",
+    "compact",
+    "compacted_version",
+    "latest_per_key",
+    "read_feed",
+    "split_truncates",
+    "state_lag",
+    "table_version",
+    "version_ranges",
+]
 
 MAX_ROWS_PER_MERGE = 2_000_000
 """Change rows one MERGE reads into the driver at most (a backlog is compacted in several MERGEs)."""
 
-ORDER_COLUMNS = ("version_order", "wal_segment", "wal_offset", "wal_index")
-"""Which change of a key wins: the highest version order, then the latest WAL position."""
+ORDER_COLUMNS = ("topology_version", "version_order", "node_order", "wal_segment", "wal_offset", "wal_index")
+"""Which change of a key wins: the highest version as Ignite's ``GridCacheVersion.compareTo`` orders
+them (topology version, then order, then node order: a node re-created or restored from a backup
+counts its order from scratch or from the backup's, its topology version grows), then the latest
+WAL position."""
 
 STATE_COLUMNS = tuple(STATE_SCHEMA.names)
 _TXN_APP = "spark.databricks.delta.write.txnAppId"
@@ -117,11 +143,37 @@ def table_version(path: LakeDir) -> int | None:
 
 def compacted_version(lake: LakeDir) -> int:
     """The changes-table version ``state`` reflects (-1: never compacted)."""
-    state = lake / STATE
-    if not is_delta(state):
-        return -1
-    version = open_delta(state).transaction_version(COMPACT_APP_ID)
-    return -1 if version is None else int(version)
+    return read_mark(lake).version
+
+
+def _start(lake: LakeDir, end: int, starts: list[str]) -> tuple[int, str, bool]:
+    """(the changes version to fold in after, the application id of state's commits, whether to
+    rebuild): the mark; or, when a version it names was replaced by another commit, the version
+    before it in the next epoch; or, when a source started a generation since (a node restored from a
+    backup: cdcd/lake/lost_history.py), everything again in the next epoch."""
+    mark: CompactMark = read_mark(lake)
+    new = set(starts) - mark.generation_starts if mark.generation_starts is not None else set()
+    if new and mark.version >= 0:
+        log.warning(
+            "lake_state_rebuilt_for_generation",
+            changes=str(lake / CHANGES),
+            generations=sorted(new),
+            detail="a source continues as a new generation (node restored from a backup): state and the typed "
+            "tables are rebuilt from changes without the lost history's rows",
+        )
+        return -1, compact_app_id(mark.epoch + 1), True
+    replaced = replaced_from(lake / CHANGES, mark, end)
+    if replaced is None:
+        return mark.version, mark.app_id, False
+    log.warning(
+        "lake_compacted_version_replaced",
+        changes=str(lake / CHANGES),
+        version=replaced,
+        compacted_to=mark.version,
+        detail="a changes commit state reflects is gone and its version reused (newest commit deleted, lake "
+        "restored?): compacting again from it",
+    )
+    return replaced - 1, compact_app_id(mark.epoch + 1), False
 
 
 def ensure_state_table(spark: Any, lake: LakeDir) -> None:
@@ -135,77 +187,6 @@ def ensure_state_table(spark: Any, lake: LakeDir) -> None:
     for key, value in STATE_PROPERTIES.items():
         builder = builder.property(key, value)
     builder.execute()
-
-
-FEED_COLUMNS = ("op", *STATE_COLUMNS)
-_FEED_READ = (*FEED_COLUMNS, "source_generation")
-"""What ``read_feed`` returns: the feed and the generation (which orders one source's rows with
-``wal_*``; ``split_truncates`` needs it and drops it)."""
-
-
-def read_feed(changes: LakeDir, start: int, end: int) -> pa.Table:
-    """The change data feed of versions ``start..end``: on this append-only table, exactly the rows
-    of the files those commits added. Read straight from the log and the files with pyarrow: live
-    traffic leaves one small file per cache per commit, which this opens far faster than a Spark
-    file scan (and delta-rs's ``load_cdf`` misreads partition directories it had to escape)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    schema = pa.schema([CHANGE_SCHEMA.field(name) for name in _FEED_READ])
-    data_columns = [name for name in _FEED_READ if name not in PARTITION_BY]
-    files: list[tuple[LakeDir, dict[str, str | None]]] = []
-    for version in range(start, end + 1):
-        try:
-            actions = read_commit(changes, version)
-        except FileNotFoundError as exc:
-            raise DeltaLogError(
-                f"{changes}: commit {version} is no longer in the log (older than delta.logRetentionDuration): "
-                "its changes cannot be compacted incrementally"
-            ) from exc
-        for action in actions:
-            for kind in ("remove", "cdc"):
-                if kind in action and action[kind].get("dataChange", True):
-                    raise DeltaLogError(f"{changes} version {version}: a {kind} action in an append-only table")
-            add = action.get("add")
-            if add is not None and add.get("dataChange", True):
-                files.append((_data_file(changes, add["path"]), add.get("partitionValues") or {}))
-
-    data_schema = pa.schema([schema.field(name) for name in data_columns])
-
-    def read(item: tuple[LakeDir, dict[str, str | None]]) -> pa.Table:
-        # ParquetFile, not read_table: no dataset discovery per file (many caches: many tiny files).
-        pf = pq.ParquetFile(file_source(item[0]))
-        have = set(pf.schema_arrow.names)
-        table = pf.read(columns=[c for c in data_columns if c in have])
-        for name in data_columns:
-            if name not in have:  # a column the table got later (source_generation): null in older files
-                table = table.append_column(
-                    data_schema.field(name), pa.nulls(table.num_rows, data_schema.field(name).type)
-                )
-        table = table.select(data_columns)
-        return table if table.schema.equals(data_schema) else table.cast(data_schema)
-
-    if not files:
-        return schema.empty_table()
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        tables = list(pool.map(read, files))
-    data = pa.concat_tables(tables)
-    # Partition values are in the log, not the files: one column for all files at once.
-    of_row = pa.array(np.repeat(np.arange(len(files)), [t.num_rows for t in tables]))
-    for name in PARTITION_BY:
-        values = pa.array([partitions.get(name) for _, partitions in files], pa.string())
-        data = data.append_column(name, values.take(of_row))
-    return data.select(list(_FEED_READ)).cast(schema)
-
-
-def _data_file(table: LakeDir, path: str) -> LakeDir:
-    """An add action's file: a path relative to the table, or an absolute URI (both percent-encoded)."""
-    from urllib.parse import urlparse
-
-    if isinstance(table, ObjectPath) and "://" in path:
-        raise DeltaLogError(f"{table}: add action with an absolute path {path!r} (not written by cdcd)")
-    if "://" in path or path.startswith("file:"):
-        return Path(unquote(urlparse(path).path))
-    return table / unquote(path)
 
 
 def latest_per_key(feed: pa.Table) -> pa.Table:
@@ -315,7 +296,9 @@ def compact(
     if end is None:
         raise NotADeltaLake(f"{changes}: not a Delta table (no _delta_log/): nothing to compact")
     list_tables(lake)  # a directory under tables/ that is not a table stops compaction here, naming it
-    done = compacted_version(lake)
+    starts = generation_starts(changes, end)
+    seen = start_ids(starts)
+    done, app_id, rebuild = _start(lake, end, seen)
     if not behind(changes, done, end):
         if not typed_tables or not missing_tables(lake):
             if typed_tables:
@@ -324,7 +307,7 @@ def compact(
         # Nothing new, but state holds caches without a table (a lake compacted before the typed tables).
         session = spark.newSession()
         empty = CHANGE_SCHEMA.empty_table()
-        typed = compact_tables(session, lake, empty, done, app_id=COMPACT_APP_ID, declared=tables)
+        typed = compact_tables(session, lake, empty, done, app_id=app_id, declared=tables)
         _after_tables_committed(lake, typed.versions, done)
         return CompactResult(-1, done, 0, _state_version(lake), typed.versions, typed.rescued)
     # Its own session: the application-transaction settings are per session, and the lake sink may
@@ -336,16 +319,17 @@ def compact(
     keys = rescued = inserted = updated = deleted = 0
     versions: dict[str, int] = {}
     for first, last in version_ranges(changes, done + 1, end, max_rows_per_merge):
-        feed, truncated = split_truncates(read_feed(changes, first, last))
+        feed, lost = drop_lost(read_feed(changes, first, last), starts)
+        feed, truncated = split_truncates(feed)
+        if rebuild and first == 0:
+            truncated |= _state_caches(lake, typed_tables)
         winners = latest_per_key(feed)
         keys += winners.num_rows
         failpoints.hit("lake.compact.source_read")
         # The typed tables first: state's application transaction is the progress mark, so a
         # compaction killed between the two redoes this range (tables already past it are skipped).
         if typed_tables:
-            typed = compact_tables(
-                session, lake, winners, last, app_id=COMPACT_APP_ID, declared=tables, truncated=truncated
-            )
+            typed = compact_tables(session, lake, winners, last, app_id=app_id, declared=tables, truncated=truncated)
             versions, rescued = typed.versions, rescued + typed.rescued
         failpoints.hit("lake.compact.tables_committed")
         if truncated:
@@ -354,8 +338,9 @@ def compact(
             session.conf.unset(_TXN_APP)
             session.conf.unset(_TXN_VERSION)
             deleted += _truncate_state(session, lake, truncated)
-        session.conf.set(_TXN_APP, COMPACT_APP_ID)
+        session.conf.set(_TXN_APP, app_id)
         session.conf.set(_TXN_VERSION, str(last))
+        session.conf.set(USER_METADATA_CONF, commit_ids(changes, first, last, seen))
         source = session.createDataFrame(winners)
         if _is_empty(lake / STATE):
             # Nothing to match against (the first compaction): a plain append of the live winners,
@@ -366,12 +351,27 @@ def compact(
         else:
             ins, upd, dele = _merge(session, lake, source, winners.column("cache").unique().to_pylist())
             inserted, updated, deleted = inserted + ins, updated + upd, deleted + dele
+        session.conf.unset(USER_METADATA_CONF)
         failpoints.hit("lake.compact.committed")
         if typed_tables:
             _after_tables_committed(lake, versions, last)
-        log.info("lake_compacted", changes_from=first, changes_to=last, keys=winners.num_rows, rescued=rescued)
+        log.info(
+            "lake_compacted", changes_from=first, changes_to=last, keys=winners.num_rows, rescued=rescued, lost=lost
+        )
     state_version = _state_version(lake)
     return CompactResult(done + 1, end, keys, state_version, versions, rescued, inserted, updated, deleted)
+
+
+def _state_caches(lake: LakeDir, typed_tables: bool) -> frozenset[str]:
+    """Every cache ``state`` (and, with ``typed_tables``, a typed table) holds: emptied for a rebuild."""
+    caches: set[str] = set()
+    if is_delta(lake / STATE):
+        adds = pa.table(open_delta(lake / STATE).get_add_actions(flatten=True))
+        if adds.num_rows:
+            caches |= set(adds.column("partition.cache").to_pylist())
+    if typed_tables:
+        caches |= set(list_tables(lake))
+    return frozenset(caches)
 
 
 def _after_tables_committed(lake: LakeDir, versions: dict[str, int], changes_version: int) -> None:
@@ -436,8 +436,11 @@ def state_lag(lake: LakeDir) -> tuple[int, int, bool]:
     end = table_version(changes)
     if end is None:
         raise NotADeltaLake(f"{changes}: not a Delta table (no _delta_log/)")
-    done = compacted_version(lake)
-    return end, done, behind(changes, done, end)
+    mark = read_mark(lake)
+    replaced = replaced_from(changes, mark, end)
+    starts = set(start_ids(generation_starts(changes, end)))
+    new = mark.version >= 0 and mark.generation_starts is not None and bool(starts - mark.generation_starts)
+    return end, mark.version, new or replaced is not None or behind(changes, mark.version, end)
 
 
 def _state_version(lake: LakeDir) -> int:

@@ -25,7 +25,7 @@ from deltalake.exceptions import DeltaError
 
 from cdcd import metrics
 from cdcd.config import check_ranges, convert
-from cdcd.consumer import CacheDrop, CacheInfo, Consumer, EventBatch, RecordSlice, RetriableError
+from cdcd.consumer import CacheDrop, CacheInfo, Consumer, EventBatch, RecordSlice, ResumeAt, RetriableError
 from cdcd.delivery import slices_from
 from cdcd.durable import write_atomic
 from cdcd.lake import spark as spark_session
@@ -42,7 +42,7 @@ from cdcd.wal.pointer import WalPointer, WalPosition
 
 log = structlog.get_logger("cdcd.lake")
 
-__all__ = ["LakeConsumer", "LakeOptions", "LakeWriteError", "root_cause"]
+__all__ = ["LakeBehind", "LakeConsumer", "LakeOptions", "LakeWriteError", "root_cause"]
 
 MAX_FILES_PER_BATCH = 1024
 """More parts than this are never faster (each is a task and a file per partition): a typo."""
@@ -147,6 +147,25 @@ def split_replayed(
     return list(slices[: len(slices) - len(new)]), new
 
 
+class LakeBehind(Exception):
+    """The source's mark in the lake went back while this sink ran (the lake restored from a backup,
+    its newest commits deleted): what it landed since is gone from the lake. The caller fails; the
+    daemon's next start lands it again (``resume_at``)."""
+
+
+def _mark_key(mark: SourceMark) -> tuple[int, int, int]:
+    last = mark.last
+    return (mark.generation, -1, -1) if last is None else (mark.generation, last.segment, last.offset)
+
+
+def _holds(table: ChangeTable, source: str, mark: SourceMark) -> str:
+    landed = f"record {mark.last}" if mark.last is not None else "nothing"
+    return (
+        f"lake table {table.path} at version {table.table.version()} holds node {source} up to {landed} "
+        f"(its mark, generation {mark.generation})"
+    )
+
+
 _COMPARED = ["wal_segment", "wal_offset", "wal_index", "op", "key", "value"]
 
 
@@ -170,6 +189,8 @@ class LakeConsumer(Consumer):
         self._maintainer: Maintainer | None = None
         self.rows_written = 0
         self.batches_skipped = 0
+        self._landed: dict[str, SourceMark] = {}
+        """Per source, the mark this sink last saw or moved: a mark read lower later was lost."""
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], source: str) -> LakeConsumer:
@@ -230,6 +251,31 @@ class LakeConsumer(Consumer):
             self._spark = None
             spark_session.release()
 
+    def resume_at(self, source_node: str, delivered: WalPointer) -> ResumeAt | None:
+        """Where to deliver again from when the lake's mark of ``source_node`` is below ``delivered``:
+        its marked record (dropped as landed), or the first segment when the lake holds nothing of it."""
+        table = self._table
+        if table is None:
+            raise RuntimeError("lake sink used before start()")
+        table.refresh()
+        read = table.mark(source_node)
+        self._landed[source_node] = read
+        if read.last is not None and read.last >= delivered:
+            return None
+        position = WalPosition(0, 0) if read.last is None else WalPosition(read.last.segment, read.last.offset)
+        return ResumeAt(position, _holds(table, source_node, read))
+
+    def _check_not_behind(self, table: ChangeTable, source: str, read: SourceMark) -> None:
+        known = self._landed.get(source)
+        if known is not None and _mark_key(read) < _mark_key(known):
+            landed = f"record {known.last}, generation {known.generation}"
+            raise LakeBehind(
+                f"{_holds(table, source, read)}, but this sink landed up to {landed}: the lake lost commits "
+                "while the sink ran (restored from a backup? newest _delta_log entries deleted?); restart "
+                "the daemon, it lands them again from its WAL"
+            )
+        self._landed[source] = read
+
     def on_cache_change(self, caches: Sequence[CacheInfo]) -> None:
         path = self.lake / "_cdcd_caches.json"
         known: dict[str, Any] = {}
@@ -255,6 +301,7 @@ class LakeConsumer(Consumer):
             while True:
                 table.refresh()
                 read = table.mark(drop.source_node)
+                self._check_not_behind(table, drop.source_node, read)
                 if read.last is not None and read.last >= drop.position:
                     log.info("lake_drop_landed_before", cache=drop.name, at=str(drop.position))
                     break
@@ -270,6 +317,7 @@ class LakeConsumer(Consumer):
                     first=drop.position,
                     metadata=meta,
                 ):
+                    self._landed[drop.source_node] = SourceMark(read.generation, drop.position)
                     metrics.LAKE_ROWS.labels(drop.name).inc()
                     log.info("lake_cache_truncated", cache=drop.name, at=str(drop.position))
                     break
@@ -297,6 +345,7 @@ class LakeConsumer(Consumer):
         while True:
             table.refresh()
             read = table.mark(source)
+            self._check_not_behind(table, source, read)
             replayed, new = split_replayed(slices, read.last)
             generation = read.generation
             if replayed:
@@ -339,6 +388,7 @@ class LakeConsumer(Consumer):
                 first=new[0].pointer,
                 metadata=meta,
             ):
+                self._landed[source] = SourceMark(generation, new[-1].pointer)
                 self.rows_written += rows
                 for name, n in stats.items():
                     metrics.LAKE_ROWS.labels(name).inc(n)

@@ -1,0 +1,86 @@
+"""The change data feed of ``<lake>/changes``: the rows a range of its versions added, for compaction."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import unquote
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from cdcd.lake.deltalog import DeltaLogError, read_commit
+from cdcd.lake.storage import LakeDir, ObjectPath, file_source
+from cdcd.lake.table import CHANGE_SCHEMA, PARTITION_BY, STATE_SCHEMA
+
+STATE_COLUMNS = tuple(STATE_SCHEMA.names)
+
+FEED_COLUMNS = ("op", *STATE_COLUMNS)
+_FEED_READ = (*FEED_COLUMNS, "source_generation")
+"""What ``read_feed`` returns: the feed and the generation (which orders one source's rows with
+``wal_*``; ``split_truncates`` needs it and drops it)."""
+
+
+def read_feed(changes: LakeDir, start: int, end: int) -> pa.Table:
+    """The change data feed of versions ``start..end``: on this append-only table, exactly the rows
+    of the files those commits added. Read straight from the log and the files with pyarrow: live
+    traffic leaves one small file per cache per commit, which this opens far faster than a Spark
+    file scan (and delta-rs's ``load_cdf`` misreads partition directories it had to escape)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    schema = pa.schema([CHANGE_SCHEMA.field(name) for name in _FEED_READ])
+    data_columns = [name for name in _FEED_READ if name not in PARTITION_BY]
+    files: list[tuple[LakeDir, dict[str, str | None]]] = []
+    for version in range(start, end + 1):
+        try:
+            actions = read_commit(changes, version)
+        except FileNotFoundError as exc:
+            raise DeltaLogError(
+                f"{changes}: commit {version} is no longer in the log (older than delta.logRetentionDuration): "
+                "its changes cannot be compacted incrementally"
+            ) from exc
+        for action in actions:
+            for kind in ("remove", "cdc"):
+                if kind in action and action[kind].get("dataChange", True):
+                    raise DeltaLogError(f"{changes} version {version}: a {kind} action in an append-only table")
+            add = action.get("add")
+            if add is not None and add.get("dataChange", True):
+                files.append((_data_file(changes, add["path"]), add.get("partitionValues") or {}))
+
+    data_schema = pa.schema([schema.field(name) for name in data_columns])
+
+    def read(item: tuple[LakeDir, dict[str, str | None]]) -> pa.Table:
+        # ParquetFile, not read_table: no dataset discovery per file (many caches: many tiny files).
+        pf = pq.ParquetFile(file_source(item[0]))
+        have = set(pf.schema_arrow.names)
+        table = pf.read(columns=[c for c in data_columns if c in have])
+        for name in data_columns:
+            if name not in have:  # a column the table got later (source_generation): null in older files
+                table = table.append_column(
+                    data_schema.field(name), pa.nulls(table.num_rows, data_schema.field(name).type)
+                )
+        table = table.select(data_columns)
+        return table if table.schema.equals(data_schema) else table.cast(data_schema)
+
+    if not files:
+        return schema.empty_table()
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        tables = list(pool.map(read, files))
+    data = pa.concat_tables(tables)
+    # Partition values are in the log, not the files: one column for all files at once.
+    of_row = pa.array(np.repeat(np.arange(len(files)), [t.num_rows for t in tables]))
+    for name in PARTITION_BY:
+        values = pa.array([partitions.get(name) for _, partitions in files], pa.string())
+        data = data.append_column(name, values.take(of_row))
+    return data.select(list(_FEED_READ)).cast(schema)
+
+
+def _data_file(table: LakeDir, path: str) -> LakeDir:
+    """An add action's file: a path relative to the table, or an absolute URI (both percent-encoded)."""
+    from urllib.parse import urlparse
+
+    if isinstance(table, ObjectPath) and "://" in path:
+        raise DeltaLogError(f"{table}: add action with an absolute path {path!r} (not written by cdcd)")
+    if "://" in path or path.startswith("file:"):
+        return Path(unquote(urlparse(path).path))
+    return table / unquote(path)
