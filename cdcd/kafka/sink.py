@@ -44,6 +44,7 @@ from cdcd.kafka import drops as drops_mod
 from cdcd.kafka import envelope, offsets, topics, transactions
 from cdcd.kafka.dlq import dlq_record
 from cdcd.kafka.errors import KafkaSetupError, describe, error_of, missing_topic, setting_of, unknown_topic
+from cdcd.kafka.metadata import MetadataRecord, MetadataTopic
 from cdcd.kafka.options import KafkaSinkOptions
 from cdcd.wal.records import Op
 
@@ -55,19 +56,6 @@ OFFSETS_TOPIC_PARTITIONS = 1
 Headers = list[tuple[str, str | bytes | None]]
 RECORD_OVERHEAD_BYTES = 128
 """A record's bytes besides key, value and headers, and its batch's header (an upper bound)."""
-
-
-class MetadataRecord(msgspec.Struct, frozen=True, omit_defaults=True):
-    """A value of the metadata topic (keyed by cache name)."""
-
-    op: str
-    """create or destroy"""
-    cache_id: int
-    name: str = ""
-    partitions: int = 0
-    cdc_enabled: bool = True
-    ttl_ms: int = 0
-    node: str = ""
 
 
 class KafkaSink(Consumer):
@@ -88,7 +76,7 @@ class KafkaSink(Consumer):
         """A Kafka transaction is begun and not committed (aborted if the producer is dropped)."""
         self._alive = True
         self._interrupted = threading.Event()
-        self._meta_producer: Producer | None = None
+        self._metadata = MetadataTopic(self._base, options, source)
         self._limits: dict[str, int] = {}
         """Topic -> the largest message it takes."""
         self._dlqs: set[str] = set()
@@ -133,9 +121,7 @@ class KafkaSink(Consumer):
                 metrics.KAFKA_TRANSACTION_ABORTS.inc()
             with contextlib.suppress(KafkaException):
                 p.abort_transaction(1.0)
-        m, self._meta_producer = self._meta_producer, None
-        if m is not None:
-            m.flush(5.0)
+        self._metadata.close()
 
     def alive(self) -> bool:
         return self._alive
@@ -146,40 +132,11 @@ class KafkaSink(Consumer):
     # --- metadata -----------------------------------------------------------------------------------
 
     def _send_metadata(self, records: Sequence[MetadataRecord]) -> None:
-        """Idempotent, not transactional: a record sent twice says the same thing again, and it must
-        be in the topic before the first change of its cache (sent after this returns)."""
-        if self._meta_producer is None:
-            self._meta_producer = Producer({**self._base, "enable.idempotence": True, "acks": "all"})
-        p = self._meta_producer
-        errors: list[KafkaError] = []
-
-        def delivered(err: KafkaError | None, _msg: Any) -> None:
-            if err is not None:
-                errors.append(err)
-
-        for rec in records:
-            p.produce(
-                self.options.metadata_topic_name,
-                key=(rec.name or str(rec.cache_id)).encode(),
-                value=msgspec.json.encode(rec),
-                partition=0,
-                on_delivery=delivered,
-            )
-        # Bounded as a transaction is: a broker away for longer is waited out by the delivery loop's
-        # retries (a re-send of a queued record is harmless: the topic keeps the last per key).
-        left = p.flush(self.options.transaction_timeout_ms / 1000)
-        if left and not errors:
-            raise RetriableError(
-                f"{self.source}: Kafka at {self.options.bootstrap_servers}: {left} metadata records not confirmed "
-                f"within transaction_timeout_ms = {self.options.transaction_timeout_ms}"
-            )
-        if errors:
-            reason = f"{errors[0].name()}: {errors[0].str()}"
+        try:
+            self._metadata.send(records)
+        except ConnectionError:
             self._alive = False
-            raise ConnectionError(
-                f"{self.source}: key 'metadata_topic': cannot write to {self.options.metadata_topic_name}: {reason}"
-            )
-        metrics.KAFKA_METADATA_RECORDS.inc(len(records))
+            raise
 
     def _topic_of(self, cache: str) -> str:
         """The data topic of a cache; with ``topic_prefix`` created when first asked for."""

@@ -9,11 +9,12 @@ once).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -297,6 +298,10 @@ class LakeConsumer(Consumer):
         table = self._table
         if table is None:
             raise RuntimeError("lake sink used before start()")
+        with self._retriable():
+            self._land_drops(table, drops)
+
+    def _land_drops(self, table: ChangeTable, drops: Sequence[CacheDrop]) -> None:
         for drop in drops:
             while True:
                 table.refresh()
@@ -329,12 +334,17 @@ class LakeConsumer(Consumer):
             raise RuntimeError("lake sink used before start()")
         if self._maintainer is not None:
             self._maintainer.check()  # scheduled maintenance gave up: fail with its error
-        try:
+        with self._retriable():
             return self._land(table, batch)
+
+    @contextlib.contextmanager
+    def _retriable(self) -> Iterator[None]:
+        """The store unreachable, the disk full: the delivery loop offers the batch (or the drop) again,
+        and the source's mark in the table drops whatever an attempt did land."""
+        try:
+            yield
         except (LakeWriteError, OSError) as exc:
             metrics.LAKE_COMMIT_FAILURES.inc()
-            # The store unreachable, the disk full: the delivery loop offers the batch again (the
-            # source's mark in the table drops whatever an attempt did land).
             if isinstance(exc, OSError) or exc.transient:
                 raise RetriableError(f"lake {self.lake}: {describe(exc)}") from exc
             raise
