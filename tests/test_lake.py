@@ -47,9 +47,10 @@ def verify_results(stdout: str) -> dict[str, str]:
 
 
 # --- tests -----------------------------------------------------------------------------------------
-# ~46 entries a transaction (40 puts, removes of present keys): 7k entries in make test, 30k+ in make chaos (the
+# ~43 entries a transaction (40 puts, removes of present keys): 10k entries in make test (enough transactions
+# to update and delete keys often, not only create them), 30k+ in make chaos (the
 # same claim at a size where commits, batches and the compaction's MERGE span many more files).
-@pytest.mark.parametrize("n_tx", [150, pytest.param(700, marks=pytest.mark.chaos)])
+@pytest.mark.parametrize("n_tx", [250, pytest.param(700, marks=pytest.mark.chaos)])
 def test_daemon_lands_every_entry_exactly_once_then_compact_and_verify(tmp_path: Path, spark: Any, n_tx: int) -> None:
     """A `cdcd run` process with the lake sink (Spark writer) follows a node writing creates, updates and deletes
     into a Delta change table holding exactly one row per WAL data entry; `lake show`, `lake compact` and
