@@ -25,6 +25,7 @@ from cdcd.lake.report import byte_size, printable
 from cdcd.lake.table import CHANGES
 from cdcd.node import Node
 from cdcd.node.snapshot import NodeSnapshot
+from tests.support.cli import run_cli
 from tests.support.delta_tables import append_changes, change, expected_state, state_rows
 from tests.support.procs import CDCD, child_env
 
@@ -102,19 +103,16 @@ def test_vacuum_is_refused_while_old_changes_wait_for_compaction(tmp_path: Path)
     assert "SparkContext" not in res.stderr
 
 
-@pytest.mark.timeout(3600)  # six JVMs, one after the other (Delta's VACUUM alone took over 10 min at load 30)
-def test_compact_optimize_and_vacuum_say_what_they_did(tmp_path: Path) -> None:
+def test_compact_optimize_and_vacuum_say_what_they_did(spark: Any, tmp_path: Path) -> None:
     """Their stdout, line by line: compaction's rows from Delta's MERGE metrics (a delete of an absent key
     and a change older than state's row change nothing, and are said to); optimize with nothing to do
-    says so; vacuum below 168 h needs --force (one line, exit 2, no JVM), says Delta's check is off, and
-    prints its own figures, not Delta's "Deleted N files" line."""
+    says so; vacuum below 168 h needs --force (one line, exit 2), says Delta's check is off, and
+    prints its own figures, not Delta's "Deleted N files" line. The commands run in process on the
+    module's session (no JVM start each); their exits in a shell are tested in tests/test_cli_ops.py."""
     lake = tmp_path / "lake"
-    env = {**child_env(), "JAVA_TOOL_OPTIONS": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"}
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*CDCD, "lake", *args, "--lake", str(lake)], capture_output=True, text=True, timeout=1800, env=env
-        )
+        return run_cli("lake", *args, "--lake", str(lake))
 
     append_changes(lake, [change("c", str(k), f'"v{k}"', 10 + k) for k in range(1, 6)] + [change("c", "9", None, 16)])
     res = run("compact")
