@@ -206,10 +206,18 @@ def main() -> int:
         storage = {"endpoint": minio.endpoint, "path_style": True}
         for i, d in enumerate(dirs):
             writers.append(start_node(var, i, args.rate, int(node_metrics[i].rpartition(":")[2])))
-            consumer: dict[str, Any] = {"kind": "lake", "lake_path": LAKE, "writer": "deltalake", "storage": storage}
+            # The other daemons only land (no maintenance: a Spark session each would not fit the machine).
+            consumer: dict[str, Any] = {
+                "kind": "lake",
+                "lake_path": LAKE,
+                "writer": "deltalake",
+                "storage": storage,
+                "compact_interval_s": 0,
+                "optimize_interval_s": 0,
+            }
             if i == 0:
                 # One daemon writes through the cluster (its application takes both workers' cores), and
-                # compacts there on a schedule.
+                # maintains the lake there on a schedule.
                 consumer.update(
                     writer="spark",
                     spark_master=cluster.master_url,

@@ -24,6 +24,7 @@ from cdcd.lake.delta import app_id, decode_version
 from cdcd.node.identity import read_node_id
 from cdcd.node.snapshot import NodeSnapshot
 from cdcd.sinks.lake import LakeConsumer, LakeOptions
+from tests.support.config import NO_MAINTENANCE
 from tests.support.delta_lake import check_lake, delta_commits, lake_consumer, lake_rows
 from tests.support.delta_tables import state_rows
 from tests.support.lake import error_lines, run_to_end, write_config
@@ -43,7 +44,7 @@ def relinked() -> float:
 def sync(node_dir: Path, lake: Path) -> int:
     """One in-process daemon pass over everything the CDC dir holds (real WAL, LMDB state and Delta table)."""
     config = DaemonConfig(node_dir=str(node_dir), metrics_address="", consumer=lake_consumer(lake))
-    with Daemon(config, LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake"))) as daemon:
+    with Daemon(config, LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake", **NO_MAINTENANCE))) as daemon:
         assert daemon.state.mode is CdcMode.DAEMON_ACTIVE
         return daemon.sync_once()
 

@@ -17,6 +17,7 @@ from cdcd.lake.ops import show
 from cdcd.lake.verify import verify
 from cdcd.node.snapshot import NodeSnapshot
 from cdcd.sinks.lake import LakeConsumer, LakeOptions
+from tests.support.config import NO_MAINTENANCE
 from tests.support.delta_lake import lake_consumer, sub_batch, wal_batch
 from tests.support.lake import write_config
 from tests.support.procs import error_lines, reap, start_daemon
@@ -30,7 +31,7 @@ def build_lake(tmp: Path, batches: int = 4, *, checkpoint: bool = True) -> tuple
     batch = wal_batch(node_dir)
     n = len(batch.peek_slices())
     per = -(-n // batches)
-    sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake"))
+    sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake", **NO_MAINTENANCE))
     sink.start()
     try:
         for k in range(0, n, per):

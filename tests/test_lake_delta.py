@@ -32,6 +32,7 @@ from cdcd.lake.delta import MAX_OFFSET, MAX_SEGMENT, LakeWriteError, app_id, dec
 from cdcd.node import Node
 from cdcd.sinks.lake import LakeConsumer, LakeOptions
 from cdcd.wal import WalPointer
+from tests.support.config import NO_MAINTENANCE
 from tests.support.delta_lake import (
     Pos,
     check_lake,
@@ -71,7 +72,7 @@ def test_replays_and_partly_new_batches_land_once(tmp_path: Path) -> None:
     make_node(node_dir, segments=3, tx_per_segment=10)
     whole = wal_batch(node_dir)
     n = len(whole.peek_slices())
-    sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake"))
+    sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake", **NO_MAINTENANCE))
     sink.start()
     try:
         assert sink.on_events(sub_batch(whole, 0, 10)) is True
@@ -85,7 +86,7 @@ def test_replays_and_partly_new_batches_land_once(tmp_path: Path) -> None:
         assert commits[-1]["cdcd"]["rows"] == sum(len(s.record.entries) for s in whole.peek_slices()[10:20])
     finally:
         sink.stop()
-    other = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake"))
+    other = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake", **NO_MAINTENANCE))
     other.start()
     try:
         assert other.on_events(sub_batch(whole, 15, n)) is True
@@ -107,7 +108,7 @@ def test_every_cache_name_the_node_accepts_lands(tmp_path: Path, writer: str) ->
         for i, name in enumerate(names):
             node.cache(name).put(i, {"name": name})
         node.force_archive()
-    sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer=writer, spark_master="local[1]"))
+    sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer=writer, spark_master="local[1]", **NO_MAINTENANCE))
     sink.start()
     try:
         assert sink.on_events(wal_batch(node_dir)) is True
@@ -141,7 +142,9 @@ def test_spark_writer_lands_one_partition_batches_straight_and_mixed_ones_throug
                 node.cache(name).put_all({k: {"name": name, "k": k} for k in range(tx * 4, tx * 4 + 4)})
         node.force_archive()
     batch = wal_batch(node_dir)
-    sink = LakeConsumer(LakeOptions(lake_path=str(lake), spark_master="local[1]", partition_by_day=partition_by_day))
+    sink = LakeConsumer(
+        LakeOptions(lake_path=str(lake), spark_master="local[1]", partition_by_day=partition_by_day, **NO_MAINTENANCE)
+    )
     sink.start()
     try:
         for start, stop in ((0, 3), (3, 6), (6, 12)):  # one cache, one cache, two caches
@@ -169,7 +172,7 @@ def test_restored_node_continues_as_a_new_generation(tmp_path: Path) -> None:
     shutil.copytree(node_dir, backup)
     make_node(node_dir, segments=14, tx_per_segment=20, first_tx=n)
     first = wal_batch(node_dir, "node-a")
-    sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake"))
+    sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake", **NO_MAINTENANCE))
     sink.start()
     try:
         assert sink.on_events(first) is True
@@ -444,8 +447,9 @@ def test_spark_writer_daemon_stops_cleanly_on_a_signal_to_its_process_group(tmp_
 
 
 def test_the_node_realtime_worker_defaults_to_the_jvm_free_writer() -> None:
-    """A `[realtime_consumer]` lake table without `writer` writes with delta-rs (no JVM in the node's process); the
-    daemon's `[consumer]` defaults to Spark; the kind's and the writer's pre-release names are unknown."""
+    """A `[realtime_consumer]` lake table without `writer` writes with delta-rs and schedules no maintenance (no
+    JVM in the node's process); the daemon's `[consumer]` defaults to Spark and compacts every 60 s and optimizes
+    every 10 s; the kind's and the writer's pre-release names are unknown."""
     from cdcd.config import ConfigError
     from cdcd.sinks import load_consumer
 
@@ -462,16 +466,24 @@ def test_the_node_realtime_worker_defaults_to_the_jvm_free_writer() -> None:
         load_consumer({"kind": "lake", "lake_path": "/x", "writer": "arrow"}, "cdcd.toml: consumer")
     assert writer({"kind": "lake", "lake_path": "/x", "writer": "spark"}, "realtime_consumer") == "spark"
 
+    def maintenance(table: dict[str, Any], source: str) -> tuple[float, float]:
+        opts = load_consumer(table, source).options  # type: ignore[attr-defined]
+        return opts.compact_interval_s, opts.optimize_interval_s
+
+    assert maintenance({"kind": "lake", "lake_path": "/x"}, "cdcd.toml: consumer") == (60.0, 10.0)
+    assert maintenance({"kind": "lake", "lake_path": "/x"}, "realtime_consumer") == (0.0, 0.0)
+    assert maintenance({"kind": "lake", "lake_path": "/x", "compact_interval_s": 5}, "realtime_consumer") == (5.0, 0.0)
+
 
 def test_a_table_that_would_expire_application_transactions_is_refused(tmp_path: Path) -> None:
     """Exactly once depends on every source's application transaction staying in the log: a changes table with
     `delta.setTransactionRetentionDuration` set is refused at start, naming the property."""
     lake = tmp_path / "lake"
-    sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake"))
+    sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake", **NO_MAINTENANCE))
     sink.start()
     sink.stop()
     DeltaTable(str(lake / "changes")).alter.set_table_properties(
         {"delta.setTransactionRetentionDuration": "interval 7 days"}, raise_if_not_exists=False
     )
     with pytest.raises(LakeWriteError, match="setTransactionRetentionDuration = interval 7 days would let"):
-        LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake")).start()
+        LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake", **NO_MAINTENANCE)).start()

@@ -19,6 +19,7 @@ from cdcd.lake.compact import compact
 from cdcd.lake.ops import optimize
 from cdcd.node import Node
 from cdcd.sinks.lake import LakeConsumer, LakeOptions
+from tests.support.config import NO_MAINTENANCE
 from tests.support.delta_lake import lake_consumer, wal_batch
 from tests.support.delta_tables import append_changes, change, expected_state, state_rows
 from tests.support.lake import run_to_end, write_config
@@ -117,7 +118,7 @@ def test_compaction_and_optimize_take_any_name_slashes_and_dots_too(spark: Any, 
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
     for round_ in range(2):
         write_round(node_dir, round_)
-        sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake"))
+        sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake", **NO_MAINTENANCE))
         sink.start()
         try:
             assert sink.on_events(wal_batch(node_dir)) is True  # the earlier round's records: replays, dropped

@@ -93,11 +93,15 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     storage: StorageOptions = msgspec.field(default_factory=StorageOptions)
     """``[consumer.storage]``: endpoint, region, credentials of an object store (``lake_path = "s3://..."``)."""
-    compact_interval_s: float = 0.0
-    """Run ``lake compact`` (MERGE into ``state``) from the daemon every this many seconds; 0: never.
-    It runs on Spark (``spark_master``), also when the writer is ``deltalake``."""
-    optimize_interval_s: float = 0.0
-    """Bin-pack small files of both tables every this many seconds; 0: never."""
+    compact_interval_s: float = 60.0
+    """Run ``lake compact`` (MERGE into ``state`` and the typed tables) from the daemon every this many
+    seconds; 0: never. It runs on Spark (``spark_master``), also when the writer is ``deltalake``.
+    In a ``[realtime_consumer]`` table the default is 0: the daemon's sink maintains the lake (it runs
+    PASSIVE or not), and the node's process starts no JVM unless asked."""
+    optimize_interval_s: float = 10.0
+    """Bin-pack small files of every table every this many seconds; 0: never. Live traffic adds about
+    one file per cache partition and commit; this bounds the files a partition holds. Default 0 in a
+    ``[realtime_consumer]`` table, as ``compact_interval_s``."""
     maintenance_max_failures: int = 3
     """Scheduled runs failing in a row before the sink fails (the daemon exits 4 naming the error)."""
     typed_tables: bool = True
@@ -197,9 +201,9 @@ class LakeConsumer(Consumer):
     def from_options(cls, options: Mapping[str, Any], source: str) -> LakeConsumer:
         if "writer" not in options and _is_url(str(options.get("lake_path", ""))):
             options = {**options, "writer": "deltalake"}  # the writer on object stores
-        if "writer" not in options and source.endswith("realtime_consumer"):
-            # In the node's process: no JVM unless asked for.
-            options = {**options, "writer": "deltalake"}
+        if source.endswith("realtime_consumer"):
+            # In the node's process: no JVM unless asked for (the daemon's sink maintains the lake).
+            options = {"writer": "deltalake", "compact_interval_s": 0.0, "optimize_interval_s": 0.0, **options}
         return cls(convert(options, LakeOptions, source))
 
     def start(self, registry: Any = None) -> None:

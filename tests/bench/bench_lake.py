@@ -140,7 +140,14 @@ def _consumer(lake: Path, writer: str) -> Any:
                 self.batches += 1
 
     return TimedSparkConsumer(
-        LakeOptions(lake_path=str(lake), spark_master=SPARK_MASTER, app_name=APP_NAME, writer=writer)  # type: ignore[arg-type]
+        LakeOptions(
+            lake_path=str(lake),
+            spark_master=SPARK_MASTER,
+            app_name=APP_NAME,
+            writer=writer,  # type: ignore[arg-type]
+            compact_interval_s=0,  # landing is timed, not maintenance
+            optimize_interval_s=0,
+        )
     )
 
 

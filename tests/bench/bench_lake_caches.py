@@ -4,15 +4,20 @@
   the timed part is a daemon landing all of it in ``<lake>/changes`` with the lake sink
   (``sync_once`` until nothing is left), for the Spark writer (``local[2]``) and the JVM-free one.
   Checks the table holds every row. Goal: < 30 s (issue 19.7).
-- ``lake.files.live``: a node (a subprocess) writes 5k entries/s over 4 caches for 10 minutes
-  (``--quick``: 2 minutes), archiving a segment every second; an in-process daemon lands it with the
-  JVM-free writer and the lake sink's scheduled optimize at ``MaintainerOptions``' default interval.
-  At the end: the active files per cache partition of ``changes`` (from the Delta snapshot), max
-  and mean. Goal: <= 20 (issue 15).
+- ``lake.files.live``: a node (a subprocess) writes 5k entries/s over 4 caches (keys cycling
+  through 1M) for 10 minutes (``--quick``: 2 minutes; ``BENCH_LIVE_S`` and ``BENCH_LIVE_RATE`` set
+  another length and rate, such as the hour issue 31 asks for), archiving a segment every second;
+  an in-process daemon lands it with the JVM-free writer and the lake sink's default maintenance
+  (scheduled compaction and optimize at ``LakeOptions``' default intervals). At the end: the active
+  files per cache partition of ``changes`` and of ``state`` (from the Delta snapshots), max and
+  mean, the typed tables' files, and how long a Spark reader's first ``count(*) GROUP BY cache`` of
+  ``state`` takes in a running session. Goals: <= 20 files (issues 15 and 31), the read < 2 s
+  (issue 31).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -87,7 +92,14 @@ class ManyCaches:
         shutil.rmtree(work, ignore_errors=True)
         shutil.copytree(self.root / "base", work / "node")
         lake = work / "lake"
-        sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer=writer, spark_master=MASTER))  # type: ignore[arg-type]
+        opts = LakeOptions(
+            lake_path=str(lake),
+            writer=writer,  # type: ignore[arg-type]
+            spark_master=MASTER,
+            compact_interval_s=0,  # landing is timed, not maintenance
+            optimize_interval_s=0,
+        )
+        sink = LakeConsumer(opts)
         if writer == "spark":
             from cdcd.lake import spark as spark_session
 
@@ -115,8 +127,10 @@ class ManyCaches:
             self.root = None
 
 
-LIVE_RATE = 5_000
+LIVE_RATE = int(os.environ.get("BENCH_LIVE_RATE") or 5_000)
 LIVE_CACHES = 4
+LIVE_KEYS = 1_000_000
+READ_GOAL_S = 2.0
 LIVE_FULL_S = 600.0
 LIVE_QUICK_S = 120.0
 FILES_GOAL = 20
@@ -124,7 +138,8 @@ FILES_GOAL = 20
 
 def live_writer(node_dir: str, seconds: float, rate: int, caches: int) -> None:
     """The node of ``lake.files.live`` (a process of its own): ``rate`` entries/s over ``caches``
-    caches for ``seconds``, archiving a segment every second (the live archive mode)."""
+    caches for ``seconds`` (keys cycling through ``LIVE_KEYS``: creates first, then updates), archiving
+    a segment every second (the live archive mode)."""
     from cdcd.node import Node
 
     with Node.open(node_dir, wal_force_archive_timeout_ms=1000, wal_mode="background") as node:
@@ -134,33 +149,42 @@ def live_writer(node_dir: str, seconds: float, rate: int, caches: int) -> None:
         while (now := time.monotonic() - t0) < seconds:
             due = int(now * rate)
             while written < due:
-                handles[written % caches].put(written, {"i": written, "pad": "x" * 64})
+                handles[written % caches].put(written % LIVE_KEYS, {"i": written, "pad": "x" * 64})
                 written += 1
             time.sleep(0.01)
         node.force_archive()
     (Path(node_dir) / "written").write_text(str(written))
 
 
+def _first_read_s(spark: object, state: Path) -> float:
+    """A reader's first query of ``state`` in a running Spark session: snapshot load, file listing
+    and the scan; what a data engineer waits for."""
+    t0 = time.perf_counter()
+    spark.read.format("delta").load(str(state)).groupBy("cache").count().collect()  # type: ignore[attr-defined]
+    return time.perf_counter() - t0
+
+
 def run_live(duration_s: float) -> Measurement:
     """``live_writer`` in a subprocess; an in-process daemon lands what it archives with the lake sink
-    (JVM-free writer) whose scheduled optimize runs at its default interval."""
+    (JVM-free writer) and its default maintenance."""
     import subprocess
     import sys
 
-    from cdcd.daemon import Daemon, DaemonConfig
-    from cdcd.lake.maintainer import MaintainerOptions
-    from cdcd.sinks.lake import LakeConsumer, LakeOptions
-    from tests.support.bench import _child_env, _kill
+    from deltalake import DeltaTable
 
-    interval_s = MaintainerOptions().optimize_interval_s
+    from cdcd.daemon import Daemon, DaemonConfig
+    from cdcd.lake import spark as spark_session
+    from cdcd.lake.typed_layout import list_tables
+    from cdcd.sinks.lake import LakeConsumer, LakeOptions
+    from tests.support.bench import _child_env
+    from tests.support.procs import reap
+
     root = Path(tempfile.mkdtemp(prefix="cdcd-bench-lake-live-", dir=_bench_dir()))
     proc: subprocess.Popen[bytes] | None = None
     try:
         node_dir, lake = root / "node", root / "lake"
-        # A user who sets only the optimize switch gets the default interval.
-        sink = LakeConsumer(
-            LakeOptions(lake_path=str(lake), writer="deltalake", spark_master=MASTER, optimize_interval_s=interval_s)
-        )
+        opts = LakeOptions(lake_path=str(lake), writer="deltalake", spark_master=MASTER)
+        sink = LakeConsumer(opts)
         args = [str(node_dir), str(duration_s), str(LIVE_RATE), str(LIVE_CACHES)]
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.bench.bench_lake_caches", "live-writer", *args], env=_child_env()
@@ -178,23 +202,42 @@ def run_live(duration_s: float) -> Measurement:
                 raise AssertionError(f"the live writer exited {proc.returncode}")
             while daemon.sync_once() > 0:
                 pass
+            if not (lake / "state").is_dir():
+                raise AssertionError(f"no scheduled compaction finished in {duration_s:.0f} s")
             counts = files_per_partition(lake / "changes")
-            optimizations = sink._maintainer.optimizations if sink._maintainer else 0
+            state_counts = files_per_partition(lake / "state")
+            table_files = {c: len(DeltaTable(str(p)).file_uris()) for c, p in list_tables(lake).items()}
+            maintainer = sink._maintainer
+            runs = (maintainer.compactions, maintainer.optimizations) if maintainer else (0, 0)
         written = int((node_dir / "written").read_text())
         if changes_rows(lake) != written:
             raise AssertionError(f"lake holds {changes_rows(lake):,} rows of {written:,}")
-        worst = max(counts.values())
-        mean = sum(counts.values()) / len(counts)
-        extra = {"mean_files": round(mean, 1), "optimize_interval_s": interval_s, "optimizations": optimizations}
+        spark = spark_session.acquire(MASTER, "cdcd-bench-reader", {})
+        try:
+            read_s = _first_read_s(spark, lake / "state")
+        finally:
+            spark_session.release()
+        worst = max(max(counts.values()), max(state_counts.values(), default=0))
+        extra = {
+            "mean_files": round(sum(counts.values()) / len(counts), 1),
+            "state_max_files": max(state_counts.values(), default=0),
+            "table_max_files": max(table_files.values(), default=0),
+            "state_read_s": round(read_s, 2),
+            "compact_interval_s": opts.compact_interval_s,
+            "optimize_interval_s": opts.optimize_interval_s,
+            "compactions": runs[0],
+            "optimizations": runs[1],
+        }
         return Measurement(written, duration_s, extra, value=worst)
     finally:
-        _kill(proc)
-        shutil.rmtree(root, ignore_errors=True)
+        reap(proc)
+        if not os.environ.get("BENCH_KEEP_LAKE"):  # set: the lake stays for a look afterwards
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def benchmarks(quick: bool) -> list[Bench]:
     caches = ManyCaches(1000 if quick else MANY_CACHES)
-    live_s = LIVE_QUICK_S if quick else LIVE_FULL_S
+    live_s = float(os.environ.get("BENCH_LIVE_S") or (LIVE_QUICK_S if quick else LIVE_FULL_S))
     out = [
         Bench(
             name=f"lake.many_caches.{writer}",
@@ -214,15 +257,26 @@ def benchmarks(quick: bool) -> list[Bench]:
     out.append(
         Bench(
             name="lake.files.live",
-            description=f"files per cache partition of changes after {live_s:.0f} s live at {LIVE_RATE:,}/s",
+            description=f"files per cache partition of changes and state after {live_s:.0f} s live at {LIVE_RATE:,}/s",
             run_once=lambda: run_live(live_s),
             metric="max_files",
             unit="files",
             goal=FILES_GOAL,
             lower_is_better=True,
             max_repeats=1,
-            more=(Metric("mean_files", "mean_files", "files", FILES_GOAL, lower_is_better=True),),
-            params={"rate": LIVE_RATE, "caches": LIVE_CACHES, "seconds": live_s, "writer": "deltalake"},
+            more=(
+                Metric("mean_files", "mean_files", "files", FILES_GOAL, lower_is_better=True),
+                Metric("state_max_files", "state_max_files", "files", FILES_GOAL, lower_is_better=True),
+                Metric("table_max_files", "table_max_files", "files", lower_is_better=True),
+                Metric("state_read", "state_read_s", "s", READ_GOAL_S, lower_is_better=True),
+            ),
+            params={
+                "rate": LIVE_RATE,
+                "caches": LIVE_CACHES,
+                "keys": LIVE_KEYS,
+                "seconds": live_s,
+                "writer": "deltalake",
+            },
         )
     )
     return out

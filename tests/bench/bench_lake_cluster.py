@@ -99,6 +99,8 @@ def _consumer(server: MinioServer, lake: str) -> dict[str, Any]:
         "lake_path": lake,
         "writer": "deltalake",
         "storage": {"endpoint": server.endpoint, "path_style": True},
+        "compact_interval_s": 0,  # landing is timed, not maintenance
+        "optimize_interval_s": 0,
     }
 
 

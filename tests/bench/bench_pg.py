@@ -663,7 +663,15 @@ class CdcdSide:
 
         SPARK.ensure()  # started and warmed up once, outside every timing
         lake = self._dir("lake")
-        consumer = LakeConsumer(LakeOptions(lake_path=str(lake), spark_master=SPARK_MASTER, app_name=APP_NAME))
+        consumer = LakeConsumer(
+            LakeOptions(
+                lake_path=str(lake),
+                spark_master=SPARK_MASTER,
+                app_name=APP_NAME,
+                compact_interval_s=0,  # landing is timed, as PostgreSQL's side is
+                optimize_interval_s=0,
+            )
+        )
         daemon = Daemon(ingest_config(self.backlog), consumer, show_progress=False)
         try:
             daemon.start()

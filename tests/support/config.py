@@ -15,6 +15,16 @@ def _toml_value(v: Any) -> str:
     return json.dumps(v)
 
 
+# The lake sink compacts and optimizes on a schedule by default (a Spark session in the daemon): the
+# config writers turn that off for a lake consumer that does not set its intervals (tests of landing);
+# tests of maintenance set their own.
+NO_MAINTENANCE: dict[str, Any] = {"compact_interval_s": 0.0, "optimize_interval_s": 0.0}
+
+
+def without_maintenance(consumer: dict[str, Any]) -> dict[str, Any]:
+    return {**NO_MAINTENANCE, **consumer} if consumer.get("kind") == "lake" else consumer
+
+
 def write_daemon_config(path: Path, node_dir: Path, consumer: dict[str, Any], **settings: Any) -> Path:
     """A daemon TOML config: quick polling, no metrics port, ``settings`` on top."""
     values: dict[str, Any] = {
@@ -27,7 +37,7 @@ def write_daemon_config(path: Path, node_dir: Path, consumer: dict[str, Any], **
     }
     lines = [f"{k} = {_toml_value(v)}" for k, v in values.items()]
     lines.append("[consumer]")
-    lines += [f"{k} = {_toml_value(v)}" for k, v in consumer.items()]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in without_maintenance(consumer).items()]
     path.write_text("\n".join(lines) + "\n")
     return path
 

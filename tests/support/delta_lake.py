@@ -19,6 +19,7 @@ from cdcd.consumer import EventBatch, RecordSlice
 from cdcd.lake.delta import app_id, decode_version
 from cdcd.sinks.lake import LakeConsumer, LakeOptions
 from cdcd.wal import CacheRecord, DataRecord, WalPointer
+from tests.support.config import NO_MAINTENANCE
 from tests.support.wal import wal_events, wal_records
 
 Pos = tuple[int, int, int]
@@ -27,7 +28,7 @@ QUICK_START = {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+Us
 
 def lake_consumer(lake: Path, writer: str = "deltalake", **options: Any) -> dict[str, Any]:
     """A ``[consumer]`` table; the Spark writer on ``local[1]`` with a quick-starting JVM."""
-    table = {"kind": "lake", "lake_path": str(lake), "writer": writer, **options}
+    table = {"kind": "lake", "lake_path": str(lake), "writer": writer, **NO_MAINTENANCE, **options}
     if writer == "spark":
         table = {"spark_master": "local[1]", "spark_conf": QUICK_START, **table}
     return table
@@ -180,7 +181,7 @@ def land_main() -> None:
     node_dir, lake, per, go, out, source = sys.argv[1:7]
     batch = wal_batch(Path(node_dir), source)
     n = len(batch.peek_slices())
-    sink = LakeConsumer(LakeOptions(lake_path=lake, writer="deltalake"))
+    sink = LakeConsumer(LakeOptions(lake_path=lake, writer="deltalake", **NO_MAINTENANCE))
     sink.start()
     Path(out + ".ready").touch()  # the table is open: the parent may let the race begin
     while not Path(go).exists():

@@ -13,6 +13,7 @@ import lmdb
 
 from cdcd.daemon.config import load_daemon_config
 from cdcd.daemon.ops import show_state
+from tests.support.config import without_maintenance
 from tests.support.procs import start_daemon, stop_daemon, wait_for
 from tests.support.wal import archived_segments
 
@@ -46,7 +47,7 @@ def write_config(path: Path, node_dir: Path, consumer: dict[str, Any], **setting
     }
     lines = [f"{k} = {toml_value(v)}" for k, v in values.items()]
     lines.append("[consumer]")
-    lines += [f"{k} = {toml_value(v)}" for k, v in consumer.items()]
+    lines += [f"{k} = {toml_value(v)}" for k, v in without_maintenance(consumer).items()]
     path.write_text("\n".join(lines) + "\n")
     return path
 
