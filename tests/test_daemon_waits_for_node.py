@@ -156,3 +156,50 @@ def test_a_waiting_daemon_serves_its_metrics_saying_so(tmp_path: Path) -> None:
         reap(proc)
         notify.close()
     assert read_jsonl(out) == expected, "every event once, in WAL order"
+
+
+def test_a_daemon_started_while_its_node_opens_waits_for_its_answer(tmp_path: Path) -> None:
+    """A node process holds its lock and has written its first segment but its control socket does not answer yet
+    (failpoint ``node.open.locked``, paused): a `cdcd run` without state started then logs
+    `waiting_for_node_socket` and waits for the node's answer, instead of sitting PASSIVE until the node's next
+    start; once the node answers, every event it writes is delivered exactly, in WAL order."""
+    node_dir, out, err = tmp_path / "node", tmp_path / "events.jsonl", tmp_path / "daemon.err"
+    points = tmp_path / "failpoints"
+    points.mkdir()
+    marker = points / "node.open.locked"
+    config = write_daemon_config(tmp_path / "cdcd.toml", node_dir, jsonl_consumer(out))
+    env = {**child_env(), "CDCD_FAILPOINTS": "node.open.locked=pause", "CDCD_FAILPOINTS_DIR": str(points)}
+    code = "import tests.support.writer as t; t.writer_main()"
+    args = [str(node_dir), "200", str(tmp_path / "writer.stop"), "0", str(tmp_path / "writer.done")]
+    notify = NotifySocket(tmp_path / "notify.sock")
+    writer = proc = None
+    try:
+        with (tmp_path / "writer.log").open("wb") as log:
+            writer = subprocess.Popen([sys.executable, "-c", code, *args], stdout=log, stderr=log, env=env)
+        wait_for(lambda: marker.exists() or writer.poll() is not None, 120, "the node paused before its socket")
+        assert writer.poll() is None, (tmp_path / "writer.log").read_text()[-3000:]
+        proc = start(config, err, notify)
+        wait_for(
+            lambda: bool({"waiting_for_node_socket", "daemon_started"} & set(events(err))) or proc.poll() is not None,
+            60,
+            "waiting_for_node_socket",
+        )
+        assert "waiting_for_node_socket" in events(err), err.read_text()[-3000:]
+        assert proc.poll() is None, err.read_text()[-3000:]
+        marker.unlink()  # the node goes on: socket up, 200 transactions, archived
+        assert writer.wait(120) == 0, (tmp_path / "writer.log").read_text()[-3000:]
+        expected = wal_events(node_dir)
+        assert len(expected) > 1000
+        wait_for(
+            lambda: (out.exists() and len(read_jsonl(out)) >= len(expected)) or proc.poll() is not None, 120, "delivery"
+        )
+        assert proc.poll() is None, err.read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, err.read_text()[-3000:]
+    finally:
+        reap(writer)
+        reap(proc)
+        notify.close()
+    assert read_jsonl(out) == expected, "every event once, in WAL order"
+    seen = events(err)
+    assert seen.count("waiting_for_node_socket") == 1 and "daemon_without_state_waits" not in seen

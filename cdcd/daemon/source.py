@@ -6,6 +6,8 @@ Asked first over the node's control socket (a running node), else read from its 
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 
 import lmdb
@@ -14,6 +16,7 @@ import structlog
 
 from cdcd.control import request
 from cdcd.daemon_state import StateDamaged, check_lmdb_file
+from cdcd.lock import read_holder_pid
 from cdcd.node.config import NodeConfig
 from cdcd.node.metastorage import MetastorageUnreadable, read_realtime_state
 from cdcd.wal.pointer import WalPosition
@@ -22,6 +25,8 @@ from cdcd.wal.records import CacheInfo
 log = structlog.get_logger("cdcd.daemon")
 
 ASK_TIMEOUT_S = 5.0
+STARTING_NODE_WAIT_S = 60.0
+"""How long a daemon waits for a node that holds its lock but does not answer yet (it is opening)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,37 @@ def ask_node(node: NodeConfig) -> NodeDelivery | None:
         return None
     on = saved.enabled and saved.try_start is None and saved.position is not None
     return NodeDelivery(on, saved.position, f"metastorage {node.metastorage_path / 'data.mdb'}")
+
+
+def ask_starting_node(node: NodeConfig, wait_s: float = STARTING_NODE_WAIT_S) -> NodeDelivery | None:
+    """``ask_node``, waiting up to ``wait_s`` while the node is opening: its process holds ``node.lock``
+    but its control socket does not answer yet. Without the wait a daemon started a moment after its
+    node (one systemd unit right after the other) would sit PASSIVE until the node's next start."""
+    answer = ask_node(node)
+    deadline = time.monotonic() + wait_s
+    logged = False
+    while answer is None and _node_process_alive(node) and time.monotonic() < deadline:
+        if not logged:
+            log.info("waiting_for_node_socket", socket=str(node.control_socket_path), wait_s=wait_s)
+            logged = True
+        time.sleep(0.2)
+        answer = ask_node(node)
+    return answer
+
+
+def _node_process_alive(node: NodeConfig) -> bool:
+    """The pid in ``node.lock`` is a live process (read, not locked: taking the lock, even shared,
+    could make the opening node's own attempt fail)."""
+    pid = read_holder_pid(node.lock_path)
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def node_caches(node: NodeConfig) -> tuple[dict[int, CacheInfo], str]:

@@ -43,9 +43,9 @@ def _initial_state(config: DaemonConfig, state: DaemonState) -> DaemonState:
     """No state (new, deleted or emptied): ask the node who delivers rather than wait PASSIVE for a Stop
     record that a running node writes only when it opens. Its realtime worker delivers: PASSIVE. It does
     not: ACTIVE from where its realtime worker stopped, or the oldest link."""
-    from cdcd.daemon.source import ask_node
+    from cdcd.daemon.source import ask_starting_node
 
-    node = ask_node(config.node())
+    node = ask_starting_node(config.node())
     if node is None:
         log.warning(
             "daemon_without_state_waits",

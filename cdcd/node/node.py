@@ -12,7 +12,7 @@ from typing import Any
 
 import structlog
 
-from cdcd import metrics
+from cdcd import failpoints, metrics
 from cdcd.config import ConfigError, convert, load_toml
 from cdcd.control import ControlServer
 from cdcd.lock import DirLock, LockHeld
@@ -110,6 +110,7 @@ class Node:
 
     def _open(self) -> None:
         config = self.config
+        failpoints.hit("node.open.locked")  # tests: lock held, cdc dir made, no answer yet on socket or metastorage
         # Before anything is written: a control_socket another live node serves is a config error.
         self._control_server = ControlServer(config.control_socket_path, lambda req: commands.handle(self, req))
         self._control_server.check_free()
