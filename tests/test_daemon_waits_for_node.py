@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tests.support.chaos import free_port, scrape
 from tests.support.config import jsonl_consumer, write_daemon_config
-from tests.support.procs import child_env, reap, wait_for
+from tests.support.procs import child_env, reap, stop_daemon, wait_for
 from tests.support.wal import read_jsonl, wal_events
 from tests.support.writer import make_node
 
@@ -83,8 +83,7 @@ def test_daemon_waits_for_its_node_then_delivers_exactly(tmp_path: Path) -> None
             lambda: (out.exists() and len(read_jsonl(out)) >= len(expected)) or proc.poll() is not None, 120, "delivery"
         )
         assert proc.poll() is None, err.read_text()[-3000:]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, err.read_text()[-3000:]
+        assert stop_daemon(proc, timeout=60) == 0, err.read_text()[-3000:]
     finally:
         reap(proc)
         notify.close()
@@ -150,8 +149,7 @@ def test_a_waiting_daemon_serves_its_metrics_saying_so(tmp_path: Path) -> None:
         assert proc.poll() is None, err.read_text()[-3000:]
         going = samples()
         assert going is not None and going["cdcd_daemon_waiting_for_node"] == [({}, 0.0)]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, err.read_text()[-3000:]
+        assert stop_daemon(proc, timeout=60) == 0, err.read_text()[-3000:]
     finally:
         reap(proc)
         notify.close()
@@ -194,8 +192,7 @@ def test_a_daemon_started_while_its_node_opens_waits_for_its_answer(tmp_path: Pa
             lambda: (out.exists() and len(read_jsonl(out)) >= len(expected)) or proc.poll() is not None, 120, "delivery"
         )
         assert proc.poll() is None, err.read_text()[-3000:]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, err.read_text()[-3000:]
+        assert stop_daemon(proc, timeout=60) == 0, err.read_text()[-3000:]
     finally:
         reap(writer)
         reap(proc)
