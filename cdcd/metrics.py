@@ -315,6 +315,19 @@ LAKE_LAST_MAINTENANCE = Gauge(
     ["task"],
     registry=LAKE,
 )
+LAKE_MAINTENANCE_SECONDS = Histogram(
+    "cdcd_lake_maintenance_duration_seconds",
+    "Duration of each successful scheduled maintenance run (compact: MERGE into state; optimize: bin-packing)",
+    ["task"],
+    buckets=(0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
+    registry=LAKE,
+)
+LAKE_LAST_MAINTENANCE_SECONDS = Gauge(
+    "cdcd_lake_last_maintenance_duration_seconds",
+    "Duration of the last successful scheduled maintenance run (its end: cdcd_lake_last_maintenance_timestamp_seconds)",
+    ["task"],
+    registry=LAKE,
+)
 LAKE_FILES_PER_PARTITION_MAX = Gauge(
     "cdcd_lake_files_per_partition_max",
     "Most data files in one partition of the changes table: set after each of this sink's commits, from the "

@@ -26,9 +26,10 @@ TOP_FIGURES = (
     re.compile(r"lag\s+\d+ seg\s+[\d.]+ s"),
     re.compile(r"rate\s+[\d,]+ events/s"),
     re.compile(r"backlog\s+\d+ seg"),
-    # the consumer's own: lake version, files per partition, last compaction
-    re.compile(r"cdcd_lake_table_version\s+[1-9]\d*\s"),
-    re.compile(r"cdcd_lake_files_per_partition_max\s+\d+"),
+    # the consumer's own: lake version, files per partition, last compaction and its duration
+    re.compile(r"lake table version\s+[1-9]\d*\s"),
+    re.compile(r"files per partition \(max\)\s+\d+"),
+    re.compile(r"last compaction\s+(not yet|\d\d:\d\d:\d\d UTC, took [\d.,]+ s)"),
     re.compile(r"cdcd_lake_lag_seconds\s+[\d.]+"),
     # retries, stalls, dead letters: none in a clean run
     re.compile(r"no retries, stalls or dead letters reported"),

@@ -83,6 +83,60 @@ def test_compacts_and_optimizes_on_schedule_while_changes_arrive(spark: Any, tmp
     assert compacted_version(lake) <= (table_version(lake / CHANGES) or 0)
 
 
+def test_each_run_s_duration_is_measured_and_exported(spark: Any, tmp_path: Path) -> None:
+    """A successful run's duration lands in `cdcd_lake_last_maintenance_duration_seconds{task}` (the last run's)
+    and `cdcd_lake_maintenance_duration_seconds{task}` (every run's). The Maintainer's clock jumps 100 s times
+    the run's number inside each real compaction: the figures can only come from measuring each run on that
+    clock, one run at a time (never the sum of runs, never the wall time between them)."""
+    from prometheus_client import REGISTRY
+
+    from cdcd import metrics
+    from cdcd.lake.compact import CompactResult, compact
+
+    metrics.export(metrics.LAKE)
+
+    def sample(name: str) -> float:
+        return REGISTRY.get_sample_value(name, {"task": "compact"}) or 0.0
+
+    count_before = sample("cdcd_lake_maintenance_duration_seconds_count")
+    sum_before = sample("cdcd_lake_maintenance_duration_seconds_sum")
+    jumped_s = [0.0]
+    runs: list[CompactResult] = []
+
+    def clock() -> float:
+        return time.monotonic() + jumped_s[0]
+
+    def compact_then_jump(session: Any, lake: Path) -> CompactResult:
+        result = compact(session, lake)
+        runs.append(result)
+        jumped_s[0] += 100.0 * len(runs)
+        return result
+
+    lake = tmp_path / "lake"
+    append_changes(lake, [change("orders", "0", '"first"', 1)])
+    m = Maintainer(
+        lake,
+        spark,
+        MaintainerOptions(compact_interval_s=0.05, optimize_interval_s=0),
+        compact_fn=compact_then_jump,
+        clock=clock,
+    )
+    started = time.monotonic()
+    m.start()
+    try:
+        wait_for(lambda: m.compactions >= 2, "two scheduled compactions")
+    finally:
+        m.stop()
+    real_s = time.monotonic() - started  # every run's real time is within this
+    n = m.compactions
+    assert n == len(runs) >= 2 and m.failures == 0
+    last = sample("cdcd_lake_last_maintenance_duration_seconds")
+    assert 100.0 * n <= last < 100.0 * n + real_s, (n, last, real_s)
+    assert sample("cdcd_lake_maintenance_duration_seconds_count") - count_before == n
+    jumps_s = 100.0 * n * (n + 1) / 2
+    assert jumps_s <= sample("cdcd_lake_maintenance_duration_seconds_sum") - sum_before < jumps_s + real_s
+
+
 def test_failures_are_logged_retried_then_surfaced(
     spark: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -5,8 +5,10 @@ it, missing sources shown as such, nothing written, and the live view driven in 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,9 +17,12 @@ from typing import Any
 import pytest
 
 from tests.support.config import jsonl_consumer, write_daemon_config
-from tests.support.procs import CDCD, cdcd, child_env, reap, start_daemon, state_show, wait_for
+from tests.support.delta_lake import QUICK_START, lake_consumer
+from tests.support.lake import write_config
+from tests.support.procs import CDCD, cdcd, child_env, reap, start_daemon, state_show, stop_daemon, wait_for
 from tests.support.servers import free_port
 from tests.support.tmux import Pane
+from tests.support.writer import make_node
 
 TOP = [*CDCD, "top"]
 DEADLINE_S = 90.0
@@ -133,8 +138,8 @@ def test_once_json_matches_status_and_state(rig: Rig, tmp_path: Path) -> None:
     # Under 2000 entries/s both sides move within the half second between top's two reads.
     assert rates["wal_bytes_per_s"] > 0 and rates["node_entries_per_s"] > 0
     assert rates["daemon_events_per_s"] > 0
-    assert set(snap) == {"taken_at", "node_dir", "sources", "node", "daemon", "rates", "consumer", "problems"}
-    assert snap["consumer"] == {}  # jsonl has no metrics of its own
+    assert set(snap) == {"taken_at", "node_dir", "sources", "node", "daemon", "rates", "lake", "consumer", "problems"}
+    assert snap["consumer"] == {} and snap["lake"] is None  # jsonl has no metrics of its own
     assert snap["problems"] == {}
 
     # The daemon SIGKILLed, the node stopped: shown as such, still exit 0 and one JSON object.
@@ -265,6 +270,80 @@ def test_live_view_in_tmux(rig: Rig, tmp_path: Path, pane: Pane, key: str, colum
     wait_for(lambda: not Path(f"/proc/{top_pid}").exists(), DEADLINE_S, "top's process to be gone")
 
 
+# --- a lake daemon's own figures: the last compaction and its duration ------------------------------------
+COMPACTED = re.compile(r"last compaction\s+(\d\d:\d\d:\d\d) UTC, took ([\d.,]+) s")
+
+
+def _logged_compactions(err: Path) -> list[float]:
+    """The durations the daemon logged for its scheduled compactions (``lake_maintenance_compacted``)."""
+    lines = [json.loads(line) for line in err.read_text().splitlines() if line.startswith("{")]
+    return [float(r["seconds"]) for r in lines if r.get("event") == "lake_maintenance_compacted"]
+
+
+def test_a_lake_daemon_s_last_compaction_and_its_duration(tmp_path: Path, pane: Pane) -> None:
+    """A real `cdcd run` with the lake sink (delta-rs writer; its scheduled compaction on a local Spark): once a
+    compaction ran, `--once --json` and the live screen show when it ended and how long it took, the same
+    figure the daemon's metric carries and its log line says (the log rounds to milliseconds)."""
+    node_dir = tmp_path / "node"
+    make_node(node_dir, segments=2, tx_per_segment=20)
+    address = f"127.0.0.1:{free_port()}"
+    consumer = lake_consumer(
+        tmp_path / "lake", spark_master="local[1]", spark_conf=QUICK_START, compact_interval_s=3, optimize_interval_s=0
+    )
+    config = write_config(tmp_path / "cdcd.toml", node_dir, consumer, metrics_address=address)
+    err = tmp_path / "daemon.err"
+    started = time.time()
+    daemon = start_daemon(config, err)
+    try:
+
+        def compacted() -> list[float] | None:
+            assert daemon.poll() is None, err.read_text()[-3000:]
+            return _logged_compactions(err) or None
+
+        wait_for(compacted, 300, "the daemon's first scheduled compaction", interval=0.5)
+        res = subprocess.run(
+            [*TOP, "--config", str(config), "--interval-ms", "200", "--once", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=child_env(),
+        )
+        assert res.returncode == 0, res.stderr
+        snap, logged = json.loads(res.stdout), _logged_compactions(err)
+        lake = snap["lake"]
+        assert snap["sources"]["daemon_metrics"] == "ok" and snap["daemon"]["consumer_kind"] == "lake"
+        assert started < lake["last_compaction_unix_s"] <= time.time()
+        took = lake["last_compaction_seconds"]
+        assert took > 0 and any(abs(took - s) < 0.01 for s in logged), (took, logged)
+        assert snap["consumer"]['cdcd_lake_last_maintenance_duration_seconds{task="compact"}'] == took
+        assert lake["table_version"] >= 0 and lake["rows_written"] > 0
+        assert lake["last_optimize_unix_s"] is None and lake["last_optimize_seconds"] is None  # optimize is off
+
+        with pane.conf.open("a") as conf:
+            conf.write("set -g default-size 160x45\n")
+        top_pid = pane.run([*TOP, "--config", str(config), "--interval-ms", "300"], tmp_path / "top.rc")
+        try:
+            shown = wait_for(lambda: COMPACTED.search(pane.capture()), DEADLINE_S, "the last compaction on the screen")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the pane shows:\n{pane.last}") from None
+        clock, took_text = shown.group(1), float(shown.group(2).replace(",", ""))
+        screen = pane.last
+        logged = _logged_compactions(err)
+        # the duration as shown (hundredths under 10 s, whole seconds above) of a compaction the daemon logged
+        assert any(abs(took_text - s) <= (0.011 if s < 10 else 0.51) for s in logged), (took_text, logged, screen)
+        # the clock: the end of that compaction or of a later one (seconds of the day, across midnight too)
+        h, m, sec = map(int, clock.split(":"))
+        after_s = (h * 3600 + m * 60 + sec - int(lake["last_compaction_unix_s"]) % 86400) % 86400
+        assert after_s <= time.time() - lake["last_compaction_unix_s"] + 1, (clock, screen)
+        assert "last optimize" in screen and "not yet" in screen
+        pane.tmux("send-keys", "-t", "top", "q")
+        wait_for(lambda: not Path(f"/proc/{top_pid}").exists(), DEADLINE_S, "top to quit")
+    finally:
+        if daemon.poll() is None:
+            assert stop_daemon(daemon, timeout=120) == 0, err.read_text()[-3000:]
+        reap(daemon)
+
+
 # --- the pure parts ----------------------------------------------------------------------------------
 def test_who_delivers_reads_both_vocabularies() -> None:
     from cdcd.top.snapshot import who_delivers
@@ -311,7 +390,7 @@ def test_the_plain_line_and_the_cluster_row_carry_the_same_figures() -> None:
     from rich.console import Console
 
     from cdcd.top.snapshot import build_snapshot, parse_metrics
-    from cdcd.top.view import cluster_table, status_line
+    from cdcd.top.view import cluster_table, render, status_line
 
     status = {"node_id": "n", "wal_position": "10:500", "cdc": "on", "realtime": {}, "delivering": "daemon"}
     state = {"mode": "ACTIVE", "position": "8:0#0", "position_parts": [8, 0, 0], "links": 3}
@@ -322,6 +401,8 @@ def test_the_plain_line_and_the_cluster_row_carry_the_same_figures() -> None:
         "# TYPE cdcd_lake_files_per_partition_max gauge\ncdcd_lake_files_per_partition_max 7\n"
         "# TYPE cdcd_lake_last_maintenance_timestamp_seconds gauge\n"
         'cdcd_lake_last_maintenance_timestamp_seconds{task="compact"} 1795720000\n'
+        "# TYPE cdcd_lake_last_maintenance_duration_seconds gauge\n"
+        'cdcd_lake_last_maintenance_duration_seconds{task="compact"} 3.254\n'
         "# TYPE cdcd_daemon_dead_letters counter\n"
         'cdcd_daemon_dead_letters_total{cache="a"} 2\n'
     )
@@ -338,7 +419,7 @@ def test_the_plain_line_and_the_cluster_row_carry_the_same_figures() -> None:
         "lake v41",
         "rows 1,234",
         "files/part 7",
-        "compacted 19:06:40",
+        "compacted 19:06:40 (3.25 s)",
         "problems daemon_dead_letters_total 2",
     ):
         assert part in line, line
@@ -346,4 +427,12 @@ def test_the_plain_line_and_the_cluster_row_carry_the_same_figures() -> None:
     console.print(cluster_table([("node0", snap, None)]))
     header, row = console.export_text().splitlines()[:2]
     assert header.split()[:3] == ["node", "WAL", "WAL"] and header.rstrip().endswith("problems"), header
-    assert row.startswith("node0  10:500") and "v41" in row and "19:06:40" in row, row
+    assert row.startswith("node0  10:500") and "v41" in row and "19:06:40 (3.25 s)" in row, row
+    # The full screen, 80 columns: the lake's lines lead the Consumer panel, the duration uncut.
+    console = Console(width=80, height=60, record=True)
+    console.print(render(snap, None, node_dir="/n", since="-", interval_ms=1000))
+    screen = console.export_text()
+    assert re.search(r"│ lake table version +41 │", screen), screen
+    assert re.search(r"│ last compaction +19:06:40 UTC, took 3.25 s │", screen), screen
+    assert re.search(r"│ last optimize +not yet │", screen), screen
+    assert "cdcd_lake_last_maintenance" not in screen  # shown in words, not again as raw samples

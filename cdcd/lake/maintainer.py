@@ -3,7 +3,9 @@
 
 One owned background thread. A failed run is logged with its exception and counted
 (``cdcd_lake_maintenance_failures_total``; a successful one sets
-``cdcd_lake_last_maintenance_timestamp_seconds``); the next run
+``cdcd_lake_last_maintenance_timestamp_seconds`` and its duration,
+``cdcd_lake_last_maintenance_duration_seconds``, and is observed in
+``cdcd_lake_maintenance_duration_seconds``); the next run
 is tried at its normal time (a manual ``cdcd lake compact`` committing at the same moment makes
 one MERGE lose, harmlessly). A run that loses to another writer's concurrent commit (another
 daemon's maintenance on the same lake: Delta's concurrent-modification conflicts) is no failure:
@@ -188,8 +190,12 @@ class Maintainer:
             if wait_s > 0 and self._stop.wait(wait_s):
                 break
             try:
+                started = self._clock()
                 self._run_one(task)
                 metrics.LAKE_LAST_MAINTENANCE.labels(task).set(time.time())
+                run_s = self._clock() - started
+                metrics.LAKE_MAINTENANCE_SECONDS.labels(task).observe(run_s)
+                metrics.LAKE_LAST_MAINTENANCE_SECONDS.labels(task).set(run_s)
                 consecutive = 0
                 conflict_delays = CONFLICT_BACKOFF.delays_s()
             except Exception as exc:

@@ -48,6 +48,7 @@ def snapshot_dict(snap: Snapshot, r: Rates | None, node_dir: Path) -> dict[str, 
         "node": msgspec.to_builtins(snap.node) if snap.node is not None else None,
         "daemon": daemon,
         "rates": msgspec.to_builtins(r) if r is not None else None,
+        "lake": msgspec.to_builtins(snap.lake) if snap.lake is not None else None,
         "consumer": snap.consumer,
         "problems": snap.problems,
     }

@@ -93,6 +93,21 @@ class DaemonFigures(msgspec.Struct, frozen=True, kw_only=True):
     last_commit_unix_s: float | None = None
 
 
+class LakeFigures(msgspec.Struct, frozen=True, kw_only=True):
+    """The lake sink's own figures, from the daemon's metrics (None where the sink has not set one yet:
+    a maintenance task that never succeeded has no sample)."""
+
+    table_version: int | None
+    rows_written: float | None
+    files_per_partition_max: int | None
+    last_compaction_unix_s: float | None
+    """End of the last successful scheduled compaction."""
+    last_compaction_seconds: float | None
+    """How long that compaction ran."""
+    last_optimize_unix_s: float | None
+    last_optimize_seconds: float | None
+
+
 class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
     taken_unix_s: float
     sources: dict[str, str]
@@ -103,6 +118,8 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
     """The consumer's own metrics, one entry per sample (``name{labels}``)."""
     problems: dict[str, float]
     """Retries, stalls, dead letters and refusals from both endpoints, one entry per sample."""
+    lake: LakeFigures | None = None
+    """Read out of ``consumer`` when the daemon's consumer is a lake sink (None otherwise)."""
 
 
 class Rates(msgspec.Struct, frozen=True, kw_only=True):
@@ -294,6 +311,28 @@ def _daemon_figures(state: Mapping[str, Any], pid: int | None, daemon_m: Mapping
     )
 
 
+def _int(value: float | None) -> int | None:
+    return int(value) if value is not None else None
+
+
+def _lake_figures(consumer: Mapping[str, float]) -> LakeFigures | None:
+    if not any(k.startswith("cdcd_lake_") for k in consumer):
+        return None
+
+    def task(name: str, which: str) -> float | None:
+        return consumer.get(f'cdcd_lake_{name}{{task="{which}"}}')
+
+    return LakeFigures(
+        table_version=_int(metric(consumer, "cdcd_lake_table_version")),
+        rows_written=metric(consumer, "cdcd_lake_rows_written_total"),
+        files_per_partition_max=_int(metric(consumer, "cdcd_lake_files_per_partition_max")),
+        last_compaction_unix_s=task("last_maintenance_timestamp_seconds", "compact"),
+        last_compaction_seconds=task("last_maintenance_duration_seconds", "compact"),
+        last_optimize_unix_s=task("last_maintenance_timestamp_seconds", "optimize"),
+        last_optimize_seconds=task("last_maintenance_duration_seconds", "optimize"),
+    )
+
+
 def build_snapshot(
     taken_unix_s: float,
     *,
@@ -320,6 +359,7 @@ def build_snapshot(
         daemon=_daemon_figures(state, daemon_pid, daemon_m) if state is not None else None,
         consumer=consumer,
         problems=problems,
+        lake=_lake_figures(consumer),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
@@ -10,7 +11,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from cdcd.top.snapshot import Rates, Snapshot, daemon_lag_segments
+from cdcd.top.snapshot import LakeFigures, Rates, Snapshot, daemon_lag_segments
 
 MAX_METRIC_ROWS = 12
 """Consumer and problem rows shown at most (the JSON has them all)."""
@@ -25,6 +26,16 @@ FIRST_FIGURES = (
     "cdcd_kafka_last_commit_timestamp_seconds",
 )
 """The consumer's figures shown first, whatever else it exports."""
+LAKE_SHOWN = (
+    "cdcd_lake_table_version",
+    "cdcd_lake_files_per_partition_max",
+    "cdcd_lake_last_maintenance_timestamp_seconds",
+    "cdcd_lake_last_maintenance_duration_seconds",
+    "cdcd_lake_maintenance_duration_seconds_count",
+    "cdcd_lake_maintenance_duration_seconds_sum",
+)
+"""The lake's samples the Consumer panel shows as its first lines (``_lake_rows``), not again as raw samples
+(the runs' histogram too: its last run is what the lines show; the JSON keeps every sample)."""
 
 
 def _clock(unix_s: float | None) -> str:
@@ -37,6 +48,20 @@ def _num(value: float | None, unit: str = "", digits: int = 0) -> str:
     if value is None:
         return "-"
     return f"{value:,.{digits}f}{unit}"
+
+
+def duration(seconds: float | None) -> str:
+    """A run's duration: hundredths under 10 s (a compaction of a quiet lake), whole seconds above."""
+    if seconds is None:
+        return "-"
+    return f"{seconds:.2f} s" if seconds < 10 else f"{seconds:,.0f} s"
+
+
+def _maintenance(at_unix_s: float | None, seconds: float | None) -> str:
+    """When a scheduled run last ended and how long it took; ``not yet`` before the first success."""
+    if at_unix_s is None:
+        return "not yet"
+    return f"{_clock(at_unix_s)} UTC, took {duration(seconds)}"
 
 
 def _bytes(value: float | None, per_s: bool = False) -> str:
@@ -121,14 +146,38 @@ def _value(name: str, value: float) -> str:
     return f"{value:,.6g}"
 
 
-def _metrics_panel(title: str, samples: dict[str, float], empty: str) -> Panel:
-    if not samples:
+def _lake_rows(lake: LakeFigures) -> list[tuple[str, str]]:
+    return [
+        ("lake table version", _num(lake.table_version)),
+        ("files per partition (max)", _num(lake.files_per_partition_max)),
+        ("last compaction", _maintenance(lake.last_compaction_unix_s, lake.last_compaction_seconds)),
+        ("last optimize", _maintenance(lake.last_optimize_unix_s, lake.last_optimize_seconds)),
+    ]
+
+
+def _consumer_panel(snap: Snapshot) -> Panel:
+    """The consumer's metrics; a lake's main figures first, in words (its maintenance as clock and duration)."""
+    if snap.lake is None:
+        return _metrics_panel("Consumer", snap.consumer, "no consumer metrics (daemon_metrics above)")
+    rest = {k: v for k, v in snap.consumer.items() if k.partition("{")[0] not in LAKE_SHOWN}
+    return _metrics_panel("Consumer", rest, "", lead=_lake_rows(snap.lake))
+
+
+def _metrics_panel(title: str, samples: dict[str, float], empty: str, lead: Sequence[tuple[str, str]] = ()) -> Panel:
+    """``lead``: rows shown before the samples (label, value)."""
+    if not samples and not lead:
         return Panel(Text(empty, style="dim"), title=title)
-    t = Table.grid(padding=(0, 2))
-    t.add_column(overflow="ellipsis", no_wrap=True)
-    t.add_column(justify="right", no_wrap=True)
     rows = sorted(samples.items(), key=_first)
-    for name, value in rows[:MAX_METRIC_ROWS]:
+    shown = rows[:MAX_METRIC_ROWS]
+    values = [text for _, text in lead] + [_value(name, value) for name, value in shown]
+    # The values keep their width and the names take what is left, cut if they must: a long sample name
+    # would otherwise squeeze the values (a compaction's duration cut to "took …").
+    t = Table.grid(padding=(0, 2), expand=True)
+    t.add_column(overflow="ellipsis", no_wrap=True, ratio=1)
+    t.add_column(justify="right", no_wrap=True, width=max(map(len, values)))
+    for label, text in lead:
+        t.add_row(Text(label, style="bold"), text)
+    for name, value in shown:
         t.add_row(name, _value(name, value), style="red" if title == "Problems" and value else None)
     if len(rows) > MAX_METRIC_ROWS:
         t.add_row(f"... {len(rows) - MAX_METRIC_ROWS} more (--once --json shows all)", "")
@@ -185,7 +234,7 @@ def _panels(
         _header(snap, node_dir, interval_ms, title, keys),
         _node_panel(snap, rates, since),
         _daemon_panel(snap, rates),
-        _metrics_panel("Consumer", snap.consumer, "no consumer metrics (daemon_metrics above)"),
+        _consumer_panel(snap),
         _metrics_panel("Problems", snap.problems, "no retries, stalls or dead letters reported"),
     )
 
@@ -238,13 +287,13 @@ def figures(snap: Snapshot, rates: Rates | None) -> dict[str, str]:
         out["rate"] = _num(rates.daemon_events_per_s if rates else None, " events/s")
         out["backlog"] = f"{d.backlog_segments} seg"
         out["last commit"] = _clock(d.last_commit_unix_s or None)  # 0: none yet
-    lake_keys = [k for k in c if k.startswith("cdcd_lake_")]
-    if lake_keys:
-        compacted = c.get('cdcd_lake_last_maintenance_timestamp_seconds{task="compact"}')
-        out["lake"] = f"v{_num(c.get('cdcd_lake_table_version'))}"
-        out["rows"] = _num(sum(v for k, v in c.items() if k.startswith("cdcd_lake_rows_written_total")))
-        out["files/part"] = _num(c.get("cdcd_lake_files_per_partition_max"))
-        out["compacted"] = _clock(compacted) if compacted else "not yet"
+    lake = snap.lake
+    if lake is not None:
+        out["lake"] = f"v{_num(lake.table_version)}"
+        out["rows"] = _num(lake.rows_written or 0)
+        out["files/part"] = _num(lake.files_per_partition_max)
+        compacted = lake.last_compaction_unix_s
+        out["compacted"] = f"{_clock(compacted)} ({duration(lake.last_compaction_seconds)})" if compacted else "not yet"
     elif "cdcd_kafka_transactions_total" in c:
         out["kafka txns"] = _num(c["cdcd_kafka_transactions_total"])
         out["sent"] = _num(sum(v for k, v in c.items() if k.startswith("cdcd_kafka_sent_events_total")))
