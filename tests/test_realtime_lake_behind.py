@@ -156,3 +156,35 @@ def test_a_restored_lake_whose_segments_left_the_archive_stops_the_daemon_with_o
     assert f"lake table {lake / 'changes'} at version" in line and "holds node" in line
     assert "delivered up to record" in line and "neither linked" in line
     assert lake_rows(lake).num_rows == rows, "nothing landed past the loss"
+
+
+def test_a_lake_replaced_while_the_realtime_worker_delivers_is_landed_again_by_the_daemon(tmp_path: Path) -> None:
+    """The lake copied back from a backup under a running node: the worker's next batch finds the mark gone back
+    (``LakeBehind``) and realtime stops with ``consumer_error``; the daemon taking over at that Stop asks the lake
+    with the record the node delivered, moves back to the mark and lands the lost records again: every WAL entry
+    once."""
+    node_dir, lake, backup = tmp_path / "node", tmp_path / "lake", tmp_path / "lake-backup"
+    before = rewinds()
+    node = open_node(node_dir, lake)
+    try:
+        realtime_on(node, node_dir, lake)
+        n = write(node, 0, 40)
+        delivered_all(node, node_dir)
+        shutil.copytree(lake, backup)
+        n = write(node, n, 40)
+        delivered_all(node, node_dir)
+        shutil.rmtree(lake)
+        shutil.copytree(backup, lake)
+        write(node, n, 10)
+        wait_for(lambda: node.realtime.mode is RealtimeMode.OFF, 60, "realtime to stop at the lake's lost commits")
+        assert node.realtime.stops == {"consumer_error": 1}
+        node.force_archive()  # the Stop record, for the daemon
+        with daemon(node_dir, lake) as d:
+            d.sync_once()
+            assert d.state.mode is CdcMode.DAEMON_ACTIVE
+    finally:
+        node.close()
+    with daemon(node_dir, lake) as d:
+        d.sync_once()
+    check_lake(lake, node_dir)
+    assert rewinds() - before == 1
