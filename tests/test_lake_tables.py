@@ -459,7 +459,9 @@ def test_a_node_re_created_in_a_fresh_dir_wins_in_the_typed_tables_as_in_state(s
     from tests.support.delta_tables import state_rows
 
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
-    sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake"))
+    sink = LakeConsumer(
+        LakeOptions(lake_path=str(lake), writer="deltalake", compact_interval_s=0.0, optimize_interval_s=0.0)
+    )
     sink.start()
     try:
         with Node.open(node_dir) as node:

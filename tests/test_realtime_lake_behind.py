@@ -48,7 +48,12 @@ def rewinds() -> float:
 @contextmanager
 def daemon(node_dir: Path, lake: Path) -> Iterator[Daemon]:
     config = DaemonConfig(node_dir=str(node_dir), metrics_address="", consumer=lake_consumer(lake))
-    with Daemon(config, LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake"))) as d:
+    with Daemon(
+        config,
+        LakeConsumer(
+            LakeOptions(lake_path=str(lake), writer="deltalake", compact_interval_s=0.0, optimize_interval_s=0.0)
+        ),
+    ) as d:
         yield d
 
 
