@@ -438,3 +438,54 @@ def table_version_of(path: Path) -> int:
     from deltalake import DeltaTable
 
     return int(DeltaTable(str(path)).version())
+
+
+def test_a_node_re_created_in_a_fresh_dir_wins_in_the_typed_tables_as_in_state(spark: Any, tmp_path: Path) -> None:
+    """A node writes its keys many times, the lake lands and compacts them; the node is re-created in a fresh
+    dir (its order restarts low, its topology version grows) and writes the keys again, removing some. After
+    the next compaction the typed table, like ``state``, holds the re-created node's value of every key
+    (Ignite's version order, ``table.ORDER_COLUMNS``), entry by entry equal to the node: none of the old
+    node's values, whose ``order`` is higher, and no removed key. The table, as an older cdcd compacted it
+    (without the order's columns), is rebuilt once from ``state`` first."""
+    import shutil
+
+    from deltalake import DeltaTable
+
+    from cdcd.lake.storage import spark_path
+    from cdcd.lake.typed_layout import schema_info
+    from cdcd.node import Node
+    from cdcd.sinks.lake import LakeConsumer, LakeOptions
+    from tests.support.delta_lake import wal_batch
+    from tests.support.delta_tables import state_rows
+
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    sink = LakeConsumer(
+        LakeOptions(lake_path=str(lake), writer="deltalake", compact_interval_s=0.0, optimize_interval_s=0.0)
+    )
+    sink.start()
+    try:
+        with Node.open(node_dir) as node:
+            for j in range(10):
+                node.cache("orders").put_all({i: {"qty": j, "by": "old"} for i in range(20)})
+        assert sink.on_events(wal_batch(node_dir, "old-node")) is True
+        compact(spark, lake)
+        assert check_against_node(lake, node_dir, spark) == 20
+        # As an older cdcd left it (``_version`` its one order column): rebuilt once from state below.
+        path = spark_path(lake / "tables" / "orders")
+        older = spark.read.format("delta").load(path).drop("_topology_version", "_node_order")
+        older.write.format("delta").mode("overwrite").option("overwriteSchema", "true").save(path)
+        assert "_node_order" not in {c.name for c in schema_info(DeltaTable(path))}
+        shutil.rmtree(node_dir)
+        with Node.open(node_dir) as node:
+            node.cache("orders").put_all({i: {"qty": 100 + i, "by": "new"} for i in range(20)})
+            for i in range(0, 20, 5):
+                node.cache("orders").remove(i)
+            want = {msgspec.json.encode(k).decode(): v for k, v in node.cache("orders").items()}
+        assert sink.on_events(wal_batch(node_dir, "new-node")) is True
+    finally:
+        sink.stop()
+    compact(spark, lake)
+    assert {"_topology_version", "_node_order"} <= {c.name for c in schema_info(DeltaTable(path))}
+    assert check_against_node(lake, node_dir, spark) == 16
+    state = {key: msgspec.json.decode(value) for (cache, key), value in state_rows(lake).items() if cache == "orders"}
+    assert {k: canonical(v) for k, v in state.items()} == {k: canonical(v) for k, v in want.items()}

@@ -64,6 +64,7 @@ ALL_RECORDS = [
     CacheRecord(5, "orders", CacheOp.DESTROY),
     RealtimeCdcRecord(WalPosition(4, 100, 2)),
     StopRealtimeCdcRecord(WalPosition(4, 100, 2), "overflow"),
+    StopRealtimeCdcRecord(WalPosition(4, 100, 2), "target_behind", WalPointer(3, 40)),
     StopRealtimeCdcRecord(None),
     TryStartRealtimeCdcRecord(77),
     Checkpoint(1, 2),
@@ -336,3 +337,12 @@ def test_small_read_buffer_reads_big_records(tmp_path: Path) -> None:
     write_log(tmp_path, big, segment_size=1 << 20)
     got = [r for _, r in SegmentReader(tmp_path / segment_name(0), read_buffer_bytes=64) if isinstance(r, DataRecord)]
     assert got == big
+
+
+def test_a_stop_record_written_before_its_delivered_field_decodes() -> None:
+    """``StopRealtimeCdcRecord.delivered`` was appended with a default: a Stop of an older node reads back with
+    ``delivered`` None (the daemon then compares its own last delivered record only)."""
+    old = msgspec.msgpack.encode([4, [4, 100, 2], "overflow"])  # tag, last, reason: the fields it had
+    assert msgspec.msgpack.decode(old, type=StopRealtimeCdcRecord) == StopRealtimeCdcRecord(
+        WalPosition(4, 100, 2), "overflow", None
+    )

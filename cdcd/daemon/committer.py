@@ -55,9 +55,11 @@ class Committer:
         confirm_retry_s: float = 0.5,
         stopping: threading.Event | None = None,
         retrying: Callable[[], None] | None = None,
+        rewind: Callable[[DaemonState], DaemonState] | None = None,
     ) -> None:
         """``retrying()`` runs at each backoff step of a consumer's ``RetriableError`` (the stall
-        watch counts a retry step as progress)."""
+        watch counts a retry step as progress); ``rewind(state)`` moves a state just switched to ACTIVE
+        back to where the consumer's target stops holding what the node delivered (``daemon/rewind.py``)."""
         self.store = store
         self.state = state
         self.caches = caches
@@ -67,6 +69,7 @@ class Committer:
         self.stopping = stopping
         """Set when the daemon stops: a consumer that takes nothing is not offered the rest again."""
         self.retrying = retrying
+        self.rewind = rewind
         self.retry_timeout_s = float(getattr(consumer, "retry_timeout_s", DEFAULT_RETRY_TIMEOUT_S))
         path = dead_letters.path_of(consumer)
         self.dead_letters = DeadLetterFile(path) if path else None
@@ -229,6 +232,8 @@ class Committer:
         if not confirmed:
             return
         old = self.state.mode
+        if item.delivered is not None and (self._taken_until is None or item.delivered > self._taken_until):
+            self._taken_until = item.delivered  # the node delivered after this daemon: its record is the last
         failpoints.hit("daemon.switch.before_commit")
         self.commit(item.position if item.position is not None else self.state.position, item.mode)
         if old is not item.mode:
@@ -243,6 +248,10 @@ class Committer:
                 reason=item.reason,
                 position=str(self.state.position) if self.state.position else None,
             )
+        if item.mode is CdcMode.DAEMON_ACTIVE and self.rewind is not None:
+            # What the node delivered may be gone from the target (a lake restored while it delivered):
+            # the next pass starts from the target's mark, or the daemon stops with one line.
+            self.state = self.rewind(self.state)
 
     def commit(self, position: WalPosition | None, mode: CdcMode | None = None) -> None:
         """Persist ``position`` (and mode, registry changes) durably, then delete links below it."""

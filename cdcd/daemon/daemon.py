@@ -135,13 +135,20 @@ class Daemon:
             except Exception as exc:
                 raise ConsumerFailed(f"consumer start() raised {describe(exc)}") from exc
             # Before links are deleted: a target behind the position is re-delivered from them.
-            state = rewind(self.config, self._store, state, self.consumer, str(self.node_id) if self.node_id else "")
+            state = self._rewind(state)
             if state.position is not None:
                 for seg in delete_links_below(self.cdc_dir, state.position.segment):
                     log.info("stale_link_deleted", segment=seg)
             retrying = functools.partial(self._watch.touch, "consumer")  # a retry step is not a stall
             self._committer = Committer(
-                self._store, state, caches, self.consumer, self.cdc_dir, stopping=self._stopping, retrying=retrying
+                self._store,
+                state,
+                caches,
+                self.consumer,
+                self.cdc_dir,
+                stopping=self._stopping,
+                retrying=retrying,
+                rewind=self._rewind,
             )
             self._committer.announce([i for i in caches.values() if i.config.cdc_enabled and self.selected(i.name)])
             self._started = True
@@ -220,6 +227,12 @@ class Daemon:
     @property
     def events_delivered(self) -> int:
         return self._committer.events_delivered if self._committer else 0
+
+    def _rewind(self, state: DaemonState) -> DaemonState:
+        """At start and at a switch to ACTIVE: back to where the consumer's target stops holding what was
+        delivered (``daemon/rewind.py``)."""
+        assert self._store is not None
+        return rewind(self.config, self._store, state, self.consumer, str(self.node_id) if self.node_id else "")
 
     # --- one pass, synchronously -----------------------------------------------------------------
     def _new_pass(self) -> tuple[Processor, SegmentFollower]:

@@ -61,6 +61,9 @@ class Switch:
     mode: CdcMode
     position: WalPosition | None
     reason: str
+    delivered: WalPointer | None = None
+    """To ACTIVE: the last data record the node's consumer confirmed (the Stop record's), which the
+    daemon's consumer is asked about (``Consumer.resume_at``) before it delivers."""
 
 
 Item = Batch | CacheChange | MarkerCommit | Switch
@@ -169,9 +172,9 @@ class Processor:
         elif rtype is StopRealtimeCdcRecord:
             assert isinstance(record, StopRealtimeCdcRecord)
             if self.mode is CdcMode.NODE_ACTIVE:
-                out.append(
-                    Switch(CdcMode.DAEMON_ACTIVE, self._not_behind(ptr, record.last), record.reason or "stop_realtime")
-                )
+                position = self._not_behind(ptr, record.last)
+                reason = record.reason or "stop_realtime"
+                out.append(Switch(CdcMode.DAEMON_ACTIVE, position, reason, record.delivered))
                 self.finished = True
         elif rtype is RealtimeCdcRecord:
             assert isinstance(record, RealtimeCdcRecord)

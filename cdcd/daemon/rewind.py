@@ -6,7 +6,9 @@ the last data record it delivered (``DaemonState.last_delivered``, exact where t
 markers and cache records move the position too). When the target is behind, the records from its
 mark on are delivered again: from the CDC dir's links, hard-linked back from the node's archive
 where the links are already deleted; the consumer drops what it holds. When the WAL no longer has
-them, the daemon stops with one line (exit 9), never going on past the loss.
+them, the daemon stops with one line (exit 9), never going on past the loss. The same check runs at
+every switch to ACTIVE, with the last record the node's realtime worker delivered (carried by its Stop
+record): a target restored while the node delivered is landed again by the daemon taking over.
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ def rewind(
     config: DaemonConfig, store: StateStore, state: DaemonState, consumer: Consumer, source_node: str
 ) -> DaemonState:
     """``state``, with its position moved back (and committed) to where the consumer's target stops
-    holding what was delivered; unchanged when it holds everything or cannot tell. Only the daemon's
-    own deliveries are compared (ACTIVE): in PASSIVE the node's realtime worker delivers."""
+    holding what was delivered; unchanged when it holds everything or cannot tell. Only in ACTIVE: in
+    PASSIVE the node's realtime worker delivers (and checks at its own restart, ``realtime/target.py``)."""
     if state.mode is not CdcMode.DAEMON_ACTIVE or state.position is None or not source_node:
         return state
     answer = _ask(consumer, source_node, state)

@@ -40,6 +40,7 @@ from cdcd.lake.storage import LakeDir, is_delta, open_delta, spark_path
 from cdcd.lake.table import (
     CHANGE_SCHEMA,
     CHANGES,
+    ORDER_COLUMNS,
     PARTITION_BY,
     STATE,
     STATE_PROPERTIES,
@@ -71,12 +72,6 @@ __all__ = [
 
 MAX_ROWS_PER_MERGE = 2_000_000
 """Change rows one MERGE reads into the driver at most (a backlog is compacted in several MERGEs)."""
-
-ORDER_COLUMNS = ("topology_version", "version_order", "node_order", "wal_segment", "wal_offset", "wal_index")
-"""Which change of a key wins: the highest version as Ignite's ``GridCacheVersion.compareTo`` orders
-them (topology version, then order, then node order: a node re-created or restored from a backup
-counts its order from scratch or from the backup's, its topology version grows), then the latest
-WAL position."""
 
 STATE_COLUMNS = tuple(STATE_SCHEMA.names)
 _TXN_APP = "spark.databricks.delta.write.txnAppId"

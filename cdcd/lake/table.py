@@ -43,6 +43,12 @@ when the sink partitions by day. ``source_generation``: 0, or n when the source'
 from what the lake had landed n times (a node dir restored from a backup reuses WAL positions): order
 one source's changes by (source_generation, wal_segment, wal_offset, wal_index)."""
 
+ORDER_COLUMNS = ("topology_version", "version_order", "node_order", "wal_segment", "wal_offset", "wal_index")
+"""Which change of a key wins, in ``state`` and in the typed tables alike: the highest version as Ignite's
+``GridCacheVersion.compareTo`` orders them (topology version, then order, then node order: a node re-created
+or restored from a backup counts its order from scratch or from the backup's, its topology version grows),
+then the latest WAL position."""
+
 DAY_FIELD = pa.field("day", pa.string())
 
 _CHANGE_ONLY = ("op", "partition", "primary", "source_generation")

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import msgspec
 import pyarrow as pa
 
+from cdcd.lake.table import ORDER_COLUMNS
+
 KEY = "key"
 VALUE = "value"
 RESCUED = "_rescued"
@@ -42,11 +44,13 @@ META_COLUMNS: tuple[tuple[str, pa.DataType, str], ...] = (
     ("_wal_segment", pa.int64(), "wal_segment"),
     ("_wal_offset", pa.int64(), "wal_offset"),
     ("_wal_index", pa.int32(), "wal_index"),
+    ("_topology_version", pa.int64(), "topology_version"),
+    ("_node_order", pa.int32(), "node_order"),
 )
 """(column, type, the changes-table column it copies)."""
 
-ORDER = ("_version", "_wal_segment", "_wal_offset", "_wal_index")
-"""Which change of a key is newer: as in ``state`` (version order, then WAL position)."""
+ORDER = tuple({source: name for name, _, source in META_COLUMNS}[c] for c in ORDER_COLUMNS)
+"""Which change of a key is newer: ``state``'s order (``table.ORDER_COLUMNS``), in the typed tables' names."""
 
 BAD_CHARS = frozenset(" ,;{}()\n\t=")
 """Characters Parquet/Delta refuse in a column name without column mapping."""

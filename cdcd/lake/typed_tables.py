@@ -126,6 +126,12 @@ def _one_table(
         log.info("lake_table_truncated", cache=cache)
         if not rows.num_rows:
             return 0, 0
+    if existing and not set(ORDER) <= {c.name for c in schema_info(open_delta(path))}:
+        # Compacted by a cdcd that ordered changes by ``_version`` alone: rebuilt once from state (this
+        # cache's rows as of the range's start; none after a drop in it) with the order's columns.
+        before = _state_rows(lake, cache)
+        _replace(spark, path, cache, convert(before.slice(0, 0) if truncate else before, read_layout(path)))
+        log.info("lake_table_order_columns_added", cache=cache)
     stored = read_layout(path) if existing else Layout()
     conv = convert(rows, with_declared(stored, declared))
     had = {c for c, _ in stored.columns.values()}

@@ -19,6 +19,8 @@ class RealtimeState(msgspec.Struct, frozen=True):
     position: WalPosition | None = None
     try_start: WalPointer | None = None
     updated_ns: int = 0
+    last_delivered: WalPointer | None = None
+    """The last data record the consumer confirmed (the position alone cannot say: markers move it too)."""
 
 
 class Metastorage:

@@ -76,6 +76,8 @@ class Deliverer:
         self._committed = committed
         self._stop = stop
         self.last_event_ts_ns = 0
+        self._taken: WalPointer | None = None
+        """The last data record the consumer took (committed with the position it confirms)."""
         self.loop = DeliveryLoop(
             self._on_events,
             self._commit,
@@ -223,6 +225,7 @@ class Deliverer:
         if took:
             ts = taken[-1].record.commit_ts_ns
             self.last_event_ts_ns = ts
+            self._taken = taken[-1].pointer
             metrics.RT_LAG_SECONDS.observe(max(0.0, (time.time_ns() - ts) / 1e9))
             metrics.RT_EVENTS.inc(took)
 
@@ -237,7 +240,7 @@ class Deliverer:
         """The consumer confirmed everything before ``end``: make it the position (and on the
         marker cadence have the marker thread persist it and tell the daemon)."""
         with self._cv:
-            if not self.machine.confirmed(end):
+            if not self.machine.confirmed(end, self._taken):
                 return  # stopped while this batch ran (close timed out): the Stop record already went out
             self._committed()
         metrics.RT_COMMITTED_SEGMENT.set(end.segment)

@@ -88,6 +88,8 @@ class RealtimeMachine:
         self.position: WalPosition | None = saved.position
         """Everything before it is confirmed by the consumer."""
         self.try_start: WalPointer | None = saved.try_start
+        self.last_delivered: WalPointer | None = saved.last_delivered
+        """The last data record the consumer confirmed."""
         self.buffer_limit_bytes = buffer_limit_bytes
         self.buffer: deque[Source] = deque()
         self.buffered_bytes = 0
@@ -101,7 +103,7 @@ class RealtimeMachine:
 
     def persisted(self, *, enabled: bool) -> RealtimeState:
         """The state to persist now (the driver writes it, then reports nothing back)."""
-        self.saved = RealtimeState(enabled, self.position, self.try_start)
+        self.saved = RealtimeState(enabled, self.position, self.try_start, last_delivered=self.last_delivered)
         return self.saved
 
     # --- inputs -------------------------------------------------------------------------------------
@@ -210,12 +212,14 @@ class RealtimeMachine:
         done = start.entries_done(ptr, n)
         return None if done >= n else done
 
-    def confirmed(self, end: WalPosition) -> bool:
-        """The consumer confirmed everything before ``end``. False: stopped while the batch ran
-        (the Stop record already went out with the earlier position)."""
+    def confirmed(self, end: WalPosition, delivered: WalPointer | None) -> bool:
+        """The consumer confirmed everything before ``end``, the last data record it took at ``delivered``.
+        False: stopped while the batch ran (the Stop record already went out with the earlier position)."""
         if self.mode is not RealtimeMode.ON:
             return False
         self.position = end
+        if delivered is not None:
+            self.last_delivered = delivered
         return True
 
     def stop(self) -> Stopped | None:

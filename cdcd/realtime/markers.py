@@ -73,7 +73,7 @@ class Markers:
                 state = self.machine.persisted(enabled=False)
             self.meta.put(state)
             failpoints.hit("realtime.off.persisted")
-            _ptr, end = self.wal.append(StopRealtimeCdcRecord(last, reason))
+            _ptr, end = self.wal.append(StopRealtimeCdcRecord(last, reason, state.last_delivered))
         return end
 
     def write_marker(self) -> WalPointer | None:

@@ -26,6 +26,7 @@ from cdcd.realtime.machine import AwaitDaemon, Deliver, Finish, RealtimeMachine,
 from cdcd.realtime.markers import Markers
 from cdcd.realtime.restore import restore_into
 from cdcd.realtime.slot import ConsumerFactory, ConsumerSlot, RealtimeError
+from cdcd.realtime.target import target_behind
 from cdcd.wal.pointer import WalPointer, WalPosition
 from cdcd.wal.records import StopRealtimeCdcRecord, TryStartRealtimeCdcRecord
 from cdcd.wal.writer import Chunk
@@ -103,7 +104,7 @@ class RealtimeWorker:
     def open(self, open_position: WalPointer) -> None:
         """Called once the WAL runs: restore an enabled state, resume a pending try-start, or start
         one if configured; otherwise write the Stop record the daemon needs to know it delivers."""
-        saved, m = self.machine.saved, self.machine
+        saved, m, behind = self.machine.saved, self.machine, None
         if (saved.try_start is not None or saved.enabled) and not self.config.realtime_consumer:
             log.error("realtime_state_without_consumer", hint="realtime_consumer was removed from the config")
             ts = saved.try_start
@@ -114,12 +115,20 @@ class RealtimeWorker:
             self._slot.get()
             m.resume(RealtimeMode.TRY_START, WalPosition(saved.try_start.segment + 1, 0, 0), open_position)
             log.info("realtime_try_start_resumed", try_start=str(saved.try_start))
-        elif saved.enabled and saved.position is not None:
-            self._slot.get()
+        elif (
+            saved.enabled
+            and saved.position is not None
+            and not (behind := target_behind(self._slot.get(), self.node_id, saved))
+        ):
             m.resume(RealtimeMode.ON, saved.position, open_position)
             log.info("realtime_restoring", position=str(saved.position))
         else:
-            self.wal.append(StopRealtimeCdcRecord(saved.position, "node_start_realtime_off"))
+            if behind:  # the target lost what was delivered: the daemon lands it again (realtime/target.py)
+                self.wal.wait_durable(self.markers.stop_record(saved.position, behind))
+                self.stops[behind] = 1
+                metrics.RT_STOPS.labels(behind).inc()
+            else:
+                self.wal.append(StopRealtimeCdcRecord(saved.position, "node_start_realtime_off", saved.last_delivered))
             if self.config.realtime_cdc and self._cdc_off:
                 log.warning("realtime_not_started", reason="cdc_off", hint="`cdcd control cdc on`, then `realtime on`")
             elif self.config.realtime_cdc:

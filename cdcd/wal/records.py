@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from cdcd.wal.pointer import WalPosition
+from cdcd.wal.pointer import WalPointer, WalPosition
 
 NIL = msgspec.Raw(b"\xc0")
 """MessagePack ``nil``: the value of a DELETE entry."""
@@ -152,6 +152,9 @@ class StopRealtimeCdcRecord(_Record, frozen=True, tag=4):
     TYPE: ClassVar[int] = 4
     last: WalPosition | None = None
     reason: str = ""
+    delivered: WalPointer | None = None
+    """The last data record the node's consumer confirmed (None: none, or a node before this field): the
+    daemon taking over asks its consumer whether the target still holds it (``Consumer.resume_at``)."""
 
 
 class TryStartRealtimeCdcRecord(_Record, frozen=True, tag=5):
