@@ -44,3 +44,24 @@ def test_a_marker_read_while_passive_commits_its_position_silently() -> None:
     with structlog.testing.capture_logs() as logs:
         items = p.feed(WalPointer(3, 40), RealtimeCdcRecord(WalPosition(3, 16, 0)), 24)
     assert items == [MarkerCommit(WalPosition(3, 16, 0))] and logs == []
+
+
+def passive_at(position: WalPosition) -> Processor:
+    return Processor(
+        mode=CdcMode.NODE_ACTIVE,
+        position=position,
+        caches={},
+        source_node="n",
+        batch_max_events=10,
+        batch_max_bytes=1 << 20,
+    )
+
+
+def test_a_new_marker_naming_a_position_behind_the_committed_one_is_the_crash_rules_warning() -> None:
+    """A node killed after its TryStart reached the WAL restarts with its older position and writes a marker naming
+    it, after the daemon's committed position: the daemon keeps its own position and warns."""
+    p = passive_at(WalPosition(3, 100, 0))
+    with structlog.testing.capture_logs() as logs:
+        items = p.feed(WalPointer(3, 200), RealtimeCdcRecord(WalPosition(3, 16, 0)), 24)
+    assert items == [MarkerCommit(WalPosition(3, 100, 0))]
+    assert [(e["event"], e["log_level"]) for e in logs] == [("marker_behind_committed_position", "warning")]
