@@ -38,7 +38,7 @@ from cdcd.lake.compact import CompactResult, compact, compacted_version, table_v
 from cdcd.lake.deltalog import LOG_DIR
 from cdcd.lake.ops import optimize, optimized_since
 from cdcd.lake.storage import open_delta
-from cdcd.lake.table import CHANGES
+from cdcd.lake.table import CHANGES, STATE
 from cdcd.logging import describe
 from cdcd.retry import Backoff
 
@@ -75,7 +75,7 @@ _NOT_CONTIGUOUS = re.compile(r"DELTA_VERSIONS_NOT_CONTIGUOUS\] Versions \(([0-9,
 """delta-spark listed ``_delta_log`` while neighbours committed: a directory listing is no snapshot, so a
 commit file created during it can be missed while a later one is seen (a gap that is not in the log)."""
 GAP_NEAR_HEAD_VERSIONS = 1000
-"""A gap this close to the changes table's newest version whose files exist now was a listing race."""
+"""A gap this close to its table's newest version whose files exist now was a listing race."""
 
 _CREATED_BESIDE = re.compile(r"DELTA_CREATE_TABLE_WITH_NON_EMPTY_LOCATION.*?location \('([^']+)'\)")
 """Two first compactions creating one table (``state``) at once: the loser finds the winner's files."""
@@ -96,18 +96,22 @@ def is_conflict(exc: BaseException, lake: Path | None = None) -> bool:
 
 
 def _gap_closed(lake: Path, listed: list[int]) -> bool:
-    """Whether the versions missing between ``listed`` are commits of ``<lake>/changes`` now, near its
-    newest version (a gap that stays, or in another table's log, is a real failure)."""
-    log_dir = lake / CHANGES / LOG_DIR
+    """Whether the versions missing between ``listed`` are commits of ``<lake>/changes`` (or ``state``, both
+    committed to by neighbours) now, near its newest version (a gap that stays is a real failure)."""
     missing = sorted(set(range(min(listed), max(listed) + 1)) - set(listed)) if listed else []
-    if not missing or not all((log_dir / f"{v:020d}.json").exists() for v in missing):
+    if not missing:
         return False
-    try:
-        newest = int(open_delta(lake / CHANGES).version())
-    except Exception:  # the table unreadable: no listing race to excuse the error, which is reported as it is
-        log.debug("lake_maintenance_gap_check_failed", exc_info=True)
-        return False
-    return newest - max(listed) <= GAP_NEAR_HEAD_VERSIONS
+    for table in (lake / CHANGES, lake / STATE):
+        if not all((table / LOG_DIR / f"{v:020d}.json").exists() for v in missing):
+            continue
+        try:
+            newest = int(open_delta(table).version())
+        except Exception:  # unreadable: no listing race to excuse the error, which is reported as it is
+            log.debug("lake_maintenance_gap_check_failed", table=str(table), exc_info=True)
+            continue
+        if newest - max(listed) <= GAP_NEAR_HEAD_VERSIONS:
+            return True
+    return False
 
 
 @dataclass(frozen=True)
