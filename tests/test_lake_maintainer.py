@@ -5,6 +5,7 @@ its thread."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -381,3 +382,32 @@ def test_a_gap_in_the_changes_log_seen_while_neighbours_commit_is_a_conflict(tmp
     assert not is_conflict(gap("0, 1, 3, 4"))  # no lake to look in: a failure
     (lake / CHANGES / "_delta_log" / f"{2:020d}.json").unlink()
     assert not is_conflict(gap("0, 1, 3, 4"), lake), "a commit missing for good is a real failure"
+
+
+def test_an_optimize_longer_than_its_interval_is_followed_after_as_long_again(spark: Any, tmp_path: Path) -> None:
+    """OPTIMIZE every 0.05 s, each run taking 0.6 s: the next starts only after as long as the last took (less
+    the schedule's jitter), so the thread is free for compaction at least half the time instead of running
+    OPTIMIZE back to back."""
+    from cdcd.lake.maintainer import SCHEDULE_JITTER
+
+    runs: list[tuple[float, float]] = []
+
+    def slow_optimize(_session: Any, _lake: Path) -> None:
+        began = time.monotonic()
+        time.sleep(0.6)  # the run's length is the experiment
+        runs.append((began, time.monotonic()))
+
+    m = Maintainer(
+        tmp_path / "lake",
+        spark,
+        MaintainerOptions(compact_interval_s=0, optimize_interval_s=0.05),
+        optimize_fn=slow_optimize,
+    )
+    m.start()
+    try:
+        wait_for(lambda: len(runs) >= 3 or not m.alive(), "three OPTIMIZE runs")
+    finally:
+        m.stop()
+    assert m.alive(), m.error
+    for (began, ended), (next_began, _) in itertools.pairwise(runs):
+        assert next_began - ended >= (ended - began) * (1 - SCHEDULE_JITTER), runs

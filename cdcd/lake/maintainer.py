@@ -12,7 +12,8 @@ delay. A run a neighbour had done already (a compaction that lost to one folding
 an OPTIMIZE due moments after a neighbour's) is progress, not a conflict: it is logged
 (``lake_maintenance_by_neighbour``), counted (``cdcd_lake_maintenance_by_neighbour_total``) and the
 next run comes at its normal time. Scheduled delays carry a little jitter, so daemons started
-together drift apart instead of running in step.
+together drift apart instead of running in step, and an OPTIMIZE that ran longer than its interval
+is followed by the next only after as long again (compaction is never starved by it).
 ``max_consecutive_failures`` real failures in a row stop the thread:
 ``alive()`` turns False and ``check()`` raises ``MaintenanceFailed`` naming the last error, so the
 owner (the sink's ``alive()``/``on_events``) fails loudly instead of a lake whose state silently
@@ -233,6 +234,7 @@ class Maintainer:
             wait_s = pending[task] - self._clock()
             if wait_s > 0 and self._stop.wait(wait_s):
                 break
+            run_started = self._clock()
             try:
                 self._run_one(task)
                 metrics.LAKE_LAST_MAINTENANCE.labels(task).set(time.time())
@@ -260,7 +262,12 @@ class Maintainer:
                     log.error("lake_maintenance_stopped", lake=str(self.lake), failures=consecutive)
                     return
             interval = opts.compact_interval_s if task == "compact" else opts.optimize_interval_s
-            # From the end of the run: a run longer than its interval is followed by the next at once,
+            if task == "optimize":
+                # An OPTIMIZE that took longer than its interval (minutes over a backlog of small files on
+                # busy cores) waits as long as it took: compaction, which keeps state current, gets at
+                # least half of the thread, and a neighbour's OPTIMIZE meanwhile makes the next needless.
+                interval = max(interval, self._clock() - run_started)
+            # From the end of the run: a compaction longer than its interval is followed by the next at once,
             # never by a backlog of missed ones.
             due[task] = self._clock() + self._jittered(interval)
 
