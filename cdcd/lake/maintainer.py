@@ -8,7 +8,7 @@ is tried at its normal time (a manual ``cdcd lake compact`` committing at the sa
 one MERGE lose, harmlessly). A run that loses to another writer's concurrent commit (another
 daemon's maintenance on the same lake: Delta's concurrent-modification conflicts) is no failure:
 it is logged, counted (``cdcd_lake_maintenance_conflicts_total``) and tried again after a backoff
-delay. A run a neighbour had done already (a compaction that lost to one folding the same changes,
+delay. A run a neighbour had done already (a compaction that lost to one folding the same range,
 an OPTIMIZE due moments after a neighbour's) is progress, not a conflict: it is logged
 (``lake_maintenance_by_neighbour``), counted (``cdcd_lake_maintenance_by_neighbour_total``) and the
 next run comes at its normal time. Scheduled delays carry a little jitter, so daemons started
@@ -35,7 +35,7 @@ from typing import Any
 import structlog
 
 from cdcd import metrics
-from cdcd.lake.compact import CompactResult, compact, compacted_version, table_version
+from cdcd.lake.compact import CompactResult, compact, compacted_version
 from cdcd.lake.deltalog import LOG_DIR
 from cdcd.lake.ops import optimize, optimized_since
 from cdcd.lake.storage import open_delta
@@ -282,18 +282,19 @@ class Maintainer:
     def _run_one(self, task: str) -> None:
         started = self._clock()
         if task == "compact":
-            before = table_version(self.lake / CHANGES)
+            mark = compacted_version(self.lake)
             try:
                 result = self._compact(self._spark, self.lake)
             except Exception as exc:
-                if self._stop.is_set() or before is None or not is_conflict(exc, self.lake):
+                if self._stop.is_set() or not is_conflict(exc, self.lake):
                     raise
-                # Lost to a neighbour: when its commit folded in every change there was as this run began,
-                # state is as current as this run would have made it.
+                # Lost to a neighbour's compaction that began from the same mark: it folded this run's range
+                # (up to the changes its run had seen, a moment older than this one's); the next scheduled
+                # compaction, this daemon's or a neighbour's, folds the few landed since.
                 folded = compacted_version(self.lake)
-                if folded < before:
+                if folded <= mark:
                     raise
-                self._by_neighbour("compact", changes_version=before, compacted_to=folded, error=describe(exc))
+                self._by_neighbour("compact", compacted_from=mark, compacted_to=folded, error=describe(exc))
                 return
             self.last_compact = result
             self.compactions += 1
