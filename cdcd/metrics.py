@@ -342,6 +342,13 @@ LAKE_GENERATIONS = Counter(
     "New generations started because a source's history diverged from what the lake landed",
     registry=LAKE,
 )
+LAKE_MAINTENANCE_BY_NEIGHBOUR = Counter(
+    "cdcd_lake_maintenance_by_neighbour_total",
+    "Scheduled maintenance runs a neighbour (another writer on the same lake) had done already: a compaction "
+    "that lost to one folding the same changes, an OPTIMIZE skipped after a recent one",
+    ["task"],
+    registry=LAKE,
+)
 
 # --- replication ------------------------------------------------------------------------------------
 REPL_RECEIVED = Counter(

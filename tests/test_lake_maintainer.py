@@ -5,6 +5,7 @@ its thread."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -329,3 +330,138 @@ def test_stop_also_cancels_a_spark_job_the_run_starts_after_the_stop(spark: Any,
         spark.sparkContext.cancelAllJobs()  # whatever happened, no endless job outlives the test
     assert finished == ["cancelled"]
     assert m.alive() and m.failures == 0, "a run cancelled by stop() is not a failure"
+
+
+def _counter(name: str, task: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, {"task": task}) or 0.0
+
+
+def test_a_compaction_lost_to_a_neighbour_that_folded_the_same_changes_is_progress(spark: Any, tmp_path: Path) -> None:
+    """A neighbour's compaction commits the changes this run was folding, and this run loses to it: no conflict
+    to retry and no failure, but a run done by the neighbour (logged, counted in
+    cdcd_lake_maintenance_by_neighbour_total{task="compact"}, the last-maintenance time set) and state current."""
+    from cdcd import metrics
+    from cdcd.lake.compact import compact
+
+    metrics.export(metrics.LAKE)
+    lake = tmp_path / "lake"
+    rows = [change("orders", str(i), f'"v{i}"', i + 1) for i in range(3)]
+    version = append_changes(lake, rows)
+    neighbour_ran: list[int] = []
+
+    def neighbour_first(session: Any, path: Path) -> Any:
+        if not neighbour_ran:
+            neighbour_ran.append(compact(spark.newSession(), path).to_version)  # the neighbour's run, committed
+            raise ConcurrentAppend(CONFLICT_TEXT)  # ... before this one's: it loses
+        return compact(session, path)
+
+    before = _counter("cdcd_lake_maintenance_by_neighbour_total", "compact")
+    conflicts_before = _counter("cdcd_lake_maintenance_conflicts_total", "compact")
+    m = Maintainer(
+        lake,
+        spark,
+        MaintainerOptions(compact_interval_s=0.05, optimize_interval_s=0, max_consecutive_failures=1),
+        compact_fn=neighbour_first,
+    )
+    m.start()
+    try:
+        wait_for(lambda: m.compactions >= 1 or not m.alive(), "a compaction after the neighbour's")
+        assert m.alive() and (m.failures, m.conflicts, m.by_neighbour["compact"]) == (0, 0, 1), m.error
+    finally:
+        m.stop()
+    assert neighbour_ran == [version] and compacted_version(lake) >= version
+    assert state_rows(lake) == expected_state(rows)
+    assert _counter("cdcd_lake_maintenance_by_neighbour_total", "compact") - before == 1
+    assert _counter("cdcd_lake_maintenance_conflicts_total", "compact") == conflicts_before
+
+
+def test_an_optimize_lost_to_a_neighbours_is_retried_and_recognised_as_done(spark: Any, tmp_path: Path) -> None:
+    """This daemon's OPTIMIZE loses to a neighbour's real OPTIMIZE of the same small files: a conflict, retried
+    after a backoff; the retry finds the neighbour's commit since the lost attempt began and counts the run as
+    done by the neighbour instead of rewriting the files again; the next scheduled run is its own."""
+    from cdcd import metrics
+    from cdcd.lake.ops import optimize
+
+    metrics.export(metrics.LAKE)
+    lake = tmp_path / "lake"
+    for i in range(3):  # three small files in one partition: OPTIMIZE has something to commit
+        append_changes(lake, [change("orders", str(i), f'"v{i}"', i + 1)])
+    calls: list[str] = []
+
+    def loses_to_the_neighbour_once(session: Any, path: Path) -> Any:
+        if not calls:
+            calls.append("lost")
+            optimize(spark, path)  # the neighbour's OPTIMIZE commits first
+            raise ConcurrentAppend(CONFLICT_TEXT.replace("ConcurrentAppendException", "ConcurrentDeleteReadException"))
+        calls.append("own")
+        return optimize(session, path)
+
+    before = _counter("cdcd_lake_maintenance_by_neighbour_total", "optimize")
+    m = Maintainer(
+        lake,
+        spark,
+        MaintainerOptions(compact_interval_s=0, optimize_interval_s=0.2, max_consecutive_failures=1),
+        optimize_fn=loses_to_the_neighbour_once,
+    )
+    m.start()
+    try:
+        wait_for(lambda: m.optimizations >= 1 or not m.alive(), "an own OPTIMIZE after the neighbour's")
+        assert m.alive() and (m.failures, m.conflicts, m.by_neighbour["optimize"]) == (0, 1, 1), m.error
+    finally:
+        m.stop()
+    assert calls[:2] == ["lost", "own"]
+    assert operations(lake / CHANGES).count("OPTIMIZE") == 1, "the retry rewrote the neighbour's work again"
+    assert _counter("cdcd_lake_maintenance_by_neighbour_total", "optimize") - before == 1
+
+
+def test_a_gap_in_the_changes_log_seen_while_neighbours_commit_is_a_conflict(tmp_path: Path) -> None:
+    """delta-spark listing `_delta_log` while neighbours commit can miss a file created during the listing and
+    report the versions not contiguous; that is a conflict when the missing commits are there now, near the
+    table's head, and a real failure when a commit is missing for good."""
+    from cdcd.lake.maintainer import is_conflict
+
+    lake = tmp_path / "lake"
+    for i in range(5):
+        append_changes(lake, [change("orders", str(i), f'"v{i}"', i + 1)])
+
+    def gap(versions: str) -> Exception:
+        return Exception(
+            f"An error occurred while calling o658.executeCompaction. <- : org.apache.spark.sql.delta."
+            f"DeltaIllegalStateException: [DELTA_VERSIONS_NOT_CONTIGUOUS] Versions ({versions}) are not contiguous."
+        )
+
+    assert is_conflict(gap("0, 1, 3, 4"), lake)
+    assert not is_conflict(gap("0, 1, 3, 4"))  # no lake to look in: a failure
+    (lake / CHANGES / "_delta_log" / f"{2:020d}.json").unlink()
+    assert not is_conflict(gap("0, 1, 3, 4"), lake), "a commit missing for good is a real failure"
+
+
+def test_an_optimize_longer_than_its_interval_is_followed_after_as_long_again(spark: Any, tmp_path: Path) -> None:
+    """OPTIMIZE every 0.05 s, each run taking 0.6 s: the next starts only after as long as the last took (less
+    the schedule's jitter), so the thread is free for compaction at least half the time instead of running
+    OPTIMIZE back to back."""
+    from cdcd.lake.maintainer import SCHEDULE_JITTER
+
+    runs: list[tuple[float, float]] = []
+
+    def slow_optimize(_session: Any, _lake: Path) -> None:
+        began = time.monotonic()
+        time.sleep(0.6)  # the run's length is the experiment
+        runs.append((began, time.monotonic()))
+
+    m = Maintainer(
+        tmp_path / "lake",
+        spark,
+        MaintainerOptions(compact_interval_s=0, optimize_interval_s=0.05),
+        optimize_fn=slow_optimize,
+    )
+    m.start()
+    try:
+        wait_for(lambda: len(runs) >= 3 or not m.alive(), "three OPTIMIZE runs")
+    finally:
+        m.stop()
+    assert m.alive(), m.error
+    for (began, ended), (next_began, _) in itertools.pairwise(runs):
+        assert next_began - ended >= (ended - began) * (1 - SCHEDULE_JITTER), runs

@@ -243,3 +243,68 @@ def test_a_broker_outage_during_a_cache_drop_is_ridden_out(kafka_broker: Broker,
 def _source(msg: Any) -> tuple[int, int, int]:
     src = json.loads(msg.value())["source"]
     return (src["segment"], src["offset"], src["entry_index"])
+
+
+def test_an_object_store_outage_during_a_lake_cache_drop_is_ridden_out(tmp_path: Path, minio: MinioServer) -> None:
+    """MinIO stopped for 30 s just as the daemon hands a cache drop to the lake sink (a failpoint holds it there): the
+    drop's landing is retried like a batch (consumer_retrying lines naming on_cache_drop and the lake, the
+    retries counter), the daemon never exits, and once the store is back `changes` holds every WAL entry once
+    and one truncate row of the cache, at the DESTROY record."""
+    node_dir = tmp_path / "node"
+    drop = write_scenario(node_dir)
+    storage = {"endpoint": minio.endpoint, "path_style": True}
+    lake = "s3://lake/drop"
+    consumer = {"kind": "lake", "lake_path": lake, "writer": "deltalake", "storage": storage}
+    port = free_port()
+    config = write_config(tmp_path / "cdcd.toml", node_dir, consumer, metrics_address=f"127.0.0.1:{port}")
+    held = tmp_path / "failpoints"
+    held.mkdir()
+    env = {
+        **child_env(),
+        "AWS_ACCESS_KEY_ID": MINIO_USER,
+        "AWS_SECRET_ACCESS_KEY": MINIO_PASSWORD,
+        "CDCD_FAILPOINTS": "delivery.on_cache_drop=pause",
+        "CDCD_FAILPOINTS_DIR": str(held),
+    }
+    err = tmp_path / "daemon.err"
+    proc = start_daemon(config, err, env=env)
+    try:
+        wait_for(lambda: proc.poll() is not None or (held / "delivery.on_cache_drop").exists(), 120, "the drop")
+        assert proc.poll() is None, err.read_text()[-3000:]
+        minio.stop()
+        (held / "delivery.on_cache_drop").unlink()  # the drop goes to the sink with the store away
+        t0 = time.monotonic()
+
+        def retried() -> int:
+            return sum(e["event"] == "consumer_retrying" for e in log_events(err))
+
+        # The outage's length is the experiment (OUTAGE_S, and 3 retry steps at least); the daemon is watched
+        # all along (it must never exit).
+        wait_for(
+            lambda: proc.poll() is not None or (retried() >= 3 and time.monotonic() - t0 >= OUTAGE_S),
+            OUTAGE_S + 120,
+            "a 30 s outage with 3 retry steps of the drop",
+        )
+        assert proc.poll() is None, f"the daemon exited during the outage:\n{err.read_text()[-3000:]}"
+        retries = int(scrape(port)["cdcd_daemon_consumer_retries_total"][0][1])
+        minio.start()
+        outage_s = time.monotonic() - t0
+        until = caught_up(node_dir)
+        wait_for(lambda: proc.poll() is not None or position(config) == until, 180, f"the daemon to land {until}", 0.25)
+        assert proc.poll() is None, err.read_text()[-3000:]
+    finally:
+        rc = stop_daemon(proc, timeout=60)
+    assert rc == 0, err.read_text()[-3000:]
+    steps = [e for e in log_events(err) if e["event"] == "consumer_retrying"]
+    assert retries >= 3 and len(steps) >= retries, (retries, len(steps))
+    assert {e["call"] for e in steps} == {"on_cache_drop"}, steps
+    assert all(f"lake {lake}" in e["error"] and "\n" not in e["error"] for e in steps), steps[0]
+
+    loc = LakeLocation(lake, StorageOptions(**storage), env=env)
+    rows = DeltaTable(loc.uri("changes"), storage_options=loc.delta_options).to_pyarrow_table().to_pylist()
+    truncates = [(r["cache"], r["wal_segment"], r["wal_offset"], r["wal_index"]) for r in rows if r["op"] == "truncate"]
+    assert truncates == [("c", drop.segment, drop.offset, 0)], truncates
+    landed = Counter((r["wal_segment"], r["wal_offset"], r["wal_index"]) for r in rows if r["op"] != "truncate")
+    assert max(landed.values()) == 1, "an entry landed twice"
+    assert set(landed) == {tuple(e["pos"]) for e in wal_events(node_dir)}
+    print(f"\nstore outage during a lake drop {outage_s:.1f} s: {retries} retry steps of on_cache_drop, landed once")

@@ -10,7 +10,13 @@ is tried at its normal time (a manual ``cdcd lake compact`` committing at the sa
 one MERGE lose, harmlessly). A run that loses to another writer's concurrent commit (another
 daemon's maintenance on the same lake: Delta's concurrent-modification conflicts) is no failure:
 it is logged, counted (``cdcd_lake_maintenance_conflicts_total``) and tried again after a backoff
-delay. ``max_consecutive_failures`` real failures in a row stop the thread:
+delay. A run a neighbour had done already (a compaction that lost to one folding the same range,
+an OPTIMIZE due moments after a neighbour's) is progress, not a conflict: it is logged
+(``lake_maintenance_by_neighbour``), counted (``cdcd_lake_maintenance_by_neighbour_total``) and the
+next run comes at its normal time. Scheduled delays carry a little jitter, so daemons started
+together drift apart instead of running in step, and an OPTIMIZE that ran longer than its interval
+is followed by the next only after as long again (compaction is never starved by it).
+``max_consecutive_failures`` real failures in a row stop the thread:
 ``alive()`` turns False and ``check()`` raises ``MaintenanceFailed`` naming the last error, so the
 owner (the sink's ``alive()``/``on_events``) fails loudly instead of a lake whose state silently
 stops advancing. Every step is idempotent (compaction through its application transaction), so
@@ -19,6 +25,7 @@ cancelling a run at ``stop()`` loses nothing.
 
 from __future__ import annotations
 
+import random
 import re
 import threading
 import time
@@ -30,8 +37,11 @@ from typing import Any
 import structlog
 
 from cdcd import metrics
-from cdcd.lake.compact import CompactResult, compact
-from cdcd.lake.ops import optimize
+from cdcd.lake.compact import CompactResult, compact, compacted_version
+from cdcd.lake.deltalog import LOG_DIR
+from cdcd.lake.ops import optimize, optimized_since
+from cdcd.lake.storage import open_delta
+from cdcd.lake.table import CHANGES, STATE
 from cdcd.logging import describe
 from cdcd.retry import Backoff
 
@@ -57,23 +67,54 @@ CONFLICTS = (
 text) and delta-rs' ``CommitFailedError``. Another writer committed first; the run can be redone."""
 
 CONFLICT_BACKOFF = Backoff(initial_ms=500, max_ms=30_000, jitter=0.5)
+"""Between a lost run and its retry: jittered, so that two daemons do not collide again in step."""
 CANCEL_REPEAT_S = 0.5
 """How often ``stop`` cancels the maintenance job group again while the run winds down."""
-"""Between a lost run and its retry: jittered, so that two daemons do not collide again in step."""
+SCHEDULE_JITTER = 0.1
+"""Each scheduled delay is drawn from ``interval * [1 - SCHEDULE_JITTER, 1 + SCHEDULE_JITTER]``."""
 
+
+_NOT_CONTIGUOUS = re.compile(r"DELTA_VERSIONS_NOT_CONTIGUOUS\] Versions \(([0-9, ]+)\)")
+"""delta-spark listed ``_delta_log`` while neighbours committed: a directory listing is no snapshot, so a
+commit file created during it can be missed while a later one is seen (a gap that is not in the log)."""
+GAP_NEAR_HEAD_VERSIONS = 1000
+"""A gap this close to its table's newest version whose files exist now was a listing race."""
 
 _CREATED_BESIDE = re.compile(r"DELTA_CREATE_TABLE_WITH_NON_EMPTY_LOCATION.*?location \('([^']+)'\)")
 """Two first compactions creating one table (``state``) at once: the loser finds the winner's files."""
 
 
-def is_conflict(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) is a Delta concurrent-modification conflict, or a table creation
-    that lost to a neighbour's (the location it found not empty is a Delta table now)."""
+def is_conflict(exc: BaseException, lake: Path | None = None) -> bool:
+    """Whether ``exc`` (or what caused it) is a Delta concurrent-modification conflict, a table creation
+    that lost to a neighbour's (the location it found not empty is a Delta table now), or (with ``lake``)
+    a gap in the changes log seen while neighbours committed that is no gap now."""
     text = f"{type(exc).__name__}: {describe(exc)}"
     if any(name in text for name in CONFLICTS):
         return True
+    gap = _NOT_CONTIGUOUS.search(text)
+    if gap is not None and lake is not None:
+        return _gap_closed(lake, [int(v) for v in gap.group(1).replace(" ", "").split(",") if v])
     created = _CREATED_BESIDE.search(text)
     return created is not None and (Path(created.group(1)) / "_delta_log").is_dir()
+
+
+def _gap_closed(lake: Path, listed: list[int]) -> bool:
+    """Whether the versions missing between ``listed`` are commits of ``<lake>/changes`` (or ``state``, both
+    committed to by neighbours) now, near its newest version (a gap that stays is a real failure)."""
+    missing = sorted(set(range(min(listed), max(listed) + 1)) - set(listed)) if listed else []
+    if not missing:
+        return False
+    for table in (lake / CHANGES, lake / STATE):
+        if not all((table / LOG_DIR / f"{v:020d}.json").exists() for v in missing):
+            continue
+        try:
+            newest = int(open_delta(table).version())
+        except Exception:  # unreadable: no listing race to excuse the error, which is reported as it is
+            log.debug("lake_maintenance_gap_check_failed", table=str(table), exc_info=True)
+            continue
+        if newest - max(listed) <= GAP_NEAR_HEAD_VERSIONS:
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -123,6 +164,12 @@ class Maintainer:
         self.optimizations = 0
         self.failures = 0
         self.conflicts = 0
+        self.by_neighbour = {"compact": 0, "optimize": 0}
+        """Runs a neighbour had done already (see the module doc), per task."""
+        self._optimize_since_s: float | None = None
+        """Wall time from which a neighbour's OPTIMIZE makes this one's due run needless: the start of its
+        last attempt that lost, or the end of its last own run (None: none yet; the interval before)."""
+        self._rng = random.Random()
         self.last_compact: CompactResult | None = None
         self.error: BaseException | None = None
         """The exception that stopped the Maintainer (None while healthy)."""
@@ -176,8 +223,8 @@ class Maintainer:
         opts = self.options
         now = self._clock()
         due = {
-            "compact": now + opts.compact_interval_s if opts.compact_interval_s else None,
-            "optimize": now + opts.optimize_interval_s if opts.optimize_interval_s else None,
+            "compact": now + self._jittered(opts.compact_interval_s) if opts.compact_interval_s else None,
+            "optimize": now + self._jittered(opts.optimize_interval_s) if opts.optimize_interval_s else None,
         }
         consecutive = 0
         conflict_delays = CONFLICT_BACKOFF.delays_s()
@@ -189,6 +236,7 @@ class Maintainer:
             wait_s = pending[task] - self._clock()
             if wait_s > 0 and self._stop.wait(wait_s):
                 break
+            run_started = self._clock()
             try:
                 started = self._clock()
                 self._run_one(task)
@@ -201,7 +249,7 @@ class Maintainer:
             except Exception as exc:
                 if self._stop.is_set():
                     break  # cancelled by stop(): idempotent work, nothing to report
-                if is_conflict(exc):
+                if is_conflict(exc, self.lake):
                     retry_in_s = next(conflict_delays)
                     self.conflicts += 1
                     metrics.LAKE_MAINTENANCE_CONFLICTS.labels(task).inc()
@@ -220,14 +268,40 @@ class Maintainer:
                     log.error("lake_maintenance_stopped", lake=str(self.lake), failures=consecutive)
                     return
             interval = opts.compact_interval_s if task == "compact" else opts.optimize_interval_s
-            # From the end of the run: a run longer than its interval is followed by the next at once,
+            if task == "optimize":
+                # An OPTIMIZE that took longer than its interval (minutes over a backlog of small files on
+                # busy cores) waits as long as it took: compaction, which keeps state current, gets at
+                # least half of the thread, and a neighbour's OPTIMIZE meanwhile makes the next needless.
+                interval = max(interval, self._clock() - run_started)
+            # From the end of the run: a compaction longer than its interval is followed by the next at once,
             # never by a backlog of missed ones.
-            due[task] = self._clock() + interval
+            due[task] = self._clock() + self._jittered(interval)
+
+    def _jittered(self, interval_s: float) -> float:
+        return interval_s * self._rng.uniform(1.0 - SCHEDULE_JITTER, 1.0 + SCHEDULE_JITTER)
+
+    def _by_neighbour(self, task: str, **fields: Any) -> None:
+        self.by_neighbour[task] += 1
+        metrics.LAKE_MAINTENANCE_BY_NEIGHBOUR.labels(task).inc()
+        log.info("lake_maintenance_by_neighbour", task=task, **fields)
 
     def _run_one(self, task: str) -> None:
         started = self._clock()
         if task == "compact":
-            result = self._compact(self._spark, self.lake)
+            mark = compacted_version(self.lake)
+            try:
+                result = self._compact(self._spark, self.lake)
+            except Exception as exc:
+                if self._stop.is_set() or not is_conflict(exc, self.lake):
+                    raise
+                # Lost to a neighbour's compaction that began from the same mark: it folded this run's range
+                # (up to the changes its run had seen, a moment older than this one's); the next scheduled
+                # compaction, this daemon's or a neighbour's, folds the few landed since.
+                folded = compacted_version(self.lake)
+                if folded <= mark:
+                    raise
+                self._by_neighbour("compact", compacted_from=mark, compacted_to=folded, error=describe(exc))
+                return
             self.last_compact = result
             self.compactions += 1
             log.info(
@@ -237,6 +311,18 @@ class Maintainer:
                 seconds=round(self._clock() - started, 3),
             )
         else:
+            # A neighbour's OPTIMIZE since then bin-packed the small files this run was due for: a second would
+            # rewrite the few added since, or lose to it.
+            since_s = self._optimize_since_s
+            if since_s is None:
+                since_s = time.time() - self.options.optimize_interval_s
+            version = optimized_since(self.lake, int(since_s * 1000))
+            if version is not None:
+                self._by_neighbour("optimize", optimized_version=version)
+                self._optimize_since_s = time.time()
+                return
+            self._optimize_since_s = time.time()  # should this run lose, the winner's commit comes after
             self._optimize(self._spark, self.lake)
+            self._optimize_since_s = time.time()  # this run's own commits are no neighbour's
             self.optimizations += 1
             log.info("lake_maintenance_optimized", seconds=round(self._clock() - started, 3))

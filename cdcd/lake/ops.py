@@ -158,6 +158,32 @@ def optimize(spark: Any, lake: LakeDir) -> dict[str, dict[str, Any]]:
     return out
 
 
+OPTIMIZE_LOOKBACK_COMMITS = 200
+"""Newest commits of ``changes`` searched for a recent OPTIMIZE (a busy table commits several a second)."""
+
+
+def optimized_since(lake: LakeDir, since_ms: int, max_commits: int = OPTIMIZE_LOOKBACK_COMMITS) -> int | None:
+    """The version of the newest OPTIMIZE commit of ``<lake>/changes`` made at or after ``since_ms``
+    (wall time), among its newest ``max_commits`` commits; None when there is none (or no table). The
+    Maintainer asks before its own run: a neighbour's OPTIMIZE of the same files moments ago did the work,
+    and a second one would only rewrite the same small files again, or lose to it."""
+    changes = lake / CHANGES
+    if not is_delta(changes):
+        return None
+    latest = int(open_delta(changes).version())
+    for version in range(latest, max(latest - max_commits, -1), -1):
+        try:
+            actions = read_commit(changes, version)
+        except FileNotFoundError:
+            return None  # cleaned up by log retention: older than anything asked about
+        info = next((a["commitInfo"] for a in actions if "commitInfo" in a), None)
+        if info is None or int(info.get("timestamp", 0)) < since_ms:
+            return None  # commits are in time order: the rest are older still
+        if info.get("operation") == "OPTIMIZE":
+            return version
+    return None
+
+
 def _maintained(lake: LakeDir) -> list[tuple[str, LakeDir]]:
     """(name, path) of every table optimize and vacuum look after: changes, state, and each typed
     table (named ``tables/<cache>``)."""
@@ -265,6 +291,7 @@ __all__ = [
     "Vacuumed",
     "history",
     "optimize",
+    "optimized_since",
     "show",
     "vacuum",
 ]
