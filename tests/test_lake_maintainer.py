@@ -193,7 +193,9 @@ def test_the_lake_sink_runs_it_and_fails_when_it_gave_up(spark: Any, tmp_path: P
     with Node.open(node_dir) as node:
         node.cache("orders").put_all({i: {"n": i} for i in range(50)})
         node.cache("orders").remove(7)
-    opts = LakeOptions(lake_path=str(lake), writer="deltalake", spark_master="local[2]", compact_interval_s=0.5)
+    opts = LakeOptions(
+        lake_path=str(lake), writer="deltalake", spark_master="local[2]", compact_interval_s=0.5, optimize_interval_s=0
+    )
     sink = LakeConsumer(opts)
     sink.start()
     try:

@@ -366,6 +366,7 @@ def test_node_values_round_trip_a_resent_cache_and_a_new_cache_arrive_on_schedul
             "writer": "deltalake",
             "spark_master": "local[2]",
             "compact_interval_s": 0.5,
+            "optimize_interval_s": 0,
             "tables": tables,
         },
         LakeOptions,
