@@ -415,7 +415,7 @@ def test_a_compaction_held_between_its_table_commits_leaves_the_latest_cut_whole
     held by failpoint ``pause`` at the second table's MERGE while the first commits: each table's latest
     version shows half the range's transfers, the latest cut is still the last whole one and adds up; let go,
     the new cut adds up and holds every transfer. (The same claim under live load, with scheduled
-    compactions and a daemon process: the chaos test below.)"""
+    compactions and a daemon process: the test below.)"""
     import threading
 
     from cdcd import failpoints
@@ -485,20 +485,16 @@ def test_a_compaction_held_between_its_table_commits_leaves_the_latest_cut_whole
     assert money_at_latest_versions(lake) == TOTAL
 
 
-@pytest.mark.chaos
 @pytest.mark.timeout(1800)  # several Spark compactions on a small, shared machine
 def test_reads_at_the_latest_cut_never_see_half_a_transaction(tmp_path: Path) -> None:
     """A node commits transfers (debit ``accounts``, credit ``ledger``, one transaction) under load while
     the daemon lands them and compacts every second: 100+ reads of both tables at the latest cut all add
-    up. Then one more transfer, and a compaction held (failpoint ``pause``) between its two table commits:
-    each table's latest version shows half the transfer, the latest cut still adds up. In ``make chaos``:
-    the held compaction alone, in process, is the test above."""
-    import subprocess
-
-    from cdcd.lake.table import CHANGES
+    up, over at least two cuts. That reading each table's latest version instead can see half a
+    transfer is shown deterministically by the held compaction above (here it is counted, not asserted:
+    whether a read falls between two table commits is luck)."""
     from cdcd.node import Node
     from tests.support.lake import QUICK_START, write_config
-    from tests.support.procs import CDCD, child_env, reap, start_daemon, stop_daemon, wait_for
+    from tests.support.procs import reap, start_daemon, stop_daemon, wait_for
 
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
     consumer = {
@@ -511,11 +507,10 @@ def test_reads_at_the_latest_cut_never_see_half_a_transaction(tmp_path: Path) ->
     scheduled = write_config(
         tmp_path / "scheduled.toml", node_dir, {**consumer, "compact_interval_s": 1.0}, batch_max_delay_ms=1000
     )
-    plain = write_config(tmp_path / "plain.toml", node_dir, consumer, batch_max_delay_ms=1000)
     err = tmp_path / "daemon.err"
     node = Node.open(node_dir, wal_segment_size_bytes=1 << 20, wal_force_archive_timeout_ms=500)
     transfers = Transfers(node, seed=27)
-    daemon = compaction = None
+    daemon = None
     try:
         transfers.open_accounts()
         transfers.start()
@@ -542,75 +537,12 @@ def test_reads_at_the_latest_cut_never_see_half_a_transaction(tmp_path: Path) ->
         wait_for(lambda: landed_ledger_rows(lake) == transfers.entries, 120, "every transfer landed")
         rc = stop_daemon(daemon, timeout=600)  # it may be inside a scheduled compaction
         assert rc == 0, err.read_text()[-3000:]
-        # A scheduled compaction the stop cancelled may have committed the typed tables (delta-rs)
-        # and not state's MERGE nor its cut; the next compaction finishes it. Do that now: below,
-        # every table version past the latest cut must be the held compaction's own.
-        cut = latest_cut(lake)
-        assert cut is not None
-        if any(DeltaTable(str(table_path(lake, c))).version() != cut.tables[c] for c in ("accounts", "ledger")):
-            res = subprocess.run(
-                [*CDCD, "lake", "compact", "--lake", str(lake), "--spark-master", "local[2]"],
-                capture_output=True,
-                text=True,
-                timeout=600,
-                env=child_env(),
-            )
-            assert res.returncode == 0, res.stderr[-3000:]
-
-        # One more transfer, landed without compaction; then a compaction held between its table commits.
-        transfers.transfer(3, 7)
-        node.force_archive()
-        daemon = start_daemon(plain, err)
-        wait_for(lambda: landed_ledger_rows(lake) == transfers.entries, 120, "the last transfer landed")
-        assert stop_daemon(daemon, timeout=60) == 0, err.read_text()[-3000:]
-        before = latest_cut(lake)
-        assert before is not None
-        assert before.changes_version < int(DeltaTable(str(lake / CHANGES)).version())
-        # Compaction merges the two tables side by side; the second to reach its MERGE pauses there
-        # (failpoint), the other commits: one table ahead of the other until the pause ends.
-        points = tmp_path / "failpoints"
-        points.mkdir()
-        marker = points / "lake.compact.table_merge"
-        env = {
-            **child_env(),
-            "CDCD_FAILPOINTS": "lake.compact.table_merge@2=pause",
-            "CDCD_FAILPOINTS_DIR": str(points),
-        }
-        with (tmp_path / "compact.err").open("wb") as cerr:
-            compaction = subprocess.Popen(
-                [*CDCD, "lake", "compact", "--lake", str(lake), "--spark-master", "local[2]"],
-                stdout=subprocess.DEVNULL,
-                stderr=cerr,
-                env=env,
-            )
-
-        def one_table_ahead() -> bool:
-            assert compaction is not None and compaction.poll() is None, (tmp_path / "compact.err").read_text()[-3000:]
-            moved = [
-                c for c in ("accounts", "ledger") if DeltaTable(str(table_path(lake, c))).version() > before.tables[c]
-            ]
-            assert len(moved) <= 1, f"both tables committed while one MERGE was paused: {moved}"
-            return marker.exists() and len(moved) == 1
-
-        wait_for(one_table_ahead, 600, "one table committed, the other's MERGE paused", interval=0.2)
-        # Each table's latest version: the range's debits without their credits (accounts ahead), or
-        # the credits without the debits (ledger ahead). The range holds every transfer since `before`.
-        ledger_ahead = DeltaTable(str(table_path(lake, "ledger"))).version() > before.tables["ledger"]
-        half = money_at_latest_versions(lake)
-        assert half > TOTAL if ledger_ahead else half < TOTAL, (half, ledger_ahead)
-        assert latest_cut(lake) == before
-        money = money_at_cut(lake, before)
-        assert money is not None and money[0] == TOTAL
-        marker.unlink()
-        assert compaction.wait(600) == 0, (tmp_path / "compact.err").read_text()[-3000:]
-        after = latest_cut(lake)
-        assert after is not None and after.changes_version > before.changes_version
-        assert money_at_cut(lake, after) == (TOTAL, transfers.entries)
-        assert money_at_latest_versions(lake) == TOTAL
+        last = latest_cut(lake)
+        assert last is not None and money_at_cut(lake, last) is not None
+        assert money_at_cut(lake, last)[0] == TOTAL  # type: ignore[index]
         print(f"{reads} reads at the latest cut over {len(cuts_seen)} cuts; unbalanced at latest: {unbalanced_latest}")
     finally:
         transfers.stop.set()
-        reap(compaction)
         reap(daemon)
         node.close()
 
