@@ -91,7 +91,7 @@ from cdcd.sinks.lake import LakeConsumer, LakeOptions
 
 class KillAtDrop(LakeConsumer):
     def __init__(self, kill_at, marker, **options):
-        super().__init__(LakeOptions(compact_interval_s=0.0, optimize_interval_s=0.0, **options))
+        super().__init__(LakeOptions(**{"compact_interval_s": 0.0, "optimize_interval_s": 0.0, **options}))
         self.kill_at = kill_at
         self.marker = Path(marker)
 

@@ -68,7 +68,7 @@ from cdcd.sinks.lake import LakeConsumer, LakeOptions
 
 class KillingLake(LakeConsumer):
     def __init__(self, kill_at, kill_commit, marker, **options):
-        super().__init__(LakeOptions(compact_interval_s=0.0, optimize_interval_s=0.0, **options))
+        super().__init__(LakeOptions(**{"compact_interval_s": 0.0, "optimize_interval_s": 0.0, **options}))
         self.kill_at = kill_at  # spark-written | files-written | committed
         self.kill_commit = kill_commit  # the n-th batch of this process (1-based)
         self.marker = Path(marker)
