@@ -30,7 +30,7 @@ from tests.support.delta_lake import check_lake, lake_consumer, lake_rows
 from tests.support.procs import wait_for
 from tests.support.realtime import markers
 from tests.support.wal import archived_segments, wal_events
-from tests.support.writer import tx_writes
+from tests.support.writer import write_tx
 
 NODE = {
     "wal_mode": "fsync",
@@ -63,12 +63,7 @@ def open_node(node_dir: Path, lake: Path) -> Node:
 
 def write(node: Node, first: int, count: int) -> int:
     for n in range(first, first + count):
-        with node.transaction() as tx:
-            for cache, key, value in tx_writes(n):
-                if value is None:
-                    tx.remove(cache, key)
-                else:
-                    tx.put(cache, key, value)
+        write_tx(node, n)
     node.force_archive()
     return first + count
 

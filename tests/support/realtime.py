@@ -38,7 +38,7 @@ from tests.support.procs import (
 )
 from tests.support.procs import committed as daemon_committed
 from tests.support.wal import archived_segments, wal_events, wal_records
-from tests.support.writer import tx_writes
+from tests.support.writer import write_tx
 
 Pos = tuple[int, int, int]
 
@@ -161,12 +161,7 @@ def node_main() -> None:
             node.cache("warmup").put(0, {"warm": True})
             node.force_archive()
         while not (ctl / "stop").exists() and not (count and n - first >= count):
-            with node.transaction() as tx:
-                for cache, key, value in tx_writes(n):
-                    if value is None:
-                        tx.remove(cache, key)
-                    else:
-                        tx.put(cache, key, value)
+            write_tx(node, n)
             n += 1
             if pause_s and n % every == 0 and not burst.exists():
                 time.sleep(pause_s)

@@ -62,6 +62,16 @@ def tx_writes(n: int, key_base: int = 0) -> list[tuple[str, Any, Any]]:
     return writes
 
 
+def write_tx(node: Node, n: int, key_base: int = 0) -> None:
+    """Commit transaction ``n`` (``tx_writes(n, key_base)``) on ``node``."""
+    with node.transaction() as tx:
+        for cache, key, value in tx_writes(n, key_base):
+            if value is None:
+                tx.remove(cache, key)
+            else:
+                tx.put(cache, key, value)
+
+
 def expected_final_state(n_tx: int) -> dict[str, dict[str, Any]]:
     """Cache contents after transactions 0..n_tx-1 (keys as their JSON text)."""
     state: dict[str, dict[str, Any]] = {c: {} for c in CACHES}
@@ -84,12 +94,7 @@ def writer_main() -> None:
     n = 0
     try:
         while (n < count) if count else not os.path.exists(stop_file):
-            with node.transaction() as tx:
-                for cache, key, value in tx_writes(n, key_base):
-                    if value is None:
-                        tx.remove(cache, key)
-                    else:
-                        tx.put(cache, key, value)
+            write_tx(node, n, key_base)
             n += 1
             if pause_s and n % 10 == 0:
                 time.sleep(pause_s)
@@ -119,12 +124,7 @@ def make_node(node_dir: Path, segments: int, tx_per_segment: int, *, first_tx: i
     with Node.open(node_dir, **opts) as node:
         for _ in range(segments):
             for _ in range(tx_per_segment):
-                with node.transaction() as tx:
-                    for cache, key, value in tx_writes(n):
-                        if value is None:
-                            tx.remove(cache, key)
-                        else:
-                            tx.put(cache, key, value)
+                write_tx(node, n)
                 n += 1
             node.force_archive()
     return n
