@@ -37,27 +37,27 @@ def test_kill_daemon() -> None:
     assert res.runs >= 4
 
 
-@pytest.mark.slow
+@pytest.mark.chaos  # tests/test_lake_faults.py's SIGKILL-during-commits test makes the same claim at chosen points
 def test_kill_daemon_lake() -> None:
     """SIGKILLing `cdcd run` with the lake sink at random moments lands every WAL entry in the lake exactly once."""
     res = run_short("kill-daemon-lake")
     assert res.duplicates == 0
 
 
-@pytest.mark.slow
+@pytest.mark.chaos  # tests/test_node_crash.py SIGKILLs the node mid-write and checks every acked entry
 def test_kill_node() -> None:
     """SIGKILLing the node (also during its start-up) while it writes leaves a WAL the daemon delivers exactly."""
     run_short("kill-node")
 
 
-@pytest.mark.slow
+@pytest.mark.chaos  # tests/test_realtime_faults.py SIGKILLs a realtime node and checks its restore point
 def test_kill_node_realtime() -> None:
     """SIGKILLing the node while its realtime consumer delivers makes it re-deliver only from its committed position,
     losing nothing."""
     run_short("kill-node-realtime")
 
 
-@pytest.mark.slow
+@pytest.mark.chaos  # tests/test_switch_crash_points.py kills node and daemon at every step of a switch
 def test_kill_mixed() -> None:
     """SIGKILLing the node, the daemon or both around realtime switches keeps every WAL entry delivered by exactly the
     side the hand-over protocol assigns it."""
@@ -72,7 +72,7 @@ def test_sigstop_daemon() -> None:
     assert res.duplicates == 0
 
 
-@pytest.mark.slow
+@pytest.mark.chaos  # tests/test_daemon_errors.py's gap, delete-lost-links and relink tests make the same claim
 def test_cdc_dir_full() -> None:
     """A CDC dir over cdc_dir_max_bytes while the daemon is down makes it exit 3 at the gap, and relink-lost-segments
     brings every skipped segment back from the archive: the consumer ends exactly at the node's state."""
@@ -80,7 +80,7 @@ def test_cdc_dir_full() -> None:
     assert res.lost == 0
 
 
-@pytest.mark.slow
+@pytest.mark.chaos  # tests/test_lake_faults.py's full-disk and unwritable-lake tests make the same claim
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_lake_disk_full() -> None:
     """A full lake file system makes the daemon exit 4 with one clear error and its state not past the lake; after
@@ -104,7 +104,7 @@ def test_slow_consumer() -> None:
     assert res.details["growth_after_warmup_mb"] < 30
 
 
-@pytest.mark.slow
+@pytest.mark.chaos  # tests/test_daemon_errors.py's failing-consumer tests make the same claim
 def test_consumer_raises() -> None:
     """A consumer that raises makes the daemon exit 4 with one error line and its position exactly at what was
     confirmed; once fixed, a restart delivers the rest exactly."""

@@ -129,7 +129,7 @@ def _expected(node_dir: Path) -> dict[tuple[int, int, int], Any]:
     }
 
 
-@pytest.mark.slow
+@pytest.mark.chaos  # the per-cache test below reads the same envelope with Spark, through the docs' schema
 def test_spark_structured_streaming_reads_the_topic(kafka_broker: Broker, tmp_path: Path) -> None:
     node_dir = tmp_path / "node"
     make_node(node_dir, 2, 20)

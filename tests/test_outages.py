@@ -174,6 +174,8 @@ def test_a_30s_broker_outage_is_ridden_out(kafka_broker: Broker, tmp_path: Path)
     print(f"{len(events)} entries sent once")
 
 
+@pytest.mark.chaos  # tests/test_cache_call_retry.py retries a failing drop through a real `cdcd run` in
+# seconds; the 30 s outage tests above ride out the same servers' outages
 def test_a_broker_outage_during_a_cache_drop_is_ridden_out(kafka_broker: Broker, tmp_path: Path) -> None:
     """The broker stopped just as the daemon hands a cache drop to the Kafka sink (a failpoint holds it there):
     the drop's truncate is retried like a batch (consumer_retrying lines naming on_cache_drop, the retries
@@ -245,6 +247,8 @@ def _source(msg: Any) -> tuple[int, int, int]:
     return (src["segment"], src["offset"], src["entry_index"])
 
 
+@pytest.mark.chaos  # tests/test_cache_call_retry.py retries a failing drop through a real `cdcd run` in
+# seconds; the 30 s outage tests above ride out the same servers' outages
 def test_an_object_store_outage_during_a_lake_cache_drop_is_ridden_out(tmp_path: Path, minio: MinioServer) -> None:
     """MinIO stopped for 30 s just as the daemon hands a cache drop to the lake sink (a failpoint holds it there): the
     drop's landing is retried like a batch (consumer_retrying lines naming on_cache_drop and the lake, the
