@@ -4,11 +4,17 @@
 #
 #   scripts/kafka.sh start --dir DIR --port PORT [--controller-port P] [--node-id N] [--heap-mb M]
 #                          [--voters N@HOST:PORT,...] [--cluster-id ID] [--replication R]
+#                          [--profile test|standard]
 #       formats DIR on first use, starts the broker, returns once it serves clients (exit 1 if not
 #       within KAFKA_START_TIMEOUT_S, default 180, with the log's tail on stderr). A cluster of
 #       several: one start per node, all at once (each waits for the quorum), the same --voters
 #       and --cluster-id; --replication R sets the internal topics' replication factor and
 #       min.insync.replicas (R - 1, at least 1) for topics and the transaction log.
+#       --profile test (the default): a small heap, the serial collector, no C2 JIT and two threads
+#       of each kind, to start quickly beside the test suite's other JVMs; standard: what the Kafka
+#       distribution's own start script and server defaults use (1 GiB heap, G1, the full JIT,
+#       3 network and 8 I/O threads), for benchmarks, where a peer's rate must not be the
+#       broker's (--heap-mb is ignored there).
 #   scripts/kafka.sh stop --dir DIR [--kill]
 #       SIGTERM (controlled shutdown) and wait; --kill: SIGKILL, as a crash
 set -euo pipefail
@@ -16,7 +22,7 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 LIBS="${KAFKA_LIBS:-$HERE/../var/kafka/libs}"
 cmd="${1:-}"
 shift || true
-dir="" port="" cport="" node_id=1 heap_mb=384 kill=0 voters="" cluster_id="" replication=1
+dir="" port="" cport="" node_id=1 heap_mb=384 kill=0 voters="" cluster_id="" replication=1 profile=test
 while [ $# -gt 0 ]; do
     case "$1" in
         --dir) dir="$2"; shift 2 ;;
@@ -28,10 +34,15 @@ while [ $# -gt 0 ]; do
         --voters) voters="$2"; shift 2 ;;
         --cluster-id) cluster_id="$2"; shift 2 ;;
         --replication) replication="$2"; shift 2 ;;
+        --profile) profile="$2"; shift 2 ;;
         *) echo "kafka.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
 [ -n "$dir" ] || { echo "kafka.sh: --dir is required" >&2; exit 2; }
+case "$profile" in
+    test|standard) ;;
+    *) echo "kafka.sh: --profile must be test or standard, not '$profile'" >&2; exit 2 ;;
+esac
 pidfile="$dir/kafka.pid"
 
 alive() { [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; }
@@ -69,10 +80,10 @@ min.insync.replicas=$min_isr
 default.replication.factor=$replication
 group.initial.rebalance.delay.ms=0
 auto.create.topics.enable=false
-num.network.threads=2
-num.io.threads=2
-background.threads=2
 PROPS
+    if [ "$profile" = test ]; then
+        printf 'num.network.threads=2\nnum.io.threads=2\nbackground.threads=2\n' >> "$dir/server.properties"
+    fi
     cat > "$dir/log4j2.properties" <<PROPS
 rootLogger.level=INFO
 rootLogger.appenderRef.file.ref=file
@@ -83,8 +94,13 @@ appender.file.layout.type=PatternLayout
 appender.file.layout.pattern=[%d] %p %m (%c)%n
 PROPS
     export CLASSPATH="$LIBS/*"
-    jvm=(-Xms64m "-Xmx${heap_mb}m" -XX:+UseSerialGC -XX:TieredStopAtLevel=1 -Djava.awt.headless=true
-         "-Dlog4j2.configurationFile=$dir/log4j2.properties")
+    if [ "$profile" = test ]; then
+        jvm=(-Xms64m "-Xmx${heap_mb}m" -XX:+UseSerialGC -XX:TieredStopAtLevel=1)
+    else
+        jvm=(-Xms1g -Xmx1g -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -XX:InitiatingHeapOccupancyPercent=35
+             -XX:+ExplicitGCInvokesConcurrent -XX:MaxInlineLevel=15)
+    fi
+    jvm+=(-Djava.awt.headless=true "-Dlog4j2.configurationFile=$dir/log4j2.properties")
     if [ ! -f "$dir/data/meta.properties" ]; then
         [ -n "$cluster_id" ] || cluster_id="$(java "${jvm[@]}" kafka.tools.StorageTool random-uuid)"
         java "${jvm[@]}" kafka.tools.StorageTool format -t "$cluster_id" -c "$dir/server.properties" \

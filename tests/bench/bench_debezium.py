@@ -2,13 +2,15 @@
 machine, same run, same broker.
 
 ``python -m tests.bench.bench_debezium [--quick] [--repeats N] [--only backlog,live,to_node]
-[--warmup-rows N] [--rows N] [--keep]`` (``make bench-kafka``; ``scripts/ensure-debezium.sh`` fetches
-Debezium Server into var/debezium). Writes ``tests/bench/results/bench-kafka-<UTC timestamp>.json`` and
-``bench-kafka-latest.json`` and prints one table. Every run records the 1-minute load average (the machine
-may be shared).
+[--warmup-rows N] [--rows N] [--keep] [--tuned-producer K=V,...]`` (``make bench-kafka``;
+``scripts/ensure-debezium.sh`` fetches Debezium Server into var/debezium). Writes
+``tests/bench/results/bench-kafka-<UTC timestamp>.json`` and ``bench-kafka-latest.json`` and prints one table.
+Every run records the 1-minute load average (the machine may be shared).
 
-One local Apache Kafka broker (``tests.support.kafka.Broker``, 127.0.0.1). Every topic is created
-before its run with 16 partitions. Rows: 8-byte integer keys, 100-byte values, on both sides.
+One local Apache Kafka broker (``tests.support.kafka.Broker``, 127.0.0.1) with the Kafka distribution's own JVM
+and thread settings (``scripts/kafka.sh --profile standard``: the test suite's quick-start broker, without the C2
+JIT and with two request threads, was the bottleneck of Debezium's many small produce requests). Every topic is
+created before its run with 16 partitions. Rows: 8-byte integer keys, 100-byte values, on both sides.
 
 PostgreSQL: ``tests.support.pg_cluster`` (as ``bench_pg``: ``wal_level=logical``, fsync and
 synchronous_commit on), here also listening on 127.0.0.1 (a free port, ``trust``: the JDBC driver
@@ -761,7 +763,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     only = set(args.only.split(",")) if args.only else {"backlog", "live", "to_node"}
     bin_dir = ensure_postgres(install=True)
     work = Path(tempfile.mkdtemp(prefix="cdcd-bench-kafka-"))
-    broker = Broker(work / "broker")
+    broker = Broker(work / "broker", profile="standard")
     pg_port = free_port()
     pg = PgCluster(bin_dir, port=pg_port)
     pg.settings["listen_addresses"] = "'127.0.0.1'"
@@ -832,6 +834,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "debezium_server": next(DEBEZIUM.glob("debezium-server-dist-*-runner.jar")).name,
             "debezium_tuned": DEBEZIUM_TUNED,
             "debezium_tuned_jvm": DEBEZIUM_TUNED_JVM,
+            "broker_profile": broker.profile,
             "cpus": os.cpu_count(),
         },
         "results": results,
@@ -854,7 +857,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--keep", action="store_true", help="keep the work dir (logs of every process)")
     ap.add_argument("--only", default="", help="comma list of backlog, live, to_node")
+    ap.add_argument(
+        "--tuned-producer",
+        default="",
+        metavar="K=V,...",
+        help="Kafka producer settings added to the tuned configuration (e.g. linger.ms=5,batch.size=262144)",
+    )
     args = ap.parse_args(argv)
+    for item in filter(None, args.tuned_producer.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            ap.error(f"--tuned-producer: {item!r} is not K=V")
+        DEBEZIUM_TUNED[f"debezium.sink.kafka.producer.{key.strip()}"] = value.strip()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     doc = run(args)
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -53,7 +53,7 @@ class _Rig:
             raise RuntimeError(f"{LIBS} missing: run `make install` first")
         self.root = Path(tempfile.mkdtemp(prefix="cdcd-bench-kafka-"))
         atexit.register(self.teardown)
-        self.broker = Broker(self.root / "broker")
+        self.broker = Broker(self.root / "broker", profile="standard")
         self.broker.start()
         with Node.open(self.node_dir, **NODE_SETTINGS) as node:
             put_all = node.cache("bench").put_all

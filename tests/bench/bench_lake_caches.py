@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -134,6 +135,8 @@ READ_GOAL_S = 2.0
 LIVE_FULL_S = 600.0
 LIVE_QUICK_S = 120.0
 FILES_GOAL = 20
+SAMPLE_EVERY_S = 30.0
+"""How often ``lake.files.live`` counts the files of ``changes`` during the run."""
 
 
 def live_writer(node_dir: str, seconds: float, rate: int, caches: int) -> None:
@@ -194,10 +197,17 @@ def run_live(duration_s: float) -> Measurement:
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise AssertionError(f"the live writer did not start (exit {proc.poll()})")
             time.sleep(0.1)
+        # The count at the end is one point of the maintenance cycle: it is sampled through the run too.
+        sampled: list[tuple[float, int]] = []
+        next_sample = time.monotonic() + SAMPLE_EVERY_S
+        late_from = time.monotonic() + duration_s * 0.75
         with Daemon(DaemonConfig(node_dir=str(node_dir), metrics_address=""), sink) as daemon:
             while proc.poll() is None:
                 if daemon.sync_once() == 0:
                     time.sleep(0.1)
+                if time.monotonic() >= next_sample and (lake / "changes" / "_delta_log").is_dir():
+                    next_sample += SAMPLE_EVERY_S
+                    sampled.append((time.monotonic(), max(files_per_partition(lake / "changes").values())))
             if proc.returncode != 0:
                 raise AssertionError(f"the live writer exited {proc.returncode}")
             while daemon.sync_once() > 0:
@@ -218,11 +228,15 @@ def run_live(duration_s: float) -> Measurement:
         finally:
             spark_session.release()
         worst = max(max(counts.values()), max(state_counts.values(), default=0))
+        late = [n for t, n in sampled if t >= late_from]  # the last quarter: well past the first OPTIMIZE runs
         extra = {
             "mean_files": round(sum(counts.values()) / len(counts), 1),
             "state_max_files": max(state_counts.values(), default=0),
             "table_max_files": max(table_files.values(), default=0),
             "state_read_s": round(read_s, 2),
+            "late_max_files": max(late, default=None),
+            "late_median_files": statistics.median(late) if late else None,
+            "samples": len(sampled),
             "compact_interval_s": opts.compact_interval_s,
             "optimize_interval_s": opts.optimize_interval_s,
             "compactions": runs[0],
@@ -269,6 +283,8 @@ def benchmarks(quick: bool) -> list[Bench]:
                 Metric("state_max_files", "state_max_files", "files", FILES_GOAL, lower_is_better=True),
                 Metric("table_max_files", "table_max_files", "files", lower_is_better=True),
                 Metric("state_read", "state_read_s", "s", READ_GOAL_S, lower_is_better=True),
+                Metric("late_max_files", "late_max_files", "files", lower_is_better=True),
+                Metric("late_median_files", "late_median_files", "files", lower_is_better=True),
             ),
             params={
                 "rate": LIVE_RATE,

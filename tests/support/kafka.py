@@ -48,10 +48,13 @@ def _free_port_pair() -> int:
 
 
 class Broker:
-    def __init__(self, directory: Path, node_id: int = 1) -> None:
+    def __init__(self, directory: Path, node_id: int = 1, profile: str = "test") -> None:
+        """``profile``: kafka.sh's ``--profile`` (``test``: quick to start; ``standard``: the Kafka distribution's
+        own JVM and thread settings, for benchmarks)."""
         self.dir = directory
         self.port = _free_port_pair()
         self.node_id = node_id
+        self.profile = profile
         self.cluster: list[str] = []
         """kafka.sh start arguments of a cluster member (--voters, --cluster-id, --replication)."""
 
@@ -62,7 +65,7 @@ class Broker:
     def _start_args(self) -> list[str]:
         return [
             "bash", str(SCRIPT), "start", "--dir", str(self.dir), "--port", str(self.port),
-            "--node-id", str(self.node_id), *self.cluster,
+            "--node-id", str(self.node_id), "--profile", self.profile, *self.cluster,
         ]  # fmt: skip
 
     def start(self) -> None:
