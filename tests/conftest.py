@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,17 @@ import pytest
 from cdcd.node import Node
 
 pytest_plugins = ["tests.support.tmux"]  # the `pane` fixture
+
+QUICK_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+"""Every JVM the suite starts (Spark in the test process and in daemons, Kafka, Kafka Connect) lives seconds to
+minutes: without the C2 JIT and its compiler threads one starts and runs its first jobs on less CPU, and the suite is
+CPU-bound on two cores."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # JDK_JAVA_OPTIONS reaches every `java` launch, also in subprocesses (they inherit it); a test that sets
+    # its own JVM options keeps them.
+    os.environ.setdefault("JDK_JAVA_OPTIONS", QUICK_JVM)
 
 
 @pytest.fixture
