@@ -129,7 +129,8 @@ DEBEZIUM_TUNED: dict[str, str] = {
     # The producer keeps Kafka's batching (linger.ms 0, 16 KiB batches, no compression): with linger.ms 5
     # or 10 and 64 or 512 KiB batches (lz4 or none), as Kafka's docs advise for throughput, Debezium
     # Server 2.7's producer (Kafka client 3.7) stopped delivering in this rig after about 10k records, the
-    # sink waiting for acknowledgements (three quick runs). acks=all and idempotence are Kafka's defaults
+    # sink waiting for acknowledgements (three quick runs with the test broker, one with the standard one;
+    # --tuned-producer tries such settings again). acks=all and idempotence are Kafka's defaults
     # and stay: cdcd's transactional producer has both.
     "debezium.sink.kafka.producer.acks": "all",
     "debezium.sink.kafka.producer.enable.idempotence": "true",
