@@ -20,10 +20,12 @@ _msgpack = msgspec.msgpack.Decoder()
 
 # --- the reference: what the WAL holds -------------------------------------------------------------
 def wal_records(node_dir: Path) -> Iterator[tuple[WalPointer, Any]]:
-    """Every record of a (closed or running) node's WAL: archive, then the work dir's active segment."""
+    """Every record of a (closed or running) node's WAL: archive, then the work dir's active segment. A running
+    node archives segments while they are read: ``follow`` looks a segment up again when it moved between the listing
+    and the opening (CI: a replica node's segment 29 did), and reads a segment rolled meanwhile to its end."""
     wal = node_dir / "wal"
     work, _ = list_segments(wal)
-    yield from WalReader([wal / "archive", wal], active_segment=max(work) if work else None)
+    yield from WalReader([wal / "archive", wal], active_segment=max(work) if work else None, follow=True)
 
 
 def wal_events(node_dir: Path, *, upto: int | None = None) -> list[dict[str, Any]]:
