@@ -63,7 +63,7 @@ class _Handler(socketserver.BaseRequestHandler):
             return
         # One deadline for the whole handshake (TLS and hello): a per-read timeout would let a peer
         # dribbling a byte at a time hold a connection slot for ever.
-        deadline = _HandshakeDeadline(sock, owner.auth_timeout_s, peer)
+        deadline = _HandshakeDeadline(sock, owner.auth_timeout_s, peer, release=lambda: owner._leave(sock))
         try:
             # The deadline decides; the socket timeout is only a backstop behind it.
             sock.settimeout(owner.auth_timeout_s + 5)
@@ -182,14 +182,15 @@ class _Handler(socketserver.BaseRequestHandler):
 
 
 class _HandshakeDeadline:
-    """Shuts the connection down ``timeout_s`` after it was accepted unless cancelled first.
+    """Shuts the connection down and frees its slot ``timeout_s`` after it was accepted unless cancelled first.
 
     It holds a duplicate of the socket's descriptor: TLS wrapping detaches the original socket
     object, and shutdown acts on the connection whichever descriptor names it."""
 
-    def __init__(self, sock: socket.socket, timeout_s: float, peer: str) -> None:
+    def __init__(self, sock: socket.socket, timeout_s: float, peer: str, release: Callable[[], None]) -> None:
         self._dup: socket.socket | None = sock.dup()
         self._peer = peer
+        self._release = release
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
         self._expired = False
@@ -206,6 +207,9 @@ class _HandshakeDeadline:
             metrics.REPL_REFUSED.labels("timeout").inc()
             error = f"no accepted hello within {self._timeout_s:g} s"
             log.warning("replication_peer_refused", peer=self._peer, reason="timeout", error=error)
+            # The slot is free before the peer sees the connection go: the handler thread may
+            # take a moment more to finish, and a real peer connecting next must not be refused.
+            self._release()
             with contextlib.suppress(OSError):
                 self._dup.shutdown(socket.SHUT_RDWR)
             self._dup.close()
