@@ -151,7 +151,8 @@ class SegmentReader:
                 try:
                     record = decoder.decode(payload)
                 except (msgspec.DecodeError, ValueError, RecursionError) as exc:
-                    raise CorruptRecord(path, off, f"undecodable record of type {rtype}: {exc}") from None
+                    message = f"undecodable record of type {rtype}: {_decode_error(exc)}"
+                    raise CorruptRecord(path, off, message) from None
                 yield WalPointer(segment, off), record
                 if rtype == _SEGMENT_END:
                     self.ended = True
@@ -303,6 +304,16 @@ def iter_chunk(
         try:
             record = decoder.decode(bytes(payload))
         except (msgspec.DecodeError, ValueError, RecursionError) as exc:
-            raise CorruptRecord(path, off, f"undecodable record of type {rtype}: {exc}") from None
+            raise CorruptRecord(path, off, f"undecodable record of type {rtype}: {_decode_error(exc)}") from None
         yield WalPointer(segment, off), record, FRAME_HEADER_SIZE + length
         pos = start + length
+
+
+def _decode_error(exc: BaseException) -> str:
+    """The decoder's message, its location cut short: msgspec names the path to a bad value, which in a
+    damaged record nested a thousand levels deep is thousands of characters, and the error is one line."""
+    text = str(exc)
+    return text if len(text) <= _DECODE_ERROR_CHARS else text[: _DECODE_ERROR_CHARS - 1] + "…"
+
+
+_DECODE_ERROR_CHARS = 200

@@ -58,6 +58,14 @@ class CacheVersion(msgspec.Struct, frozen=True, array_like=True, gc=False):
     topology_version: int
     other_cluster_version: CacheVersion | None = None
 
+    def __post_init__(self) -> None:
+        # Ignite's GridCacheVersionEx holds a plain version: one level. A deeper chain can only be a
+        # damaged record, and refusing it here (on decode, as a CorruptRecord naming the offset) keeps
+        # every reader of versions from recursing over a chain as deep as the record is long.
+        other = self.other_cluster_version
+        if other is not None and other.other_cluster_version is not None:
+            raise ValueError("other_cluster_version nests another cluster's version (at most one level)")
+
     def sort_key(self) -> tuple[int, int, int]:
         return (self.topology_version, self.order, self.node_order)
 
