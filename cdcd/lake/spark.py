@@ -206,26 +206,14 @@ def _jvm_popen(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
     return proc
 
 
-_LOG4J_LEVELS = {"FATAL": "error", "ERROR": "error", "WARN": "info"}
-"""log4j's level -> the level of cdcd's line: Spark's warnings are about Spark's set-up (the hostname,
-a task's size), not the pipeline's health, which cdcd reports itself; everything else is debug."""
-
-
 def _forward_jvm_output(stream: Any) -> None:
-    """Each line of the JVM's output as a ``spark_jvm`` log line until the JVM closes it. A line that is
-    not log4j's (a stack trace's ``at …``) keeps the level of the log4j line before it."""
+    """The JVM's output as ``spark_jvm`` events (one per log4j record, its stack trace folded in) until the JVM
+    closes it."""
     import structlog
 
-    log = structlog.get_logger("cdcd.spark")
-    level = "debug"
-    for raw in stream:
-        line = raw.decode("utf-8", "replace").rstrip()
-        if not line:
-            continue
-        words = line.split(" ", 3)
-        if words[2:3] and words[2] in ("FATAL", "ERROR", "WARN", "INFO", "DEBUG", "TRACE"):
-            level = _LOG4J_LEVELS.get(words[2], "debug")
-        getattr(log, level)("spark_jvm", line=line)
+    from cdcd.lake import jvm_log
+
+    jvm_log.forward(stream, structlog.get_logger("cdcd.spark"))
 
 
 def _create(builder: Any) -> Any:
