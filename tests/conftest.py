@@ -13,10 +13,12 @@ from cdcd.node import Node
 
 pytest_plugins = ["tests.support.tmux"]  # the `pane` fixture
 
-QUICK_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+QUICK_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC -XX:+UnlockDiagnosticVMOptions -XX:-BytecodeVerificationRemote"
 """Every JVM the suite starts (Spark in the test process and in daemons, Kafka, Kafka Connect) lives seconds to
 minutes: without the C2 JIT and its compiler threads one starts and runs its first jobs on less CPU, and the suite is
-CPU-bound on two cores."""
+CPU-bound on two cores. Verifying the bytecode of the thousands of classes a Spark JVM loads is another part of its
+start; the jars are the ones `make install` fetched from Maven Central, so the tests' JVMs skip it (cdcd's own JVMs
+do not)."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
