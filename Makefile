@@ -58,6 +58,7 @@ test-under-load-8: install
 
 lint: install
 	$(BIN)/ruff check cdcd tests
+	$(BIN)/ruff format --check cdcd tests
 	$(BIN)/mypy
 
 bench: install

@@ -91,7 +91,7 @@ def test_forward_emits_a_record_once_the_jvm_is_quiet_and_the_log_line_is_one_li
     assert rendered["line"] == (
         "26/11/27 08:51:15 ERROR Executor: Exception in task 0.0 in stage 0.0 (TID 0) <- "
         "org.apache.spark.api.python.PythonException: [PYTHON_EXCEPTION] An exception was thrown from the Python "
-        "worker: Traceback (most recent call last): <- raise ValueError(\"boom at %d\" % x) <- "
+        'worker: Traceback (most recent call last): <- raise ValueError("boom at %d" % x) <- '
         "ValueError: boom at 0 <- SQLSTATE: 38000"
     )
     assert rendered["frames"] == 28

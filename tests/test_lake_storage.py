@@ -73,8 +73,10 @@ def test_credentials_from_env_and_file(tmp_path: Path) -> None:
     assert loc.delta_options["AWS_ACCESS_KEY_ID"] == "id-env"
     assert loc.delta_options["AWS_REGION"] == "eu-north-1"
     creds = tmp_path / "credentials"
-    creds.write_text("[default]\naws_access_key_id = id-d\naws_secret_access_key = s-d\n"
-                     "[ci]\naws_access_key_id = id-ci\naws_secret_access_key = s-ci\naws_session_token = t\n")
+    creds.write_text(
+        "[default]\naws_access_key_id = id-d\naws_secret_access_key = s-d\n"
+        "[ci]\naws_access_key_id = id-ci\naws_secret_access_key = s-ci\naws_session_token = t\n"
+    )
     loc = LakeLocation("s3://b", StorageOptions(credentials_file=str(creds), profile="ci"), env={})
     assert loc.delta_options["AWS_SESSION_TOKEN"] == "t"
     assert loc.spark_conf["spark.hadoop.fs.s3a.aws.credentials.provider"].endswith("TemporaryAWSCredentialsProvider")
@@ -91,8 +93,9 @@ def test_check_names_what_is_wrong(minio: MinioServer) -> None:
     with pytest.raises(LakeStorageError, match=r"credentials refused|access denied") as info:
         LakeLocation("s3://lake/x", storage(minio, secret_access_key="wrong-secret"), env={}).check()
     assert "wrong-secret" not in str(info.value)
-    dead = StorageOptions(endpoint=f"http://127.0.0.1:{free_port()}", path_style=True,
-                          access_key_id="a", secret_access_key="b")
+    dead = StorageOptions(
+        endpoint=f"http://127.0.0.1:{free_port()}", path_style=True, access_key_id="a", secret_access_key="b"
+    )
     with pytest.raises(LakeStorageError, match="unreachable"):
         LakeLocation("s3://lake/x", dead, env={}).check(timeout_s=3)
 
@@ -116,8 +119,9 @@ def test_racing_commits_never_share_a_version(minio: MinioServer, tmp_path: Path
 
     loc = LakeLocation("s3://lake/race", storage(minio), env={})
     uri, opts = loc.uri("t"), loc.delta_options
-    write_deltalake(uri, pa.table({"who": pa.array([], pa.string()), "i": pa.array([], pa.int64())}),
-                    storage_options=opts)
+    write_deltalake(
+        uri, pa.table({"who": pa.array([], pa.string()), "i": pa.array([], pa.int64())}), storage_options=opts
+    )
     n, writers = 20, "abcd"
     procs = [subprocess.Popen([sys.executable, "-c", RACER, uri, json.dumps(opts), who, str(n)]) for who in writers]
     for p in procs:

@@ -110,7 +110,9 @@ def test_node_and_daemon_export_only_their_own_families_and_pass_promtool(tmp_pa
             lambda: (m := try_samples(node_port)) and m.get("cdcd_node_cdc_links_total", 0) >= 2, 120, "node links"
         )
         config = write_daemon_config(
-            tmp_path / "cdcd.toml", node_dir, jsonl_consumer(tmp_path / "out.jsonl"),
+            tmp_path / "cdcd.toml",
+            node_dir,
+            jsonl_consumer(tmp_path / "out.jsonl"),
             metrics_address=f"127.0.0.1:{daemon_port}",
         )
         daemon = start_daemon(config, tmp_path / "run.err")
