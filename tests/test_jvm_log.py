@@ -4,13 +4,14 @@ a Python UDF raising, the executor's ERROR with the trace, the task set manager'
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
 from pathlib import Path
 
 import structlog
-from structlog.testing import capture_logs
+from structlog.testing import LogCapture
 
 from cdcd.lake import jvm_log
 from cdcd.lake.jvm_log import JvmRecord, JvmRecords
@@ -73,8 +74,14 @@ def test_forward_emits_a_record_once_the_jvm_is_quiet_and_the_log_line_is_one_li
     lines = OUTPUT.read_text().splitlines(keepends=True)
     first_warn = next(i for i, x in enumerate(lines) if " WARN TaskSetManager" in x)
     read_fd, write_fd = os.pipe()
-    with capture_logs() as events, os.fdopen(read_fd, "rb") as stream, os.fdopen(write_fd, "wb") as sink:
-        log = structlog.get_logger("cdcd.spark")
+    # A logger of its own at debug level: whatever another test configured structlog to (the CLI's
+    # configure() filters below info), this one sees every event.
+    capture = LogCapture()
+    log = structlog.wrap_logger(
+        None, processors=[capture], wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG)
+    )
+    events = capture.entries
+    with os.fdopen(read_fd, "rb") as stream, os.fdopen(write_fd, "wb") as sink:
         forwarder = threading.Thread(target=jvm_log.forward, args=(stream, log))
         forwarder.start()
         sink.write("".join(lines[:first_warn]).encode())
