@@ -4,6 +4,7 @@ the node, answers in order. A bad peer costs one error frame and its connection,
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import queue
 import socket
@@ -63,7 +64,10 @@ class _Handler(socketserver.BaseRequestHandler):
             return
         # One deadline for the whole handshake (TLS and hello): a per-read timeout would let a peer
         # dribbling a byte at a time hold a connection slot for ever.
-        deadline = _HandshakeDeadline(sock, owner.auth_timeout_s, peer, release=lambda: owner._leave(sock))
+        # The slot is the accepted socket's (``self.request``): ``sock`` is rebound once TLS wraps it.
+        deadline = _HandshakeDeadline(
+            sock, owner.auth_timeout_s, peer, release=functools.partial(owner._leave, self.request)
+        )
         try:
             # The deadline decides; the socket timeout is only a backstop behind it.
             sock.settimeout(owner.auth_timeout_s + 5)
