@@ -27,7 +27,7 @@ $(JARS): $(STAMP) scripts/fetch-delta-jars.sh cdcd/lake/spark.py
 	bash scripts/fetch-delta-jars.sh $(BIN)/python
 	@touch $(JARS)
 
-# Two workers, one test file each at a time (module fixtures such as a SparkSession stay per file):
+# Two workers, one test file each at a time (module fixtures stay per file; each worker keeps one SparkSession):
 # most tests wait on processes, so two overlap well even on two cores.
 PYTEST_WORKERS ?= 2
 test: install

@@ -10,11 +10,8 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from cdcd.lake import spark as spark_session
 from cdcd.lake.compact import COMPACT_APP_ID, compact, compacted_version, state_lag, table_version
@@ -26,15 +23,6 @@ TEST_MASTER = "local[2]"
 QUICK_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 """For the compactions run as subprocesses: a JVM without the C2 JIT starts about twice as fast."""
 ODD_CACHES = ["orders", "a/b", "new\nline", "x=y", "ünï cödé"]
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    session = spark_session.acquire(TEST_MASTER, "cdcd-tests-compact", {})
-    try:
-        yield session
-    finally:
-        spark_session.release()
 
 
 def compact_env(**extra: str) -> dict[str, str]:

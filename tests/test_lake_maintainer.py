@@ -8,28 +8,18 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from cdcd.lake import spark as spark_session
 from cdcd.lake.compact import NotADeltaLake, compacted_version, table_version
 from cdcd.lake.maintainer import Maintainer, MaintainerOptions, MaintenanceFailed
 from cdcd.lake.table import CHANGES
 from tests.support.delta_tables import append_changes, change, expected_state, state_rows
 
 DEADLINE_S = 300.0
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    session = spark_session.acquire("local[2]", "cdcd-tests-maintainer", {})
-    try:
-        yield session
-    finally:
-        spark_session.release()
 
 
 def wait_for(cond: Callable[[], bool], what: str) -> None:

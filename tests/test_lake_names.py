@@ -6,7 +6,6 @@ under its real name; no directory any writer made is Spark's rendering of a name
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,6 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
-from cdcd.lake import spark as spark_session
 from cdcd.lake.compact import compact
 from cdcd.lake.ops import optimize
 from cdcd.node import Node
@@ -28,15 +26,6 @@ from tests.support.procs import cdcd
 NODE_NAMES = ["\0", "nul\0mid", "x" * 255, "é" * 200, "..", "..x", "Orders", "orders", "ORDERS", "plain"]
 """Every hostile name the node accepts (it refuses "/" and "="; those are below, landed by delta-rs)."""
 SLASH_NAMES = ["a/b", "A/b", "/", "../..", "/..", "\0/x"]
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    session = spark_session.acquire("local[1]", "cdcd-tests-names", {})
-    try:
-        yield session
-    finally:
-        spark_session.release()
 
 
 def write_round(node_dir: Path, round_: int) -> None:

@@ -14,6 +14,8 @@ import pytest
 from tests.support.neighbours import run_neighbours
 
 
+@pytest.mark.chaos  # tests/test_lake_maintainer.py loses a compaction to a neighbour's conflicting commit and to one
+# that folded the same changes, at chosen points; test_lake_delta.py lands two processes' commits on one lake
 @pytest.mark.timeout(1800)  # two JVMs, then compact and verify: minutes on a loaded 2-core machine
 def test_two_daemons_with_scheduled_maintenance_on_one_lake_never_exit(tmp_path: Path) -> None:
     # Compaction every second in both: their runs overlap, so one soon loses to the other's commit. OPTIMIZE

@@ -11,13 +11,11 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from cdcd.lake import spark as spark_session
 from cdcd.lake.arrow import to_json
 from cdcd.lake.compact import compact, state_lag
 from cdcd.lake.ops import Vacuumed, VacuumRefused, data_files_on_disk, optimize, vacuum
@@ -28,15 +26,6 @@ from cdcd.node.snapshot import NodeSnapshot
 from tests.support.cli import run_cli
 from tests.support.delta_tables import append_changes, change, expected_state, state_rows
 from tests.support.procs import CDCD, child_env
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    session = spark_session.acquire("local[2]", "cdcd-tests-lake-ops", {})
-    try:
-        yield session
-    finally:
-        spark_session.release()
 
 
 def cdcd(*args: str) -> subprocess.CompletedProcess[str]:

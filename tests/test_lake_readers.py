@@ -6,28 +6,17 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from cdcd.lake import spark as spark_session
 from cdcd.lake.compact import compact
 from cdcd.lake.table import CHANGES, STATE
 from tests.support.delta_tables import append_changes, change, expected_state
 
 FIRST = [change("orders", "1", '"a"', 1), change("orders", "2", '"b"', 2), change("new\nline", "1", '"n"', 3)]
 SECOND = [change("orders", "1", None, 4), change("orders", "3", '"c"', 5)]
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    session = spark_session.acquire("local[2]", "cdcd-tests-readers", {})
-    try:
-        yield session
-    finally:
-        spark_session.release()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ cache gives no duplicate keys; a cache created while the sink runs gets its tabl
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cdcd.lake import spark as spark_session
 from cdcd.lake.compact import compact
 from cdcd.lake.table import CHANGE_SCHEMA
 from cdcd.lake.typed_declared import DeclaredSchemaError, load_declared
@@ -42,15 +41,6 @@ ODD_FIELDS = ["qty", "Qty", "a.b", "my field", "x=y", "", "key", "value", "_hidd
 """Field names a column cannot have as they are (and some it can)."""
 DEADLINE_S = 900.0
 """Scheduled compactions on a loaded 2-core machine (three JVMs at load 40: over 300 s for the first)."""
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    session = spark_session.acquire("local[2]", "cdcd-tests-tables", {})
-    try:
-        yield session
-    finally:
-        spark_session.release()
 
 
 def canonical(value: object) -> bytes:
