@@ -45,8 +45,9 @@ def node(node_dir: Path) -> Iterator[Node]:
 def spark() -> Iterator[Any]:
     """One SparkSession per test process (cdcd.lake.spark's process-wide session), started by the first test that
     asks for it and kept to the end: a JVM's start and the JIT's first compilation of Spark and Delta cost more CPU
-    than most lake tests, and the suite is CPU-bound. What a test (or the cdcd code it calls in process) sets on the
-    session it restores; a test that needs another session runs cdcd in a subprocess."""
+    than most lake tests, and the suite is CPU-bound. cdcd's compaction and maintenance set their settings on a child
+    session (``newSession()``), so none outlives its test; a test that needs another session runs cdcd in a
+    subprocess."""
     from cdcd.lake import spark as spark_session
     from tests.support.lake import TEST_MASTER
 

@@ -29,7 +29,7 @@ def _children() -> list[str]:
 def test_quick_replication_benchmarks_report_positive_rows() -> None:
     """One repetition of each quick benchmark: every row holds one positive value, B held every key,
     and no node process or temp dir is left behind."""
-    # Children other tests in this process left running (a module's Spark JVM) are not ours.
+    # Children other tests in this process left running (the worker's Spark JVM) are not ours.
     before = set(_children())
     started = time.monotonic()
     benches = bench_replication.benchmarks(quick=True)

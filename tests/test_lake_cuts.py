@@ -400,7 +400,7 @@ def test_a_compaction_held_between_its_table_commits_leaves_the_latest_cut_whole
     spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Transfers (debit ``accounts``, credit ``ledger``, one node transaction each) landed and compacted: the
-    latest cut adds up. More transfers landed, then a compaction (the module's Spark session, in a thread)
+    latest cut adds up. More transfers landed, then a compaction (the worker's Spark session, in a thread)
     held by failpoint ``pause`` at the second table's MERGE while the first commits: each table's latest
     version shows half the range's transfers, the latest cut is still the last whole one and adds up; let go,
     the new cut adds up and holds every transfer. (The same claim under live load, with scheduled

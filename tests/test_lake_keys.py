@@ -417,7 +417,7 @@ def _land_compact_verify(tmp_path: Path, node_dir: Path, lake: Path, run: str, s
         wait_caught_up(proc, config, node_dir, err, 300)
     finally:
         assert stop_daemon(proc, timeout=60) == 0, err.read_text()[-3000:]
-    # The module's session, not `cdcd lake compact`: the same function without a JVM start per run
+    # The worker's session, not `cdcd lake compact`: the same function without a JVM start per run
     # (tests/test_lake.py runs the command end to end).
     compact(spark, lake)
     res = cdcd("lake", "verify", "--lake", str(lake), "--node-dir", str(node_dir), timeout=300)

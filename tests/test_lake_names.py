@@ -60,7 +60,7 @@ def test_the_daemon_lands_any_cache_name_and_compact_and_verify_succeed(tmp_path
     config = write_config(tmp_path / "cdcd.toml", node_dir, lake_consumer(lake))
 
     def compact_and_verify() -> None:
-        # The module's session, not `cdcd lake compact`: the command is the same function plus a JVM start
+        # The worker's session, not `cdcd lake compact`: the command is the same function plus a JVM start
         # (tests/test_lake.py runs the command end to end).
         compact(spark, lake)
         res = cdcd("lake", "verify", "--lake", str(lake), "--node-dir", str(node_dir), timeout=300)

@@ -97,7 +97,7 @@ def test_compact_optimize_and_vacuum_say_what_they_did(spark: Any, tmp_path: Pat
     and a change older than state's row change nothing, and are said to); optimize with nothing to do
     says so; vacuum below 168 h needs --force (one line, exit 2), says Delta's check is off, and
     prints its own figures, not Delta's "Deleted N files" line. The commands run in process on the
-    module's session (no JVM start each); their exits in a shell are tested in tests/test_cli_ops.py."""
+    worker's session (no JVM start each); their exits in a shell are tested in tests/test_cli_ops.py."""
     lake = tmp_path / "lake"
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:

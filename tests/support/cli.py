@@ -1,5 +1,5 @@
 """``cdcd`` commands run in this process (click's runner): the lake commands then share the test
-module's SparkSession (``cdcd.lake.spark.acquire`` is reference-counted), so a test of what a command
+worker's SparkSession (``cdcd.lake.spark.acquire`` is reference-counted), so a test of what a command
 prints costs no JVM start. What a command does to its process (signals, exit codes seen by a shell)
 stays tested with real subprocesses (``tests.support.procs``)."""
 
