@@ -239,8 +239,14 @@ def test_restore_while_the_active_segment_is_archived(rig_factory: Any) -> None:
     rig.burst(False)  # one transaction per 30 ms: a segment lasts ~0.7 s
 
     def active_segment() -> tuple[int, int]:
+        """(-1, 0) when there is none, or when it was archived between the listing and the stat (the node writes on)."""
         work = list_segments(rig.node_dir / "wal")[0]
-        return (max(work), work[max(work)].stat().st_size) if work else (-1, 0)
+        if not work:
+            return (-1, 0)
+        try:
+            return (max(work), work[max(work)].stat().st_size)
+        except FileNotFoundError:
+            return (-1, 0)
 
     last: list[tuple[int, int]] = []
 
