@@ -27,9 +27,9 @@ $(JARS): $(STAMP) scripts/fetch-delta-jars.sh cdcd/lake/spark.py
 	bash scripts/fetch-delta-jars.sh $(BIN)/python
 	@touch $(JARS)
 
-# Two workers, one test file each at a time (module fixtures stay per file; each worker keeps one SparkSession):
-# most tests wait on processes, so two overlap well even on two cores.
-PYTEST_WORKERS ?= 2
+# Three workers, one test file each at a time (module fixtures stay per file; each worker keeps one SparkSession):
+# with two, the suite left a fifth of two cores idle while tests waited on processes; a third fills it.
+PYTEST_WORKERS ?= 3
 test: install
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 	CDCD_LAKE_ROWS=python $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(LAKE_ON_PYTHON)
@@ -50,11 +50,11 @@ test-kafka-cluster: install
 
 # The same suite with every core kept busy by other processes: timing luck must not matter.
 test-under-load: install
-	bash scripts/test-under-load.sh
+	PYTEST_WORKERS=$(PYTEST_WORKERS) bash scripts/test-under-load.sh
 
 # The same with eight busy processes, whatever the core count (four per core on two cores).
 test-under-load-8: install
-	BUSY_PROCESSES=8 bash scripts/test-under-load.sh
+	PYTEST_WORKERS=$(PYTEST_WORKERS) BUSY_PROCESSES=8 bash scripts/test-under-load.sh
 
 lint: install
 	$(BIN)/ruff check cdcd tests

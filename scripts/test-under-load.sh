@@ -16,4 +16,4 @@ for _ in $(seq "$busy"); do
     pids+=($!)
 done
 echo "test-under-load: $busy busy loop(s) on $cores core(s) (pids ${pids[*]})" >&2
-.venv/bin/pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"
+.venv/bin/pytest -q -n "${PYTEST_WORKERS:-3}" --dist loadfile "$@"
