@@ -49,9 +49,9 @@ def spark() -> Iterator[Any]:
     session (``newSession()``), so none outlives its test; a test that needs another session runs cdcd in a
     subprocess."""
     from cdcd.lake import spark as spark_session
-    from tests.support.lake import TEST_MASTER
+    from tests.support.lake import TEST_MASTER, TEST_SPARK_CONF
 
-    session = spark_session.acquire(TEST_MASTER, "cdcd-tests", {})
+    session = spark_session.acquire(TEST_MASTER, "cdcd-tests", TEST_SPARK_CONF)
     try:
         yield session
     finally:

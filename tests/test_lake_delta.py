@@ -262,6 +262,9 @@ def test_a_commit_lost_to_another_writer_of_the_same_records_is_neither_counted_
 
 
 # --- a reader polling while the daemon writes ----------------------------------------------------------
+@pytest.mark.chaos  # tests/test_lake_faults.py reads the table at every SIGKILL point (only whole records, nothing
+# twice) and tests/test_lake_cuts.py holds a compaction between its commits and reads there; this one polls at
+# luck's moments
 def test_reader_polling_never_sees_half_a_transaction(tmp_path: Path) -> None:
     """While a node writes transactions that span two caches and `cdcd run` lands them in small batches, a reader
     polling the table (delta-rs, latest snapshot each time) never sees part of a transaction: 100+ polls over 10+

@@ -20,10 +20,10 @@ from cdcd.lake.delta import app_id, decode_version
 from cdcd.sinks.lake import LakeConsumer, LakeOptions
 from cdcd.wal import CacheRecord, DataRecord, WalPointer
 from tests.support.config import NO_MAINTENANCE
+from tests.support.lake import QUICK_START
 from tests.support.wal import wal_events, wal_records
 
 Pos = tuple[int, int, int]
-QUICK_START = {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"}
 
 
 def lake_consumer(lake: Path, writer: str = "deltalake", **options: Any) -> dict[str, Any]:

@@ -20,7 +20,15 @@ from tests.support.wal import archived_segments
 Pos = tuple[int, int, int]
 TEST_MASTER = "local[2]"
 """The test process's own SparkSession (reading the lake)."""
-QUICK_START = {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"}
+TEST_SPARK_CONF = {
+    "spark.sql.shuffle.partitions": "2",
+    "spark.databricks.delta.snapshotPartitions": "1",
+    "spark.sql.sources.parallelPartitionDiscovery.parallelism": "2",
+}
+"""Spark sized for the tests' tables of a few hundred rows on two cores. cdcd's own local-master sizes (more
+partitions, for real tables) still run in every `cdcd lake` subprocess; in the tests' sessions each extra partition
+is a task of scheduling, a Parquet writer and Delta statistics for a handful of rows, and the suite is CPU-bound."""
+QUICK_START = {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC", **TEST_SPARK_CONF}
 """For daemons and nodes that start often: a JVM without the C2 JIT starts (and runs its first job) about twice as
 fast on a small machine."""
 
