@@ -8,15 +8,19 @@ and a daemon none of the node's. Declare new metrics with ``registry=`` one of t
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import numpy as np
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from cdcd.wal.records import Op
+
+if TYPE_CHECKING:
+    import numpy as np
 
 NODE = CollectorRegistry(auto_describe=True)
 """The node: WAL, archive, checkpoints, realtime worker."""
@@ -47,26 +51,30 @@ class BulkHistogram(Collector):
     def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], registry: CollectorRegistry) -> None:
         self.name = name
         self._documentation = documentation
-        self._bounds = np.array(buckets, dtype=np.float64)
-        self._counts = np.zeros(len(buckets) + 1, dtype=np.int64)
+        self._bounds = tuple(float(b) for b in buckets)
+        self._counts = [0] * (len(buckets) + 1)
         self._sum = 0.0
         self._lock = threading.Lock()
         registry.register(self)
 
     def observe_many(self, values: np.ndarray, weights: np.ndarray) -> None:
         """Observe ``values[i]`` ``weights[i]`` times each."""
+        # Imported here: every node, writer and CLI process imports this module, only a daemon's capture path feeds
+        # arrays, and numpy is a large part of a short process's start.
+        import numpy as np
+
         bins = np.searchsorted(self._bounds, values, side="left")  # first bound >= value: Prometheus' "le"
-        counts = np.bincount(bins, weights=weights, minlength=len(self._counts)).astype(np.int64)
+        counts = np.bincount(bins, weights=weights, minlength=len(self._counts)).astype(np.int64).tolist()
         total = float(np.dot(values, weights))
         with self._lock:
-            self._counts += counts
+            self._counts = [have + new for have, new in zip(self._counts, counts, strict=True)]
             self._sum += total
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         with self._lock:
-            cumulative = np.cumsum(self._counts).tolist()
+            cumulative = list(itertools.accumulate(self._counts))
             total = self._sum
-        bounds = [repr(b) for b in self._bounds.tolist()] + ["+Inf"]
+        bounds = [repr(b) for b in self._bounds] + ["+Inf"]
         yield HistogramMetricFamily(
             self.name, self._documentation, buckets=list(zip(bounds, cumulative, strict=True)), sum_value=total
         )

@@ -94,8 +94,8 @@ def test_vacuum_is_refused_while_old_changes_wait_for_compaction(tmp_path: Path)
 
 def test_compact_optimize_and_vacuum_say_what_they_did(spark: Any, tmp_path: Path) -> None:
     """Their stdout, line by line: compaction's rows from Delta's MERGE metrics (a delete of an absent key
-    and a change older than state's row change nothing, and are said to); optimize with nothing to do
-    says so; vacuum below 168 h needs --force (one line, exit 2), says Delta's check is off, and
+    and a change older than state's row change nothing, and are said to); compaction and optimize with nothing to do
+    say so; vacuum below 168 h needs --force (one line, exit 2), says Delta's check is off, and
     prints its own figures, not Delta's "Deleted N files" line. The commands run in process on the
     worker's session (no JVM start each); their exits in a shell are tested in tests/test_cli_ops.py."""
     lake = tmp_path / "lake"
@@ -129,6 +129,8 @@ def test_compact_optimize_and_vacuum_say_what_they_did(spark: Any, tmp_path: Pat
         r"2 changes without effect \(.*\); 1 typed tables, 0 fields rescued\n",
         res.stdout,
     ), res.stdout
+    res = run("compact")
+    assert (res.returncode, res.stdout) == (0, "nothing new to compact: state reflects changes version 1\n")
 
     res = run("optimize")
     assert res.returncode == 0, res.stderr[-3000:]

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from cdcd.node import Node
-from tests.support.procs import ROOT, child_env
 
 CACHES = ("orders", "users", "events")
 
@@ -107,6 +106,10 @@ def writer_main() -> None:
 def start_writer(
     tmp: Path, node_dir: Path, *, count: int = 0, pause_ms: float = 0, key_base: int = 0
 ) -> subprocess.Popen[bytes]:
+    # Imported here, in the test's process: tests.support.procs brings the whole daemon (numpy among it), a large
+    # part of the start of the writer process, which needs none of it.
+    from tests.support.procs import ROOT, child_env
+
     code = "import tests.support.writer as t; t.writer_main()"
     args = [str(node_dir), str(count), str(tmp / "writer.stop"), str(pause_ms), str(tmp / "writer.done"), str(key_base)]
     log = (tmp / "writer.log").open("wb")
