@@ -27,7 +27,6 @@ from tests.support.procs import committed, start_daemon, stop_daemon, wait_for, 
 from tests.support.wal import archived_segments, cdc_links, wal_events
 from tests.support.writer import CACHES, expected_final_state, start_writer, writer_count
 
-KILLS = 32
 SEED = 104_6
 DAEMON_SETTINGS: dict[str, Any] = {
     "batch_max_events": 300,
@@ -39,9 +38,11 @@ DAEMON_SETTINGS: dict[str, Any] = {
 
 
 @pytest.mark.slow
-def test_daemon_sigkill_loop_delivers_everything_in_order(tmp_path: Path) -> None:
-    """SIGKILLing `cdcd run` 32 times at random moments while the node writes loses nothing, re-delivers only
-    uncommitted batches, and keeps WAL and per-key order."""
+# The chaos scenario kill-daemon (make chaos) SIGKILLs `cdcd run` at random moments at length too.
+@pytest.mark.parametrize("kills", [16, pytest.param(32, marks=pytest.mark.chaos)])
+def test_daemon_sigkill_loop_delivers_everything_in_order(tmp_path: Path, kills: int) -> None:
+    """SIGKILLing `cdcd run` 16 times (32 in make chaos) at random moments while the node writes loses nothing,
+    re-delivers only uncommitted batches, and keeps WAL and per-key order."""
     rng = random.Random(SEED)
     node_dir = tmp_path / "node"
     out = tmp_path / "events.jsonl"
@@ -50,7 +51,7 @@ def test_daemon_sigkill_loop_delivers_everything_in_order(tmp_path: Path) -> Non
     runs: list[dict[str, Any]] = []
     try:
         wait_for(lambda: (node_dir / "cdc").is_dir() or writer.poll() is not None, 30, "the node's cdc dir")
-        for k in range(KILLS):
+        for k in range(kills):
             err = tmp_path / f"daemon-{k}.err"
             start = out.stat().st_size if out.exists() else 0
             before = committed(config) if k else None
@@ -138,8 +139,8 @@ def test_daemon_sigkill_loop_delivers_everything_in_order(tmp_path: Path) -> Non
     assert frontier == len(expected), f"{len(expected) - frontier} WAL entries were never delivered"
     assert replayed == expected_final_state(n_tx), "replaying the file in order does not give the writer's state"
     assert len(expected) > 50_000
-    assert stats["runs_delivering"] >= KILLS // 2, stats  # kills landed while delivering, not only at startup
-    print(f"\n{KILLS} kills, {len(expected)} entries, {last + 1} segments, {stats}")
+    assert stats["runs_delivering"] >= kills // 2, stats  # kills landed while delivering, not only at startup
+    print(f"\n{kills} kills, {len(expected)} entries, {last + 1} segments, {stats}")
 
 
 def committed_while_running(config: Path) -> tuple[int, int, int] | str | None:
