@@ -49,10 +49,10 @@ def minio(tmp_path: Path) -> Iterator[MinioServer]:
 
 
 def ride_out(
-    proc: Any, err: Path, metrics_port: int, stop: Callable[[], None], start: Callable[[], None], outage_s: float
+    proc: Any, err: Path, metrics_port: int, stop: Callable[[], None], start: Callable[[], None], at_least_s: float
 ) -> tuple[float, int]:
-    """Stop the server for ``outage_s`` while the daemon runs, then start it again; the daemon must stay up and
-    retry meanwhile. Returns (outage seconds, retry steps counted during it)."""
+    """Stop the server for at least ``at_least_s`` while the daemon runs, then start it again; the daemon must stay
+    up and retry meanwhile. Returns (the outage's measured seconds, retry steps counted during it)."""
     stop()
     t0 = time.monotonic()
 
@@ -62,16 +62,16 @@ def ride_out(
     # The outage's length is the experiment, and at least two retry steps in it (a loaded machine may delay the
     # first failure past a short outage); the daemon is watched all along (it must never exit).
     wait_for(
-        lambda: proc.poll() is not None or (time.monotonic() - t0 >= outage_s and retried() >= 2),
-        outage_s + 120,
+        lambda: proc.poll() is not None or (time.monotonic() - t0 >= at_least_s and retried() >= 2),
+        at_least_s + 120,
         "the outage",
     )
     assert proc.poll() is None, f"the daemon exited during the outage:\n{err.read_text()[-3000:]}"
     retries = retried()
     start()
-    outage_s = time.monotonic() - t0
+    measured_s = time.monotonic() - t0
     assert proc.poll() is None, err.read_text()[-3000:]
-    return outage_s, retries
+    return measured_s, retries
 
 
 def check_retry_lines(err: Path, retries: int) -> list[dict[str, Any]]:
@@ -105,7 +105,7 @@ def test_an_object_store_outage_is_ridden_out(tmp_path: Path, minio: MinioServer
     try:
         wait_for(lambda: proc.poll() is not None or position(config) is not None, 180, "a first landed batch")
         assert proc.poll() is None, err.read_text()[-3000:]
-        outage_s, retries = ride_out(proc, err, port, minio.stop, minio.start, outage_s)
+        measured_s, retries = ride_out(proc, err, port, minio.stop, minio.start, outage_s)
         (tmp_path / "writer.stop").touch()
         assert writer.wait(120) == 0
         until = caught_up(node_dir)
@@ -131,7 +131,7 @@ def test_an_object_store_outage_is_ridden_out(tmp_path: Path, minio: MinioServer
     assert max(got.values()) == 1, "an entry landed twice"
     assert set(got) == set(want), f"{len(set(want) - set(got))} missing, {len(set(got) - set(want))} unknown"
     print(
-        f"\nstore outage {outage_s:.1f} s: {retries} retry steps during it ({total_retries} in all), "
+        f"\nstore outage {measured_s:.1f} s: {retries} retry steps during it ({total_retries} in all), "
         f"{len(events)} entries of {writer_count(tmp_path)} transactions landed once"
     )
 
@@ -162,7 +162,7 @@ def test_a_broker_outage_is_ridden_out(kafka_broker: Broker, tmp_path: Path, out
     try:
         wait_for(lambda: proc.poll() is not None or position(config) is not None, 120, "a first delivered batch")
         assert proc.poll() is None, err.read_text()[-3000:]
-        outage_s, retries = ride_out(proc, err, port, kafka_broker.stop, kafka_broker.start, outage_s)
+        measured_s, retries = ride_out(proc, err, port, kafka_broker.stop, kafka_broker.start, outage_s)
         (tmp_path / "writer.stop").touch()
         assert writer.wait(120) == 0
         until = caught_up(node_dir)
@@ -185,7 +185,7 @@ def test_a_broker_outage_is_ridden_out(kafka_broker: Broker, tmp_path: Path, out
     assert set(got) == set(expected), (
         f"{len(set(expected) - set(got))} missing, {len(set(got) - set(expected))} unknown"
     )
-    print(f"\nbroker outage {outage_s:.1f} s: {retries} retry steps during it ({total_retries} in all), ", end="")
+    print(f"\nbroker outage {measured_s:.1f} s: {retries} retry steps during it ({total_retries} in all), ", end="")
     print(f"{len(events)} entries sent once")
 
 
