@@ -151,7 +151,10 @@ def test_hung_consumer_lag_grows_pending_links_counted_then_stall_exits_6(tmp_pa
             lag1 = value(s1, "cdcd_daemon_lag_seconds")
             assert t0 - first_s - 1e-3 <= lag1 <= t1 - first_s + 1e-3, (t0 - first_s, lag1, t1 - first_s)
             assert value(s1, "cdcd_daemon_event_capture_seconds_count") == entered["events"]
-            assert value(s1, "cdcd_daemon_segment_consuming_seconds_count") == 0
+            # Segments wholly committed before the blocked batch count as consumed (a segment of node records
+            # without entries, archived while a loaded writer had not written yet); nothing after them.
+            committed = state_position(config)
+            assert value(s1, "cdcd_daemon_segment_consuming_seconds_count") == (committed[0] if committed else 0)
             assert total(s1, "cdcd_daemon_events_total") == 0
 
             # The node goes on writing: links pile up behind the blocked batch.

@@ -35,6 +35,7 @@ from tests.support.procs import (
     start_daemon,
     stop_daemon,
     wait_for,
+    wait_progress,
 )
 from tests.support.procs import committed as daemon_committed
 from tests.support.wal import archived_segments, wal_events, wal_records
@@ -434,7 +435,9 @@ class Rig:
         self, node_mode: str, daemon_mode: str | None, timeout: float = 30, stops: dict[str, int] | None = None
     ) -> dict[str, Any]:
         """Wait until the node's realtime mode and the daemon's persisted mode are these (and the node's
-        count of realtime stops by reason is ``stops``: it is counted once the Stop record is durable)."""
+        count of realtime stops by reason is ``stops``: it is counted once the Stop record is durable). A hand-over
+        waits for the daemon to deliver up to the node's switch point, a backlog on a loaded machine as long as it
+        takes: fail once ``timeout`` seconds pass with the modes not there and the daemon's position standing still."""
         seen: dict[str, Any] = {}
 
         def check() -> bool:
@@ -449,8 +452,12 @@ class Rig:
                 and (stops is None or seen["realtime"]["stops"] == stops)
             )
 
+        def progress() -> tuple[bool, Any]:
+            reached = check()
+            return reached, (seen.get("daemon") or {}).get("position")
+
         try:
-            wait_for(check, timeout, f"realtime {node_mode}, daemon {daemon_mode}", interval=0.05)
+            wait_progress(progress, lambda p: p[0], timeout, f"realtime {node_mode}, daemon {daemon_mode}", 0.05)
         except AssertionError as exc:
             raise AssertionError(f"{exc}; last status: {seen}") from None
         return seen
