@@ -7,10 +7,13 @@ JARS   := $(VENV)/jars/.fetched-stamp
 
 .PHONY: install test test-lake-python test-kafka-cluster test-under-load test-under-load-8 lint bench bench-pg bench-kafka fuzz chaos run run-cluster clean
 
+# Then cdcd's and the tests' bytecode: pip compiles site-packages but not an editable project, and where
+# PYTHONDONTWRITEBYTECODE is set (CI machines) every Python process would compile cdcd's modules again at its start.
 install: $(STAMP) $(JARS)
 	@bash scripts/ensure-kafka.sh
 	@bash scripts/ensure-kafka-connect.sh
 	@bash scripts/ensure-tmux.sh
+	@$(BIN)/python -m compileall -q cdcd tests
 
 # setup.py and the C source: pip builds cdcd's C module (cdcd/lake/_rows.c) again when they change.
 $(STAMP): pyproject.toml setup.py cdcd/lake/_rows.c
