@@ -4,6 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 JARS   := $(VENV)/jars/.fetched-stamp
+CDS    := $(VENV)/spark-driver.jsa
 
 .PHONY: install test test-lake-python test-kafka-cluster test-under-load test-under-load-8 lint bench bench-pg bench-kafka fuzz chaos run run-cluster clean
 
@@ -30,10 +31,18 @@ $(JARS): $(STAMP) scripts/fetch-delta-jars.sh cdcd/lake/spark.py
 	bash scripts/fetch-delta-jars.sh $(BIN)/python
 	@touch $(JARS)
 
+# The Spark driver's classes, parsed once into a class-data-sharing archive that every Spark driver the tests start
+# maps (scripts/spark_cds.py; tests/conftest.py sets SPARK_SUBMIT_OPTS when it exists). The JVM rejects the file
+# when it was written by another JVM or for another classpath.
+$(CDS): $(JARS) scripts/spark_cds.py
+	@rm -f $@
+	@echo "writing $@ (scripts/spark_cds.py)"
+	@JDK_JAVA_OPTIONS="-XX:TieredStopAtLevel=1 -XX:+UseSerialGC" $(BIN)/python scripts/spark_cds.py $@ 2>$(VENV)/spark-cds.log || { tail -n 30 $(VENV)/spark-cds.log >&2; exit 1; }
+
 # Three workers, one test file each at a time (module fixtures stay per file; each worker keeps one SparkSession):
 # with two, the suite left a fifth of two cores idle while tests waited on processes; a third fills it.
 PYTEST_WORKERS ?= 3
-test: install
+test: install $(CDS)
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 	CDCD_LAKE_ROWS=python $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(LAKE_ON_PYTHON)
 
@@ -44,19 +53,19 @@ LAKE_ON_PYTHON := tests/test_lake_rows.py::test_this_process_uses_the_builder_th
 	tests/test_lake_caches.py
 
 # Every lake test file on the Python row builder.
-test-lake-python: install
+test-lake-python: install $(CDS)
 	CDCD_LAKE_ROWS=python $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests/test_lake*.py
 
 # Three Kafka brokers, replication factor 3, a partition leader SIGKILLed mid-stream (~3 min).
-test-kafka-cluster: install
+test-kafka-cluster: install $(CDS)
 	CDCD_KAFKA_CLUSTER=1 $(BIN)/pytest -q tests/test_kafka_cluster.py
 
 # The same suite with every core kept busy by other processes: timing luck must not matter.
-test-under-load: install
+test-under-load: install $(CDS)
 	PYTEST_WORKERS=$(PYTEST_WORKERS) bash scripts/test-under-load.sh
 
 # The same with eight busy processes, whatever the core count (four per core on two cores).
-test-under-load-8: install
+test-under-load-8: install $(CDS)
 	PYTEST_WORKERS=$(PYTEST_WORKERS) BUSY_PROCESSES=8 bash scripts/test-under-load.sh
 
 lint: install
@@ -86,7 +95,7 @@ fuzz: install
 	$(BIN)/python -m tests.fuzz.run --cases $(FUZZ_CASES) --engine $(FUZZ_ENGINE)
 
 # Fault injection across node, daemon and sinks (CHAOS_ARGS="--short --only 'kill-*' --seed 7"; root for tmpfs).
-chaos: install
+chaos: install $(CDS)
 	$(BIN)/pytest -q -m chaos
 	$(BIN)/python -m tests.chaos.run $(CHAOS_ARGS)
 	$(MAKE) test-kafka-cluster

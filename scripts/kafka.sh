@@ -11,10 +11,10 @@
 #       and --cluster-id; --replication R sets the internal topics' replication factor and
 #       min.insync.replicas (R - 1, at least 1) for topics and the transaction log.
 #       --profile test (the default): a small heap, the serial collector, no C2 JIT and two threads
-#       of each kind, to start quickly beside the test suite's other JVMs; standard: what the Kafka
-#       distribution's own start script and server defaults use (1 GiB heap, G1, the full JIT,
-#       3 network and 8 I/O threads), for benchmarks, where a peer's rate must not be the
-#       broker's (--heap-mb is ignored there).
+#       of each kind, no idle no-op records in the metadata log, to start and idle lightly beside the
+#       test suite's other JVMs; standard: what the Kafka distribution's own start script and
+#       server defaults use (1 GiB heap, G1, the full JIT, 3 network and 8 I/O threads), for
+#       benchmarks, where a peer's rate must not be the broker's (--heap-mb is ignored there).
 #   scripts/kafka.sh stop --dir DIR [--kill]
 #       SIGTERM (controlled shutdown) and wait; --kill: SIGKILL, as a crash
 set -euo pipefail
@@ -82,7 +82,7 @@ group.initial.rebalance.delay.ms=0
 auto.create.topics.enable=false
 PROPS
     if [ "$profile" = test ]; then
-        printf 'num.network.threads=2\nnum.io.threads=2\nbackground.threads=2\n' >> "$dir/server.properties"
+        printf 'num.network.threads=2\nnum.io.threads=2\nbackground.threads=2\nmetadata.max.idle.interval.ms=0\n' >> "$dir/server.properties"
     fi
     cat > "$dir/log4j2.properties" <<PROPS
 rootLogger.level=INFO
@@ -102,7 +102,11 @@ PROPS
     fi
     jvm+=(-Djava.awt.headless=true "-Dlog4j2.configurationFile=$dir/log4j2.properties")
     if [ ! -f "$dir/data/meta.properties" ]; then
-        [ -n "$cluster_id" ] || cluster_id="$(java "${jvm[@]}" kafka.tools.StorageTool random-uuid)"
+        # A cluster id is 16 random bytes in unpadded URL-safe base64 (what StorageTool random-uuid prints);
+        # made here rather than by a JVM of its own on every first start. Kafka refuses ids that begin with '-'.
+        while [ -z "$cluster_id" ] || [ "${cluster_id:0:1}" = - ]; do
+            cluster_id="$(head -c 16 /dev/urandom | base64 | tr '+/' '-_' | cut -c 1-22)"
+        done
         java "${jvm[@]}" kafka.tools.StorageTool format -t "$cluster_id" -c "$dir/server.properties" \
             >"$dir/format.log" 2>&1 || { cat "$dir/format.log" >&2; exit 1; }
     fi

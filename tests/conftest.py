@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,23 @@ start; the jars are the ones `make install` fetched from Maven Central, so the t
 do not)."""
 
 
+SPARK_CDS = Path(sys.prefix) / "spark-driver.jsa"
+"""The Spark driver's classes as a class-data-sharing archive (`make test` writes it: scripts/spark_cds.py). Each of
+the suite's Spark drivers (the test workers' session, the daemons, every `cdcd lake` command) would otherwise load,
+parse and link the same Spark, Scala and Delta classes from their jars. CDS messages go to stderr, never to a
+driver's stdout; the JVM refuses an archive that does not fit it, with one warning, and runs without."""
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # JDK_JAVA_OPTIONS reaches every `java` launch, also in subprocesses (they inherit it); a test that sets
     # its own JVM options keeps them.
     os.environ.setdefault("JDK_JAVA_OPTIONS", QUICK_JVM)
+    # SPARK_SUBMIT_OPTS reaches the driver JVM that pyspark starts through spark-submit, but neither Spark's
+    # launcher JVM (its classpath differs) nor a standalone master, worker or executor.
+    if SPARK_CDS.is_file():
+        os.environ.setdefault(
+            "SPARK_SUBMIT_OPTS", f"-XX:SharedArchiveFile={SPARK_CDS} -Xlog:cds*=off:stdout -Xlog:cds*=warning:stderr"
+        )
 
 
 @pytest.fixture
