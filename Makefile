@@ -8,8 +8,9 @@ CDS    := $(VENV)/spark-driver.jsa
 
 .PHONY: install test test-lake-python test-kafka-cluster test-under-load test-under-load-8 lint bench bench-pg bench-kafka fuzz chaos run run-cluster clean
 
-# Then cdcd's and the tests' bytecode: pip compiles site-packages but not an editable project, and where
-# PYTHONDONTWRITEBYTECODE is set (CI machines) every Python process would compile cdcd's modules again at its start.
+# The venv, Delta's jars, Kafka, Kafka Connect and tmux; last, cdcd's and the tests' bytecode: pip compiles
+# site-packages but not an editable project, and where PYTHONDONTWRITEBYTECODE is set (CI machines) every Python
+# process would compile cdcd's modules again at its start.
 install: $(STAMP) $(JARS)
 	@bash scripts/ensure-kafka.sh
 	@bash scripts/ensure-kafka-connect.sh
