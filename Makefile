@@ -34,8 +34,10 @@ $(JARS): $(STAMP) scripts/fetch-delta-jars.sh cdcd/lake/spark.py
 
 # The Spark driver's classes, parsed once into a class-data-sharing archive that every Spark driver the tests start
 # maps (scripts/spark_cds.py; tests/conftest.py sets SPARK_SUBMIT_OPTS when it exists). The JVM rejects the file
-# when it was written by another JVM or for another classpath.
-$(CDS): $(JARS) scripts/spark_cds.py
+# when it was written by another JVM or for another classpath: it is written again when the JDK's java binary or
+# pyspark (through the venv's stamp) changes.
+JAVA_BIN := $(realpath $(shell command -v java 2>/dev/null))
+$(CDS): $(JARS) scripts/spark_cds.py $(JAVA_BIN)
 	@rm -f $@
 	@echo "writing $@ (scripts/spark_cds.py)"
 	@JDK_JAVA_OPTIONS="-XX:TieredStopAtLevel=1 -XX:+UseSerialGC" $(BIN)/python scripts/spark_cds.py $@ 2>$(VENV)/spark-cds.log || { tail -n 30 $(VENV)/spark-cds.log >&2; exit 1; }
