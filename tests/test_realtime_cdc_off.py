@@ -85,7 +85,9 @@ def test_cdc_off_stops_realtime_and_the_gap_is_recovered_exactly_once(rig_factor
 
     _node_exp, daemon_exp, intervals = check_delivery(rig)
     stops = [rec.reason for _, rec in markers(rig.node_dir) if isinstance(rec, StopRealtimeCdcRecord)]
-    assert stops == ["node_start_realtime_off", "cdc_off"]
+    # A node stopped while realtime runs may find its consumer still busy past the close timeout (seen with eight
+    # busy loops on two cores): it then records close_timeout, and the daemon delivers the rest (checked above).
+    assert stops in (["node_start_realtime_off", "cdc_off"], ["node_start_realtime_off", "cdc_off", "close_timeout"])
     # The daemon's stretch from `cdc off` to `realtime on` holds the gap's entries.
     (a, b) = intervals[-1]
     assert b is not None and a[0] < gap_from <= skipped[-1] < b[0]
