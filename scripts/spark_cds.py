@@ -10,9 +10,9 @@ command, called in the driver through its MBean: a JRE has no jcmd).
 
     python scripts/spark_cds.py OUT.jsa
 
-tests/conftest.py uses OUT.jsa when it exists. An archive that no longer fits the JVM or its
-classpath (pyspark upgraded, another JDK) is refused by the JVM with one warning on stderr and the
-tests run without it, slower.
+make test writes it to .venv/spark-driver.jsa, where tests/conftest.py looks for it. An archive
+that no longer fits the JVM or its classpath (pyspark upgraded, another JDK) is refused by the JVM
+with a warning on stderr, and the tests run without it, slower.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-# -XX:+RecordDynamicDumpInfo lets a running JVM dump; the JIT and verification flags must be the ones
-# the tests' JVMs run with or more restrictive, or the JVM refuses the archive.
+# -XX:+RecordDynamicDumpInfo lets a running JVM dump. Bytecode verification stays on here: a JVM refuses
+# an archive dumped with less verification than its own, and the tests' JVMs verify less.
 os.environ["SPARK_SUBMIT_OPTS"] = "-XX:+RecordDynamicDumpInfo"
 
 
