@@ -142,7 +142,8 @@ def node_main() -> None:
 
     Writes ``tx_writes(first_tx ...)`` (``every`` transactions, then ``pause_ms``; no pause while
     ``ctl_dir/burst`` exists) once ``ctl_dir/go`` exists, until ``ctl_dir/stop`` exists or
-    ``count`` transactions are written (0: no limit; the node then stays open until ``stop``).
+    ``count`` transactions are written (0: no limit; the node then stays open until ``stop``);
+    ``ctl_dir/hold`` ends the writes early too, leaving the node open until ``stop``.
     With ``ctl_dir/warmup``, it first puts one entry into cache ``warmup`` and rolls the segment
     (so the writes' caches are created in a later segment). Then archives the active segment,
     saves its status in ``ctl_dir/status.json``, closes and writes the number of transactions to
@@ -161,7 +162,7 @@ def node_main() -> None:
         if (ctl / "warmup").exists():
             node.cache("warmup").put(0, {"warm": True})
             node.force_archive()
-        while not (ctl / "stop").exists() and not (count and n - first >= count):
+        while not (ctl / "stop").exists() and not (ctl / "hold").exists() and not (count and n - first >= count):
             write_tx(node, n)
             n += 1
             if pause_s and n % every == 0 and not burst.exists():
@@ -239,7 +240,7 @@ class Rig:
         go: bool = True,
         failpoints: str = "",
     ) -> None:
-        for name in ("stop", "done", "written", "status.json", "burst"):
+        for name in ("stop", "hold", "done", "written", "status.json", "burst"):
             (self.ctl / name).unlink(missing_ok=True)
         if go:
             (self.ctl / "go").touch()
@@ -302,9 +303,19 @@ class Rig:
         else:
             (self.ctl / "burst").unlink(missing_ok=True)
 
-    def stop_node(self) -> int:
-        """Let the node finish (archive, status, close); returns the transactions it wrote."""
+    def stop_node(self, *, drained: bool = False) -> int:
+        """Let the node finish (archive, status, close); returns the transactions it wrote.
+
+        ``drained``: first end the writes and wait until the realtime consumer has taken everything buffered, so
+        the node's close has at most one batch to finish, not a backlog a loaded machine may not deliver within
+        ``realtime_close_timeout_ms`` (a test of a clean stop, not of that timeout)."""
         assert self.node is not None
+        if drained:
+            (self.ctl / "hold").touch()
+            wait_for(lambda: (self.ctl / "written").exists(), 60, "the node's writes to end")
+            wait_for(
+                lambda: self.status()["realtime"]["buffer_used_bytes"] == 0, 300, "the realtime buffer to drain", 0.2
+            )
         (self.ctl / "stop").touch()
         rc = self.node.wait(60)
         assert rc == 0, self.node_log.read_text()[-3000:]
