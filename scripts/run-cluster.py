@@ -29,8 +29,9 @@ from cdcd.daemon.config import load_daemon_config  # noqa: E402
 from cdcd.top.snapshot import Rates, Snapshot, collect, metric, rates  # noqa: E402
 from cdcd.top.view import cluster_table, status_line  # noqa: E402
 from tests.support.lake import caught_up, position, write_config  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
 from tests.support.procs import child_env, start_daemon  # noqa: E402
-from tests.support.servers import MINIO_PASSWORD, MINIO_USER, MinioServer, SparkStandalone, free_port  # noqa: E402
+from tests.support.servers import MINIO_PASSWORD, MINIO_USER, MinioServer, SparkStandalone  # noqa: E402
 from tests.support.writer import WRITER_NODE_SETTINGS  # noqa: E402
 
 LAKE = "s3://lake/cluster"

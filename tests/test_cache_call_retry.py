@@ -12,8 +12,9 @@ from typing import Any
 
 from cdcd.node import Node
 from cdcd.wal.records import CacheOp, CacheRecord
-from tests.support.chaos import free_port, scrape
+from tests.support.chaos import scrape
 from tests.support.config import write_daemon_config
+from tests.support.ports import free_port
 from tests.support.procs import child_env, error_lines, log_events, start_daemon, stop_daemon, wait_for
 from tests.support.wal import wal_events, wal_records
 

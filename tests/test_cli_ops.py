@@ -307,17 +307,11 @@ def test_storage_config_is_read_by_the_daemon_config_loader(tmp_path: Path) -> N
     """`cdcd lake … --storage-config cdcd.toml` reads `[consumer.storage]` as `cdcd run` does: an unknown key there is
     one line naming it (exit 2), a `CDCD_CONSUMER__STORAGE__*` variable overrides the file, and the store the
     settings name is the one tried (an endpoint nothing listens on: exit 2 naming it)."""
-    import socket
 
     from tests.support.config import write_daemon_config
+    from tests.support.ports import free_port
 
-    def closed_port() -> int:
-        """A port nothing listens on (bound, never listened on, closed)."""
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            return int(probe.getsockname()[1])
-
-    port_file, port_env = closed_port(), closed_port()
+    port_file, port_env = free_port(), free_port()  # reserved: nothing listens on them
     storage = {"endpoint": f"http://127.0.0.1:{port_file}", "path_style": True, "access_key_id": "k"}
     consumer = {"kind": "lake", "lake_path": "s3://bucket/lake", "storage": {**storage, "secret_access_key": "s"}}
     config = write_daemon_config(tmp_path / "cdcd.toml", tmp_path / "node", consumer)

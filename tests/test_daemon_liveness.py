@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import socket
 import textwrap
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 from cdcd.node import Node
 from tests.support.chaos import scrape
 from tests.support.config import jsonl_consumer, write_daemon_config
+from tests.support.ports import free_port
 from tests.support.procs import (
     child_env,
     error_lines,
@@ -84,12 +84,6 @@ def python_consumer(tmp_path: Path, cls: str, **options: Any) -> tuple[dict[str,
     mods.mkdir(exist_ok=True)
     (mods / "liveness_sinks.py").write_text(CONSUMERS)
     return {"kind": "python", "class": f"liveness_sinks:{cls}", "options": options}, child_env(mods)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def try_scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]] | None:

@@ -12,8 +12,9 @@ import threading
 import time
 from pathlib import Path
 
-from tests.support.chaos import free_port, scrape
+from tests.support.chaos import scrape
 from tests.support.config import jsonl_consumer, write_daemon_config
+from tests.support.ports import free_port
 from tests.support.procs import child_env, reap, stop_daemon, wait_for
 from tests.support.wal import read_jsonl, wal_events
 from tests.support.writer import make_node

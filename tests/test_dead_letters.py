@@ -16,8 +16,9 @@ import pytest
 
 from cdcd.node import Node
 from cdcd.realtime import RealtimeMode
-from tests.support.chaos import free_port, scrape
+from tests.support.chaos import scrape
 from tests.support.config import write_daemon_config
+from tests.support.ports import free_port
 from tests.support.procs import cdcd, child_env, error_lines, log_events, start_daemon, stop_daemon, wait_for
 from tests.support.wal import wal_events
 from tests.support.writer import make_node

@@ -27,8 +27,8 @@ from cdcd.kafka.topics import suffix_of
 from cdcd.node import Node
 from tests.support.kafka import ROOT, Broker, kafka_broker
 from tests.support.pg_cluster import PgCluster, PgUnavailable, ensure_postgres
+from tests.support.ports import free_port
 from tests.support.procs import reap
-from tests.support.servers import free_port
 
 __all__ = ["kafka_broker"]
 

@@ -21,8 +21,9 @@ from cdcd.kafka.sink import KafkaSink
 from cdcd.node import Node
 from cdcd.node.snapshot import NodeSnapshot
 from tests.support.kafka import Broker, kafka_broker, read_topic
+from tests.support.ports import free_port
 from tests.support.procs import CDCD, cdcd, child_env, wait_for
-from tests.support.replication_rig import NodeProc, Procs, free_port, procs, split_entries
+from tests.support.replication_rig import NodeProc, Procs, procs, split_entries
 from tests.support.wal import wal_events
 from tests.support.writer import make_node
 

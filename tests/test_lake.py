@@ -25,6 +25,7 @@ from cdcd.node import Node
 from tests.support.delta_lake import check_lake, lake_consumer
 from tests.support.delta_tables import change, compacted_lake
 from tests.support.lake import error_lines, wait_caught_up, wait_started, write_config
+from tests.support.ports import free_port
 from tests.support.procs import CDCD, cdcd, child_env, start_daemon, stop_daemon, wait_for
 from tests.support.wal import wal_events
 from tests.support.writer import CACHES, expected_final_state, start_writer, writer_count
@@ -127,10 +128,6 @@ def test_lake_verify_stdout_is_only_its_table(tmp_path: Path) -> None:
 
 # --- hand-over: the node's realtime worker and the daemon, one lake -----------------------------------
 # --- scale-out: a Spark standalone cluster on loopback ------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def master_json(ui_port: int) -> dict[str, Any]:

@@ -15,7 +15,8 @@ from deltalake import DeltaTable, write_deltalake
 
 from cdcd.lake.storage import LakeLocation, LakeStorageError, StorageOptions
 from cdcd.secrets import MASK
-from tests.support.servers import MINIO_BIN, MINIO_PASSWORD, MINIO_USER, MinioServer, free_port
+from tests.support.ports import free_port
+from tests.support.servers import MINIO_BIN, MINIO_PASSWORD, MINIO_USER, MinioServer
 
 pytestmark = pytest.mark.skipif(not MINIO_BIN.exists(), reason="MinIO not built: run make install")
 

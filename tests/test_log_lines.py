@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import socket
 import time
 from collections.abc import Iterator
 
@@ -16,6 +15,7 @@ from confluent_kafka import Producer
 
 from cdcd.kafka.options import KafkaSinkOptions
 from cdcd.logging import configure, describe, one_line
+from tests.support.ports import free_port
 
 DELTA_RS = (
     "\x1b[31mGeneric S3 error: Error after 10 retries in 6.1s, max_retries:10, retry_timeout:180s\x1b[0m\n"
@@ -116,9 +116,7 @@ def test_a_logged_exception_is_one_json_line(json_log: Captured) -> None:
 def test_librdkafka_lines_are_json_events(json_log: Captured) -> None:
     """A real producer pointed at a closed port: librdkafka's connection failures reach stderr only as
     `librdkafka` JSON events (facility, client, message), not as its raw `%7|...|FAIL|...` text."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     opts = KafkaSinkOptions.load({"bootstrap_servers": f"127.0.0.1:{port}", "topic": "t"}, "consumer")
     conf = {**opts.librdkafka("consumer"), "reconnect.backoff.ms": 100, "reconnect.backoff.max.ms": 200}
     producer = Producer(conf)

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cdcd import metrics
 from tests.support.config import jsonl_consumer, write_daemon_config
+from tests.support.ports import free_port
 from tests.support.procs import child_env, error_lines, run_daemon_until_exit, start_daemon, stop_daemon, wait_for
 from tests.support.writer import make_node
 
@@ -40,12 +41,6 @@ def promtool() -> str:
     path = shutil.which("promtool")
     assert res.returncode == 0 and path, f"scripts/ensure-promtool.sh could not provide promtool: {res.stderr}"
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape_text(port: int) -> str:

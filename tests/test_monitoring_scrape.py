@@ -19,12 +19,13 @@ from cdcd.kafka.sink import KafkaSink
 from tests.support.delta_lake import lake_consumer
 from tests.support.kafka import Broker, kafka_broker, read_topic
 from tests.support.lake import caught_up, position, write_config
+from tests.support.ports import free_port
 from tests.support.procs import reap, start_daemon, stop_daemon, wait_for
 from tests.support.wal import wal_events
 from tests.support.writer import make_node
 from tests.test_kafka_dead_letters import _create_topic, _node_with_big_values
 from tests.test_lake_faults import remount, tmpfs
-from tests.test_metrics_hygiene import free_port, try_samples
+from tests.test_metrics_hygiene import try_samples
 
 __all__ = ["kafka_broker"]  # the fixture, used by name
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from cdcd.node import Node
 from cdcd.node.snapshot import NodeSnapshot
 from cdcd.wal import DataRecord, MissingSegment, WalReader
 from cdcd.wal.segment import list_segments
+from tests.support.ports import free_port
 
 CDCD = [sys.executable, "-m", "cdcd"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,10 +84,6 @@ def wal_entries(dirs: list[Path], active: int | None = None) -> list[tuple[str, 
 
 
 # --- the runtime CDC switch ------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int, name: str) -> float:

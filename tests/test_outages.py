@@ -18,9 +18,10 @@ from deltalake import DeltaTable
 
 from cdcd.lake.storage import LakeLocation, StorageOptions
 from cdcd.node.identity import read_node_id
-from tests.support.chaos import free_port, scrape
+from tests.support.chaos import scrape
 from tests.support.kafka import Broker, kafka_broker, positions_of, read_topic
 from tests.support.lake import caught_up, position, write_config
+from tests.support.ports import free_port
 from tests.support.procs import child_env, log_events, start_daemon, stop_daemon, wait_for
 from tests.support.servers import MINIO_BIN, MINIO_PASSWORD, MINIO_USER, MinioServer
 from tests.support.wal import wal_events

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import random
 import signal
-import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ from cdcd.daemon.ops import show_state
 from cdcd.node import Node
 from cdcd.wal.records import DataRecord, RealtimeCdcRecord, StopRealtimeCdcRecord, TryStartRealtimeCdcRecord
 from cdcd.wal.segment import list_segments
+from tests.support.ports import free_port
 from tests.support.procs import log_events, wait_for
 from tests.support.realtime import (
     Rig,
@@ -458,9 +458,7 @@ def test_close_interrupts_a_realtime_consumer_retrying_a_dead_target(rig_factory
     token = tmp_path / "token"
     token.write_text("0123456789abcdef0123")
     token.chmod(0o600)
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        dead_port = s.getsockname()[1]
+    dead_port = free_port()  # reserved: nobody listens on it
     consumer = {
         "kind": "replication",
         "target": f"127.0.0.1:{dead_port}",

@@ -19,8 +19,8 @@ import pytest
 from tests.support.config import jsonl_consumer, write_daemon_config
 from tests.support.delta_lake import QUICK_START, lake_consumer
 from tests.support.lake import write_config
+from tests.support.ports import free_port
 from tests.support.procs import CDCD, cdcd, child_env, reap, start_daemon, state_show, stop_daemon, wait_for
-from tests.support.servers import free_port
 from tests.support.tmux import Pane
 from tests.support.writer import make_node
 

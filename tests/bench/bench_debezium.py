@@ -103,7 +103,7 @@ from cdcd.wal.segment import list_segments
 from tests.support.bench import _child_env, _tail
 from tests.support.kafka import LIBS, ROOT, Broker, apply_topic_to_node
 from tests.support.pg_cluster import PgCluster, ensure_postgres
-from tests.support.servers import free_port
+from tests.support.ports import free_port
 
 DEBEZIUM = ROOT / "var" / "debezium" / "debezium-server"
 RESULTS = ROOT / "tests" / "bench" / "results"

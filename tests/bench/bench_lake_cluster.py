@@ -36,7 +36,8 @@ from cdcd.node.node import Node
 from tests.support.bench import Bench, Measurement, Metric, _percentile, _tail
 from tests.support.lake import caught_up, position, write_config
 from tests.support.lake_bench import lake_value
-from tests.support.servers import MINIO_BIN, MINIO_PASSWORD, MINIO_USER, MinioServer, SparkStandalone, free_port
+from tests.support.ports import free_port
+from tests.support.servers import MINIO_BIN, MINIO_PASSWORD, MINIO_USER, MinioServer, SparkStandalone
 
 ROOT = Path(__file__).resolve().parents[2]
 NODES = 3

@@ -30,8 +30,8 @@ from typing import NamedTuple
 from tests.bench import bench_daemon
 from tests.bench.bench_daemon import BACKLOG, _start_daemon, _write_daemon_config
 from tests.support.bench import _child_env, _links, _stop, _tail
+from tests.support.ports import free_port
 from tests.support.procs import reap
-from tests.support.servers import free_port
 
 SEGMENT_BYTES = 2 << 20
 TIMEOUT_S = 600.0

@@ -16,7 +16,8 @@ import threading
 import time
 from typing import Any
 
-from tests.support.chaos import CLOCKPATCH, Ctx, Result, check, check_exact, free_port, rig, scrape, write_atomic_text
+from tests.support.chaos import CLOCKPATCH, Ctx, Result, check, check_exact, rig, scrape, write_atomic_text
+from tests.support.ports import free_port
 from tests.support.wal import wal_events
 
 DAY_NS = 86_400 * 10**9

@@ -13,7 +13,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -539,12 +538,6 @@ def tmpfs(path: Path, size: str) -> Iterator[Path]:
 def remount(path: Path, options: str) -> None:
     res = subprocess.run(["mount", "-o", f"remount,{options}", str(path)], capture_output=True, text=True)
     check(res.returncode == 0, f"remount {path} {options}: {res.stderr.strip()}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int, timeout: float = 2) -> dict[str, list[tuple[dict[str, str], float]]]:

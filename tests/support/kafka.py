@@ -8,7 +8,6 @@ with ``isolation.level = read_committed`` would.
 from __future__ import annotations
 
 import json
-import socket
 import struct
 import subprocess
 import sys
@@ -22,29 +21,12 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.ports import free_port, free_ports
 from tests.support.procs import child_env, reap
-from tests.support.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "kafka.sh"
 LIBS = ROOT / "var" / "kafka" / "libs"
-
-
-def _free_port_pair() -> int:
-    """A port P with P+1 free too (broker and controller listeners)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port >= 65535:
-            continue
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair")
 
 
 class Broker:
@@ -52,7 +34,7 @@ class Broker:
         """``profile``: kafka.sh's ``--profile`` (``test``: quick to start; ``standard``: the Kafka distribution's
         own JVM and thread settings, for benchmarks)."""
         self.dir = directory
-        self.port = _free_port_pair()
+        self.port = free_ports(2)  # the broker's listener and the controller's
         self.node_id = node_id
         self.profile = profile
         self.cluster: list[str] = []

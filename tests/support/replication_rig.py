@@ -4,9 +4,7 @@ checks comparing two nodes (moved from test_replication.py so other tests can us
 from __future__ import annotations
 
 import json
-import random
 import signal
-import socket
 import subprocess
 import urllib.request
 from collections.abc import Iterator
@@ -23,6 +21,7 @@ from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import CacheVersion, DataEntry, DataRecord
 from cdcd.wal.segment import HEADER_SIZE
 from tests.support.config import write_daemon_config
+from tests.support.ports import free_port
 from tests.support.procs import CDCD, cdcd, child_env, reap, start_daemon, wait_for
 from tests.support.wal import wal_records
 
@@ -41,26 +40,6 @@ _decode = msgspec.msgpack.Decoder().decode
 
 
 # --- processes ---------------------------------------------------------------------------------------
-_ports_given: set[int] = set()
-
-
-def free_port() -> int:
-    """A free TCP port below the ephemeral range, so no outgoing connection takes it while its node is down."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    rng = random.Random()
-    while True:
-        port = rng.randrange(10_000, max(10_001, low))
-        if port in _ports_given:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _ports_given.add(port)
-        return port
-
-
 def write_token(path: Path, text: str = TOKEN) -> Path:
     path.write_text(text + "\n")
     path.chmod(0o600)

@@ -5,23 +5,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from tests.support.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 MINIO_BIN = Path(sys.prefix) / "bin" / "minio"
 MINIO_USER = "cdcd-test"
 MINIO_PASSWORD = "cdcd-test-secret"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(cond, what: str, timeout_s: float = 120.0, proc: subprocess.Popen[bytes] | None = None) -> None:
