@@ -44,9 +44,10 @@ $(CDS): $(JARS) scripts/spark_cds.py $(JAVA_BIN)
 
 # Three workers, one test file each at a time (module fixtures stay per file; each worker keeps one SparkSession):
 # with two, the suite left a fifth of two cores idle while tests waited on processes; a third fills it.
+# The 25 slowest test phases are listed at the end: where the suite's time goes, in every CI log.
 PYTEST_WORKERS ?= 3
 test: install $(CDS)
-	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25
 	CDCD_LAKE_ROWS=python $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(LAKE_ON_PYTHON)
 
 # The lake again on the Python row builder (cdcd/lake/rows_py.py), as a machine without the C module runs it:
