@@ -17,6 +17,13 @@
 #       benchmarks, where a peer's rate must not be the broker's (--heap-mb is ignored there).
 #   scripts/kafka.sh stop --dir DIR [--kill]
 #       SIGTERM (controlled shutdown) and wait; --kill: SIGKILL, as a crash
+#
+# Class-data sharing (--profile test): the JVMs map the classes an earlier broker loaded from one archive
+# next to the jars, instead of reading and verifying them from 46 jars on every start. The first broker
+# that finds no archive for this java and these jars writes one as it exits (-XX:ArchiveClassesAtExit,
+# into its own dir); `stop` moves it into place with a rename, so brokers starting meanwhile never map a
+# half-written file. The archive's name carries a checksum of the java binary and the jar listing: a new
+# JDK or new jars simply make a new one. KAFKA_CDS=0 turns it off.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 LIBS="${KAFKA_LIBS:-$HERE/../var/kafka/libs}"
@@ -44,6 +51,9 @@ case "$profile" in
     *) echo "kafka.sh: --profile must be test or standard, not '$profile'" >&2; exit 2 ;;
 esac
 pidfile="$dir/kafka.pid"
+# What a JVM needs to map an archive: the same java build and the same jars (their names, sizes and times).
+cds_key="$({ (ls -l --time-style=+%s "$(readlink -f "$(command -v java)")" "$LIBS") 2>/dev/null || true; } | cksum | cut -d' ' -f1)"
+archive="$LIBS/../cds-$cds_key.jsa"
 
 alive() { [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; }
 
@@ -101,6 +111,16 @@ PROPS
              -XX:+ExplicitGCInvokesConcurrent -XX:MaxInlineLevel=15)
     fi
     jvm+=(-Djava.awt.headless=true "-Dlog4j2.configurationFile=$dir/log4j2.properties")
+    broker_jvm=("${jvm[@]}")
+    rm -f "$dir/cds.jsa.new"
+    if [ "$profile" = test ] && [ "${KAFKA_CDS:-1}" != 0 ]; then
+        if [ -f "$archive" ]; then
+            jvm+=("-XX:SharedArchiveFile=$archive")
+            broker_jvm=("${jvm[@]}")
+        else
+            broker_jvm+=("-XX:ArchiveClassesAtExit=$dir/cds.jsa.new")
+        fi
+    fi
     if [ ! -f "$dir/data/meta.properties" ]; then
         # A cluster id is 16 random bytes in unpadded URL-safe base64 (what StorageTool random-uuid prints);
         # made here rather than by a JVM of its own on every first start. Kafka refuses ids that begin with '-'.
@@ -111,7 +131,7 @@ PROPS
             >"$dir/format.log" 2>&1 || { cat "$dir/format.log" >&2; exit 1; }
     fi
     : >"$dir/server.log"
-    nohup java "${jvm[@]}" kafka.Kafka "$dir/server.properties" >"$dir/stdout.log" 2>&1 </dev/null &
+    nohup java "${broker_jvm[@]}" kafka.Kafka "$dir/server.properties" >"$dir/stdout.log" 2>&1 </dev/null &
     echo $! >"$pidfile"
     deadline=$((SECONDS + ${KAFKA_START_TIMEOUT_S:-180}))
     while :; do
@@ -142,10 +162,14 @@ stop)
     fi
     deadline=$((SECONDS + 120))
     while kill -0 "$pid" 2>/dev/null; do
-        if [ $SECONDS -ge $deadline ]; then kill -KILL "$pid" 2>/dev/null || true; fi
+        if [ $SECONDS -ge $deadline ]; then kill -KILL "$pid" 2>/dev/null || true; kill=1; fi
         sleep 0.2
     done
     rm -f "$pidfile"
+    # A broker that exited on its own wrote its whole archive; a killed one may have left part of one.
+    if [ -f "$dir/cds.jsa.new" ]; then
+        if [ "$kill" = 0 ] && [ ! -f "$archive" ]; then mv -f "$dir/cds.jsa.new" "$archive"; else rm -f "$dir/cds.jsa.new"; fi
+    fi
     ;;
 *)
     echo "usage: kafka.sh start --dir DIR --port PORT | stop --dir DIR [--kill]" >&2
