@@ -176,8 +176,9 @@ def test_a_lake_replaced_while_the_realtime_worker_delivers_is_landed_again_by_t
         shutil.rmtree(lake)
         shutil.copytree(backup, lake)
         write(node, n, 10)
-        wait_for(lambda: node.realtime.mode is RealtimeMode.OFF, 60, "realtime to stop at the lake's lost commits")
-        assert node.realtime.stops == {"consumer_error": 1}
+        # The stop counts once its Stop record is durable (the mode goes OFF before): the record the daemon needs.
+        wait_for(lambda: node.realtime.stops, 60, "realtime to stop at the lake's lost commits")
+        assert node.realtime.stops == {"consumer_error": 1} and node.realtime.mode is RealtimeMode.OFF
         node.force_archive()  # the Stop record, for the daemon
         with daemon(node_dir, lake) as d:
             d.sync_once()
