@@ -190,6 +190,63 @@ def test_a_broker_outage_is_ridden_out(kafka_broker: Broker, tmp_path: Path, out
     print(f"{len(events)} entries sent once")
 
 
+def test_an_object_store_outage_as_a_cache_first_shows_up_is_ridden_out(tmp_path: Path, minio: MinioServer) -> None:
+    """MinIO stopped just as the daemon tells the lake sink of a new cache (a failpoint holds it at its first
+    ``on_cache_change``, which writes ``_cdcd_caches.json`` to the store): the call is retried like a batch
+    (consumer_retrying lines naming on_cache_change and the lake, the retries counter), the daemon never exits,
+    and once the store is back the cache registry and every WAL entry are in the lake, each entry once."""
+    node_dir = tmp_path / "node"
+    write_scenario(node_dir)
+    storage = {"endpoint": minio.endpoint, "path_style": True}
+    lake = "s3://lake/caches"
+    consumer = {"kind": "lake", "lake_path": lake, "writer": "deltalake", "storage": storage}
+    port = free_port()
+    config = write_config(tmp_path / "cdcd.toml", node_dir, consumer, metrics_address=f"127.0.0.1:{port}")
+    held = tmp_path / "failpoints"
+    held.mkdir()
+    env = {
+        **child_env(),
+        "AWS_ACCESS_KEY_ID": MINIO_USER,
+        "AWS_SECRET_ACCESS_KEY": MINIO_PASSWORD,
+        "CDCD_FAILPOINTS": "delivery.on_cache_change=pause",
+        "CDCD_FAILPOINTS_DIR": str(held),
+    }
+    err = tmp_path / "daemon.err"
+    proc = start_daemon(config, err, env=env)
+    try:
+        point = held / "delivery.on_cache_change"
+        wait_for(lambda: proc.poll() is not None or point.exists(), 120, "the first on_cache_change")
+        assert proc.poll() is None, err.read_text()[-3000:]
+        minio.stop()
+        point.unlink()  # the call goes to the sink with the store away
+
+        def retried() -> int:
+            return sum(e["event"] == "consumer_retrying" for e in log_events(err))
+
+        wait_for(lambda: proc.poll() is not None or retried() >= 3, 120, "3 retry steps of on_cache_change")
+        assert proc.poll() is None, f"the daemon exited during the outage:\n{err.read_text()[-3000:]}"
+        retries = int(scrape(port)["cdcd_daemon_consumer_retries_total"][0][1])
+        minio.start()
+        until = caught_up(node_dir)
+        wait_for(lambda: proc.poll() is not None or position(config) == until, 180, f"the daemon to land {until}", 0.25)
+        assert proc.poll() is None, err.read_text()[-3000:]
+    finally:
+        rc = stop_daemon(proc, timeout=60)
+    assert rc == 0, err.read_text()[-3000:]
+    steps = [e for e in log_events(err) if e["event"] == "consumer_retrying"]
+    assert retries >= 3 and len(steps) >= retries, (retries, len(steps))
+    assert {e["call"] for e in steps} == {"on_cache_change"}, steps
+    assert all(f"lake {lake}" in e["error"] and "\n" not in e["error"] for e in steps), steps[0]
+
+    loc = LakeLocation(lake, StorageOptions(**storage), env=env)
+    registry = json.loads(minio.get_object("lake", "caches/_cdcd_caches.json"))
+    assert sorted({c["name"] for c in registry.values()}) == ["c", "o"], registry
+    rows = DeltaTable(loc.uri("changes"), storage_options=loc.delta_options).to_pyarrow_table().to_pylist()
+    landed = Counter((r["wal_segment"], r["wal_offset"], r["wal_index"]) for r in rows if r["op"] != "truncate")
+    assert max(landed.values()) == 1, "an entry landed twice"
+    assert set(landed) == {tuple(e["pos"]) for e in wal_events(node_dir)}
+
+
 @pytest.mark.chaos  # tests/test_cache_call_retry.py retries a failing drop through a real `cdcd run` in
 # seconds; the outage tests above ride out the same servers' outages
 def test_a_broker_outage_during_a_cache_drop_is_ridden_out(kafka_broker: Broker, tmp_path: Path) -> None:

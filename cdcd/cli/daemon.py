@@ -118,7 +118,8 @@ def daemon_run(config_path: Path, log_format: str | None) -> None:
 
     try:
         # A node not there yet is waited for (a library caller of Daemon.start() gets FileNotFoundError),
-        # with the metrics served meanwhile; otherwise they are served once the daemon holds its lock.
+        # with the metrics served meanwhile; otherwise they are served as soon as the daemon holds its lock,
+        # so that a start waiting out a target's outage shows its retries.
         served: list[bool] = []
 
         def serve() -> None:
@@ -127,9 +128,7 @@ def daemon_run(config_path: Path, log_format: str | None) -> None:
 
         if not wait_for_node(Path(config.node_dir), daemon.cdc_dir, Notifier(), stopped, serve=serve):
             return
-        daemon.start()
-        if not served:
-            serve()
+        daemon.start(locked=None if served else serve)
         asyncio.run(main_async())
     except LockHeld as exc:
         fatal(exc, "another cdcd daemon runs for this node", "daemon_locked")

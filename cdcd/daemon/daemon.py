@@ -15,6 +15,7 @@ import operator
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -112,8 +113,10 @@ class Daemon:
         self._follower: SegmentFollower | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
-    def start(self) -> None:
-        """Take the lock, load the state, delete links below it, start the consumer."""
+    def start(self, *, locked: Callable[[], None] | None = None) -> None:
+        """Take the lock, load the state, delete links below it, start the consumer. ``locked()`` runs
+        once the lock is held, before anything that may wait on the target (the consumer's start, its
+        cache calls retried through an outage): the entry point serves the metrics there."""
         if self._started:
             return
         # Before the lock: a wrong node_dir must not leave a lock file (or a dir) behind.
@@ -126,6 +129,8 @@ class Daemon:
         metrics.DAEMON_LAG_SECONDS.set_function(self._watch.lag_seconds)
         metrics.DAEMON_SEGMENTS_PENDING.set_function(self._watch.segments_pending)
         try:
+            if locked is not None:
+                locked()
             self.node_id = read_node_id(self.config.node_dir)
             self._store = StateStore(self.config.state_path)
             state, caches, self.node_id = load_start_state(self.config, self._store, self.node_id)

@@ -282,6 +282,10 @@ class LakeConsumer(Consumer):
         self._landed[source] = read
 
     def on_cache_change(self, caches: Sequence[CacheInfo]) -> None:
+        with self._retriable():  # a store away when a cache first shows up is waited out as for a batch
+            self._record_caches(caches)
+
+    def _record_caches(self, caches: Sequence[CacheInfo]) -> None:
         path = self.lake / "_cdcd_caches.json"
         known: dict[str, Any] = {}
         if path.exists():

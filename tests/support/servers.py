@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from tests.support.ports import free_port
 
@@ -93,10 +94,10 @@ class MinioServer:
                 self.proc.wait()
         self.proc = None
 
-    def create_bucket(self, name: str) -> None:
+    def _fs(self) -> Any:
         import pyarrow.fs as pafs
 
-        fs = pafs.S3FileSystem(
+        return pafs.S3FileSystem(
             access_key=MINIO_USER,
             secret_key=MINIO_PASSWORD,
             endpoint_override=self.endpoint,
@@ -104,7 +105,13 @@ class MinioServer:
             region="us-east-1",
             allow_bucket_creation=True,
         )
-        fs.create_dir(name)
+
+    def create_bucket(self, name: str) -> None:
+        self._fs().create_dir(name)
+
+    def get_object(self, bucket: str, key: str) -> bytes:
+        with self._fs().open_input_stream(f"{bucket}/{key}") as f:
+            return bytes(f.read())
 
 
 class SparkStandalone:
