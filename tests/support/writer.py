@@ -90,11 +90,15 @@ def writer_main() -> None:
     count, pause_s = int(count_s), float(pause_ms_s) / 1000
     key_base = int(sys.argv[6]) if len(sys.argv) > 6 else 0
     node = Node.open(node_dir, **WRITER_NODE_SETTINGS)
+    progress = Path(done_file).with_suffix(".progress")
     n = 0
     try:
         while (n < count) if count else not os.path.exists(stop_file):
             write_tx(node, n, key_base)
             n += 1
+            if n % 500 == 0:  # committed transactions so far, for a test that waits for a volume
+                progress.with_suffix(".tmp").write_text(f"{n}\n")
+                os.replace(progress.with_suffix(".tmp"), progress)
             if pause_s and n % 10 == 0:
                 time.sleep(pause_s)
         node.force_archive()  # close() leaves the active segment unarchived: make every write visible to CDC
@@ -118,6 +122,14 @@ def start_writer(
 
 def writer_count(tmp: Path) -> int:
     return int((tmp / "writer.done").read_text())
+
+
+def writer_progress(tmp: Path) -> int:
+    """Transactions the running writer has committed, in steps of 500 (0 before the first 500)."""
+    try:
+        return int((tmp / "writer.progress").read_text())
+    except FileNotFoundError:
+        return 0
 
 
 def make_node(node_dir: Path, segments: int, tx_per_segment: int, *, first_tx: int = 0, **settings: Any) -> int:
