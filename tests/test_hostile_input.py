@@ -149,9 +149,9 @@ def raw_exchange(path: Path, data: bytes) -> bytes:
 
 
 def test_invalid_utf8_gets_a_reply_and_the_server_keeps_serving(control: ControlServer) -> None:
-    for bad in (b'{"cmd": "\xff"}\n', b'{"cmd": "status", "x": "\xc3"}\n'):
+    for bad, at in ((b'{"cmd": "\xff"}\n', 9), (b'{"cmd": "status", "x": "\xc3"}\n', 24)):
         reply = msgspec.json.decode(raw_exchange(control.path, bad))
-        assert reply == {"ok": False, "error": "bad request: invalid UTF-8 at byte 0"}
+        assert reply == {"ok": False, "error": f"bad request: invalid UTF-8 at byte {at}"}
     assert request(control.path, {"cmd": "status"}) == {"ok": True, "echo": "status"}
 
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from cdcd.consumer import RecordSlice
 from cdcd.lake import _rows, arrow, rows_py
 from cdcd.lake.arrow import pack, table_from_packed
-from cdcd.lake.jsontext import key_json_bytes, to_json_bytes
+from cdcd.lake.jsontext import InvalidValue, key_json_bytes, to_json_bytes
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import CacheVersion, DataEntry, DataRecord, Op
 from tests.support.wal_fuzz import COLUMN_WIDTHS, compare_row_builders
@@ -141,9 +141,9 @@ def test_a_repeated_key_keeps_python_semantics() -> None:
 )
 def test_invalid_utf8_raises_what_the_python_path_raises(bad: bytes) -> None:
     raw = bytes([0xA0 | len(bad)]) + bad
-    with pytest.raises(UnicodeDecodeError):
+    with pytest.raises(InvalidValue, match=r"^invalid UTF-8 in a string value"):
         to_json_bytes(raw)
-    with pytest.raises(UnicodeDecodeError):
+    with pytest.raises(InvalidValue, match=r"^invalid UTF-8 in a string value"):
         native(raw)
     assert native(_enc.encode("é\u2028\U0001f600"), refuse) == to_json_bytes(_enc.encode("é\u2028\U0001f600"))
 

@@ -44,11 +44,25 @@ KEY_MAX_NESTING = 256
 is refused, and the limit is the same on every path (not the interpreter's stack)."""
 
 
+class InvalidValue(ValueError):
+    """A value that is not MessagePack the lake can write as JSON: malformed bytes, or a string that is not
+    UTF-8 (its message then starts with "invalid UTF-8"). Both row builders raise it for such a value, whatever
+    msgspec version decodes it (msgspec's own error for invalid UTF-8 changed type and words between releases)."""
+
+
 def to_json_bytes(raw: Buffer) -> bytes:
     """One MessagePack value as UTF-8 JSON. Map keys JSON cannot hold as they are (tuples,
     bools, ...) become their JSON text; msgspec already writes int, float and bytes keys the way
-    that fallback does, so both paths agree wherever both work."""
-    value = _msgpack.decode(raw)
+    that fallback does, so both paths agree wherever both work. Raises ``InvalidValue`` for bytes that
+    are not such a value."""
+    try:
+        value = _msgpack.decode(raw)
+    except UnicodeDecodeError as exc:
+        raise InvalidValue(f"invalid UTF-8 in a string value ({exc.reason})") from None
+    except msgspec.DecodeError as exc:
+        if "utf-8" in str(exc).lower():
+            raise InvalidValue("invalid UTF-8 in a string value") from None
+        raise InvalidValue(f"malformed MessagePack value ({exc})") from None
     try:
         return _json.encode(value)
     except TypeError:

@@ -1277,7 +1277,7 @@ def gen_lake_rows(ch: Chooser) -> bytes:
 
 
 ROW_ERRORS = (ValueError, TypeError, RecursionError)
-"""What a row builder may raise: its own ValueError, msgspec's DecodeError, UnicodeDecodeError; the fallback's
+"""What a row builder may raise: its own ValueError, the fallback's InvalidValue (a ValueError); the fallback's
 TypeError for an extension value or RecursionError for a value nested past msgspec's limit."""
 
 
