@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,10 +114,12 @@ def record_cut(
     changes_version: int,
     *,
     now: dt.datetime | None = None,
+    drop: Collection[str] = (),
 ) -> Cut:
     """Append the cut a compaction reached: ``tables`` are the versions it committed (or found) per
-    cache; caches it did not name keep the version the latest cut has. A cut older than the latest
-    (a compaction that lost a race) is not recorded: the latest is returned."""
+    cache; caches it did not name keep the version the latest cut has, but for ``drop`` (tables the
+    compaction could not bring to ``changes_version``: no version of theirs belongs to this cut). A cut
+    older than the latest (a compaction that lost a race) is not recorded: the latest is returned."""
     from deltalake import write_deltalake
     from deltalake.exceptions import CommitFailedError
 
@@ -127,6 +129,8 @@ def record_cut(
         return previous
     merged = dict(previous.tables) if previous is not None else {}
     merged.update(tables)
+    for cache in drop:
+        merged.pop(cache, None)
     recorded_at = (now or dt.datetime.now(dt.UTC)).astimezone(dt.UTC)
     cut = Cut(changes_version, recorded_at, dict(sorted(merged.items())), dict(sorted(positions.items())))
     row = pa.Table.from_pylist(
