@@ -18,6 +18,7 @@ from typing import Any
 import lmdb
 import msgspec
 
+from cdcd import failpoints, formats
 from cdcd.faults import ExitCode, Fault
 from cdcd.wal.pointer import WalPointer, WalPosition
 from cdcd.wal.records import CacheInfo
@@ -68,6 +69,8 @@ _state_dec = msgspec.msgpack.Decoder(DaemonState)
 _cache_dec = msgspec.msgpack.Decoder(CacheInfo)
 
 STATE_MAP_SIZE_BYTES = 256 << 20
+FORMAT_KEY = b"format"
+"""The state database's key of the format version (``cdcd.formats.DAEMON_STATE``; absent: 1, as v0.1.0 wrote)."""
 RESET_HINT = "stop the daemon and run `cdcd state reset` (docs/daemon.md: Operator commands)"
 
 # LMDB's two meta pages (lmdb.h/mdb.c, format version 1): page header (16 bytes), then
@@ -148,6 +151,31 @@ class StateStore:
         except (*_DAMAGE, lmdb.IncompatibleError) as exc:
             self.env.close()
             raise self._damaged(exc) from None
+        try:
+            self.format = self._check_format(readonly=readonly)
+        except BaseException:
+            self.env.close()
+            raise
+
+    def _check_format(self, *, readonly: bool) -> int:
+        """The state's format version, refused when newer than this code's; an unmarked state (v0.1.0's, or
+        a new one) is marked in one synced transaction, so a crash leaves it unmarked or marked, never half."""
+        try:
+            with self.env.begin(db=self._state_db) as txn:
+                raw = txn.get(FORMAT_KEY)
+        except _DAMAGE as exc:
+            raise self._damaged(exc) from None
+        try:
+            found = None if raw is None else formats.parse_version(raw)
+        except ValueError as exc:
+            raise self._damaged(exc) from None
+        version = formats.check(formats.DAEMON_STATE, found, str(self.data_file))
+        if raw is None and not readonly:
+            with self.env.begin(write=True, db=self._state_db) as txn:
+                txn.put(FORMAT_KEY, str(formats.DAEMON_STATE.current).encode())
+                failpoints.hit("formats.daemon_state.marking")
+            version = formats.DAEMON_STATE.current
+        return version
 
     def _damaged(self, exc: BaseException) -> StateDamaged:
         what = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -203,6 +231,15 @@ def read_daemon_state(state_dir: Path) -> dict[str, Any] | None:
         store = StateStore(state_dir, readonly=True)
     except (FileNotFoundError, lmdb.Error):
         return None
+    except formats.FormatTooNew as exc:  # the node's status says so rather than failing as a whole
+        return {
+            "mode": None,
+            "cdc_mode": None,
+            "position": None,
+            "position_parts": None,
+            "updated_ns": 0,
+            "error": str(exc),
+        }
     try:
         state = store.load(CdcMode.NODE_ACTIVE)
     finally:

@@ -29,6 +29,9 @@ class ExitCode(IntEnum):
     TARGET_BEHIND = 9
     """The consumer's target lost delivered records (a lake restored from a backup) and the WAL no
     longer has them: the line names both positions and the way on."""
+    FORMAT_TOO_NEW = 10
+    """A state, metadata file or offset record of a newer format than this cdcd knows (``cdcd.formats``):
+    the line names it and both versions; upgrade cdcd (a downgrade cannot read it)."""
 
 
 class Fault:

@@ -254,6 +254,7 @@ def test_lake_consumer(tmp_path: Path, source: Path, keys: dict[str, Any], deliv
     )
     assert got == reference(source, delivered)
     announced = json.loads((lake / "_cdcd_caches.json").read_text())
+    assert announced.pop("format") == 1  # the registry's format version (cdcd/formats.py)
     assert sorted(v["name"] for v in announced.values()) == sorted(delivered)
 
 

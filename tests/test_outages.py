@@ -240,6 +240,7 @@ def test_an_object_store_outage_as_a_cache_first_shows_up_is_ridden_out(tmp_path
 
     loc = LakeLocation(lake, StorageOptions(**storage), env=env)
     registry = json.loads(minio.get_object("lake", "caches/_cdcd_caches.json"))
+    assert registry.pop("format") == 1, registry  # the registry's format version (cdcd/formats.py)
     assert sorted({c["name"] for c in registry.values()}) == ["c", "o"], registry
     rows = DeltaTable(loc.uri("changes"), storage_options=loc.delta_options).to_pyarrow_table().to_pylist()
     landed = Counter((r["wal_segment"], r["wal_offset"], r["wal_index"]) for r in rows if r["op"] != "truncate")

@@ -8,6 +8,7 @@ from pathlib import Path
 import lmdb
 import msgspec
 
+from cdcd import failpoints, formats
 from cdcd.daemon_state import StateDamaged, check_lmdb_file
 from cdcd.wal.pointer import WalPointer, WalPosition
 
@@ -23,6 +24,20 @@ class RealtimeState(msgspec.Struct, frozen=True):
     """The last data record the consumer confirmed (the position alone cannot say: markers move it too)."""
 
 
+FORMAT_KEY = b"format"
+"""The key of the format version (``cdcd.formats.METASTORAGE``; absent: 1, as v0.1.0 wrote)."""
+
+
+def _format_of(txn: lmdb.Transaction, data: Path) -> int:
+    """The metastorage's format version, refused when newer than this code's."""
+    raw = txn.get(FORMAT_KEY)
+    try:
+        found = None if raw is None else formats.parse_version(raw)
+    except ValueError as exc:
+        raise MetastorageUnreadable(f"{data}: {exc}") from None
+    return formats.check(formats.METASTORAGE, found, str(data))
+
+
 class Metastorage:
     """A small LMDB env of its own, so realtime commits never queue behind a checkpoint's write txn."""
 
@@ -33,6 +48,22 @@ class Metastorage:
         self.env = lmdb.open(str(path), map_size=64 << 20, max_dbs=1, mode=0o600)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(RealtimeState)
+        try:
+            self.format = self._mark_format(path / "data.mdb")
+        except BaseException:
+            self.env.close()
+            raise
+
+    def _mark_format(self, data: Path) -> int:
+        """Check the format; an unmarked metastorage (v0.1.0's, or a new one) is marked in one synced
+        transaction: a crash leaves it unmarked or marked, nothing else changed."""
+        with self.env.begin(write=True) as txn:
+            found = _format_of(txn, data)
+            if txn.get(FORMAT_KEY) is None:
+                txn.put(FORMAT_KEY, str(formats.METASTORAGE.current).encode())
+                failpoints.hit("formats.metastorage.marking")
+                found = formats.METASTORAGE.current
+        return found
 
     def get(self) -> RealtimeState | None:
         with self.env.begin() as txn:
@@ -75,6 +106,7 @@ def read_realtime_state(path: Path) -> RealtimeState | None:
         raise MetastorageUnreadable(f"{data}: {exc}") from None
     try:
         with env.begin() as txn:
+            _format_of(txn, data)
             raw = txn.get(Metastorage._KEY)
         return msgspec.msgpack.decode(raw, type=RealtimeState) if raw is not None else RealtimeState()
     except (lmdb.Error, msgspec.DecodeError) as exc:

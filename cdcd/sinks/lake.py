@@ -28,14 +28,14 @@ from cdcd import metrics
 from cdcd.config import check_ranges, convert
 from cdcd.consumer import CacheDrop, CacheInfo, Consumer, EventBatch, RecordSlice, ResumeAt, RetriableError
 from cdcd.delivery import slices_from
-from cdcd.durable import write_atomic
 from cdcd.lake import spark as spark_session
 from cdcd.lake.arrow import build_table, split_slices, truncate_table
 from cdcd.lake.compact import compact
 from cdcd.lake.delta import ChangeTable, LakeWriteError, SourceMark, WrittenFiles
 from cdcd.lake.maintainer import Maintainer, MaintainerOptions
+from cdcd.lake.registry import record_caches
 from cdcd.lake.spark_write import BatchInfo, write_on_executors
-from cdcd.lake.storage import LakeDir, LakeLocation, LakeStorageError, ObjectPath, StorageOptions, check_writable
+from cdcd.lake.storage import LakeDir, LakeLocation, LakeStorageError, StorageOptions, check_writable
 from cdcd.lake.typed_declared import DeclaredSchemaError, DeclaredTable, TableOptions, check_declared
 from cdcd.logging import describe
 from cdcd.secrets import mask_mapping
@@ -286,17 +286,7 @@ class LakeConsumer(Consumer):
             self._record_caches(caches)
 
     def _record_caches(self, caches: Sequence[CacheInfo]) -> None:
-        path = self.lake / "_cdcd_caches.json"
-        known: dict[str, Any] = {}
-        if path.exists():
-            known = json.loads(path.read_bytes())
-        for info in caches:
-            known[str(info.cache_id)] = {"name": info.name, "partitions": info.config.partitions}
-        data = json.dumps(known, sort_keys=True).encode()
-        if isinstance(path, ObjectPath):
-            path.write_bytes(data)  # a PUT replaces the object whole
-        else:
-            write_atomic(path, data)
+        record_caches(self.lake, caches)
 
     def on_cache_drop(self, drops: Sequence[CacheDrop]) -> None:
         """A ``truncate`` row per drop, in a commit of its own that moves the source's mark to the
