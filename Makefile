@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 JARS   := $(VENV)/jars/.fetched-stamp
 CDS    := $(VENV)/spark-driver.jsa
 
-.PHONY: install test test-lake-python test-kafka-cluster test-under-load test-under-load-8 lint bench bench-pg bench-kafka fuzz chaos run run-cluster clean
+.PHONY: install lock test-latest test test-lake-python test-kafka-cluster test-under-load test-under-load-8 lint bench bench-pg bench-kafka fuzz chaos run run-cluster clean
 
 # The venv, Delta's jars, Kafka, Kafka Connect and tmux; last, cdcd's and the tests' bytecode: pip compiles
 # site-packages but not an editable project, and where PYTHONDONTWRITEBYTECODE is set (CI machines) every Python
@@ -17,15 +17,31 @@ install: $(STAMP) $(JARS)
 	@bash scripts/ensure-tmux.sh
 	@$(BIN)/python -m compileall -q cdcd tests
 
-# setup.py and the C source: pip builds cdcd's C module (cdcd/lake/_rows.c) again when they change.
-$(STAMP): pyproject.toml setup.py cdcd/lake/_rows.c
+# Every Python package at the version and hash requirements.lock names (scripts/install-python.sh); PYTHON_DEPS=latest
+# (make test-latest) takes the newest versions pyproject.toml's ranges allow instead. setup.py and the C source: pip
+# builds cdcd's C module (cdcd/lake/_rows.c) again when they change.
+PYTHON_DEPS ?= locked
+$(STAMP): pyproject.toml setup.py cdcd/lake/_rows.c requirements.lock
 	@bash scripts/ensure-java.sh
 	@bash scripts/ensure-cc.sh $(PYTHON)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
-	@bash scripts/ensure-minio.sh
+	@bash scripts/install-python.sh $(VENV) $(PYTHON_DEPS)
+	@VENV=$(VENV) bash scripts/ensure-minio.sh
 	@touch $(STAMP)
+
+# The lock again from pyproject.toml's ranges (and scripts/lock-build.in): the newest versions they allow today, with
+# the hashes of every file PyPI serves for them, for every platform (uv: it resolves and hashes in seconds and writes
+# the requirements format plain pip installs with --require-hashes). Commit it after make test-latest passes.
+lock: $(STAMP)
+	$(BIN)/uv pip compile --quiet --universal --python-version 3.11 --generate-hashes --extra dev --extra readers \
+		--custom-compile-command 'make lock' pyproject.toml scripts/lock-build.in -o requirements.lock
+
+# The suite on the newest versions the ranges allow, in a venv of its own (.venv-latest), so a release that breaks
+# cdcd is found by us, not by a new user; it starts by listing what differs from the lock.
+test-latest:
+	@mkdir -p .venv-latest/bin
+	@cp -p .venv/bin/minio .venv/bin/.minio-* .venv-latest/bin/ 2>/dev/null || true
+	$(MAKE) VENV=.venv-latest PYTHON_DEPS=latest test
 
 # Delta Lake's jars for Spark, from Maven Central once; later runs and tests need no network.
 $(JARS): $(STAMP) scripts/fetch-delta-jars.sh cdcd/lake/spark.py

@@ -5,6 +5,8 @@
 # loads, are left out). Later runs need no network.
 # 2.7 is the newest line whose distribution is published there as a tar.gz (3.x is not).
 set -euo pipefail
+# shellcheck source=scripts/mvn-quiet.sh
+source "$(dirname "${BASH_SOURCE[0]}")/mvn-quiet.sh"
 cd "$(dirname "$0")/.."
 VERSION=2.7.3.Final
 DIR=var/debezium
@@ -23,7 +25,7 @@ fi
 echo "ensure-debezium: resolving io.debezium:debezium-server-dist:$VERSION (tar.gz) into $DIR" >&2
 rm -rf "$DIR.tmp"
 mkdir -p "$DIR.tmp"
-mvn -q -B dependency:copy -Dartifact="io.debezium:debezium-server-dist:$VERSION:tar.gz" \
+mvn_quiet dependency:copy -Dartifact="io.debezium:debezium-server-dist:$VERSION:tar.gz" \
     -DoutputDirectory="$PWD/$DIR.tmp"
 tar -xzf "$DIR.tmp/debezium-server-dist-$VERSION.tar.gz" -C "$DIR.tmp" --exclude='debezium-server/connectors/*'
 rm -f "$DIR.tmp/debezium-server-dist-$VERSION.tar.gz"

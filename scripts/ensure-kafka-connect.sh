@@ -8,6 +8,8 @@
 #     other databases, which the test never loads, are left out.
 # Once; later runs need no network. Run by `make install` and by the test's fixture.
 set -euo pipefail
+# shellcheck source=scripts/mvn-quiet.sh
+source "$(dirname "${BASH_SOURCE[0]}")/mvn-quiet.sh"
 cd "$(dirname "$0")/.."
 JDBC_VERSION=3.6.0.Final
 LIBS=var/kafka/connect-libs
@@ -27,9 +29,9 @@ if ! command -v mvn >/dev/null 2>&1; then
 fi
 echo "ensure-kafka-connect: resolving Kafka Connect into $LIBS, debezium-connector-jdbc $JDBC_VERSION into $PLUGINS" >&2
 rm -rf "$LIBS.tmp" "$PLUGINS.tmp"
-mvn -q -B -f "$POM" dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$PWD/$LIBS.tmp"
+mvn_quiet -f "$POM" dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$PWD/$LIBS.tmp"
 mkdir -p "$PLUGINS.tmp"
-mvn -q -B dependency:copy -Dartifact="io.debezium:debezium-connector-jdbc:$JDBC_VERSION:tar.gz:plugin" \
+mvn_quiet dependency:copy -Dartifact="io.debezium:debezium-connector-jdbc:$JDBC_VERSION:tar.gz:plugin" \
     -DoutputDirectory="$PWD/$PLUGINS.tmp"
 tar -xzf "$PLUGINS.tmp/debezium-connector-jdbc-$JDBC_VERSION-plugin.tar.gz" -C "$PLUGINS.tmp" \
     --exclude='*/ojdbc*.jar' --exclude='*/mssql-jdbc-*.jar' --exclude='*/mysql-connector-*.jar' \

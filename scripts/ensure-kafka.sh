@@ -4,6 +4,8 @@
 # and Spark's Kafka source (scripts/kafka/spark-pom.xml) into var/kafka/spark-jars for the Spark reader test.
 # Later runs need no network. Installs Maven from Debian when it is missing.
 set -euo pipefail
+# shellcheck source=scripts/mvn-quiet.sh
+source "$(dirname "${BASH_SOURCE[0]}")/mvn-quiet.sh"
 cd "$(dirname "$0")/.."
 LIBS=var/kafka/libs
 SPARK_JARS=var/kafka/spark-jars
@@ -23,10 +25,10 @@ if ! command -v mvn >/dev/null 2>&1; then
 fi
 echo "ensure-kafka: resolving the Kafka broker jars into $LIBS" >&2
 rm -rf "$LIBS.tmp"
-mvn -q -B -f "$POM" dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$PWD/$LIBS.tmp"
+mvn_quiet -f "$POM" dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$PWD/$LIBS.tmp"
 # Spark's Kafka source: only its own jars (pyspark has Spark, Scala and Hadoop)
 rm -rf "$SPARK_JARS.tmp"
-mvn -q -B -f "$SPARK_POM" dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$PWD/$SPARK_JARS.tmp" \
+mvn_quiet -f "$SPARK_POM" dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$PWD/$SPARK_JARS.tmp" \
     -DincludeArtifactIds=spark-sql-kafka-0-10_2.13,spark-token-provider-kafka-0-10_2.13,kafka-clients,commons-pool2
 rm -rf "$LIBS" "$SPARK_JARS"
 mv "$LIBS.tmp" "$LIBS"
