@@ -239,7 +239,28 @@ class KafkaSinkOptions(ClientOptions, frozen=True, forbid_unknown_fields=True, k
                 f"{source}: key 'metadata_topic': topic, metadata_topic, offsets_topic and transaction_topic "
                 "must differ"
             )
+        opts._check_folded(source)
         return opts
+
+    def _check_folded(self, source: str) -> None:
+        """Kafka refuses a topic whose name equals an existing one's with ``.`` and ``_`` taken alike:
+        the sink's configured topics (and the one topic's dead letters) must differ so too."""
+        keyed = [("metadata_topic", "metadata_topic", self.metadata_topic_name)]
+        keyed.append(("offsets_topic", "offsets_topic", self.offsets_topic))
+        if self.topic:
+            keyed[:0] = [("topic", "topic", self.topic), ("topic", "the dead letters of topic", f"{self.topic}.dlq")]
+        if self.transaction_metadata:
+            keyed.append(("transaction_topic", "transaction_topic", self.transaction_topic_name))
+        seen: dict[str, tuple[str, str]] = {}
+        for key, what, name in keyed:
+            folded = name.replace(".", "_")
+            if folded in seen:
+                other_what, other = seen[folded]
+                raise ConfigError(
+                    f"{source}: key '{key}': {name} collides with {other_what} {other} (Kafka takes '.' and '_' "
+                    f"alike in topic names): give {key} another name"
+                )
+            seen[folded] = (what, name)
 
 
 def parse_partitions(spec: str, key: str) -> tuple[int, int]:

@@ -12,7 +12,8 @@ worker and the daemon hand over) does the same: it re-takes the id and the posit
 
 A change goes to Kafka partition ``cache partition % topic_partitions`` (Ignite's rule), keyed
 ``{"cache", "key"}`` (one topic) or by the row's key columns (``topic_prefix``: topic
-``<prefix>.<cache>``, created when the cache is first seen); a delete is followed by a tombstone.
+``<prefix>.<cache>``, names as ``topics`` maps them, created when the cache is first seen); a
+delete is followed by a tombstone.
 With ``transaction_metadata`` each node transaction's BEGIN/END records go to the transaction
 topic in the same Kafka transactions as its events (``transactions``). Headers ``cdcd.entry`` (the WAL entry,
 MessagePack) and ``cdcd.cache`` let ``cdcd kafka-to-node`` apply the exact bytes. Cache
@@ -145,10 +146,17 @@ class KafkaSink(Consumer):
             return topic
         opts = self.options
         try:
-            topic = topics.cache_topic(opts, cache)
+            topic, avoided = topics.cache_topic(opts, cache)
         except topics.TopicNameError as exc:
             self._alive = False
             raise KafkaSetupError(f"{self.source}: {exc}") from None
+        if avoided:
+            log.warning(
+                "kafka_topic_escaped",
+                cache=cache,
+                topic=topic,
+                reason=f"{opts.topic_prefix}.{topics.suffix_of(cache)} would fold like the {avoided}",
+            )
         assert self._admin is not None, "start() first"
         topics.ensure_topics(self._admin, {topic: (opts.topic_partitions, {})}, opts, self.source)
         self._topics[cache] = topic
@@ -429,7 +437,7 @@ class KafkaSink(Consumer):
         )
         if not self.dead_letters:
             raise RefusedEvent(ev.position, error)
-        dlq = f"{topic}.dlq"
+        dlq = topics.dlq_topic(topic)
         limit = self.options.max_message_bytes
         if dlq not in self._dlqs:
             assert self._admin is not None, "start() first"

@@ -1,14 +1,28 @@
 """Topic names of the per-cache mode (``topic_prefix``): ``<prefix>.<cache>``, as Debezium names a
-table's topic ``<topic.prefix>.<schema>.<table>``.
+table's topic ``<topic.prefix>.<schema>.<table>``; the dead letters of a topic go to ``<topic>.dlq``.
 
-Kafka allows ``[a-zA-Z0-9._-]`` in topic names, at most 249 characters. A cache name made of those
-characters is its own suffix, unless it holds an underscore followed by two lowercase hex digits
-(``_2f``). Any other name is escaped: every byte of its UTF-8 outside ``[a-zA-Z0-9.-]`` — the
-underscore included — becomes ``_`` and two lowercase hex digits (``"a b"`` → ``a_20b``,
-``"x_1f"`` → ``x_5f1f``). Collision-free: an escaped suffix always holds an underscore and every
-underscore in it starts such an escape, which no unescaped suffix holds, and escaping is
-reversible (``cache_of``). A name whose topic would be longer than 249 characters has no topic:
-the sink fails on it with one line (shorten the prefix or the cache name).
+Kafka allows ``[a-zA-Z0-9._-]`` in topic names, at most 249 characters, and refuses to create a
+topic whose name equals an existing one's once ``.`` and ``_`` are taken as the same character
+(``fold``): ``p.a.b`` and ``p.a_b`` cannot both exist. So a cache's topic suffix holds no ``.``:
+
+- a name of ``[a-zA-Z0-9_-]`` is its own suffix, unless it holds an underscore followed by two
+  lowercase hex digits (``_2f``) or ends in ``_dlq`` (the folded form of a dead-letter topic);
+- any other name is escaped: every byte of its UTF-8 outside ``[a-zA-Z0-9-]`` (``.`` and ``_``
+  included) becomes ``_`` and two lowercase hex digits (``a.b`` -> ``a_2eb``, ``"a b"`` ->
+  ``a_20b``, ``x_1f`` -> ``x_5f1f``, ``x_dlq`` -> ``x_5fdlq``).
+
+No two caches' topics fold alike: suffixes hold no ``.``, an escaped suffix always holds an
+underscore and every underscore in it starts an escape, which no unescaped suffix holds, and
+escaping is reversible (``cache_of``). No cache's topic folds like another cache's dead-letter
+topic either: that would take a suffix ending in ``_dlq``, which is escaped, and an escaped one
+cannot end so (``_dl`` is no escape). The sink's own topics are configured names: a cache whose
+topic or dead-letter topic folds like one of them (a cache ``transaction`` with
+``transaction_metadata`` on) has its first byte escaped as well (``p._74ransaction``), a suffix
+no other cache has (an ordinary escape keeps that byte). The answer depends on the cache name
+and the settings alone, never on which caches exist or came first.
+
+A name whose topic would be longer than 249 characters has no topic: the sink fails on it with
+one line (shorten the prefix or the cache name).
 """
 
 from __future__ import annotations
@@ -16,7 +30,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 from confluent_kafka import KafkaError, KafkaException
@@ -28,20 +42,38 @@ from cdcd.kafka.options import KafkaSinkOptions
 log = structlog.get_logger("cdcd.kafka.sink")
 
 MAX_TOPIC_CHARS = 249
-_PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+")
+DLQ_SUFFIX = ".dlq"
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_-]+")
 _ESCAPE = re.compile(r"_[0-9a-f]{2}")
-_KEPT = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-")
+_KEPT = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-")
 
 
 class TopicNameError(ValueError):
     """A cache without a topic of its own: the one line names the setting to change."""
 
 
+def fold(topic: str) -> str:
+    """A topic name as Kafka compares it with existing ones (``.`` and ``_`` alike)."""
+    return topic.replace(".", "_")
+
+
+def dlq_topic(topic: str) -> str:
+    """The dead-letter topic of a data topic."""
+    return topic + DLQ_SUFFIX
+
+
 def suffix_of(cache: str) -> str:
     """The topic name part of a cache name (see the module docstring)."""
-    if _PLAIN_NAME.fullmatch(cache) and _ESCAPE.search(cache) is None:
+    if _PLAIN_NAME.fullmatch(cache) and _ESCAPE.search(cache) is None and not cache.endswith("_dlq"):
         return cache
-    return "".join(chr(b) if b in _KEPT else f"_{b:02x}" for b in cache.encode())
+    return _escaped(cache)
+
+
+def _escaped(cache: str, *, first: bool = False) -> str:
+    """``cache`` with every byte outside ``[a-zA-Z0-9-]`` escaped; ``first``: its first byte too."""
+    return "".join(
+        chr(b) if b in _KEPT and not (first and i == 0) else f"_{b:02x}" for i, b in enumerate(cache.encode())
+    )
 
 
 def cache_of(suffix: str) -> str:
@@ -61,23 +93,46 @@ def setting_of(topic: str, opts: KafkaSinkOptions) -> str:
     return "topic" if topic == opts.topic else named.get(topic, "topic_prefix")
 
 
-def cache_topic(opts: KafkaSinkOptions, cache: str) -> str:
-    """The topic of ``cache`` with ``topic_prefix``; TopicNameError naming the setting to change
-    when it is too long or is one of the sink's other topics."""
+class CacheTopic(NamedTuple):
+    topic: str
+    avoided: str
+    """The setting whose topic the plain name would have folded like ("" when none)."""
+
+
+def sink_topics(opts: KafkaSinkOptions) -> dict[str, str]:
+    """The sink's own topics besides the data topics, folded, with the setting naming each."""
+    named = {opts.metadata_topic_name: "metadata_topic", opts.offsets_topic: "offsets_topic"}
+    if opts.transaction_metadata:
+        named[opts.transaction_topic_name] = "transaction_topic"
+    return {fold(name): key for name, key in named.items()}
+
+
+def cache_topic(opts: KafkaSinkOptions, cache: str) -> CacheTopic:
+    """The topic of ``cache`` with ``topic_prefix`` (see the module docstring); TopicNameError
+    naming the setting to change when it is too long, or when even its first-byte-escaped form
+    folds like one of the sink's other topics."""
+    others = sink_topics(opts)
+
+    def clash(topic: str) -> str:
+        return others.get(fold(topic)) or others.get(fold(dlq_topic(topic))) or ""
+
     topic = f"{opts.topic_prefix}.{suffix_of(cache)}"
+    avoided = clash(topic)
+    if avoided:
+        renamed = f"{opts.topic_prefix}.{_escaped(cache, first=True)}"
+        if renamed == topic or clash(renamed):
+            key = clash(renamed) or avoided
+            raise TopicNameError(
+                f"key '{key}': cache {cache!r}: its topic {renamed} or its dead letters' {dlq_topic(renamed)} "
+                f"would be the {key} (Kafka takes '.' and '_' alike in topic names): give {key} another name"
+            )
+        topic = renamed
     if len(topic) > MAX_TOPIC_CHARS:
         raise TopicNameError(
             f"key 'topic_prefix': cache {cache!r}: its topic {topic[:60]}... would have {len(topic)} characters, "
             f"Kafka allows {MAX_TOPIC_CHARS} (shorten topic_prefix or the cache name)"
         )
-    others = {opts.metadata_topic_name: "metadata_topic", opts.offsets_topic: "offsets_topic"}
-    if opts.transaction_metadata:
-        others[opts.transaction_topic_name] = "transaction_topic"
-    if topic in others:
-        raise TopicNameError(
-            f"key '{others[topic]}': cache {cache!r} has the topic {topic}: give {others[topic]} another name"
-        )
-    return topic
+    return CacheTopic(topic, avoided)
 
 
 def ensure_topics(
@@ -106,7 +161,13 @@ def ensure_topics(
                 if err is not None and err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
                     continue  # another process made it meanwhile
                 key = setting_of(name, opts)
-                raise KafkaSetupError(f"{source}: key '{key}': cannot create topic {name}: {describe(exc)}") from None
+                why = describe(exc)
+                if "collides with existing topic" in why:
+                    why += (
+                        " (Kafka takes '.' and '_' alike in topic names; cdcd names no two of its topics so: that one "
+                        "is not this sink's, or is a dotted cache's topic from before cdcd 0.2.0: delete it once read)"
+                    )
+                raise KafkaSetupError(f"{source}: key '{key}': cannot create topic {name}: {why}") from None
             log.info("kafka_topic_created", topic=name, partitions=wanted[name][0])
         meta = settled(admin, [t.topic for t in missing], opts, source)
     for name, (parts, _config) in wanted.items():
