@@ -16,7 +16,7 @@ from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import daemon_lock
 from cdcd.daemon.processor import INITIAL_MODE, start_from_node
 from cdcd.daemon.source import ask_node, node_caches
-from cdcd.daemon_state import CdcMode, DaemonState, StateDamaged, StateStore
+from cdcd.daemon_state import DaemonState, StateDamaged, StateStore
 from cdcd.delivery import record_entries
 from cdcd.durable import fsync_dir
 from cdcd.faults import ExitCode, Fault
@@ -197,9 +197,17 @@ class ResetRefused(Fault, ValueError):
     exit_code = ExitCode.BAD_INPUT
 
 
+NO_ANSWER = (
+    "the node neither answers nor has a realtime state: PASSIVE until it writes a Stop record, at its next start, "
+    "as a fresh daemon waits"
+)
+"""Where ``state reset``'s mode came from when nothing could say who delivers."""
+
+
 def plan_reset(config: DaemonConfig, to: WalPosition | None) -> ResetPlan:
     """The state ``state reset`` would write: position ``to`` (checked against the links) or the oldest link;
-    the mode the node says (its realtime worker delivers: PASSIVE), else the old state's, else ACTIVE."""
+    the mode the node says (its realtime worker delivers: PASSIVE), else the old state's, else
+    ``INITIAL_MODE`` (PASSIVE), as a daemon that starts without state and cannot ask its node."""
     old: DaemonState | None = None
     caches: dict[int, CacheInfo] = {}
     damaged = None
@@ -230,7 +238,9 @@ def plan_reset(config: DaemonConfig, to: WalPosition | None) -> ResetPlan:
     elif old is not None:
         mode, mode_from = old.mode, "old state"
     else:
-        mode, mode_from = CdcMode.DAEMON_ACTIVE, "default (the node does not answer and has no metastorage)"
+        # The same rule as a fresh daemon's (``INITIAL_MODE``): ACTIVE here could deliver beside a node
+        # that restores realtime at its next open; PASSIVE waits for the Stop record every open writes.
+        mode, mode_from = INITIAL_MODE, NO_ANSWER
     node_id = read_node_id(config.node_dir)
     new = DaemonState(
         mode,

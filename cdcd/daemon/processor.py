@@ -70,7 +70,9 @@ Item = Batch | CacheChange | MarkerCommit | Switch
 
 
 INITIAL_MODE = CdcMode.NODE_ACTIVE
-"""A fresh daemon that cannot ask the node waits for it to say who delivers (a Stop record)."""
+"""The mode of a daemon without a state and without a node to ask, fresh or after ``state reset``: it
+waits for the node to say who delivers. Every open of a node writes what settles it (a Stop record, or a
+restored realtime worker's markers), while ACTIVE could deliver beside a node restoring realtime."""
 
 
 def start_from_node(
