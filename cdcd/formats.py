@@ -46,10 +46,12 @@ class Format:
 DAEMON_STATE = Format("daemon state", 1, "LMDB `<state_dir>/data.mdb`, key `format` of the `state` database")
 METASTORAGE = Format("node metastorage", 1, "LMDB `<node_dir>/metastorage/data.mdb`, key `format`")
 LAKE_CACHES = Format("lake cache registry", 1, '`<lake>/_cdcd_caches.json`, top-level key `"format"`')
-LAKE_CUTS = Format("lake cuts table", 1, "`<lake>/_cuts`, Delta table property `cdcd.format`")
+LAKE_CUTS = Format("lake cuts table", 1, "`<lake>/_cuts`, metadata `cdcd.format` of its column `changes_version`")
 COMPACT_MARK = Format("lake compaction mark", 1, '`<lake>/state` commits\' `userMetadata`, key `"cdcd_format"`')
 KAFKA_OFFSETS = Format("Kafka offset record", 1, 'each record of the offsets topic, JSON key `"format"`')
-REPLICATION_DROPS = Format("replication drop marks", 1, '`<node_dir>/replication_drops.json`, top-level key `"format"`')
+REPLICATION_DROPS = Format(
+    "replication drop marks", 2, '`<node_dir>/replication_drops.json`: `{"format": 2, "marks": …}` (1: the bare marks)'
+)
 
 FORMATS = (DAEMON_STATE, METASTORAGE, LAKE_CACHES, LAKE_CUTS, COMPACT_MARK, KAFKA_OFFSETS, REPLICATION_DROPS)
 """Every versioned format (docs/design.md lists them in a table)."""

@@ -21,6 +21,8 @@ from typing import Any
 import msgspec
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
+from cdcd import formats
+
 Address = tuple[int, int, int]
 """``(segment, offset, entry_index)`` of the last entry in Kafka (inclusive: that entry is sent)."""
 
@@ -44,6 +46,8 @@ class Stored(msgspec.Struct, frozen=True, omit_defaults=True):
     (a node dir restored from a backup reuses positions Kafka already holds)."""
     commit_ts_ns: int = 0
     """Commit time of the stored entry's node transaction (0: stored before cdcd kept it)."""
+    format: int = 0
+    """The record's format version (``cdcd.formats.KAFKA_OFFSETS``; 0: none, written by v0.1.0: version 1)."""
 
     @property
     def address(self) -> Address:
@@ -54,7 +58,25 @@ class Stored(msgspec.Struct, frozen=True, omit_defaults=True):
         return OpenTransaction(self.tx_events, self.tx_collections) if self.tx_events else None
 
 
+class _Versioned(msgspec.Struct):
+    format: int = 0
+
+
 _decode = msgspec.json.Decoder(Stored).decode
+_decode_format = msgspec.json.Decoder(_Versioned).decode
+
+
+def decode_record(value: bytes, where: str) -> Stored:
+    """A record of the offsets topic, its format version checked first (a newer one may not decode as
+    this code's ``Stored``): FormatTooNew names ``where``."""
+    try:
+        found = _decode_format(value).format
+    except msgspec.DecodeError:
+        found = 0  # not even an object: the full decode below says what is wrong
+    formats.check(formats.KAFKA_OFFSETS, found or None, where)
+    return _decode(value)
+
+
 _encode = msgspec.json.Encoder().encode
 
 
@@ -72,7 +94,7 @@ def stored(
     node: str, address: Address, open_tx: OpenTransaction | None, generation: int = 0, commit_ts_ns: int = 0
 ) -> Stored:
     events, collections = (open_tx.events, open_tx.collections) if open_tx is not None else (0, {})
-    return Stored(*address, node, events, collections, generation, commit_ts_ns)
+    return Stored(*address, node, events, collections, generation, commit_ts_ns, formats.KAFKA_OFFSETS.current)
 
 
 def encode_stored(record: Stored) -> bytes:
@@ -150,7 +172,8 @@ def read_stored(conf: dict[str, Any], topic: str, partitions: int, node: str, ti
                 raise KafkaException(err)
             if msg.key() == key:
                 value = msg.value()
-                found = None if value is None else _decode(value)
+                where = f"offsets topic {topic} partition {part} offset {msg.offset()} (node {node})"
+                found = None if value is None else decode_record(value, where)
             if (msg.offset() or 0) + 1 >= high:
                 return found
     finally:

@@ -17,6 +17,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from cdcd import formats
 from cdcd.lake.deltalog import LOG_DIR
 from cdcd.lake.storage import LakeDir, is_delta, open_delta
 from cdcd.lake.table import STATE
@@ -33,6 +34,18 @@ _STARTS = "cdcd_generation_starts"
 _HISTORY_LIMIT = 200
 """State commits searched, newest first, for the one that recorded the mark (OPTIMIZE and the
 typed-table truncates come in between)."""
+
+
+FORMAT_KEY = "cdcd_format"
+"""The mark's format version in the ``userMetadata`` (``cdcd.formats.COMPACT_MARK``; absent: 1, v0.1.0's)."""
+
+
+def _check_format(raw: object, state: LakeDir) -> None:
+    try:
+        found = None if raw is None else formats.parse_version(raw)
+    except ValueError as exc:
+        raise ValueError(f"{state}: compaction mark, userMetadata {FORMAT_KEY}: {exc}") from None
+    formats.check(formats.COMPACT_MARK, found, f"{state} (its compaction mark)")
 
 
 def compact_app_id(epoch: int) -> str:
@@ -66,7 +79,11 @@ def commit_id(changes: LakeDir, version: int) -> str | None:
 def commit_ids(changes: LakeDir, first: int, last: int, generation_starts: list[str]) -> str:
     """``userMetadata`` of a compaction commit that folded ``first..last`` in, having seen ``generation_starts``."""
     ids = {str(v): commit_id(changes, v) for v in range(max(first, last - IDENTIFIED_VERSIONS + 1), last + 1)}
-    meta = {_KEY: {v: i for v, i in ids.items() if i is not None}, _STARTS: generation_starts}
+    meta = {
+        _KEY: {v: i for v, i in ids.items() if i is not None},
+        _STARTS: generation_starts,
+        FORMAT_KEY: formats.COMPACT_MARK.current,
+    }
     return json.dumps(meta, sort_keys=True)
 
 
@@ -90,6 +107,7 @@ def read_mark(lake: LakeDir) -> CompactMark:
             continue
         ids = meta.get(_KEY) if isinstance(meta, dict) else None
         if isinstance(ids, dict) and ids and max(int(v) for v in ids) == int(version):
+            _check_format(meta.get(FORMAT_KEY), state)
             starts = meta.get(_STARTS)
             seen = frozenset(str(s) for s in starts) if isinstance(starts, list) else None
             return CompactMark(epoch, int(version), {int(v): str(i) for v, i in ids.items()}, seen)

@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import structlog
 
+from cdcd import formats
 from cdcd.lake.storage import LakeDir, as_location_arg, is_delta, open_delta
 from cdcd.lake.table import COMMON_PROPERTIES, SOURCE_APP_PREFIX
 
@@ -41,10 +42,15 @@ log = structlog.get_logger("cdcd.lake")
 
 CUTS = "_cuts"
 
+FORMAT_KEY = "cdcd.format"
+"""The format version of ``_cuts`` (``cdcd.formats.LAKE_CUTS``; absent: 1, as v0.1.0 created it), in the
+metadata of its ``changes_version`` column: set when the table is created, kept by every append (delta-rs
+refuses a table property it does not know, and setting one later would be a commit of its own)."""
+
 CUTS_SCHEMA = pa.schema(
     [
         ("recorded_at", pa.timestamp("us", tz="UTC")),
-        ("changes_version", pa.int64()),
+        pa.field("changes_version", pa.int64(), metadata={FORMAT_KEY: str(formats.LAKE_CUTS.current)}),
         ("tables", pa.map_(pa.string(), pa.int64())),
         ("positions", pa.map_(pa.string(), pa.string())),
     ]
@@ -158,6 +164,16 @@ def record_cut(
     return cut
 
 
+def check_format(table: Any, path: LakeDir) -> int:
+    """The format version of the ``_cuts`` table ``table`` (at ``path``); FormatTooNew for a newer one."""
+    raw = next((f.metadata.get(FORMAT_KEY) for f in table.schema().fields if f.name == "changes_version"), None)
+    try:
+        found = None if raw is None else formats.parse_version(raw)
+    except ValueError as exc:
+        raise ValueError(f"{path}: column changes_version, metadata {FORMAT_KEY}: {exc}") from None
+    return formats.check(formats.LAKE_CUTS, found, str(path))
+
+
 def _keep_small(path: LakeDir) -> None:
     """Bin-pack ``_cuts`` once it holds COMPACT_FILES files (no data change: readers, old versions and
     a concurrent append are unaffected), and delete the replaced files older than RETAIN_HOURS."""
@@ -172,7 +188,9 @@ def _read(lake: LakeDir, where: Any) -> list[Cut]:
     path = lake / CUTS
     if not is_delta(path):
         return []
-    dataset = open_delta(path).to_pyarrow_dataset()
+    delta = open_delta(path)
+    check_format(delta, path)
+    dataset = delta.to_pyarrow_dataset()
     # The files' statistics (min/max per column) let the dataset skip every file the filter excludes.
     table = dataset.to_table(filter=where)
     return [_cut(row) for row in table.to_pylist()]
@@ -196,7 +214,9 @@ def _max_changes_version(lake: LakeDir) -> int | None:
     path = lake / CUTS
     if not is_delta(path):
         return None
-    actions = pa.table(open_delta(path).get_add_actions(flatten=True))
+    delta = open_delta(path)
+    check_format(delta, path)
+    actions = pa.table(delta.get_add_actions(flatten=True))
     if actions.num_rows == 0:
         return None
     column = "max.changes_version"

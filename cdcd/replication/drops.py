@@ -7,6 +7,10 @@ before the drop, so when it arrives later (a resent batch, partitions of a Kafka
 step) it is rejected instead of bringing back a row the origin no longer has. A drop whose version
 is not above the remembered one is the same drop again (a resend): it destroys nothing, the cache
 may already hold the origin's rows written after the drop.
+
+Format (``cdcd.formats.REPLICATION_DROPS``): version 2 is ``{"format": 2, "marks": {cache: {cluster id:
+version}}}``; version 1, v0.1.0's, is the bare ``marks`` object (a cache may be called ``format``, hence
+the wrapper). A version 1 file is rewritten as version 2 when it is loaded (a new file renamed over it).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
+from cdcd import formats
 from cdcd.durable import write_atomic
 from cdcd.wal.records import CacheVersion
 
@@ -25,6 +30,30 @@ FILE_NAME = "replication_drops.json"
 
 _marks_type = dict[str, dict[int, CacheVersion]]
 _decoder = msgspec.json.Decoder(_marks_type)
+
+
+class _File(msgspec.Struct):
+    format: int
+    marks: _marks_type = msgspec.field(default_factory=dict)
+
+
+_file_decoder = msgspec.json.Decoder(_File)
+
+
+def _encode(marks: _marks_type) -> bytes:
+    return msgspec.json.encode(_File(formats.REPLICATION_DROPS.current, marks))
+
+
+def _load(path: Path) -> _marks_type:
+    """The marks in ``path``, a version 1 file rewritten as the current version; FormatTooNew for a newer one."""
+    data = path.read_bytes()
+    top = msgspec.json.decode(data)
+    if isinstance(top, dict) and isinstance(top.get("format"), int) and not isinstance(top["format"], bool):
+        formats.check(formats.REPLICATION_DROPS, top["format"], str(path))
+        return _file_decoder.decode(data).marks
+    marks = _decoder.decode(data)  # version 1: the bare marks
+    write_atomic(path, _encode(marks))
+    return marks
 
 
 class DropMarksError(ValueError):
@@ -44,7 +73,7 @@ class DropMarks:
         self._marks: _marks_type = {}
         if path.exists():
             try:
-                self._marks = _decoder.decode(path.read_bytes())
+                self._marks = _load(path)
             except (msgspec.DecodeError, OSError) as exc:
                 raise DropMarksError(f"{path}: cannot read the replication drop marks: {exc}") from None
 
@@ -71,5 +100,5 @@ class DropMarks:
         """Remember a drop, durably (call with ``lock`` held)."""
         marks = {c: dict(v) for c, v in self._marks.items()}
         marks.setdefault(cache, {})[version.cluster_id] = version
-        write_atomic(self.path, msgspec.json.encode(marks))
+        write_atomic(self.path, _encode(marks))
         self._marks = marks
