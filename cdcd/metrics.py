@@ -297,6 +297,12 @@ LAKE_RESCUED = Counter(
     ["cache"],
     registry=LAKE,
 )
+LAKE_TABLE_FAILURES = Counter(
+    "cdcd_lake_typed_table_failures_total",
+    "Typed tables a compaction skipped (unreadable, or their compaction failed); state and the other tables went on",
+    ["cache"],
+    registry=LAKE,
+)
 LAKE_CONFLICTS = Counter(
     "cdcd_lake_log_conflicts_total", "Commits retried because another writer committed first", registry=LAKE
 )

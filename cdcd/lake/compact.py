@@ -11,7 +11,7 @@ and runs again either finds nothing left to do or redoes exactly the uncommitted
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dc_field
 from typing import Any
@@ -47,7 +47,7 @@ from cdcd.lake.table import (
     STATE_SCHEMA,
 )
 from cdcd.lake.typed_declared import DeclaredTable
-from cdcd.lake.typed_layout import list_tables
+from cdcd.lake.typed_layout import BadTable, list_tables
 from cdcd.lake.typed_tables import compact_tables, missing_tables
 
 log = structlog.get_logger("cdcd.lake")
@@ -104,6 +104,9 @@ class CompactResult:
     """Rows of ``state`` the MERGEs inserted, updated and deleted (Delta's own MERGE metrics). The
     rest of ``keys`` changed nothing: a delete of a key state never had, or a change older than
     state's row."""
+    skipped: list[BadTable] = dc_field(default_factory=list)
+    """Typed tables that could not be opened or compacted: each named in one line, left out of the cut
+    (``state`` and every other table are current); a failed one is rebuilt from ``state`` next time."""
 
     @property
     def upserted(self) -> int:
@@ -303,8 +306,10 @@ def compact(
         session = spark.newSession()
         empty = CHANGE_SCHEMA.empty_table()
         typed = compact_tables(session, lake, empty, done, app_id=app_id, declared=tables)
-        _after_tables_committed(lake, typed.versions, done)
-        return CompactResult(-1, done, 0, _state_version(lake), typed.versions, typed.rescued)
+        _after_tables_committed(lake, typed.versions, done, typed.failed)
+        return CompactResult(
+            -1, done, 0, _state_version(lake), typed.versions, typed.rescued, skipped=_unique(typed.failed)
+        )
     # Its own session: the application-transaction settings are per session, and the lake sink may
     # commit through the process's main session at the same time.
     session = spark.newSession()
@@ -313,6 +318,8 @@ def compact(
     failpoints.hit("lake.compact.state_table")
     keys = rescued = inserted = updated = deleted = 0
     versions: dict[str, int] = {}
+    skipped: list[BadTable] = []
+    failed: list[BadTable] = []
     for first, last in version_ranges(changes, done + 1, end, max_rows_per_merge):
         feed, lost = drop_lost(read_feed(changes, first, last), starts)
         feed, truncated = split_truncates(feed)
@@ -325,7 +332,8 @@ def compact(
         # compaction killed between the two redoes this range (tables already past it are skipped).
         if typed_tables:
             typed = compact_tables(session, lake, winners, last, app_id=app_id, declared=tables, truncated=truncated)
-            versions, rescued = typed.versions, rescued + typed.rescued
+            versions, rescued, failed = typed.versions, rescued + typed.rescued, typed.failed
+            skipped += typed.failed
         failpoints.hit("lake.compact.tables_committed")
         if truncated:
             # Without an application transaction (an earlier range's is still set): Delta would skip
@@ -349,12 +357,19 @@ def compact(
         session.conf.unset(USER_METADATA_CONF)
         failpoints.hit("lake.compact.committed")
         if typed_tables:
-            _after_tables_committed(lake, versions, last)
+            _after_tables_committed(lake, versions, last, failed)
         log.info(
             "lake_compacted", changes_from=first, changes_to=last, keys=winners.num_rows, rescued=rescued, lost=lost
         )
     state_version = _state_version(lake)
-    return CompactResult(done + 1, end, keys, state_version, versions, rescued, inserted, updated, deleted)
+    return CompactResult(
+        done + 1, end, keys, state_version, versions, rescued, inserted, updated, deleted, _unique(skipped)
+    )
+
+
+def _unique(bad: list[BadTable]) -> list[BadTable]:
+    """One per table (a table failing in every range of a backlog: its last error)."""
+    return list({str(b.path): b for b in bad}.values())
 
 
 def _state_caches(lake: LakeDir, typed_tables: bool) -> frozenset[str]:
@@ -369,12 +384,16 @@ def _state_caches(lake: LakeDir, typed_tables: bool) -> frozenset[str]:
     return frozenset(caches)
 
 
-def _after_tables_committed(lake: LakeDir, versions: dict[str, int], changes_version: int) -> None:
+def _after_tables_committed(
+    lake: LakeDir, versions: dict[str, int], changes_version: int, failed: Sequence[BadTable] = ()
+) -> None:
     """Once a range is committed to every typed table and to ``state``: record the cut they make
-    (``versions``: cache -> table version; all reflect ``changes_version``), cdcd/lake/cuts.py."""
+    (``versions``: cache -> table version; all reflect ``changes_version``; ``failed``: tables that do
+    not, left out), cdcd/lake/cuts.py."""
     from cdcd.lake.cuts import record_cut, source_positions
 
-    record_cut(lake, versions, source_positions(lake, changes_version), changes_version)
+    drop = [b.cache for b in failed if b.cache is not None]
+    record_cut(lake, versions, source_positions(lake, changes_version), changes_version, drop=drop)
 
 
 def _cut_if_behind(lake: LakeDir, done: int) -> None:

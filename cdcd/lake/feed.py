@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote
 
 import numpy as np
@@ -84,3 +85,60 @@ def _data_file(table: LakeDir, path: str) -> LakeDir:
     if "://" in path or path.startswith("file:"):
         return Path(unquote(urlparse(path).path))
     return table / unquote(path)
+
+
+def require_live_files(changes: LakeDir, table: Any) -> None:
+    """At the lake sink's start: every data file the changes table's current version names (its last
+    checkpoint's and the commits' since, as delta-rs read them when it opened ``table``) exists with the
+    size the log records. Otherwise ``DamagedLake``: one line naming the first such file, how many more,
+    exit 8, as ``lake compact``/``verify``/``check`` stop. One stat per file (one listing on an object
+    store), no file read."""
+    from cdcd.lake.check import DamagedLake
+
+    adds = pa.table(table.get_add_actions(flatten=True))
+    if not adds.num_rows:
+        return
+    files = [
+        (_data_file(changes, path), int(size))
+        for path, size in zip(adds.column("path").to_pylist(), adds.column("size_bytes").to_pylist(), strict=True)
+    ]
+    found = _sizes(changes, [f for f, _ in files])
+    bad: list[tuple[str, str]] = []
+    for file, size in sorted(files, key=lambda f: str(f[0])):
+        have = found.get(str(file))
+        if have is None:
+            bad.append((str(file), "named by the log but missing"))
+        elif have != size:
+            bad.append((str(file), f"{have:,} bytes where the log records {size:,}"))
+    if bad:
+        more = f" ({len(bad) - 1} more: `cdcd lake check`)" if len(bad) > 1 else ""
+        path, what = bad[0]
+        raise DamagedLake(
+            path,
+            what,
+            f"restore it from a backup; else drop it from the log (delta-rs: DeltaTable('{changes}').repair()) "
+            f"and land its rows again (`cdcd resend`){more}",
+        )
+
+
+def _sizes(changes: LakeDir, files: list[LakeDir]) -> dict[str, int]:
+    """str(file) -> size, of each of ``files`` that exists."""
+    import os
+
+    out: dict[str, int] = {}
+    if isinstance(changes, ObjectPath):
+        from pyarrow import fs as pafs
+
+        infos = changes.fs.get_file_info(pafs.FileSelector(changes.fs_path, recursive=True, allow_not_found=True))
+        by_fs_path = {info.path: int(info.size) for info in infos if info.type == pafs.FileType.File}
+        for file in files:
+            size = by_fs_path.get(file.fs_path) if isinstance(file, ObjectPath) else None
+            if size is not None:
+                out[str(file)] = size
+        return out
+    for file in files:
+        try:
+            out[str(file)] = os.stat(str(file)).st_size
+        except FileNotFoundError:
+            continue
+    return out

@@ -16,6 +16,8 @@ an OPTIMIZE due moments after a neighbour's) is progress, not a conflict: it is 
 next run comes at its normal time. Scheduled delays carry a little jitter, so daemons started
 together drift apart instead of running in step, and an OPTIMIZE that ran longer than its interval
 is followed by the next only after as long again (compaction is never starved by it).
+A typed table that cannot be opened or compacted fails no run: compaction skips it, naming it
+(``lake_maintenance_table_skipped``, ``cdcd_lake_typed_table_failures_total``), and goes on with the rest.
 ``max_consecutive_failures`` real failures in a row stop the thread:
 ``alive()`` turns False and ``check()`` raises ``MaintenanceFailed`` naming the last error, so the
 owner (the sink's ``alive()``/``on_events``) fails loudly instead of a lake whose state silently
@@ -310,6 +312,10 @@ class Maintainer:
                 keys=result.keys,
                 seconds=round(self._clock() - started, 3),
             )
+            for bad in result.skipped:
+                # One bad typed table is no failed run (state and the other tables are current): a problem
+                # line per run while it lasts, and cdcd_lake_typed_table_failures_total, not an exit.
+                log.warning("lake_maintenance_table_skipped", path=str(bad.path), cache=bad.cache, error=bad.error)
         else:
             # A neighbour's OPTIMIZE since then bin-packed the small files this run was due for: a second would
             # rewrite the few added since, or lose to it.

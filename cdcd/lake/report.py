@@ -13,6 +13,7 @@ import click
 from cdcd.lake.compact import CompactResult
 from cdcd.lake.ops import DEFAULT_RETAIN_HOURS, LakeInfo, Vacuumed
 from cdcd.lake.printable import printable
+from cdcd.lake.typed_layout import BadTable
 from cdcd.lake.verify import CacheCheck
 
 
@@ -90,7 +91,8 @@ def byte_size(n: int) -> str:
 def compact_summary(result: CompactResult) -> str:
     """``cdcd lake compact``'s line: state's rows upserted and deleted, from Delta's MERGE metrics."""
     if not result.did_work:
-        return f"nothing new to compact: state reflects changes version {result.to_version}"
+        line = f"nothing new to compact: state reflects changes version {result.to_version}"
+        return "\n".join([line, *(skipped_line(bad) for bad in result.skipped)])
     idle = result.keys - result.upserted - result.deleted
     line = (
         f"state version {result.state_version} (changes versions {result.from_version}..{result.to_version}): "
@@ -99,7 +101,12 @@ def compact_summary(result: CompactResult) -> str:
     )
     if idle:
         line += f", {idle:,} changes without effect (a delete of an absent key, or older than state's row)"
-    return f"{line}; {len(result.tables)} typed tables, {result.rescued:,} fields rescued"
+    line = f"{line}; {len(result.tables)} typed tables, {result.rescued:,} fields rescued"
+    return "\n".join([line, *(skipped_line(bad) for bad in result.skipped)])
+
+
+def skipped_line(bad: BadTable) -> str:
+    return f"skipped: {bad.line()}"
 
 
 def optimize_line(table: str, metrics: dict[str, Any]) -> str:

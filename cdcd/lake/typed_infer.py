@@ -52,8 +52,15 @@ META_COLUMNS: tuple[tuple[str, pa.DataType, str], ...] = (
 ORDER = tuple({source: name for name, _, source in META_COLUMNS}[c] for c in ORDER_COLUMNS)
 """Which change of a key is newer: ``state``'s order (``table.ORDER_COLUMNS``), in the typed tables' names."""
 
-BAD_CHARS = frozenset(" ,;{}()\n\t=")
-"""Characters Parquet/Delta refuse in a column name without column mapping."""
+BAD_CHARS = frozenset(" ,;{}()\n\t=`") | frozenset(map(chr, [*range(0x20), *range(0x7F, 0xA0)]))
+"""Characters a column name never holds: those Parquet/Delta refuse without column mapping, the backtick
+(delta-rs's MERGE names columns in backticks without escaping them) and every control character (C0, DEL,
+C1; NUL among them, which Spark refuses): each is below U+00A0, so two hex digits escape it."""
+
+MAX_NESTING = 16
+"""Lists and structs nested in a typed column at most: a deeper value does not fit (it is rescued). Each
+list level multiplies DuckDB's read time (below a second past this depth, minutes at 30), and a struct's
+levels deepen the Delta schema JSON that delta-rs parses with a recursion limit."""
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_COLUMNS = 1000
@@ -128,9 +135,10 @@ _SCALAR = {bool: pa.bool_(), float: pa.float64(), str: pa.string()}
 _NULL = pa.null()
 
 
-def type_of(v: object) -> pa.DataType | None:
+def type_of(v: object, room: int = MAX_NESTING) -> pa.DataType | None:
     """The Arrow type a JSON value fits, with ``null`` where nothing says (an empty list's items);
-    None: no column type holds it (an int beyond int64, a dict with keys a struct cannot have)."""
+    None: no column type holds it (an int beyond int64, a dict with keys a struct cannot have, lists
+    and dicts nested deeper than ``room``)."""
     t = type(v)
     scalar = _SCALAR.get(t)
     if scalar is not None:
@@ -139,10 +147,12 @@ def type_of(v: object) -> pa.DataType | None:
         return pa.int64() if INT64_MIN <= v <= INT64_MAX else None  # type: ignore[operator]
     if v is None:
         return _NULL
+    if (t is list or t is dict) and room <= 0:
+        return None
     if t is list:
         item: pa.DataType | None = _NULL
         for x in v:  # type: ignore[attr-defined]
-            item = merge(item, type_of(x))
+            item = merge(item, type_of(x, room - 1))
             if item is None:
                 return None
         return pa.list_(item)
@@ -154,7 +164,7 @@ def type_of(v: object) -> pa.DataType | None:
             return None
         fields = []
         for k in keys:
-            ft = type_of(v[k])  # type: ignore[index]
+            ft = type_of(v[k], room - 1)  # type: ignore[index]
             if ft is None:
                 return None
             fields.append(pa.field(k, ft))

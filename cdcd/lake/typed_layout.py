@@ -56,10 +56,38 @@ def _child_dirs(root: LakeDir) -> list[LakeDir]:
     return [p for p in sorted(root.iterdir()) if p.is_dir()]
 
 
-def list_tables(lake: LakeDir) -> dict[str, LakeDir]:
-    """cache name -> its table; ``NotATypedTable`` (one line naming it) for a directory under
-    ``tables/`` that is not a Delta table, or whose ``cdcd.cache`` does not name it."""
+@dataclass(frozen=True)
+class BadTable:
+    """A typed table that cannot be opened (or, from compaction, merged): skipped, named in one line."""
+
+    path: LakeDir
+    cache: str | None
+    """From the table's ``cdcd.cache`` property, read from its log when delta-rs cannot open it (None: unknown)."""
+    error: str
+
+    def line(self) -> str:
+        from cdcd.lake.printable import printable
+
+        name = "?" if self.cache is None else printable(self.cache)
+        return f"{self.path}: typed table of cache {name} skipped: {printable(self.error)}"
+
+
+@dataclass
+class Tables:
+    found: dict[str, LakeDir]
+    """cache name -> its table (every one delta-rs opens)."""
+    unreadable: list[BadTable]
+    """Delta tables delta-rs cannot open (a schema it cannot parse, a damaged log)."""
+
+
+def scan_tables(lake: LakeDir) -> Tables:
+    """Every typed table: those delta-rs opens, and those it cannot (named, not raised: one bad table
+    never stops the others). ``NotATypedTable`` (one line naming it) for a directory under ``tables/``
+    that is not a Delta table, or whose ``cdcd.cache`` does not name it."""
+    from cdcd.logging import describe
+
     found: dict[str, LakeDir] = {}
+    unreadable: list[BadTable] = []
     for path in _child_dirs(lake / TABLES):
         if path.name.startswith("."):
             continue  # an editor's or a copy tool's hidden directory is not a table
@@ -67,14 +95,55 @@ def list_tables(lake: LakeDir) -> dict[str, LakeDir]:
             raise NotATypedTable(
                 f"{path}: not a Delta table (no _delta_log/); compaction stopped: move it out of {lake / TABLES}"
             )
-        cache = open_delta(path).metadata().configuration.get(CACHE_PROPERTY)
+        try:
+            cache = open_delta(path).metadata().configuration.get(CACHE_PROPERTY)
+        except Exception as exc:  # delta-rs cannot open it: reported with its cause, the others go on
+            unreadable.append(BadTable(path, _cache_from_log(path), describe(exc)))
+            continue
         if cache is None or partition_dir_value(cache) != path.name:
             raise NotATypedTable(
                 f"{path}: a Delta table without a {CACHE_PROPERTY} property naming this directory "
                 f"(found {cache!r}); compaction stopped: move it out of {lake / TABLES}"
             )
         found[cache] = path
-    return found
+    return Tables(found, unreadable)
+
+
+def list_tables(lake: LakeDir) -> dict[str, LakeDir]:
+    """cache name -> its table, for every table delta-rs opens (``scan_tables`` names the others);
+    ``NotATypedTable`` as ``scan_tables``."""
+    return scan_tables(lake).found
+
+
+def _cache_from_log(path: LakeDir) -> str | None:
+    """The ``cdcd.cache`` property of a table delta-rs cannot open, from the newest commit with a
+    ``metaData`` action (its configuration is read, its schema is not parsed)."""
+    from cdcd.lake.deltalog import LOG_DIR, read_commit
+
+    log_dir = path / LOG_DIR
+    try:
+        versions = sorted(
+            (int(p.name[:20]) for p in _files(log_dir) if p.name.endswith(".json") and p.name[:20].isdigit()),
+            reverse=True,
+        )
+        for version in versions:
+            for action in read_commit(path, version):
+                meta = action.get("metaData")
+                if isinstance(meta, dict):
+                    cache = (meta.get("configuration") or {}).get(CACHE_PROPERTY)
+                    return cache if isinstance(cache, str) and partition_dir_value(cache) == path.name else None
+    except (OSError, ValueError):
+        return None  # as unreadable as the rest: the path alone names it
+    return None
+
+
+def _files(root: LakeDir) -> list[LakeDir]:
+    if isinstance(root, ObjectPath):
+        from pyarrow import fs as pafs
+
+        infos = root.fs.get_file_info(pafs.FileSelector(root.fs_path, recursive=False, allow_not_found=True))
+        return [root / info.base_name for info in infos if info.type == pafs.FileType.File]
+    return [p for p in root.iterdir() if p.is_file()] if root.is_dir() else []
 
 
 # --- comments -------------------------------------------------------------------------------------------
@@ -89,9 +158,11 @@ def column_comment(field: str | None, since_version: int, *, json_text: bool = F
     return json.dumps(info, ensure_ascii=False)
 
 
-def key_comment(key_json: bool, since_version: int) -> str:
-    """The key column's comment: JSON text or typed, and since which table version (a rebuild)."""
-    return json.dumps({"key": "json" if key_json else "typed", "since_version": since_version, "since": now_iso()})
+def key_comment(key_json: bool, since_version: int, *, unset: bool = False) -> str:
+    """The key column's comment: JSON text or typed (``unset``: no key seen yet, a table emptied by its
+    cache's drop: the next keys' type is inferred afresh), and since which table version (a rebuild)."""
+    kind = "unset" if unset else "json" if key_json else "typed"
+    return json.dumps({"key": kind, "since_version": since_version, "since": now_iso()})
 
 
 def now_iso() -> str:
@@ -150,7 +221,7 @@ def read_layout(path: LakeDir) -> Layout:
     for c in columns:
         if c.name == KEY:
             layout.key_json = c.comment.get("key") == "json"
-            layout.key_type = c.type
+            layout.key_type = None if c.comment.get("key") == "unset" else c.type
         elif c.name in base:
             continue
         elif c.comment.get("value"):
@@ -188,7 +259,8 @@ def quote(name: str) -> str:
 def comments_for(layout: Layout, since_version: int, columns: list[str] | None = None) -> Mapping[str, str]:
     """column -> comment for ``columns`` (default all) of ``layout``."""
     wanted = None if columns is None else set(columns)
-    out: dict[str, str] = {KEY: key_comment(layout.key_json, since_version)}
+    unset = layout.key_type is None and not layout.key_json
+    out: dict[str, str] = {KEY: key_comment(layout.key_json, since_version, unset=unset)}
     for name, (col, _) in layout.columns.items():
         if wanted is not None and col not in wanted:
             continue

@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from cdcd.lake.storage import LakeDir, open_delta
 from cdcd.lake.typed_infer import RESCUED
-from cdcd.lake.typed_layout import list_tables, schema_info, spark_ddl_type
+from cdcd.lake.typed_layout import scan_tables, schema_info, spark_ddl_type
 
 
 @dataclass
@@ -37,12 +37,17 @@ class TableShow:
     key: str
     """``typed`` or ``json`` (JSON text: the cache held keys of more than one type)."""
     columns: list[ColumnShow] = field(default_factory=list)
+    error: str | None = None
+    """Why delta-rs cannot open it (version -1, ``key`` ``unreadable``); None for a table it reads."""
 
 
 def tables_show(lake: LakeDir) -> list[TableShow]:
     """Every typed table of the lake (``NotATypedTable`` for a directory that is not one)."""
     out = []
-    for cache, path in sorted(list_tables(lake).items()):
+    scan = scan_tables(lake)
+    for bad in scan.unreadable:
+        out.append(TableShow(bad.cache or "?", str(bad.path), -1, 0, 0, "unreadable", error=bad.error))
+    for cache, path in sorted(scan.found.items()):
         table = open_delta(path)
         adds = pa.table(table.get_add_actions(flatten=True))
         rows = _sum(adds, "num_records")
@@ -86,6 +91,9 @@ def print_tables(shows: list[TableShow]) -> None:
     for s in shows:
         click.echo(f"{printable(s.cache):<24} {s.version:>8} {s.rows:>12,} {s.rescued_rows:>13,}  {s.key}")
     for s in shows:
+        if s.error is not None:
+            click.echo(f"table {printable(s.cache)} ({s.path}): unreadable, skipped by compaction: {printable(s.error)}")
+            continue
         click.echo(f"table {printable(s.cache)} ({s.path}):")
         for c in s.columns:
             since = "since creation" if c.since_version in (None, 0) else f"since version {c.since_version}"

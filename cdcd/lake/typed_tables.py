@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -35,25 +35,35 @@ from cdcd.lake.typed_infer import KEY, OP, ORDER, Converted, Layout, convert
 from cdcd.lake.typed_layout import (
     CACHE_PROPERTY,
     TABLE_PROPERTIES,
+    BadTable,
     comments_for,
-    list_tables,
+    quote,
     read_layout,
+    scan_tables,
     schema_info,
     table_dir,
 )
+from cdcd.logging import describe
 
 log = structlog.get_logger("cdcd.lake")
 
 TABLE_WORKERS = 2
 """Typed tables merged at the same time."""
 
+STALE_MARK = "_cdcd_stale.json"
+"""In a table's directory (a name Delta's readers and VACUUM leave alone): the table missed a range
+(its compaction failed), so the next compaction rebuilds it from ``state`` before merging."""
+
 
 @dataclass
 class TablesResult:
     versions: dict[str, int]
-    """cache -> table version after this range (every table under ``tables/``)."""
+    """cache -> table version after this range (every table under ``tables/`` but the failed)."""
     rescued: int
     columns_added: int
+    failed: list[BadTable] = field(default_factory=list)
+    """Tables skipped: unreadable, or their compaction failed (each logged in one line); ``state`` and
+    the other tables went on without them."""
 
 
 def compact_tables(
@@ -70,25 +80,37 @@ def compact_tables(
     ``truncated``: caches dropped in the range: their tables are emptied first (``winners`` holds
     only their rows after the drop)."""
     declared = declared or {}
-    tables = list_tables(lake)
+    scan = scan_tables(lake)
+    tables = scan.found
+    failed = list(scan.unreadable)
+    unreadable = {str(bad.path) for bad in scan.unreadable}
+    for bad in scan.unreadable:
+        _failed(bad, "lake_table_unreadable")
     rescued = added = 0
     caches = set(winners.column("cache").unique().to_pylist()) if winners.num_rows else set()
-    missing = sorted(c for c in _state_caches(lake) if c not in tables)
+    missing = sorted(c for c in _state_caches(lake) if c not in tables and str(table_dir(lake, c)) not in unreadable)
     clean = spark.newSession()
     for cache in missing:
         # In state but without a table: the table starts as state's rows of the cache.
         path = table_dir(lake, cache)
-        conv = convert(_state_rows(lake, cache), with_declared(Layout(), declared.get(cache)))
-        _replace(clean, path, cache, conv)
+        try:
+            conv = convert(_state_rows(lake, cache), with_declared(Layout(), declared.get(cache)))
+            _replace(clean, path, cache, conv)
+        except Exception as exc:  # this table alone: named, marked to be rebuilt, the others go on
+            failed.append(_mark_failed(path, cache, exc))
+            continue
         tables[cache] = path
         rescued += conv.rescued
         log.info("lake_table_created_from_state", cache=cache, rows=conv.rows.num_rows)
+    stale = {c for c, path in tables.items() if (path / STALE_MARK).exists()}
     jobs = []
-    for cache in sorted(caches | {c for c in truncated if c in tables}):
+    for cache in sorted(caches | stale | {c for c in truncated if c in tables}):
         path = tables.get(cache) or table_dir(lake, cache)
+        if str(path) in unreadable:
+            continue  # named above; state holds its rows, the table is rebuilt once its directory is deleted
         tables[cache] = path
         rows = winners.filter(pc.equal(winners.column("cache"), cache))
-        jobs.append((cache, path, rows, declared.get(cache), cache in truncated))
+        jobs.append((cache, path, rows, declared.get(cache), cache in truncated, cache in stale))
     # Tables side by side: each MERGE is mostly a few short Spark jobs and commits, so two at a
     # time keep the executors busy while the driver plans and commits the other.
     from pyspark import inheritable_thread_target  # the maintainer's job group (cancel on stop) follows
@@ -97,41 +119,93 @@ def compact_tables(
         futures = [
             pool.submit(inheritable_thread_target(spark)(_one_table), spark, lake, job, app_id, last) for job in jobs
         ]
-        for future in futures:
-            r, a = future.result()
+        for job, future in zip(jobs, futures, strict=True):
+            try:
+                r, a = future.result()
+            except Exception as exc:  # this table alone: named, marked to be rebuilt, the others go on
+                if _cancelled(exc):
+                    raise
+                failed.append(_mark_failed(job[1], job[0], exc))
+                tables.pop(job[0], None)
+                continue
             rescued += r
             added += a
-    versions = {cache: int(open_delta(path).version()) for cache, path in tables.items()}
-    return TablesResult(versions, rescued, added)
+    versions = {}
+    for cache, path in tables.items():
+        try:
+            versions[cache] = int(open_delta(path).version())
+        except Exception as exc:  # committed, but unreadable now: named like the others
+            failed.append(_mark_failed(path, cache, exc))
+    return TablesResult(versions, rescued, added, failed)
+
+
+def _cancelled(exc: BaseException) -> bool:
+    """A Spark job cancelled by the maintainer's stop: the whole compaction ends, no table is to blame."""
+    return "cancel" in describe(exc).lower()
+
+
+def _failed(bad: BadTable, event: str) -> None:
+    metrics.LAKE_TABLE_FAILURES.labels(cache=bad.cache or "").inc()
+    log.error(event, path=str(bad.path), cache=bad.cache, error=bad.error)
+
+
+def _mark_failed(path: LakeDir, cache: str, exc: BaseException) -> BadTable:
+    """A table whose compaction failed: marked stale (before ``state``'s commit moves past the range, so
+    the next compaction rebuilds it from ``state`` even after a crash) and named in one line."""
+    bad = BadTable(path, cache, describe(exc))
+    if is_delta(path):
+        mark = {"cache": cache, "error": bad.error}
+        try:
+            (path / STALE_MARK).write_bytes(json.dumps(mark, ensure_ascii=False).encode())
+        except OSError:
+            raise exc from None  # unmarked, the table would stay behind unseen: the compaction fails instead
+    _failed(bad, "lake_table_failed")
+    return bad
 
 
 def _one_table(
     spark: Any,
     lake: LakeDir,
-    job: tuple[str, LakeDir, pa.Table, DeclaredTable | None, bool],
+    job: tuple[str, LakeDir, pa.Table, DeclaredTable | None, bool, bool],
     app_id: str,
     last: int,
 ) -> tuple[int, int]:
     """Type one cache's winners and merge them into its table: (fields rescued, columns added)."""
-    cache, path, rows, declared, truncate = job
+    cache, path, rows, declared, truncate, stale = job
     # A session of its own: no application transaction set by anyone else applies to its writes.
     spark = spark.newSession()
     existing = is_delta(path)
     if existing and (open_delta(path).transaction_version(app_id) or -1) >= last:
+        if stale:  # rebuilt and merged by a compaction that died before removing the mark
+            (path / STALE_MARK).unlink(missing_ok=True)
         return 0, 0  # committed by a compaction that died before state's MERGE
     if truncate and existing:
-        # The cache was dropped in this range: nothing of the table is newer than the drop (a
-        # compaction that dies here deletes again, the range's transaction not being recorded yet).
-        open_delta(path).delete()
+        # The cache was dropped in this range: a new table, its types inferred afresh from the rows after
+        # the drop (whatever compaction saw of the old cache), its history kept; nothing of the old
+        # table is newer than the drop (a compaction that dies here replaces it again, the range's
+        # transaction not being recorded yet).
+        fresh = _fresh(rows, with_declared(Layout(), declared)).layout
+        _replace(spark, path, cache, _fresh(rows.slice(0, 0), fresh), fresh_columns=True)
         log.info("lake_table_truncated", cache=cache)
+        if stale:
+            (path / STALE_MARK).unlink(missing_ok=True)
         if not rows.num_rows:
             return 0, 0
-    if existing and not set(ORDER) <= {c.name for c in schema_info(open_delta(path))}:
+    elif stale and existing:
+        # It missed a range (its compaction failed): rebuilt from state, which holds this cache's rows as
+        # of the range's start; the mark goes once the range is merged too.
+        layout = with_declared(Layout(), declared)
+        _replace(spark, path, cache, _fresh(_state_rows(lake, cache), layout), fresh_columns=True)
+        log.info("lake_table_rebuilt_from_state", cache=cache)
+    elif existing and not set(ORDER) <= {c.name for c in schema_info(open_delta(path))}:
         # Compacted by a cdcd that ordered changes by ``_version`` alone: rebuilt once from state (this
-        # cache's rows as of the range's start; none after a drop in it) with the order's columns.
-        before = _state_rows(lake, cache)
-        _replace(spark, path, cache, convert(before.slice(0, 0) if truncate else before, read_layout(path)))
+        # cache's rows as of the range's start) with the order's columns.
+        _replace(spark, path, cache, convert(_state_rows(lake, cache), read_layout(path)))
         log.info("lake_table_order_columns_added", cache=cache)
+    if not rows.num_rows:
+        if stale:
+            (path / STALE_MARK).unlink(missing_ok=True)
+        return 0, 0
     stored = read_layout(path) if existing else Layout()
     conv = convert(rows, with_declared(stored, declared))
     had = {c for c, _ in stored.columns.values()}
@@ -145,12 +219,17 @@ def _one_table(
         log.info("lake_table_key_to_json", cache=cache)
     elif not existing:
         _create(spark, path, cache, conv.layout)
+    elif stored.key_type is None and not stored.key_json:
+        # Emptied by a drop in an earlier range, no key seen since: the key column takes these keys' type.
+        _replace(spark, path, cache, _fresh(rows.slice(0, 0), conv.layout), fresh_columns=True)
     elif conv.added:
         _add_columns(path, conv)
     # Before each table's MERGE: armed at its 2nd hit, it holds compaction with one table committed and
     # the next not begun, where a reader without a cut sees one table ahead of the other.
     failpoints.hit("lake.compact.table_merge")
     _merge(path, conv, app_id, last)
+    if stale:
+        (path / STALE_MARK).unlink(missing_ok=True)
     if conv.rescued:
         metrics.LAKE_RESCUED.labels(cache=cache).inc(conv.rescued)
     if conv.added:
@@ -158,10 +237,24 @@ def _one_table(
     return conv.rescued, len(conv.added)
 
 
+def _fresh(rows: pa.Table, layout: Layout) -> Converted:
+    """``rows`` typed into ``layout``; no rows: none, the layout as it is (``convert`` would take an empty
+    batch's keys for keys of no one type and make the key JSON text)."""
+    if rows.num_rows:
+        return convert(rows, layout)
+    empty = pa.schema([pa.field(OP, pa.string()), *layout.schema()]).empty_table()
+    return Converted(empty, layout, [], False, 0)
+
+
 def missing_tables(lake: LakeDir) -> list[str]:
-    """Caches ``state`` holds that have no typed table."""
-    tables = list_tables(lake)
-    return sorted(c for c in _state_caches(lake) if c not in tables)
+    """Caches ``state`` holds that have no typed table, or whose table missed a range (marked stale)."""
+    scan = scan_tables(lake)
+    unreadable = {str(bad.path) for bad in scan.unreadable}
+    stale = [c for c, path in scan.found.items() if (path / STALE_MARK).exists()]
+    return sorted(
+        {c for c in _state_caches(lake) if c not in scan.found and str(table_dir(lake, c)) not in unreadable}
+        | set(stale)
+    )
 
 
 # --- state as a source -----------------------------------------------------------------------------------
@@ -207,9 +300,10 @@ def _create(spark: Any, path: LakeDir, cache: str, layout: Layout) -> None:
     builder.execute()
 
 
-def _replace(spark: Any, path: LakeDir, cache: str, conv: Converted) -> None:
+def _replace(spark: Any, path: LakeDir, cache: str, conv: Converted, *, fresh_columns: bool = False) -> None:
     """``conv``'s live rows as the table's whole content: a new table (created, then appended), or the
-    existing one overwritten with its new schema in one commit (properties and history stay)."""
+    existing one overwritten with its new schema in one commit (properties and history stay).
+    ``fresh_columns``: every column's comment says it appeared now (a new table in the old one's place)."""
     live = conv.rows.filter(pc.not_equal(conv.rows.column(OP), "delete")).drop_columns([OP])
     if not is_delta(path):
         _create(spark, path, cache, conv.layout)
@@ -220,9 +314,11 @@ def _replace(spark: Any, path: LakeDir, cache: str, conv: Converted) -> None:
     table = open_delta(path)
     keep = {c.name: json.dumps(c.comment, ensure_ascii=False) for c in schema_info(table) if c.comment}
     keep.pop(KEY, None)
+    if fresh_columns:
+        keep = {}
     schema = _schema(conv.layout, int(table.version()) + 1, keep)
     frame = spark.createDataFrame(live.cast(conv.layout.schema()))
-    frame = frame.select([frame[f"`{f.name}`"].alias(f.name, metadata=f.metadata) for f in schema.fields])
+    frame = frame.select([frame[quote(f.name)].alias(f.name, metadata=f.metadata) for f in schema.fields])
     frame.write.format("delta").mode("overwrite").option("overwriteSchema", "true").save(spark_path(path))
 
 

@@ -32,6 +32,7 @@ from cdcd.lake import spark as spark_session
 from cdcd.lake.arrow import build_table, split_slices, truncate_table
 from cdcd.lake.compact import compact
 from cdcd.lake.delta import ChangeTable, LakeWriteError, SourceMark, WrittenFiles
+from cdcd.lake.feed import require_live_files
 from cdcd.lake.maintainer import Maintainer, MaintainerOptions
 from cdcd.lake.registry import record_caches
 from cdcd.lake.spark_write import BatchInfo, write_on_executors
@@ -214,6 +215,9 @@ class LakeConsumer(Consumer):
             self.location.check()  # no such bucket, credentials refused, endpoint down: one line
         table = ChangeTable(self.lake, self.options.partition_by_day)
         table.open()
+        # A data file deleted or cut short under the table: stop at once, as lake compact/verify/check do,
+        # rather than land on (and compact later) a lake that no longer holds what it claims.
+        require_live_files(table.path, table.table)
         self._table = table
         opts = self.options
         log.info(
