@@ -92,7 +92,7 @@ def print_tables(shows: list[TableShow]) -> None:
         click.echo(f"{printable(s.cache):<24} {s.version:>8} {s.rows:>12,} {s.rescued_rows:>13,}  {s.key}")
     for s in shows:
         if s.error is not None:
-            click.echo(f"table {printable(s.cache)} ({s.path}): unreadable, skipped by compaction: {printable(s.error)}")
+            click.echo(f"table {printable(s.cache)} ({s.path}): unreadable, skipped: {printable(s.error)}")
             continue
         click.echo(f"table {printable(s.cache)} ({s.path}):")
         for c in s.columns:
