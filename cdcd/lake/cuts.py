@@ -269,7 +269,7 @@ def format_cut(cut: Cut) -> str:
 
 def cut_command(lake: LakeDir, *, as_of: str | None = None, as_json: bool = False) -> tuple[str, int]:
     """``cdcd lake cut --lake L [--latest | --as-of TIME] [--json]``: (text, exit code). Exit 0: the
-    cut, for stdout; 1: no such cut, 2: an unparsable time, each one line for stderr."""
+    cut, for stdout; 1: no such cut, 2: an unparsable time, 10: ``_cuts`` of a newer format, each one line for stderr."""
     try:
         when = parse_time(as_of) if as_of is not None else None
     except ValueError as exc:
@@ -278,6 +278,8 @@ def cut_command(lake: LakeDir, *, as_of: str | None = None, as_json: bool = Fals
         cut = cut_as_of(lake, when) if when is not None else latest_cut(lake)
     except NoCut as exc:
         return str(exc), 1
+    except formats.FormatTooNew as exc:
+        return f"{exc} ({exc.hint})", exc.exit_code
     if cut is None:
         return f"{lake / CUTS}: no cut recorded yet (run cdcd lake compact)", 1
     return (json.dumps(cut.to_json(), ensure_ascii=False) if as_json else format_cut(cut)), 0
