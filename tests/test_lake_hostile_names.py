@@ -1,0 +1,182 @@
+"""One bad field name, value or typed table never stops the lake (issue 47 items 1, 2, 7, 9, 10).
+
+Each trigger the issue found lands in a lake beside a plain cache, and the lake is then compacted again: field
+names with a backtick, a NUL or any other control character become columns (escaped, ``$xx``) through two
+compactions (the second is a MERGE naming every column); values nested deeper than ``MAX_NESTING`` are kept in
+``_rescued`` and a list nested 30 deep reads back in DuckDB at once; a typed table delta-rs cannot open and one
+whose MERGE fails are named in one line and skipped while ``state`` and every other table stay current and exact
+(the failed one rebuilt from ``state`` at the next compaction, the unreadable one once its directory is deleted),
+with no traceback from ``cdcd lake compact``; a cache dropped and created again gets its types afresh whatever
+the compaction timing; a lake sink starting on a ``changes`` table with a deleted data file stops with exit 8.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pyarrow as pa
+import pytest
+
+from cdcd.lake.compact import compact
+from cdcd.lake.table import CHANGE_SCHEMA
+from cdcd.lake.typed_infer import (
+    BAD_CHARS,
+    KEY,
+    MAX_NESTING,
+    META_COLUMNS,
+    RESCUED,
+    Layout,
+    column_name,
+    convert,
+    rebuild,
+    type_of,
+)
+from cdcd.lake.typed_layout import list_tables, read_layout, scan_tables, table_dir
+from tests.support.delta_tables import append_changes, change, state_rows
+
+CONTROLS = [chr(c) for c in [*range(0x20), *range(0x7F, 0xA0)]]
+"""Every control character (C0, DEL, C1), NUL among them."""
+
+
+def nested(depth: int, leaf: object = 1, *, kind: str = "dict") -> object:
+    value = leaf
+    for _ in range(depth):
+        value = {"x": value} if kind == "dict" else [value]
+    return value
+
+
+def canonical(value: object) -> bytes:
+    return msgspec.json.encode(value, order="sorted")
+
+
+def fold(rows: list[dict[str, Any]]) -> dict[tuple[str, str], str]:
+    """(cache, key JSON) -> value JSON of the latest change per key, a ``truncate`` emptying its cache."""
+    out: dict[tuple[str, str], str] = {}
+    for row in sorted(rows, key=lambda r: (r["version_order"], r["wal_offset"])):
+        if row["op"] == "truncate":
+            out = {k: v for k, v in out.items() if k[0] != row["cache"]}
+        elif row["op"] == "delete":
+            out.pop((row["cache"], row["key"]), None)
+        else:
+            out[(row["cache"], row["key"])] = row["value"]
+    return out
+
+
+def typed_rows(path: Path, reader: str, spark: Any) -> list[dict[str, Any]]:
+    if reader == "spark":
+        return [r.asDict(recursive=True) for r in spark.read.format("delta").load(str(path)).collect()]
+    if reader == "polars":
+        import polars as pl
+
+        return pl.read_delta(str(path)).to_dicts()
+    if reader == "duckdb":
+        from cdcd.lake.readers import duckdb_connect
+
+        sql = "SELECT * FROM delta_scan('" + str(path).replace("'", "''") + "')"
+        return duckdb_connect().sql(sql).arrow().read_all().to_pylist()  # type: ignore[no-any-return]
+    from deltalake import DeltaTable
+
+    return DeltaTable(str(path)).to_pyarrow_table().to_pylist()  # type: ignore[no-any-return]
+
+
+def check_exact(lake: Path, expected: dict[tuple[str, str], str], caches: set[str], spark: Any, readers: list[str]) -> None:
+    """``state`` holds exactly ``expected``, and the typed table of each of ``caches``, read by each reader,
+    rebuilds exactly its part of it (one row per key)."""
+    assert state_rows(lake) == expected
+    tables = list_tables(lake)
+    for cache in caches:
+        layout = read_layout(tables[cache])
+        want = {k: canonical(msgspec.json.decode(v)) for (c, k), v in expected.items() if c == cache}
+        for reader in readers:
+            got: dict[str, bytes] = {}
+            for row in typed_rows(tables[cache], reader, spark):
+                key_json = row[KEY] if layout.key_json else msgspec.json.encode(row[KEY]).decode()
+                assert key_json not in got, f"{reader}: two rows for key {key_json} of {cache!r}"
+                got[key_json] = canonical(rebuild(row, layout))
+            assert got == want, (reader, cache)
+
+
+# --- the rules, without Spark ---------------------------------------------------------------------------------
+def test_every_control_character_and_the_backtick_are_escaped_in_column_names() -> None:
+    """A field name with a backtick, NUL or any other control character gets a column name without any (each as
+    ``$`` and two hex digits), unique, and a nested dict with such a key is no struct (it is rescued)."""
+    taken: list[str] = []
+    for c in [*CONTROLS, "`"]:
+        name = column_name(f"a{c}b", taken)
+        assert name == f"a${ord(c):02x}b" and not set(name) & BAD_CHARS, repr(name)
+        taken.append(name)
+    assert len({t.lower() for t in taken}) == len(taken)
+    assert type_of({"a`b": 1}) is None and type_of({"a\x00b": 1}) is None and type_of({"ab": 1}) is not None
+
+
+def test_values_nested_deeper_than_the_cap_are_rescued_exactly() -> None:
+    """Lists and dicts up to ``MAX_NESTING`` deep are typed; one level more has no type, so such a value (up to
+    the node's 256) goes to ``_rescued``, and the row rebuilds the value exactly."""
+    for kind in ("dict", "list"):
+        assert type_of(nested(MAX_NESTING, kind=kind)) is not None
+        assert type_of(nested(MAX_NESTING + 1, kind=kind)) is None
+    values = [{"d": nested(MAX_NESTING)}, {"d": nested(255, kind="list")}, {"d": nested(200)}, nested(256, kind="list")]
+    rows = [change("c", str(i), msgspec.json.encode(v).decode(), i + 1) for i, v in enumerate(values)]
+    columns = ["op", "key", "value", *(src for _, _, src in META_COLUMNS), "cache"]
+    conv = convert(pa.Table.from_pylist(rows, schema=CHANGE_SCHEMA).select(columns), Layout())
+    assert conv.rescued == 3
+    for row, value in zip(conv.rows.to_pylist(), values, strict=True):
+        assert canonical(rebuild(row, conv.layout)) == canonical(value)
+
+
+# --- hostile names and deep values through two compactions ------------------------------------------------------
+@pytest.mark.timeout(1200)
+def test_hostile_field_names_and_deep_values_compact_twice_and_every_reader_reads_them(
+    spark: Any, tmp_path: Path
+) -> None:
+    """Field names with a backtick, NUL and every control character, values nested 100 and 200 deep and a list
+    nested 30 deep, beside a plain cache: both compactions skip no table, ``state`` and every table are exact
+    (the second adds columns and MERGEs by name), every reader reads every table, and the deep list's table
+    reads back in DuckDB in seconds (uncapped: minutes)."""
+    lake = tmp_path / "lake"
+    controls = {f"c{c}x": i for i, c in enumerate(CONTROLS)}
+    first = [
+        change("good", "1", '{"qty": 1}', 1),
+        change("tick", "1", json.dumps({"a`b": 1, "n": 1}), 2),
+        change("nul", "1", json.dumps({"a\x00b": 1}), 3),
+        change("ctl", "1", json.dumps(controls), 4),
+        change("deep", "1", json.dumps({"d": nested(100)}), 5),
+        change("deep", "2", json.dumps({"l": nested(30, kind="list")}), 6),
+        change("deep", "3", json.dumps({"d": nested(MAX_NESTING - 1), "l": nested(MAX_NESTING - 1, kind="list")}), 7),
+    ]
+    second = [
+        change("good", "2", '{"qty": 2}', 10),
+        change("tick", "1", json.dumps({"a`b": 2, "n": 2, "`": "new"}), 11),
+        change("tick", "2", json.dumps({"a`b": 3}), 12),
+        change("nul", "2", json.dumps({"a\x00b": 2, "\x00": 0}), 13),
+        change("ctl", "2", json.dumps({k: v + 1 for k, v in controls.items()}), 14),
+        change("deep", "4", json.dumps({"d": nested(200)}), 15),
+        change("deep", "2", json.dumps({"l": nested(30, kind="list"), "d": nested(2)}), 16),
+    ]
+    caches = {"good", "tick", "nul", "ctl", "deep"}
+    append_changes(lake, first, source_txn=("node-a", 1))
+    r1 = compact(spark, lake)
+    assert r1.skipped == [] and set(r1.tables) == caches
+    check_exact(lake, fold(first), caches, spark, ["delta-rs"])
+    append_changes(lake, second, source_txn=("node-a", 2))
+    r2 = compact(spark, lake)
+    assert r2.skipped == [] and set(r2.tables) == caches
+    check_exact(lake, fold(first + second), caches, spark, ["delta-rs", "polars", "duckdb", "spark"])
+
+    tick = {name: col for name, (col, _) in read_layout(table_dir(lake, "tick")).columns.items()}
+    assert tick == {"a`b": "a$60b", "n": "n", "`": "$60"}
+    deep = read_layout(table_dir(lake, "deep"))
+    assert not deep.key_json and {name for name in deep.columns} == {"d", "l"}  # typed from key 3's values
+    from cdcd.lake.readers import duckdb_connect
+
+    path = str(table_dir(lake, "deep"))
+    started = time.monotonic()
+    rows = duckdb_connect().sql(f"SELECT * FROM delta_scan('{path}')").fetchall()
+    assert len(rows) == 4 and time.monotonic() - started < 20, time.monotonic() - started
