@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
 from cdcd.consumer import EventBatch, RecordSlice
-from cdcd.kafka.errors import KafkaSetupError
 from cdcd.kafka.sink import KafkaSink
 from cdcd.kafka.topics import cache_of, suffix_of
 from cdcd.node import Node
@@ -140,26 +139,6 @@ def test_per_cache_topics_and_transaction_records(kafka_broker: Broker, tmp_path
             orders = sorted(b["data_collection_order"] for cc, b in blocks if cc == c)
             assert orders == list(range(1, len(orders) + 1))
     assert sorted(len(b) for b in by_tx.values()) == [1, 1, 1, 3, 5]
-
-
-def test_a_cache_named_like_the_transaction_topic_is_refused(kafka_broker: Broker, tmp_path: Path) -> None:
-    node_dir = tmp_path / "node"
-    with Node.open(node_dir, wal_force_archive_timeout_ms=0) as node:
-        node.cache("transaction").put(1, 1)
-        node_id = node.node_id
-        node.force_archive()
-    options = {"bootstrap_servers": kafka_broker.bootstrap, "topic_prefix": "tt", "transaction_metadata": True}
-    sink = KafkaSink.from_options(options, "consumer")
-    sink.start(REGISTRY)
-    try:
-        with pytest.raises(
-            KafkaSetupError,
-            match=r"^consumer: key 'transaction_topic': cache 'transaction' has the topic tt\.transaction",
-        ):
-            sink.on_events(_batch(node_dir, str(node_id)))
-        assert not sink.alive()
-    finally:
-        sink.stop()
 
 
 @pytest.mark.parametrize(
