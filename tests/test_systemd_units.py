@@ -125,6 +125,7 @@ def test_units_restart_policy_matches_the_cli_exit_codes() -> None:
         ExitCode.BAD_STATE,
         ExitCode.DAMAGED_LAKE,
         ExitCode.TARGET_BEHIND,
+        ExitCode.FORMAT_TOO_NEW,
     }
     daemon = unit_settings("cdcd@.service")
     assert set(daemon["RestartPreventExitStatus"][0].split()) == {str(int(c)) for c in operator}
@@ -132,7 +133,7 @@ def test_units_restart_policy_matches_the_cli_exit_codes() -> None:
     node = unit_settings("cdcd-node@.service")
     assert node["Type"] == ["notify"] and node["NotifyAccess"] == ["main"]
     assert node["WatchdogSec"] == ["30"] and node["Restart"] == ["on-failure"]
-    node_operator = {ExitCode.BAD_INPUT, ExitCode.BAD_WAL, ExitCode.BAD_STATE}
+    node_operator = {ExitCode.BAD_INPUT, ExitCode.BAD_WAL, ExitCode.BAD_STATE, ExitCode.FORMAT_TOO_NEW}
     assert set(node["RestartPreventExitStatus"][0].split()) == {str(int(c)) for c in node_operator}
 
 
