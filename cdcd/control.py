@@ -15,6 +15,7 @@ import socket
 import socketserver
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -196,3 +197,48 @@ def request(path: Path, message: dict[str, Any], timeout_s: float = 30.0) -> dic
             data += part
     reply: dict[str, Any] = msgspec.json.decode(data)
     return reply
+
+
+class ControlReplyError(OSError):
+    """A reply that is not one JSON line within the size limit (``request_within``)."""
+
+
+def request_within(path: Path, message: dict[str, Any], *, deadline_s: float, max_bytes: int) -> Any:
+    """``request`` for read-only watchers (``cdcd top``): the whole exchange (connect, send, the reply
+    up to its newline) ends within ``deadline_s`` and reads at most ``max_bytes``. A per-recv timeout
+    would not do: a server sending one byte a second resets it forever.
+
+    Returns the decoded JSON, whatever its shape (the caller checks it). Raises TimeoutError past the
+    deadline, ControlReplyError for a reply over ``max_bytes``, cut short or not JSON, other OSErrors
+    as ``socket`` does (FileNotFoundError, ConnectionRefusedError: nobody serves the path)."""
+    deadline = time.monotonic() + deadline_s
+    data = b""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(deadline_s)
+            with _short_path(path) as connect_path:
+                sock.connect(connect_path)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                # A server that refuses us may close before reading all of it: its reply is still there.
+                sock.settimeout(max(1e-3, deadline - time.monotonic()))
+                sock.sendall(msgspec.json.encode(message) + b"\n")
+            while b"\n" not in data:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                sock.settimeout(left)
+                part = sock.recv(min(65536, max_bytes + 1 - len(data)))
+                if not part:
+                    break
+                data += part
+                if len(data) > max_bytes:
+                    raise ControlReplyError(f"reply over {max_bytes} bytes without a newline")
+    except TimeoutError:
+        raise TimeoutError(f"no full reply within {deadline_s:g} s ({len(data)} bytes by then)") from None
+    line, newline, _ = data.partition(b"\n")
+    if not newline:
+        raise ControlReplyError(f"closed after {len(data)} bytes of a reply" if data else "closed without a reply")
+    try:
+        return msgspec.json.decode(line)
+    except msgspec.DecodeError as exc:  # invalid UTF-8 included
+        raise ControlReplyError(f"reply not JSON ({exc})") from None

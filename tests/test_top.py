@@ -183,8 +183,8 @@ def _tree(root: Path) -> dict[str, tuple[int, int]]:
 def test_missing_sources_and_nothing_written(rig: Rig, tmp_path: Path) -> None:
     # Nothing ever ran: no node dir at all.
     never = top_once(rig)
-    assert never["node"] is None and "no control socket" in never["sources"]["control_socket"]
-    assert never["daemon"]["fresh"] is True and never["daemon"]["pid"] is None
+    assert never["node"] is None and "does not exist" in never["sources"]["control_socket"]
+    assert never["daemon"] is None and "does not exist" in never["sources"]["daemon_state"]
     assert never["rates"] == dict.fromkeys(never["rates"], None)
     assert not rig.node_dir.exists()  # top created nothing
 

@@ -24,10 +24,21 @@ from typing import Any
 import msgspec
 from rich.console import Console
 from rich.live import Live
+from rich.text import Text
 
 from cdcd.config import ConfigError
 from cdcd.daemon.config import DaemonConfig, load_daemon_config
-from cdcd.top.snapshot import Rates, Snapshot, collect, daemon_lag_segments, rates
+from cdcd.top.snapshot import (
+    GRACE_S,
+    ONCE_READING_S,
+    SOURCE_DEADLINE_S,
+    Rates,
+    Snapshot,
+    collect,
+    daemon_lag_segments,
+    one_line,
+    rates,
+)
 from cdcd.top.view import render, render_once
 
 __all__ = ["DeliverySince", "snapshot_dict", "top_command"]
@@ -51,6 +62,7 @@ def snapshot_dict(snap: Snapshot, r: Rates | None, node_dir: Path) -> dict[str, 
         "lake": msgspec.to_builtins(snap.lake) if snap.lake is not None else None,
         "consumer": snap.consumer,
         "problems": snap.problems,
+        "source_problems": list(snap.source_problems),
     }
 
 
@@ -115,8 +127,12 @@ def _live(node_dir: Path, config: DaemonConfig, node_metrics: str, interval_ms: 
             while True:
                 snap = collect(node_dir, config, node_metrics)
                 r = rates(previous, snap) if previous is not None else None
-                view = render(snap, r, node_dir=str(node_dir), since=since.see(snap), interval_ms=interval_ms)
-                live.update(view, refresh=True)
+                try:
+                    view = render(snap, r, node_dir=str(node_dir), since=since.see(snap), interval_ms=interval_ms)
+                    live.update(view, refresh=True)
+                except Exception as exc:  # a figure the view cannot draw: said on the screen, and top keeps watching
+                    line = one_line(f"cdcd top: cannot draw this refresh: {type(exc).__name__}: {exc}")
+                    live.update(Text(line, style="bold red"), refresh=True)
                 previous = snap
                 # On a fixed grid: a draw that ran late (a busy machine) does not push the next one
                 # back by its delay; one a whole interval late is drawn at once and the grid restarts.
@@ -127,6 +143,20 @@ def _live(node_dir: Path, config: DaemonConfig, node_metrics: str, interval_ms: 
         return 0
     finally:
         signal.signal(signal.SIGTERM, old_handler)
+
+
+def read_twice(node_dir: Path, config: DaemonConfig, node_metrics: str, interval_ms: int) -> tuple[Snapshot, Snapshot]:
+    """Two snapshots ``interval_ms`` apart (from start to start: the rates need both), reading for
+    ``ONCE_READING_S`` at most in all: a source that ran out of time in the first read is not asked
+    again, and the second read gets what time is left."""
+    started = time.monotonic()
+    first = collect(node_dir, config, node_metrics)
+    reading = time.monotonic() - started
+    time.sleep(max(0.0, started + interval_ms / 1000 - time.monotonic()))
+    # A source never gets less than this: one that answers in time on a busy machine is still read.
+    deadline_s = max(0.5, min(SOURCE_DEADLINE_S, ONCE_READING_S - GRACE_S - reading))
+    skip = {name: first.sources[name] for name in first.slow}
+    return first, collect(node_dir, config, node_metrics, deadline_s=deadline_s, skip=skip)
 
 
 def _error(message: str) -> int:
@@ -161,10 +191,7 @@ def top_command(
     node_dir = node_dir if node_dir is not None else Path(config.node_dir)
     if not once:
         return _live(node_dir, config, node_metrics, interval_ms)
-    # Two snapshots an interval apart: the rates need both.
-    first = collect(node_dir, config, node_metrics)
-    time.sleep(interval_ms / 1000)
-    snap = collect(node_dir, config, node_metrics)
+    first, snap = read_twice(node_dir, config, node_metrics, interval_ms)
     r = rates(first, snap)
     if as_json:
         sys.stdout.write(msgspec.json.encode(snapshot_dict(snap, r, node_dir)).decode() + "\n")

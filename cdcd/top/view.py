@@ -11,7 +11,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from cdcd.top.snapshot import LakeFigures, Rates, Snapshot, daemon_lag_segments
+from cdcd.top.snapshot import LakeFigures, Rates, Snapshot, daemon_lag_segments, one_line
 
 MAX_METRIC_ROWS = 12
 """Consumer and problem rows shown at most (the JSON has them all)."""
@@ -41,7 +41,16 @@ LAKE_SHOWN = (
 def _clock(unix_s: float | None) -> str:
     if unix_s is None:
         return "-"
-    return datetime.fromtimestamp(unix_s, UTC).strftime("%H:%M:%S")
+    try:
+        return datetime.fromtimestamp(unix_s, UTC).strftime("%H:%M:%S")
+    except (OverflowError, ValueError, OSError):  # NaN, or a year datetime has no room for
+        return f"{unix_s:.6g} (not a time)"
+
+
+def _plain(text: str) -> Text:
+    """A string a source gave, as text shown as it is: never rich markup (``[/]`` would raise), never a
+    terminal escape."""
+    return Text(one_line(text))
 
 
 def _num(value: float | None, unit: str = "", digits: int = 0) -> str:
@@ -90,37 +99,37 @@ def _writes(writes: str) -> Text:
 def _node_panel(snap: Snapshot, rates: Rates | None, since: str) -> Panel:
     n = snap.node
     if n is None:
-        return Panel(Text(snap.sources["control_socket"], style="red"), title="Node: not answering")
+        return Panel(Text(snap.sources.get("control_socket", "-"), style="red"), title="Node: not answering")
     t = _kv_table(len("realtime buffer"))
-    t.add_row("writes", _writes(n.writes))
-    t.add_row("WAL position", n.wal_position)
+    t.add_row("writes", _writes(one_line(n.writes)))
+    t.add_row("WAL position", _plain(n.wal_position))
     t.add_row(
         "WAL rate",
         f"{_bytes(rates.wal_bytes_per_s if rates else None, per_s=True)}  "
         f"{_num(rates.node_entries_per_s if rates else None, ' entries/s')}  "
         f"{_num(rates.wal_segments_per_s if rates else None, ' seg/s', 2)}",
     )
-    t.add_row("cdc", n.cdc)
-    t.add_row("delivering", Text(f"{n.delivering} (since {since})", style="bold cyan"))
-    t.add_row("realtime", n.realtime_mode)
+    t.add_row("cdc", _plain(n.cdc))
+    t.add_row("delivering", Text(one_line(f"{n.delivering} (since {since})"), style="bold cyan"))
+    t.add_row("realtime", _plain(n.realtime_mode))
     used, limit = n.buffer_used_bytes, n.buffer_max_bytes
     pct = f" ({100 * used / limit:.0f}%)" if used is not None and limit else ""
     t.add_row("realtime buffer", f"{_bytes(used)} of {_bytes(limit)}{pct}, max {_bytes(n.buffer_max_used_bytes)}")
     stops = ", ".join(f"{k}: {v}" for k, v in sorted(n.realtime_stops.items())) or "none"
-    t.add_row("realtime stops", stops)
+    t.add_row("realtime stops", _plain(stops))
     if n.delivering == "node":
         t.add_row("realtime lag", f"{_num(n.lag_segments, ' seg')}  {_num(n.lag_ms, ' ms')}")
-    return Panel(t, title=f"Node {n.node_id}")
+    return Panel(t, title=_plain(f"Node {n.node_id}"))
 
 
 def _daemon_panel(snap: Snapshot, rates: Rates | None) -> Panel:
     d = snap.daemon
     if d is None:
-        return Panel(Text(snap.sources["daemon_state"], style="red"), title="Daemon: state unreadable")
+        return Panel(Text(snap.sources.get("daemon_state", "-"), style="red"), title="Daemon: state unreadable")
     t = _kv_table(len("position"))
     t.add_row("process", Text(f"pid {d.pid}", style="green") if d.pid else Text("not running", style="yellow"))
-    t.add_row("mode", d.mode + (" (never committed)" if d.fresh else ""))
-    t.add_row("position", d.position or "- (starts at the oldest link)")
+    t.add_row("mode", _plain(d.mode + (" (never committed)" if d.fresh else "")))
+    t.add_row("position", _plain(d.position or "- (starts at the oldest link)"))
     t.add_row("lag", f"{_num(daemon_lag_segments(snap), ' seg')}  {_num(d.lag_seconds, ' s', 2)}")
     t.add_row(
         "rate",
@@ -129,8 +138,8 @@ def _daemon_panel(snap: Snapshot, rates: Rates | None) -> Panel:
     )
     links = f"{d.backlog_segments} seg" + (f" ({d.first_link}..{d.last_link})" if d.backlog_segments else "")
     t.add_row("backlog", links)
-    t.add_row("commits", f"{d.commits:,} (last {d.updated or '-'})")
-    t.add_row("consumer", d.consumer_kind or "- (no --config)")
+    t.add_row("commits", _plain(f"{d.commits:,} (last {d.updated or '-'})"))
+    t.add_row("consumer", _plain(d.consumer_kind or "- (no --config)"))
     return Panel(t, title="Daemon")
 
 
@@ -178,10 +187,19 @@ def _metrics_panel(title: str, samples: dict[str, float], empty: str, lead: Sequ
     for label, text in lead:
         t.add_row(Text(label, style="bold"), text)
     for name, value in shown:
-        t.add_row(name, _value(name, value), style="red" if title == "Problems" and value else None)
+        t.add_row(_plain(name), _value(name, value), style="red" if title == "Problems" and value else None)
     if len(rows) > MAX_METRIC_ROWS:
         t.add_row(f"... {len(rows) - MAX_METRIC_ROWS} more (--once --json shows all)", "")
     return Panel(t, title=title)
+
+
+def _problems_panel(snap: Snapshot) -> Panel:
+    """A source's bad answer (one line each, first), then the retry, stall and dead-letter samples."""
+    metrics = _metrics_panel("Problems", snap.problems, "no retries, stalls or dead letters reported")
+    if not snap.source_problems:
+        return metrics
+    lines = [Text(one_line(line), style="bold red", no_wrap=True, overflow="ellipsis") for line in snap.source_problems]
+    return Panel(Group(*lines, metrics.renderable) if snap.problems else Group(*lines), title="Problems")
 
 
 def _header(snap: Snapshot, node_dir: str, interval_ms: int, title: str, keys: str) -> Text:
@@ -235,7 +253,7 @@ def _panels(
         _node_panel(snap, rates, since),
         _daemon_panel(snap, rates),
         _consumer_panel(snap),
-        _metrics_panel("Problems", snap.problems, "no retries, stalls or dead letters reported"),
+        _problems_panel(snap),
     )
 
 
@@ -273,16 +291,16 @@ def figures(snap: Snapshot, rates: Rates | None) -> dict[str, str]:
     if n is None:
         out["WAL"] = "node not answering"
     else:
-        out["WAL"] = n.wal_position
+        out["WAL"] = one_line(n.wal_position)
         out["WAL rate"] = (
             f"{_bytes(rates.wal_bytes_per_s if rates else None, per_s=True)} "
             f"{_num(rates.node_entries_per_s if rates else None, ' entries/s')}"
         )
-        out["delivering"] = n.delivering + ("" if n.cdc == "on" else f" (cdc {n.cdc})")
+        out["delivering"] = one_line(n.delivering + ("" if n.cdc == "on" else f" (cdc {n.cdc})"))
     if d is None:
         out["daemon"] = "state unreadable"
     else:
-        out["daemon"] = d.position or "-"
+        out["daemon"] = one_line(d.position or "-")
         out["lag"] = f"{_num(daemon_lag_segments(snap), ' seg')} {_num(d.lag_seconds, ' s', 1)}"
         out["rate"] = _num(rates.daemon_events_per_s if rates else None, " events/s")
         out["backlog"] = f"{d.backlog_segments} seg"
@@ -298,6 +316,9 @@ def figures(snap: Snapshot, rates: Rates | None) -> dict[str, str]:
         out["kafka txns"] = _num(c["cdcd_kafka_transactions_total"])
         out["sent"] = _num(sum(v for k, v in c.items() if k.startswith("cdcd_kafka_sent_events_total")))
     out["problems"] = _problems_text(snap.problems)
+    if snap.source_problems:
+        bad = ", ".join(line.partition(":")[0] for line in snap.source_problems)
+        out["problems"] = f"bad answers from {bad}" + ("" if out["problems"] == "none" else f"; {out['problems']}")
     return out
 
 
