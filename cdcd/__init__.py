@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from typing import TYPE_CHECKING
 
 from cdcd import wiring
@@ -37,3 +35,12 @@ def _wire() -> None:
 
 
 _wire()
+
+
+def __getattr__(name: str) -> str:
+    # ``cdcd.__version__`` on demand: finding it reads package metadata, which ``import cdcd`` should not pay for.
+    if name == "__version__":
+        from cdcd.version import version
+
+        return version()
+    raise AttributeError(f"module 'cdcd' has no attribute {name!r}")

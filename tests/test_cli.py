@@ -121,7 +121,7 @@ def test_node_run_bad_config_and_second_instance(tmp_path: Path) -> None:
     cfg.write_text(f'node_dir = "{tmp_path / "n"}"\nwal_mod = "fsync"\n')
     res = run("node", "run", "--config", str(cfg))
     assert res.returncode == 2
-    assert res.stderr.strip() == f"cdcd: error: {cfg}: unknown key 'wal_mod'"
+    assert res.stderr.strip() == f"cdcd: error: {cfg}: unknown key 'wal_mod' (did you mean 'wal_mode'?)"
     cfg.write_text(f'node_dir = "{tmp_path / "n"}"\n')
     with Node.open(tmp_path / "n"):
         res = run("node", "run", "--config", str(cfg))

@@ -328,7 +328,7 @@ def test_storage_config_is_read_by_the_daemon_config_loader(tmp_path: Path) -> N
     )
     res = cdcd("lake", "show", "--lake", "s3://bucket/lake", "--storage-config", str(bad))
     assert res.returncode == 2 and res.stderr.splitlines() == [
-        f"cdcd: error: {bad}: consumer.storage: unknown key 'endpont'"
+        f"cdcd: error: {bad}: consumer.storage: unknown key 'endpont' (did you mean 'endpoint'?)"
     ]
 
 

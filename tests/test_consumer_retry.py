@@ -138,16 +138,17 @@ def test_past_retry_timeout_the_daemon_exits_4_naming_the_cause(tmp_path: Path) 
     assert delivered(log) == []
 
 
-def test_old_max_retry_s_is_refused_with_the_new_name(tmp_path: Path) -> None:
+def test_old_max_retry_s_is_refused_under_strict_config_with_the_new_name(tmp_path: Path) -> None:
+    """(Without --strict-config it is read as retry_timeout_s until 0.3.0: tests/test_versions_and_config.py.)"""
     node_dir = tmp_path / "node"
     make_node(node_dir, segments=1, tx_per_segment=1)
     config = write_daemon_config(tmp_path / "cdcd.toml", node_dir, {"kind": "null", "max_retry_s": 60})
-    res = cdcd("run", "--config", str(config))
+    res = cdcd("--strict-config", "run", "--config", str(config))
     assert res.returncode == 2
-    assert res.stderr.strip().splitlines()[-1] == (
-        f"cdcd: error: {config}: consumer: key 'max_retry_s' is now 'retry_timeout_s' (one option for every consumer "
-        "kind)"
-    )
+    assert res.stderr.strip().splitlines() == [
+        f"cdcd: error: {config}: consumer: key 'max_retry_s' is now 'retry_timeout_s' (the old spelling is deprecated "
+        "in 0.2.0, refused from 0.3.0; --strict-config refuses it)"
+    ]
     bad = write_daemon_config(tmp_path / "bad.toml", node_dir, {"kind": "null", "retry_timeout_s": -1})
     res = cdcd("run", "--config", str(bad))
     assert res.returncode == 2 and "key 'retry_timeout_s': -1: must be a finite number of seconds >= 0" in res.stderr

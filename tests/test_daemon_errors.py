@@ -344,12 +344,16 @@ def test_second_daemon_exits_1_naming_the_first_ones_pid(tmp_path: Path) -> None
 @pytest.mark.parametrize(
     ("settings", "consumer", "message"),
     [
-        ({"batch_max_event": 5}, None, "unknown key 'batch_max_event'"),
+        ({"batch_max_event": 5}, None, "unknown key 'batch_max_event' (did you mean 'batch_max_events'?)"),
         ({"batch_max_events": "many"}, None, "key 'batch_max_events': Expected `int`, got `str`"),
         ({"check_interval_ms": 1}, None, "key 'check_interval_ms': out of range: 1"),
         ({"metrics_address": "9469"}, None, "key 'metrics_address': expected host:port, got '9469'"),
         ({}, {"path": "x.jsonl"}, "missing key 'consumer.kind'"),
-        ({}, {"kind": "jsonl", "path": "x.jsonl", "fsynk": True}, "consumer: unknown key 'fsynk'"),
+        (
+            {},
+            {"kind": "jsonl", "path": "x.jsonl", "fsynk": True},
+            "consumer: unknown key 'fsynk' (did you mean 'fsync'?)",
+        ),
         (
             {},
             {"kind": "pulsar"},

@@ -11,7 +11,7 @@ import cdcd
 ROOT = Path(cdcd.__file__).parent
 
 LAYERS: list[set[str]] = [
-    {"cdcd.durable", "cdcd.secrets", "cdcd.failpoints", "cdcd.wiring", "cdcd.faults", "cdcd.retry"},
+    {"cdcd.durable", "cdcd.secrets", "cdcd.failpoints", "cdcd.wiring", "cdcd.faults", "cdcd.retry", "cdcd.version"},
     {"cdcd.wal", "cdcd.logging", "cdcd.config", "cdcd.lock"},
     {"cdcd.metrics", "cdcd.control", "cdcd.consumer", "cdcd.daemon_state"},
     {"cdcd.delivery", "cdcd.dead_letters"},

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-from cdcd.config import ConfigError, split_host_port
+from cdcd.config import ConfigError, deprecations_loggable, split_host_port
 from cdcd.logging import configure as configure_logging
 
 LogFormat = Literal["json", "console"]
@@ -20,6 +20,7 @@ def log_to_stderr(fmt: str | None = None, level: str = "info") -> None:
     """Log lines on stderr: ``fmt`` when given, else console on a terminal and JSON lines otherwise."""
     chosen: LogFormat = "console" if fmt == "console" or (fmt is None and sys.stderr.isatty()) else "json"
     configure_logging(chosen, level=level)
+    deprecations_loggable()  # a config read before this told its deprecated spellings on stderr only
 
 
 def on_stop_signals(stop: Callable[[signal.Signals], None]) -> None:

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-import difflib
 import os
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from cdcd.config import CacheFilter, ConfigError, check_address, check_ranges, convert, load_toml, read_toml
+from cdcd.config import (
+    CacheFilter,
+    ConfigError,
+    check_address,
+    check_ranges,
+    close_key,
+    convert,
+    load_toml,
+    read_toml,
+)
 from cdcd.node.config import NodeConfig
 
 MiB = 1 << 20
@@ -19,6 +27,9 @@ ENV_PREFIX = "CDCD_"
 
 
 class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    consumer_tables: ClassVar[tuple[str, ...]] = ("consumer",)
+    """Read with their deprecated spellings upgraded (``cdcd.config.upgrade_table``)."""
+
     node_dir: str
     """The node whose CDC directory is followed."""
     node_config: str = ""
@@ -107,6 +118,7 @@ NON_CONFIG_ENV: dict[str, str] = {
     "CDCD_BENCH_DIR": "benchmarks' scratch dir",
     "CDCD_FUZZ_SCRATCH": "the fuzzer's scratch dir",
     "CDCD_KAFKA_CLUSTER": "run the three-broker Kafka test",
+    "CDCD_STRICT_CONFIG": "refuse deprecated config spellings, as cdcd --strict-config",
 }
 """``CDCD_*`` variables that are not config keys: accepted, never read as config (docs/daemon.md)."""
 
@@ -127,11 +139,9 @@ def env_overrides(
             continue
         parts = name[len(ENV_PREFIX) :].lower().split("__")
         if parts[0] not in known:
-            close = difflib.get_close_matches(parts[0], known, n=1, cutoff=0.85)
+            close = close_key(parts[0], known)
             if close:
-                raise ConfigError(
-                    f"environment: {name} does not name a config key; did you mean CDCD_{close[0].upper()}?"
-                )
+                raise ConfigError(f"environment: {name} does not name a config key; did you mean CDCD_{close.upper()}?")
             if ignored is not None:
                 ignored.append(name)
             continue

@@ -41,6 +41,7 @@ from cdcd.daemon_state import CdcMode, DaemonState, StateStore
 from cdcd.lock import DirLock
 from cdcd.logging import describe
 from cdcd.node.identity import read_node_id
+from cdcd.version import version_and_commit
 from cdcd.wal.errors import WalError
 from cdcd.wal.records import CacheInfo, DataRecord
 
@@ -167,6 +168,7 @@ class Daemon:
                 cdc_mode=state.mode.name,
                 position=str(state.position) if state.position else None,
                 consumer=type(self.consumer).__name__,
+                version=version_and_commit(),
             )
         except BaseException:
             self._shutdown()

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from cdcd.config import CacheFilter, ConfigError, check_ranges, convert
+from cdcd.config import CacheFilter, ConfigError, check_ranges, convert, upgrade_table
 from cdcd.replication.target import TargetOptions
 from cdcd.secrets import mask_mapping
 
@@ -328,14 +328,18 @@ class KafkaToNodeOptions(ClientOptions, frozen=True, forbid_unknown_fields=True,
 
     @classmethod
     def load(cls, options: Mapping[str, Any], source: str) -> KafkaToNodeOptions:
-        if "max_retry_s" in options:
-            raise ConfigError(f"{source}: key 'max_retry_s' is now 'retry_timeout_s' (as for every consumer kind)")
+        options = upgrade_table(options, "kafka-to-node", source)  # deprecated spellings (cdcd.config.DEPRECATED)
         if "replication" in options:
             keys = "target, token_file and tls* are top-level keys"
             raise ConfigError(f"{source}: key 'replication': not a key ({keys})")
         CacheFilter.from_table(options, source)
         target, rest = TargetOptions.split(options, source)
-        opts = convert({**rest, "replication": msgspec.structs.asdict(target)}, cls, source)
+        opts = convert(
+            {**rest, "replication": msgspec.structs.asdict(target)},
+            cls,
+            source,
+            also_known=TargetOptions.__struct_fields__,  # top-level keys of the file, split off above
+        )
         opts._check_client(source)
         if bool(opts.topic) == bool(opts.topic_prefix):
             raise ConfigError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
@@ -17,6 +17,9 @@ MAX_SOCKET_NAME_BYTES = 80
 
 
 class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    consumer_tables: ClassVar[tuple[str, ...]] = ("realtime_consumer",)
+    """Read with their deprecated spellings upgraded (``cdcd.config.upgrade_table``)."""
+
     node_dir: str
     """Root of the node; the paths below default to sub-directories of it."""
     wal_dir: str = ""

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from cdcd.config import CACHE_FILTER_KEYS, CacheFilter, ConfigError
+from cdcd.config import CACHE_FILTER_KEYS, CacheFilter, ConfigError, upgrade_table, with_known_keys
 from cdcd.consumer import DEFAULT_RETRY_TIMEOUT_S, Consumer
 
 COMMON_KEYS = ("kind", "retry_timeout_s", "dead_letters", "dead_letters_path", *CACHE_FILTER_KEYS)
@@ -69,7 +69,9 @@ def load_consumer(table: Mapping[str, Any], source: str = "consumer") -> Consume
     """Build the consumer a ``[consumer]`` table describes; errors name ``source`` and the key.
 
     ``caches`` and ``exclude_caches`` are checked here but are not the consumer's: whoever delivers
-    to it (the daemon, the node's realtime worker) applies them to the batches (``CacheFilter``)."""
+    to it (the daemon, the node's realtime worker) applies them to the batches (``CacheFilter``).
+    Deprecated spellings are read as their new ones (``cdcd.config.DEPRECATED``)."""
+    table = upgrade_table(table, "consumer", source)
     kind = table.get("kind")
     if kind is None:
         raise ConfigError(f"{source}: missing key 'kind' (one of: {', '.join(sorted(KINDS))})")
@@ -80,7 +82,11 @@ def load_consumer(table: Mapping[str, Any], source: str = "consumer") -> Consume
     retry_timeout_s = _retry_timeout_s(table, source)
     dead_letters, dead_letters_path = _dead_letters(table, kind, source)
     options = {k: v for k, v in table.items() if k not in COMMON_KEYS}
-    consumer = factory(options, source)
+    try:
+        consumer = factory(options, source)
+    except ConfigError as exc:
+        # The kind's options never see the common keys, of which a typo may be one.
+        raise with_known_keys(exc, source, COMMON_KEYS) from None
     try:
         consumer.retry_timeout_s = retry_timeout_s
         if dead_letters:  # set only when on: a user class without the attributes still runs fail-fast
@@ -122,8 +128,6 @@ def _dead_letters(table: Mapping[str, Any], kind: str, source: str) -> tuple[boo
 
 def _retry_timeout_s(table: Mapping[str, Any], source: str) -> float:
     """``retry_timeout_s``, every kind's: how long a transient failure is retried before the consumer fails."""
-    if "max_retry_s" in table:
-        raise ConfigError(f"{source}: key 'max_retry_s' is now 'retry_timeout_s' (one option for every consumer kind)")
     value = table.get("retry_timeout_s", DEFAULT_RETRY_TIMEOUT_S)
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
         raise ConfigError(f"{source}: key 'retry_timeout_s': {value!r}: must be a finite number of seconds >= 0")
