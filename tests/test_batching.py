@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +29,7 @@ from cdcd.wal.records import (
     Op,
     RealtimeCdcRecord,
 )
-
-
-def wait_for(cond: Callable[[], Any], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
+from tests.support.procs import wait_for
 
 
 def _data(cache_id: int, *keys: int) -> DataRecord:

@@ -35,6 +35,7 @@ from cdcd.replication.client import ReplicationClient
 from cdcd.replication.protocol import ReplEntry
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import CacheOp, CacheRecord, DataRecord
+from tests.support.cache_drop import NEW, NODE, OLD, OTHER, write_scenario
 from tests.support.delta_lake import lake_consumer
 from tests.support.kafka import Broker, kafka_broker, read_topic
 from tests.support.lake import caught_up, position, run_to_end, write_config
@@ -43,34 +44,6 @@ from tests.support.replication_rig import DaemonProc, NodeProc, Procs, node_data
 from tests.support.wal import wal_events, wal_records
 
 __all__ = ["kafka_broker", "procs"]  # fixtures, used by name
-
-NODE = {"wal_segment_size_bytes": 64 * 1024, "wal_force_archive_timeout_ms": 0}
-OLD = {0: {"v": 0}, 1: {"v": 11}, 3: {"v": 3}, 4: {"v": 4}}
-"""What ``c`` held when it was dropped."""
-NEW = {0: {"v": 100}, 7: {"v": 7}, 8: {"v": 8}}
-"""What ``c`` holds after it was created again."""
-OTHER = {"x": 1, "y": 2}
-
-
-def write_scenario(node_dir: Path) -> WalPointer:
-    """The node's history (every record archived); returns the DESTROY record's pointer."""
-    with Node.open(node_dir, **NODE) as node:
-        c, o = node.cache("c"), node.cache("o")
-        for k in range(5):
-            c.put(k, {"v": k})
-        c.put(1, {"v": 11})
-        c.remove(2)
-        o.put("x", 1)
-        node.force_archive()
-        assert node.destroy_cache("c")
-        again = node.cache("c")
-        for k, v in NEW.items():
-            again.put(k, v)
-        o.put("y", 2)
-        node.force_archive()
-    drops = [p for p, r in wal_records(node_dir) if type(r) is CacheRecord and r.op == CacheOp.DESTROY]
-    assert len(drops) == 1
-    return drops[0]
 
 
 def node_items(node_dir: Path, cache: str) -> dict[Any, Any]:

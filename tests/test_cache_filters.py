@@ -259,7 +259,7 @@ def test_lake_consumer(tmp_path: Path, source: Path, keys: dict[str, Any], deliv
 
 
 def test_replication_consumer(tmp_path: Path, source: Path) -> None:
-    from tests.test_replication_endpoint import open_target, token_file
+    from tests.support.replication import open_target, token_file
 
     target = open_target(tmp_path)
     try:
@@ -285,7 +285,7 @@ def test_kafka_sink_and_kafka_to_node(kafka_broker: Broker, tmp_path: Path, sour
     filter, applies only its chosen ones of those."""
     from cdcd.kafka.options import KafkaToNodeOptions
     from cdcd.kafka.to_node import KafkaToNode
-    from tests.test_replication_endpoint import open_target, token_file
+    from tests.support.replication import open_target, token_file
 
     topic = "filtered"
     keys = {"caches": ["orders*", "people", "tmp_?"], "exclude_caches": ["tmp_*"]}

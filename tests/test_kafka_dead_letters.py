@@ -6,23 +6,17 @@ once. With dead letters off the same change stops the daemon with one line namin
 from __future__ import annotations
 
 import json
-import random
 import signal
-import string
 from pathlib import Path
-from typing import Any
 
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from confluent_kafka.admin import AdminClient  # type: ignore[attr-defined]
 
-from cdcd.node import Node
 from tests.support.config import write_daemon_config
+from tests.support.dead_letters import TOPIC_LIMIT, create_limited_topic, node_with_big_values
 from tests.support.kafka import Broker, kafka_broker, positions_of, read_topic
 from tests.support.procs import cdcd, child_env, error_lines, start_daemon, wait_for
-from tests.support.wal import wal_events
 
 __all__ = ["kafka_broker"]  # the fixture, used by name
-
-TOPIC_LIMIT = 65536
 
 
 def _stored_position(broker: Broker, node_dir: Path) -> tuple[int, int, int] | None:
@@ -35,34 +29,11 @@ def _stored_position(broker: Broker, node_dir: Path) -> tuple[int, int, int] | N
     return read_position({"bootstrap.servers": broker.bootstrap}, "cdcd-offsets", 1, node_id, 60)
 
 
-def _node_with_big_values(node_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """3,000 small changes and three of about 100 kB (incompressible text); (every event, the big ones)."""
-    rng = random.Random(5)
-    with Node.open(node_dir, wal_force_archive_timeout_ms=0) as node:
-        cache = node.cache("c")
-        for i in range(0, 3000, 50):
-            batch: dict[int, Any] = {k: {"k": k} for k in range(i, i + 50)}
-            if i % 1000 == 300:
-                batch[i + 7] = {"k": i + 7, "pad": "".join(rng.choices(string.ascii_letters, k=100_000))}
-            cache.put_all(batch)
-        node.force_archive()
-    events = wal_events(node_dir)
-    big = [e for e in events if "pad" in e["value"]]
-    assert len(big) == 3
-    return events, big
-
-
-def _create_topic(broker: Broker, topic: str) -> None:
-    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
-    fut = admin.create_topics([NewTopic(topic, 4, 1, config={"max.message.bytes": str(TOPIC_LIMIT)})])[topic]
-    fut.result(30)
-
-
 def test_messages_over_max_message_bytes_go_to_the_dlq_topic_exactly_once(kafka_broker: Broker, tmp_path: Path):
     node_dir = tmp_path / "node"
-    events, big = _node_with_big_values(node_dir)
+    events, big = node_with_big_values(node_dir)
     topic = "dl"
-    _create_topic(kafka_broker, topic)
+    create_limited_topic(kafka_broker, topic)
     consumer = {
         "kind": "kafka",
         "bootstrap_servers": kafka_broker.bootstrap,
@@ -102,9 +73,9 @@ def test_messages_over_max_message_bytes_go_to_the_dlq_topic_exactly_once(kafka_
 
 def test_with_dead_letters_off_the_daemon_stops_naming_the_position(kafka_broker: Broker, tmp_path: Path) -> None:
     node_dir = tmp_path / "node"
-    events, big = _node_with_big_values(node_dir)
+    events, big = node_with_big_values(node_dir)
     topic = "dl-off"
-    _create_topic(kafka_broker, topic)
+    create_limited_topic(kafka_broker, topic)
     consumer = {"kind": "kafka", "bootstrap_servers": kafka_broker.bootstrap, "topic": topic, "topic_partitions": 4}
     consumer["batch_size_bytes"] = 16384
     config = write_daemon_config(tmp_path / "cdcd.toml", node_dir, consumer, batch_max_events=400)

@@ -15,10 +15,10 @@ from cdcd.daemon.daemon import Daemon
 from cdcd.kafka.sink import KafkaSink
 from tests.support.config import write_daemon_config
 from tests.support.kafka import Broker, kafka_broker
+from tests.support.kafka_to_node import Applier, node_diff_rc
 from tests.support.procs import error_lines, reap, start_daemon, wait_for
 from tests.support.replication_rig import NodeProc, Procs, procs
 from tests.support.writer import make_node
-from tests.test_kafka_to_node import Applier, node_diff_rc
 
 __all__ = ["kafka_broker", "procs"]  # fixtures, used by name
 

@@ -5,7 +5,6 @@ jars without any resolution."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -18,20 +17,12 @@ import pytest
 from cdcd.lake import spark as spark_session
 from cdcd.lake.compact import COMPACT_APP_ID, compact, compacted_version, state_lag, table_version
 from cdcd.lake.table import CHANGES, STATE
+from tests.support.compaction import QUICK_JVM, compact_env, kill_group, run_compact
 from tests.support.delta_tables import append_changes, change, expected_state, state_rows
-from tests.support.procs import CDCD, child_env
+from tests.support.procs import CDCD
 
 TEST_MASTER = "local[2]"
-QUICK_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
-"""For the compactions run as subprocesses: a JVM without the C2 JIT starts about twice as fast."""
 ODD_CACHES = ["orders", "a/b", "new\nline", "x=y", "ünï cödé"]
-
-
-def compact_env(**extra: str) -> dict[str, str]:
-    env = child_env()
-    env["JAVA_TOOL_OPTIONS"] = QUICK_JVM
-    env.update(extra)
-    return env
 
 
 def state_version(lake: Path) -> int:
@@ -112,22 +103,6 @@ def test_compact_commits_its_application_transaction_atomically_with_the_merge(s
 
 
 # --- kills ------------------------------------------------------------------------------------------
-def run_compact(lake: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [*CDCD, "lake", "compact", "--lake", str(lake), "--spark-master", TEST_MASTER],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        start_new_session=True,  # its JVM goes down with it (killpg)
-    )
-
-
-def kill_group(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=60)
 
 
 def data_files(table: Path) -> set[str]:

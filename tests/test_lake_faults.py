@@ -21,8 +21,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +47,7 @@ from tests.support.lake import (
     wait_started,
     write_config,
 )
+from tests.support.mounts import remount, tmpfs
 from tests.support.procs import child_env, log_events, reap, stop_daemon, wait_for
 from tests.support.wal import archived_segments, cdc_links, wal_events
 from tests.support.writer import make_node, start_writer
@@ -137,30 +136,6 @@ def orphans(lake: Path) -> set[str]:
     on_disk = {str(p.relative_to(changes)) for p in changes.rglob("*.parquet") if "_delta_log" not in p.parts}
     live = pa.table(DeltaTable(str(changes)).get_add_actions(flatten=True)).column("path").to_pylist()
     return on_disk - set(live)
-
-
-@contextmanager
-def tmpfs(path: Path, options: str) -> Iterator[Path]:
-    """A tmpfs mounted at ``path`` (skips the test where mounting is not allowed)."""
-    path.mkdir(parents=True, exist_ok=True)
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
-def remount(path: Path, options: str) -> None:
-    """``mount -o remount,OPTIONS`` (retried while a writer holds a file open: EBUSY for ro)."""
-    deadline = time.monotonic() + 30
-    while True:
-        res = subprocess.run(["mount", "-o", f"remount,{options}", str(path)], capture_output=True, text=True)
-        if res.returncode == 0:
-            return
-        assert time.monotonic() < deadline, res.stderr
-        time.sleep(0.01)
 
 
 # --- SIGKILL at points of a batch commit --------------------------------------------------------------

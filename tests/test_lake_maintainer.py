@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +17,9 @@ from cdcd.lake.compact import NotADeltaLake, compacted_version, table_version
 from cdcd.lake.maintainer import Maintainer, MaintainerOptions, MaintenanceFailed
 from cdcd.lake.table import CHANGES
 from tests.support.delta_tables import append_changes, change, expected_state, state_rows
+from tests.support.procs import wait_for
 
 DEADLINE_S = 300.0
-
-
-def wait_for(cond: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def operations(table: Path) -> list[str]:
@@ -55,11 +48,15 @@ def test_compacts_and_optimizes_on_schedule_while_changes_arrive(spark: Any, tmp
             ]
             rows += batch
             version = append_changes(lake, batch)
-            wait_for(lambda v=version: compacted_version(lake) >= v, f"compaction up to changes version {version}")
+            wait_for(
+                lambda v=version: compacted_version(lake) >= v,
+                DEADLINE_S,
+                f"compaction up to changes version {version}",
+            )
             assert state_rows(lake) == expected_state(rows)
-        wait_for(lambda: "OPTIMIZE" in operations(lake / CHANGES), "a scheduled OPTIMIZE of changes")
+        wait_for(lambda: "OPTIMIZE" in operations(lake / CHANGES), DEADLINE_S, "a scheduled OPTIMIZE of changes")
         # The counters follow the commits (a run counts once it returned).
-        wait_for(lambda: m.compactions >= 3 and m.optimizations >= 1, "the runs to be counted")
+        wait_for(lambda: m.compactions >= 3 and m.optimizations >= 1, DEADLINE_S, "the runs to be counted")
         assert m.alive() and m.error is None and m.failures == 0
         m.check()
     finally:
@@ -115,7 +112,7 @@ def test_each_run_s_duration_is_measured_and_exported(spark: Any, tmp_path: Path
     started = time.monotonic()
     m.start()
     try:
-        wait_for(lambda: m.compactions >= 2, "two scheduled compactions")
+        wait_for(lambda: m.compactions >= 2, DEADLINE_S, "two scheduled compactions")
     finally:
         m.stop()
     real_s = time.monotonic() - started  # every run's real time is within this
@@ -151,7 +148,7 @@ def test_failures_are_logged_retried_then_surfaced(
     )
     with caplog.at_level(logging.ERROR, logger="cdcd.lake"):
         m.start()
-        wait_for(lambda: not m.alive(), "the maintainer to give up")
+        wait_for(lambda: not m.alive(), DEADLINE_S, "the maintainer to give up")
         m.stop()
     assert m.failures == 3 and failures() - before == 3
     assert isinstance(m.error, NotADeltaLake)
@@ -191,7 +188,7 @@ def test_the_lake_sink_runs_it_and_fails_when_it_gave_up(spark: Any, tmp_path: P
     try:
         assert sink.on_events(wal_batch(node_dir)) is True
         changes_version = table_version(lake / CHANGES)
-        wait_for(lambda: compacted_version(lake) == changes_version, "the sink's scheduled compaction")
+        wait_for(lambda: compacted_version(lake) == changes_version, DEADLINE_S, "the sink's scheduled compaction")
         assert {key for _, key in state_rows(lake)} == {str(i) for i in range(50) if i != 7}
         assert sink.alive()
         maintainer = sink._maintainer
@@ -254,7 +251,7 @@ def test_conflicts_with_a_neighbour_are_retried_not_counted(spark: Any, tmp_path
     )
     m.start()
     try:
-        wait_for(lambda: m.compactions >= 1 or not m.alive(), "a compaction after the conflicts")
+        wait_for(lambda: m.compactions >= 1 or not m.alive(), DEADLINE_S, "a compaction after the conflicts")
         assert m.alive() and m.failures == 0 and m.conflicts == 3, (m.failures, m.conflicts, m.error)
         m.check()
     finally:
@@ -359,7 +356,7 @@ def test_a_compaction_lost_to_a_neighbour_that_folded_the_same_changes_is_progre
     )
     m.start()
     try:
-        wait_for(lambda: m.compactions >= 1 or not m.alive(), "a compaction after the neighbour's")
+        wait_for(lambda: m.compactions >= 1 or not m.alive(), DEADLINE_S, "a compaction after the neighbour's")
         assert m.alive() and (m.failures, m.conflicts, m.by_neighbour["compact"]) == (0, 0, 1), m.error
     finally:
         m.stop()
@@ -399,7 +396,7 @@ def test_an_optimize_lost_to_a_neighbours_is_retried_and_recognised_as_done(spar
     )
     m.start()
     try:
-        wait_for(lambda: m.optimizations >= 1 or not m.alive(), "an own OPTIMIZE after the neighbour's")
+        wait_for(lambda: m.optimizations >= 1 or not m.alive(), DEADLINE_S, "an own OPTIMIZE after the neighbour's")
         assert m.alive() and (m.failures, m.conflicts, m.by_neighbour["optimize"]) == (0, 1, 1), m.error
     finally:
         m.stop()
@@ -451,7 +448,7 @@ def test_an_optimize_longer_than_its_interval_is_followed_after_as_long_again(sp
     )
     m.start()
     try:
-        wait_for(lambda: len(runs) >= 3 or not m.alive(), "three OPTIMIZE runs")
+        wait_for(lambda: len(runs) >= 3 or not m.alive(), DEADLINE_S, "three OPTIMIZE runs")
     finally:
         m.stop()
     assert m.alive(), m.error

@@ -5,8 +5,6 @@ cache gives no duplicate keys; a cache created while the sink runs gets its tabl
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +34,7 @@ from cdcd.lake.typed_infer import (
 from cdcd.lake.typed_layout import CACHE_PROPERTY, NotATypedTable, list_tables, read_layout, table_dir
 from cdcd.lake.typed_show import tables_show
 from tests.support.delta_tables import append_changes, change, expected_state
+from tests.support.procs import wait_for
 
 ODD_FIELDS = ["qty", "Qty", "a.b", "my field", "x=y", "", "key", "value", "_hidden", "$", "f" * 255, "(p)", "t\tab"]
 """Field names a column cannot have as they are (and some it can)."""
@@ -46,13 +45,6 @@ DEADLINE_S = 900.0
 def canonical(value: object) -> bytes:
     """JSON with sorted keys: 1, 1.0 and true stay three different values (Python's == does not)."""
     return msgspec.json.encode(value, order="sorted")
-
-
-def wait_for(cond: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 # --- the rules, without Spark ------------------------------------------------------------------------------
@@ -367,7 +359,7 @@ def test_node_values_round_trip_a_resent_cache_and_a_new_cache_arrive_on_schedul
     try:
         assert sink.on_events(wal_batch(node_dir)) is True
         version = table_version(lake / "changes")
-        wait_for(lambda: compacted_version(lake) == version, "the scheduled compaction")
+        wait_for(lambda: compacted_version(lake) == version, DEADLINE_S, "the scheduled compaction")
         assert check_against_node(lake, node_dir, spark) == 203
         orders_layout = read_layout(lake / "tables" / "orders")
         assert orders_layout.columns["note"][1] == pa.string() and "note" in orders_layout.json_fields
@@ -382,7 +374,7 @@ def test_node_values_round_trip_a_resent_cache_and_a_new_cache_arrive_on_schedul
             orders.put(3, {"qty": 300, "sku": "after the resend", "colour": "red"})
         assert sink.on_events(wal_batch(node_dir)) is True
         version = table_version(lake / "changes")
-        wait_for(lambda: compacted_version(lake) == version, "the next scheduled compaction")
+        wait_for(lambda: compacted_version(lake) == version, DEADLINE_S, "the next scheduled compaction")
         assert "late" in list_tables(lake)
         assert check_against_node(lake, node_dir, spark) == 199 + 3 + 50
     finally:
@@ -397,7 +389,7 @@ def test_compaction_killed_between_the_tables_and_state_redoes_only_state(spark:
     import signal
 
     from cdcd.lake.compact import compacted_version
-    from tests.test_lake_compact import compact_env, kill_group, run_compact
+    from tests.support.compaction import compact_env, kill_group, run_compact
 
     lake = tmp_path / "lake"
     first = [change("orders", str(i), f'{{"qty": {i}}}', i + 1) for i in range(20)]

@@ -8,57 +8,29 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import socket
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
-import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from cdcd import metrics
 from tests.support.config import jsonl_consumer, write_daemon_config
+from tests.support.metrics import CONFIG, promtool, scrape_text, try_samples
 from tests.support.ports import free_port
 from tests.support.procs import child_env, error_lines, run_daemon_until_exit, start_daemon, stop_daemon, wait_for
 from tests.support.writer import make_node
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = ROOT / "config"
+__all__ = ["promtool"]  # fixture, used by name
 # Every registry cdcd defines, found rather than listed (a new group cannot be forgotten here).
 GROUPS = {
     name.lower(): reg
     for name, reg in vars(metrics).items()
     if isinstance(reg, CollectorRegistry) and reg is not metrics.REGISTRY  # the default: process and GC figures
 }
-
-
-@pytest.fixture(scope="module")
-def promtool() -> str:
-    res = subprocess.run(["bash", str(ROOT / "scripts" / "ensure-promtool.sh")], capture_output=True, text=True)
-    path = shutil.which("promtool")
-    assert res.returncode == 0 and path, f"scripts/ensure-promtool.sh could not provide promtool: {res.stderr}"
-    return path
-
-
-def scrape_text(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        return str(resp.read().decode())
-
-
-def try_samples(port: int) -> dict[str, float] | None:
-    """name{labels} summed per name, or None while the endpoint is not up."""
-    try:
-        text = scrape_text(port)
-    except OSError:
-        return None
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[s.name] = out.get(s.name, 0.0) + float(s.value)
-    return out
 
 
 def cdcd_families(text: str) -> set[str]:

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from tests.test_metrics_hygiene import CONFIG, promtool
+from tests.support.metrics import CONFIG, promtool
 
 __all__ = ["promtool"]  # fixture, used by name
 

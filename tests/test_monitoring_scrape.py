@@ -16,16 +16,16 @@ from cdcd import metrics
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.kafka.sink import KafkaSink
+from tests.support.dead_letters import create_limited_topic, node_with_big_values
 from tests.support.delta_lake import lake_consumer
 from tests.support.kafka import Broker, kafka_broker, read_topic
 from tests.support.lake import caught_up, position, write_config
+from tests.support.metrics import try_samples
+from tests.support.mounts import remount, tmpfs
 from tests.support.ports import free_port
 from tests.support.procs import reap, start_daemon, stop_daemon, wait_for
 from tests.support.wal import wal_events
 from tests.support.writer import make_node
-from tests.test_kafka_dead_letters import _create_topic, _node_with_big_values
-from tests.test_lake_faults import remount, tmpfs
-from tests.test_metrics_hygiene import try_samples
 
 __all__ = ["kafka_broker"]  # the fixture, used by name
 
@@ -85,9 +85,9 @@ def test_kafka_transaction_aborts_count_the_refused_batch(kafka_broker: Broker, 
     """A change over the topic's max.message.bytes (dead letters off) fails its batch's transaction: one abort is
     counted, and the transactions committed before it are not."""
     node_dir = tmp_path / "node"
-    events, big = _node_with_big_values(node_dir)
+    events, big = node_with_big_values(node_dir)
     topic = "aborts"
-    _create_topic(kafka_broker, topic)
+    create_limited_topic(kafka_broker, topic)
     metrics.export(metrics.KAFKA_SINK)
 
     def sample(name: str) -> float:

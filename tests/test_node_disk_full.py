@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 
 from cdcd import metrics
 from cdcd.node import Node
+from tests.support.procs import wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
@@ -48,13 +48,6 @@ def disk_full_gauge() -> float | None:
     return metrics.NODE.get_sample_value("cdcd_node_wal_disk_full")
 
 
-def wait_for(cond: object, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_wal_waits_for_space_and_resumes(small_fs: Path) -> None:
     node_dir = small_fs / "node"
     node = Node.open(node_dir, wal_segment_size_bytes=1 << 20)
@@ -74,7 +67,7 @@ def test_wal_waits_for_space_and_resumes(small_fs: Path) -> None:
 
     t = threading.Thread(target=writer)
     t.start()
-    wait_for(lambda: disk_full_gauge() == 1.0, "the WAL to report a full disk")
+    wait_for(lambda: disk_full_gauge() == 1.0, 60, "the WAL to report a full disk")
     stalled_at = len(done)
     assert stalled_at < n_puts and not errors
     filler.unlink()
@@ -137,7 +130,9 @@ def test_a_full_disk_during_checkpoints_is_waited_out_and_writes_resume(small_fs
         t = threading.Thread(target=writer)
         t.start()
         try:
-            wait_for(lambda: node.writes_state().startswith("waiting for disk space"), "checkpoints to wait for space")
+            wait_for(
+                lambda: node.writes_state().startswith("waiting for disk space"), 60, "checkpoints to wait for space"
+            )
             assert node.status()["writes"].startswith("waiting for disk space:")
             assert node.failure is None and not errors
         finally:
@@ -145,7 +140,7 @@ def test_a_full_disk_during_checkpoints_is_waited_out_and_writes_resume(small_fs
         t.join(120)
         assert not t.is_alive() and errors == []
         assert len(done) == n_puts
-        wait_for(lambda: node.writes_state() == "ok", "checkpoints to resume")
+        wait_for(lambda: node.writes_state() == "ok", 60, "checkpoints to resume")
         cache.put("after", 1)
         # None when the checkpointer thread (every 20 ms) got there first; a failed checkpoint puts its entries back.
         node.checkpoint()

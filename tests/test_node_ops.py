@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +26,12 @@ from cdcd.node.snapshot import NodeSnapshot
 from cdcd.wal import DataRecord, MissingSegment, WalReader
 from cdcd.wal.segment import list_segments
 from tests.support.ports import free_port
+from tests.support.procs import wait_for
 
 CDCD = [sys.executable, "-m", "cdcd"]
 ROOT = Path(__file__).resolve().parent.parent
 CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 """Children import the same ``cdcd`` as the tests."""
-
-
-def wait_for(cond: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.05)
 
 
 class Collect(Consumer):

@@ -18,6 +18,7 @@ from deltalake import DeltaTable
 
 from cdcd.lake.storage import LakeLocation, StorageOptions
 from cdcd.node.identity import read_node_id
+from tests.support.cache_drop import write_scenario
 from tests.support.chaos import scrape
 from tests.support.kafka import Broker, kafka_broker, positions_of, read_topic
 from tests.support.lake import caught_up, position, write_config
@@ -26,7 +27,6 @@ from tests.support.procs import child_env, log_events, start_daemon, stop_daemon
 from tests.support.servers import MINIO_BIN, MINIO_PASSWORD, MINIO_USER, MinioServer
 from tests.support.wal import wal_events
 from tests.support.writer import start_writer, writer_count
-from tests.test_cache_drop import write_scenario
 
 __all__ = ["kafka_broker"]  # the fixture, used by name
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.docs import README, block_with, code_blocks
 from tests.support.procs import CDCD, ROOT, child_env, reap, wait_for
-from tests.test_readme_lake import README, block_with, code_blocks
 
 COVERED = {
     "python": ['Node.open("var/node1")', "from cdcd.lake.readers import"],

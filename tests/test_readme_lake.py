@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
-import re
 import shlex
 import shutil
 import subprocess
@@ -19,19 +18,8 @@ import pytest
 
 from cdcd.lake.cuts import latest_cut
 from cdcd.lake.sql import lake_sql
+from tests.support.docs import README, block_with
 from tests.support.procs import CDCD, ROOT, child_env, reap, start_daemon, stop_daemon, wait_for
-
-README = ROOT / "README.md"
-
-
-def code_blocks(text: str, lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
-
-
-def block_with(text: str, lang: str, marker: str) -> str:
-    found = [b for b in code_blocks(text, lang) if marker in b]
-    assert len(found) == 1, f"README: one ```{lang} block with {marker!r} expected, found {len(found)}"
-    return found[0]
 
 
 def lake_sql_line(line: str) -> tuple[str, int]:

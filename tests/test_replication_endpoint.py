@@ -23,24 +23,11 @@ from cdcd.replication.protocol import Applied, Error, Hello, ReplEntry, Welcome,
 from cdcd.sinks import load_consumer
 from cdcd.sinks.replication import ReplicationConsumer
 from cdcd.wal.records import NIL, CacheVersion, Op
-from tests.support.replication import exchange
+from tests.support.replication import TOKEN, exchange, open_target, token_file
 from tests.support.wal import wal_records
 
-TOKEN = "replication-token-0123456789abcdef"
 _key = msgspec.msgpack.Encoder(order="deterministic").encode
 _val = msgspec.msgpack.Encoder().encode
-
-
-def token_file(tmp: Path, text: str = TOKEN, mode: int = 0o600) -> Path:
-    path = tmp / f"token-{len(list(tmp.glob('token-*')))}"
-    path.write_text(text + "\n")
-    path.chmod(mode)
-    return path
-
-
-def open_target(tmp: Path, name: str = "b", cluster_id: int = 2, **settings: Any) -> Node:
-    settings.setdefault("replication_token_file", str(token_file(tmp)))
-    return Node.open(tmp / name, cluster_id=cluster_id, replication_listen="127.0.0.1:0", **settings)
 
 
 def client_for(node: Node, token: str = TOKEN, **kw: Any) -> ReplicationClient:

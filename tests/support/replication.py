@@ -1,12 +1,14 @@
-"""Raw exchanges with a node's replication endpoint."""
+"""A node's replication endpoint in tests: raw exchanges, its token file, a target node listening."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
 import struct
+from pathlib import Path
 from typing import Any
 
+from cdcd.node.node import Node
 from cdcd.replication.protocol import decode_payload
 
 
@@ -25,3 +27,18 @@ def exchange(port: int, data: bytes) -> list[Any]:
         frames.append(decode_payload(buf[4 : 4 + size]))
         buf = buf[4 + size :]
     return frames
+
+
+TOKEN = "replication-token-0123456789abcdef"
+
+
+def token_file(tmp: Path, text: str = TOKEN, mode: int = 0o600) -> Path:
+    path = tmp / f"token-{len(list(tmp.glob('token-*')))}"
+    path.write_text(text + "\n")
+    path.chmod(mode)
+    return path
+
+
+def open_target(tmp: Path, name: str = "b", cluster_id: int = 2, **settings: Any) -> Node:
+    settings.setdefault("replication_token_file", str(token_file(tmp)))
+    return Node.open(tmp / name, cluster_id=cluster_id, replication_listen="127.0.0.1:0", **settings)
