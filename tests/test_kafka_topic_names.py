@@ -45,7 +45,8 @@ def _options(**more: Any) -> KafkaSinkOptions:
     return KafkaSinkOptions.load({"bootstrap_servers": "k:9092", "topic_prefix": "p", **more}, "consumer")
 
 
-PREFIXED = _options(transaction_metadata=True)
+# the sink's own topics inside the caches' name space: caches a and 1 get their first byte escaped
+PREFIXED = _options(transaction_metadata=True, metadata_topic="p.a", offsets_topic="p.1_dlq")
 
 
 @given(NAMES)
@@ -75,6 +76,10 @@ def test_no_topic_folds_like_another_caches_topic_or_dead_letters(data: st.DataO
     assert fold(ta) not in sink_topics(PREFIXED) and fold(dlq_topic(ta)) not in sink_topics(PREFIXED)
 
 
+def test_the_sinks_own_topics_are_avoided_in_the_property_above() -> None:
+    assert [cache_topic(PREFIXED, n).topic for n in ("a", "1", "a.dlq", "b")] == ["p._61", "p._31", "p.a_2edlq", "p.b"]
+
+
 def test_ordinary_names_keep_their_topic_and_the_others_are_escaped() -> None:
     kept = ["orders", "order_items", "SQL_PUBLIC_ORDERS", "a-b", "X_DLQ", "dlq", "Transaction"]
     assert [suffix_of(n) for n in kept] == kept
@@ -84,7 +89,7 @@ def test_ordinary_names_keep_their_topic_and_the_others_are_escaped() -> None:
 
 
 def test_a_cache_named_like_one_of_the_sinks_topics_gets_its_first_byte_escaped() -> None:
-    assert cache_topic(PREFIXED, "transaction") == ("p._74ransaction", "transaction_topic")
+    assert cache_topic(_options(transaction_metadata=True), "transaction") == ("p._74ransaction", "transaction_topic")
     assert cache_topic(_options(), "transaction") == ("p.transaction", "")  # no transaction topic: its own
     opts = _options(metadata_topic="p.orders_dlq", offsets_topic="p.x")
     assert cache_topic(opts, "orders") == ("p._6frders", "metadata_topic")  # its dead letters' would be it

@@ -90,7 +90,7 @@ def setting_of(topic: str, opts: KafkaSinkOptions) -> str:
         opts.offsets_topic: "offsets_topic",
         opts.transaction_topic_name: "transaction_topic",
     }
-    return "topic" if topic == opts.topic else named.get(topic, "topic_prefix")
+    return "topic" if opts.topic and topic in (opts.topic, dlq_topic(opts.topic)) else named.get(topic, "topic_prefix")
 
 
 class CacheTopic(NamedTuple):
