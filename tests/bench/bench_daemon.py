@@ -73,6 +73,7 @@ from tests.support.bench import (
     _stop,
     _tail,
 )
+from tests.support.pacing import Pacer
 from tests.support.procs import reap
 
 SEGMENT_BYTES = 16 << 20
@@ -372,25 +373,10 @@ def _lag_writer(node_dir: str, rate: int, seconds: float, idle_s: float, out: st
     try:
         put_all = node.cache("lag").put_all
         value = VALUE_100B
-        interval = TX_SIZE / rate
-        started = time.monotonic()
-        end = started + seconds
-        next_at = started
-        key = 0
-        while not stop.is_set():
-            now = time.monotonic()
-            if now >= end:
-                break
-            delay = next_at - now
-            if delay > 0:
-                time.sleep(delay)
-            else:
-                behind_max = max(behind_max, -delay)
+        pacer = Pacer(rate, TX_SIZE, seconds, stop.is_set)
+        for key in pacer:
             put_all({k: value for k in range(key, key + TX_SIZE)})
-            key += TX_SIZE
-            next_at += interval
-        written = key
-        elapsed = time.monotonic() - started
+        written, elapsed, behind_max = pacer.written, pacer.elapsed_s, pacer.behind_max_s
         stop.wait(idle_s)  # the last segment rolls on the force-archive timeout, as every other one did
     finally:
         node.close()

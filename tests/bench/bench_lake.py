@@ -85,6 +85,7 @@ from tests.support.lake_bench import (
     lake_value,
 )
 from tests.support.lake_bench import bench_dir as _bench_dir
+from tests.support.pacing import Pacer
 
 ROOT = Path(__file__).resolve().parents[2]
 SEGMENT_BYTES = 16 << 20
@@ -319,25 +320,10 @@ def _lag_writer(node_dir: str, rate: int, seconds: float, idle_s: float, go_file
             if stop.is_set() or time.monotonic() > deadline:
                 raise RuntimeError(f"no {go_file} after 60 s")
             time.sleep(0.005)
-        interval = TX_SIZE / rate
-        started = time.monotonic()
-        end = started + seconds
-        next_at = started
-        key = 0
-        while not stop.is_set():
-            now = time.monotonic()
-            if now >= end:
-                break
-            delay = next_at - now
-            if delay > 0:
-                time.sleep(delay)
-            else:
-                behind_max = max(behind_max, -delay)
+        pacer = Pacer(rate, TX_SIZE, seconds, stop.is_set)
+        for key in pacer:
             put_all({k: lake_value(k) for k in range(key, key + TX_SIZE)})
-            key += TX_SIZE
-            next_at += interval
-        written = key
-        elapsed = time.monotonic() - started
+        written, elapsed, behind_max = pacer.written, pacer.elapsed_s, pacer.behind_max_s
         stop.wait(idle_s)  # the last segment rolls on the force-archive timeout, as every other one did
     finally:
         node.close()
@@ -490,17 +476,10 @@ def run_rt_lag(*, seconds: float, drop_s: float, rate: int) -> Measurement:
         written = 0
         try:
             put_all = node.cache("lag").put_all
-            interval = TX_SIZE / rate
-            started = time.monotonic()
-            next_at, key = started, 0
-            while time.monotonic() < started + seconds:
-                delay = next_at - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
+            pacer = Pacer(rate, TX_SIZE, seconds)
+            for key in pacer:
                 put_all({k: lake_value(k) for k in range(key, key + TX_SIZE)})
-                key += TX_SIZE
-                next_at += interval
-            written = key
+            written = pacer.written
             deadline = time.monotonic() + DRAIN_TIMEOUT_S
             while (_lake_rows(lake) if (lake / "changes" / "_delta_log").is_dir() else 0) < written:
                 if time.monotonic() > deadline:

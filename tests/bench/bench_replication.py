@@ -82,6 +82,7 @@ from tests.support.bench import (
     _stop,
     _tail,
 )
+from tests.support.pacing import Pacer
 from tests.support.procs import reap
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -400,26 +401,13 @@ def _writer(args: argparse.Namespace) -> None:
                 time.sleep(0.01)
         put_all = node.cache(CACHE).put_all
         pack, pad, tx = struct.Struct(">q").pack, PAD, LIVE_TX
-        interval = tx / args.rate
-        started = time.monotonic()
-        end = started + args.seconds
-        next_at = started
-        while not stop.is_set():
-            now = time.monotonic()
-            if now >= end:
-                break
-            delay = next_at - now
-            if delay > 0:
-                time.sleep(delay)
-            else:
-                behind_max = max(behind_max, -delay)
+        pacer = Pacer(args.rate, tx, args.seconds, stop.is_set)
+        for key in pacer:
             t0 = time.time_ns()
             value = pack(t0) + pad
             put_all(dict.fromkeys(range(key, key + tx), value))
             commit_ns.append(time.time_ns() - t0)
-            key += tx
-            next_at += interval
-        elapsed = time.monotonic() - started
+        key, elapsed, behind_max = pacer.written, pacer.elapsed_s, pacer.behind_max_s
         stop.wait(args.idle_seconds)  # the last segment rolls on the force-archive timeout, as every other one did
     finally:
         node.close()  # realtime: drains the worker's buffer first
