@@ -112,7 +112,7 @@ def _keys_at(cls: type, where: str) -> list[str]:
     return []
 
 
-def _error(exc: msgspec.ValidationError, cls: type, source: str, also_known: Collection[str]) -> ConfigError:
+def _error(exc: msgspec.ValidationError, cls: type, source: str) -> ConfigError:
     msg = str(exc)
     m = _PATH_RE.search(msg)
     where = m.group(1) if m else ""
@@ -120,15 +120,13 @@ def _error(exc: msgspec.ValidationError, cls: type, source: str, also_known: Col
     unknown = re.match(r"Object contains unknown field `([^`]*)`", msg)
     if unknown:
         key = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
-        known = _keys_at(cls, where)
-        return unknown_key_error(source, key, [*known, *also_known] if not where else known)
+        return unknown_key_error(source, key, _keys_at(cls, where))
     return ConfigError(f"{source}: key '{where}': {msg}" if where else f"{source}: {msg}")
 
 
-def convert(data: Mapping[str, Any], cls: type[T], source: str, *, also_known: Collection[str] = ()) -> T:
+def convert(data: Mapping[str, Any], cls: type[T], source: str) -> T:
     """Build ``cls`` from a plain mapping; errors become ``ConfigError`` naming source and key (an
-    unknown key with the real one it is a typo of, among ``cls``'s keys and ``also_known``: keys
-    of the same table read apart from ``cls``).
+    unknown key with the key of its table it is a typo of, if any: ``unknown_key_error``).
 
     Deprecated spellings in the tables a class names in its ``consumer_tables`` class variable are
     read as their new spelling first (``upgrade_table``). A number that is not finite (TOML's
@@ -143,7 +141,7 @@ def convert(data: Mapping[str, Any], cls: type[T], source: str, *, also_known: C
     try:
         result = msgspec.convert(data, cls, strict=False)
     except msgspec.ValidationError as exc:
-        raise _error(exc, cls, source, also_known) from None
+        raise _error(exc, cls, source) from None
     bad = _non_finite(msgspec.to_builtins(result), "")
     if bad is not None:
         key, value = bad
@@ -388,7 +386,8 @@ _PLAIN_CHAR = re.compile(r"[\w-]")
 
 def regex_as_globs(spec: str) -> list[str] | None:
     """The glob patterns that match exactly the names the old one-regex ``caches`` matched (Python
-    ``re.fullmatch``), or None when no list of globs says the same.
+    ``re.fullmatch``), or None when no list of globs says the same. Exactly, for every cache name
+    without a line break: a regex ``.`` never matched one, a glob's ``?`` and ``*`` do.
 
     Read: alternatives (``|``, the whole optionally in one group), each of letters, digits, ``_``,
     ``-``, ``\\.`` (a dot), ``.`` (one character: ``?``), ``.*`` (``*``) and ``.+`` (``?*``), an

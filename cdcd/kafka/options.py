@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from cdcd.config import CacheFilter, ConfigError, check_ranges, convert, upgrade_table
+from cdcd.config import CacheFilter, ConfigError, check_ranges, convert, unknown_key_error, upgrade_table
 from cdcd.replication.target import TargetOptions
 from cdcd.secrets import mask_mapping
 
@@ -332,14 +332,13 @@ class KafkaToNodeOptions(ClientOptions, frozen=True, forbid_unknown_fields=True,
         if "replication" in options:
             keys = "target, token_file and tls* are top-level keys"
             raise ConfigError(f"{source}: key 'replication': not a key ({keys})")
+        known = {*cls.__struct_fields__, *TargetOptions.__struct_fields__} - {"replication"}
+        for key in options:  # before the split: an unknown key first, not the target key it is a typo of as missing
+            if key not in known:
+                raise unknown_key_error(source, key, known)
         CacheFilter.from_table(options, source)
         target, rest = TargetOptions.split(options, source)
-        opts = convert(
-            {**rest, "replication": msgspec.structs.asdict(target)},
-            cls,
-            source,
-            also_known=TargetOptions.__struct_fields__,  # top-level keys of the file, split off above
-        )
+        opts = convert({**rest, "replication": msgspec.structs.asdict(target)}, cls, source)
         opts._check_client(source)
         if bool(opts.topic) == bool(opts.topic_prefix):
             raise ConfigError(
