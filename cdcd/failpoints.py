@@ -19,6 +19,9 @@ sees meanwhile, then lets it go on with SIGCONT.
 ``name[@N]=pause`` (no DIR) holds only the thread that gets there, while the process's other
 threads go on (compaction merges two tables side by side: one pauses, the other commits): it
 creates the file ``$CDCD_FAILPOINTS_DIR/<name>`` and waits until the test deletes it.
+
+``name[@N]=raise`` raises ``FailpointRaised`` in the thread that gets there: a thread dying of an
+exception nobody expected (the WAL flusher's, in ``tests/test_never_hangs.py``).
 """
 
 from __future__ import annotations
@@ -30,11 +33,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["hit"]
+__all__ = ["FailpointRaised", "hit"]
 
 ENV = "CDCD_FAILPOINTS"
 PAUSE_MAX_S = 600.0
 """A paused process nobody killed goes on after this long (a test that failed must not leave it forever)."""
+
+
+class FailpointRaised(RuntimeError):
+    """What a point armed with ``raise`` raises."""
 
 
 @dataclass
@@ -42,7 +49,7 @@ class _Point:
     left: int
     """Hits to go before it fires (1: the next one)."""
     action: str = "kill"
-    """kill, stop, pause (this thread, until ``$CDCD_FAILPOINTS_DIR/<name>`` is deleted) or
+    """kill, stop, raise, pause (this thread, until ``$CDCD_FAILPOINTS_DIR/<name>`` is deleted) or
     pause:DIR (the first process of all, until killed)."""
     pause_dir: Path | None = None
 
@@ -55,8 +62,8 @@ def _parse(text: str) -> dict[str, _Point]:
         point = _Point(int(nth) if nth else 1, action or "kill")
         if action.startswith("pause:") and action[len("pause:") :]:
             point.action, point.pause_dir = "pause_dir", Path(action[len("pause:") :])
-        elif point.action not in ("kill", "stop", "pause"):
-            raise ValueError(f"environment: {ENV}: {item!r}: the action is kill, stop, pause or pause:DIR")
+        elif point.action not in ("kill", "stop", "raise", "pause"):
+            raise ValueError(f"environment: {ENV}: {item!r}: the action is kill, stop, pause or pause:DIR (or raise)")
         points[name] = point
     return points
 
@@ -77,7 +84,7 @@ def _pause(name: str, where: Path) -> None:
 
 
 def hit(name: str) -> None:
-    """Die, stop or pause here if ``name`` is armed and this is its N-th hit."""
+    """Die, stop, raise or pause here if ``name`` is armed and this is its N-th hit."""
     if not _armed or name not in _armed:
         return
     point = _armed[name]
@@ -90,6 +97,8 @@ def hit(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif point.action == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif point.action == "raise":
+        raise FailpointRaised(f"fail point {name}")
     elif point.pause_dir is not None:
         _pause(name, point.pause_dir)
     else:

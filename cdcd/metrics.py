@@ -17,6 +17,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from cdcd.logging import lines_lost
 from cdcd.wal.records import Op
 
 if TYPE_CHECKING:
@@ -121,6 +122,25 @@ class _NodeCollector(Collector):
 
 _node_collector = _NodeCollector()
 NODE.register(_node_collector)
+
+
+class _LogLinesLost(Collector):
+    """The process's lost log lines (``cdcd.logging``), under the name of the group it serves in."""
+
+    def __init__(self, name: str, registry: CollectorRegistry) -> None:
+        self._name = name
+        registry.register(self)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            self._name,
+            "Log lines this process could not write (its log reader gone or not reading, a full disk, no stderr)",
+            value=lines_lost(),
+        )
+
+
+_LogLinesLost("cdcd_node_log_lines_lost", NODE)
+_LogLinesLost("cdcd_daemon_log_lines_lost", DAEMON)
 
 
 def register_node(stats: NodeStats) -> None:

@@ -14,7 +14,7 @@ import msgspec
 import structlog
 
 from cdcd.cli.exits import fail, fail_on, line_for
-from cdcd.cli.process import log_to_stderr, on_stop_signals, serve_metrics
+from cdcd.cli.process import STOP_BOUND_S, log_to_stderr, on_stop_signals, serve_metrics
 from cdcd.faults import ExitCode
 
 if TYPE_CHECKING:
@@ -60,14 +60,23 @@ def confirm(yes: bool) -> None:
     default=None,
     help="Overrides the config's log_format. Default: console on a terminal, else JSON lines.",
 )
-def daemon_run(config_path: Path, log_format: str | None) -> None:
+@click.option(
+    "--stop-timeout",
+    type=click.FloatRange(0.1),
+    default=STOP_BOUND_S,
+    show_default=True,
+    help="Seconds from a stop request (or a failure) to the exit, closed or not.",
+)
+def daemon_run(config_path: Path, log_format: str | None, stop_timeout: float) -> None:
     """Run the CDC daemon: follow the node's CDC dir and deliver to the consumer until SIGTERM/SIGINT.
 
     A node_dir (or CDC dir) that does not exist yet is waited for (`waiting_for_node`).
     Exit codes: 0 stopped cleanly, 1 another daemon holds the node (or an OS error), 2 bad config,
     3 missing segment, 4 consumer failed, 5 corrupt, truncated or foreign segment, 6 pipeline
     stalled (a consumer call ran past consumer_stall_timeout_ms), 7 damaged daemon state or a state
-    of another node (see `cdcd state reset`).
+    of another node (see `cdcd state reset`), 141 the reader of its log went away (a closed pipe:
+    it stopped as on SIGTERM). It exits within --stop-timeout of SIGTERM/SIGINT or a failure,
+    stopped cleanly or not (then 128 + the signal's number, or the failure's code).
     """
     import asyncio
 
@@ -92,6 +101,7 @@ def daemon_run(config_path: Path, log_format: str | None) -> None:
     def fatal(exc: BaseException, context: str = "", event: str | None = None) -> NoReturn:
         code, line = line_for(exc, context)
         log.error(event or _LOG_EVENTS.get(ExitCode(code), "daemon_failed"), error=line)
+        stops.start_clock(f"a failure ({line})", code)
         daemon.close()  # its log lines first: the error stays the last line on stderr
         fail(line, code)
 
@@ -103,7 +113,13 @@ def daemon_run(config_path: Path, log_format: str | None) -> None:
         daemon.stop()  # thread- and signal-safe; also before run() starts (run() then returns at once)
 
     # Installed before anything else, so a SIGTERM during start-up is a clean stop, not a kill.
-    on_stop_signals(on_stop)
+    stops = on_stop_signals(
+        on_stop,
+        bound_s=stop_timeout,
+        what=f"the daemon of {config_path}",
+        hint="the next start resumes from its last commit",
+        when_log_reader_gone=True,
+    )
 
     async def main_async() -> None:
         try:
@@ -126,16 +142,17 @@ def daemon_run(config_path: Path, log_format: str | None) -> None:
             serve_metrics(config.metrics_address, config_path)
             served.append(True)
 
-        if not wait_for_node(Path(config.node_dir), daemon.cdc_dir, Notifier(), stopped, serve=serve):
-            return
-        daemon.start(locked=None if served else serve)
-        asyncio.run(main_async())
+        if wait_for_node(Path(config.node_dir), daemon.cdc_dir, Notifier(), stopped, serve=serve):
+            daemon.start(locked=None if served else serve)
+            asyncio.run(main_async())
     except LockHeld as exc:
         fatal(exc, "another cdcd daemon runs for this node", "daemon_locked")
     except Exception as exc:  # one line, non-zero; the code says whether systemd restarts us
         fatal(exc)
     finally:
         daemon.close()
+    if stops.exit_code:
+        sys.exit(stops.exit_code)
 
 
 @click.group()

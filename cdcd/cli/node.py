@@ -10,8 +10,8 @@ from typing import Any
 import click
 import msgspec
 
-from cdcd.cli.exits import fail, fail_on
-from cdcd.cli.process import log_to_stderr, on_stop_signals, serve_metrics
+from cdcd.cli.exits import fail, fail_on, line_for
+from cdcd.cli.process import STOP_BOUND_S, Stops, log_to_stderr, on_stop_signals, serve_metrics
 from cdcd.faults import ExitCode
 
 
@@ -29,6 +29,13 @@ def node() -> None:
 @click.option("--load-seed", type=int, default=1, show_default=True, help="Seed of the load's key choice.")
 @click.option("--seconds", type=float, default=0, help="Stop after this long (0: until SIGTERM/SIGINT).")
 @click.option("--log-format", type=click.Choice(["json", "console"]), default=None, help="Default: console on a TTY.")
+@click.option(
+    "--stop-timeout",
+    type=click.FloatRange(0.1),
+    default=STOP_BOUND_S,
+    show_default=True,
+    help="Seconds from a stop request (or a failure) to the exit, closed or not.",
+)
 def node_run(
     *,
     config_path: Path,
@@ -39,13 +46,16 @@ def node_run(
     load_seed: int,
     seconds: float,
     log_format: str | None,
+    stop_timeout: float,
 ) -> None:
     """Open a node and keep it running (with an optional load generator) until stopped.
 
     Exit codes: 0 stopped, 1 the node is locked by another process (or an OS error, or its WAL
-    flusher died), 2 bad config (or metrics port in use), 5 corrupt WAL. Under systemd
-    (NOTIFY_SOCKET) it sends READY=1 once open and WATCHDOG=1 pings only while the WAL flusher is
-    alive and passing.
+    flusher, checkpointer or load generator died), 2 bad config (or metrics port in use), 5 corrupt
+    WAL, 141 the reader of its log went away (a closed pipe: it stopped as on SIGTERM). It exits
+    within --stop-timeout of SIGTERM/SIGINT or a failure, closed or not (then 128 + the signal's
+    number, or the failure's code). Under systemd (NOTIFY_SOCKET) it sends READY=1 once open and
+    WATCHDOG=1 pings only while the WAL flusher is alive and passing.
     """
     from cdcd.config import load_toml
     from cdcd.daemon.sdnotify import Notifier
@@ -56,7 +66,13 @@ def node_run(
 
     log_to_stderr(log_format)
     stop = threading.Event()
-    on_stop_signals(lambda _signal: stop.set())
+    stops = on_stop_signals(
+        lambda _signal: stop.set(),
+        bound_s=stop_timeout,
+        what=f"the node of {config_path}",
+        hint="the next start recovers from the WAL",
+        when_log_reader_gone=True,
+    )
     try:
         config = load_toml(config_path, NodeConfig)
         the_node = Node(config)
@@ -96,11 +112,24 @@ def node_run(
             load=load,
             tick_s=1.0 if interactive else 0.2,
             on_tick=progress if interactive else None,
+            on_closing=lambda failure: closing(stops, failure),
         )
     except Exception as exc:
         fail_on(exc)
     if interactive:
         click.echo()
+    if stops.exit_code:
+        sys.exit(stops.exit_code)
+
+
+def closing(stops: Stops, failure: BaseException | None) -> None:
+    """The node begins to close: after a stop request the bound already runs; after a failure or
+    the end of ``--seconds`` it starts now."""
+    if failure is None:
+        stops.start_clock("the end of --seconds", ExitCode.FAILED)
+    else:
+        code, line = line_for(failure)
+        stops.start_clock(f"a failure ({line})", code)
 
 
 def _node_source(node_dir: Path) -> Any:

@@ -1,17 +1,22 @@
-"""What every long-running command sets up the same way: its log format, its stop signals, its
-metrics endpoint."""
+"""What every long-running command sets up the same way: its log format, its stop signals (and
+the bound on its way out), its metrics endpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 from cdcd.config import ConfigError, deprecations_loggable, split_host_port
 from cdcd.logging import configure as configure_logging
+from cdcd.logging import last_words, watch_reader
 
 LogFormat = Literal["json", "console"]
 
@@ -23,19 +28,118 @@ def log_to_stderr(fmt: str | None = None, level: str = "info") -> None:
     deprecations_loggable()  # a config read before this told its deprecated spellings on stderr only
 
 
-def on_stop_signals(stop: Callable[[signal.Signals], None]) -> None:
-    """SIGTERM and SIGINT call ``stop`` (from the signal handler: it must be signal-safe); a second
-    one leaves at once with exit code 128 + its number, as a shell reports a process it killed."""
-    received: list[signal.Signals] = []
+STOP_BOUND_S = 30.0
+"""How long ``cdcd node run`` and ``cdcd run`` take at most from a stop request to their exit
+(``--stop-timeout``): below systemd's TimeoutStopSec in the shipped units, above a clean close
+(a realtime drain takes up to ``realtime_close_timeout_ms``, 10 s by default)."""
 
-    def on_signal(signum: int, _frame: object) -> None:
-        if received:
+_LOG_READER_GONE = "its log reader gone"
+_START = 0
+"""The byte that starts the bound for a stop that is no signal (signals write their number)."""
+
+
+class Stops:
+    """What asked a long-running command to stop, and the bound on its way out.
+
+    With a bound, the first stop request (SIGTERM, SIGINT, the log reader gone, or ``start_clock``
+    for a failure or the end of a run) starts a clock on a thread of its own, woken by the
+    interpreter's signal wake-up descriptor, so it runs even while the main thread is stuck (in a
+    join, an fsync, a consumer's close) and the Python-level handler cannot: when the bound passes,
+    the process leaves at once (``os._exit``) with one line. Nothing acknowledged is lost then: a
+    node recovers from its WAL, a daemon resumes from its last commit, as after a kill."""
+
+    def __init__(self, stop: Callable[[signal.Signals], None], bound_s: float | None, what: str, hint: str) -> None:
+        self.received: list[signal.Signals] = []
+        self.log_reader_gone = False
+        self._stop = stop
+        self._what = what
+        self._hint = hint
+        self._reason: tuple[str, int] | None = None
+        """(what started the clock, the exit code if the bound passes)."""
+        self._lock = threading.Lock()
+        self._wake_w = -1
+        if bound_s is not None:
+            read_fd, self._wake_w = os.pipe2(os.O_CLOEXEC)
+            os.set_blocking(self._wake_w, False)  # a signal handler never blocks on it
+            with contextlib.suppress(ValueError):  # not the main thread: the handler's own byte starts the clock
+                signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+            threading.Thread(target=self._bound, args=(read_fd, bound_s), name="cdcd-stop-bound", daemon=True).start()
+
+    @property
+    def exit_code(self) -> int:
+        """0 after a stop signal; 128 + SIGPIPE when the log reader went first (not a clean stop
+        to systemd, so ``Restart=on-failure`` starts the process again with a new log stream)."""
+        return 128 + signal.SIGPIPE if self.log_reader_gone and not self.received else 0
+
+    def start_clock(self, reason: str, code: int) -> None:
+        """Start the bound (if none runs yet): ``reason`` ends the process's line if it passes."""
+        with self._lock:
+            if self._reason is None:
+                self._reason = (reason, code)
+        self._wake(_START)
+
+    def _wake(self, byte: int) -> None:
+        if self._wake_w < 0:
+            return
+        with contextlib.suppress(OSError):  # full: the clock has long been woken
+            os.write(self._wake_w, bytes([byte]))
+
+    def on_signal(self, signum: int, _frame: object) -> None:
+        if self.received:
             os._exit(128 + signum)
-        received.append(signal.Signals(signum))
-        stop(signal.Signals(signum))
+        sig = signal.Signals(signum)
+        self.received.append(sig)
+        if self._reason is None:  # no lock in a signal handler: a failure's reason may win the race, fine
+            self._reason = (sig.name, 128 + signum)
+        self._wake(signum)  # in case someone else took the wake-up descriptor
+        self._stop(sig)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    def on_log_reader_gone(self) -> None:
+        self.log_reader_gone = True
+        self.start_clock(_LOG_READER_GONE, 128 + signal.SIGPIPE)
+        self._stop(signal.SIGPIPE)
+
+    def _bound(self, read_fd: int, bound_s: float) -> None:
+        first = None
+        while first is None:
+            data = os.read(read_fd, 64)
+            if not data:
+                return
+            for byte in data:
+                if byte in (_START, signal.SIGTERM, signal.SIGINT):
+                    first = byte
+                    break
+        deadline = time.monotonic() + bound_s
+        while (left := deadline - time.monotonic()) > 0:
+            if select.select([read_fd], [], [], left)[0]:
+                os.read(read_fd, 64)
+        reason, code = self._reason or (signal.Signals(first).name, 128 + first)
+        line = f"{self._what} did not stop within {bound_s:g} s of {reason}: left without closing"
+        last_words(f"cdcd: error: {line} ({self._hint})" if self._hint else f"cdcd: error: {line}")
+        os._exit(code)
+
+
+def on_stop_signals(
+    stop: Callable[[signal.Signals], None],
+    *,
+    bound_s: float | None = None,
+    what: str = "cdcd",
+    hint: str = "",
+    when_log_reader_gone: bool = False,
+) -> Stops:
+    """SIGTERM and SIGINT call ``stop`` (from the signal handler: it must be signal-safe); a second
+    one leaves at once with exit code 128 + its number, as a shell reports a process it killed.
+
+    ``bound_s``: the process leaves at most this long after the first stop request, closed or not
+    (see ``Stops``; ``what`` and ``hint`` word its line then). ``when_log_reader_gone``: the reader
+    of stderr going away (a closed pipe, ``| head``) is a stop request too, ``stop(SIGPIPE)`` from
+    a thread, and the command exits ``Stops.exit_code``."""
+    stops = Stops(stop, bound_s, what, hint)
+    signal.signal(signal.SIGTERM, stops.on_signal)
+    signal.signal(signal.SIGINT, stops.on_signal)
+    if when_log_reader_gone:
+        watch_reader(stops.on_log_reader_gone)
+    return stops
 
 
 def serve_metrics(address: str, config_path: Path) -> None:

@@ -152,6 +152,20 @@ class Checkpointer:
         return len(entries)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:
+            # Anything the loop does not handle (a bug, a failed wait) ends it like a failed checkpoint:
+            # the node refuses writes and says why, instead of writers waiting for room forever.
+            self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        self._on_failure(exc)
+        log.error("checkpoint_failed", error=f"{type(exc).__name__}: {exc}", node_dir=self.config.node_dir)
+        with self.writes.lock:
+            self.writes.room.notify_all()
+
+    def _loop(self) -> None:
         interval_s = self.config.checkpoint_interval_ms / 1000
         expire_interval_s = self.config.ttl_expire_interval_ms / 1000
         batch = self.config.ttl_expire_batch_max_entries
@@ -198,8 +212,5 @@ class Checkpointer:
                     retry_s = min(max(retry_s * 2, 0.05), _RETRY_MAX_S)
                     next_checkpoint = time.monotonic() + retry_s
                     continue
-                self._on_failure(exc)
-                log.error("checkpoint_failed", error=f"{type(exc).__name__}: {exc}", node_dir=self.config.node_dir)
-                with self.writes.lock:
-                    self.writes.room.notify_all()
+                self._failed(exc)
                 return

@@ -8,9 +8,16 @@ import time
 
 import structlog
 
+from cdcd.faults import ExitCode, Fault
 from cdcd.node.node import Node
 
 log = structlog.get_logger("cdcd.node.load")
+
+
+class LoadFailed(Fault, RuntimeError):
+    """The built-in load generator died of an error of its own (``cdcd node run`` exits 1)."""
+
+    exit_code = ExitCode.FAILED
 
 
 class LoadGenerator:
@@ -39,6 +46,8 @@ class LoadGenerator:
         self.remove_ratio = remove_ratio
         self.seconds = seconds
         self.done = threading.Event()
+        self.failure: BaseException | None = None
+        """Why the load stopped by itself other than the node refusing writes (``cdcd node run`` then exits 1)."""
         self.written = 0
         self._rng = random.Random(seed)
         self._stop = threading.Event()
@@ -53,6 +62,14 @@ class LoadGenerator:
             self._thread.join()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:
+            self.failure = exc
+            log.error("load_failed", error=f"{type(exc).__name__}: {exc}", written=self.written)
+            self.done.set()
+
+    def _loop(self) -> None:
         cache = self.node.cache(self.cache_name)
         rng = self._rng
         tx_size = max(1, min(10, self.rate // 100 or 1))

@@ -232,8 +232,10 @@ class Node:
         for service in self.services.values():
             service.stop()
         self._control_server.stop()
+        # A dead WAL flusher counts too: a checkpoint or a roll would only wait on it to fail.
+        failed = self.failure is not None
         try:
-            if self._failure is None:
+            if not failed:
                 try:
                     self.checkpoint()
                 except OSError as exc:
@@ -242,7 +244,7 @@ class Node:
                     # Nothing is lost: the WAL holds every write, and the next open replays it.
                     log.warning("closed_without_checkpoint", error=str(exc), hint="the next open replays the WAL")
             self.realtime.close()
-            if self._failure is None:
+            if not failed:
                 # Ignite rolls over on stop: the daemon sees the last writes (and the markers above)
                 # now, not at the next open. A segment holding only the closing checkpoint stays.
                 rolled = self._wal.force_archive(only_news=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import structlog
 
-from cdcd import metrics
+from cdcd import failpoints, metrics
 from cdcd.faults import ExitCode, Fault
 from cdcd.node.archiver import Archiver
 from cdcd.wal.errors import WalDiskFull
@@ -196,12 +196,14 @@ class WalLog:
     def _run(self) -> None:
         try:
             self._loop()
-        except BaseException as exc:  # a dead flusher must not leave committers waiting forever
-            log.error("wal_flusher_failed", error=f"{type(exc).__name__}: {exc}")
+        except BaseException as exc:
+            # Committers first: a dead flusher must not leave them waiting forever, whatever comes after.
             with self._lock:
                 self._failure = exc
                 self._durable_cv.notify_all()
-            raise
+            log.error("wal_flusher_failed", error=f"{type(exc).__name__}: {exc}")
+            # Ended here: the node reports the failure (``cdcd node run`` exits 1 with one line), not
+            # the interpreter's thread hook with a traceback.
 
     def _loop(self) -> None:
         while True:
@@ -224,6 +226,7 @@ class WalLog:
                 end = writer.position
                 closing = self._closing
             if chunks:
+                failpoints.hit("wal.flush")  # tests: a flusher dying of an exception
                 t0 = time.perf_counter()
                 before_bytes, before_syncs = self._files.bytes_written, self._files.fsyncs
                 self._write_waiting_for_space(chunks)
