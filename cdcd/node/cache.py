@@ -36,10 +36,12 @@ class Cache:
 
     def put(self, key: Any, value: Any, *, ttl_ms: int | None = None) -> None:
         """Put ``value``; it expires ``ttl_ms`` after this call (None: the cache's ``ttl_ms``; 0:
-        never). A later put sets the expiry anew."""
+        never). A later put sets the expiry anew. A key or value the node cannot store raises
+        ``ValueRefused`` (naming this cache, the key and the limit), and nothing is written."""
         self._node.writes.put(self.info, key, value, ttl_ms)
 
     def put_all(self, items: Mapping[Any, Any], *, ttl_ms: int | None = None) -> None:
+        """Every item in one DataRecord; one refused key or value (``ValueRefused``) writes none."""
         info = self.info
         self._node.writes.commit([(info, k, v, ttl_ms) for k, v in items.items()])
 

@@ -36,7 +36,8 @@ class Transaction:
         return self._node.writes.get(info, key, default)
 
     def commit(self) -> int:
-        """Write everything as one DataRecord; returns the number of entries written."""
+        """Write everything as one DataRecord; returns the number of entries written. A refused key or
+        value (``ValueRefused``) writes nothing, and the transaction is finished."""
         if self._done:
             raise RuntimeError("transaction already finished")
         self._done = True

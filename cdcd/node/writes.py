@@ -4,6 +4,7 @@ with this node's versions, appends them as one DataRecord and puts them in the d
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 import zlib
@@ -52,6 +53,62 @@ MAX_TTL_MS = 100 * 365 * 86_400_000
 """A century: a longer TTL is a unit mistake (seconds or microseconds), not a wish."""
 
 
+INT_RANGE = "integers from -2**63 to 2**64-1"
+"""What MessagePack holds; msgspec's own OverflowError names neither the cache nor the key."""
+
+
+class ValueRefused(ValueError):
+    """A key or value the node will not write, raised by ``put``, ``put_all``, ``remove``,
+    ``remove_all`` and transaction commits before anything is written: the whole call writes nothing.
+
+    It cannot be encoded (an integer outside ``INT_RANGE``, a string with a lone surrogate, nesting
+    past Python's recursion limit, a type MessagePack has no form for) or it breaks one of the node's
+    limits (``MAX_NESTING``, ``MAX_KEY_BYTES``). ``cache``: the cache's name. ``key``: the key as the
+    node's log lines name it, the hex ``key_hash`` of its MessagePack bytes (``key_masked``), or its
+    repr with ``log_keys = true``; None when the key itself cannot be encoded and keys are masked,
+    ``index`` then finds it. ``index``: the write's position among the call's writes (0 for ``put``).
+    ``what``: ``"key"`` or ``"value"``. ``limit``: what the node accepts there."""
+
+    def __init__(
+        self,
+        problem: str,
+        *,
+        cache: str,
+        key: str | None,
+        key_masked: bool,
+        index: int,
+        count: int,
+        what: str,
+        limit: str,
+    ) -> None:
+        if key is None:
+            named = "key not shown, as keys are masked: log_keys = true shows it"
+        else:
+            named = f"key_hash {key}" if key_masked else f"key {key}"
+        where = f"; write {index + 1} of {count}" if count > 1 else ""
+        super().__init__(f"cache {cache!r}: {what} {problem} ({named}{where}; limit: {limit})")
+        self.cache = cache
+        self.key = key
+        self.key_masked = key_masked
+        self.index = index
+        self.what = what
+        self.limit = limit
+
+
+class _TypeRefused(ValueRefused, TypeError):
+    """A type MessagePack has no form for: a TypeError as msgspec's own was, and a ValueRefused."""
+
+
+def key_hash(key_raw: bytes) -> str:
+    """BLAKE2b-64 of a key's MessagePack bytes in hex: the name the replication resolver's log lines give it too."""
+    return hashlib.blake2b(key_raw, digest_size=8).hexdigest()
+
+
+def _shown(key: Any) -> str:
+    text = repr(key)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
 def too_deep(obj: Any) -> bool:
     """True if ``obj`` nests containers deeper than MAX_NESTING (iterative: no recursion here)."""
     stack = [(obj, 1)]
@@ -69,18 +126,92 @@ def too_deep(obj: Any) -> bool:
     return False
 
 
-def key_too_long(info: CacheInfo, size: int) -> ValueError:
-    return ValueError(f"cache {info.name!r}: key is {size} bytes encoded, over the limit of {MAX_KEY_BYTES} bytes")
+_ENCODE_ERRORS = (OverflowError, UnicodeEncodeError, RecursionError, TypeError)
 
 
-def encode(encoder: msgspec.msgpack.Encoder, obj: Any, info: CacheInfo, what: str) -> bytes:
-    raw = encoder.encode(obj)
-    if what == "key" and len(raw) > MAX_KEY_BYTES:
-        raise key_too_long(info, len(raw))
-    # Each level costs at least one byte, so only encodings this long can be too deep to read back.
-    if len(raw) > MAX_NESTING and too_deep(obj):
-        raise ValueError(f"cache {info.name!r}: {what} nests deeper than {MAX_NESTING} levels")
-    return raw
+class Refuse:
+    """The ValueRefused of one write: its cache, key, position among the call's writes and the node's masking."""
+
+    __slots__ = ("count", "index", "info", "key", "log_keys")
+
+    def __init__(self, info: CacheInfo, key: Any, index: int, count: int, log_keys: bool) -> None:
+        self.info = info
+        self.key = key
+        self.index = index
+        self.count = count
+        self.log_keys = log_keys
+
+    def __call__(
+        self, what: str, problem: str, limit: str, key_raw: bytes | None, cls: type[ValueRefused] = ValueRefused
+    ) -> ValueRefused:
+        if self.log_keys:
+            key: str | None = _shown(self.key)
+        else:
+            key = None if key_raw is None else key_hash(key_raw)
+        return cls(
+            problem,
+            cache=self.info.name,
+            key=key,
+            key_masked=not self.log_keys,
+            index=self.index,
+            count=self.count,
+            what=what,
+            limit=limit,
+        )
+
+    def encoding(self, what: str, obj: Any, key_raw: bytes | None, exc: Exception) -> ValueRefused | None:
+        """The refusal an encoder's error means, or None for an error that is not about ``obj``."""
+        if isinstance(exc, OverflowError):
+            return self(what, "holds an integer out of range", INT_RANGE, key_raw)
+        if isinstance(exc, UnicodeEncodeError):
+            bad = exc.object[exc.start : exc.end] if isinstance(exc.object, str) else ""
+            return self(
+                what,
+                f"holds a string with a lone surrogate, {bad!r} at index {exc.start}",
+                "strings that encode as UTF-8, without lone surrogates",
+                key_raw,
+            )
+        if isinstance(exc, RecursionError) and too_deep(obj):
+            return self.too_deep(what, key_raw)
+        if isinstance(exc, TypeError) and "unsupported" in str(exc):
+            limit = "the types msgspec encodes to MessagePack"
+            return self(what, f"cannot be stored: {exc}", limit, key_raw, _TypeRefused)
+        return None
+
+    def too_deep(self, what: str, key_raw: bytes | None) -> ValueRefused:
+        return self(what, f"nests deeper than {MAX_NESTING} levels", f"{MAX_NESTING} levels of nesting", key_raw)
+
+    def encode_key(self) -> bytes:
+        """The key's canonical MessagePack bytes, or ValueRefused."""
+        key = self.key
+        try:
+            raw = key_encoder.encode(key)
+        except _ENCODE_ERRORS as exc:
+            refused = self.encoding("key", key, None, exc)
+            if refused is None:
+                raise
+            raise refused from None
+        # Each level costs at least one byte, so only encodings this long can be too deep to read back.
+        if len(raw) > MAX_NESTING:
+            if len(raw) > MAX_KEY_BYTES:
+                problem = f"is {len(raw)} bytes encoded, over the limit of {MAX_KEY_BYTES} bytes"
+                raise self("key", problem, f"{MAX_KEY_BYTES} bytes", raw)
+            if too_deep(key):
+                raise self.too_deep("key", raw)
+        return raw
+
+    def encode_value(self, value: Any, key_raw: bytes) -> bytes:
+        """The value's MessagePack bytes, or ValueRefused."""
+        try:
+            raw = value_encoder.encode(value)
+        except _ENCODE_ERRORS as exc:
+            refused = self.encoding("value", value, key_raw, exc)
+            if refused is None:
+                raise
+            raise refused from None
+        if len(raw) > MAX_NESTING and too_deep(value):
+            raise self.too_deep("value", key_raw)
+        return raw
 
 
 def now_ms() -> int:
@@ -343,14 +474,17 @@ class WriteCore:
         now = now_ms()
         # Encoding needs no lock: prepare before taking it.
         changes: list[Change] = []
-        for info, key, value, ttl_ms in writes:
+        count = len(writes)
+        log_keys = self.config.log_keys
+        for index, (info, key, value, ttl_ms) in enumerate(writes):
             if value is None:
                 raise ValueError(f"cache {info.name!r}: value must not be None (use remove)")
-            key_raw = encode(key_encoder, key, info, "key")
+            refuse = Refuse(info, key, index, count, log_keys)
+            key_raw = refuse.encode_key()
             if value is REMOVE:
                 changes.append((info, key_raw, NIL, 0, None))
             else:
-                raw = msgspec.Raw(encode(value_encoder, value, info, "value"))
+                raw = msgspec.Raw(refuse.encode_value(value, key_raw))
                 changes.append((info, key_raw, raw, expire_time(info, ttl_ms, now), None))
         entries, end = self.write(changes, now=now)
         if end is not None and self.fsync_commits:
@@ -363,16 +497,19 @@ class WriteCore:
         if value is None or value is REMOVE:
             self.commit([(info, key, value, ttl_ms)])
             return
-        key_raw = key_encoder.encode(key)
+        try:
+            key_raw = key_encoder.encode(key)
+            raw = value_encoder.encode(value)
+        except _ENCODE_ERRORS:
+            # The slow path names what was refused (or raises the error that is not about the input).
+            refuse = Refuse(info, key, 0, 1, self.config.log_keys)
+            refuse.encode_value(value, refuse.encode_key())
+            raise
         # Each level costs at least one byte, so only encodings this long can be too deep to read back.
-        if len(key_raw) > MAX_NESTING:
-            if len(key_raw) > MAX_KEY_BYTES:
-                raise key_too_long(info, len(key_raw))
-            if too_deep(key):
-                raise ValueError(f"cache {info.name!r}: key nests deeper than {MAX_NESTING} levels")
-        raw = value_encoder.encode(value)
+        if len(key_raw) > MAX_NESTING and (len(key_raw) > MAX_KEY_BYTES or too_deep(key)):
+            Refuse(info, key, 0, 1, self.config.log_keys).encode_key()  # raises, naming the limit
         if len(raw) > MAX_NESTING and too_deep(value):
-            raise ValueError(f"cache {info.name!r}: value nests deeper than {MAX_NESTING} levels")
+            raise Refuse(info, key, 0, 1, self.config.log_keys).too_deep("value", key_raw)
         cache_config = info.config
         ttl = cache_config.ttl_ms if ttl_ms is None else ttl_ms
         if ttl and not 0 < ttl <= MAX_TTL_MS:
