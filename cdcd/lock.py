@@ -5,10 +5,10 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import time
 from pathlib import Path
 
 from cdcd.faults import ExitCode, Fault
+from cdcd.retry import poll_until
 
 
 class LockHeld(Fault, Exception):
@@ -33,18 +33,9 @@ class DirLock:
     def acquire(self, timeout_ms: int = 0) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        deadline = time.monotonic() + timeout_ms / 1000
         try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as exc:
-                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                        raise
-                    if time.monotonic() >= deadline:
-                        raise LockHeld(self.path, _read_pid(fd)) from None
-                    time.sleep(0.05)
+            if poll_until(lambda: _try_flock(fd), timeout_ms / 1000, 0.05) is None:
+                raise LockHeld(self.path, _read_pid(fd))
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             os.fsync(fd)
@@ -79,3 +70,14 @@ def read_holder_pid(path: str | os.PathLike[str]) -> int | None:
         return int(text) if text else None
     except (OSError, ValueError):
         return None
+
+
+def _try_flock(fd: int) -> bool | None:
+    """True once the exclusive lock is taken; None while another process holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        return None
+    return True

@@ -7,6 +7,9 @@ passes through at once, untouched: the caller says which errors retrying can fix
 token, a bad setting) fail the first time. Only ``Exception`` subclasses are ever retried, so
 ``asyncio.CancelledError``, ``KeyboardInterrupt`` and ``SystemExit`` are never swallowed. Debezium's
 ``RetryingCallable`` with a ``DelayStrategy`` is the model.
+
+Waiting for a condition is the other loop, ``poll_until``: ask until an answer comes or the time is up, and
+let the caller say what running out of time means (a held lock, a node that never answered).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["Backoff", "Retry", "RetriesExhausted", "RetryInterrupted", "retry_until"]
+__all__ = ["Backoff", "Retry", "RetriesExhausted", "RetryInterrupted", "poll_until", "retry_until"]
 
 T = TypeVar("T")
 
@@ -122,3 +125,28 @@ def retry_until(
 def _sleep(delay_s: float) -> bool:
     time.sleep(delay_s)
     return False
+
+
+def poll_until(
+    probe: Callable[[], T | None],
+    within_s: float,
+    interval_s: float,
+    *,
+    alive: Callable[[], bool] | None = None,
+    wait: Callable[[float], bool] | None = None,
+) -> T | None:
+    """``probe()``'s first answer that is not None, asked at once and then every ``interval_s`` for at most
+    ``within_s`` seconds (a wait never runs past the deadline, so the last ask is made at it); None when the time
+    ran out, when ``alive()`` (asked before each probe) says there is no point waiting any more, or when
+    ``wait(delay_s)`` returns True (the caller is stopping). Errors of ``probe`` pass through."""
+    wait = wait or _sleep
+    started = time.monotonic()
+    while True:
+        if alive is not None and not alive():
+            return None
+        answer = probe()
+        if answer is not None:
+            return answer
+        remaining_s = within_s - (time.monotonic() - started)
+        if remaining_s <= 0 or wait(min(interval_s, remaining_s)):
+            return None

@@ -1,4 +1,5 @@
-"""``cdcd.retry.retry_until``, the one retry loop of the sinks: what is retried and what passes through,
+"""``cdcd.retry.retry_until``, the one retry loop of the sinks (and ``poll_until``, the one wait for a
+condition): what is retried and what passes through,
 the deadline, the stop event, and the backoff's delays. Real time with delays of a few milliseconds; every
 assertion is on counts and order, none on how long something took beyond the deadline's lower bound."""
 
@@ -7,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
 
-from cdcd.retry import Backoff, RetriesExhausted, Retry, RetryInterrupted, retry_until
+from cdcd.retry import Backoff, RetriesExhausted, Retry, RetryInterrupted, poll_until, retry_until
 
 TINY = Backoff(initial_ms=1, max_ms=2)
 
@@ -135,3 +137,44 @@ def test_jittered_delays_stay_within_their_band() -> None:
 def test_a_bad_backoff_is_refused(kw: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="bad backoff"):
         Backoff(**kw)  # type: ignore[arg-type]
+
+
+# --- poll_until -------------------------------------------------------------------------------------------
+def test_poll_until_returns_the_first_answer_and_asks_no_more() -> None:
+    answers = iter([None, None, "up", "never asked"])
+    asked: list[float] = []
+    waits: list[float] = []
+
+    def probe() -> str | None:
+        asked.append(time.monotonic())
+        return next(answers)
+
+    def wait(delay_s: float) -> bool:
+        waits.append(delay_s)
+        return False
+
+    assert poll_until(probe, 60.0, 0.5, wait=wait) == "up"
+    assert len(asked) == 3 and waits == [0.5, 0.5]
+
+
+def test_poll_until_gives_up_at_the_deadline_with_a_last_ask_at_it() -> None:
+    asked: list[float] = []
+    started = time.monotonic()
+    assert poll_until(lambda: asked.append(time.monotonic()), 0.3, 0.2) is None
+    assert time.monotonic() - started >= 0.3
+    # at once, after 0.2 s, then at the deadline; a busy machine may sleep past the deadline in the first wait, and
+    # then that ask is the last one: either way the last ask is not made before the deadline
+    assert len(asked) in (2, 3) and asked[-1] - started >= 0.3
+
+
+def test_poll_until_stops_when_there_is_no_point_waiting() -> None:
+    alive = iter([True, True, False])
+    asked: list[int] = []
+    assert poll_until(lambda: asked.append(1), 60.0, 0.0, alive=lambda: next(alive)) is None
+    assert len(asked) == 2
+
+
+def test_poll_until_stops_when_the_wait_says_so_and_lets_errors_through() -> None:
+    assert poll_until(lambda: None, 60.0, 1.0, wait=lambda _s: True) is None
+    with pytest.raises(OSError, match="boom"):
+        poll_until(lambda: (_ for _ in ()).throw(OSError("boom")), 60.0, 1.0)

@@ -7,7 +7,6 @@ Asked first over the node's control socket (a running node), else read from its 
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 
 import lmdb
@@ -19,6 +18,7 @@ from cdcd.daemon_state import StateDamaged, check_lmdb_file
 from cdcd.lock import read_holder_pid
 from cdcd.node.config import NodeConfig
 from cdcd.node.metastorage import MetastorageUnreadable, read_realtime_state
+from cdcd.retry import poll_until
 from cdcd.wal.pointer import WalPosition
 from cdcd.wal.records import CacheInfo
 
@@ -73,15 +73,10 @@ def ask_starting_node(node: NodeConfig, wait_s: float = STARTING_NODE_WAIT_S) ->
     but its control socket does not answer yet. Without the wait a daemon started a moment after its
     node (one systemd unit right after the other) would sit PASSIVE until the node's next start."""
     answer = ask_node(node)
-    deadline = time.monotonic() + wait_s
-    logged = False
-    while answer is None and _node_process_alive(node) and time.monotonic() < deadline:
-        if not logged:
-            log.info("waiting_for_node_socket", socket=str(node.control_socket_path), wait_s=wait_s)
-            logged = True
-        time.sleep(0.2)
-        answer = ask_node(node)
-    return answer
+    if answer is not None or not _node_process_alive(node):
+        return answer
+    log.info("waiting_for_node_socket", socket=str(node.control_socket_path), wait_s=wait_s)
+    return poll_until(lambda: ask_node(node), wait_s, 0.2, alive=lambda: _node_process_alive(node))
 
 
 def _node_process_alive(node: NodeConfig) -> bool:
