@@ -90,9 +90,67 @@ def test_deleted_parquet_file_of_changes(tmp_path: Path) -> None:
 
 def test_unreadable_parquet_file_of_changes(lake: Path) -> None:
     victim = lake / "changes" / live_files(lake)[-1]
+    size = victim.stat().st_size
     victim.write_bytes(victim.read_bytes()[:40])  # cut short: no footer
     (line,) = faults(lake)
+    assert line.startswith(f"{victim}: 40 bytes where the log (version ")
+    assert f"records {size:,}: overwritten or cut since its commit" in line
+
+
+def test_unreadable_parquet_file_of_its_logged_size(lake: Path) -> None:
+    victim = lake / "changes" / live_files(lake)[-1]
+    victim.write_bytes(b"\0" * victim.stat().st_size)  # the size the log records, no Parquet in it
+    (line,) = faults(lake)
     assert line.startswith(f"{victim}: unreadable Parquet (")
+
+
+def test_a_copy_over_a_live_file_is_named_by_check_and_stops_verify(tmp_path: Path) -> None:
+    """Issue 47: DuckDB's ``COPY … TO`` over a live data file of ``changes`` left a valid Parquet file that
+    delta-rs could no longer read as the table, and `lake check` and `lake verify` both passed. Now the
+    file's size differs from the one its add action records: one line naming it, `lake check` exits 8, and
+    verify (which checks without reading footers) stops on it too."""
+    import duckdb
+
+    from tests.support.procs import cdcd
+
+    node_dir, lake = build_lake(tmp_path)
+    victim = lake / "changes" / live_files(lake)[0]
+    logged = victim.stat().st_size
+    duckdb.sql(f"COPY (SELECT 1 AS n) TO '{victim}' (FORMAT parquet)")
+    assert victim.stat().st_size != logged
+    (line,) = faults(lake)
+    assert line.startswith(f"{victim}: {victim.stat().st_size:,} bytes where the log (version ")
+    assert f"records {logged:,}: overwritten or cut since its commit: restore it from a backup" in line
+    res = cdcd("lake", "check", "--lake", str(lake))
+    assert res.returncode == EXIT_DAMAGED_LAKE
+    assert res.stdout.splitlines()[0] == line
+    res = cdcd("lake", "verify", "--lake", str(lake), "--node-dir", str(node_dir))
+    assert res.returncode == EXIT_DAMAGED_LAKE
+    assert res.stderr.splitlines() == [f"cdcd: error: {line}"]
+
+
+def test_state_files_are_compared_with_the_log_too(tmp_path: Path) -> None:
+    """``state`` (written as compaction leaves it) under the same check: a file cut short is named by
+    its size; a log whose statistics record another row count than the file holds is named by rows
+    (read only when the footers are read)."""
+    from tests.support.delta_tables import change, compacted_lake
+
+    lake = tmp_path / "lake"
+    compacted_lake(lake, [change("orders", str(k), f'"v{k}"', k) for k in range(5)])
+    assert faults(lake) == []
+    state = lake / "state"
+    (rel,) = DeltaTable(str(state)).get_add_actions(flatten=True).column("path").to_pylist()
+    victim = state / rel
+    commit = state / "_delta_log" / f"{0:020d}.json"
+    text = commit.read_text()
+    assert '\\"numRecords\\":5' in text
+    commit.write_text(text.replace('\\"numRecords\\":5', '\\"numRecords\\":6'))
+    (line,) = faults(lake)
+    assert line.startswith(f"{victim}: 5 rows where the log (version 0) records 6: replaced since")
+    assert [f.line for t in check_lake(lake, read_files=False) for f in t.faults] == []
+    victim.write_bytes(victim.read_bytes()[:-1])
+    (line,) = [f.line for t in check_lake(lake, read_files=False) for f in t.faults]
+    assert line.startswith(f"{victim}: {victim.stat().st_size:,} bytes where the log (version 0) records ")
 
 
 def test_torn_newest_commit(lake: Path) -> None:

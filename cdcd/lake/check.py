@@ -9,7 +9,9 @@ Per table (``changes``, ``state``):
 - ``_last_checkpoint`` parses and names a checkpoint that is there;
 - every checkpoint reads, and holds the files the commits up to it leave (when those commits are
   all still there to tell);
-- every data file the log names as live exists and, unless asked not to, its Parquet footer reads.
+- every data file the log names as live exists with the size its add action records (a file
+  overwritten or cut since its commit is named, though its footer may still read) and, unless asked
+  not to, its Parquet footer reads and holds the row count the action's statistics record.
 
 Each fault is one line: the file, what is wrong, what to do. ``DamagedLake`` carries the first one
 (and the exit code of a damaged lake) for callers that stop on it.
@@ -130,25 +132,60 @@ def _file_path(table: LakeDir, path: str) -> LakeDir:
     return table / unquote(path)
 
 
-def _read_checkpoint(files: list[LakeDir]) -> set[str]:
+@dataclass(frozen=True)
+class _Added:
+    """What the log records of a live data file: the version that added it, its size, its rows."""
+
+    version: int
+    size: int | None
+    rows: int | None
+
+
+def _added(version: int, add: dict[str, Any]) -> _Added:
+    size = add.get("size")
+    rows = None
+    stats = add.get("stats")
+    if isinstance(stats, str):
+        try:
+            parsed = json.loads(stats)
+        except ValueError:
+            parsed = None  # statistics are optional: unreadable ones only say nothing
+        if isinstance(parsed, dict) and isinstance(parsed.get("numRecords"), int):
+            rows = parsed["numRecords"]
+    return _Added(version, size if isinstance(size, int) else None, rows)
+
+
+def _read_checkpoint(files: list[LakeDir], version: int) -> dict[str, _Added]:
     """The live data files a checkpoint holds."""
-    adds: set[str] = set()
+    adds: dict[str, _Added] = {}
     for part in files:
         schema = pq.read_schema(file_source(part))
         if "add" not in schema.names:
             continue
         for row in pq.read_table(file_source(part), columns=["add"]).column("add").to_pylist():
             if row is not None:
-                adds.add(row["path"])
+                adds[row["path"]] = _added(version, row)
     return adds
 
 
-def _apply(live: dict[str, int], version: int, actions: list[dict[str, Any]]) -> None:
+def _apply(live: dict[str, _Added], version: int, actions: list[dict[str, Any]]) -> None:
     for action in actions:
         if (add := action.get("add")) is not None:
-            live[add["path"]] = version
+            live[add["path"]] = _added(version, add)
         elif (remove := action.get("remove")) is not None:
             live.pop(remove["path"], None)
+
+
+def _size(path: LakeDir) -> int:
+    """The size of a data file; FileNotFoundError when it is not there."""
+    if isinstance(path, ObjectPath):
+        import pyarrow.fs as pafs
+
+        info = path.fs.get_file_info(path.fs_path)
+        if info.type == pafs.FileType.NotFound or info.size is None:
+            raise FileNotFoundError(str(path))
+        return int(info.size)
+    return os.stat(path).st_size
 
 
 def check_table(table: LakeDir, *, read_files: bool = True) -> TableCheck:
@@ -205,7 +242,7 @@ def check_table(table: LakeDir, *, read_files: bool = True) -> TableCheck:
                 faults.append(Fault(str(pointer), f"names version {named}, beyond the log's end {latest}", drop))
                 named = None
 
-    checkpoints: dict[int, set[str]] = {}
+    checkpoints: dict[int, dict[str, _Added]] = {}
     for version, files in sorted(checkpoint_files.items()):
         where = str(files[0])
         remedy = (
@@ -215,20 +252,20 @@ def check_table(table: LakeDir, *, read_files: bool = True) -> TableCheck:
             else "restore it from a backup (the commits before it are gone)"
         )
         try:
-            held = _read_checkpoint(files)
+            held = _read_checkpoint(files, version)
         except (OSError, pa.ArrowException, KeyError, TypeError) as exc:
             faults.append(Fault(where, f"unreadable checkpoint ({type(exc).__name__}: {exc})", remedy))
             continue
         if replayable(version):
-            live: dict[str, int] = {}
+            live: dict[str, _Added] = {}
             for v in range(version + 1):
                 _apply(live, v, actions[v])
-            if set(live) != held:
+            if set(live) != set(held):
                 faults.append(
                     Fault(
                         where,
                         f"holds {len(held)} live files where the commits up to version {version} leave "
-                        f"{len(live)} ({len(held - set(live))} extra, {len(set(live) - held)} missing)",
+                        f"{len(live)} ({len(set(held) - set(live))} extra, {len(set(live) - set(held))} missing)",
                         remedy,
                     )
                 )
@@ -238,7 +275,7 @@ def check_table(table: LakeDir, *, read_files: bool = True) -> TableCheck:
     # The live files of the newest version: from the checkpoint readers start at, then the commits.
     usable = [v for v in checkpoints if v <= latest]
     base = named if named in checkpoints else (max(usable) if usable else -1)
-    live_files: dict[str, int] = dict.fromkeys(checkpoints.get(base, set()), base)
+    live_files: dict[str, _Added] = dict(checkpoints.get(base, {}))
     for version in range(base + 1, latest + 1):
         if version in actions:
             _apply(live_files, version, actions[version])
@@ -251,17 +288,27 @@ def check_table(table: LakeDir, *, read_files: bool = True) -> TableCheck:
                 )
             )
     result.files = len(live_files)
-    for rel, version in sorted(live_files.items()):
+    for rel, added in sorted(live_files.items()):
         path = _file_path(table, rel)
+        version = added.version
         fix = (
             f"restore it from a backup; else drop it from the log (delta-rs: DeltaTable('{table}').repair()) "
             "and land its rows again (`cdcd resend`; `cdcd lake compact` for state)"
         )
         try:
+            size = _size(path)
+            if added.size is not None and size != added.size:
+                what = (
+                    f"{size:,} bytes where the log (version {version}) records {added.size:,}: "
+                    "overwritten or cut since its commit"
+                )
+                faults.append(Fault(str(path), what, fix))
+                continue
             if read_files:
-                pq.read_metadata(file_source(path))
-            elif not path.exists():
-                raise FileNotFoundError(str(path))
+                rows = pq.read_metadata(file_source(path)).num_rows
+                if added.rows is not None and rows != added.rows:
+                    what = f"{rows:,} rows where the log (version {version}) records {added.rows:,}: replaced since"
+                    faults.append(Fault(str(path), what, fix))
         except FileNotFoundError:
             faults.append(Fault(str(path), f"named by the log (version {version}) but missing", fix))
         except (OSError, pa.ArrowException) as exc:
