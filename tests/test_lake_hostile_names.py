@@ -180,3 +180,96 @@ def test_hostile_field_names_and_deep_values_compact_twice_and_every_reader_read
     started = time.monotonic()
     rows = duckdb_connect().sql(f"SELECT * FROM delta_scan('{path}')").fetchall()
     assert len(rows) == 4 and time.monotonic() - started < 20, time.monotonic() - started
+
+
+# --- a table that cannot be opened, one whose MERGE fails -------------------------------------------------------
+def make_unreadable(path: Path) -> None:
+    """A typed table as an older cdcd left it with a value nested 50 deep: its newest commit's schema is too
+    deep for delta-rs to parse (serde_json's recursion limit)."""
+    from cdcd.lake.deltalog import LOG_DIR, read_commit
+
+    log_dir = path / LOG_DIR
+    newest = max(int(p.name[:20]) for p in log_dir.glob("*.json"))
+    meta = next(a["metaData"] for v in range(newest, -1, -1) for a in read_commit(path, v) if "metaData" in a)
+    schema = json.loads(meta["schemaString"])
+    deep: Any = "long"
+    for _ in range(50):
+        deep = {"type": "struct", "fields": [{"name": "x", "type": deep, "nullable": True, "metadata": {}}]}
+    schema["fields"].append({"name": "d", "type": deep, "nullable": True, "metadata": {}})
+    meta = {**meta, "schemaString": json.dumps(schema)}
+    (log_dir / f"{newest + 1:020d}.json").write_text(json.dumps({"metaData": meta}) + "\n")
+
+
+@pytest.mark.timeout(1200)
+def test_an_unreadable_table_and_a_failing_one_are_skipped_while_state_and_the_others_stay_current(
+    spark: Any, tmp_path: Path
+) -> None:
+    """One typed table delta-rs cannot open (a schema too deep, as an older cdcd wrote it) and one whose MERGE
+    fails (a data file cut short): ``cdcd lake compact`` names each in one ``skipped:`` line, exits 0 without a
+    traceback, ``state`` and the other tables are current and exact, and the cut leaves both out. The next
+    compaction rebuilds the failed table from ``state`` (its stale mark) and it is exact again; the unreadable one
+    stays skipped until its directory is deleted, then it is rebuilt from ``state`` too."""
+    from cdcd.lake.cuts import latest_cut
+    from cdcd.lake.typed_tables import STALE_MARK
+    from tests.support.cli import run_cli
+
+    lake = tmp_path / "lake"
+    first = [change(cache, str(i), f'{{"qty": {i}}}', 10 * n + i) for n, cache in enumerate("abc") for i in range(3)]
+    append_changes(lake, first, source_txn=("node-a", 1))
+    compact(spark, lake)
+    make_unreadable(table_dir(lake, "b"))
+    victim = next(table_dir(lake, "c").glob("*.parquet"))
+    victim.write_bytes(victim.read_bytes()[:20])
+
+    second = [change(cache, "9", f'{{"qty": 9, "new": "{cache}"}}', 100 + n) for n, cache in enumerate("abc")]
+    append_changes(lake, second, source_txn=("node-a", 2))
+    res = run_cli("lake", "compact", "--lake", str(lake), "--spark-master", "local[1]")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    skipped = sorted(line for line in lines if line.startswith("skipped: "))
+    assert len(skipped) == 2 and len(lines) == 3, res.stdout
+    assert skipped[0].startswith(f"skipped: {table_dir(lake, 'b')}: typed table of cache b skipped: "), skipped
+    assert "recursion limit" in skipped[0] or "nested" in skipped[0], skipped
+    assert skipped[1].startswith(f"skipped: {table_dir(lake, 'c')}: typed table of cache c skipped: "), skipped
+    assert "Traceback" not in res.stdout + res.stderr
+    expected = fold(first + second)
+    check_exact(lake, expected, {"a"}, spark, ["delta-rs"])
+    cut = latest_cut(lake)
+    assert cut is not None and set(cut.tables) == {"a"}
+    assert (table_dir(lake, "c") / STALE_MARK).exists()
+    assert [b.cache for b in scan_tables(lake).unreadable] == ["b"]
+
+    third = [change("a", "1", '{"qty": 11}', 200)]
+    append_changes(lake, third, source_txn=("node-a", 3))
+    r3 = compact(spark, lake)
+    assert [b.cache for b in r3.skipped] == ["b"]
+    expected = fold(first + second + third)
+    check_exact(lake, expected, {"a", "c"}, spark, ["delta-rs"])
+    assert not (table_dir(lake, "c") / STALE_MARK).exists()
+    cut = latest_cut(lake)
+    assert cut is not None and set(cut.tables) == {"a", "c"}
+
+    # Scheduled maintenance, as a daemon runs it: runs go on with the unreadable table skipped, none fails.
+    from cdcd.lake.maintainer import Maintainer, MaintainerOptions
+    from tests.support.procs import wait_for
+
+    maintainer = Maintainer(lake, spark, MaintainerOptions(compact_interval_s=0.2, optimize_interval_s=0))
+    maintainer.start()
+    try:
+        append_changes(lake, [change("a", "2", '{"qty": 12}', 300)], source_txn=("node-a", 4))
+        wait_for(lambda: maintainer.compactions >= 2 or not maintainer.alive(), 600, "two scheduled compactions")
+    finally:
+        maintainer.stop()
+    assert maintainer.alive() and maintainer.failures == 0, maintainer.last_failure
+    assert maintainer.last_compact is not None and [b.cache for b in maintainer.last_compact.skipped] == ["b"]
+    expected = fold(first + second + third + [change("a", "2", '{"qty": 12}', 300)])
+    check_exact(lake, expected, {"a", "c"}, spark, ["delta-rs"])
+
+    import shutil
+
+    shutil.rmtree(table_dir(lake, "b"))
+    r4 = compact(spark, lake)  # nothing new: the table comes from state
+    assert r4.skipped == [] and set(r4.tables) == {"a", "b", "c"}
+    check_exact(lake, expected, {"a", "b", "c"}, spark, ["delta-rs"])
+    cut = latest_cut(lake)
+    assert cut is not None and set(cut.tables) == {"a", "b", "c"}

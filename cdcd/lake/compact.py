@@ -47,7 +47,7 @@ from cdcd.lake.table import (
     STATE_SCHEMA,
 )
 from cdcd.lake.typed_declared import DeclaredTable
-from cdcd.lake.typed_layout import BadTable, list_tables
+from cdcd.lake.typed_layout import BadTable, list_tables, scan_tables
 from cdcd.lake.typed_tables import compact_tables, missing_tables
 
 log = structlog.get_logger("cdcd.lake")
@@ -293,7 +293,9 @@ def compact(
     end = table_version(changes)
     if end is None:
         raise NotADeltaLake(f"{changes}: not a Delta table (no _delta_log/): nothing to compact")
-    list_tables(lake)  # a directory under tables/ that is not a table stops compaction here, naming it
+    # A directory under tables/ that is not a table stops compaction here, naming it; one that delta-rs cannot
+    # open is named in every run's result (compact_tables logs it when it skips it).
+    unreadable = scan_tables(lake).unreadable if typed_tables else []
     starts = generation_starts(changes, end)
     seen = start_ids(starts)
     done, app_id, rebuild = _start(lake, end, seen)
@@ -301,7 +303,7 @@ def compact(
         if not typed_tables or not missing_tables(lake):
             if typed_tables:
                 _cut_if_behind(lake, done)
-            return CompactResult(-1, done, 0, _state_version(lake))
+            return CompactResult(-1, done, 0, _state_version(lake), skipped=unreadable)
         # Nothing new, but state holds caches without a table (a lake compacted before the typed tables).
         session = spark.newSession()
         empty = CHANGE_SCHEMA.empty_table()
