@@ -273,3 +273,47 @@ def test_an_unreadable_table_and_a_failing_one_are_skipped_while_state_and_the_o
     check_exact(lake, expected, {"a", "b", "c"}, spark, ["delta-rs"])
     cut = latest_cut(lake)
     assert cut is not None and set(cut.tables) == {"a", "b", "c"}
+
+
+# --- a cache dropped and created again ---------------------------------------------------------------------------
+def dropped(cache: str, version: int) -> dict[str, Any]:
+    return {**change(cache, "", None, version, op="truncate"), "key": None}
+
+
+def schema_of(path: Path) -> dict[str, str]:
+    from deltalake import DeltaTable
+
+    return {f.name: str(f.type) for f in DeltaTable(str(path)).schema().fields}
+
+
+@pytest.mark.timeout(1200)
+def test_a_cache_dropped_and_created_again_gets_new_types_whatever_the_compaction_timing(
+    spark: Any, tmp_path: Path
+) -> None:
+    """A cache with int keys and BIGINT ``qty`` is dropped and created again with string keys and string ``qty``:
+    the drop and the new rows in one compaction after the first, or the drop in one and the new rows in the next,
+    give the table the same schema as one compaction of the whole history (STRING key and ``qty``, typed keys),
+    nothing rescued, every row exact; the other cache's table is untouched by it and exact."""
+    v1 = [change("shape", str(i), f'{{"qty": {i}}}', 1 + i) for i in range(3)] + [change("other", "1", '{"n": 1}', 9)]
+    v2 = [change("shape", json.dumps(f"k{i}"), json.dumps({"qty": f"q{i}", "sku": "s"}), 20 + i) for i in range(7)]
+    timings = {
+        "together": [v1 + [dropped("shape", 10)] + v2],
+        "one range": [v1, [dropped("shape", 10)] + v2],
+        "two ranges": [v1, [dropped("shape", 10)], v2],
+    }
+    schemas = {}
+    for name, ranges in timings.items():
+        lake = tmp_path / name.replace(" ", "-")
+        for n, rows in enumerate(ranges):
+            append_changes(lake, rows, source_txn=("node-a", n + 1))
+            assert compact(spark, lake).skipped == []
+        history = [r for rows in ranges for r in rows]
+        check_exact(lake, fold(history), {"shape", "other"}, spark, ["delta-rs"])
+        from deltalake import DeltaTable
+
+        rescued = DeltaTable(str(table_dir(lake, "shape"))).to_pyarrow_table(columns=[RESCUED]).column(0)
+        assert rescued.null_count == len(rescued) == 7, name
+        schemas[name] = schema_of(table_dir(lake, "shape"))
+        assert not read_layout(table_dir(lake, "shape")).key_json, name
+    assert schemas["together"]["qty"] == schemas["together"]["key"] == 'PrimitiveType("string")'
+    assert schemas["one range"] == schemas["two ranges"] == schemas["together"]
