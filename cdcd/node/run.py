@@ -11,6 +11,7 @@ from typing import Protocol
 
 import structlog
 
+from cdcd import failpoints
 from cdcd.logging import describe
 from cdcd.node.load import LoadFailed, LoadGenerator
 from cdcd.node.node import Node
@@ -75,6 +76,7 @@ def run_node(
     finally:
         if on_closing is not None:
             on_closing(sys.exc_info()[1])
+        failpoints.hit("node.run.closing")  # tests: a close that hangs
         supervisor.stopping()
         if load is not None:
             load.stop()
