@@ -13,9 +13,6 @@ the compaction timing; a lake sink starting on a ``changes`` table with a delete
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -86,7 +83,9 @@ def typed_rows(path: Path, reader: str, spark: Any) -> list[dict[str, Any]]:
     return DeltaTable(str(path)).to_pyarrow_table().to_pylist()  # type: ignore[no-any-return]
 
 
-def check_exact(lake: Path, expected: dict[tuple[str, str], str], caches: set[str], spark: Any, readers: list[str]) -> None:
+def check_exact(
+    lake: Path, expected: dict[tuple[str, str], str], caches: set[str], spark: Any, readers: list[str]
+) -> None:
     """``state`` holds exactly ``expected``, and the typed table of each of ``caches``, read by each reader,
     rebuilds exactly its part of it (one row per key)."""
     assert state_rows(lake) == expected
@@ -317,3 +316,79 @@ def test_a_cache_dropped_and_created_again_gets_new_types_whatever_the_compactio
         assert not read_layout(table_dir(lake, "shape")).key_json, name
     assert schemas["together"]["qty"] == schemas["together"]["key"] == 'PrimitiveType("string")'
     assert schemas["one range"] == schemas["two ranges"] == schemas["together"]
+
+
+# --- a deleted data file under changes at the daemon's start ----------------------------------------------------
+def landed_lake(tmp: Path) -> tuple[Path, Path]:
+    """A node's WAL landed by the real sink in four commits, a checkpoint of ``changes`` after the second."""
+    from deltalake import DeltaTable
+
+    from cdcd.sinks.lake import LakeConsumer, LakeOptions
+    from tests.support.config import NO_MAINTENANCE
+    from tests.support.delta_lake import sub_batch, wal_batch
+    from tests.support.writer import make_node
+
+    node_dir, lake = tmp / "node", tmp / "lake"
+    make_node(node_dir, segments=2, tx_per_segment=20)
+    batch = wal_batch(node_dir)
+    n = len(batch.peek_slices())
+    per = -(-n // 4)
+    sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake", **NO_MAINTENANCE))
+    sink.start()
+    try:
+        for k in range(0, n, per):
+            assert sink.on_events(sub_batch(batch, k, k + per)) is True
+            if k == per:
+                DeltaTable(str(lake / "changes")).create_checkpoint()
+    finally:
+        sink.stop()
+    return node_dir, lake
+
+
+def data_files(lake: Path, version: int) -> list[Path]:
+    """The data files commit ``version`` of ``changes`` added."""
+    from urllib.parse import unquote
+
+    from cdcd.lake.deltalog import read_commit
+
+    return [lake / "changes" / unquote(a["add"]["path"]) for a in read_commit(lake / "changes", version) if "add" in a]
+
+
+def test_a_daemon_starting_on_changes_with_a_deleted_or_cut_data_file_stops_with_exit_8(tmp_path: Path) -> None:
+    """A data file the last checkpoint names deleted: ``cdcd run`` exits 8 (as ``lake compact``/``verify``/``check``
+    stop) with one error line naming the file and no traceback, and lands nothing; a file of a commit after the
+    checkpoint cut short: the sink's start names it and both sizes."""
+    from cdcd.lake.check import EXIT_DAMAGED_LAKE, DamagedLake
+    from cdcd.sinks.lake import LakeConsumer, LakeOptions
+    from tests.support.config import NO_MAINTENANCE
+    from tests.support.delta_lake import lake_consumer
+    from tests.support.lake import write_config
+    from tests.support.procs import error_lines, reap, start_daemon
+
+    node_dir, lake = landed_lake(tmp_path)
+    log_files = sorted(p.name for p in (lake / "changes" / "_delta_log").iterdir())
+    gone = data_files(lake, 1)[0]
+    gone.unlink()
+    config = write_config(tmp_path / "daemon.toml", node_dir, lake_consumer(lake))
+    err = tmp_path / "daemon.err"
+    proc = start_daemon(config, err)
+    try:
+        rc = proc.wait(120)
+    finally:
+        reap(proc)
+    lines = error_lines(err)
+    assert rc == EXIT_DAMAGED_LAKE and len(lines) == 1, err.read_text()[-3000:]
+    assert f"{gone}: named by the log but missing" in lines[0], lines
+    assert "Traceback" not in err.read_text()
+    assert sorted(p.name for p in (lake / "changes" / "_delta_log").iterdir()) == log_files
+
+    gone.write_bytes(b"")  # back, but empty: the log's size no longer matches
+    cut = data_files(lake, 4)[0]
+    cut.write_bytes(cut.read_bytes()[:-1])
+    sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake", **NO_MAINTENANCE))
+    with pytest.raises(DamagedLake) as info:
+        sink.start()
+    sink.stop()
+    assert "\n" not in str(info.value) and "1 more: `cdcd lake check`" in str(info.value)
+    first = min(str(gone), str(cut))
+    assert str(info.value).startswith(f"{first}: ") and "bytes where the log records" in str(info.value)
