@@ -296,8 +296,8 @@ def test_a_cache_dropped_and_created_again_gets_new_types_whatever_the_compactio
     v1 = [change("shape", str(i), f'{{"qty": {i}}}', 1 + i) for i in range(3)] + [change("other", "1", '{"n": 1}', 9)]
     v2 = [change("shape", json.dumps(f"k{i}"), json.dumps({"qty": f"q{i}", "sku": "s"}), 20 + i) for i in range(7)]
     timings = {
-        "together": [v1 + [dropped("shape", 10)] + v2],
-        "one range": [v1, [dropped("shape", 10)] + v2],
+        "together": [[*v1, dropped("shape", 10), *v2]],
+        "one range": [v1, [dropped("shape", 10), *v2]],
         "two ranges": [v1, [dropped("shape", 10)], v2],
     }
     schemas = {}
