@@ -22,6 +22,7 @@ import msgspec
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 from cdcd import formats
+from cdcd.retry import Backoff, RetriesExhausted, retry_until
 
 Address = tuple[int, int, int]
 """``(segment, offset, entry_index)`` of the last entry in Kafka (inclusive: that entry is sent)."""
@@ -121,6 +122,17 @@ def read_position(conf: dict[str, Any], topic: str, partitions: int, node: str, 
     return None if stored is None else stored.address
 
 
+class _Settling(Exception):
+    """A watermark probe's retriable error (a topic just created, a leader moving): waited out."""
+
+    def __init__(self, error: KafkaException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+_SETTLING_BACKOFF = Backoff(initial_ms=200, max_ms=200)
+
+
 def read_stored(conf: dict[str, Any], topic: str, partitions: int, node: str, timeout_s: float) -> Stored | None:
     """The newest committed record of ``node`` (None: it never delivered).
 
@@ -132,20 +144,26 @@ def read_stored(conf: dict[str, Any], topic: str, partitions: int, node: str, ti
     tp = TopicPartition(topic, part)
     base = {**conf, "group.id": "cdcd-offsets-reader", "enable.auto.commit": False}
     deadline = time.monotonic() + timeout_s
-    while True:
+
+    def high_watermark() -> int:
         # a new client per attempt: one that timed out against a dead leader may keep asking it
         probe = Consumer({**base, "isolation.level": "read_uncommitted"})
         try:
             _low, high = probe.get_watermark_offsets(tp, timeout=min(5.0, max(0.1, deadline - time.monotonic())))
-            break
+            return int(high)
         except KafkaException as exc:
             # a topic just created, a leader moving or down: its metadata settles in a moment
             err = exc.args[0]
-            if not (err.retriable() or err.code() == KafkaError._TIMED_OUT) or time.monotonic() >= deadline:
-                raise
-            time.sleep(0.2)
+            if err.retriable() or err.code() == KafkaError._TIMED_OUT:
+                raise _Settling(exc) from exc
+            raise
         finally:
             probe.close()
+
+    try:
+        high = retry_until(high_watermark, timeout_s, _SETTLING_BACKOFF, retriable=(_Settling,))
+    except RetriesExhausted as exc:
+        raise (exc.last.error if isinstance(exc.last, _Settling) else exc.last) from None
     if high <= 0:
         return None
     reader = Consumer({**base, "isolation.level": "read_committed", "enable.partition.eof": True})

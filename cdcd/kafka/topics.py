@@ -28,7 +28,6 @@ one line (shorten the prefix or the cache name).
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -38,6 +37,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic  # type:
 
 from cdcd.kafka.errors import KafkaSetupError, describe, error_of
 from cdcd.kafka.options import KafkaSinkOptions
+from cdcd.retry import poll_until
 
 log = structlog.get_logger("cdcd.kafka.sink")
 
@@ -203,8 +203,11 @@ def settled(admin: AdminClient, topics: Sequence[str], opts: KafkaSinkOptions, s
     after a topic is created, the broker may still answer with none of them (or with
     LEADER_NOT_AVAILABLE). KafkaSetupError if that lasts ``connect_timeout_ms`` (the sink does not
     start; a restart, as systemd's, tries again)."""
-    deadline = time.monotonic() + opts.connect_timeout_ms / 1000
-    while True:
+    pending: list[str] = list(topics)
+    found: dict[str, Any] = {}
+
+    def settled_meta() -> Any:
+        nonlocal pending, found
         try:
             meta = admin.list_topics(timeout=opts.connect_timeout_ms / 1000)
         except KafkaException as exc:
@@ -212,13 +215,14 @@ def settled(admin: AdminClient, topics: Sequence[str], opts: KafkaSinkOptions, s
             raise KafkaSetupError(f"{source}: key 'bootstrap_servers': metadata of {names}: {describe(exc)}") from None
         found = meta.topics
         pending = [t for t in topics if t not in found or found[t].error or not found[t].partitions]
-        if not pending:
-            return meta
-        if time.monotonic() >= deadline:
-            why = "; ".join(f"{t}: {found[t].error}" for t in pending if t in found and found[t].error)
-            raise KafkaSetupError(
-                f"{source}: topic(s) {', '.join(pending)} without partitions in the cluster's metadata after "
-                f"connect_timeout_ms = {opts.connect_timeout_ms}" + (f" ({why})" if why else "") + " (just created, "
-                "the broker may still be electing leaders: start again)"
-            )
-        time.sleep(0.1)
+        return None if pending else meta
+
+    meta = poll_until(settled_meta, opts.connect_timeout_ms / 1000, 0.1)
+    if meta is None:
+        why = "; ".join(f"{t}: {found[t].error}" for t in pending if t in found and found[t].error)
+        raise KafkaSetupError(
+            f"{source}: topic(s) {', '.join(pending)} without partitions in the cluster's metadata after "
+            f"connect_timeout_ms = {opts.connect_timeout_ms}" + (f" ({why})" if why else "") + " (just created, "
+            "the broker may still be electing leaders: start again)"
+        )
+    return meta
