@@ -21,7 +21,7 @@ from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.lake import spark as spark_session
 from cdcd.lake.compact import compact
-from cdcd.lake.ops import show
+from cdcd.lake.ops import LakeInfo, show
 from cdcd.lake.report import print_demo_ending, print_show, print_verify
 from cdcd.lake.verify import verify
 from cdcd.node.load import LoadGenerator
@@ -98,6 +98,33 @@ class _Watch:
         return time.monotonic() - started
 
 
+def _rows(info: LakeInfo, table: str) -> int:
+    return next((t.rows for t in info.tables if t.name == table), 0)
+
+
+def change_rows(info: LakeInfo) -> int:
+    """Rows of the lake's ``changes`` table: one per WAL entry delivered."""
+    return _rows(info, "changes")
+
+
+def state_rows(info: LakeInfo) -> int:
+    """Rows of the lake's ``state`` table: one per live key of every cache."""
+    return _rows(info, "state")
+
+
+def counts_line(wal_entries: int, changes: int, node_keys: int, state: int) -> str:
+    """The run's counts side by side, each pair that must agree joined by ``=`` (``≠`` if it does not):
+    what the node logged and what landed, what the node holds and what state holds."""
+
+    def pair(left: str, a: int, right: str, b: int) -> str:
+        return f"{left} {a:,} {'=' if a == b else '≠'} {right} {b:,}"
+
+    return (
+        f"counts: {pair('WAL entries', wal_entries, 'change rows', changes)}; "
+        f"{pair('node keys', node_keys, 'state rows', state)}"
+    )
+
+
 def run_demo(*, var: Path, seconds: float, rate: int, spark_master: str, fresh: bool, stop: threading.Event) -> bool:
     """Run until ``seconds`` pass (0: until ``stop``), then catch up, compact, verify; True if verified."""
     if fresh:
@@ -137,7 +164,11 @@ def run_demo(*, var: Path, seconds: float, rate: int, spark_master: str, fresh: 
         click.echo(f"{elapsed:.0f}s  {watch.last_line}")
         pos = daemon.state.position
         behind = end.segment + 1 - (pos.segment if pos is not None else 0)
-        click.echo(f"stopping: load stopped at WAL {end} ({load.written:,} entries); catching up {behind} segment(s)")
+        logged = sum(node.stats.entries.values())  # a fresh node: its WAL's entries are this run's
+        click.echo(
+            f"stopping: load stopped; the node logged {logged:,} entries in its WAL (up to {end}); "
+            f"catching up {behind} segment(s)"
+        )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             pos = daemon.state.position
@@ -156,20 +187,23 @@ def run_demo(*, var: Path, seconds: float, rate: int, spark_master: str, fresh: 
         spark_held = True
         phase = time.monotonic()
         click.echo(
-            f"caught up in {caught - stopping:.1f} s ({consumer.rows_written:,} rows landed), daemon stopped in "
-            f"{phase - caught:.1f} s; compacting {lake}"
+            f"caught up in {caught - stopping:.1f} s: {consumer.rows_written:,} change rows landed of the WAL's "
+            f"{logged:,} entries; daemon stopped in {phase - caught:.1f} s; compacting {lake}"
         )
         spark.sparkContext.setLogLevel("ERROR")  # Spark's own warnings are not the demo's output
         done = compact(spark, lake)
+        info = show(lake)
         click.echo(
-            f"compacted in {time.monotonic() - phase:.1f} s ({done.keys:,} keys into state and "
-            f"{len(done.tables)} typed table(s)); verifying against the node"
+            f"compacted in {time.monotonic() - phase:.1f} s: {done.keys:,} keys changed since the last scheduled "
+            f"compaction merged into state, which holds {state_rows(info):,} rows; {len(done.tables)} typed "
+            "table(s); verifying against the node"
         )
         with NodeSnapshot(node_dir) as snapshot:
             checks = verify(lake, [snapshot])
         verified = all(c.ok for c in checks)
-        print_show(show(lake))
+        print_show(info)
         print_verify(checks)
+        click.echo(counts_line(logged, change_rows(info), sum(c.node_rows for c in checks), state_rows(info)))
         print_demo_ending(spark, lake, checks, stopping)
     finally:
         if spark_held:

@@ -68,6 +68,8 @@ def node_main(node_dir: str, cache: str, rate: int, stop_file: str, metrics_port
         load.stop()
         node.force_archive()
         node.close()
+        # What this node logged (a fresh node: every entry of its WAL), for the counts at the end.
+        Path(f"{node_dir}.logged").write_text(f"{sum(node.stats.entries.values())}\n")
 
 
 def start_node(var: Path, i: int, rate: int, metrics_port: int) -> subprocess.Popen[bytes]:
@@ -77,6 +79,24 @@ def start_node(var: Path, i: int, rate: int, metrics_port: int) -> subprocess.Po
     # Every child runs in a session of its own: the terminal's Ctrl-C reaches only this script, which stops
     # them in order (a node stopped by Ctrl-C mid-load would not archive its last writes).
     return subprocess.Popen(cmd, stdout=log, stderr=log, env=child_env(), start_new_session=True)
+
+
+def print_counts(var: Path, info: Any, checks: list[Any]) -> None:
+    """Per node: the entries it logged beside the change rows of its cache, its keys beside its state rows."""
+    from cdcd.demo import counts_line
+
+    per_table = {t.name: t.rows_per_cache for t in info.tables}
+    node_keys = {c.cache: c.node_rows for c in checks}
+    for i in range(NODES):
+        cache = f"load-node{i}"
+        logged = int((var / f"node{i}.logged").read_text())
+        line = counts_line(
+            logged,
+            per_table.get("changes", {}).get(cache, 0),
+            node_keys.get(cache, 0),
+            per_table.get("state", {}).get(cache, 0),
+        )
+        print(f"node{i} {line}", flush=True)
 
 
 def show_pos(pos: tuple[int, int, int] | None) -> str:
@@ -293,10 +313,12 @@ def main() -> int:
         result = compact(warm.get(), root)
         t3 = time.monotonic()
         print(f"compacted in {t3 - t2:.1f} s ({compact_summary(result)}); verifying", flush=True)
-        print_show(show(root))
+        info = show(root)
+        print_show(info)
         with ExitStack() as stack:
             checks = verify(root, [stack.enter_context(NodeSnapshot(d)) for d in dirs])
         print_verify(checks)
+        print_counts(var, info, checks)
         ok = all(c.ok for c in checks)
         print(f"{verify_summary(checks)}; verified in {time.monotonic() - t3:.1f} s", flush=True)
         print(f"{'OK' if ok else 'verification FAILED'}; stopped in {time.monotonic() - stopping:.0f} s", flush=True)

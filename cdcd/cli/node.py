@@ -93,31 +93,18 @@ def node_run(
             seconds=load_seconds,
             seed=load_seed,
         )
-    interactive = sys.stdout.isatty()
-
-    def progress() -> None:
-        if load is not None:
-            click.echo(
-                f"\rwritten {load.written:>10,} entries   WAL at {the_node.wal_position}   "
-                f"archived up to segment {the_node.wal.last_archived}",
-                nl=False,
-            )
-
     try:
+        # The load's progress is its load_progress log line: a "\r" line of its own ran into log lines.
         run_node(
             the_node,
             Notifier(),
             stop,
             seconds=seconds,
             load=load,
-            tick_s=1.0 if interactive else 0.2,
-            on_tick=progress if interactive else None,
             on_closing=lambda failure: closing(stops, failure),
         )
     except Exception as exc:
         fail_on(exc)
-    if interactive:
-        click.echo()
     if stops.exit_code:
         sys.exit(stops.exit_code)
 

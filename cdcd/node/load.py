@@ -20,12 +20,20 @@ class LoadFailed(Fault, RuntimeError):
     exit_code = ExitCode.FAILED
 
 
+PROGRESS_EVERY_S = 10.0
+"""How often the load says how far it got (``load_progress``): a log line, never a line of its own on
+the terminal that log lines would run into."""
+
+
 class LoadGenerator:
-    """Writes about ``rate`` entries/s to cache ``load``: 10-entry transactions, ~80% upserts, ~20% removes.
+    """Writes about ``rate`` changes/s to cache ``load``: 10-change transactions, ~80% upserts, ~20% removes.
 
     Values are ~100-byte dicts with a stable shape (``id``, ``seq``, ``updated_at``, ``payload``);
     ``updated_at`` is the wall clock in ns, a ready-made ``conflict_resolve_field``. The load
-    stops by itself after ``seconds`` (0: runs until ``stop()``).
+    stops by itself after ``seconds`` (0: runs until ``stop()``). ``written`` counts the entries the
+    node logged: a remove of a key that is not there writes nothing, so it is not counted (the WAL
+    holds exactly ``written`` entries of this load). Every ``progress_every_s`` it logs
+    ``load_progress`` (0: never).
     """
 
     def __init__(
@@ -38,6 +46,7 @@ class LoadGenerator:
         seed: int = 1,
         remove_ratio: float = 0.2,
         seconds: float = 0,
+        progress_every_s: float = PROGRESS_EVERY_S,
     ) -> None:
         self.node = node
         self.rate = rate
@@ -49,6 +58,10 @@ class LoadGenerator:
         self.failure: BaseException | None = None
         """Why the load stopped by itself other than the node refusing writes (``cdcd node run`` then exits 1)."""
         self.written = 0
+        """Entries the node logged for this load (its WAL's entries of it)."""
+        self.removes_drawn = 0
+        """Removes the load asked for, of absent keys too (those write nothing)."""
+        self.progress_every_s = progress_every_s
         self._rng = random.Random(seed)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cdcd-load", daemon=True)
@@ -75,6 +88,7 @@ class LoadGenerator:
         tx_size = max(1, min(10, self.rate // 100 or 1))
         interval_s = tx_size / self.rate
         next_at = started = time.monotonic()
+        next_progress = started + self.progress_every_s
         seq = 0
         while not self._stop.is_set() and not (self.seconds and time.monotonic() - started >= self.seconds):
             puts = {}
@@ -87,12 +101,13 @@ class LoadGenerator:
                 else:
                     puts[key] = {"id": key, "seq": seq, "updated_at": time.time_ns(), "payload": "x" * 48}
             try:
-                with self.node.transaction() as tx:
-                    for k, v in puts.items():
-                        tx.put(cache.name, k, v)
-                    for k in removes:
-                        if k not in puts:
-                            tx.remove(cache.name, k)
+                tx = self.node.transaction()
+                for k, v in puts.items():
+                    tx.put(cache.name, k, v)
+                for k in removes:
+                    if k not in puts:
+                        tx.remove(cache.name, k)
+                logged = tx.commit()
             except Exception:
                 if self.node.failure is None and not self._stop.is_set():
                     raise
@@ -100,7 +115,12 @@ class LoadGenerator:
                 log.info("load_stopped", written=self.written, cache=self.cache_name)
                 self.done.set()
                 return
-            self.written += len(puts) + len(removes)
+            self.written += logged
+            self.removes_drawn += len(removes)
+            now = time.monotonic()
+            if self.progress_every_s and now >= next_progress:
+                log.info("load_progress", written=self.written, wal=str(self.node.wal_position), cache=self.cache_name)
+                next_progress = now + self.progress_every_s
             next_at += interval_s
             delay = next_at - time.monotonic()
             if delay > 0:
