@@ -35,11 +35,18 @@ from cdcd.lake.typed_infer import (
     rebuild,
     type_of,
 )
-from cdcd.lake.typed_layout import list_tables, read_layout, scan_tables, table_dir
+from cdcd.lake.typed_layout import list_tables, read_layout, scan_tables
+from cdcd.lake.typed_layout import table_dir as lake_table_dir
 from tests.support.delta_tables import append_changes, change, state_rows
 
 CONTROLS = [chr(c) for c in [*range(0x20), *range(0x7F, 0xA0)]]
 """Every control character (C0, DEL, C1), NUL among them."""
+
+
+def table_dir(lake: Path, cache: str) -> Path:
+    path = lake_table_dir(lake, cache)
+    assert isinstance(path, Path)
+    return path
 
 
 def nested(depth: int, leaf: object = 1, *, kind: str = "dict") -> object:
@@ -92,10 +99,11 @@ def check_exact(
     tables = list_tables(lake)
     for cache in caches:
         layout = read_layout(tables[cache])
+        assert isinstance(tables[cache], Path)
         want = {k: canonical(msgspec.json.decode(v)) for (c, k), v in expected.items() if c == cache}
         for reader in readers:
             got: dict[str, bytes] = {}
-            for row in typed_rows(tables[cache], reader, spark):
+            for row in typed_rows(table_dir(lake, cache), reader, spark):
                 key_json = row[KEY] if layout.key_json else msgspec.json.encode(row[KEY]).decode()
                 assert key_json not in got, f"{reader}: two rows for key {key_json} of {cache!r}"
                 got[key_json] = canonical(rebuild(row, layout))
