@@ -159,7 +159,7 @@ def test_lake_verify_before_any_compaction_says_to_compact_first(tmp_path: Path)
     ]
     res = cdcd("lake", "verify", "--lake", str(tmp_path), "--node-dir", str(node_dir))
     assert res.returncode == 2 and res.stderr.splitlines() == [
-        f"cdcd: error: {tmp_path / 'changes'}: not a Delta table (no _delta_log/): not a cdcd lake"
+        f"cdcd: error: {tmp_path}: not a cdcd lake (no changes/ table) (the lake is {lake}: pass --lake {lake})"
     ]
 
 

@@ -115,6 +115,16 @@ def _master_option() -> _Decorator:
     return click.option("--spark-master", default="local[*]", show_default=True, help="Spark master URL.")
 
 
+def _require_lake(lake_path: Any) -> None:
+    """``--lake`` names a lake (one of its Delta tables is there), else one line naming the path as no
+    lake, with where the lake is when it is close by (``--lake var`` for ``var/lake``): exit 2."""
+    from cdcd.lake.readers import not_a_lake
+
+    missing = not_a_lake(lake_path)
+    if missing is not None:
+        fail_on(missing)
+
+
 def _require_changes(lake_path: Path) -> None:
     """A cdcd lake whose logs check out (``lake check`` without reading data files), else one line:
     exit 2 for no lake, 8 for a damaged one."""
@@ -122,6 +132,8 @@ def _require_changes(lake_path: Path) -> None:
     from cdcd.lake.compact import table_version
     from cdcd.lake.table import CHANGES
 
+    if not (lake_path / CHANGES).exists():
+        _require_lake(lake_path)
     if not (lake_path / CHANGES / "_delta_log").exists():
         fail(f"{lake_path / CHANGES}: not a Delta table (no _delta_log/): not a cdcd lake", ExitCode.BAD_INPUT)
     try:
@@ -282,9 +294,10 @@ def lake_check(lake_path: Any, no_read: bool) -> None:
     from cdcd.lake.check import check_lake, report_lines
 
     log_to_stderr(level="warning")
+    _require_lake(lake_path)
     checks = check_lake(lake_path, read_files=not no_read)
     if not checks:
-        fail(f"{lake_path}: no Delta table here (not a lake)", ExitCode.BAD_INPUT)
+        fail(f"{lake_path}: no changes/ or state/ table to check", ExitCode.BAD_INPUT)
     for line in report_lines(checks):
         click.echo(line)
     if any(t.faults for t in checks):
@@ -302,6 +315,7 @@ def lake_cut(lake_path: Any, latest: bool, as_of: str | None, as_json: bool) -> 
     from cdcd.lake.cuts import cut_command
 
     log_to_stderr(level="warning")
+    _require_lake(lake_path)
     text, code = cut_command(lake_path, as_of=as_of, as_json=as_json)
     if code:
         fail(text, code)
@@ -323,16 +337,21 @@ def lake_cut(lake_path: Any, latest: bool, as_of: str | None, as_json: bool) -> 
 def lake_sql(  # noqa: PLR0917 (click passes every option by keyword)
     lake_path: Any, query: str, engine: str, fmt: str, as_of: str | None, max_rows: int | None, spark_master: str
 ) -> None:
-    """Run QUERY over the cache tables, each a view under its cache name (odd names quoted), read at
-    the latest cut: DuckDB by default (no JVM), or Spark. Errors are one line, exit 1."""
+    """Run QUERY over the cache tables, each a view under its cache name (docs/lake.md, view names),
+    read at the latest cut: DuckDB by default (no JVM), or Spark. Only a query runs (SELECT, WITH,
+    EXPLAIN, DESCRIBE, SHOW): anything else is refused, exit 2; a failed query is one line, exit 1;
+    nothing is printed before the whole result is there."""
+    import io
+
     from cdcd.lake.sql import MAX_TABLE_ROWS, run_sql
 
     log_to_stderr(level="warning")
+    err = io.StringIO()
     code = run_sql(
         lake_path,
         query,
         sys.stdout,
-        sys.stderr,
+        err,
         engine=engine,
         fmt=fmt,
         as_of=as_of,
@@ -340,6 +359,8 @@ def lake_sql(  # noqa: PLR0917 (click passes every option by keyword)
         spark_master=spark_master,
     )
     sys.stdout.flush()
+    if code:
+        fail(err.getvalue().strip() or f"lake sql exited {code}", code)
     sys.exit(code)
 
 
@@ -354,6 +375,7 @@ def lake_show(lake_path: Path, as_json: bool) -> None:
     from cdcd.lake.report import print_show
     from cdcd.lake.typed_show import print_tables, tables_json, tables_show
 
+    _require_lake(lake_path)
     try:
         info = show(lake_path)
         tables = tables_show(lake_path)
@@ -379,6 +401,7 @@ def lake_history(lake_path: Path, table: str, limit: int, as_json: bool) -> None
     from cdcd.lake.ops import history
     from cdcd.lake.report import print_history
 
+    _require_lake(lake_path)
     try:
         rows = history(lake_path, table, limit)
     except NotADeltaLake as exc:

@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from cdcd.faults import ExitCode, Fault
 from cdcd.lake.cuts import CUTS, Cut, NoCut, latest_cut, table_path
+from cdcd.lake.deltalog import LOG_DIR
 from cdcd.lake.printable import printable
 from cdcd.lake.storage import LakeDir, ObjectPath, StorageOptions, lake_root, spark_path
+from cdcd.lake.table import CHANGES, STATE
 
 
 def duckdb_delta_extension() -> Path:
@@ -24,12 +27,27 @@ def duckdb_delta_extension() -> Path:
     return path
 
 
-def duckdb_connect() -> Any:
-    """An in-memory DuckDB connection with ``delta_scan`` loaded from the wheel, never from the network."""
+def duckdb_connect(*, confine_to: Sequence[str] | None = None, temp_directory: str | None = None) -> Any:
+    """An in-memory DuckDB connection with ``delta_scan`` loaded from the wheel, never from the network.
+
+    ``confine_to`` (``cdcd lake sql``): the directories the connection may open files under, and no
+    other file, URL, extension or setting change: DuckDB's ``enable_external_access`` off with these
+    ``allowed_directories``, then ``lock_configuration``, so no statement can undo either.
+    ``temp_directory`` is where DuckDB spills (an in-memory database's default is ``.tmp`` in the
+    working directory, which may be the lake)."""
     import duckdb
 
     con = duckdb.connect(config={"autoinstall_known_extensions": False, "autoload_known_extensions": False})
-    con.execute("LOAD '" + str(duckdb_delta_extension()).replace("'", "''") + "'")
+    con.execute("LOAD " + _sql_string(str(duckdb_delta_extension())))
+    if temp_directory is not None:
+        con.execute("SET temp_directory = " + _sql_string(temp_directory))
+    if confine_to is not None:
+        allowed = [d.rstrip("/") + "/" for d in confine_to]
+        if temp_directory is not None:
+            allowed.append(temp_directory.rstrip("/") + "/")
+        con.execute("SET allowed_directories = [" + ", ".join(_sql_string(d) for d in allowed) + "]")
+        con.execute("SET enable_external_access = false")
+        con.execute("SET lock_configuration = true")
     return con
 
 
@@ -47,31 +65,143 @@ def open_lake(lake: LakeArg, storage: StorageOptions | None = None) -> LakeDir:
     return lake if isinstance(lake, ObjectPath) else lake_root(str(lake), storage)
 
 
+class NotALake(Fault, NoCut):
+    """A path that holds none of a lake's Delta tables (a parent of a lake, a table inside one, a file):
+    the message names it, the hint says where the lake is when it is close by."""
+
+    exit_code = ExitCode.BAD_INPUT
+
+    def __init__(self, message: str, hint: str) -> None:
+        self.hint = hint
+        super().__init__(message)
+
+
+LAKE_TABLES = (CHANGES, STATE, CUTS)
+"""The Delta tables of which a lake holds at least one (``changes`` from its first batch on)."""
+_NEAR_DEPTH = 3
+"""How many directories up and down ``not_a_lake`` looks for the lake a path misses."""
+
+
+def is_lake(root: LakeDir) -> bool:
+    """Whether ``root`` holds a lake: one of ``changes``, ``state``, ``_cuts`` with a Delta log."""
+    return any((root / name / LOG_DIR).exists() for name in LAKE_TABLES)
+
+
+def _near_lake(path: Path) -> Path | None:
+    """The lake a local path is in (an ancestor) or holds (a directory a few levels down), if any."""
+    for parent in list(path.parents)[:_NEAR_DEPTH]:
+        if is_lake(parent):
+            return parent
+    level = [path] if path.is_dir() else []
+    for _ in range(_NEAR_DEPTH):
+        below: list[Path] = []
+        for directory in level:
+            try:
+                children = sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith("."))
+            except OSError:
+                continue
+            for child in children:
+                if is_lake(child):
+                    return child
+            below.extend(children)
+        level = below[:200]  # a lake is near the path given, not anywhere in a large tree
+    return None
+
+
+def not_a_lake(root: LakeDir) -> NotALake | None:
+    """None when ``root`` is a lake, else the one-line error: what it is not, where the lake is if it
+    is close by (``--lake var`` for ``var/lake``, ``--lake var/lake/tables``), else what a lake is."""
+    if is_lake(root):
+        return None
+    near = _near_lake(root) if isinstance(root, Path) else None
+    hint = (
+        f"the lake is {near}: pass --lake {near}"
+        if near is not None
+        else "--lake is the lake sink's `lake_path`, the directory that holds changes/ and state/"
+    )
+    return NotALake(f"{root}: not a cdcd lake (no {CHANGES}/ table)", hint)
+
+
 def resolve_cut(lake: LakeDir, cut: Cut | None) -> Cut:
-    """``cut``, or the latest one; NoCut (one line) when no compaction recorded one yet."""
+    """``cut``, or the latest one; NoCut (one line) when no compaction recorded one yet, NotALake (a
+    NoCut too) when ``lake`` is no lake at all."""
     if cut is not None:
         return cut
     latest = latest_cut(lake)
     if latest is None:
+        missing = not_a_lake(lake)
+        if missing is not None:
+            raise missing
         raise NoCut(f"{lake / CUTS}: no cut recorded yet (run cdcd lake compact)")
     return latest
 
 
+VIEW_ESCAPE = "#"
+"""The one character that starts an escape in a view name (see ``view_names``)."""
+
+
+def escape_view_name(cache: str) -> str:
+    """``cache`` spelled so that no two names give views an engine confuses: ``#`` is ``##``, an ASCII
+    capital is ``#`` and its small letter (``Orders`` -> ``#orders``), and any other character that is
+    not printable or not its own lower case is ``#{hex}`` of its code point (NUL -> ``#{0}``, ``Ä`` ->
+    ``#{c4}``). Every character of the result is its own lower case, so catalogs that compare names
+    ignoring case (DuckDB folds ASCII, Spark all of Unicode) still tell any two results apart."""
+    out: list[str] = []
+    for ch in cache:
+        if ch == VIEW_ESCAPE:
+            out.append(VIEW_ESCAPE * 2)
+        elif "A" <= ch <= "Z":
+            out.append(VIEW_ESCAPE + ch.lower())
+        elif ch.isprintable() and ch.lower() == ch:
+            out.append(ch)
+        else:
+            out.append(f"{VIEW_ESCAPE}{{{ord(ch):x}}}")
+    return "".join(out)
+
+
+def cache_of_view(view: str) -> str:
+    """The cache a view name of ``view_names`` stands for: ``escape_view_name`` undone (a name without
+    ``#`` is the cache's own). ValueError for text no cache's view name can be."""
+    out: list[str] = []
+    i = 0
+    while i < len(view):
+        ch = view[i]
+        if ch != VIEW_ESCAPE:
+            out.append(ch)
+            i += 1
+            continue
+        nxt = view[i + 1 : i + 2]
+        if nxt == VIEW_ESCAPE or "a" <= nxt <= "z":
+            out.append(nxt if nxt == VIEW_ESCAPE else nxt.upper())
+            i += 2
+            continue
+        end = view.find("}", i)
+        try:
+            if nxt != "{" or end < 0:
+                raise ValueError
+            out.append(chr(int(view[i + 2 : end], 16)))
+        except (ValueError, OverflowError):
+            raise ValueError(f"{printable(view)}: not a view name of a cache (a stray {VIEW_ESCAPE} at {i})") from None
+        i = end + 1
+    return "".join(out)
+
+
 def view_names(caches: Iterable[str]) -> dict[str, str]:
-    """View name -> cache name. DuckDB and Spark (by default) match names ignoring case, so of caches
-    whose names differ only by case the first (in sorted order) keeps its name and each later one is
-    ``<name>#2``, ``<name>#3`` ...: every table stays reachable and no view replaces another. No SQL
-    identifier can hold a NUL: a name with one is named as ``printable`` writes it (``a\\u0000b``)."""
+    """View name -> cache name, one view per cache and never one name for two (docs/lake.md, "View
+    names"). A cache keeps its own name as its view unless that name holds ``#`` or a character that is
+    not printable (NUL, a newline ...), or another cache's name equals it ignoring case (``Orders``
+    beside ``orders``): then the view is ``escape_view_name(cache)``. Both engines match names ignoring
+    case, which is why case is escaped; a name kept as it is has no ``#``, every escaped one but a name
+    already in lower case has one, so no kept name equals an escaped one, and ``cache_of_view`` turns
+    any of them back into its cache."""
+    names = sorted(set(caches))
+    folded: dict[str, int] = {}
+    for cache in names:
+        folded[cache.casefold()] = folded.get(cache.casefold(), 0) + 1
     views: dict[str, str] = {}
-    taken: set[str] = set()
-    for cache in sorted(caches):
-        base = printable(cache) if "\0" in cache else cache
-        name, n = base, 1
-        while name.casefold() in taken:
-            n += 1
-            name = f"{base}#{n}"
-        taken.add(name.casefold())
-        views[name] = cache
+    for cache in names:
+        plain = VIEW_ESCAPE not in cache and cache.isprintable() and folded[cache.casefold()] == 1
+        views[cache if plain else escape_view_name(cache)] = cache
     return views
 
 
