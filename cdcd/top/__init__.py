@@ -100,12 +100,16 @@ def _keys() -> Iterator[Callable[[float], bool]]:
     tty.setcbreak(fd)  # keys arrive one by one; Ctrl-C still raises KeyboardInterrupt
 
     def wait(timeout_s: float) -> bool:
+        # stdin is looked at even when no time is left: a refresh that takes longer than the interval (a
+        # source answering at its deadline) must not leave the q a user typed meanwhile unread for ever.
         deadline = time.monotonic() + max(0.0, timeout_s)
-        while (left := deadline - time.monotonic()) > 0:
+        while True:
+            left = max(0.0, deadline - time.monotonic())
             ready, _, _ = select.select([fd], [], [], left)
             if ready and os.read(fd, 64).lower().count(b"q"):
                 return True
-        return False
+            if not left:
+                return False
 
     try:
         yield wait

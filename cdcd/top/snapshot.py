@@ -251,7 +251,7 @@ def _node_dir_missing(node_dir: Path) -> str | None:
 def _read_status(socket_path: Path, deadline_s: float) -> Answer:
     try:
         reply = request_within(socket_path, {"cmd": "status"}, deadline_s=deadline_s, max_bytes=MAX_STATUS_BYTES)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         missing = _node_dir_missing(socket_path.parent)
         if missing is not None:
             return Answer(None, f"{socket_path}: no control socket ({missing})", bad=True)

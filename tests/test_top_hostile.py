@@ -1,0 +1,394 @@
+"""`cdcd top` against sources that misbehave: metrics endpoints and a control socket played by the test
+(real TCP servers on 127.0.0.1 and a real Unix socket) that answer garbage, too much, too little or too
+slowly, and node dirs that are missing or odd. Each case runs `cdcd top --once --json` (or the text view)
+as a subprocess: exit 0 within 5 s, no traceback, and the bad source named in one line, in `sources` and
+in `source_problems`. One case drives the live view in tmux with such sources."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.config import jsonl_consumer, write_daemon_config
+from tests.support.ports import free_port
+from tests.support.procs import CDCD, child_env, wait_for
+from tests.support.tmux import Pane
+
+TOP = [*CDCD, "top"]
+ANSWER_WITHIN_S = 5.0
+"""The product's claim: both reads end within 3.5 s in all (2 s for any one source), plus the start of a
+Python process; the rest is room for a busy machine."""
+METRICS_LIMIT = 8 << 20
+STATUS_LIMIT = 1 << 20
+
+Behaviour = Callable[[socket.socket, threading.Event], None]
+"""What a hostile server does on a connection, once it has read the request."""
+
+
+# --- the hostile servers --------------------------------------------------------------------------
+class Server:
+    """Accepts connections on ``sock`` and plays ``behave`` on each after reading the request (up to
+    ``request_end``); counts the connections. ``close`` stops every connection's thread."""
+
+    def __init__(self, sock: socket.socket, behave: Behaviour, request_end: bytes) -> None:
+        self.sock, self.behave, self.request_end = sock, behave, request_end
+        self.stop = threading.Event()
+        self.connections = 0
+        self.threads: list[threading.Thread] = []
+        sock.listen(16)
+        sock.settimeout(0.2)  # the accept loop looks at ``stop`` between waits
+        self._spawn(self._accept)
+
+    def _spawn(self, target: Callable[..., None], *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            self.connections += 1
+            self._spawn(self._serve, conn)
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):  # top hanging up on us is what the cases expect
+            conn.settimeout(30)
+            request = b""
+            while self.request_end not in request:
+                part = conn.recv(4096)
+                if not part:
+                    return
+                request += part
+            self.behave(conn, self.stop)
+
+    def close(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(30)
+        self.sock.close()
+
+
+def send(data: bytes) -> Behaviour:
+    def behave(conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(data)
+
+    return behave
+
+
+def trickle(data: bytes) -> Behaviour:
+    """One byte a second (``data`` is longer than any deadline lets through)."""
+
+    def behave(conn: socket.socket, stop: threading.Event) -> None:
+        for i in range(len(data)):
+            if stop.wait(1.0):
+                return
+            conn.sendall(data[i : i + 1])
+
+    return behave
+
+
+def endless(head: bytes, chunk: bytes) -> Behaviour:
+    """``head``, then ``chunk`` again and again until the client hangs up."""
+
+    def behave(conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(head)
+        block = chunk * max(1, (1 << 16) // len(chunk))
+        while not stop.is_set():
+            conn.sendall(block)
+
+    return behave
+
+
+def http(body: bytes, *headers: str, status: str = "200 OK", length: int | None = None) -> bytes:
+    lines = [f"HTTP/1.0 {status}", "Content-Type: text/plain", *headers]
+    lines.append(f"Content-Length: {len(body) if length is None else length}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+GOOD_STATUS = {
+    "ok": True,
+    "node_id": "n1",
+    "writes": "ok",
+    "wal_position": "7:4096",
+    "cdc": "on",
+    "delivering": "daemon",
+    "realtime": {"mode": "off", "buffer_used_bytes": 0, "buffer_max_bytes": 1024, "stops": {}},
+    "lag_segments": None,
+    "lag_ms": None,
+}
+ODD = "[/bold][red]\x1b[2J\u202e"
+"""Rich markup (a closing tag with nothing open raises MarkupError), a terminal escape, a bidi override."""
+
+
+def status(**changes: Any) -> bytes:
+    return json.dumps({**GOOD_STATUS, **changes}).encode() + b"\n"
+
+
+# --- the cases ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    control: Behaviour | None = None
+    """The node's control socket (None: none there)."""
+    node_metrics: Behaviour | None = None
+    daemon_metrics: Behaviour | None = None
+    """Served at the ``metrics_address`` of a daemon config given with ``--config``."""
+    node_dir: str = "dir"
+    """``dir``, ``missing``, ``file``, ``fifo-lock`` (``cdcd.lock`` a FIFO), ``bad-state`` (garbage LMDB)."""
+    says: dict[str, str] = field(default_factory=dict)
+    """source -> what its line says (each such source is a problem)."""
+    fine: tuple[str, ...] = ()
+    """Sources whose line is no problem (not there is not bad)."""
+    slow: tuple[str, ...] = ()
+    """Sources that run out of time: asked once only (the second read skips them)."""
+
+
+CASES: dict[str, Case] = {
+    # A metrics endpoint (the node's, --node-metrics).
+    "metrics-not-http": Case(node_metrics=send(b"SSH-2.0-OpenSSH_9.6\r\n"), says={"node_metrics": "not HTTP"}),
+    "metrics-invalid-utf8": Case(
+        node_metrics=send(http(b"cdcd_node_entries_total 1\n\xff\xfe 2\n")),
+        says={"node_metrics": "not UTF-8 at byte 26"},
+    ),
+    "metrics-short-body": Case(
+        node_metrics=send(http(b"cdcd_node_e", length=1000)), says={"node_metrics": "cut short: 11 of 1000 bytes"}
+    ),
+    "metrics-trickle": Case(
+        node_metrics=trickle(http(b"cdcd_node_entries_total 1\n")),
+        says={"node_metrics": "no full answer within"},
+        slow=("node_metrics",),
+    ),
+    "metrics-endless-body": Case(
+        node_metrics=endless(b"HTTP/1.0 200 OK\r\n\r\n", b"cdcd_node_entries_total 1\n"),
+        says={"node_metrics": f"answer over {METRICS_LIMIT} bytes"},
+    ),
+    "metrics-endless-header": Case(
+        node_metrics=endless(b"HTTP/1.0 200 OK\r\n", b"X-Pad: aaaaaaaaaaaaaaaa\r\n"),
+        says={"node_metrics": "no end of the HTTP header"},
+    ),
+    "metrics-garbage-text": Case(
+        node_metrics=send(http(b"# HELP x\ncdcd_x{cache=unquoted} 1\n")),
+        says={"node_metrics": "not Prometheus text (line 2"},
+    ),
+    "metrics-not-a-number": Case(
+        node_metrics=send(http(b"cdcd_x 12abc\n")), says={"node_metrics": "value '12abc' is no number"}
+    ),
+    "metrics-huge-length": Case(
+        node_metrics=send(http(b"", length=10**12)), says={"node_metrics": f"over {METRICS_LIMIT}"}
+    ),
+    "metrics-http-500": Case(
+        node_metrics=send(http(b"boom", status="500 Internal Server Error")), says={"node_metrics": "HTTP 500"}
+    ),
+    "metrics-gzip": Case(
+        node_metrics=send(http(b"\x1f\x8b\x08\x00", "Content-Encoding: gzip")),
+        says={"node_metrics": "content-encoding 'gzip'"},
+    ),
+    "metrics-closes-at-once": Case(node_metrics=send(b""), says={"node_metrics": "closed without answering"}),
+    # The node's control socket.
+    "control-list": Case(control=send(b"[1]\n"), says={"control_socket": "status reply is a JSON list"}),
+    "control-ok-only": Case(
+        control=send(b'{"ok":true}\n'), says={"control_socket": "missing required field `wal_position`"}
+    ),
+    "control-bad-wal-position": Case(
+        control=send(status(wal_position="7:x")), says={"control_socket": "wal_position '7:x' is not SEGMENT:OFFSET"}
+    ),
+    "control-wrong-type": Case(
+        control=send(status(realtime={"mode": "on", "buffer_used_bytes": "lots"})),
+        says={"control_socket": "$.realtime.buffer_used_bytes"},
+    ),
+    "control-not-json": Case(control=send(b'{"ok": tru\n'), says={"control_socket": "reply not JSON"}),
+    "control-invalid-utf8": Case(control=send(b'{"ok": "\xff"}\n'), says={"control_socket": "reply not JSON"}),
+    "control-refuses": Case(control=send(b'{"ok": false}\n'), says={"control_socket": "refused: no reason given"}),
+    "control-trickle": Case(
+        control=trickle(status()), says={"control_socket": "no full reply within 2 s"}, slow=("control_socket",)
+    ),
+    "control-endless": Case(
+        control=endless(b"", b'{"ok": true, "pad": "aaaaaaaa'),
+        says={"control_socket": f"reply over {STATUS_LIMIT} bytes"},
+    ),
+    "control-closes-at-once": Case(control=send(b""), says={"control_socket": "closed without a reply"}),
+    # Node dirs.
+    "node-dir-missing": Case(
+        node_dir="missing", says={"control_socket": "does not exist", "daemon_state": "does not exist"}
+    ),
+    "node-dir-a-file": Case(
+        node_dir="file", says={"control_socket": "is not a directory", "daemon_state": "is not a directory"}
+    ),
+    "lock-file-a-fifo": Case(node_dir="fifo-lock", fine=("daemon_state",)),
+    "state-garbage": Case(node_dir="bad-state", says={"daemon_state": "not an LMDB file"}),
+    # Not there is no problem: a stopped node, a metrics endpoint nobody serves.
+    "nobody-there": Case(fine=("control_socket", "node_metrics")),
+    # Every server trickles at once: read side by side, each asked once.
+    "all-trickle": Case(
+        control=trickle(status()),
+        node_metrics=trickle(http(b"cdcd_node_entries_total 1\n")),
+        daemon_metrics=trickle(http(b"cdcd_daemon_events_total 1\n")),
+        says={"control_socket": "within", "node_metrics": "within", "daemon_metrics": "within"},
+        slow=("control_socket", "node_metrics", "daemon_metrics"),
+    ),
+}
+
+
+@dataclass
+class Rig:
+    node_dir: Path
+    argv: list[str]
+    servers: dict[str, Server]
+
+
+@contextlib.contextmanager
+def rig(tmp_path: Path, case: Case) -> Iterator[Rig]:
+    node_dir = tmp_path / "node"
+    if case.node_dir == "file":
+        node_dir.write_text("not a dir\n")
+    elif case.node_dir != "missing":
+        node_dir.mkdir()
+    if case.node_dir == "fifo-lock":
+        os.mkfifo(node_dir / "cdcd.lock")  # nobody ever writes it: a plain open and read would block forever
+    if case.node_dir == "bad-state":
+        (node_dir / "cdcd-state").mkdir()
+        (node_dir / "cdcd-state" / "data.mdb").write_bytes(b"\x00garbage" * 1000)
+    argv = [*TOP, "--node-dir", str(node_dir), "--interval-ms", "100", "--once"]
+    servers: dict[str, Server] = {}
+    try:
+        if case.control is not None:
+            path = node_dir / "control.sock"
+            assert len(os.fsencode(path)) < 100, path  # a Unix socket path's limit
+            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            unix.bind(str(path))
+            servers["control_socket"] = Server(unix, case.control, b"\n")
+        for name, behave in (("node_metrics", case.node_metrics), ("daemon_metrics", case.daemon_metrics)):
+            address = f"127.0.0.1:{free_port()}"
+            if behave is not None:
+                tcp = socket.socket()
+                tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                tcp.bind(("127.0.0.1", int(address.rpartition(":")[2])))
+                servers[name] = Server(tcp, behave, b"\r\n\r\n")
+            if name == "node_metrics" and (behave is not None or "node_metrics" in case.fine):
+                argv += ["--node-metrics", address]  # in `fine`: a port nobody listens on
+            if name == "daemon_metrics" and behave is not None:
+                config = write_daemon_config(
+                    tmp_path / "daemon.toml", node_dir, jsonl_consumer(tmp_path / "out.jsonl"), metrics_address=address
+                )
+                argv += ["--config", str(config)]
+        yield Rig(node_dir, argv, servers)
+    finally:
+        for server in servers.values():
+            server.close()
+
+
+def run_top(argv: list[str], *extra: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    started = time.monotonic()
+    env = {**child_env(), "COLUMNS": "200"}
+    res = subprocess.run([*argv, *extra], capture_output=True, text=True, timeout=60, env=env)
+    return res, time.monotonic() - started
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_bad_source_is_one_line_within_5_s(tmp_path: Path, name: str) -> None:
+    """Exit 0 within 5 s, nothing on stderr, each bad source named in its one line (in `sources` and in
+    `source_problems`), sources merely not there not counted as problems, and a source that ran out of
+    time in the first read not asked again."""
+    case = CASES[name]
+    with rig(tmp_path, case) as r:
+        res, elapsed = run_top(r.argv, "--json")
+        connections = {source: server.connections for source, server in r.servers.items()}
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert elapsed < ANSWER_WITHIN_S, f"took {elapsed:.1f} s"
+    out = json.loads(res.stdout)
+    sources, problems = out["sources"], out["source_problems"]
+    for source, says in case.says.items():
+        line = sources[source]
+        assert says in line, (source, line)
+        assert f"{source}: {line}" in problems
+        assert "\n" not in line and len(line) <= 300
+    assert len(problems) == len(case.says), problems
+    for source in case.fine:
+        assert f"{source}: {sources[source]}" not in problems
+    if "control_socket" in case.says:
+        assert out["node"] is None
+    for source in case.slow:
+        assert connections[source] == 1, connections  # the second read did not ask it again
+    if case.node_dir == "fifo-lock":
+        assert sources["daemon_state"] == "ok" and out["daemon"]["pid"] is None
+
+
+def odd_metrics() -> bytes:
+    """Valid Prometheus text whose values and labels the view must survive: NaN, infinities, a timestamp
+    past the year 9999, markup and an escape in a label."""
+    return http(
+        b"cdcd_lake_table_version NaN\n"
+        b'cdcd_lake_last_maintenance_timestamp_seconds{task="compact"} 1e300\n'
+        b'cdcd_lake_last_maintenance_duration_seconds{task="compact"} +Inf\n'
+        b"cdcd_lake_files_per_partition_max -Inf\n"
+        b"cdcd_daemon_last_commit_timestamp_seconds 1e300\n"
+        b'cdcd_kafka_retries_total{cache="[/bold]\\n\\"x\\"\x1b[2J"} 3\n'
+    )
+
+
+def test_odd_values_are_shown_not_obeyed(tmp_path: Path) -> None:
+    """Answers that are valid but odd (markup, escapes and bidi overrides in names, NaN and infinite
+    figures, a timestamp no clock can show) reach the JSON as they are and the text view as plain text."""
+    node_id = f"n{ODD}"
+    case = Case(control=send(status(node_id=node_id, writes=ODD)), daemon_metrics=send(odd_metrics()))
+    with rig(tmp_path, case) as r:
+        res, elapsed = run_top(r.argv, "--json")
+        text, text_elapsed = run_top(r.argv)
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    out = json.loads(res.stdout)
+    assert out["node"]["node_id"] == node_id and out["node"]["writes"] == ODD
+    assert out["lake"]["table_version"] is None and out["lake"]["files_per_partition_max"] is None
+    assert out["problems"] == {'cdcd_kafka_retries_total{cache="[/bold]\n"x"\x1b[2J"}': 3.0}
+    assert out["source_problems"] == []
+    assert text.returncode == 0 and text.stderr == "", text.stderr
+    assert max(elapsed, text_elapsed) < ANSWER_WITHIN_S
+    assert "\x1b[2J" not in text.stdout  # the escape is shown, not sent to the terminal
+    assert r"Node n[/bold][red]\x1b[2J" in text.stdout and r'cache="[/bold]\n"x"\x1b[2J"' in text.stdout
+    assert "(not a time)" in text.stdout
+
+
+def test_the_live_view_keeps_drawing(tmp_path: Path, pane: Pane) -> None:
+    """The live view in a terminal with a trickling metrics endpoint, a node whose names hold markup and
+    escapes and a daemon whose figures are NaN and infinite: it draws, names the bad source in the
+    Problems panel, and quits on q."""
+    case = Case(
+        control=send(status(node_id=f"n{ODD}")),
+        node_metrics=trickle(http(b"cdcd_node_entries_total 1\n")),
+        daemon_metrics=send(odd_metrics()),
+    )
+    with pane.conf.open("a") as conf:
+        conf.write("set -g default-size 160x45\n")
+    with rig(tmp_path, case) as r:
+        argv = [a for a in r.argv if a != "--once"]
+        rc_file = tmp_path / "top.rc"
+        pane.run(argv, rc_file)
+
+        def shown() -> str | None:
+            screen = pane.capture()
+            return screen if "node_metrics: 127.0.0.1" in screen and "no full answer within" in screen else None
+
+        try:
+            screen = wait_for(shown, 30, "the trickling endpoint named in the view", interval=0.2)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the pane shows:\n{pane.last}") from None
+        assert "Problems" in screen and r"Node n[/bold][red]\x1b[2J" in screen
+        assert "cannot draw" not in screen
+        pane.tmux("send-keys", "-t", "top", "q")
+        try:
+            wait_for(lambda: rc_file.exists() and rc_file.read_text().strip(), 30, "top to exit on q")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the pane shows:\n{pane.capture()}") from None
+    assert rc_file.read_text().strip() == "0"
