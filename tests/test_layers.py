@@ -4,6 +4,7 @@ and checked against the layer order, and the runtime imports between modules hav
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import cdcd
@@ -159,3 +160,74 @@ def test_the_checker_sees_upward_and_cyclic_imports(tmp_path: Path) -> None:
         ("cdcd.daemon", 6, False),
         ("cdcd.realtime.worker", 8, True),
     ]
+
+
+# --- docs/design.md says the same ---------------------------------------------------------------------------
+DESIGN = ROOT.parent / "docs" / "design.md"
+
+
+def _doc_unit(name: str) -> str:
+    """A unit as docs/design.md names it (``wal/``, ``config.py``, ``cdcd/__init__.py``) as a module name."""
+    if name == "cdcd/__init__.py":
+        return "cdcd"
+    return "cdcd." + name.removesuffix("/").removesuffix(".py")
+
+
+def design_layer_rows() -> list[tuple[int, list[str], set[str] | None]]:
+    """The layer table of docs/design.md section 8: (layer, units of a cell group, the units it says they import;
+    None for "any lower unit"). A row lists several groups apart with `` · `` in both columns."""
+    text = DESIGN.read_text()
+    section = text[text.index("## 8. Layers") :]
+    rows: list[tuple[int, list[str], set[str] | None]] = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) != 5 or not cells[1].isdigit():
+            continue
+        unit_groups = cells[2].split(" · ")
+        import_groups = cells[3].split(" · ")
+        assert len(unit_groups) == len(import_groups), f"docs/design.md: {line!r}: one imports group per unit group"
+        for units, imports in zip(unit_groups, import_groups, strict=True):
+            names = [n for n in re.findall(r"`([^`]+)`", units) if " " not in n]
+            said = None if "any lower unit" in imports else {f"cdcd.{n}" for n in re.findall(r"`([^`]+)`", imports)}
+            rows.append((int(cells[1]), [_doc_unit(n) for n in names], said))
+    return rows
+
+
+def test_design_md_layer_table_matches_the_code() -> None:
+    """Every unit is in the table at its layer, and each row names exactly the units its modules import."""
+    imported: dict[str, set[str]] = {}
+    for module, imports in GRAPH.items():
+        imported.setdefault(_unit(module), set()).update(_unit(t) for t, _line, _runtime in imports)
+    wrong: list[str] = []
+    listed: set[str] = set()
+    for layer, units, said in design_layer_rows():
+        listed |= set(units)
+        for unit in units:
+            if LAYER.get(unit) != layer:
+                wrong.append(f"{unit}: layer {layer} in the doc, {LAYER.get(unit)} in LAYERS")
+        if said is None:
+            continue
+        actual = set().union(*(imported.get(u, set()) for u in units)) - set(units)
+        if said != actual:
+            wrong.append(
+                f"{', '.join(units)}: the doc says {sorted(n[5:] for n in said)}, the code imports "
+                f"{sorted(n[5:] for n in actual)}"
+            )
+    missing = sorted(set(LAYER) - listed)
+    assert not wrong and not missing, "docs/design.md section 8 is stale:\n" + "\n".join(
+        wrong + [f"{u}: not in the table" for u in missing]
+    )
+
+
+def test_sinks_hold_no_wait_loops_of_their_own() -> None:
+    """docs/design.md: "Sinks hold no retry loops of their own". A retry or a wait for a condition in the sinks goes
+    through cdcd/retry.py (its backoff, its deadline, its stop), so no sink module calls ``time.sleep``."""
+    sleeping = []
+    for module, path in MODULES.items():
+        if _unit(module) not in {"cdcd.lake", "cdcd.kafka", "cdcd.sinks", "cdcd.replication"}:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "sleep":
+                sleeping.append(f"{path}:{node.lineno}")
+    assert "Sinks hold no retry\n  loops of their own" in DESIGN.read_text()
+    assert not sleeping, f"a sink waits by hand (use cdcd.retry.retry_until or poll_until): {sleeping}"
