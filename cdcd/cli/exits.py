@@ -28,9 +28,9 @@ def exit_for(exc: BaseException) -> tuple[int, str, str]:
         # A consumer that failed on a damaged lake: restarting cannot help, the lake's code says so.
         return cause.exit_code, str(exc), ""
     if isinstance(cause, Fault) and cause.exit_code == ExitCode.FORMAT_TOO_NEW:
-        # A consumer that found its target's metadata of a newer cdcd: only an upgrade helps.
-        message = str(exc)
-        return cause.exit_code, message, "" if message.endswith(cause.hint) else cause.hint
+        # A consumer that found its target's metadata of a newer cdcd: only an upgrade helps, and the
+        # fault's own line names the file or record (which consumer call met it says nothing more).
+        return cause.exit_code, str(cause), cause.hint
     if isinstance(exc, Fault):
         message = str(exc)
         return exc.exit_code, message, "" if exc.hint and message.endswith(exc.hint) else exc.hint
