@@ -333,7 +333,8 @@ def test_strict_config_refuses_each_old_spelling_in_one_line(
 
 def test_strict_config_from_the_environment_and_for_node_and_state_commands(tmp_path: Path) -> None:
     """CDCD_STRICT_CONFIG=1 is --strict-config; `node run` refuses an old spelling in [realtime_consumer] and reads
-    it with a warning without; `state show` warns on stderr and keeps stdout for its output."""
+    it with a warning without (its `node_opened` line names the version); `state show` warns on stderr and keeps
+    stdout for its output."""
     node_cfg = tmp_path / "node.toml"
     node_cfg.write_text(
         f'node_dir = "{tmp_path / "node"}"\n[realtime_consumer]\nkind = "spark"\nlake_path = "{tmp_path / "lake"}"\n'
@@ -347,7 +348,10 @@ def test_strict_config_from_the_environment_and_for_node_and_state_commands(tmp_
     res = cdcd("node", "run", "--config", str(node_cfg), "--seconds", "0.1", "--log-format", "json")
     assert res.returncode == 0, res.stderr
     assert res.stderr.splitlines()[0] == f"cdcd: warning: {line} (deprecated in 0.2.0, refused from 0.3.0)"
-    assert [json.loads(x)["event"] for x in res.stderr.splitlines()[1:]].count("config_deprecated") == 1
+    logged = [json.loads(x) for x in res.stderr.splitlines()[1:]]
+    assert [e["event"] for e in logged].count("config_deprecated") == 1
+    opened = next(e for e in logged if e["event"] == "node_opened")
+    assert opened["version"].split(" ")[0] == PYPROJECT_VERSION
 
     daemon_cfg = write_daemon_config(tmp_path / "cdcd.toml", tmp_path / "node", {"kind": "null", "max_retry_s": 5})
     res = cdcd("state", "show", "--config", str(daemon_cfg), "--json")

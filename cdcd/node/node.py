@@ -29,6 +29,7 @@ from cdcd.node.topology import open_topology_version
 from cdcd.node.transaction import Transaction
 from cdcd.node.wal_log import WalLog
 from cdcd.node.writes import MAX_TTL_MS, WriteCore, decoder
+from cdcd.version import version_and_commit
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import (
     CacheConfig,
@@ -207,6 +208,7 @@ class Node:
             records_replayed=state.records,
             replay_ms=round((time.perf_counter() - t0) * 1000, 1),
             wal_mode=config.wal_mode,
+            version=version_and_commit(),
         )
 
     # --- opening and closing ---------------------------------------------------------------------
