@@ -365,6 +365,22 @@ def test_strict_config_from_the_environment_and_for_node_and_state_commands(tmp_
     assert res.returncode == 2 and res.stdout == "" and len(res.stderr.splitlines()) == 1
 
 
+def test_kafka_to_node_refuses_an_old_spelling_under_strict_config(tmp_path: Path) -> None:
+    """Its file is read by the same rules: one line naming the key and its new spelling, exit 2, before any broker
+    is asked (the one configured does not exist)."""
+    config = tmp_path / "k2n.toml"
+    config.write_text(
+        'bootstrap_servers = "127.0.0.1:9"\ntopic = "t"\ntarget = "127.0.0.1:9"\n'
+        f'token_file = "{tmp_path / "token"}"\nmax_retry_s = 5\n'
+    )
+    res = cdcd("--strict-config", "kafka-to-node", "--config", str(config), "--log-format", "json")
+    assert res.returncode == 2
+    assert res.stderr.splitlines() == [
+        f"cdcd: error: {config}: key 'max_retry_s' is now 'retry_timeout_s' (the old spelling is deprecated in 0.2.0, "
+        "refused from 0.3.0; --strict-config refuses it)"
+    ]
+
+
 # --- did you mean -------------------------------------------------------------------------------------------------
 
 K2N = {"bootstrap_servers": "127.0.0.1:1", "topic": "t", "target": "127.0.0.1:2", "token_file": "/t"}
