@@ -75,6 +75,17 @@ CASES = [
         quiet=["4m", "40m"],
         labels={**D1, "task": "compact", "severity": "warning"},
     ),
+    # compaction skips cache b's table from minute 5 on (each run counts it), and never cache a's
+    case(
+        "CdcdLakeTypedTableSkipped",
+        {
+            sel("cdcd_lake_typed_table_failures_total", cache="b"): "0x5 1+1x10 11x50",
+            sel("cdcd_lake_typed_table_failures_total", cache="a"): "0x65",
+        },
+        fires=["6m", "30m"],
+        quiet=["4m", "60m"],
+        labels={**D1, "cache": "b", "severity": "warning"},
+    ),
     # optimize succeeds every minute for 30 minutes (its timestamp moves), then never again
     case(
         "CdcdLakeMaintenanceNotRun",
@@ -133,6 +144,7 @@ NEW_METRICS = (
     "cdcd_lake_lag_seconds",
     "cdcd_lake_commit_failures_total",
     "cdcd_lake_maintenance_failures_total",
+    "cdcd_lake_typed_table_failures_total",
     "cdcd_lake_last_maintenance_timestamp_seconds",
     "cdcd_lake_files_per_partition_max",
     "cdcd_kafka_transaction_aborts_total",
