@@ -194,9 +194,9 @@ def run_demo(*, var: Path, seconds: float, rate: int, spark_master: str, fresh: 
         done = compact(spark, lake)
         info = show(lake)
         click.echo(
-            f"compacted in {time.monotonic() - phase:.1f} s: {done.keys:,} keys changed since the last scheduled "
-            f"compaction merged into state, which holds {state_rows(info):,} rows; {len(done.tables)} typed "
-            "table(s); verifying against the node"
+            f"compacted in {time.monotonic() - phase:.1f} s: changes versions {done.from_version}..{done.to_version} "
+            f"({done.keys:,} keys changed) merged into state, which holds {state_rows(info):,} rows; "
+            f"{len(done.tables)} typed table(s); verifying against the node"
         )
         with NodeSnapshot(node_dir) as snapshot:
             checks = verify(lake, [snapshot])

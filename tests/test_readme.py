@@ -4,6 +4,7 @@ they mean to a reader in the repository).
 
 - the first look's Python block and the shell block after it (a node with a sample load, the
   daemon, ``state show``, ``control status``): here;
+- the set-up's ``cdcd top`` and realtime on/off block: tests/test_readme_setup.py;
 - the lake's shell and reader blocks: tests/test_readme_lake.py;
 - ``make run`` / ``make test``: the targets exist (``make -n``); what they run is the demo
   (tests/test_lake.py) and this suite.
@@ -26,7 +27,7 @@ from tests.support.procs import CDCD, ROOT, child_env, reap, wait_for
 
 COVERED = {
     "python": ['Node.open("var/node1")', "from cdcd.lake.readers import"],
-    "sh": ["make run ", "cdcd node run --config config/node.toml", "config/lake.toml"],
+    "sh": ["make run ", "cdcd node run --config config/node.toml", "cdcd top --node-dir", "config/lake.toml"],
 }
 """A marker of each README block, and where it runs (the module docstring)."""
 
