@@ -18,6 +18,7 @@ it) gets its table from ``state`` the same way.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -139,9 +140,13 @@ def compact_tables(
     return TablesResult(versions, rescued, added, failed)
 
 
+_CANCELLED = re.compile(r"Job \d+ cancelled|cancelled job group|SparkContext (was|has been) shut ?down")
+
+
 def _cancelled(exc: BaseException) -> bool:
-    """A Spark job cancelled by the maintainer's stop: the whole compaction ends, no table is to blame."""
-    return "cancel" in describe(exc).lower()
+    """A Spark job cancelled by the maintainer's stop (or the session ending): the whole compaction ends, no
+    table is to blame."""
+    return _CANCELLED.search(describe(exc)) is not None
 
 
 def _failed(bad: BadTable, event: str) -> None:
