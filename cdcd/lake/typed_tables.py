@@ -98,6 +98,8 @@ def compact_tables(
             conv = convert(_state_rows(lake, cache), with_declared(Layout(), declared.get(cache)))
             _replace(clean, path, cache, conv)
         except Exception as exc:  # this table alone: named, marked to be rebuilt, the others go on
+            if _cancelled(exc):
+                raise
             failed.append(_mark_failed(path, cache, exc))
             continue
         tables[cache] = path
