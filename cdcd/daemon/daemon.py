@@ -92,7 +92,7 @@ class Daemon:
     """Use ``start()``/``stop()`` or ``async with``; ``stop()`` is idempotent."""
 
     def __init__(self, config: DaemonConfig, consumer: Consumer, *, show_progress: bool = False) -> None:
-        """``show_progress``: a catch-up bar on stdout (``cdcd run`` on a terminal; a library prints nothing there)."""
+        """``show_progress``: catch-up progress log lines (``cdcd run`` on a terminal; a library logs none)."""
         self.config = config
         self.consumer = consumer
         self.selected = CacheFilter.from_table(config.consumer, "consumer")

@@ -1,4 +1,4 @@
-"""Watching the daemon's pipeline from inside: stalls, lag, segment timings and the catch-up bar.
+"""Watching the daemon's pipeline from inside: stalls, lag, segment timings and catch-up progress.
 
 Read by the monitor task and at scrape time (plain attributes: no lock needed). The daemon tells
 it what it does (``in_thread``, ``batch_started``, ``committed``); it never delivers anything.
@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import operator
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
+import structlog
 
 from cdcd import metrics
 from cdcd.consumer import EventBatch
@@ -33,6 +33,12 @@ T = TypeVar("T")
 _commit_ts = operator.attrgetter("record.commit_ts_ns")
 _end = operator.attrgetter("end")
 _start = operator.attrgetter("start")
+
+log = structlog.get_logger("cdcd.daemon")
+
+PROGRESS_EVERY_S = 5.0
+"""A catch-up says how far it got this often, as a log line: a "\\r" bar of its own on stdout ran into the
+log lines on the same terminal."""
 
 _TAIL_PEEK_RECORDS = 64
 """Records read from the head of the node's active segment to find its first data record."""
@@ -68,6 +74,7 @@ class Watch:
         self.stalled: str | None = None
         self._progress_total: int | None = None
         self._progress_start = 0
+        self._progress_next = 0.0
 
     async def monitor(self) -> None:
         """WATCHDOG=1 pings while the pipeline makes progress; PipelineStalled once a worker-thread
@@ -194,12 +201,11 @@ class Watch:
             self._progress_start = pos.segment
             self._progress_total = max(found) + 1 - pos.segment
         done = min(self._progress_total, pos.segment - self._progress_start)
-        width = 30
-        filled = int(width * done / self._progress_total)
-        bar = "#" * filled + "." * (width - filled)
-        sys.stdout.write(f"\rcatching up [{bar}] {done}/{self._progress_total} segments")
-        sys.stdout.flush()
+        now = time.monotonic()
+        if now >= self._progress_next:
+            self._progress_next = now + PROGRESS_EVERY_S
+            log.info("catching_up", segments_done=done, segments=self._progress_total, position=str(pos))
 
     def end_progress(self) -> None:
         if self.show_progress and self._progress_total:
-            print(file=sys.stdout)
+            log.info("catch_up_ended", segments=self._progress_total)
