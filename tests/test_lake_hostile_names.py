@@ -400,3 +400,53 @@ def test_a_daemon_starting_on_changes_with_a_deleted_or_cut_data_file_stops_with
     assert "\n" not in str(info.value) and "1 more: `cdcd lake check`" in str(info.value)
     first = min(str(gone), str(cut))
     assert str(info.value).startswith(f"{first}: ") and "bytes where the log records" in str(info.value)
+
+
+def test_the_start_check_of_changes_data_files_on_an_object_store(tmp_path: Path) -> None:
+    """The same check on ``s3://`` (MinIO on loopback: one listing, no file read): a whole table passes; a
+    deleted object and one cut short are each named, the first with how many more."""
+    from cdcd.lake.check import DamagedLake
+    from cdcd.lake.feed import require_live_files
+    from cdcd.lake.storage import StorageOptions, lake_root, open_delta
+    from cdcd.lake.table import CHANGES, CHANGES_PROPERTIES, PARTITION_BY
+    from tests.support.servers import MINIO_BIN, MINIO_PASSWORD, MINIO_USER, MinioServer
+
+    if not MINIO_BIN.exists():
+        pytest.skip("MinIO not built: run make install")
+    server = MinioServer(tmp_path / "minio")
+    server.start()
+    try:
+        server.create_bucket("lake")
+        storage = StorageOptions(
+            endpoint=server.endpoint, path_style=True, access_key_id=MINIO_USER, secret_access_key=MINIO_PASSWORD
+        )
+        changes = lake_root("s3://lake/l", storage) / CHANGES
+        from deltalake import write_deltalake
+
+        for n, cache in enumerate(["orders", "odd name/é%"]):
+            rows = pa.Table.from_pylist([change(cache, str(n), '{"a": 1}', n + 1)], schema=CHANGE_SCHEMA)
+            write_deltalake(
+                str(changes),
+                rows,
+                mode="append",
+                partition_by=list(PARTITION_BY),
+                configuration=CHANGES_PROPERTIES,
+                storage_options=changes.storage_options,  # type: ignore[union-attr]
+            )
+        require_live_files(changes, open_delta(changes))
+        adds = open_delta(changes).get_add_actions(flatten=True).column("path").to_pylist()
+        from urllib.parse import unquote
+
+        objects = sorted((changes / unquote(str(p)) for p in adds), key=str)
+        objects[0].fs.delete_file(objects[0].fs_path)  # type: ignore[union-attr]
+        with objects[1].fs.open_output_stream(objects[1].fs_path) as out:  # type: ignore[union-attr]
+            out.write(b"short")
+        with pytest.raises(DamagedLake) as info:
+            require_live_files(changes, open_delta(changes))
+        assert str(info.value).startswith(f"{objects[0]}: named by the log but missing: "), str(info.value)
+        assert "(1 more: `cdcd lake check`)" in str(info.value)
+        objects[0].write_bytes(b"")
+        with pytest.raises(DamagedLake, match="bytes where the log records"):
+            require_live_files(changes, open_delta(changes))
+    finally:
+        server.stop()
