@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -35,7 +37,7 @@ import pyarrow.compute as pc
 import structlog
 
 from cdcd import formats
-from cdcd.lake.storage import LakeDir, as_location_arg, is_delta, open_delta
+from cdcd.lake.storage import LakeDir, ObjectPath, as_location_arg, is_delta, lake_root, open_delta
 from cdcd.lake.table import COMMON_PROPERTIES, SOURCE_APP_PREFIX
 
 log = structlog.get_logger("cdcd.lake")
@@ -226,16 +228,24 @@ def _max_changes_version(lake: LakeDir) -> int | None:
     return -1 if value is None else int(value)
 
 
-def latest_cut(lake: LakeDir) -> Cut | None:
+def _root(lake: LakeDir | str | os.PathLike[str]) -> LakeDir:
+    """A lake given as a string or ``os.PathLike`` (a directory or an object-store URL, as the readers take
+    it) as its root."""
+    return lake if isinstance(lake, Path | ObjectPath) else lake_root(os.fspath(lake))
+
+
+def latest_cut(lake: LakeDir | str | os.PathLike[str]) -> Cut | None:
     """The newest cut (highest changes version), or None when no compaction recorded one."""
+    lake = _root(lake)
     top = _max_changes_version(lake)
     if top is None:
         return None
     return _newest(_read(lake, pc.field("changes_version") >= top))
 
 
-def cut_as_of(lake: LakeDir, time: dt.datetime) -> Cut:
+def cut_as_of(lake: LakeDir | str | os.PathLike[str], time: dt.datetime) -> Cut:
     """The newest cut recorded at or before ``time`` (naive: UTC); NoCut when there is none."""
+    lake = _root(lake)
     when = time if time.tzinfo is not None else time.replace(tzinfo=dt.UTC)
     cut = _newest(_read(lake, pc.field("recorded_at") <= pa.scalar(when, pa.timestamp("us", tz="UTC"))))
     if cut is None:
@@ -269,7 +279,8 @@ def format_cut(cut: Cut) -> str:
 
 def cut_command(lake: LakeDir, *, as_of: str | None = None, as_json: bool = False) -> tuple[str, int]:
     """``cdcd lake cut --lake L [--latest | --as-of TIME] [--json]``: (text, exit code). Exit 0: the
-    cut, for stdout; 1: no such cut, 2: an unparsable time, 10: ``_cuts`` of a newer format, each one line for stderr."""
+    cut, for stdout; 1: no such cut, 2: an unparsable time, 10: ``_cuts`` of a newer format, each one
+    line for stderr."""
     try:
         when = parse_time(as_of) if as_of is not None else None
     except ValueError as exc:
