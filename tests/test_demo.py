@@ -86,6 +86,9 @@ def test_ctrl_c_stops_in_announced_phases_verifies_and_leaves_nothing_running(pa
     assert LAST_FIGURES.match(before_stop), screen
     assert any(line.startswith("spark.sql> SELECT") for line in lines), screen
     assert re.fullmatch(r"verified: [\d,]+ keys, OK; stopped in \d+ s", lines[-1]), screen
+    # What the node logged landed, what it holds is state: each pair equal, in words.
+    counts = r"counts: WAL entries ([\d,]+) = change rows \1; node keys ([\d,]+) = state rows \2"
+    assert sum(bool(re.fullmatch(counts, line)) for line in lines) == 1, screen
     assert "WARN" not in screen, "Spark's own log lines reached the terminal"
     assert '"level": "warning"' not in screen, "a warning in a clean run"
     wait_for(lambda: not alive(below | {pid}), 60, "every process of the demo to end")
