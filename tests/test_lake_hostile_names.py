@@ -245,6 +245,9 @@ def test_an_unreadable_table_and_a_failing_one_are_skipped_while_state_and_the_o
     assert cut is not None and set(cut.tables) == {"a"}
     assert (table_dir(lake, "c") / STALE_MARK).exists()
     assert [b.cache for b in scan_tables(lake).unreadable] == ["b"]
+    shown = run_cli("lake", "show", "--lake", str(lake))
+    assert shown.returncode == 0 and "Traceback" not in shown.stdout + shown.stderr, shown.stderr
+    assert f"table b ({table_dir(lake, 'b')}): unreadable, skipped: " in shown.stdout, shown.stdout
 
     third = [change("a", "1", '{"qty": 11}', 200)]
     append_changes(lake, third, source_txn=("node-a", 3))
