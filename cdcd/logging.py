@@ -95,7 +95,7 @@ STUCK_WAIT_S = 1.0
 """How long a log line waits for a reader that does not read (a full pipe, a terminal stopped with
 Ctrl-S); while it stays so, later lines are dropped at once."""
 
-_lost_lock = threading.Lock()
+_lost_lock = threading.RLock()  # reentrant: a signal handler that logs may run while its thread holds it
 _lost = 0
 
 
@@ -119,9 +119,9 @@ class _Stderr(io.RawIOBase):
         self._fd = fd
         self._usable = usable
         """False when the process started with the descriptor closed: lines go nowhere, counted."""
-        self._lock = threading.Lock()
-        self._poll = select.poll()
-        self._poll.register(fd, select.POLLOUT)
+        # Reentrant: a signal handler that logs (the daemon's on SIGTERM) runs on the main thread,
+        # maybe while that thread is inside a write; a plain lock would deadlock it on itself.
+        self._lock = threading.RLock()
         self._stuck = False
         self.gone = threading.Event()
         """Set once the reader of the pipe or socket has gone (EPIPE, or the pipe's error state)."""
@@ -161,7 +161,9 @@ class _Stderr(io.RawIOBase):
         while view:
             # A blocking write to a reader that does not read would hold the logging thread (the
             # WAL flusher) with it: write only once the descriptor takes data.
-            events = self._poll.poll(wait_s * 1000)
+            poll = select.poll()  # one per call: a nested write (that signal handler) may poll meanwhile
+            poll.register(self._fd, select.POLLOUT)
+            events = poll.poll(wait_s * 1000)
             if not events:
                 self._stuck = True
                 return False
