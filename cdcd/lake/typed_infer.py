@@ -9,12 +9,13 @@ docs/lake.md states them:
   exactly the keys of its dict, so a nested dict with other keys than its column's does not fit.
 - a column's type is fixed when it is added: the most common type of the field in that batch;
   a value that does not fit its column (another type, an int beyond int64, a nested dict whose keys
-  would need a mapping) goes, as JSON, into ``_rescued`` (a JSON object of the fields that did not
-  fit; for a value that is not a dict: the value's JSON text itself). Nothing widens.
+  would need a mapping, lists and dicts nested deeper than ``MAX_NESTING``) goes, as JSON, into
+  ``_rescued`` (a JSON object of the fields that did not fit; for a value that is not a dict: the
+  value's JSON text itself). Nothing widens.
 - an explicit null field is listed in ``_nulls`` (an absent field and a null one read back apart).
-- field names Parquet refuses, names of the reserved columns and names equal to another column's
-  but for case get a column name by ``column_name``; the field's real name is in the column's
-  comment (``cdcd/lake/typed_layout.py``).
+- field names Parquet refuses or holding a backtick or a control character, names of the reserved
+  columns and names equal to another column's but for case get a column name by ``column_name``; the
+  field's real name is in the column's comment (``cdcd/lake/typed_layout.py``).
 """
 
 from __future__ import annotations
