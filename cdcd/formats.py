@@ -58,9 +58,9 @@ FORMATS = (DAEMON_STATE, METASTORAGE, LAKE_CACHES, LAKE_CUTS, COMPACT_MARK, KAFK
 
 
 def _cdcd_version() -> str:
-    from cdcd import __version__
+    from cdcd.version import version
 
-    return __version__
+    return version()
 
 
 class FormatTooNew(Fault, Exception):

@@ -57,9 +57,9 @@ def too_new_line(where: Path | str, fmt: formats.Format, found: int) -> str:
 
 
 def _version() -> str:
-    from cdcd import __version__
+    from cdcd.version import version
 
-    return __version__
+    return version()
 
 
 def put_lmdb(path: Path, key: bytes, value: bytes | None, db: bytes | None = None) -> None:

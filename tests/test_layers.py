@@ -13,7 +13,7 @@ ROOT = Path(cdcd.__file__).parent
 
 LAYERS: list[set[str]] = [
     {"cdcd.durable", "cdcd.secrets", "cdcd.failpoints", "cdcd.wiring", "cdcd.faults", "cdcd.retry", "cdcd.version"},
-    {"cdcd.wal", "cdcd.logging", "cdcd.config", "cdcd.lock"},
+    {"cdcd.wal", "cdcd.logging", "cdcd.config", "cdcd.lock", "cdcd.formats"},
     {"cdcd.metrics", "cdcd.control", "cdcd.consumer", "cdcd.daemon_state"},
     {"cdcd.delivery", "cdcd.dead_letters"},
     {"cdcd.node"},

@@ -113,9 +113,10 @@ def test_v0_1_0_to_current_loses_and_duplicates_nothing(
     # v0.1.0, stopped while every load still writes and every daemon has committed part of it.
     for thing in everything:
         thing.release = v0_1_0
-    replica.start()
-    for seed, node in enumerate(sources.values(), 1):
-        node.start(seconds=300, seed=seed, **LOAD)
+    for seed, node in enumerate([replica, *sources.values()]):
+        node.start(seconds=300, seed=seed, wait=False, **(LOAD if seed else {}))
+    for node in [replica, *sources.values()]:
+        node.wait_serving()
     for daemon in daemons.values():
         daemon.start()
     wait_for(
@@ -130,9 +131,14 @@ def test_v0_1_0_to_current_loses_and_duplicates_nothing(
             thing.kill()
         else:
             thing.stop()
-    res = v0_1_0.cdcd("lake", "compact", "--lake", str(lake), "--spark-master", "local[1]", timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert latest_cut(lake) is not None
+    if stop == "sigterm":
+        # v0.1.0's compaction mark and cut (no format version), read by the current code's compaction below. Left
+        # out of the SIGKILL case in make test (a Spark run of half a minute): tests/test_formats.py reads both
+        # formats unversioned.
+        res = v0_1_0.cdcd("lake", "compact", "--lake", str(lake), "--spark-master", "local[1]", timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        old_cut = latest_cut(lake)
+        assert old_cut is not None
     state = sources["l"].dir / "cdcd-state"
     assert lmdb_value(state, b"format", b"state") is None, "v0.1.0 wrote no format version"
     assert "format" not in read_registry(lake)
@@ -140,9 +146,10 @@ def test_v0_1_0_to_current_loses_and_duplicates_nothing(
     # The current code on the same dirs and configs, until every load is done and delivered.
     for thing in everything:
         thing.release = CURRENT
-    replica.start()
-    for seed, node in enumerate(sources.values(), 11):
-        node.start(seconds=2, seed=seed, **LOAD)
+    for seed, node in enumerate([replica, *sources.values()], 10):
+        node.start(seconds=2, seed=seed, wait=False, **(LOAD if seed > 10 else {}))
+    for node in [replica, *sources.values()]:
+        node.wait_serving()
     for daemon in daemons.values():
         daemon.start()
     wait_caught_up(*((sources[n], d) for n, d in daemons.items()), timeout=180)
@@ -173,6 +180,8 @@ def test_v0_1_0_to_current_loses_and_duplicates_nothing(
         assert lmdb_value(node.dir / "db" / "metastorage", b"format") == b"1", name
     assert read_registry(lake)["format"] == formats.LAKE_CACHES.current
     assert read_mark(lake).commits is not None
+    cut = latest_cut(lake)
+    assert cut is not None and (stop == "sigkill" or cut.changes_version > old_cut.changes_version)
     node_id = (sources["k"].dir / "node_id").read_text().strip()
     record = read_stored({"bootstrap.servers": kafka_broker.bootstrap}, "cdcd-offsets", 1, node_id, 60)
     assert record is not None and record.format == formats.KAFKA_OFFSETS.current

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from tests.support.procs import CDCD, ROOT, child_env, wait_for
@@ -58,7 +59,17 @@ def materialise(commit: str, dest: Path) -> Release:
     tar = subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, capture_output=True)
     archive.stdout.close()
     assert archive.wait(60) == 0 and tar.returncode == 0, tar.stderr.decode()[-2000:]
-    return Release(commit[:7], dest)
+    release = Release(commit[:7], dest)
+    res = subprocess.run(
+        [sys.executable, "-c", "import cdcd; print(cdcd.__file__)"],
+        capture_output=True,
+        text=True,
+        env=release.env(),
+        cwd=dest,
+        timeout=60,
+    )
+    assert res.stdout.strip() == str(dest / "cdcd" / "__init__.py"), f"not the release's code: {res.stdout}{res.stderr}"
+    return release
 
 
 class ReleaseNode(NodeProc):
@@ -67,8 +78,16 @@ class ReleaseNode(NodeProc):
     release: Release = CURRENT
 
     def start(
-        self, *, rate: int = 0, seconds: float = 0, keyspace: int = 1000, remove_pct: int = 0, seed: int = 1
+        self,
+        *,
+        rate: int = 0,
+        seconds: float = 0,
+        keyspace: int = 1000,
+        remove_pct: int = 0,
+        seed: int = 1,
+        wait: bool = True,
     ) -> None:
+        """``wait``: until it serves its metrics (else ``wait_serving`` later: nodes start side by side)."""
         args = [*CDCD, "node", "run", "--config", str(self.config), "--log-format", "json"]
         if rate:
             args += ["--load-rate", str(rate), "--load-seconds", str(seconds), "--load-keyspace", str(keyspace)]
@@ -80,6 +99,10 @@ class ReleaseNode(NodeProc):
                 args, stdout=subprocess.DEVNULL, stderr=err, env=self.release.env(), cwd=self.release.root
             )
             self.proc = self.procs.track(proc)
+        if wait:
+            self.wait_serving()
+
+    def wait_serving(self) -> None:
         wait_for(lambda: self.exited() or self.serving(), 60, f"node {self.name} to serve")
         self.check_running()
 
