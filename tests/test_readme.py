@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -24,6 +23,7 @@ import pytest
 
 from tests.support.docs import README, block_with, code_blocks
 from tests.support.procs import CDCD, ROOT, child_env, reap, wait_for
+from tests.support.shipped import copy_shipped_config
 
 COVERED = {
     "python": ['Node.open("var/node1")', "from cdcd.lake.readers import"],
@@ -69,7 +69,7 @@ def test_the_first_look_runs_as_written(tmp_path: Path, monkeypatch: pytest.Monk
     The daemon's jsonl output holds the README's order and the sample load's changes; both stop cleanly."""
     text = README.read_text()
     monkeypatch.chdir(tmp_path)
-    shutil.copytree(ROOT / "config", tmp_path / "config")
+    copy_shipped_config(tmp_path / "config")  # its metrics ports free ones
     exec(block_with(text, "python", 'Node.open("var/node1")'), {})  # the README's own code
 
     lines = [ln for ln in block_with(text, "sh", "cdcd node run --config config/node.toml").splitlines() if ln]

@@ -10,7 +10,6 @@ import contextlib
 import csv
 import io
 import shlex
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -19,7 +18,8 @@ import pytest
 from cdcd.lake.cuts import latest_cut
 from cdcd.lake.sql import lake_sql
 from tests.support.docs import README, block_with
-from tests.support.procs import CDCD, ROOT, child_env, reap, start_daemon, stop_daemon, wait_for
+from tests.support.procs import CDCD, child_env, reap, start_daemon, stop_daemon, wait_for
+from tests.support.shipped import copy_shipped_config
 
 
 def lake_sql_line(line: str) -> tuple[str, int]:
@@ -41,7 +41,7 @@ def lake_sql_line(line: str) -> tuple[str, int]:
 def test_the_first_look_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     text = README.read_text()
     monkeypatch.chdir(tmp_path)
-    shutil.copytree(ROOT / "config", tmp_path / "config")
+    copy_shipped_config(tmp_path / "config")  # its metrics ports free ones
     exec(block_with(text, "python", 'Node.open("var/node1")'), {})  # the README's own code
 
     shell = block_with(text, "sh", "config/lake.toml")

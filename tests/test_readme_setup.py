@@ -5,15 +5,15 @@ rates, lag and who delivers, and the README's `cdcd control ... cdc realtime on|
 
 As written, with two substitutions: the configs are copied into a scratch working directory (so their relative
 paths, `var/node1`, `var/cdc-events.jsonl`, land there), and their metrics ports, 9469 and 9470, in the configs
-and in the README's lines alike, become ports from tests/support/ports.py (fixed ports would collide between
-parallel test workers). `cdcd top` runs with `--once --json` added, its scripting form. At the end the one
-events file, the daemon's and the node's realtime consumer's, holds the WAL's entries, each once, in WAL order."""
+and in the README's lines alike, become ports from tests/support/ports.py (tests/support/shipped.py: fixed
+ports would collide between parallel test workers). `cdcd top` runs with `--once --json` added, its scripting
+form. At the end the one events file, the daemon's and the node's realtime consumer's, holds the WAL's entries,
+each once, in WAL order."""
 
 from __future__ import annotations
 
 import json
 import shlex
-import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -23,11 +23,9 @@ import pytest
 
 from cdcd.control import request
 from tests.support.docs import README, block_with
-from tests.support.ports import free_port
-from tests.support.procs import CDCD, ROOT, child_env, polled_position, reap, wait_for, wait_progress
+from tests.support.procs import CDCD, child_env, polled_position, reap, wait_for, wait_progress
+from tests.support.shipped import SHIPPED_PORTS, copy_shipped_config
 from tests.support.wal import archived_segments, read_jsonl, wal_events
-
-README_PORTS = ("127.0.0.1:9469", "127.0.0.1:9470")
 
 
 def argv(line: str, ports: dict[str, str]) -> tuple[list[str], bool]:
@@ -43,15 +41,13 @@ def argv(line: str, ports: dict[str, str]) -> tuple[list[str], bool]:
     return [*CDCD, *words[1:]], background
 
 
-def copy_config(dest: Path, ports: dict[str, str]) -> None:
-    shutil.copytree(ROOT / "config", dest)
-    for toml in dest.glob("*.toml"):
-        text = toml.read_text()
-        for old, new in ports.items():
-            text = text.replace(old, new)
-        toml.write_text(text)
-    for toml, port in (("node.toml", ports[README_PORTS[1]]), ("cdcd.toml", ports[README_PORTS[0]])):
-        assert f'metrics_address = "{port}"' in (dest / toml).read_text(), f"config/{toml}: metrics are on"
+def check_metrics_on(config: Path, ports: dict[str, str]) -> None:
+    for toml, shipped in (
+        ("node.toml", SHIPPED_PORTS[1]),
+        ("cdcd.toml", SHIPPED_PORTS[0]),
+        ("lake.toml", SHIPPED_PORTS[0]),
+    ):
+        assert f'metrics_address = "{ports[shipped]}"' in (config / toml).read_text(), f"config/{toml}: metrics on"
 
 
 @pytest.mark.timeout(600)
@@ -60,8 +56,8 @@ def test_the_readme_setup_shows_rates_lag_and_the_realtime_hand_over(
 ) -> None:
     text = README.read_text()
     monkeypatch.chdir(tmp_path)
-    ports = {old: f"127.0.0.1:{free_port()}" for old in README_PORTS}
-    copy_config(tmp_path / "config", ports)
+    ports = copy_shipped_config(tmp_path / "config")
+    check_metrics_on(tmp_path / "config", ports)
     first = [ln for ln in block_with(text, "sh", "cdcd node run --config config/node.toml").splitlines() if ln]
     shown = [ln for ln in block_with(text, "sh", "cdcd top --node-dir").splitlines() if ln]
     assert [ln.split()[1] for ln in first] == ["node", "run", "state", "control"]
