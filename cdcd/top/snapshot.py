@@ -366,7 +366,7 @@ def http_get(address: str, path: str, *, deadline: float, max_bytes: int) -> byt
             sock.sendall(request)
             while True:
                 sock.settimeout(left())
-                part = sock.recv(1 << 16)
+                part = sock.recv(1 << 18)
                 if not part:
                     break
                 data += part
