@@ -19,13 +19,31 @@ case "$MODE" in
     latest)
         "${PIP[@]}" install --upgrade --upgrade-strategy eager 'setuptools>=77' wheel
         "${PIP[@]}" install --upgrade --upgrade-strategy eager --no-build-isolation -e '.[dev]'
-        "$VENV/bin/pip" --disable-pip-version-check freeze --exclude-editable | sort > "$VENV/latest-versions.txt"
-        grep -E '^[A-Za-z0-9._-]+==' requirements.lock | sed -E 's/ .*//; s/ *\\$//' | sort -u > "$VENV/locked-versions.txt"
-        echo "install-python: newer than requirements.lock (lock -> latest):"
-        # Names compared case- and separator-insensitively, as pip does.
-        norm() { tr 'A-Z_.' 'a-z--' | sed -E 's/==/ /'; }
-        join <(norm < "$VENV/locked-versions.txt" | sort -k1,1) <(norm < "$VENV/latest-versions.txt" | sort -k1,1) \
-            | awk '$2 != $3 { printf "  %s %s -> %s\n", $1, $2, $3; n++ } END { if (!n) print "  (nothing)" }'
+        "$VENV/bin/python" - <<'PY'
+"""What differs from requirements.lock: the lock's line for this interpreter (its markers evaluated) against what
+pip installed."""
+import re
+from importlib.metadata import distributions
+
+from packaging.markers import Marker
+from packaging.utils import canonicalize_name
+
+locked = {}
+for line in open("requirements.lock"):
+    m = re.match(r"^([A-Za-z0-9._-]+)==([^ ;\\]+)\s*(?:;\s*([^\\]+?))?\s*\\?$", line.rstrip("\n"))
+    if m and (m.group(3) is None or Marker(m.group(3)).evaluate()):
+        locked[canonicalize_name(m.group(1))] = m.group(2)
+installed = {canonicalize_name(d.metadata["Name"]): d.version for d in distributions()}
+changed = sorted((n, v, installed[n]) for n, v in locked.items() if n in installed and installed[n] != v)
+added = sorted(set(installed) - set(locked) - {"cdcd", "pip"})
+print("install-python: against requirements.lock:")
+for n, old, new in changed:
+    print(f"  {n} {old} -> {new}")
+for n in added:
+    print(f"  {n} {installed[n]} (not in the lock)")
+if not changed and not added:
+    print("  the same versions")
+PY
         ;;
     *)
         echo "install-python: unknown mode '$MODE' (locked or latest)" >&2
