@@ -35,6 +35,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -653,6 +654,108 @@ def port_open(port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(5)
         return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+# --- configs --------------------------------------------------------------------------------------------------
+CONFIGS: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {
+    ("cluster.md", "# cdcd.toml of each node's daemon"): ("daemon", {"node_dir": "NODE"}),
+    ("daemon.md", 'dead_letters = "on"'): ("daemon", {"node_dir": "NODE", "consumer": {"kind": "jsonl", "path": "x"}}),
+    ("daemon.md", 'caches = ["orders*", "people"]'): ("daemon", {"node_dir": "NODE"}),
+    ("kafka.md", 'kind = "kafka"'): ("daemon", {"node_dir": "NODE"}),
+    ("kafka.md", "# /etc/cdcd/dc2/kafka-to-node.toml"): ("kafka-to-node", {}),
+    ("lake.md", "batch_max_events = 500000"): ("daemon", {"node_dir": "NODE"}),
+    ("lake.md", "[consumer.tables.orders]"): (
+        "daemon",
+        {"node_dir": "NODE", "consumer": {"kind": "lake", "lake_path": "LAKE"}},
+    ),
+    ("realtime.md", "# node.toml"): ("node", {"node_dir": "NODE"}),
+}
+"""Each ```toml block of docs/ (by a marker): the file it is a part of (``daemon``: a ``cdcd run`` config,
+``node``: a ``cdcd node run`` config, ``kafka-to-node``: that command's file) and the keys a fragment leaves to
+the rest of its file, added where the block does not set them (``NODE``, ``LAKE``: directories of the test)."""
+
+
+def completed(block: dict[str, Any], rest: dict[str, Any], tmp: Path) -> dict[str, Any]:
+    """``block`` with ``rest``'s keys where it has none (tables merged key by key)."""
+    out = dict(block)
+    for key, value in rest.items():
+        if isinstance(value, dict):
+            out[key] = completed(out.get(key, {}), value, tmp)
+        elif key not in out:
+            out[key] = str(tmp / value.lower()) if value in ("NODE", "LAKE") else value
+    return out
+
+
+def toml_text(data: dict[str, Any], prefix: str = "") -> str:
+    """``data`` as TOML: scalars and lists of scalars as JSON (TOML's basic strings escape as JSON does), each
+    table under its full dotted name."""
+    lines = [f"[{prefix}]"] if prefix else []
+    lines += [f"{json.dumps(k)} = {json.dumps(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    text = "\n".join(lines) + "\n"
+    for key, value in data.items():
+        if isinstance(value, dict):
+            text += toml_text(value, f"{prefix}.{json.dumps(key)}" if prefix else json.dumps(key))
+    return text
+
+
+CONSUMER_CLASSES = {"lake": "LakeConsumer", "jsonl": "JsonlConsumer", "kafka": "KafkaSink"}
+
+
+def values_of(loaded: Any, key: str) -> list[Any]:
+    """Every value of ``key`` in a loaded config, at any depth (a loader may keep some keys in a part of its own)."""
+    if isinstance(loaded, dict):
+        return [v for k, v in loaded.items() if k == key] + [x for v in loaded.values() for x in values_of(v, key)]
+    if isinstance(loaded, list):
+        return [x for v in loaded for x in values_of(v, key)]
+    return []
+
+
+def test_every_config_block_loads(tmp_path: Path) -> None:
+    """Each ```toml block of docs/ is a config that loads with the loader cdcd reads its file with (completed with
+    what a fragment leaves to the rest of its file), its consumer tables build their consumer, declared tables read
+    back as declared, and the loaded values are the block's."""
+    import msgspec
+
+    from cdcd.config import load_toml
+    from cdcd.daemon.config import load_daemon_config
+    from cdcd.kafka.options import KafkaToNodeOptions
+    from cdcd.lake.typed_declared import load_declared
+    from cdcd.node.config import NodeConfig
+    from cdcd.sinks import load_consumer
+
+    blocks = [b for p in doc_pages() for b in fenced_blocks(p) if b.lang == "toml"]
+    assert len(blocks) >= len(CONFIGS)
+    used = set()
+    for n, block in enumerate(blocks):
+        keys = [k for k in CONFIGS if k[0] == block.page and k[1] in block.text]
+        assert len(keys) == 1, f"{block}: a toml block that is not in CONFIGS (or in more than one entry)"
+        used.add(keys[0])
+        kind, rest = CONFIGS[keys[0]]
+        data = tomllib.loads(block.text)
+        full = completed(data, rest, tmp_path)
+        path = tmp_path / f"{n}-{block.page}.toml"
+        path.write_text(toml_text(full))
+        assert tomllib.loads(path.read_text()) == full
+        if kind == "daemon":
+            loaded = msgspec.to_builtins(load_daemon_config(path, environ={}))
+            consumers = [full["consumer"]]
+            if "tables" in full["consumer"]:
+                declared = {name: t.columns for name, t in load_declared(path).items()}
+                assert declared == {name: t["columns"] for name, t in full["consumer"]["tables"].items()}
+        elif kind == "node":
+            loaded = msgspec.to_builtins(load_toml(path, NodeConfig))
+            consumers = [full["realtime_consumer"]]
+        else:
+            loaded = msgspec.to_builtins(KafkaToNodeOptions.load(full, str(path)))
+            consumers = []
+        for key, value in data.items():
+            if not isinstance(value, dict):
+                got = values_of(loaded, key)
+                assert value in got, f"{block}: {key} = {value!r} loads as {got!r}"
+        for table in consumers:
+            consumer = load_consumer(table, f"{block}")
+            assert type(consumer).__name__ == CONSUMER_CLASSES[table["kind"]], consumer
+    assert used == set(CONFIGS), f"CONFIGS entries without a block: {set(CONFIGS) - used}"
 
 
 PAGE_TESTS = {
