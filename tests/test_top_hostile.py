@@ -423,3 +423,69 @@ def test_the_live_view_keeps_drawing(tmp_path: Path, pane: Pane) -> None:
         except AssertionError as exc:
             raise AssertionError(f"{exc}; the pane shows:\n{pane.capture()}") from None
     assert rc_file.read_text().strip() == "0"
+
+
+def test_a_hung_read_is_waited_for_once_not_piled_up(tmp_path: Path) -> None:
+    """A source whose read does not return (here the state reader of `make run`'s in-process daemon, held
+    on an event) costs each refresh its deadline, never more; the next refreshes wait on the same read
+    instead of starting another; its answer, once there, is used, and the refresh after reads afresh."""
+    from cdcd.daemon.config import DaemonConfig
+    from cdcd.top.snapshot import collect
+
+    release, calls = threading.Event(), []
+
+    def hung_state(config: DaemonConfig) -> tuple[dict[str, Any] | None, int | None, str]:
+        calls.append(time.monotonic())
+        release.wait(60)
+        return {"mode": "ACTIVE", "links": 0}, None, "ok"
+
+    config = DaemonConfig(node_dir=str(tmp_path), metrics_address="", consumer={})
+    try:
+        for _ in range(3):
+            started = time.monotonic()
+            snap = collect(tmp_path, config, "", state_reader=hung_state, deadline_s=0.3)
+            assert time.monotonic() - started < 3.0  # the deadline and its grace, with room for a busy machine
+            assert snap.daemon is None and "still reading" in snap.sources["daemon_state"]
+            assert snap.source_problems == (f"daemon_state: {snap.sources['daemon_state']}",)
+        assert len(calls) == 1
+    finally:
+        release.set()
+    wait_for(
+        lambda: collect(tmp_path, config, "", state_reader=hung_state, deadline_s=0.3).sources["daemon_state"] == "ok",
+        30,
+        "the held read's answer",
+    )
+    # That refresh used the held read's answer, or (released before it looked) a read of its own.
+    held = len(calls)
+    assert held in (1, 2)
+    assert collect(tmp_path, config, "", state_reader=hung_state, deadline_s=0.3).daemon is not None
+    assert len(calls) == held + 1
+
+
+def test_the_metrics_parser_reads_what_prometheus_client_reads() -> None:
+    """top's own parser (it checks its deadline as it goes) gives the keys and values the reference parser
+    gives, on every registry cdcd exports plus labels with quotes, backslashes, newlines and markup."""
+    import math
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cdcd import metrics
+    from cdcd.top.snapshot import parse_metrics
+
+    odd = CollectorRegistry()
+    Counter("x_events", "h", ["cache", "op"], registry=odd).labels('a"b\\c\nd', "[/]").inc(3)
+    Gauge("x_seconds", "h", registry=odd).set(float("nan"))
+    Gauge("x_inf", "h", registry=odd).set(float("-inf"))
+    Histogram("x_run_seconds", "h", ["task"], registry=odd).labels("compact").observe(2)
+    for registry in (odd, metrics.NODE, metrics.DAEMON, metrics.LAKE, metrics.REPLICATION_ENDPOINT):
+        text = generate_latest(registry).decode()
+        reference = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if not s.name.endswith(("_created", "_bucket")):
+                    labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                    reference[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        ours = parse_metrics(text)
+        assert ours.keys() == reference.keys()
+        assert all(ours[k] == v or (math.isnan(ours[k]) and math.isnan(v)) for k, v in reference.items())
