@@ -110,6 +110,7 @@ _LONGEST_FIRST = (
     "test_lake_tables.py",
     "test_demo.py",
     "test_kafka_sink.py",
+    "test_upgrade.py",
     "test_lake_names.py",
     "test_lake_keys.py",
     "test_outages.py",
