@@ -182,6 +182,41 @@ def test_sigterm_with_stderr_on_a_full_disk_stops_and_lost_lines_are_counted(tmp
         reap(proc)
 
 
+def test_daemon_with_stderr_on_a_full_disk_delivers_counts_and_stops_on_sigterm(tmp_path: Path) -> None:
+    """The daemon on ``/dev/full``: it delivers every entry, counts its lost lines in
+    ``cdcd_daemon_log_lines_lost_total``, and SIGTERM stops it cleanly (exit 0)."""
+    node_dir = tmp_path / "node"
+    make_node(node_dir, segments=2, tx_per_segment=10)
+    port = free_port()
+    out = tmp_path / "out.jsonl"
+    config = write_daemon_config(
+        tmp_path / "cdcd.toml", node_dir, jsonl_consumer(out), metrics_address=f"127.0.0.1:{port}"
+    )
+    with open("/dev/full", "wb") as full:
+        proc = subprocess.Popen(
+            [*CDCD, "run", "--config", str(config), "--log-format", "json"],
+            stdout=subprocess.DEVNULL,
+            stderr=full,
+            env=child_env(),
+        )
+    try:
+        wait_for(
+            lambda: (
+                (m := scrape(port))
+                and m["cdcd_daemon_log_lines_lost_total"] >= 2
+                and m.get("cdcd_daemon_segments_pending", 1) == 0
+                and out.exists()
+            ),
+            60,
+            "both segments delivered, their lines lost",
+        )
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(STOP_BOUND_S) == 0
+    finally:
+        reap(proc)
+    assert len(out.read_text().splitlines()) > 0
+
+
 def test_a_closed_stderr_never_lands_in_a_node_file(tmp_path: Path) -> None:
     """Started with stderr closed (``2>&-``), the node takes descriptor 2 for /dev/null before it opens
     anything, so no WAL segment or LMDB file gets number 2 and log lines into it: it writes, counts its
