@@ -138,9 +138,10 @@ def test_once_json_matches_status_and_state(rig: Rig, tmp_path: Path) -> None:
     # Under 2000 entries/s both sides move within the half second between top's two reads.
     assert rates["wal_bytes_per_s"] > 0 and rates["node_entries_per_s"] > 0
     assert rates["daemon_events_per_s"] > 0
-    assert set(snap) == {"taken_at", "node_dir", "sources", "node", "daemon", "rates", "lake", "consumer", "problems"}
+    keys = {"taken_at", "node_dir", "sources", "node", "daemon", "rates", "lake", "consumer", "problems"}
+    assert set(snap) == keys | {"source_problems"}
     assert snap["consumer"] == {} and snap["lake"] is None  # jsonl has no metrics of its own
-    assert snap["problems"] == {}
+    assert snap["problems"] == {} and snap["source_problems"] == []
 
     # The daemon SIGKILLed, the node stopped: shown as such, still exit 0 and one JSON object.
     rig.daemon.kill()
@@ -153,6 +154,7 @@ def test_once_json_matches_status_and_state(rig: Rig, tmp_path: Path) -> None:
     assert gone["sources"]["daemon_state"] == "ok"
     assert rig.node_metrics in gone["sources"]["node_metrics"]
     assert rig.daemon_metrics in gone["sources"]["daemon_metrics"]
+    assert gone["source_problems"] == []  # stopped is not broken
 
 
 def test_once_json_while_the_node_delivers(rig: Rig, tmp_path: Path) -> None:
