@@ -2,7 +2,8 @@
 
 The offsets topic is compacted, keyed by source node (Kafka Connect's exactly-once source
 connectors keep their offsets the same way). The value is JSON ``{"segment", "offset",
-"entry_index", "node"}``: the WAL address of the last entry the committed transactions hold
+"entry_index", "node", ..., "format"}`` (``format``: ``cdcd.formats.KAFKA_OFFSETS``, absent in v0.1.0's
+records): the WAL address of the last entry the committed transactions hold
 (inclusive). A reader sees only committed records (``read_committed``), so the position it finds
 and the data in the topic always agree.
 
