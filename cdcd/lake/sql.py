@@ -113,8 +113,16 @@ def run_sql(
         err.write(f"{missing} ({missing.hint})\n")
         return int(missing.exit_code)
     try:
+        if engine == "duckdb":
+            _duckdb_check(query)  # before the cut and the delta extension: a refusal costs nothing
         cut = cut_as_of(root, when) if when is not None else resolve_cut(root, None)
     except NoCut as exc:
+        err.write(f"{exc}\n")
+        return 1
+    except NotAQuery as exc:
+        err.write(f"{exc.line}\n")
+        return int(exc.exit_code)
+    except QueryFailed as exc:
         err.write(f"{exc}\n")
         return 1
     if engine == "duckdb":
@@ -183,7 +191,7 @@ def duckdb_statement_check(con: Any, query: str, *, explained: bool = False) -> 
 
     statements = con.extract_statements(query)
     if len(statements) != 1:
-        raise NotAQuery("an empty query" if not statements else f"{len(statements)} statements")
+        raise NotAQuery("no statement" if not statements else f"{len(statements)} statements")
     kind = statements[0].type
     words = _first_words(query)
     first = words[0][1] if words else ""
@@ -204,7 +212,21 @@ def duckdb_statement_check(con: Any, query: str, *, explained: bool = False) -> 
             duckdb_statement_check(con, query[words[i][0] :], explained=True)
             return
     named = first.upper() if first not in {"with", "(", ""} else kind.name
-    raise NotAQuery(f"a {named} statement")
+    raise NotAQuery(f"{named} statement")
+
+
+def _duckdb_check(query: str) -> None:
+    """``duckdb_statement_check`` in a connection of its own (no extension to load): QueryFailed for
+    text DuckDB cannot parse."""
+    import duckdb
+
+    con = duckdb.connect()
+    try:
+        duckdb_statement_check(con, query)
+    except duckdb.Error as exc:
+        raise QueryFailed(_one_line(exc, [])) from exc
+    finally:
+        con.close()
 
 
 @contextmanager
@@ -217,7 +239,7 @@ def _duckdb_result(root: LakeDir, cut: Cut, query: str) -> Iterator[Result]:
         try:
             views: dict[str, str] = {}
             try:
-                duckdb_statement_check(con, query)
+                duckdb_statement_check(con, query)  # again: the connection that runs it parses it
                 views = register_duckdb(con, root, cut)
                 rel = con.sql(query)
                 if rel is None:  # cannot be after the check, but never print nothing as a result
@@ -288,14 +310,14 @@ def spark_statement_check(session: Any, query: str) -> None:
         return
     if top in _SPARK_EXPLAIN:
         plan = getattr(plan, _SPARK_EXPLAIN[top])()
-    pending = [plan]
+    pending = [(plan, top in _SPARK_EXPLAIN)]
     while pending:
-        node = pending.pop()
+        node, inner = pending.pop()
         name = _spark_class(node)
         if name not in _SPARK_QUERY_NODES:
-            raise NotAQuery(f"a {_spark_named(name)} plan" + (f" under {_spark_named(top)}" if node != plan else ""))
+            raise NotAQuery(_spark_named(name) + (f" in {_spark_named(top)}" if inner else ""))
         for children in (node.children(), node.innerChildren(), node.subqueries()):
-            pending.extend(children.apply(i) for i in range(children.size()))
+            pending.extend((children.apply(i), True) for i in range(children.size()))
 
 
 def _drop_callers(session: Any) -> None:
