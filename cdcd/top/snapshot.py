@@ -8,8 +8,9 @@ fails is recorded in ``Snapshot.sources`` as a short line; nothing here raises f
 None of them is trusted to behave: each is read in a thread of its own, within an overall deadline
 (``SOURCE_DEADLINE_S`` for connect, request, answer and parse together: a server that trickles one
 byte a second cannot reset it as it would a per-recv timeout) and a size limit; an answer that breaks
-either, or is not what the source should say, becomes that source's one line. A read still running
-when the deadline passes (a state dir on a hung file system) is not started again until it ends.
+either, or is not what the source should say, becomes that source's one line (and one of
+``Snapshot.source_problems``). A read still running when the deadline passes (a state dir on a hung
+file system) is not started again until it ends.
 
 ``build_snapshot`` is pure (raw answers in, frozen snapshot out); ``collect`` does the reading, and
 ``rates`` compares two consecutive snapshots.
@@ -50,7 +51,7 @@ ONCE_READING_S = 3.5
 MAX_STATUS_BYTES = 1 << 20
 """The control socket's status reply: a few KiB from a real node."""
 MAX_METRICS_BYTES = 8 << 20
-"""A metrics answer: a daemon with a thousand caches serves about 2 MiB."""
+"""A metrics answer: far above what a node or a daemon serves, and parsed well within the deadline."""
 MAX_HEAD_BYTES = 64 << 10
 MAX_LOCK_BYTES = 64
 """``cdcd.lock`` holds a pid and a newline."""
