@@ -57,13 +57,14 @@ class Metastorage:
     def _mark_format(self, data: Path) -> int:
         """Check the format; an unmarked metastorage (v0.1.0's, or a new one) is marked in one synced
         transaction: a crash leaves it unmarked or marked, nothing else changed."""
-        with self.env.begin(write=True) as txn:
+        with self.env.begin() as txn:
             found = _format_of(txn, data)
-            if txn.get(FORMAT_KEY) is None:
-                txn.put(FORMAT_KEY, str(formats.METASTORAGE.current).encode())
-                failpoints.hit("formats.metastorage.marking")
-                found = formats.METASTORAGE.current
-        return found
+            if txn.get(FORMAT_KEY) is not None:
+                return found
+        with self.env.begin(write=True) as txn:
+            txn.put(FORMAT_KEY, str(formats.METASTORAGE.current).encode())
+            failpoints.hit("formats.metastorage.marking")
+        return formats.METASTORAGE.current
 
     def get(self) -> RealtimeState | None:
         with self.env.begin() as txn:
