@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from cdcd.consumer import EventBatch
@@ -343,14 +344,15 @@ def test_lake_page(lake: Lake, spark: Any) -> None:
     skus = sums_by_sku(FINAL["orders"])
 
     def readers(cells: list[Cell]) -> None:
-        assert {r["key"] for r in cell_with(cells, "where(\"cache = 'orders'\")")} == set(FINAL["orders"])
+        state = cell_with(cells, "where(\"cache = 'orders'\")")  # keys and values as JSON text
+        assert {json.loads(r["key"]): json.loads(r["value"]) for r in state} == FINAL["orders"]
         assert by_key(cell_with(cells, "GROUP BY cache"), "cache", "count(1)") == live
         assert len(cell_with(cells, "versionAsOf")) == n_first
         feed = cell_with(cells, "readChangeFeed")
         assert len(feed) == n_second and {r["_change_type"] for r in feed} == {"insert"}
         for marker in ("DeltaTable(", "pl.read_delta(", "duckdb_connect().sql("):
             rows = cell_with(cells, marker)
-            assert {(r["cache"], r["key"]) for r in rows} == {(c, k) for c, ks in FINAL.items() for k in ks}
+            assert {(r["cache"], json.loads(r["key"])) for r in rows} == {(c, k) for c, ks in FINAL.items() for k in ks}
 
     def typed_tables(cells: list[Cell]) -> None:
         assert by_key(cell_with(cells, "spark.sql("), "sku", "sum(qty)") == skus
@@ -638,16 +640,13 @@ def test_kafka_page(tmp_path: Path) -> None:
         run_page("kafka.md", checks, shell, {}, python=defer)
     finally:
         subprocess.run(["bash", "scripts/kafka.sh", "stop", "--dir", "var/kafka/b1", "--kill"], cwd=shell.cwd)
-    values = {ev.key: ev.value for ev in batch}
-    assert len(read) == len(values), read
+    after = {json.dumps({"key": ev.key, **ev.value}, sort_keys=True): ev for ev in batch}
+    assert len(read) == len(after), read
     for row in read:
-        assert row["op"] == "c" and row["before"] is None, row
-        assert row["source"]["cache"] == "orders" and row["source"]["segment"] is not None, row
-        key = [ev.key for ev in batch if ev.value == json.loads(row["after"])]
-        assert len(key) == 1, row
-    assert {json.dumps(json.loads(r["after"]), sort_keys=True) for r in read} == {
-        json.dumps(v, sort_keys=True) for v in values.values()
-    }
+        ev = after.pop(json.dumps(json.loads(row["after"]), sort_keys=True))  # the after image: key and value
+        assert (row["op"], row["before"], row["source"]["cache"]) == ("c", None, "orders"), row
+        source = row["source"]
+        assert (source["segment"], source["offset"], source["entry_index"]) == tuple(msgspec.to_builtins(ev.position))
 
 
 def port_open(port: int) -> bool:
@@ -714,8 +713,6 @@ def test_every_config_block_loads(tmp_path: Path) -> None:
     """Each ```toml block of docs/ is a config that loads with the loader cdcd reads its file with (completed with
     what a fragment leaves to the rest of its file), its consumer tables build their consumer, declared tables read
     back as declared, and the loaded values are the block's."""
-    import msgspec
-
     from cdcd.config import load_toml
     from cdcd.daemon.config import load_daemon_config
     from cdcd.kafka.options import KafkaToNodeOptions
