@@ -640,10 +640,10 @@ def test_kafka_page(tmp_path: Path) -> None:
         run_page("kafka.md", checks, shell, {}, python=defer)
     finally:
         subprocess.run(["bash", "scripts/kafka.sh", "stop", "--dir", "var/kafka/b1", "--kill"], cwd=shell.cwd)
-    after = {json.dumps({"key": ev.key, **ev.value}, sort_keys=True): ev for ev in batch}
-    assert len(read) == len(after), read
+    sent = {json.dumps({"key": ev.key, **ev.value}, sort_keys=True): ev for ev in batch}
+    assert len(read) == len(sent), read
     for row in read:
-        ev = after.pop(json.dumps(json.loads(row["after"]), sort_keys=True))  # the after image: key and value
+        ev = sent.pop(json.dumps(json.loads(row["after"]), sort_keys=True))  # the after image: key and value
         assert (row["op"], row["before"], row["source"]["cache"]) == ("c", None, "orders"), row
         source = row["source"]
         assert (source["segment"], source["offset"], source["entry_index"]) == tuple(msgspec.to_builtins(ev.position))
