@@ -67,6 +67,9 @@ from tests.support.ports import free_port
 from tests.support.procs import ROOT, child_env
 
 RUNNABLE = ("sh", "bash", "python")
+NOT_CODE = ("", "toml", "json", "properties", "text")
+"""Languages of blocks that are not run: configs (```toml: ``test_every_config_block_loads``), formats, output.
+A block in any other language (``shell``, ``console``, ``py``…) fails: it would escape both."""
 COMMAND_TIMEOUT_S = 300
 
 PLACEHOLDERS = {
@@ -87,7 +90,12 @@ NOT_RUN = {
         "runs them, the node and the daemon stopped once the daemon delivered"
     ),
     ("operations.md", "sudo useradd --system"): (
-        "installs cdcd as root under systemd on a host: tests/test_systemd_units.py runs the units it installs"
+        "installs cdcd as root under systemd on a host: tests/test_systemd_units.py verifies the units it installs "
+        "(systemd-analyze) and runs what they start (READY=1, watchdog)"
+    ),
+    ("operations.md", "sudo systemctl edit cdcd@node1"): (
+        "a drop-in for an installed unit, as root: tests/test_systemd_units.py runs a lake daemon under the units' "
+        "UMask (lake files group-readable, state private) and checks what the example configs write"
     ),
 }
 """(page, marker) of each runnable block that no test here runs, and why."""
@@ -220,6 +228,7 @@ def test_every_block_is_run_or_listed() -> None:
     assert sum(1 for blocks in pages.values() for b in blocks if b.lang in RUNNABLE) >= 15
     for name, blocks in pages.items():
         for block in blocks:
+            assert block.lang in RUNNABLE + NOT_CODE, f"{block}: write ```sh, ```python or one of {NOT_CODE}"
             if block.lang in RUNNABLE and not_run_reason(block) is None:
                 assert name in PAGE_TESTS, f"{block}: no test runs this block (add it to a page test or NOT_RUN)"
     for page, marker in NOT_RUN:

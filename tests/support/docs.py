@@ -45,11 +45,13 @@ class Block:
 
 
 def fenced_blocks(path: Path) -> list[Block]:
-    """Every fenced block of ``path`` in page order (the fences at a line's start, as the docs write them)."""
+    """Every fenced block of ``path`` in page order, also one indented in a list item (its text dedented)."""
     text = path.read_text()
     out = []
-    for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, flags=re.S | re.M):
-        out.append(Block(path.name, m.group(1), m.group(2), text.count("\n", 0, m.start()) + 2))
+    for m in re.finditer(r"^([ \t]*)```([\w+-]*)[ \t]*\n(.*?)^\1```[ \t]*$", text, flags=re.S | re.M):
+        indent, body = m.group(1), m.group(3)
+        lines = [ln.removeprefix(indent) for ln in body.splitlines(keepends=True)]
+        out.append(Block(path.name, m.group(2), "".join(lines), text.count("\n", 0, m.start()) + 2))
     return out
 
 
