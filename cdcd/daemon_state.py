@@ -62,6 +62,9 @@ class DaemonState(msgspec.Struct, frozen=True):
     """The last data record a consumer took, as of ``position`` (None: none yet, or a state written
     before this field): unlike the position, never moved by markers or cache records, so a consumer
     whose target says how far it holds (the lake's mark) can be compared with it exactly."""
+    consumer: str = ""
+    """The identity (kind and target) of the consumer this position belongs to ("" in a state written
+    before consumers had names: bound to the consumer that next starts on it); another is refused."""
 
 
 _enc = msgspec.msgpack.Encoder()

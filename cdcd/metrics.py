@@ -248,6 +248,33 @@ DAEMON_MODE = Gauge(
 DAEMON_MODE_SWITCHES = Counter(
     "cdcd_daemon_mode_switches_total", "Hand-overs (node_to_daemon, daemon_to_node)", ["direction"], registry=DAEMON
 )
+DAEMON_CONSUMER_UP = Gauge(
+    "cdcd_daemon_consumer_up",
+    "1 while the named consumer delivers (or waits out a transient failure), 0 once it stopped for good",
+    ["consumer"],
+    registry=DAEMON,
+)
+DAEMON_CONSUMER_EVENTS = Counter(
+    "cdcd_daemon_consumer_events_total", "Events confirmed by the named consumer", ["consumer"], registry=DAEMON
+)
+DAEMON_CONSUMER_COMMITTED_SEGMENT = Gauge(
+    "cdcd_daemon_consumer_committed_segment",
+    "Segment of the named consumer's committed position",
+    ["consumer"],
+    registry=DAEMON,
+)
+DAEMON_CONSUMER_LAST_COMMIT = Gauge(
+    "cdcd_daemon_consumer_last_commit_timestamp_seconds",
+    "Wall time of the named consumer's last state commit",
+    ["consumer"],
+    registry=DAEMON,
+)
+DAEMON_CONSUMER_LAG_SECONDS = Gauge(
+    "cdcd_daemon_consumer_lag_seconds",
+    "Now minus the commit time of the oldest entry the named consumer has not confirmed",
+    ["consumer"],
+    registry=DAEMON,
+)
 DAEMON_LINKS_DELETED = Counter("cdcd_daemon_links_deleted_total", "Consumed segment links deleted", registry=DAEMON)
 DAEMON_WAITING_FOR_NODE = Gauge(
     "cdcd_daemon_waiting_for_node", "1 while the daemon waits for its node's directories to appear", registry=DAEMON

@@ -92,11 +92,14 @@ def daemon_run(config_path: Path, log_format: str | None, stop_timeout: float) -
     for name in _IGNORED_ENV:
         log.warning("environment_variable_ignored", name=name, reason="not a cdcd config key")
     fix_mmap_threshold()
+    consumers = {}
     try:
-        consumer = load_consumer(config.consumer, f"{config_path}: consumer")
+        for name, table in config.named_consumers().items():
+            consumers[name] = load_consumer(table, f"{config_path}: {config.consumer_key(name)}")
     except Exception as exc:
         fail_on(exc)
-    daemon = Daemon(config, consumer, show_progress=sys.stdout.isatty())
+    only = consumers.get("default") if len(consumers) == 1 else None
+    daemon = Daemon(config, only or consumers, show_progress=sys.stdout.isatty())
 
     def fatal(exc: BaseException, context: str = "", event: str | None = None) -> NoReturn:
         code, line = line_for(exc, context)
@@ -182,6 +185,16 @@ def state_show(config_path: Path, as_json: bool) -> None:
     if info["ignored_files"]:
         click.echo(f"{'ignored':<12} {', '.join(info['ignored_files'])}")
     click.echo(f"{'consumer':<12} {msgspec.json.encode(info['consumer']).decode()}")
+    if len(info["consumers"]) > 1 or "default" not in info["consumers"]:
+        for name, one in info["consumers"].items():
+            stopped = one["stopped"]
+            how = f"STOPPED (exit {stopped['exit_code']}): {stopped['error']}" if stopped else "delivering"
+            realtime = ", realtime hand-over" if one["realtime"] else ""
+            click.echo(f"consumer {name}: {one['mode']} at {one['position'] or '-'}{realtime}; {how}")
+    else:
+        stopped = info["stopped"]
+        if stopped:
+            click.echo(f"{'stopped':<12} exit {stopped['exit_code']}: {stopped['error']}")
 
 
 @state.command("reset")
@@ -193,8 +206,14 @@ def state_show(config_path: Path, as_json: bool) -> None:
     default=None,
     help="Deliver from this position (a record start in a linked segment); default: the oldest link.",
 )
+@click.option(
+    "--consumer",
+    "consumer_name",
+    default=None,
+    help="The consumer whose state is reset, of a daemon of several ([consumers.NAME]); default: default.",
+)
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
-def state_reset(config_path: Path, to: str | None, yes: bool) -> None:
+def state_reset(config_path: Path, to: str | None, consumer_name: str | None, yes: bool) -> None:
     """Replace the daemon's state (damaged, of another node, or at a wrong position) with one at the
     oldest link or at --to. The daemon must be stopped. A damaged state file is moved aside, not deleted;
     the mode is what the node says (its realtime worker delivers: PASSIVE), the cache registry is kept
@@ -205,6 +224,15 @@ def state_reset(config_path: Path, to: str | None, yes: bool) -> None:
 
     log_to_stderr()
     config = load_config(config_path)
+    names = config.named_consumers()
+    if consumer_name is None and len(names) > 1:
+        fail(
+            f"{config_path} has consumers {', '.join(names)}: name the one to reset with --consumer", ExitCode.BAD_INPUT
+        )
+    try:
+        config = config.for_consumer(consumer_name or next(iter(names)))
+    except Exception as exc:
+        fail_on(exc)
     try:
         position = WalPosition.parse(to) if to else None
     except ValueError as exc:

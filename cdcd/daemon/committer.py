@@ -56,10 +56,16 @@ class Committer:
         stopping: threading.Event | None = None,
         retrying: Callable[[], None] | None = None,
         rewind: Callable[[DaemonState], DaemonState] | None = None,
+        release: Callable[[int], list[int]] | None = None,
+        name: str = "default",
+        primary: bool = True,
     ) -> None:
         """``retrying()`` runs at each backoff step of a consumer's ``RetriableError`` (the stall
         watch counts a retry step as progress); ``rewind(state)`` moves a state just switched to ACTIVE
-        back to where the consumer's target stops holding what the node delivered (``daemon/rewind.py``)."""
+        back to where the consumer's target stops holding what the node delivered (``daemon/rewind.py``).
+        ``release(segment)``: this consumer needs no link below ``segment`` any more; deletes the links no
+        consumer of the daemon needs and returns them (default: every link below it). ``name``: the
+        consumer's (the ``consumer`` label); ``primary``: this one also feeds the unlabelled families."""
         self.store = store
         self.state = state
         self.caches = caches
@@ -70,6 +76,9 @@ class Committer:
         """Set when the daemon stops: a consumer that takes nothing is not offered the rest again."""
         self.retrying = retrying
         self.rewind = rewind
+        self.release = release or (lambda segment: delete_links_below(cdc_dir, segment))
+        self.name = name
+        self.primary = primary
         self.retry_timeout_s = float(getattr(consumer, "retry_timeout_s", DEFAULT_RETRY_TIMEOUT_S))
         path = dead_letters.path_of(consumer)
         self.dead_letters = DeadLetterFile(path) if path else None
@@ -89,7 +98,10 @@ class Committer:
         self.events_delivered = 0
         self.last_event_ts_ns = 0
         self._taken_until = state.last_delivered
-        metrics.DAEMON_MODE.labels(state.mode.name).set(1)
+        if primary:
+            metrics.DAEMON_MODE.labels(state.mode.name).set(1)
+        metrics.DAEMON_CONSUMER_UP.labels(name).set(1)
+        self._events_metric = metrics.DAEMON_CONSUMER_EVENTS.labels(name)
 
     def apply(self, item: Item) -> None:
         if isinstance(item, Batch):
@@ -127,7 +139,8 @@ class Committer:
         )
 
     def _on_retry(self, retry: Retry) -> None:
-        metrics.DAEMON_CONSUMER_RETRIES.inc()
+        if self.primary:
+            metrics.DAEMON_CONSUMER_RETRIES.inc()
         if self.retrying is not None:
             self.retrying()
 
@@ -145,16 +158,20 @@ class Committer:
         self.check_alive()
         t0 = time.perf_counter()
         ok = bool(self._call("on_events()", self.consumer.on_events, events))
-        if len(events):
+        if len(events) and self.primary:
             metrics.DAEMON_CONSUMER_SECONDS.observe(time.perf_counter() - t0)
         return ok
 
     def _observe(self, taken: Sequence[RecordSlice], events: EventBatch, took: int, ok: bool) -> None:
-        metrics.DAEMON_BATCH_EVENTS.observe(took)
         self.events_delivered += took
         if took:
             self.last_event_ts_ns = taken[-1].record.commit_ts_ns
             self._taken_until = taken[-1].pointer
+            self._events_metric.inc(took)
+        if not self.primary:
+            return
+        metrics.DAEMON_BATCH_EVENTS.observe(took)
+        if took:
             self._count(taken, events)
         metrics.DAEMON_BATCHES.labels("committed" if ok else "not_committed").inc()
 
@@ -236,7 +253,7 @@ class Committer:
             self._taken_until = item.delivered  # the node delivered after this daemon: its record is the last
         failpoints.hit("daemon.switch.before_commit")
         self.commit(item.position if item.position is not None else self.state.position, item.mode)
-        if old is not item.mode:
+        if old is not item.mode and self.primary:
             direction = "node_to_daemon" if item.mode is CdcMode.DAEMON_ACTIVE else "daemon_to_node"
             metrics.DAEMON_MODE_SWITCHES.labels(direction).inc()
             metrics.DAEMON_MODE.labels(old.name).set(0)
@@ -260,15 +277,20 @@ class Committer:
         )
         t0 = time.perf_counter()
         self.state = self.store.commit(new, caches=self._pending_caches, destroyed=self._pending_destroyed)
-        metrics.DAEMON_COMMIT_SECONDS.observe(time.perf_counter() - t0)
+        now = time.time()
+        if self.primary:
+            metrics.DAEMON_COMMIT_SECONDS.observe(time.perf_counter() - t0)
+            metrics.DAEMON_LAST_COMMIT.set(now)
+        metrics.DAEMON_CONSUMER_LAST_COMMIT.labels(self.name).set(now)
         self._pending_caches = {}
         self._pending_destroyed = []
-        metrics.DAEMON_LAST_COMMIT.set(time.time())
         if mode is not None:
             failpoints.hit("daemon.switch.committed")  # state durable, links not yet deleted
         if position is not None:
-            metrics.DAEMON_COMMITTED_SEGMENT.set(position.segment)
-            metrics.DAEMON_COMMITTED_OFFSET.set(position.offset)
-            for seg in delete_links_below(self.cdc_dir, position.segment):
+            if self.primary:
+                metrics.DAEMON_COMMITTED_SEGMENT.set(position.segment)
+                metrics.DAEMON_COMMITTED_OFFSET.set(position.offset)
+            metrics.DAEMON_CONSUMER_COMMITTED_SEGMENT.labels(self.name).set(position.segment)
+            for seg in self.release(position.segment):
                 metrics.DAEMON_LINKS_DELETED.inc()
                 log.info("segment_done", segment=seg)

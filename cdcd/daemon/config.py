@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -24,6 +25,9 @@ from cdcd.node.config import NodeConfig
 
 MiB = 1 << 20
 ENV_PREFIX = "CDCD_"
+DEFAULT_CONSUMER = "default"
+"""The name of the consumer a ``[consumer]`` table describes (its state is the ``state_dir`` itself)."""
+CONSUMER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -60,10 +64,35 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     log_format: Literal["json", "console"] | None = None
     """Default: console on a terminal, JSON lines otherwise (``cdcd run --log-format`` overrides)."""
     consumer: dict[str, Any] = msgspec.field(default_factory=lambda: {"kind": "null"})
+    consumers: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+    """Named consumers, ``[consumers.<name>]`` (each takes every key ``[consumer]`` takes); with
+    ``[consumer]`` beside them, that one is the consumer named ``default``."""
+    realtime_consumer: str = ""
+    """The consumer the node's realtime worker stands in for: the one whose position follows the
+    hand-over markers (IEP-104). Default: ``default`` if there is one, else the first named consumer."""
+    shared_read_bytes: int = 64 * MiB
+    """Decoded WAL chunks kept for the other consumers of a daemon with several (each reads on its
+    own from its position when what it needs is no longer there)."""
+    has_default_consumer: bool = True
+    """Whether a ``[consumer]`` table was given (or no ``[consumers]`` at all): set by ``load_daemon_config``."""
 
     def __post_init__(self) -> None:
         if not self.node_dir:
             raise msgspec.ValidationError("must not be empty - at `$.node_dir`")
+        for name in self.consumers:
+            if not CONSUMER_NAME.fullmatch(name):
+                raise msgspec.ValidationError(
+                    f"consumer name {name!r}: must be 1 to 64 of A-Z a-z 0-9 _ - - at `$.consumers`"
+                )
+            if name == DEFAULT_CONSUMER and self.has_default_consumer:
+                raise msgspec.ValidationError(
+                    "the consumer named default is [consumer]: give this one another name - at `$.consumers.default`"
+                )
+        if self.realtime_consumer and self.realtime_consumer not in self.named_consumers():
+            raise msgspec.ValidationError(
+                f"no consumer named {self.realtime_consumer!r} (consumers: {', '.join(self.named_consumers())})"
+                " - at `$.realtime_consumer`"
+            )
         checks = {
             "lock_timeout_ms": self.lock_timeout_ms >= 0,
             "check_interval_ms": self.check_interval_ms >= 10,
@@ -73,6 +102,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             "queue_max_batches": self.queue_max_batches >= 1,
             "read_chunk_records": self.read_chunk_records >= 1,
             "consumer_stall_timeout_ms": self.consumer_stall_timeout_ms >= 1000,
+            "shared_read_bytes": self.shared_read_bytes >= 0,
         }
         check_ranges(self, checks)
         check_address(self.metrics_address, "metrics_address")
@@ -92,6 +122,45 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             )
         return node
 
+    def named_consumers(self) -> dict[str, dict[str, Any]]:
+        """Every consumer's table by name, in config order: ``default`` (``[consumer]``) first."""
+        out: dict[str, dict[str, Any]] = {DEFAULT_CONSUMER: self.consumer} if self.has_default_consumer else {}
+        out.update(self.consumers)
+        return out
+
+    @property
+    def handover_consumer(self) -> str:
+        """The consumer whose position follows the node's hand-over markers (``realtime_consumer``)."""
+        return self.realtime_consumer or next(iter(self.named_consumers()))
+
+    def consumer_key(self, name: str) -> str:
+        """Where a consumer's table is in the config: ``consumer`` or ``consumers.<name>``."""
+        return "consumer" if name == DEFAULT_CONSUMER and self.has_default_consumer else f"consumers.{name}"
+
+    def consumer_state_path(self, name: str) -> Path:
+        """A consumer's own state: ``state_dir`` for ``default`` (as a daemon of one consumer always
+        kept it), ``<state_dir>/consumers/<name>`` for a named one."""
+        if name == DEFAULT_CONSUMER:
+            return self.state_path
+        return self.state_path / "consumers" / name
+
+    def for_consumer(self, name: str) -> DaemonConfig:
+        """This config as a daemon of consumer ``name`` alone, its state where this daemon keeps that
+        consumer's: the operator commands (``state show``, ``state reset``) act on one consumer's state."""
+        tables = self.named_consumers()
+        if name not in tables:
+            raise ConfigError(f"no consumer named {name!r} (consumers: {', '.join(tables)})")
+        if name == DEFAULT_CONSUMER and not self.consumers:
+            return self
+        return msgspec.structs.replace(
+            self,
+            state_dir=str(self.consumer_state_path(name)),
+            consumer=tables[name],
+            consumers={},
+            realtime_consumer="",
+            has_default_consumer=True,
+        )
+
     @property
     def cdc_path(self) -> Path:
         return Path(self.cdc_dir or Path(self.node_dir) / "cdc")
@@ -99,6 +168,38 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     @property
     def state_path(self) -> Path:
         return Path(self.state_dir or Path(self.node_dir) / "cdcd-state")
+
+
+IDENTITY_KEYS: dict[str, tuple[str, ...]] = {
+    "jsonl": ("path",),
+    "lake": ("lake_path",),
+    "kafka": ("bootstrap_servers", "topic", "topic_prefix"),
+    "replication": ("target",),
+    "python": ("class",),
+    "null": (),
+}
+"""The keys that say where a consumer of each kind delivers: with the kind, its identity."""
+_PATH_KEYS = frozenset({"path", "lake_path"})
+
+
+def consumer_identity(table: Mapping[str, Any]) -> str:
+    """Kind and target of the consumer a ``[consumer]`` table describes (``jsonl /abs/events.jsonl``,
+    ``kafka localhost:9092 topic=cdc``): a position is bound to it, so a state written for one target is
+    never used for another. Local paths are made absolute (what the sink writes to)."""
+    kind = str(table.get("kind", ""))
+    kind = "lake" if kind == "spark" else kind  # the deprecated spelling builds the same consumer
+    parts = [kind]
+    for key in IDENTITY_KEYS.get(kind, ()):
+        value = table.get(key)
+        if value in (None, ""):
+            continue
+        if isinstance(value, list | tuple):
+            value = ",".join(str(v) for v in value)
+        text = str(value)
+        if key in _PATH_KEYS and "://" not in text:
+            text = os.path.abspath(text)
+        parts.append(text if key in _PATH_KEYS or key == "bootstrap_servers" else f"{key}={text}")
+    return " ".join(parts)
 
 
 def _env_value(text: str) -> Any:
@@ -152,21 +253,33 @@ def env_overrides(
     return out
 
 
+def _merge(data: dict[str, Any], env: Mapping[str, Any]) -> None:
+    """``env``'s keys into ``data``, tables merged key by key at every depth (``CDCD_CONSUMERS__LAKE__PATH``)."""
+    for key, value in env.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            merged = dict(data[key])
+            _merge(merged, value)
+            data[key] = merged
+        else:
+            data[key] = value
+
+
 def load_daemon_config(
     path: str | os.PathLike[str], environ: Mapping[str, str] | None = None, ignored: list[str] | None = None
 ) -> DaemonConfig:
     """The config at ``path`` with ``CDCD_*`` overrides; ``ignored`` collects other ``CDCD_*`` names."""
     data = read_toml(path)
     env = env_overrides(os.environ if environ is None else environ, ignored=ignored)
-    for key, value in env.items():
-        if isinstance(value, dict) and isinstance(data.get(key), dict):
-            data[key] = {**data[key], **value}
-        else:
-            data[key] = value
+    _merge(data, env)
+    if "has_default_consumer" in data:
+        raise ConfigError(f"{path}: unknown key 'has_default_consumer'")
+    data["has_default_consumer"] = "consumer" in data or not data.get("consumers")
     config = convert(data, DaemonConfig, str(path))
-    if "kind" not in config.consumer:
-        raise ConfigError(f"{path}: missing key 'consumer.kind'")
-    CacheFilter.from_table(config.consumer, f"{path}: consumer")
+    for name, table in config.named_consumers().items():
+        key = config.consumer_key(name)
+        if "kind" not in table:
+            raise ConfigError(f"{path}: missing key '{key}.kind'")
+        CacheFilter.from_table(table, f"{path}: {key}")
     try:
         config.node()
     except ConfigError as exc:

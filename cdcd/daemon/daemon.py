@@ -10,48 +10,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import operator
 import threading
-import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
 
-import msgspec
 import structlog
-from prometheus_client import REGISTRY
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
 from cdcd import metrics
-from cdcd.config import CacheFilter
 from cdcd.consumer import Consumer
-from cdcd.daemon.committer import Committer, ConsumerFailed
-from cdcd.daemon.config import DaemonConfig
-from cdcd.daemon.follower import ReadItem, SegmentFollower, delete_links_below
-from cdcd.daemon.processor import Batch, Item, Processor, Switch
-from cdcd.daemon.rewind import rewind
+from cdcd.daemon.config import DEFAULT_CONSUMER, DaemonConfig, consumer_identity
+from cdcd.daemon.follower import SegmentFollower, SharedReads, delete_links_below
+from cdcd.daemon.lane import Lane, end_of_read, failure_line
 from cdcd.daemon.sdnotify import Notifier
-from cdcd.daemon.start_state import load_start_state
-from cdcd.daemon.watch import PipelineStalled, Watch
-from cdcd.daemon_state import CdcMode, DaemonState, StateStore
+from cdcd.daemon.watch import PipelineStalled
+from cdcd.daemon_state import DaemonState, StateRefused
+from cdcd.faults import Fault
 from cdcd.lock import DirLock
-from cdcd.logging import describe
 from cdcd.node.identity import read_node_id
 from cdcd.version import version_and_commit
-from cdcd.wal.errors import WalError
-from cdcd.wal.records import CacheInfo, DataRecord
+from cdcd.wal.records import CacheInfo
 
 log = structlog.get_logger("cdcd.daemon")
-T = TypeVar("T")
-_commit_ts = operator.attrgetter("record.commit_ts_ns")
-_end = operator.attrgetter("end")
-_start = operator.attrgetter("start")
-
-_PASSIVE_SKIP = frozenset({DataRecord.TYPE})
 
 
 def fix_mmap_threshold(threshold_bytes: int = 128 * 1024) -> None:
@@ -77,46 +60,85 @@ def daemon_lock(config: DaemonConfig) -> DirLock:
 
 
 class _Wake(FileSystemEventHandler):
-    def __init__(self, loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, events: list[asyncio.Event]) -> None:
         self._loop = loop
-        self._event = event
+        self._events = events
 
     def on_any_event(self, event: FileSystemEvent) -> None:
         # The observer thread may still see an event after a failed pass closed the loop: nothing
         # is left to wake then.
         with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._event.set)
+            self._loop.call_soon_threadsafe(self._wake_all)
+
+    def _wake_all(self) -> None:
+        for event in self._events:
+            event.set()
+
+
+class ConsumerStopped(Fault, Exception):
+    """A consumer of a daemon of several stopped for good; its exit code is its failure's."""
+
+    def __init__(self, name: str, exc: BaseException) -> None:
+        code, line = failure_line(exc)
+        super().__init__(f"consumer {name}: {line}")
+        self.exit_code = code
+        self.name = name
 
 
 class Daemon:
-    """Use ``start()``/``stop()`` or ``async with``; ``stop()`` is idempotent."""
+    """Use ``start()``/``stop()`` or ``async with``; ``stop()`` is idempotent.
 
-    def __init__(self, config: DaemonConfig, consumer: Consumer, *, show_progress: bool = False) -> None:
+    ``consumer``: the one consumer of a ``[consumer]`` config (named ``default``), or every consumer
+    by name (``config.named_consumers()``'s names) for a daemon of several (issue 45)."""
+
+    def __init__(
+        self, config: DaemonConfig, consumer: Consumer | Mapping[str, Consumer], *, show_progress: bool = False
+    ) -> None:
         """``show_progress``: catch-up progress log lines (``cdcd run`` on a terminal; a library logs none)."""
         self.config = config
-        self.consumer = consumer
-        self.selected = CacheFilter.from_table(config.consumer, "consumer")
-        """The consumer table's ``caches``/``exclude_caches``: applied by the batcher, so a cache left
-        out is neither delivered, counted nor announced."""
+        consumers = dict(consumer) if isinstance(consumer, Mapping) else {DEFAULT_CONSUMER: consumer}
+        tables = config.named_consumers()
+        if isinstance(consumer, Mapping) and set(consumers) != set(tables):
+            raise ValueError(f"consumers {sorted(consumers)} do not match the config's {sorted(tables)}")
         self.cdc_dir = config.cdc_path
         self._lock = daemon_lock(config)
-        self._store: StateStore | None = None
-        self._committer: Committer | None = None
         self._started = False
-        self._consumer_started = False
         self._stopping = threading.Event()
         self._notifier = Notifier()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
-        self._watch = Watch(config, self._notifier, self._committed_state, show_progress=show_progress)
+        self._links_lock = threading.Lock()
+        several = len(consumers) > 1
+        self.shared = SharedReads(config.shared_read_bytes) if several else None
+        """Decoded chunks shared between the consumers (None with one consumer: nothing to share)."""
+        handover = config.handover_consumer if several else next(iter(consumers))
+        names = [n for n in tables if n in consumers] or list(consumers)
+        self.lanes: dict[str, Lane] = {}
+        for i, name in enumerate(names):
+            self.lanes[name] = Lane(
+                config,
+                name,
+                consumers[name],
+                identity=consumer_identity(tables.get(name, {})) if tables.get(name) else "",
+                markers=name == handover,
+                primary=i == 0,
+                notifier=self._notifier,
+                stopping=self._stopping,
+                shared=self.shared,
+                release=self._release,
+                show_progress=show_progress,
+            )
+        self._primary = self.lanes[names[0]]
+        self.consumer = self._primary.consumer
+        self.selected = self._primary.selected
+        self._watch = self._primary.watch
         self.node_id: uuid.UUID | None = None
         """The node whose segments are delivered: from the node dir, else the first segment read."""
-        self._follower: SegmentFollower | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
     def start(self, *, locked: Callable[[], None] | None = None) -> None:
-        """Take the lock, load the state, delete links below it, start the consumer. ``locked()`` runs
-        once the lock is held, before anything that may wait on the target (the consumer's start, its
+        """Take the lock, load the states, delete links below them, start the consumers. ``locked()`` runs
+        once the lock is held, before anything that may wait on a target (a consumer's start, its
         cache calls retried through an outage): the entry point serves the metrics there."""
         if self._started:
             return
@@ -133,31 +155,26 @@ class Daemon:
             if locked is not None:
                 locked()
             self.node_id = read_node_id(self.config.node_dir)
-            self._store = StateStore(self.config.state_path)
-            state, caches, self.node_id = load_start_state(self.config, self._store, self.node_id)
-            try:
-                self.consumer.start(REGISTRY)
-                self._consumer_started = True
-            except Exception as exc:
-                raise ConsumerFailed(f"consumer start() raised {describe(exc)}") from exc
-            # Before links are deleted: a target behind the position is re-delivered from them.
-            state = self._rewind(state)
-            if state.position is not None:
-                for seg in delete_links_below(self.cdc_dir, state.position.segment):
+            for lane in self.lanes.values():  # every state checked before any consumer starts
+                self.node_id = lane.load(self.node_id) or self.node_id
+            for lane in self.lanes.values():
+                lane.node_id = self.node_id
+                try:
+                    lane.start()
+                except Exception as exc:
+                    if len(self.lanes) == 1 or isinstance(exc, StateRefused):
+                        raise
+                    lane.stopped_for_good(exc)  # the others start all the same
+            if self.lanes and all(lane.failure is not None for lane in self.lanes.values()):
+                raise ConsumerStopped(*next(iter(self.failures.items())))
+            # Links below every consumer's position are no consumer's any more.
+            low = self._lowest()
+            if low is not None:
+                for seg in delete_links_below(self.cdc_dir, low):
                     log.info("stale_link_deleted", segment=seg)
-            retrying = functools.partial(self._watch.touch, "consumer")  # a retry step is not a stall
-            self._committer = Committer(
-                self._store,
-                state,
-                caches,
-                self.consumer,
-                self.cdc_dir,
-                stopping=self._stopping,
-                retrying=retrying,
-                rewind=self._rewind,
-            )
-            self._committer.announce([i for i in caches.values() if i.config.cdc_enabled and self.selected(i.name)])
             self._started = True
+            state = self._primary.committed_state() or self._primary.start_state
+            assert state is not None
             log.info(
                 "daemon_started",
                 node_dir=self.config.node_dir,
@@ -169,17 +186,50 @@ class Daemon:
                 position=str(state.position) if state.position else None,
                 consumer=type(self.consumer).__name__,
                 version=version_and_commit(),
+                **self._consumers_field(),
             )
         except BaseException:
             self._shutdown()
             raise
 
+    def _consumers_field(self) -> dict[str, object]:
+        if len(self.lanes) == 1:
+            return {}
+        return {
+            "consumers": {
+                name: {
+                    "kind": type(lane.consumer).__name__,
+                    "position": str(lane.position) if lane.position else None,
+                    "realtime": lane.markers,
+                }
+                for name, lane in self.lanes.items()
+            }
+        }
+
+    def _lowest(self) -> int | None:
+        """The lowest segment any consumer still needs (None: one needs every link)."""
+        segments = []
+        for lane in self.lanes.values():
+            pos = lane.position
+            if pos is None:
+                return None
+            segments.append(pos.segment)
+        return min(segments)
+
+    def _release(self, segment: int) -> list[int]:
+        """A consumer committed past ``segment``: delete the links below the lowest position of all
+        (Ignite's rule, with the minimum over consumers). Called from the consumers' worker threads."""
+        if len(self.lanes) == 1:
+            return delete_links_below(self.cdc_dir, segment)
+        with self._links_lock:
+            low = self._lowest()
+            return delete_links_below(self.cdc_dir, min(low, segment)) if low is not None else []
+
     def stop(self) -> None:
-        """Ask a running ``run()`` to finish its in-flight batch and return (thread- and signal-safe)."""
+        """Ask a running ``run()`` to finish its in-flight batches and return (thread- and signal-safe)."""
         self._stopping.set()
-        interrupt = getattr(self.consumer, "interrupt", None)  # user classes may not subclass Consumer
-        if callable(interrupt):
-            interrupt()
+        for lane in self.lanes.values():
+            lane.interrupt()
         loop, event = self._loop, self._stop_event
         if loop is not None and event is not None:
             with contextlib.suppress(RuntimeError):  # loop already closed
@@ -190,20 +240,18 @@ class Daemon:
         self._shutdown()
 
     def _shutdown(self) -> None:
-        if self._watch.stalled is not None:
-            # A worker thread is still inside the consumer or the state store: leave both to the
+        if any(lane.watch.stalled is not None for lane in self.lanes.values()):
+            # A worker thread is still inside a consumer or a state store: leave both to the
             # process exit (the state is durable up to the last commit; the lock dies with us).
             return
-        if self._consumer_started:
-            self._consumer_started = False
-            self.consumer.stop()
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        for lane in self.lanes.values():
+            lane.shutdown()
         self._lock.release()
         if self._started:
             self._started = False
-            log.info("daemon_stopped", node_dir=self.config.node_dir)
+            shared = self.shared
+            reads = {"shared_reads": {"hits": shared.hits, "misses": shared.misses}} if shared is not None else {}
+            log.info("daemon_stopped", node_dir=self.config.node_dir, **reads)
 
     async def __aenter__(self) -> Daemon:
         await asyncio.to_thread(self.start)
@@ -223,96 +271,100 @@ class Daemon:
     ) -> None:
         self.close()
 
-    def _committed_state(self) -> DaemonState | None:
-        return self._committer.state if self._committer is not None and self._started else None
-
     @property
     def state(self) -> DaemonState:
-        assert self._committer is not None, "daemon not started"
-        return self._committer.state
+        """The ``default`` (or first) consumer's committed state."""
+        state = self._primary.committed_state()
+        assert state is not None, "daemon not started"
+        return state
 
     @property
     def events_delivered(self) -> int:
-        return self._committer.events_delivered if self._committer else 0
+        """Events the ``default`` (or first) consumer took."""
+        committer = self._primary.committer
+        return committer.events_delivered if committer else 0
 
-    def _rewind(self, state: DaemonState) -> DaemonState:
-        """At start and at a switch to ACTIVE: back to where the consumer's target stops holding what was
-        delivered (``daemon/rewind.py``)."""
-        assert self._store is not None
-        return rewind(self.config, self._store, state, self.consumer, str(self.node_id) if self.node_id else "")
+    @property
+    def failures(self) -> dict[str, BaseException]:
+        """Consumers that stopped for good, with why."""
+        return {name: lane.failure for name, lane in self.lanes.items() if lane.failure is not None}
+
+    def _learnt(self, follower: SegmentFollower) -> uuid.UUID | None:
+        """The node id, learnt from the first segment read when the node dir does not say it."""
+        if self.node_id is None and follower.expect_node_id is not None:
+            self.node_id = follower.expect_node_id
+            for lane in self.lanes.values():
+                lane.node_id = self.node_id
+        return self.node_id
 
     # --- one pass, synchronously -----------------------------------------------------------------
-    def _new_pass(self) -> tuple[Processor, SegmentFollower]:
-        committer = self._committer
-        assert committer is not None, "daemon not started"
-        state = committer.state
-        processor = Processor(
-            mode=state.mode,
-            position=state.position,
-            caches=dict(committer.caches),
-            source_node="",
-            batch_max_events=self.config.batch_max_events,
-            batch_max_bytes=self.config.batch_max_bytes,
-            selected=None if self.selected.everything else self.selected,
-        )
-        skip = _PASSIVE_SKIP if state.mode is CdcMode.NODE_ACTIVE else frozenset()
-        if self.node_id is None and self._follower is not None:
-            self.node_id = self._follower.expect_node_id  # learnt from the first segment read
-            if self.node_id is not None and not state.node_id:
-                committer.state = state = msgspec.structs.replace(state, node_id=str(self.node_id))
-        self._follower = SegmentFollower(self.cdc_dir, state.position, skip_types=skip, expect_node_id=self.node_id)
-        return processor, self._follower
-
     def sync_once(self) -> int:
-        """Process everything the CDC dir holds now (across mode switches); returns events delivered."""
-        committer = self._committer
-        assert committer is not None, "daemon not started"
-        before = committer.events_delivered
-        processor, follower = self._new_pass()
-        while True:
-            chunk = _read(follower, self.config.read_chunk_records)
-            if chunk is None or isinstance(chunk, WalError):
-                for item in end_of_read(processor, committer, chunk):
-                    if isinstance(item, WalError):
-                        raise item
-                    committer.apply(item)
-                return committer.events_delivered - before
-            processor.source_node = follower.node_id
-            for item in processor.feed_many(chunk):
-                committer.apply(item)
-            if processor.finished:
-                processor, follower = self._new_pass()
+        """Process everything the CDC dir holds now (across mode switches), consumer after consumer;
+        returns the events the ``default`` (or first) consumer took."""
+        delivered = 0
+        for lane in self.lanes.values():
+            if lane.failure is not None:
+                continue
+            n = lane.sync_once(self.node_id, self._learnt)
+            if lane.follower is not None:
+                self._learnt(lane.follower)
+            if lane is self._primary:
+                delivered = n
+        return delivered
 
     # --- the long-running form -------------------------------------------------------------------
     async def run(self) -> None:
-        """Run until ``stop()``; raises on anything unexpected (the caller exits non-zero)."""
+        """Run until ``stop()``; raises on anything unexpected (the caller exits non-zero). With several
+        consumers, one that fails stops alone (``failures``); the daemon raises once all have, or, at
+        ``stop()``, the first failure."""
         if not self._started:
             await asyncio.to_thread(self.start)
         loop = asyncio.get_running_loop()
         self._loop, self._stop_event = loop, asyncio.Event()
         if self._stopping.is_set():
             self._stop_event.set()
-        wake = asyncio.Event()
+        wakes = []
+        for lane in self.lanes.values():
+            lane.wake = asyncio.Event()
+            wakes.append(lane.wake)
         observer = Observer()
-        observer.schedule(_Wake(loop, wake), str(self.cdc_dir), recursive=False)
+        observer.schedule(_Wake(loop, wakes), str(self.cdc_dir), recursive=False)
         observer.start()
         self._notifier.ready(f"following {self.cdc_dir}")
+        stopping = self._stop_event
 
-        async def passes() -> None:
-            while not self._stopping.is_set():
-                await self._run_pass(wake)
+        async def passes(lane: Lane) -> None:
+            try:
+                while not self._stopping.is_set():
+                    node_id = self._learnt(lane.follower) if lane.follower is not None else self.node_id
+                    await lane.run_pass(node_id, stopping)
+            except PipelineStalled:
+                raise
+            except Exception as exc:
+                if len(self.lanes) == 1:
+                    raise
+                lane.stopped_for_good(exc)
+                if all(other.failure is not None for other in self.lanes.values()):
+                    first = next(iter(self.failures.items()))
+                    raise ConsumerStopped(*first) from first[1]
 
-        passes_task = asyncio.create_task(passes(), name="cdcd-passes")
-        monitor_task = asyncio.create_task(self._watch.monitor(), name="cdcd-monitor")
+        lanes = [lane for lane in self.lanes.values() if lane.failure is None]  # not those that failed to start
+        lane_tasks = [asyncio.create_task(passes(lane), name=f"cdcd-passes-{lane.name}") for lane in lanes]
+        monitor_tasks = [asyncio.create_task(lane.watch.monitor(), name=f"cdcd-monitor-{lane.name}") for lane in lanes]
         try:
-            # The monitor ends only by raising PipelineStalled; the passes end on stop() or an error.
-            await asyncio.wait({passes_task, monitor_task}, return_when=asyncio.FIRST_COMPLETED)
-            if monitor_task.done():
-                monitor_task.result()
-            passes_task.result()
+            # A monitor ends only by raising PipelineStalled; the passes end on stop() or an error.
+            pending: set[asyncio.Task[None]] = {*lane_tasks, *monitor_tasks}
+            while any(t in pending for t in lane_tasks):
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    t.result()  # raises a stall, or the failure of the last consumer (of the only one)
+            failures = self.failures
+            if failures:
+                name, exc = next(iter(failures.items()))
+                raise ConsumerStopped(name, exc) from exc
         finally:
             self._notifier.stopping()
-            for task in (monitor_task, passes_task):
+            for task in (*monitor_tasks, *lane_tasks):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
@@ -320,149 +372,5 @@ class Daemon:
             await asyncio.to_thread(observer.join)
             self._watch.end_progress()
 
-    def _check_alive(self) -> None:
-        assert self._committer is not None
-        self._committer.check_alive()
 
-    async def _run_pass(self, wake: asyncio.Event) -> None:
-        """One pass in one mode, until a mode switch or stop()."""
-        processor, follower = self._new_pass()
-        committer = self._committer
-        assert committer is not None
-        config = self.config
-        read_q: asyncio.Queue[list[ReadItem] | WalError | None] = asyncio.Queue(config.queue_max_batches)
-        item_q: asyncio.Queue[Item | WalError] = asyncio.Queue(config.queue_max_batches)
-        check_s = config.check_interval_ms / 1000
-        delay_s = config.batch_max_delay_ms / 1000
-        stopping = self._stop_event
-        assert stopping is not None
-
-        async def reader() -> None:
-            while True:
-                chunk = await self._watch.in_thread(
-                    "reader", f"reading segment {follower.segment}", _read, follower, config.read_chunk_records
-                )
-                if isinstance(chunk, WalError):
-                    await read_q.put(chunk)  # the decoder delivers what came before it, then the consumer raises it
-                    return
-                if follower.segment is not None:
-                    metrics.DAEMON_CURRENT_SEGMENT.set(follower.segment)
-                if chunk:
-                    self._watch.read(chunk[0][0].segment, chunk[-1][0].segment)
-                if chunk is None:
-                    await read_q.put(None)  # caught up: the decoder closes its batch now
-                    if processor.mode is CdcMode.DAEMON_ACTIVE:
-                        await asyncio.to_thread(self._watch.peek_active_segment, follower)
-                    wake.clear()
-                    # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
-                    # races with the wake-up, and stop() would then hang on a full queue.
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(check_s):
-                            await wake.wait()
-                    continue
-                await read_q.put(chunk)
-
-        async def decoder() -> None:
-            while True:
-                timeout = None
-                if processor.batch_started is not None:
-                    timeout = max(0.0, processor.batch_started + delay_s - time.monotonic())
-                timed_out = False
-                try:
-                    async with asyncio.timeout(timeout):
-                        chunk = await read_q.get()
-                except TimeoutError:
-                    chunk, timed_out = None, True
-                if chunk is None or isinstance(chunk, WalError):
-                    # Caught up (segments arrive whole, waiting adds only lag), batch_max_delay_ms
-                    # passed, or a bad spot.
-                    for item in end_of_read(processor, committer, chunk, timed_out=timed_out):
-                        await item_q.put(item)
-                    if chunk is None:
-                        continue
-                    return
-                processor.source_node = follower.node_id
-                for item in processor.feed_many(chunk):
-                    await item_q.put(item)
-                if processor.finished:
-                    return
-
-        async def consumer() -> None:
-            get: asyncio.Future[Any] | None = None
-            while True:
-                if get is None:
-                    get = asyncio.ensure_future(item_q.get())
-                stop_wait: asyncio.Future[Any] = asyncio.ensure_future(stopping.wait())
-                done, _ = await asyncio.wait({get, stop_wait}, timeout=check_s, return_when=asyncio.FIRST_COMPLETED)
-                stop_wait.cancel()
-                if stop_wait in done:
-                    get.cancel()
-                    return
-                if get not in done:
-                    # Idle: ask the consumer on every poll whether it can still take events (Ignite
-                    # IGNITE-18249), so a dead sink ends the daemon even when nothing is written.
-                    await asyncio.shield(self._watch.in_thread("consumer", "consumer alive()", self._check_alive))
-                    continue
-                item, get = get.result(), None
-                if isinstance(item, WalError):
-                    raise item
-                what = type(item).__name__
-                if isinstance(item, Batch) and len(item.events):
-                    events = item.events
-                    what = f"consumer on_events() with {len(events)} events from {events.first}"
-                    self._watch.batch_started(events)
-                # Shielded: a started batch finishes (and commits if confirmed) even on shutdown.
-                await asyncio.shield(self._watch.in_thread("consumer", what, committer.apply, item))
-                self._watch.committed(committer.state.position, unconfirmed=committer.unconfirmed, follower=follower)
-                if isinstance(item, Switch) or self._stopping.is_set():
-                    return
-
-        tasks = [
-            asyncio.create_task(reader(), name="cdcd-reader"),
-            asyncio.create_task(decoder(), name="cdcd-decoder"),
-        ]
-        consumer_task = asyncio.create_task(consumer(), name="cdcd-consumer")
-        try:
-            # The consumer task ends the pass (switch or stop); a failure anywhere ends it too.
-            pending: set[asyncio.Task[None]] = {*tasks, consumer_task}
-            while consumer_task in pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for t in done:
-                    if t is not consumer_task and not t.cancelled() and t.exception() is not None:
-                        raise t.exception()  # type: ignore[misc]
-            consumer_task.result()
-        finally:
-            for t in (*tasks, consumer_task):
-                t.cancel()
-            for t in (*tasks, consumer_task):
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
-
-
-def _read(follower: SegmentFollower, records: int) -> list[ReadItem] | WalError | None:
-    """The next chunk, None when caught up, or the error of a bad spot (raised after what came before it)."""
-    try:
-        return follower.read(records)
-    except WalError as exc:
-        return exc
-
-
-def end_of_read(
-    processor: Processor, committer: Committer, end: WalError | None, *, timed_out: bool = False
-) -> list[Item | WalError]:
-    """What to carry out when reading stops: caught up (``end`` None) or at a bad spot (``end`` the
-    error). Either way what came before is delivered and committed first: the open batch, or the
-    read position moved past the committed one without events (ACTIVE only: markers, segment
-    ends; not when only ``batch_max_delay_ms`` passed). Then the error, if any, which the caller raises.
-
-    In PASSIVE the position is the node's, learnt from its markers, never the read position."""
-    out: list[Item | WalError] = []
-    advanced = processor.mode is CdcMode.DAEMON_ACTIVE and processor.position != committer.state.position
-    if processor.pending_events or (advanced and not timed_out):
-        out.append(processor.close_batch())
-    if end is not None:
-        out.append(end)
-    return out
-
-
-__all__ = ["CacheInfo", "Daemon", "PipelineStalled", "daemon_lock"]
+__all__ = ["CacheInfo", "ConsumerStopped", "Daemon", "PipelineStalled", "daemon_lock", "end_of_read"]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +21,64 @@ log = structlog.get_logger("cdcd.daemon")
 
 ReadItem = tuple[WalPointer, Record, int]
 """(pointer, record, frame size in bytes)."""
+
+_ReadKey = tuple[int, int, frozenset[int], int]
+"""(segment, offset, record types skipped, records at most): a read's chunk is the same for every
+follower that asks for it."""
+
+
+class SharedReads:
+    """Decoded chunks, shared by the followers of one daemon's consumers: the first to reach a place
+    reads and decodes it; the others take the same chunk (the same record objects) from here.
+
+    Bounded by ``max_bytes`` of frames (oldest first out), never by a backlog: a follower further
+    behind than what is kept reads from its own position, as a daemon of one consumer does. A
+    follower that asks for a chunk another is reading waits for it rather than read it twice."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._chunks: OrderedDict[_ReadKey, tuple[list[ReadItem], str, int]] = OrderedDict()
+        self._bytes = 0
+        self._reading: dict[_ReadKey, threading.Event] = {}
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def take(self, key: _ReadKey) -> tuple[list[ReadItem], str] | None:
+        """The chunk at ``key`` (and the node id of its segment), waiting while another follower reads
+        it; None: not here, the caller reads it and must ``put`` or ``abandon`` it."""
+        while True:
+            with self._lock:
+                found = self._chunks.get(key)
+                if found is not None:
+                    self.hits += 1
+                    return found[0], found[1]
+                reading = self._reading.get(key)
+                if reading is None:
+                    self._reading[key] = threading.Event()
+                    self.misses += 1
+                    return None
+            reading.wait()
+
+    def put(self, key: _ReadKey, chunk: list[ReadItem], node_id: str) -> None:
+        size = sum(item[2] for item in chunk)
+        with self._lock:
+            done = self._reading.pop(key, None)
+            if chunk and size <= self.max_bytes:
+                self._chunks[key] = (chunk, node_id, size)
+                self._bytes += size
+                while self._bytes > self.max_bytes:
+                    _, (_, _, dropped) = self._chunks.popitem(last=False)
+                    self._bytes -= dropped
+        if done is not None:
+            done.set()
+
+    def abandon(self, key: _ReadKey) -> None:
+        """The read at ``key`` failed: whoever waits for it reads it itself."""
+        with self._lock:
+            done = self._reading.pop(key, None)
+        if done is not None:
+            done.set()
 
 
 class SegmentFollower:
@@ -37,8 +97,11 @@ class SegmentFollower:
         *,
         skip_types: frozenset[int] = frozenset(),
         expect_node_id: uuid.UUID | None = None,
+        shared: SharedReads | None = None,
     ) -> None:
+        """``shared``: chunks other followers of the same daemon decoded (a daemon of several consumers)."""
         self.cdc_dir = cdc_dir
+        self.shared = shared
         self.skip_types = skip_types
         self.expect_node_id = expect_node_id
         self._segment: int | None = start.segment if start is not None else None
@@ -88,6 +151,42 @@ class SegmentFollower:
 
     def read(self, max_records: int) -> list[ReadItem] | None:
         """Up to ``max_records`` records; an empty list after a segment ended; None if nothing is there yet."""
+        shared = self.shared
+        if shared is None or self._segment is None:
+            return self._read(max_records)
+        key = (self._segment, self._offset, self.skip_types, max_records)
+        found = shared.take(key)
+        if found is not None:
+            self._reader = self._records = None  # reopened at the new offset when this follower reads again
+            self._passed(*found)
+            return found[0]
+        try:
+            read = self._read(max_records)
+        except BaseException:
+            shared.abandon(key)
+            raise
+        if read:
+            shared.put(key, read, self.node_id)
+        else:
+            shared.abandon(key)
+        return read
+
+    def _passed(self, chunk: list[ReadItem], node_id: str) -> None:
+        """Move past ``chunk`` (read by another follower) as if this one had read it."""
+        if not chunk:
+            return
+        self.node_id = node_id
+        if self.expect_node_id is None and node_id:
+            self.expect_node_id = uuid.UUID(node_id)
+        ptr, record, size = chunk[-1]
+        if type(record) is SegmentEnd:
+            self._segment = ptr.segment + 1
+            self._offset = 0
+        else:
+            self._segment = ptr.segment
+            self._offset = ptr.offset + size
+
+    def _read(self, max_records: int) -> list[ReadItem] | None:
         if self._records is None and not self._open_next():
             return None
         reader, records = self._reader, self._records
@@ -108,6 +207,8 @@ class SegmentFollower:
                 break
             if len(out) >= max_records:
                 break
+        if out and type(out[-1][1]) is not SegmentEnd:
+            self._offset = out[-1][0].offset + out[-1][2]  # where this follower reads next (kept open)
         return out
 
 

@@ -14,6 +14,7 @@ import structlog
 
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import daemon_lock
+from cdcd.daemon.lane import STOPPED_FILE
 from cdcd.daemon.processor import INITIAL_MODE, start_from_node
 from cdcd.daemon.source import ask_node, node_caches
 from cdcd.daemon_state import DaemonState, StateDamaged, StateStore
@@ -32,7 +33,22 @@ log = structlog.get_logger("cdcd.daemon")
 
 
 def show_state(config: DaemonConfig) -> dict[str, Any]:
-    """The committed state and the CDC dir as plain data (works while the daemon runs)."""
+    """The committed state and the CDC dir as plain data (works while the daemon runs): the top-level keys
+    are the ``default`` (else the first) consumer's; ``consumers`` has every consumer's, by name."""
+    tables = config.named_consumers()
+    consumers = {}
+    for name in tables:
+        one = config.for_consumer(name)
+        info = _show_one(one)
+        info["realtime"] = name == config.handover_consumer
+        consumers[name] = info
+    first = next(iter(tables))
+    out = _show_one(config.for_consumer(first))
+    out["consumers"] = consumers
+    return out
+
+
+def _show_one(config: DaemonConfig) -> dict[str, Any]:
     try:
         store = StateStore(config.state_path, readonly=True)
     except FileNotFoundError:
@@ -63,7 +79,17 @@ def show_state(config: DaemonConfig) -> dict[str, Any]:
         "last_link": max(links) if links else None,
         "ignored_files": [p.name for p in refused],
         "consumer": mask_mapping(config.consumer),
+        "identity": state.consumer or None,
+        "stopped": _stopped(config.state_path),
     }
+
+
+def _stopped(state_path: Path) -> dict[str, Any] | None:
+    try:
+        found: dict[str, Any] = msgspec.json.decode((state_path / STOPPED_FILE).read_bytes())
+    except (FileNotFoundError, msgspec.DecodeError):
+        return None
+    return found
 
 
 @dataclass

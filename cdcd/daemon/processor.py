@@ -99,8 +99,13 @@ class Processor:
         batch_max_events: int,
         batch_max_bytes: int,
         selected: Callable[[str], bool] | None = None,
+        markers: bool = True,
     ) -> None:
-        self.mode = mode
+        """``markers`` False: a consumer the node's realtime worker never stands in for (one of several
+        consumers of a daemon, not its ``realtime_consumer``): always ACTIVE, hand-over markers only move
+        its position."""
+        self.markers = markers
+        self.mode = mode if markers else CdcMode.DAEMON_ACTIVE
         self.start = position
         """Records before it were delivered before this pass (the position filter)."""
         self.floor = position
@@ -160,6 +165,8 @@ class Processor:
             return list(feed_active(batcher, ptr, record, done, size))
         out: list[Item] = []
         batcher.passed(ptr, record)
+        if not self.markers:
+            return out
         if rtype is TryStartRealtimeCdcRecord:
             # The node rolled the segment right after this record and waits for its link to go.
             if self.mode is CdcMode.DAEMON_ACTIVE:

@@ -14,20 +14,37 @@ import structlog
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.follower import SegmentFollower
 from cdcd.daemon.processor import INITIAL_MODE, start_from_node
-from cdcd.daemon_state import CdcMode, DaemonState, ForeignState, StateStore
+from cdcd.daemon_state import CdcMode, DaemonState, ForeignState, StateRefused, StateStore
 from cdcd.wal.records import CacheInfo
 
 log = structlog.get_logger("cdcd.daemon")
 
 
+class ForeignConsumerState(StateRefused):
+    """The state's position belongs to another consumer (another kind or target) than the one configured."""
+
+
 def load_start_state(
-    config: DaemonConfig, store: StateStore, node_id: uuid.UUID | None
+    config: DaemonConfig,
+    store: StateStore,
+    node_id: uuid.UUID | None,
+    *,
+    name: str = "default",
+    identity: str = "",
+    markers: bool = True,
 ) -> tuple[DaemonState, dict[int, CacheInfo], uuid.UUID | None]:
-    """(state, cache registry, node id: ``node_id`` or the one the state names)."""
+    """(state, cache registry, node id: ``node_id`` or the one the state names).
+
+    ``identity``: the consumer's kind and target (``cdcd.sinks.consumer_identity``), which the state
+    is bound to: a state bound to another is refused; one not bound yet (new, or written before
+    consumers had names) is bound to it. ``markers`` False: a consumer the node's realtime worker never
+    stands in for starts ACTIVE at the oldest link, without asking the node."""
     state = store.load(INITIAL_MODE)
     caches = store.caches()
+    if identity:
+        _check_consumer(config, store, state, name, identity)
     if not store.has_state():
-        state = _initial_state(config, state)
+        state = _initial_state(config, state) if markers else DaemonState(CdcMode.DAEMON_ACTIVE)
         if not caches:
             from cdcd.daemon.source import node_caches
 
@@ -36,7 +53,23 @@ def load_start_state(
             state = store.load(INITIAL_MODE)
             log.info("cache_registry_from_node", caches=len(caches), source=caches_from)
     state, node_id = _check_owner(config, store, state, node_id)
+    if identity and state.consumer != identity:
+        state = store.commit(msgspec.structs.replace(state, consumer=identity))
+        log.info("consumer_state_bound", consumer=name, identity=identity, state_dir=str(store.path))
     return state, caches, node_id
+
+
+def _check_consumer(config: DaemonConfig, store: StateStore, state: DaemonState, name: str, identity: str) -> None:
+    """A position of another consumer is never used: it would start this one where the other stopped."""
+    if not state.consumer or state.consumer == identity:
+        return
+    key = config.consumer_key(name)
+    raise ForeignConsumerState(
+        f"{store.data_file}: daemon state of consumer '{state.consumer}', but {key} is '{identity}': a "
+        f"position belongs to one consumer; give this one its own state (state_dir, or run both from one daemon "
+        f"as [consumers.<name>] tables: docs/daemon.md, Several consumers), or, if its target moved, "
+        f"stop the daemon and run `cdcd state reset`"
+    )
 
 
 def _initial_state(config: DaemonConfig, state: DaemonState) -> DaemonState:

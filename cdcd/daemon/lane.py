@@ -1,0 +1,393 @@
+"""One consumer of a daemon: its state, its passes over the CDC dir, its committer (issue 45).
+
+A daemon has one lane per consumer (``[consumer]`` is the lane named ``default``). Each lane owns
+its position, mode, cache registry and commits, in an LMDB state of its own, bound to its consumer's
+identity; each reads from its own position with its own follower, through the daemon's shared
+decoded chunks (``SharedReads``), so lanes that keep up read and decode a segment once between them
+and a lane that falls behind reads on its own without holding the others back. Only the daemon's
+``realtime_consumer`` lane follows the node's hand-over markers; the others are always ACTIVE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import structlog
+from prometheus_client import REGISTRY
+
+from cdcd import metrics
+from cdcd.config import CacheFilter
+from cdcd.consumer import Consumer
+from cdcd.daemon.committer import Committer, ConsumerFailed
+from cdcd.daemon.config import DEFAULT_CONSUMER, DaemonConfig
+from cdcd.daemon.follower import ReadItem, SegmentFollower, SharedReads
+from cdcd.daemon.processor import Batch, Item, Processor, Switch
+from cdcd.daemon.rewind import rewind
+from cdcd.daemon.start_state import load_start_state
+from cdcd.daemon.watch import Watch
+from cdcd.daemon_state import CdcMode, DaemonState, StateStore
+from cdcd.durable import write_atomic
+from cdcd.faults import ExitCode, Fault
+from cdcd.logging import describe
+from cdcd.wal.errors import WalError
+from cdcd.wal.pointer import WalPosition
+from cdcd.wal.records import DataRecord
+
+if TYPE_CHECKING:
+    from cdcd.daemon.sdnotify import Notifier
+
+log = structlog.get_logger("cdcd.daemon")
+
+_PASSIVE_SKIP = frozenset({DataRecord.TYPE})
+
+STOPPED_FILE = "stopped.json"
+"""In a consumer's state dir: why it stopped for good (``cdcd state show``), removed at its next start."""
+
+
+class Lane:
+    """One named consumer of the daemon. ``primary``: the lane the unlabelled metric families describe
+    (``default``, else the first consumer)."""
+
+    def __init__(
+        self,
+        config: DaemonConfig,
+        name: str,
+        consumer: Consumer,
+        *,
+        identity: str,
+        markers: bool,
+        primary: bool,
+        notifier: Notifier,
+        stopping: threading.Event,
+        shared: SharedReads | None,
+        release: Callable[[int], list[int]],
+        show_progress: bool,
+    ) -> None:
+        self.config = config
+        self.name = name
+        self.consumer = consumer
+        self.identity = identity
+        self.markers = markers
+        self.primary = primary
+        self.table = config.named_consumers().get(name, {"kind": "null"})
+        self.selected = CacheFilter.from_table(self.table, config.consumer_key(name))
+        """The consumer table's ``caches``/``exclude_caches``: applied by the batcher, so a cache left
+        out is neither delivered, counted nor announced."""
+        self.state_path = config.consumer_state_path(name)
+        self.cdc_dir = config.cdc_path
+        self.stopping = stopping
+        self.shared = shared
+        self.release = release
+        self.store: StateStore | None = None
+        self.committer: Committer | None = None
+        self.start_state: DaemonState | None = None
+        self.consumer_started = False
+        self.failure: BaseException | None = None
+        """Why this consumer stopped for good (the others go on)."""
+        self.node_id: uuid.UUID | None = None
+        self.follower: SegmentFollower | None = None
+        self.wake: asyncio.Event | None = None
+        self.watch = Watch(config, notifier, self.committed_state, show_progress=show_progress and primary)
+
+    # --- start and stop --------------------------------------------------------------------------
+    def load(self, node_id: uuid.UUID | None) -> uuid.UUID | None:
+        """Open this consumer's state (refusing one of another node or consumer); returns the node id."""
+        self.store = StateStore(self.state_path)
+        with contextlib.suppress(FileNotFoundError):
+            (self.state_path / STOPPED_FILE).unlink()  # it is tried again
+        state, caches, node_id = load_start_state(
+            self.config, self.store, node_id, name=self.name, identity=self.identity, markers=self.markers
+        )
+        self.node_id = node_id
+        self.start_state = state
+        self._caches = caches
+        return node_id
+
+    def start(self) -> None:
+        """Start the consumer, move back to what its target holds, and announce the caches it knows."""
+        assert self.store is not None and self.start_state is not None
+        try:
+            self.consumer.start(REGISTRY)
+            self.consumer_started = True
+        except Exception as exc:
+            raise ConsumerFailed(f"consumer start() raised {describe(exc)}") from exc
+        # Before links are deleted: a target behind the position is re-delivered from them.
+        state = self.rewind(self.start_state)
+        self.start_state = state
+        retrying = functools.partial(self.watch.touch, "consumer")  # a retry step is not a stall
+        self.committer = Committer(
+            self.store,
+            state,
+            self._caches,
+            self.consumer,
+            self.cdc_dir,
+            stopping=self.stopping,
+            retrying=retrying,
+            rewind=self.rewind,
+            release=self.release,
+            name=self.name,
+            primary=self.primary,
+        )
+        self.committer.announce([i for i in self._caches.values() if i.config.cdc_enabled and self.selected(i.name)])
+        metrics.DAEMON_CONSUMER_LAG_SECONDS.labels(self.name).set_function(self.watch.lag_seconds)
+
+    @property
+    def position(self) -> WalPosition | None:
+        """The committed position (the loaded one before the committer exists)."""
+        if self.committer is not None:
+            return self.committer.state.position
+        return self.start_state.position if self.start_state is not None else None
+
+    def committed_state(self) -> DaemonState | None:
+        return self.committer.state if self.committer is not None else None
+
+    def rewind(self, state: DaemonState) -> DaemonState:
+        """At start and at a switch to ACTIVE: back to where the consumer's target stops holding what was
+        delivered (``daemon/rewind.py``)."""
+        assert self.store is not None
+        return rewind(self.config, self.store, state, self.consumer, str(self.node_id) if self.node_id else "")
+
+    def interrupt(self) -> None:
+        interrupt = getattr(self.consumer, "interrupt", None)  # user classes may not subclass Consumer
+        if callable(interrupt):
+            interrupt()
+
+    def shutdown(self) -> None:
+        if self.watch.stalled is not None:
+            return  # a worker thread is still inside the consumer or the store: left to the process exit
+        if self.consumer_started:
+            self.consumer_started = False
+            self.consumer.stop()
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+    def stopped_for_good(self, exc: BaseException) -> None:
+        """This consumer failed: it delivers no more (its position keeps holding its links); the others go on."""
+        self.failure = exc
+        code, line = failure_line(exc)
+        metrics.DAEMON_CONSUMER_UP.labels(self.name).set(0)
+        stopped = {"exit_code": int(code), "error": line, "at": time.time(), "position": str(self.position or "")}
+        with contextlib.suppress(OSError):  # what `cdcd state show` says about it; the log line says it too
+            write_atomic(self.state_path / STOPPED_FILE, msgspec.json.encode(stopped))
+        log.error(
+            "consumer_stopped",
+            consumer=self.name,
+            exit_code=code,
+            error=line,
+            position=str(self.position) if self.position else None,
+            hint="the other consumers go on; this one's links are kept until it is fixed and the daemon restarted",
+        )
+
+    # --- one pass, synchronously -----------------------------------------------------------------
+    def new_pass(self, node_id: uuid.UUID | None) -> tuple[Processor, SegmentFollower]:
+        committer = self.committer
+        assert committer is not None, "daemon not started"
+        state = committer.state
+        processor = Processor(
+            mode=state.mode,
+            position=state.position,
+            caches=dict(committer.caches),
+            source_node="",
+            batch_max_events=self.config.batch_max_events,
+            batch_max_bytes=self.config.batch_max_bytes,
+            selected=None if self.selected.everything else self.selected,
+            markers=self.markers,
+        )
+        skip = _PASSIVE_SKIP if processor.mode is CdcMode.NODE_ACTIVE else frozenset()
+        if node_id is not None and not state.node_id:
+            committer.state = state = msgspec.structs.replace(state, node_id=str(node_id))
+        self.follower = SegmentFollower(
+            self.cdc_dir, state.position, skip_types=skip, expect_node_id=node_id, shared=self.shared
+        )
+        return processor, self.follower
+
+    def sync_once(self, node_id: uuid.UUID | None, learnt: Callable[[SegmentFollower], uuid.UUID | None]) -> int:
+        """Process everything the CDC dir holds now (across mode switches); returns events delivered."""
+        committer = self.committer
+        assert committer is not None, "daemon not started"
+        before = committer.events_delivered
+        processor, follower = self.new_pass(node_id)
+        while True:
+            chunk = read_chunk(follower, self.config.read_chunk_records)
+            if chunk is None or isinstance(chunk, WalError):
+                for item in end_of_read(processor, committer, chunk):
+                    if isinstance(item, WalError):
+                        raise item
+                    committer.apply(item)
+                return committer.events_delivered - before
+            processor.source_node = follower.node_id
+            for item in processor.feed_many(chunk):
+                committer.apply(item)
+            if processor.finished:
+                node_id = learnt(follower)
+                processor, follower = self.new_pass(node_id)
+
+    # --- the long-running form -------------------------------------------------------------------
+    async def run_pass(self, node_id: uuid.UUID | None, stopping: asyncio.Event) -> None:
+        """One pass in one mode, until a mode switch or stop()."""
+        processor, follower = self.new_pass(node_id)
+        committer = self.committer
+        assert committer is not None and self.wake is not None
+        wake = self.wake
+        config = self.config
+        watch = self.watch
+        read_q: asyncio.Queue[list[ReadItem] | WalError | None] = asyncio.Queue(config.queue_max_batches)
+        item_q: asyncio.Queue[Item | WalError] = asyncio.Queue(config.queue_max_batches)
+        check_s = config.check_interval_ms / 1000
+        delay_s = config.batch_max_delay_ms / 1000
+        primary = self.primary
+
+        async def reader() -> None:
+            while True:
+                chunk = await watch.in_thread(
+                    "reader", f"reading segment {follower.segment}", read_chunk, follower, config.read_chunk_records
+                )
+                if isinstance(chunk, WalError):
+                    await read_q.put(chunk)  # the decoder delivers what came before it, then the consumer raises it
+                    return
+                if follower.segment is not None and primary:
+                    metrics.DAEMON_CURRENT_SEGMENT.set(follower.segment)
+                if chunk:
+                    watch.read(chunk[0][0].segment, chunk[-1][0].segment)
+                if chunk is None:
+                    await read_q.put(None)  # caught up: the decoder closes its batch now
+                    if processor.mode is CdcMode.DAEMON_ACTIVE:
+                        await asyncio.to_thread(watch.peek_active_segment, follower)
+                    wake.clear()
+                    # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+                    # races with the wake-up, and stop() would then hang on a full queue.
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(check_s):
+                            await wake.wait()
+                    continue
+                await read_q.put(chunk)
+
+        async def decoder() -> None:
+            while True:
+                timeout = None
+                if processor.batch_started is not None:
+                    timeout = max(0.0, processor.batch_started + delay_s - time.monotonic())
+                timed_out = False
+                try:
+                    async with asyncio.timeout(timeout):
+                        chunk = await read_q.get()
+                except TimeoutError:
+                    chunk, timed_out = None, True
+                if chunk is None or isinstance(chunk, WalError):
+                    # Caught up (segments arrive whole, waiting adds only lag), batch_max_delay_ms
+                    # passed, or a bad spot.
+                    for item in end_of_read(processor, committer, chunk, timed_out=timed_out):
+                        await item_q.put(item)
+                    if chunk is None:
+                        continue
+                    return
+                processor.source_node = follower.node_id
+                for item in processor.feed_many(chunk):
+                    await item_q.put(item)
+                if processor.finished:
+                    return
+
+        async def consumer() -> None:
+            get: asyncio.Future[Any] | None = None
+            while True:
+                if get is None:
+                    get = asyncio.ensure_future(item_q.get())
+                stop_wait: asyncio.Future[Any] = asyncio.ensure_future(stopping.wait())
+                done, _ = await asyncio.wait({get, stop_wait}, timeout=check_s, return_when=asyncio.FIRST_COMPLETED)
+                stop_wait.cancel()
+                if stop_wait in done:
+                    get.cancel()
+                    return
+                if get not in done:
+                    # Idle: ask the consumer on every poll whether it can still take events (Ignite
+                    # IGNITE-18249), so a dead sink ends the daemon even when nothing is written.
+                    await asyncio.shield(watch.in_thread("consumer", "consumer alive()", committer.check_alive))
+                    continue
+                item, get = get.result(), None
+                if isinstance(item, WalError):
+                    raise item
+                what = type(item).__name__
+                if isinstance(item, Batch) and len(item.events):
+                    events = item.events
+                    what = f"consumer on_events() with {len(events)} events from {events.first}"
+                    if primary:
+                        watch.batch_started(events)
+                    elif watch.oldest_unconfirmed_ns is None:
+                        watch.oldest_unconfirmed_ns = events.peek_slices()[0].record.commit_ts_ns
+                # Shielded: a started batch finishes (and commits if confirmed) even on shutdown.
+                await asyncio.shield(watch.in_thread("consumer", what, committer.apply, item))
+                if primary:
+                    watch.committed(committer.state.position, unconfirmed=committer.unconfirmed, follower=follower)
+                elif not committer.unconfirmed:
+                    watch.oldest_unconfirmed_ns = None
+                if isinstance(item, Switch) or self.stopping.is_set():
+                    return
+
+        tasks = [
+            asyncio.create_task(reader(), name=f"cdcd-reader-{self.name}"),
+            asyncio.create_task(decoder(), name=f"cdcd-decoder-{self.name}"),
+        ]
+        consumer_task = asyncio.create_task(consumer(), name=f"cdcd-consumer-{self.name}")
+        try:
+            # The consumer task ends the pass (switch or stop); a failure anywhere ends it too.
+            pending: set[asyncio.Task[None]] = {*tasks, consumer_task}
+            while consumer_task in pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if t is not consumer_task and not t.cancelled() and t.exception() is not None:
+                        raise t.exception()  # type: ignore[misc]
+            consumer_task.result()
+        finally:
+            for t in (*tasks, consumer_task):
+                t.cancel()
+            for t in (*tasks, consumer_task):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+
+
+def failure_line(exc: BaseException) -> tuple[ExitCode, str]:
+    """(exit code, one line) of a consumer's failure, as ``cdcd.cli.exits`` makes them (the command line
+    is above the daemon): a fault's own code and hint, anything else exit 1 with its type."""
+    if isinstance(exc, Fault):
+        message = str(exc)
+        hint = exc.hint
+        return exc.exit_code, f"{message} ({hint})" if hint and not message.endswith(hint) else message
+    return ExitCode.FAILED, describe(exc)
+
+
+def read_chunk(follower: SegmentFollower, records: int) -> list[ReadItem] | WalError | None:
+    """The next chunk, None when caught up, or the error of a bad spot (raised after what came before it)."""
+    try:
+        return follower.read(records)
+    except WalError as exc:
+        return exc
+
+
+def end_of_read(
+    processor: Processor, committer: Committer, end: WalError | None, *, timed_out: bool = False
+) -> list[Item | WalError]:
+    """What to carry out when reading stops: caught up (``end`` None) or at a bad spot (``end`` the
+    error). Either way what came before is delivered and committed first: the open batch, or the
+    read position moved past the committed one without events (ACTIVE only: markers, segment
+    ends; not when only ``batch_max_delay_ms`` passed). Then the error, if any, which the caller raises.
+
+    In PASSIVE the position is the node's, learnt from its markers, never the read position."""
+    out: list[Item | WalError] = []
+    advanced = processor.mode is CdcMode.DAEMON_ACTIVE and processor.position != committer.state.position
+    if processor.pending_events or (advanced and not timed_out):
+        out.append(processor.close_batch())
+    if end is not None:
+        out.append(end)
+    return out
+
+
+__all__ = ["DEFAULT_CONSUMER", "Lane", "end_of_read", "failure_line", "read_chunk"]

@@ -1,0 +1,337 @@
+"""Several consumers of one daemon (issue 45): ``[consumers.<name>]`` tables beside ``[consumer]``.
+
+Each consumer has its own position, bound to its identity (kind and target); one read of the CDC dir
+feeds them all; a link goes once every consumer committed past it; a consumer that fails for good
+stops alone. Checked with real daemon processes (SIGKILLed), a real node's WAL as the reference, the
+deltalake lake writer, jsonl files and a user class that breaks.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import signal
+import textwrap
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cdcd.config import ConfigError
+from cdcd.consumer import Consumer, EventBatch
+from cdcd.daemon.config import DaemonConfig, load_daemon_config
+from cdcd.daemon.daemon import Daemon
+from cdcd.daemon_state import CdcMode, DaemonState, StateStore
+from cdcd.wal.pointer import WalPosition
+from tests.support.delta_lake import check_lake, lake_consumer
+from tests.support.lake import toml_value
+from tests.support.procs import (
+    cdcd,
+    child_env,
+    error_lines,
+    log_events,
+    start_daemon,
+    state_show,
+    stop_daemon,
+    wait_for,
+)
+from tests.support.wal import archived_segments, cdc_links, read_jsonl, wal_events
+from tests.support.writer import make_node
+
+SETTINGS: dict[str, Any] = {
+    "metrics_address": "",
+    "lock_timeout_ms": 5000,
+    "check_interval_ms": 50,
+    "batch_max_delay_ms": 20,
+    "batch_max_events": 200,
+    "read_chunk_records": 32,
+}
+
+
+def fanout_config(
+    path: Path,
+    node_dir: Path,
+    consumers: dict[str, dict[str, Any]],
+    *,
+    default: dict[str, Any] | None = None,
+    **kw: Any,
+) -> Path:
+    """A daemon config with ``[consumers.<name>]`` tables (and ``[consumer]`` if ``default``)."""
+    values = {"node_dir": str(node_dir), **SETTINGS, **kw}
+    lines = [f"{k} = {toml_value(v)}" for k, v in values.items()]
+    if default is not None:
+        lines.append("[consumer]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in default.items()]
+    for name, table in consumers.items():
+        lines.append(f"[consumers.{name}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in table.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def positions_of(config: Path) -> dict[str, tuple[int, int, int] | None]:
+    show = state_show(config)
+    return {name: tuple(c["position_parts"]) if c["position_parts"] else None for name, c in show["consumers"].items()}
+
+
+def check_jsonl(out: Path, expected: list[dict[str, Any]]) -> None:
+    """Every expected event is in the file, equal to its WAL entry; only re-deliveries repeat (at least once),
+    in WAL order within each delivery."""
+    lines = [json.loads(line) for line in out.read_bytes().splitlines() if line.strip().endswith(b"}")]
+    by_pos = {tuple(e["pos"]): e for e in expected}
+    got = Counter(tuple(line["pos"]) for line in lines)
+    assert set(got) == set(by_pos), (
+        f"{out.name}: {len(set(by_pos) - set(got))} missing, {len(set(got) - set(by_pos))} not in the WAL"
+    )
+    for line in lines:
+        assert line == by_pos[tuple(line["pos"])], f"{out.name}: line at {line['pos']}"
+
+
+def test_lake_and_two_jsonl_from_one_daemon_exact_through_sigkills(tmp_path: Path) -> None:
+    """A lake (deltalake writer), a jsonl of everything and a jsonl of one cache, from one daemon SIGKILLed at
+    random moments while it catches up: the lake holds every WAL entry exactly once, each file every entry of
+    its caches, no other; at the end every link is gone. Started together, the three share the daemon's reads."""
+    rng = random.Random(45)
+    node_dir = tmp_path / "node"
+    make_node(node_dir, segments=14, tx_per_segment=25)
+    lake, everything, people = tmp_path / "lake", tmp_path / "all.jsonl", tmp_path / "people.jsonl"
+    config = fanout_config(
+        tmp_path / "fanout.toml",
+        node_dir,
+        {
+            "lake": lake_consumer(lake),
+            "all": {"kind": "jsonl", "path": str(everything)},
+            "people": {"kind": "jsonl", "path": str(people), "caches": ["user*"]},
+        },
+    )
+    # A first run from the oldest link, all three at one position: one read of a chunk serves all three.
+    err = tmp_path / "daemon-first.err"
+    proc = start_daemon(config, err)
+    try:
+        wait_for(lambda: any(positions_of(config).values()), 60, "a first commit")
+    finally:
+        assert stop_daemon(proc) == 0, err.read_text()[-3000:]
+    stopped = [e for e in log_events(err) if e.get("event") == "daemon_stopped"][-1]
+    assert stopped["shared_reads"]["hits"] > 0, stopped
+    for k in range(4):
+        err = tmp_path / f"daemon-{k}.err"
+        proc = start_daemon(config, err)
+        wait_for(lambda: b"daemon_started" in err.read_bytes() or proc.poll() is not None, 60, "daemon start")
+        assert proc.poll() is None, err.read_text()[-3000:]
+        time.sleep(rng.uniform(0.2, 1.5))
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(10) == -signal.SIGKILL
+    err = tmp_path / "daemon-final.err"
+    proc = start_daemon(config, err)
+    end = (max(archived_segments(node_dir)) + 1, 0, 0)
+    try:
+        wait_for(lambda: set(positions_of(config).values()) == {end}, 120, "every consumer at the end")
+    finally:
+        assert stop_daemon(proc) == 0, err.read_text()[-3000:]
+    expected = wal_events(node_dir)
+    caches = {e["cache"] for e in expected}
+    assert len(caches) > 1 and any(c.startswith("user") for c in caches)
+    check_lake(lake, node_dir, expected)
+    check_jsonl(everything, expected)
+    check_jsonl(people, [e for e in expected if e["cache"].startswith("user")])
+    assert not cdc_links(node_dir), "every consumer passed every segment: no link left"
+    # Each consumer's state is its own, bound to its identity.
+    show = state_show(config)
+    assert show["consumers"]["lake"]["identity"] == f"lake {lake}"
+    assert show["consumers"]["all"]["identity"] == f"jsonl {everything}"
+    assert show["consumers"]["people"]["state_dir"] == str(node_dir / "cdcd-state" / "consumers" / "people")
+
+
+BROKEN = textwrap.dedent(
+    """
+    from cdcd.consumer import Consumer
+
+    class Broken(Consumer):
+        def __init__(self, after: int) -> None:
+            self.after = after
+            self.seen = 0
+
+        def on_events(self, batch):
+            self.seen += len(batch)
+            if self.seen > self.after:
+                raise ValueError("the target refuses everything after event %d" % self.after)
+            return True
+    """
+)
+
+
+def test_a_consumer_failing_for_good_stops_alone(tmp_path: Path) -> None:
+    """A user class that raises stops its consumer only: the jsonl beside it delivers every entry, the daemon
+    goes on, `cdcd state show` names the stopped consumer and why, the links from its position on are kept,
+    and the daemon's exit at SIGTERM is the consumer's (4) with one line naming it."""
+    (tmp_path / "brokensink.py").write_text(BROKEN)
+    node_dir = tmp_path / "node"
+    make_node(node_dir, segments=6, tx_per_segment=20)
+    out = tmp_path / "events.jsonl"
+    config = fanout_config(
+        tmp_path / "fanout.toml",
+        node_dir,
+        {"broken": {"kind": "python", "class": "brokensink:Broken", "options": {"after": 300}}},
+        default={"kind": "jsonl", "path": str(out)},
+    )
+    err = tmp_path / "daemon.err"
+    proc = start_daemon(config, err, env=child_env(tmp_path))
+    end = (max(archived_segments(node_dir)) + 1, 0, 0)
+    try:
+        wait_for(lambda: positions_of(config)["default"] == end, 60, "the jsonl consumer at the end")
+        wait_for(lambda: state_show(config)["consumers"]["broken"]["stopped"] is not None, 30, "broken stopped")
+        assert proc.poll() is None, "the daemon goes on with the other consumer"
+    finally:
+        code = stop_daemon(proc)
+    assert code == 4, err.read_text()[-3000:]
+    expected = wal_events(node_dir)
+    check_jsonl(out, expected)
+    show = state_show(config)
+    broken = show["consumers"]["broken"]
+    assert broken["stopped"]["exit_code"] == 4
+    assert "the target refuses everything after event 300" in broken["stopped"]["error"]
+    held = tuple(broken["position_parts"]) if broken["position_parts"] else None
+    links = sorted(cdc_links(node_dir))
+    assert links and (held is None or links[0] == held[0]), (links, held)
+    lines = error_lines(err)
+    assert len(lines) == 1 and lines[0].startswith("cdcd: error: consumer broken: "), lines
+    events = log_events(err)
+    assert any(e.get("event") == "consumer_stopped" and e.get("consumer") == "broken" for e in events)
+    text = cdcd("state", "show", "--config", str(config)).stdout
+    assert "consumer broken: ACTIVE" in text and "STOPPED (exit 4)" in text, text
+
+
+def test_state_of_another_consumer_is_refused(tmp_path: Path) -> None:
+    """The README trap: two configs of one node share its state_dir. The second consumer is refused with one
+    line naming both identities and the way out, exit 7, before it delivers anything; the first goes on."""
+    node_dir = tmp_path / "node"
+    make_node(node_dir, segments=3, tx_per_segment=10)
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    a = fanout_config(tmp_path / "a.toml", node_dir, {}, default={"kind": "jsonl", "path": str(first)})
+    b = fanout_config(tmp_path / "b.toml", node_dir, {}, default={"kind": "jsonl", "path": str(second)})
+    err = tmp_path / "a.err"
+    proc = start_daemon(a, err)
+    end = (max(archived_segments(node_dir)) + 1, 0, 0)
+    try:
+        wait_for(lambda: positions_of(a)["default"] == end, 60, "the first consumer at the end")
+    finally:
+        assert stop_daemon(proc) == 0
+    err_b = tmp_path / "b.err"
+    proc = start_daemon(b, err_b)
+    assert proc.wait(30) == 7
+    lines = error_lines(err_b)
+    assert len(lines) == 1, lines
+    assert f"consumer 'jsonl {first}'" in lines[0] and f"consumer is 'jsonl {second}'" in lines[0], lines
+    assert "[consumers.<name>]" in lines[0]
+    assert not second.exists()
+    # The same two as consumers of one daemon: the second starts from the oldest link.
+    both = fanout_config(
+        tmp_path / "both.toml",
+        node_dir,
+        {"second": {"kind": "jsonl", "path": str(second)}},
+        default={"kind": "jsonl", "path": str(first)},
+    )
+    make_node(node_dir, segments=2, tx_per_segment=10, first_tx=30)
+    err = tmp_path / "both.err"
+    proc = start_daemon(both, err)
+    end = (max(archived_segments(node_dir)) + 1, 0, 0)
+    try:
+        wait_for(lambda: set(positions_of(both).values()) == {end}, 60, "both at the end")
+    finally:
+        assert stop_daemon(proc) == 0
+    expected = wal_events(node_dir)
+    check_jsonl(first, expected)
+    # The second was added after the first consumed (and unlinked) the older segments: it starts at the oldest link.
+    oldest = min(tuple(e["pos"]) for e in read_jsonl(second))
+    check_jsonl(second, [e for e in expected if tuple(e["pos"]) >= oldest])
+
+
+class Holding(Consumer):
+    """Takes everything and confirms nothing until told to (its position stays where it started)."""
+
+    def __init__(self) -> None:
+        self.confirm = False
+        self.events = 0
+
+    def on_events(self, batch: EventBatch) -> bool:
+        self.events += len(batch)
+        return self.confirm
+
+
+class Counting(Consumer):
+    def __init__(self) -> None:
+        self.events = 0
+
+    def on_events(self, batch: EventBatch) -> bool:
+        self.events += len(batch)
+        return True
+
+
+def test_links_go_only_below_every_consumer(tmp_path: Path) -> None:
+    """A link is deleted once every consumer committed past it: one consumer holding its position keeps every
+    link though the other consumed them all; once it confirms, they go. A state written by a daemon of one
+    consumer (no identity yet) is read as consumer default's and bound to it."""
+    node_dir = tmp_path / "node"
+    make_node(node_dir, segments=5, tx_per_segment=10)
+    segments = sorted(cdc_links(node_dir))
+    # A state as a daemon of one consumer wrote it before consumers had names: bound at the first start.
+    store = StateStore(node_dir / "cdcd-state")
+    store.commit(DaemonState(CdcMode.DAEMON_ACTIVE, WalPosition(segments[1], 0, 0)))
+    store.close()
+    config = DaemonConfig(
+        node_dir=str(node_dir),
+        metrics_address="",
+        consumer={"kind": "null"},
+        consumers={"holding": {"kind": "null"}},
+    )
+    counting, holding = Counting(), Holding()
+    with Daemon(config, {"default": counting, "holding": holding}) as daemon:
+        daemon.sync_once()
+        assert counting.events and holding.events == len(wal_events(node_dir))
+        assert sorted(cdc_links(node_dir)) == segments, "the holding consumer needs every link"
+        holding.confirm = True
+        daemon.sync_once()
+        assert not cdc_links(node_dir)
+        assert (
+            daemon.lanes["default"].position == daemon.lanes["holding"].position == WalPosition(segments[-1] + 1, 0, 0)
+        )
+    store = StateStore(node_dir / "cdcd-state", readonly=True)
+    assert store.load(CdcMode.DAEMON_ACTIVE).consumer == "null"
+    store.close()
+    # The default consumer started where the old state was; the new one at the oldest link.
+    assert counting.events == len([e for e in wal_events(node_dir) if e["pos"][0] >= segments[1]])
+
+
+@pytest.mark.parametrize(
+    ("top", "tables", "message"),
+    [
+        ("", '[consumers."a b"]\nkind = "null"\n', "consumer name 'a b'"),
+        ("", '[consumers.default]\nkind = "null"\n', "the consumer named default is [consumer]"),
+        ("", "[consumers.kafka]\ntopic = 'x'\n", "missing key 'consumers.kafka.kind'"),
+        ('realtime_consumer = "nope"\n', '[consumers.x]\nkind = "null"\n', "no consumer named 'nope'"),
+    ],
+)
+def test_config_errors_name_the_consumer_key(tmp_path: Path, top: str, tables: str, message: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(f'node_dir = "{tmp_path}"\n{top}[consumer]\nkind = "null"\n{tables}')
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_daemon_config(path, environ={})
+
+
+def test_a_consumers_own_key_error_names_its_table(tmp_path: Path) -> None:
+    """`cdcd run` refuses a named consumer's bad key in one line naming consumers.<name>, exit 2."""
+    node_dir = tmp_path / "node"
+    make_node(node_dir, segments=1, tx_per_segment=1)
+    config = fanout_config(
+        tmp_path / "c.toml",
+        node_dir,
+        {"events": {"kind": "jsonl", "path": str(tmp_path / "e.jsonl"), "fsynk": True}},
+        default={"kind": "null"},
+    )
+    res = cdcd("run", "--config", str(config))
+    assert res.returncode == 2, res.stderr
+    (line,) = [x for x in res.stderr.splitlines() if x.startswith("cdcd: error:")]
+    assert "consumers.events" in line and "fsynk" in line and "fsync" in line, line
