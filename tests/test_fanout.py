@@ -15,6 +15,7 @@ import signal
 import textwrap
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from tests.support.procs import (
     stop_daemon,
     wait_for,
 )
+from tests.support.realtime import Rig, check_delivery, rig_maker
 from tests.support.wal import archived_segments, cdc_links, read_jsonl, wal_events
 from tests.support.writer import make_node
 
@@ -143,6 +145,44 @@ def test_lake_and_two_jsonl_from_one_daemon_exact_through_sigkills(tmp_path: Pat
     assert show["consumers"]["lake"]["identity"] == f"lake {lake}"
     assert show["consumers"]["all"]["identity"] == f"jsonl {everything}"
     assert show["consumers"]["people"]["state_dir"] == str(node_dir / "cdcd-state" / "consumers" / "people")
+
+
+@pytest.fixture
+def rig_factory(tmp_path: Path) -> Iterator[Callable[..., Rig]]:
+    yield from rig_maker(tmp_path)
+
+
+def test_realtime_hands_over_one_consumer_while_another_reads_the_archive(rig_factory: Any, tmp_path: Path) -> None:
+    """A node with realtime on, a daemon of two consumers: `default` is its realtime_consumer (the node's realtime
+    jsonl stands in for it), `archive` is always delivered from the archive. Through `realtime off, on, off, on`
+    under load, the node's and default's files are exactly their shares of the WAL (nothing twice, nothing lost),
+    and archive's file is the whole WAL, once, in order; the node's try-start waits for both to pass it."""
+    rig: Rig = rig_factory(realtime_cdc=True)
+    archive = tmp_path / "archive.jsonl"
+    rig.daemon_config = fanout_config(
+        tmp_path / "fanout.toml",
+        rig.node_dir,
+        {"archive": {"kind": "jsonl", "path": str(archive)}},
+        default={"kind": "jsonl", "path": str(rig.daemon_out)},
+        realtime_consumer="default",
+    )
+    rig.start_node(pause_ms=30)
+    rig.start_daemon()
+    rig.wait_mode("on", "PASSIVE")
+    for state in ("off", "on", "off", "on"):
+        rig.wait_delivered("node" if state == "off" else "daemon", 600)
+        st = rig.switch_off() if state == "off" else rig.switch_on()
+        assert st["cdc_mode"] == ("DAEMON_ACTIVE" if state == "off" else "NODE_ACTIVE")
+    rig.wait_delivered("node", 600)
+    rig.stop_node()
+    end = (max(archived_segments(rig.node_dir)) + 1, 0, 0)
+    wait_for(lambda: positions_of(rig.daemon_config)["archive"] == end, 60, "archive at the end")
+    rig.stop_daemon()
+    check_delivery(rig)
+    assert read_jsonl(archive) == wal_events(rig.node_dir)
+    show = state_show(rig.daemon_config)
+    assert show["consumers"]["default"]["realtime"] and not show["consumers"]["archive"]["realtime"]
+    assert show["consumers"]["archive"]["mode"] == "ACTIVE"
 
 
 BROKEN = textwrap.dedent(

@@ -106,6 +106,17 @@ class Lane:
         state, caches, node_id = load_start_state(
             self.config, self.store, node_id, name=self.name, identity=self.identity, markers=self.markers
         )
+        if not self.markers and state.mode is not CdcMode.DAEMON_ACTIVE:
+            # Its position was the node's realtime worker's; from here on this daemon delivers to it from the
+            # archive (another consumer is the daemon's realtime_consumer).
+            log.warning(
+                "consumer_not_realtime",
+                consumer=self.name,
+                position=str(state.position) if state.position else None,
+                realtime_consumer=self.config.handover_consumer,
+                detail="its state was PASSIVE; it is delivered from the archive from its position on",
+            )
+            state = self.store.commit(msgspec.structs.replace(state, mode=CdcMode.DAEMON_ACTIVE))
         self.node_id = node_id
         self.start_state = state
         self._caches = caches
