@@ -1,9 +1,9 @@
 """Every ```sh, ```bash and ```python block of docs/*.md runs here as written, and every ```toml block that is a
 config loads with the loader cdcd reads it with (README.md's blocks: tests/test_readme.py, test_readme_lake.py).
 
-- The test finds the blocks itself: each runnable block is run by its page's test and checked by the one entry of
-  that page's ``CHECKS`` whose marker it contains, or it is listed in ``NOT_RUN`` with the reason and the test that
-  covers it. A new block that is neither fails ``test_every_block_is_run_or_listed``, and a page test fails on a
+- The test finds the blocks itself: each runnable block is run by its page's test (``PAGE_TESTS``) and checked by
+  the one check of that test whose marker it contains, or it is listed in ``NOT_RUN`` with the reason and the test
+  that covers it. A new block that is neither fails ``test_every_block_is_run_or_listed``, and a page test fails on a
   block of its page that no check claims.
 - Placeholders (``PLACEHOLDERS`` below, each named with what takes its place) are substituted, nothing else is
   edited: ``/data/lake`` is a real lake this module builds once (a node through the Python API, ``cdcd run`` with
@@ -18,7 +18,10 @@ config loads with the loader cdcd reads it with (README.md's blocks: tests/test_
   tests/test_readme.py runs: the node with a sample load until the daemon delivered, then both stopped).
 - Python blocks of one page run in order in one namespace, statement by statement, as a reader pasting them into a
   REPL; each expression statement's value is kept (a DataFrame collected) so the checks compare what the snippet
-  prints with what the lake holds. ``spark`` is in the namespace where the page says the reader has a session.
+  prints with what the lake holds. ``spark`` is in the namespace where the page says the reader has a session
+  (lake.md: the worker's; kafka.md's block runs in a Spark process of its own that has the Kafka source), and a
+  name the page leaves to the reader is defined by the page's test (daemon.md's ``valid``: the reader's schema
+  check).
 """
 
 from __future__ import annotations
