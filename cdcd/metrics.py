@@ -275,6 +275,12 @@ DAEMON_CONSUMER_LAG_SECONDS = Gauge(
     ["consumer"],
     registry=DAEMON,
 )
+DAEMON_CONSUMER_INVALIDATIONS = Counter(
+    "cdcd_daemon_consumer_invalidations_total",
+    "Named consumers invalidated for holding back more than their max_retained_bytes of links",
+    ["consumer"],
+    registry=DAEMON,
+)
 DAEMON_LINKS_DELETED = Counter("cdcd_daemon_links_deleted_total", "Consumed segment links deleted", registry=DAEMON)
 DAEMON_WAITING_FOR_NODE = Gauge(
     "cdcd_daemon_waiting_for_node", "1 while the daemon waits for its node's directories to appear", registry=DAEMON

@@ -375,3 +375,73 @@ def test_a_consumers_own_key_error_names_its_table(tmp_path: Path) -> None:
     assert res.returncode == 2, res.stderr
     (line,) = [x for x in res.stderr.splitlines() if x.startswith("cdcd: error:")]
     assert "consumers.events" in line and "fsynk" in line and "fsync" in line, line
+
+
+def test_a_consumer_past_max_retained_bytes_is_invalidated_alone(tmp_path: Path) -> None:
+    """A consumer that holds back more link bytes than its max_retained_bytes is invalidated: one line naming it,
+    its position and the way back, the metric, its links released while the other consumer goes on; it stays
+    invalidated at the next start, and `state reset --consumer` brings it back from the oldest link."""
+    from cdcd.daemon.ops import plan_reset, reset_state
+    from cdcd.metrics import DAEMON
+
+    def invalidations() -> float:
+        value = DAEMON.get_sample_value("cdcd_daemon_consumer_invalidations_total", {"consumer": "lagging"})
+        return value or 0.0
+
+    node_dir = tmp_path / "node"
+    make_node(node_dir, segments=4, tx_per_segment=10)
+    cap = sum(p.stat().st_size for p in cdc_links(node_dir).values()) // 2
+    config = DaemonConfig(
+        node_dir=str(node_dir),
+        metrics_address="",
+        consumer={"kind": "null"},
+        consumers={"lagging": {"kind": "null", "max_retained_bytes": cap}},
+    )
+    before = invalidations()
+    counting, lagging = Counting(), Holding()
+    with Daemon(config, {"default": counting, "lagging": lagging}) as daemon:
+        daemon.sync_once()
+        assert counting.events == len(wal_events(node_dir))
+        failure = daemon.failures["lagging"]
+        assert "consumer lagging invalidated" in str(failure) and f"max_retained_bytes = {cap}" in str(failure)
+        assert "cdcd state reset --config F --consumer lagging" in str(failure)
+        assert not cdc_links(node_dir), "the invalidated consumer holds no link"
+    assert invalidations() == before + 1
+    make_node(node_dir, segments=2, tx_per_segment=10, first_tx=40)
+    counting, lagging = Counting(), Holding()
+    lagging.confirm = True
+    with Daemon(config, {"default": counting, "lagging": lagging}) as daemon:
+        assert "lagging" in daemon.failures, "still invalidated at the next start"
+        daemon.sync_once()
+        assert lagging.events == 0 and counting.events > 0 and not cdc_links(node_dir)
+    one = config.for_consumer("lagging")
+    reset_state(one, plan_reset(one, None))
+    make_node(node_dir, segments=1, tx_per_segment=10, first_tx=60)
+    counting, lagging = Counting(), Holding()
+    lagging.confirm = True
+    with Daemon(config, {"default": counting, "lagging": lagging}) as daemon:
+        daemon.sync_once()
+        assert not daemon.failures and lagging.events == counting.events > 0
+
+
+def test_start_now_skips_what_was_archived_before(tmp_path: Path) -> None:
+    """A consumer added with start = "now" delivers only what is archived after it started; one with the default
+    start delivers from the oldest link."""
+    node_dir = tmp_path / "node"
+    make_node(node_dir, segments=3, tx_per_segment=10)
+    before = len(wal_events(node_dir))
+    config = DaemonConfig(
+        node_dir=str(node_dir),
+        metrics_address="",
+        consumer={"kind": "null"},
+        consumers={"late": {"kind": "null", "start": "now"}},
+    )
+    counting, late = Counting(), Counting()
+    with Daemon(config, {"default": counting, "late": late}) as daemon:
+        daemon.sync_once()
+        assert (counting.events, late.events) == (before, 0)
+    make_node(node_dir, segments=2, tx_per_segment=10, first_tx=30)
+    counting, late = Counting(), Counting()
+    with Daemon(config, {"default": counting, "late": late}) as daemon:
+        daemon.sync_once()
+        assert late.events == counting.events == len(wal_events(node_dir)) - before

@@ -202,6 +202,29 @@ def consumer_identity(table: Mapping[str, Any]) -> str:
     return " ".join(parts)
 
 
+class LanePolicy(msgspec.Struct, frozen=True):
+    """A consumer's keys that only the daemon reads (every kind takes them)."""
+
+    start: Literal["oldest", "now"] = "oldest"
+    """Where a consumer without a state starts: at the oldest link, or after the newest segment archived
+    now (a consumer added later that needs no history: backfill it with ``cdcd control resend``)."""
+    max_retained_bytes: int = 0
+    """The most link bytes this consumer may hold back from its position on (0: no cap). Past it the consumer is
+    invalidated (PostgreSQL's ``max_slot_wal_keep_size``): it stops, holds no link any more, and stays
+    stopped until ``cdcd state reset --consumer NAME``."""
+
+
+def lane_policy(table: Mapping[str, Any], source: str) -> LanePolicy:
+    """``start`` and ``max_retained_bytes`` of a consumer table; errors name ``source`` and the key."""
+    value = table.get("start", "oldest")
+    if value not in ("oldest", "now"):
+        raise ConfigError(f'{source}: key \'start\': {value!r}: must be "oldest" or "now"')
+    cap = table.get("max_retained_bytes", 0)
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+        raise ConfigError(f"{source}: key 'max_retained_bytes': {cap!r}: must be a whole number of bytes >= 0")
+    return LanePolicy(start=value, max_retained_bytes=cap)
+
+
 def _env_value(text: str) -> Any:
     """Environment values are TOML scalars when they parse as one (``5``, ``true``), else strings."""
     try:
@@ -280,6 +303,7 @@ def load_daemon_config(
         if "kind" not in table:
             raise ConfigError(f"{path}: missing key '{key}.kind'")
         CacheFilter.from_table(table, f"{path}: {key}")
+        lane_policy(table, f"{path}: {key}")
     try:
         config.node()
     except ConfigError as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import uuid
 from collections.abc import Callable, Mapping
@@ -33,6 +34,7 @@ from cdcd.lock import DirLock
 from cdcd.node.identity import read_node_id
 from cdcd.version import version_and_commit
 from cdcd.wal.records import CacheInfo
+from cdcd.wal.segment import list_segments
 
 log = structlog.get_logger("cdcd.daemon")
 
@@ -125,7 +127,7 @@ class Daemon:
                 notifier=self._notifier,
                 stopping=self._stopping,
                 shared=self.shared,
-                release=self._release,
+                release=functools.partial(self._release, name),
                 show_progress=show_progress,
             )
         self._primary = self.lanes[names[0]]
@@ -159,6 +161,8 @@ class Daemon:
                 self.node_id = lane.load(self.node_id) or self.node_id
             for lane in self.lanes.values():
                 lane.node_id = self.node_id
+                if lane.failure is not None:
+                    continue  # invalidated before: it stays stopped until `cdcd state reset --consumer`
                 try:
                     lane.start()
                 except Exception as exc:
@@ -168,6 +172,7 @@ class Daemon:
             if self.lanes and all(lane.failure is not None for lane in self.lanes.values()):
                 raise ConsumerStopped(*next(iter(self.failures.items())))
             # Links below every consumer's position are no consumer's any more.
+            self._check_caps()
             low = self._lowest()
             if low is not None:
                 for seg in delete_links_below(self.cdc_dir, low):
@@ -207,23 +212,46 @@ class Daemon:
         }
 
     def _lowest(self) -> int | None:
-        """The lowest segment any consumer still needs (None: one needs every link)."""
+        """The lowest segment any consumer still needs (None: one needs every link). An invalidated consumer
+        needs none."""
         segments = []
         for lane in self.lanes.values():
+            if lane.invalidated:
+                continue
             pos = lane.position
             if pos is None:
                 return None
             segments.append(pos.segment)
-        return min(segments)
+        return min(segments) if segments else None
 
-    def _release(self, segment: int) -> list[int]:
-        """A consumer committed past ``segment``: delete the links below the lowest position of all
+    def _check_caps(self) -> None:
+        """Invalidate every consumer holding back more link bytes than its ``max_retained_bytes``."""
+        capped = [lane for lane in self.lanes.values() if lane.policy.max_retained_bytes and not lane.invalidated]
+        if not capped:
+            return
+        links, _ = list_segments(self.cdc_dir)
+        sizes = {}
+        for seg, path in links.items():
+            with contextlib.suppress(FileNotFoundError):
+                sizes[seg] = path.stat().st_size
+        for lane in capped:
+            pos = lane.position
+            retained = sum(size for seg, size in sizes.items() if pos is None or seg >= pos.segment)
+            if retained > lane.policy.max_retained_bytes:
+                lane.invalidate(retained)
+
+    def _release(self, name: str, segment: int) -> list[int]:
+        """Consumer ``name`` committed past ``segment``: delete the links below the lowest position of all
         (Ignite's rule, with the minimum over consumers). Called from the consumers' worker threads."""
-        if len(self.lanes) == 1:
+        lane = self.lanes[name]
+        if len(self.lanes) == 1 and not lane.policy.max_retained_bytes:
             return delete_links_below(self.cdc_dir, segment)
         with self._links_lock:
-            low = self._lowest()
-            return delete_links_below(self.cdc_dir, min(low, segment)) if low is not None else []
+            self._check_caps()
+            if lane.invalidated and lane.failure is not None:
+                raise lane.failure  # its commit is durable; it stops here, holding nothing
+            low = self._lowest()  # this consumer's position, just committed, among them
+            return delete_links_below(self.cdc_dir, low) if low is not None else []
 
     def stop(self) -> None:
         """Ask a running ``run()`` to finish its in-flight batches and return (thread- and signal-safe)."""

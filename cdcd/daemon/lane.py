@@ -27,7 +27,7 @@ from cdcd import metrics
 from cdcd.config import CacheFilter
 from cdcd.consumer import Consumer
 from cdcd.daemon.committer import Committer, ConsumerFailed
-from cdcd.daemon.config import DEFAULT_CONSUMER, DaemonConfig
+from cdcd.daemon.config import DEFAULT_CONSUMER, DaemonConfig, lane_policy
 from cdcd.daemon.follower import ReadItem, SegmentFollower, SharedReads
 from cdcd.daemon.processor import Batch, Item, Processor, Switch
 from cdcd.daemon.rewind import rewind
@@ -40,6 +40,7 @@ from cdcd.logging import describe
 from cdcd.wal.errors import WalError
 from cdcd.wal.pointer import WalPosition
 from cdcd.wal.records import DataRecord
+from cdcd.wal.segment import list_segments
 
 if TYPE_CHECKING:
     from cdcd.daemon.sdnotify import Notifier
@@ -50,6 +51,14 @@ _PASSIVE_SKIP = frozenset({DataRecord.TYPE})
 
 STOPPED_FILE = "stopped.json"
 """In a consumer's state dir: why it stopped for good (``cdcd state show``), removed at its next start."""
+INVALIDATED_FILE = "invalidated.json"
+"""In a consumer's state dir: it was invalidated (``max_retained_bytes``); removed by ``cdcd state reset``."""
+
+
+class ConsumerInvalidated(Fault, Exception):
+    """A consumer held back more than its ``max_retained_bytes``: it stops and holds no link any more."""
+
+    exit_code = ExitCode.BAD_STATE
 
 
 class Lane:
@@ -78,6 +87,9 @@ class Lane:
         self.markers = markers
         self.primary = primary
         self.table = config.named_consumers().get(name, {"kind": "null"})
+        self.policy = lane_policy(self.table, config.consumer_key(name))
+        self.invalidated = False
+        """Past ``max_retained_bytes``: its position holds no link; it stays stopped until ``state reset``."""
         self.selected = CacheFilter.from_table(self.table, config.consumer_key(name))
         """The consumer table's ``caches``/``exclude_caches``: applied by the batcher, so a cache left
         out is neither delivered, counted nor announced."""
@@ -103,9 +115,20 @@ class Lane:
         self.store = StateStore(self.state_path)
         with contextlib.suppress(FileNotFoundError):
             (self.state_path / STOPPED_FILE).unlink()  # it is tried again
+        try:
+            found = msgspec.json.decode((self.state_path / INVALIDATED_FILE).read_bytes())
+        except (FileNotFoundError, msgspec.DecodeError):
+            found = None
+        if found is not None:
+            self.invalidated = True
+            self.stopped_for_good(ConsumerInvalidated(str(found.get("error", "invalidated"))))
+            return node_id
+        fresh = not self.store.has_state()
         state, caches, node_id = load_start_state(
             self.config, self.store, node_id, name=self.name, identity=self.identity, markers=self.markers
         )
+        if fresh and self.policy.start == "now" and state.mode is CdcMode.DAEMON_ACTIVE:
+            state = self._start_now(state)
         if not self.markers and state.mode is not CdcMode.DAEMON_ACTIVE:
             # Its position was the node's realtime worker's; from here on this daemon delivers to it from the
             # archive (another consumer is the daemon's realtime_consumer).
@@ -150,6 +173,36 @@ class Lane:
         self.committer.announce([i for i in self._caches.values() if i.config.cdc_enabled and self.selected(i.name)])
         metrics.DAEMON_CONSUMER_LAG_SECONDS.labels(self.name).set_function(self.watch.lag_seconds)
 
+    def _start_now(self, state: DaemonState) -> DaemonState:
+        """``start = "now"``: after the newest segment archived (linked or not), not at the oldest link."""
+        links, _ = list_segments(self.cdc_dir)
+        archive = self.config.node().archive_path
+        archived, _ = list_segments(archive) if archive.is_dir() else ({}, [])
+        newest = max([*links, *archived], default=None)
+        if newest is None:
+            return state  # nothing archived yet: the oldest link is now
+        assert self.store is not None
+        state = self.store.commit(msgspec.structs.replace(state, position=WalPosition(newest + 1, 0, 0)))
+        log.info("consumer_starts_now", consumer=self.name, position=str(state.position))
+        return state
+
+    def invalidate(self, retained: int) -> None:
+        """Past ``max_retained_bytes``: stop for good, hold no link (one line naming it, its position, the way back)."""
+        self.invalidated = True
+        error = (
+            f"consumer {self.name} invalidated: it holds {retained} bytes of links from its position "
+            f"{self.position or 'the oldest link'} on, over max_retained_bytes = {self.policy.max_retained_bytes}; "
+            f"its links are released. The way back: stop the daemon, `cdcd state reset --config F --consumer "
+            f"{self.name}` (from the oldest link), then `cdcd control resend <cache>` for what it missed"
+        )
+        metrics.DAEMON_CONSUMER_INVALIDATIONS.labels(self.name).inc()
+        record = {"error": error, "at": time.time(), "position": str(self.position or ""), "retained": retained}
+        with contextlib.suppress(OSError):
+            write_atomic(self.state_path / INVALIDATED_FILE, msgspec.json.encode(record))
+        log.error("consumer_invalidated", consumer=self.name, retained_bytes=retained, error=error)
+        self.failure = ConsumerInvalidated(error)
+        self.interrupt()
+
     @property
     def position(self) -> WalPosition | None:
         """The committed position (the loaded one before the committer exists)."""
@@ -183,6 +236,8 @@ class Lane:
 
     def stopped_for_good(self, exc: BaseException) -> None:
         """This consumer failed: it delivers no more (its position keeps holding its links); the others go on."""
+        if self.failure is not None and self.failure is not exc and isinstance(self.failure, ConsumerInvalidated):
+            exc = self.failure  # its pass ended because it was invalidated: that is why it stopped
         self.failure = exc
         code, line = failure_line(exc)
         metrics.DAEMON_CONSUMER_UP.labels(self.name).set(0)

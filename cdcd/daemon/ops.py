@@ -14,7 +14,7 @@ import structlog
 
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import daemon_lock
-from cdcd.daemon.lane import STOPPED_FILE
+from cdcd.daemon.lane import INVALIDATED_FILE, STOPPED_FILE
 from cdcd.daemon.processor import INITIAL_MODE, start_from_node
 from cdcd.daemon.source import ask_node, node_caches
 from cdcd.daemon_state import DaemonState, StateDamaged, StateStore
@@ -317,6 +317,9 @@ def reset_state(config: DaemonConfig, plan: ResetPlan) -> tuple[DaemonState, Pat
             state = store.commit(plan.new, caches=plan.caches, destroyed=gone)
         finally:
             store.close()
+        for name in (INVALIDATED_FILE, STOPPED_FILE):  # the consumer is tried again from its new position
+            with contextlib.suppress(FileNotFoundError):
+                (config.state_path / name).unlink()
         log.info(
             "state_reset",
             state_dir=str(config.state_path),

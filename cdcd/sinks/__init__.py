@@ -9,8 +9,17 @@ from typing import Any
 from cdcd.config import CACHE_FILTER_KEYS, CacheFilter, ConfigError, upgrade_table, with_known_keys
 from cdcd.consumer import DEFAULT_RETRY_TIMEOUT_S, Consumer
 
-COMMON_KEYS = ("kind", "retry_timeout_s", "dead_letters", "dead_letters_path", *CACHE_FILTER_KEYS)
-"""Keys of every ``[consumer]`` table, read here (the rest goes to the kind's own options)."""
+COMMON_KEYS = (
+    "kind",
+    "retry_timeout_s",
+    "dead_letters",
+    "dead_letters_path",
+    *CACHE_FILTER_KEYS,
+    "start",
+    "max_retained_bytes",
+)
+"""Keys of every ``[consumer]`` table, read here (the rest goes to the kind's own options). ``start`` and
+``max_retained_bytes`` are the daemon's, checked where it reads its config (``cdcd.daemon.config.lane_policy``)."""
 
 NATIVE_DEAD_LETTERS = {"kafka": "<topic>.dlq, in the same transaction as its batch"}
 """Kinds that keep dead letters themselves; the others get ``dead_letters_path`` (the delivery loop's file)."""
