@@ -339,3 +339,16 @@ def test_spark_takes_every_kind_of_query(lake: Path, spark: Any) -> None:
     text, code = lake_sql(lake, "SELECT * FROM orders", engine="spark", spark_master=TEST_MASTER, fmt="json")
     assert code == 0, text
     assert len(json.loads(text)) == LIVE["orders"]
+
+
+@pytest.mark.timeout(300)  # a Spark driver of its own, on a machine shared with other work
+def test_a_failing_spark_query_through_the_command_is_one_line(lake: Path) -> None:
+    """pyspark logs a failed query as a JSON line of its own: the command prints only its error line."""
+    res = cdcd(
+        "lake", "sql", "--lake", str(lake), "--engine", "spark", "--spark-master", TEST_MASTER,
+        "SELECT * FROM nope", timeout=240,
+    )  # fmt: skip
+    assert (res.returncode, res.stdout) == (1, "")
+    (line,) = res.stderr.splitlines()
+    assert line.startswith("cdcd: error: [TABLE_OR_VIEW_NOT_FOUND]")
+    assert line.endswith("(tables at this cut: #orders, orders, orders##2, plain)")

@@ -346,6 +346,8 @@ def lake_sql(  # noqa: PLR0917 (click passes every option by keyword)
     from cdcd.lake.sql import MAX_TABLE_ROWS, run_sql
 
     log_to_stderr(level="warning")
+    if engine == "spark":
+        _quiet_spark_query_errors()
     err = io.StringIO()
     code = run_sql(
         lake_path,
@@ -362,6 +364,17 @@ def lake_sql(  # noqa: PLR0917 (click passes every option by keyword)
     if code:
         fail(err.getvalue().strip() or f"lake sql exited {code}", code)
     sys.exit(code)
+
+
+def _quiet_spark_query_errors() -> None:
+    """pyspark logs a failed query's error with its stack as a JSON line of its own, beside the one
+    line ``lake sql`` ends with: only that line is printed."""
+    import logging
+
+    from pyspark.logger import PySparkLogger
+
+    for name in ("SQLQueryContextLogger", "DataFrameQueryContextLogger"):
+        PySparkLogger.getLogger(name).setLevel(logging.CRITICAL + 1)
 
 
 @lake.command("show")
