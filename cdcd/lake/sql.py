@@ -169,7 +169,7 @@ def _one_line(exc: BaseException, tables: Sequence[str]) -> str:
 # --- only queries -----------------------------------------------------------------------------------
 
 _DUCKDB_QUERY_WORDS = frozenset(
-    {"select", "with", "from", "values", "table", "describe", "desc", "show", "summarize", "("}
+    {"select", "with", "from", "values", "table", "describe", "desc", "show", "summarize", "pivot", "unpivot", "("}
 )
 """The words a DuckDB query may start with: a statement DuckDB parses as a SELECT but that starts
 otherwise (``PRAGMA version`` is rewritten into one) is not run."""
