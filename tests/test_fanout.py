@@ -445,3 +445,27 @@ def test_start_now_skips_what_was_archived_before(tmp_path: Path) -> None:
     with Daemon(config, {"default": counting, "late": late}) as daemon:
         daemon.sync_once()
         assert late.events == counting.events == len(wal_events(node_dir)) - before
+
+
+def test_the_shipped_fanout_config_runs_the_readme_consumers_from_one_daemon(tmp_path: Path) -> None:
+    """config/fanout.toml, its paths moved into a scratch dir (compaction off through the environment, which
+    reaches a named consumer's key), delivers node1's WAL to both: the jsonl file and the lake exactly."""
+    text = (Path(__file__).parent.parent / "config" / "fanout.toml").read_text()
+    node_dir = tmp_path / "var" / "node1"
+    make_node(node_dir, segments=3, tx_per_segment=10)
+    config = tmp_path / "fanout.toml"
+    config.write_text(text.replace("var/", f"{tmp_path}/var/").replace('"127.0.0.1:9469"', '""'))
+    env = {**child_env(), "CDCD_CONSUMERS__LAKE__COMPACT_INTERVAL_S": "0"}
+    loaded = load_daemon_config(config, environ=env)
+    assert loaded.consumers["lake"]["compact_interval_s"] == 0 and loaded.consumers["lake"]["retry_timeout_s"] == 600
+    err = tmp_path / "daemon.err"
+    proc = start_daemon(config, err, env=env)
+    end = (max(archived_segments(node_dir)) + 1, 0, 0)
+    try:
+        wait_for(lambda: set(positions_of(config).values()) == {end}, 120, "both consumers at the end")
+    finally:
+        assert stop_daemon(proc) == 0, err.read_text()[-3000:]
+    expected = wal_events(node_dir)
+    assert read_jsonl(tmp_path / "var" / "cdc-events.jsonl") == expected
+    check_lake(tmp_path / "var" / "lake", node_dir, expected)
+    assert state_show(config)["consumers"]["default"]["state_dir"] == str(node_dir / "cdcd-state")
