@@ -41,7 +41,7 @@ from tests.support.procs import (
 )
 from tests.support.realtime import Rig, check_delivery, rig_maker
 from tests.support.wal import archived_segments, cdc_links, read_jsonl, wal_events
-from tests.support.writer import make_node
+from tests.support.writer import make_node, start_writer
 
 SETTINGS: dict[str, Any] = {
     "metrics_address": "",
@@ -183,6 +183,102 @@ def test_realtime_hands_over_one_consumer_while_another_reads_the_archive(rig_fa
     show = state_show(rig.daemon_config)
     assert show["consumers"]["default"]["realtime"] and not show["consumers"]["archive"]["realtime"]
     assert show["consumers"]["archive"]["mode"] == "ACTIVE"
+
+
+OUTAGE = textwrap.dedent(
+    """
+    import os
+    from cdcd.consumer import RetriableError
+    from cdcd.sinks.jsonl import JsonlConsumer
+
+    class Outage(JsonlConsumer):
+        \"\"\"A jsonl file whose target is down (RetriableError) while the file ``down`` exists.\"\"\"
+
+        def __init__(self, path: str, down: str) -> None:
+            super().__init__(path)
+            self.down = down
+
+        def on_events(self, batch):
+            if os.path.exists(self.down):
+                raise RetriableError("target down")
+            return super().on_events(batch)
+    """
+)
+
+
+def test_an_outage_of_one_consumer_does_not_hold_back_the_other(tmp_path: Path) -> None:
+    """While one consumer's target is down (RetriableError, retried by its own policy) a live node's writes keep
+    reaching the other consumer: entries written well after the outage began are delivered before it ends. Once it
+    ends, the first catches up: both files are the whole WAL."""
+    (tmp_path / "outagesink.py").write_text(OUTAGE)
+    node_dir = tmp_path / "node"
+    down = tmp_path / "down"
+    live, late = tmp_path / "live.jsonl", tmp_path / "late.jsonl"
+    config = fanout_config(
+        tmp_path / "fanout.toml",
+        node_dir,
+        {
+            "late": {
+                "kind": "python",
+                "class": "outagesink:Outage",
+                "options": {"path": str(late), "down": str(down)},
+                "retry_timeout_s": 600,
+            }
+        },
+        default={"kind": "jsonl", "path": str(live)},
+    )
+    writer = start_writer(tmp_path, node_dir, count=0, pause_ms=50)
+    err = tmp_path / "daemon.err"
+    proc = None
+    lags: list[float] = []
+    try:
+        wait_for(lambda: (node_dir / "cdc").is_dir() and cdc_links(node_dir), 60, "the node's first link")
+        proc = start_daemon(config, err, env=child_env(tmp_path))
+        wait_for(lambda: late.exists() and late.stat().st_size > 0, 60, "a first delivery to late")
+        down.touch()
+        began_ns = time.time_ns()
+
+        def live_past(seconds: float) -> bool:
+            newest = newest_commit_ns(live)
+            lags.append((time.time_ns() - newest) / 1e9)
+            return newest > began_ns + int(seconds * 1e9)
+
+        wait_for(lambda: live_past(3.0), 60, "live to deliver 3 s into the outage")
+        assert proc.poll() is None, err.read_text()[-3000:]
+        retries = [e for e in log_events(err) if e.get("event") == "consumer_retrying"]
+        assert retries, "late is retrying its outage"
+        assert newest_commit_ns(late) < began_ns, "late delivered nothing written during its outage"
+        down.unlink()
+    finally:
+        (tmp_path / "writer.stop").touch()
+        assert writer.wait(60) == 0, (tmp_path / "writer.log").read_text()[-3000:]
+    assert proc is not None
+    end = (max(archived_segments(node_dir)) + 1, 0, 0)
+    try:
+        wait_for(lambda: set(positions_of(config).values()) == {end}, 120, "both at the end")
+    finally:
+        assert stop_daemon(proc) == 0, err.read_text()[-3000:]
+    expected = wal_events(node_dir)
+    check_jsonl(live, expected)
+    check_jsonl(late, expected)
+    print(f"live consumer's lag during the other's outage: max {max(lags):.2f} s over {len(lags)} samples")
+
+
+def newest_commit_ns(path: Path) -> int:
+    """The commit time of the newest entry in a jsonl file (0: none yet)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 65536))
+            lines = [line for line in f.read().splitlines() if line.endswith(b"}")]
+    except FileNotFoundError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["commit_ts_ns"])
+        except (ValueError, KeyError):
+            continue
+    return 0
 
 
 BROKEN = textwrap.dedent(
