@@ -565,3 +565,35 @@ def test_the_shipped_fanout_config_runs_the_readme_consumers_from_one_daemon(tmp
     assert read_jsonl(tmp_path / "var" / "cdc-events.jsonl") == expected
     check_lake(tmp_path / "var" / "lake", node_dir, expected)
     assert state_show(config)["consumers"]["default"]["state_dir"] == str(node_dir / "cdcd-state")
+
+
+def test_consumers_listed_and_a_removed_one_dropped(tmp_path: Path) -> None:
+    """`cdcd state consumers` lists each consumer with what it holds, and the state of one removed from the config;
+    `cdcd state drop-consumer` refuses a configured one (exit 2) and forgets the removed one, deleting the links
+    only it held."""
+    node_dir = tmp_path / "node"
+    make_node(node_dir, segments=3, tx_per_segment=10)
+    links = sorted(cdc_links(node_dir))
+    old = DaemonConfig(
+        node_dir=str(node_dir),
+        metrics_address="",
+        consumer={"kind": "null"},
+        consumers={"old": {"kind": "null"}},
+    )
+    with Daemon(old, {"default": Counting(), "old": Holding()}) as daemon:
+        daemon.sync_once()
+    assert sorted(cdc_links(node_dir)) == links, "old holds every link"
+    config = fanout_config(tmp_path / "now.toml", node_dir, {}, default={"kind": "null"})
+    res = cdcd("state", "consumers", "--config", str(config), "--json")
+    assert res.returncode == 0, res.stderr
+    listed = {c["name"]: c for c in json.loads(res.stdout)}
+    assert listed["default"]["in_config"] and listed["default"]["holds_bytes"] == 0
+    assert not listed["old"]["in_config"] and listed["old"]["holds_bytes"] > 0 and listed["old"]["identity"] == "null"
+    text = cdcd("state", "consumers", "--config", str(config)).stdout
+    assert "not in config" in text, text
+    res = cdcd("state", "drop-consumer", "default", "--config", str(config), "--yes")
+    assert res.returncode == 2 and "remove it there first" in res.stderr, res.stderr
+    res = cdcd("state", "drop-consumer", "old", "--config", str(config), "--yes")
+    assert res.returncode == 0, res.stderr
+    assert f"{len(links)} link(s)" in res.stdout
+    assert not cdc_links(node_dir) and not (node_dir / "cdcd-state" / "consumers" / "old").exists()

@@ -197,6 +197,62 @@ def state_show(config_path: Path, as_json: bool) -> None:
             click.echo(f"{'stopped':<12} exit {stopped['exit_code']}: {stopped['error']}")
 
 
+@state.command("consumers")
+@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="Daemon TOML config.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def state_consumers(config_path: Path, as_json: bool) -> None:
+    """List the daemon's consumers: each one's target, position, mode and the link bytes it holds, and the
+    states of consumers no longer in the config (`state drop-consumer` forgets them)."""
+    from cdcd.daemon.ops import list_consumers
+
+    try:
+        found = list_consumers(load_config(config_path))
+    except Exception as exc:
+        fail_on(exc)
+    if as_json:
+        click.echo(msgspec.json.encode(found).decode())
+        return
+    for c in found:
+        stopped = c["stopped"]
+        how = (
+            "invalidated"
+            if c["invalidated"]
+            else f"stopped (exit {stopped['exit_code']})"
+            if stopped
+            else "in config"
+            if c["in_config"]
+            else "not in config"
+        )
+        realtime = " realtime" if c["realtime"] else ""
+        click.echo(
+            f"{c['name']:<16} {c['mode']:<8} {c['position'] or '-':<24} holds {c['holds_bytes']} B  "
+            f"{how}{realtime}  {c['identity'] or '-'}"
+        )
+
+
+@state.command("drop-consumer")
+@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="Daemon TOML config.")
+@click.argument("name")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def state_drop_consumer(config_path: Path, name: str, yes: bool) -> None:
+    """With the daemon stopped: forget the state of consumer NAME, removed from the config, and delete the links
+    no other consumer needs."""
+    from cdcd.daemon.ops import drop_consumer
+    from cdcd.lock import LockHeld
+
+    log_to_stderr()
+    config = load_config(config_path)
+    click.echo(f"drop      consumer {name}: {config.consumer_state_path(name)}")
+    confirm(yes)
+    try:
+        path, deleted = drop_consumer(config, name)
+    except LockHeld as exc:
+        fail_on(exc, "the daemon is running", hint="stop it first")
+    except Exception as exc:
+        fail_on(exc)
+    click.echo(f"dropped   {path}; {len(deleted)} link(s) no consumer needs deleted")
+
+
 @state.command("reset")
 @click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="Daemon TOML config.")
 @click.option(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -14,6 +15,7 @@ import structlog
 
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import daemon_lock
+from cdcd.daemon.follower import delete_links_below
 from cdcd.daemon.lane import INVALIDATED_FILE, STOPPED_FILE
 from cdcd.daemon.processor import INITIAL_MODE, start_from_node
 from cdcd.daemon.source import ask_node, node_caches
@@ -90,6 +92,66 @@ def _stopped(state_path: Path) -> dict[str, Any] | None:
     except (FileNotFoundError, msgspec.DecodeError):
         return None
     return found
+
+
+def list_consumers(config: DaemonConfig) -> list[dict[str, Any]]:
+    """Every consumer of the config, then every consumer state no longer in it (``in_config`` False): its
+    identity, position, mode, whether it stopped or was invalidated, and the link bytes it holds."""
+    links, _ = list_segments(config.cdc_path)
+    sizes = {}
+    for seg, path in links.items():
+        with contextlib.suppress(FileNotFoundError):
+            sizes[seg] = path.stat().st_size
+    shown = show_state(config)["consumers"]
+    out = []
+    for name, info in shown.items():
+        out.append({"name": name, "in_config": True, **_holds(info, sizes)})
+    named = config.state_path / "consumers"
+    for path in sorted(named.iterdir()) if named.is_dir() else []:
+        if path.name in shown or not (path / "data.mdb").exists():
+            continue
+        one = msgspec.structs.replace(
+            config, state_dir=str(path), consumer={"kind": "null"}, consumers={}, has_default_consumer=True
+        )
+        info = {**_show_one(one), "realtime": False}
+        out.append({"name": path.name, "in_config": False, **_holds(info, sizes)})
+    return out
+
+
+def _holds(info: dict[str, Any], sizes: dict[int, int]) -> dict[str, Any]:
+    parts = info["position_parts"]
+    held = sum(n for seg, n in sizes.items() if parts is None or seg >= parts[0])
+    invalidated = (Path(info["state_dir"]) / INVALIDATED_FILE).exists()
+    return {**info, "invalidated": invalidated, "holds_bytes": 0 if invalidated else held}
+
+
+class DropRefused(Fault, Exception):
+    """``state drop-consumer`` of a consumer the config still names, or of ``default``."""
+
+    exit_code = ExitCode.BAD_INPUT
+
+
+def drop_consumer(config: DaemonConfig, name: str) -> tuple[Path, list[int]]:
+    """With the daemon stopped: forget a consumer removed from the config (its state dir), then delete the
+    links no configured consumer needs any more. Returns (the state dir removed, the links deleted)."""
+    if name in config.named_consumers():
+        raise DropRefused(f"consumer {name} is in the config ({config.consumer_key(name)}): remove it there first")
+    path = config.consumer_state_path(name)
+    if name == "default" or not (path / "data.mdb").exists():
+        raise DropRefused(f"no state of a removed consumer {name!r} in {config.state_path / 'consumers'}")
+    lock = daemon_lock(config)
+    lock.acquire(0)
+    try:
+        shutil.rmtree(path)
+        fsync_dir(path.parent)
+        positions = [_show_one(config.for_consumer(n))["position_parts"] for n in config.named_consumers()]
+        deleted: list[int] = []
+        if positions and all(p is not None for p in positions):
+            deleted = delete_links_below(config.cdc_path, min(p[0] for p in positions))
+        log.info("consumer_dropped", consumer=name, state_dir=str(path), links_deleted=len(deleted))
+        return path, deleted
+    finally:
+        lock.release()
 
 
 @dataclass
