@@ -597,3 +597,31 @@ def test_consumers_listed_and_a_removed_one_dropped(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     assert f"{len(links)} link(s)" in res.stdout
     assert not cdc_links(node_dir) and not (node_dir / "cdcd-state" / "consumers" / "old").exists()
+
+
+def test_shared_reads_are_bounded_and_a_consumer_behind_reads_on_its_own(tmp_path: Path) -> None:
+    """Decoded chunks are kept up to shared_read_bytes, oldest out first: with room for none, every consumer
+    reads for itself and all are still exact; with room, the second consumer takes the first one's reads."""
+    node_dir = tmp_path / "node"
+    make_node(node_dir, segments=4, tx_per_segment=10)
+    expected = len(wal_events(node_dir))
+    for room, state in ((0, "s0"), (64 << 20, "s1")):
+        config = DaemonConfig(
+            node_dir=str(node_dir),
+            metrics_address="",
+            state_dir=str(tmp_path / state),
+            shared_read_bytes=room,
+            consumer={"kind": "null"},
+            consumers={"b": {"kind": "null"}, "c": {"kind": "null"}},
+        )
+        a, b, c = Counting(), Counting(), Holding()
+        with Daemon(config, {"default": a, "b": b, "c": c}) as daemon:
+            daemon.sync_once()
+            shared = daemon.shared
+            assert shared is not None
+            assert a.events == b.events == c.events == expected
+            assert shared._bytes <= room
+            if room:
+                assert shared.hits >= 2 * (shared.misses - 3), (shared.hits, shared.misses)  # 3 caught-up polls
+            else:
+                assert shared.hits == 0
