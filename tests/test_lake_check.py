@@ -239,3 +239,35 @@ def test_daemon_exits_with_the_damaged_lake_code(tmp_path: Path) -> None:
         assert proc.wait(120) == EXIT_DAMAGED_LAKE
     finally:
         reap(proc)
+
+
+def test_lake_check_covers_the_cuts_and_every_typed_table(tmp_path: Path) -> None:
+    """`cdcd lake check` also checks `_cuts` and each table under `tables/` (a typed table cut short is named,
+    exit 8), while the check that gates landing and compaction (`require_sound`) keeps to changes and state: one
+    damaged typed table stops no other table."""
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    from cdcd.lake.check import require_sound
+    from cdcd.lake.cuts import record_cut, table_path
+    from tests.support.delta_tables import change, compacted_lake
+    from tests.support.procs import cdcd
+
+    lake = tmp_path / "lake"
+    compacted_lake(lake, [change("orders", '"k"', '"v"', 1)])
+    typed = table_path(lake, "orders")
+    write_deltalake(str(typed), pa.table({"key": ["k"], "value": ["v"]}))
+    record_cut(lake, {"orders": 0}, {}, 0)
+    res = cdcd("lake", "check", "--lake", str(lake))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert [line.split(":")[0] for line in res.stdout.splitlines()] == [
+        str(lake / name) for name in ("changes", "state", "_cuts", "tables/orders")
+    ]
+    (rel,) = DeltaTable(str(typed)).get_add_actions(flatten=True).column("path").to_pylist()
+    victim = Path(typed) / rel
+    victim.write_bytes(victim.read_bytes()[:-8])
+    res = cdcd("lake", "check", "--lake", str(lake))
+    assert res.returncode == EXIT_DAMAGED_LAKE
+    assert res.stdout.splitlines()[0].startswith(f"{victim}: {victim.stat().st_size:,} bytes where the log ")
+    assert res.stdout.splitlines()[-1].endswith(": 1 fault(s)")
+    require_sound(lake, read_files=True)  # changes and state are whole: landing and compaction go on

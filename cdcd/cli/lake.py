@@ -288,16 +288,17 @@ def lake_verify(lake_path: Path, node_dirs: tuple[Path, ...]) -> None:
 @_lake_option()
 @click.option("--no-read", is_flag=True, help="Do not open the data files (only that they exist).")
 def lake_check(lake_path: Any, no_read: bool) -> None:
-    """Check the lake's Delta logs and files: every commit file parses, no version is missing,
-    checkpoints match the log, every file the log names exists and reads. One line per fault naming
-    the file and what to do; exit 8 on any fault."""
+    """Check the lake's Delta logs and files (changes, state, _cuts and every typed table): every
+    commit file parses, no version is missing, checkpoints match the log, every file the log names
+    exists with the size the log records and reads. One line per fault naming the file and what to
+    do; exit 8 on any fault."""
     from cdcd.lake.check import check_lake, report_lines
 
     log_to_stderr(level="warning")
     _require_lake(lake_path)
-    checks = check_lake(lake_path, read_files=not no_read)
+    checks = check_lake(lake_path, read_files=not no_read, every_table=True)
     if not checks:
-        fail(f"{lake_path}: no changes/ or state/ table to check", ExitCode.BAD_INPUT)
+        fail(f"{lake_path}: no Delta table to check", ExitCode.BAD_INPUT)
     for line in report_lines(checks):
         click.echo(line)
     if any(t.faults for t in checks):

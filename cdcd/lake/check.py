@@ -316,14 +316,39 @@ def check_table(table: LakeDir, *, read_files: bool = True) -> TableCheck:
     return result
 
 
-def check_lake(lake: LakeDir, *, read_files: bool = True) -> list[TableCheck]:
-    """``check_table`` of each of the lake's tables that has a log (none: an empty list)."""
+def check_lake(lake: LakeDir, *, read_files: bool = True, every_table: bool = False) -> list[TableCheck]:
+    """``check_table`` of ``changes`` and ``state`` where they have a log (none: an empty list);
+    ``every_table`` (``cdcd lake check``): also ``_cuts`` and each typed table under ``tables/``.
+    Those are left out of the checks that gate landing and compaction: one damaged typed table must
+    not stop the others."""
+    from cdcd.lake.cuts import CUTS
+
     out = []
-    for name in (CHANGES, STATE):
-        table = lake / name
+    tables = [lake / CHANGES, lake / STATE]
+    if every_table:
+        tables += [lake / CUTS, *_typed_tables(lake)]
+    for table in tables:
         if (table / LOG_DIR).exists():
             out.append(check_table(table, read_files=read_files))
     return out
+
+
+def _typed_tables(lake: LakeDir) -> list[LakeDir]:
+    """The directories under ``<lake>/tables`` that have a Delta log, by name."""
+    from cdcd.lake.typed_layout import TABLES
+
+    root = lake / TABLES
+    if isinstance(root, ObjectPath):
+        import pyarrow.fs as pafs
+
+        selector = pafs.FileSelector(root.fs_path, allow_not_found=True, recursive=False)
+        names = [i.base_name for i in root.fs.get_file_info(selector) if i.type == pafs.FileType.Directory]
+    else:
+        try:
+            names = [entry.name for entry in os.scandir(root) if entry.is_dir()]
+        except FileNotFoundError:
+            return []
+    return [root / name for name in sorted(names) if (root / name / LOG_DIR).exists()]
 
 
 def require_sound(lake: LakeDir, *, read_files: bool = False) -> None:
