@@ -672,6 +672,7 @@ CONFIGS: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {
     ("cluster.md", "# cdcd.toml of each node's daemon"): ("daemon", {"node_dir": "NODE"}),
     ("daemon.md", 'dead_letters = "on"'): ("daemon", {"node_dir": "NODE", "consumer": {"kind": "jsonl", "path": "x"}}),
     ("daemon.md", 'caches = ["orders*", "people"]'): ("daemon", {"node_dir": "NODE"}),
+    ("daemon.md", "[consumers.lake]"): ("daemon", {}),
     ("kafka.md", 'kind = "kafka"'): ("daemon", {"node_dir": "NODE"}),
     ("kafka.md", "# /etc/cdcd/dc2/kafka-to-node.toml"): ("kafka-to-node", {}),
     ("lake.md", "batch_max_events = 500000"): ("daemon", {"node_dir": "NODE"}),
@@ -746,9 +747,11 @@ def test_every_config_block_loads(tmp_path: Path) -> None:
         path.write_text(toml_text(full))
         assert tomllib.loads(path.read_text()) == full
         if kind == "daemon":
-            loaded = msgspec.to_builtins(load_daemon_config(path, environ={}))
-            consumers = [full["consumer"]]
-            if "tables" in full["consumer"]:
+            config = load_daemon_config(path, environ={})
+            loaded = msgspec.to_builtins(config)
+            consumers = list(config.named_consumers().values())
+            assert len(consumers) == ("consumer" in full) + len(full.get("consumers", {}))
+            if "tables" in full.get("consumer", {}):
                 declared = {name: t.columns for name, t in load_declared(path).items()}
                 assert declared == {name: t["columns"] for name, t in full["consumer"]["tables"].items()}
         elif kind == "node":
