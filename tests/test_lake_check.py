@@ -255,7 +255,7 @@ def test_lake_check_covers_the_cuts_and_every_typed_table(tmp_path: Path) -> Non
 
     lake = tmp_path / "lake"
     compacted_lake(lake, [change("orders", '"k"', '"v"', 1)])
-    typed = table_path(lake, "orders")
+    typed = Path(str(table_path(lake, "orders")))
     write_deltalake(str(typed), pa.table({"key": ["k"], "value": ["v"]}))
     record_cut(lake, {"orders": 0}, {}, 0)
     res = cdcd("lake", "check", "--lake", str(lake))
@@ -264,7 +264,7 @@ def test_lake_check_covers_the_cuts_and_every_typed_table(tmp_path: Path) -> Non
         str(lake / name) for name in ("changes", "state", "_cuts", "tables/orders")
     ]
     (rel,) = DeltaTable(str(typed)).get_add_actions(flatten=True).column("path").to_pylist()
-    victim = Path(typed) / rel
+    victim = typed / rel
     victim.write_bytes(victim.read_bytes()[:-8])
     res = cdcd("lake", "check", "--lake", str(lake))
     assert res.returncode == EXIT_DAMAGED_LAKE
