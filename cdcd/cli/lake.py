@@ -120,7 +120,10 @@ def _require_lake(lake_path: Any) -> None:
     lake, with where the lake is when it is close by (``--lake var`` for ``var/lake``): exit 2."""
     from cdcd.lake.readers import not_a_lake
 
-    missing = not_a_lake(lake_path)
+    try:
+        missing = not_a_lake(lake_path)
+    except OSError as exc:  # e.g. a directory this user may not read: the OS error's own line
+        fail_on(exc, f"--lake {lake_path}")
     if missing is not None:
         fail_on(missing)
 

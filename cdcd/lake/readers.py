@@ -87,10 +87,17 @@ def is_lake(root: LakeDir) -> bool:
     return any((root / name / LOG_DIR).exists() for name in LAKE_TABLES)
 
 
+def _lake_here(path: Path) -> bool:
+    try:
+        return is_lake(path)
+    except OSError:  # a directory this user may not read is no hint, not an error
+        return False
+
+
 def _near_lake(path: Path) -> Path | None:
     """The lake a local path is in (an ancestor) or holds (a directory a few levels down), if any."""
     for parent in list(path.parents)[:_NEAR_DEPTH]:
-        if is_lake(parent):
+        if _lake_here(parent):
             return parent
     level = [path] if path.is_dir() else []
     for _ in range(_NEAR_DEPTH):
@@ -101,7 +108,7 @@ def _near_lake(path: Path) -> Path | None:
             except OSError:
                 continue
             for child in children:
-                if is_lake(child):
+                if _lake_here(child):
                     return child
             below.extend(children)
         level = below[:200]  # a lake is near the path given, not anywhere in a large tree
