@@ -28,6 +28,8 @@ from cdcd.daemon.daemon import Daemon
 from cdcd.daemon_state import CdcMode, DaemonState, StateStore
 from cdcd.wal.pointer import WalPosition
 from tests.support.delta_lake import check_lake, lake_consumer
+from tests.support.kafka import Broker, kafka_broker, read_topic
+from tests.support.kafka import positions_of as kafka_positions
 from tests.support.lake import toml_value
 from tests.support.procs import (
     cdcd,
@@ -42,6 +44,8 @@ from tests.support.procs import (
 from tests.support.realtime import Rig, check_delivery, rig_maker
 from tests.support.wal import archived_segments, cdc_links, read_jsonl, wal_events
 from tests.support.writer import make_node, start_writer
+
+__all__ = ["kafka_broker"]  # the fixture, used by name
 
 SETTINGS: dict[str, Any] = {
     "metrics_address": "",
@@ -92,10 +96,11 @@ def check_jsonl(out: Path, expected: list[dict[str, Any]]) -> None:
         assert line == by_pos[tuple(line["pos"])], f"{out.name}: line at {line['pos']}"
 
 
-def test_lake_and_two_jsonl_from_one_daemon_exact_through_sigkills(tmp_path: Path) -> None:
-    """A lake (deltalake writer), a jsonl of everything and a jsonl of one cache, from one daemon SIGKILLed at
-    random moments while it catches up: the lake holds every WAL entry exactly once, each file every entry of
-    its caches, no other; at the end every link is gone. Started together, the three share the daemon's reads."""
+def test_lake_kafka_and_two_jsonl_from_one_daemon_exact_through_sigkills(tmp_path: Path, kafka_broker: Broker) -> None:
+    """A lake (deltalake writer), a Kafka topic, a jsonl of everything and a jsonl of one cache, from one daemon
+    SIGKILLed at random moments while it catches up: the lake and the topic hold every WAL entry exactly once, each
+    file every entry of its caches, no other; at the end every link is gone. Started together, they share the
+    daemon's reads."""
     rng = random.Random(45)
     node_dir = tmp_path / "node"
     make_node(node_dir, segments=14, tx_per_segment=25)
@@ -107,6 +112,12 @@ def test_lake_and_two_jsonl_from_one_daemon_exact_through_sigkills(tmp_path: Pat
             "lake": lake_consumer(lake),
             "all": {"kind": "jsonl", "path": str(everything)},
             "people": {"kind": "jsonl", "path": str(people), "caches": ["user*"]},
+            "kafka": {
+                "kind": "kafka",
+                "bootstrap_servers": kafka_broker.bootstrap,
+                "topic": "fanout",
+                "topic_partitions": 3,
+            },
         },
     )
     # A first run from the oldest link, all three at one position: one read of a chunk serves all three.
@@ -137,6 +148,8 @@ def test_lake_and_two_jsonl_from_one_daemon_exact_through_sigkills(tmp_path: Pat
     caches = {e["cache"] for e in expected}
     assert len(caches) > 1 and any(c.startswith("user") for c in caches)
     check_lake(lake, node_dir, expected)
+    sent = [p for ps in kafka_positions(read_topic(kafka_broker.bootstrap, "fanout")).values() for p in ps]
+    assert Counter(sent) == Counter(tuple(e["pos"]) for e in expected), "the topic holds every entry once"
     check_jsonl(everything, expected)
     check_jsonl(people, [e for e in expected if e["cache"].startswith("user")])
     assert not cdc_links(node_dir), "every consumer passed every segment: no link left"
