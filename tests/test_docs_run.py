@@ -374,7 +374,7 @@ def test_lake_page(lake: Lake, spark: Any) -> None:
         assert by_key(cell_with(cells, "duckdb_connect()"), "sku", "sum(qty)") == skus
 
     def scd_history(cells: list[Cell]) -> None:
-        rows = materialise_history(cells)
+        rows = [r.asDict() for r in namespace["history"].collect()]
         current = {r["key"]: r["qty"] for r in rows if r["is_current"]}
         assert current == {k: v["qty"] for k, v in FINAL["orders"].items()}
         versions = sorted((r["key"], r["qty"], r["is_current"]) for r in rows)
@@ -386,19 +386,15 @@ def test_lake_page(lake: Lake, spark: Any) -> None:
             ("o-4", 1, True),
         ], versions
 
-    def materialise_history(cells: list[Cell]) -> list[dict[str, Any]]:
-        history = namespace["history"]
-        return [r.asDict() for r in history.collect()]
-
     def cut_commands(runs: list[tuple[str, list[str], subprocess.CompletedProcess[str]]]) -> None:
         (_, _, latest), (_, _, as_of) = runs
         assert latest.stdout.startswith(f"cut at changes version {lake.second_cut.changes_version}, "), latest.stdout
-        for cache in FINAL:
-            assert any(line.split()[:-1] == cache.split() for line in latest.stdout.splitlines()), latest.stdout
+        tables = {" ".join(ln.split()[:-1]): ln.split()[-1] for ln in latest.stdout.splitlines()[2 : 2 + len(FINAL)]}
+        assert tables == {cache: str(v) for cache, v in lake.second_cut.tables.items()}, latest.stdout
         assert json.loads(as_of.stdout)["changes_version"] == lake.first_cut.changes_version
 
     def cuts_python(cells: list[Cell]) -> None:
-        assert isinstance(namespace["lake"], str)
+        assert namespace["lake"] == str(lake.path)  # a string, as the page writes it
         assert namespace["cut"] == lake.second_cut
         assert namespace["earlier"] == lake.first_cut
 
