@@ -42,10 +42,11 @@ from tests.support.procs import (
     wait_for,
 )
 from tests.support.realtime import Rig, check_delivery, rig_maker
+from tests.support.replication_rig import NodeProc, Procs, procs
 from tests.support.wal import archived_segments, cdc_links, read_jsonl, wal_events
 from tests.support.writer import make_node, start_writer
 
-__all__ = ["kafka_broker"]  # the fixture, used by name
+__all__ = ["kafka_broker", "procs"]  # the fixtures, used by name
 
 SETTINGS: dict[str, Any] = {
     "metrics_address": "",
@@ -96,15 +97,19 @@ def check_jsonl(out: Path, expected: list[dict[str, Any]]) -> None:
         assert line == by_pos[tuple(line["pos"])], f"{out.name}: line at {line['pos']}"
 
 
-def test_lake_kafka_and_two_jsonl_from_one_daemon_exact_through_sigkills(tmp_path: Path, kafka_broker: Broker) -> None:
-    """A lake (deltalake writer), a Kafka topic, a jsonl of everything and a jsonl of one cache, from one daemon
-    SIGKILLed at random moments while it catches up: the lake and the topic hold every WAL entry exactly once, each
-    file every entry of its caches, no other; at the end every link is gone. Started together, they share the
-    daemon's reads."""
+def test_lake_kafka_replica_and_two_jsonl_from_one_daemon_exact_through_sigkills(
+    tmp_path: Path, kafka_broker: Broker, procs: Procs
+) -> None:
+    """A lake (deltalake writer), a Kafka topic, a replica node, a jsonl of everything and a jsonl of one cache,
+    from one daemon SIGKILLed at random moments while it catches up: the lake and the topic hold every WAL entry
+    exactly once, the replica equals the source (`cdcd node diff`), each file every entry of its caches, no other;
+    at the end every link is gone. Started together, they share the daemon's reads."""
     rng = random.Random(45)
     node_dir = tmp_path / "node"
     make_node(node_dir, segments=14, tx_per_segment=25)
     lake, everything, people = tmp_path / "lake", tmp_path / "all.jsonl", tmp_path / "people.jsonl"
+    replica = NodeProc(procs, tmp_path, "replica", 2)
+    replica.start()
     config = fanout_config(
         tmp_path / "fanout.toml",
         node_dir,
@@ -112,6 +117,7 @@ def test_lake_kafka_and_two_jsonl_from_one_daemon_exact_through_sigkills(tmp_pat
             "lake": lake_consumer(lake),
             "all": {"kind": "jsonl", "path": str(everything)},
             "people": {"kind": "jsonl", "path": str(people), "caches": ["user*"]},
+            "replica": {"kind": "replication", "target": replica.target, "token_file": str(replica.token)},
             "kafka": {
                 "kind": "kafka",
                 "bootstrap_servers": kafka_broker.bootstrap,
@@ -150,6 +156,9 @@ def test_lake_kafka_and_two_jsonl_from_one_daemon_exact_through_sigkills(tmp_pat
     check_lake(lake, node_dir, expected)
     sent = [p for ps in kafka_positions(read_topic(kafka_broker.bootstrap, "fanout")).values() for p in ps]
     assert Counter(sent) == Counter(tuple(e["pos"]) for e in expected), "the topic holds every entry once"
+    replica.stop()
+    diff = cdcd("node", "diff", str(node_dir), str(replica.dir), "--json", timeout=120)
+    assert diff.returncode == 0, diff.stdout + diff.stderr
     check_jsonl(everything, expected)
     check_jsonl(people, [e for e in expected if e["cache"].startswith("user")])
     assert not cdc_links(node_dir), "every consumer passed every segment: no link left"
