@@ -66,7 +66,7 @@ from tests.support.docs import (
     substitute,
 )
 from tests.support.lake import run_to_end, write_config
-from tests.support.ports import free_port
+from tests.support.ports import free_ports
 from tests.support.procs import ROOT, child_env
 
 RUNNABLE = ("sh", "bash", "python")
@@ -82,7 +82,8 @@ PLACEHOLDERS = {
     "the second came later",
     '"versionAsOf", 40': "the changes version after the first run of the daemon (the first half of the changes)",
     '"startingVersion", 42': "the first changes version of the second run (its feed is the second half)",
-    "--port 9092": "a free port (tests/support/ports.py) for the broker kafka.md starts",
+    "--port 9092": "a free port (tests/support/ports.py, with the next for its controller) for the broker kafka.md "
+    "starts",
     "kafka1:9092": "that broker's address, 127.0.0.1:<port>",
 }
 """What the docs' snippets name that exists only on a reader's machine, and what takes its place here."""
@@ -590,7 +591,7 @@ def test_kafka_page(tmp_path: Path) -> None:
 
     if not SPARK_KAFKA_JARS.is_dir():
         pytest.fail(f"{SPARK_KAFKA_JARS} missing: run `make install` first")
-    port = free_port()
+    port = free_ports(2)  # kafka.sh's controller listens on the next one
     placeholders = {"--port 9092": f"--port {port}", "kafka1:9092": f"127.0.0.1:{port}"}
     shell = Shell(scratch_dir(tmp_path / "work"), placeholders)
     batch = small_batch(shell.cwd / "var" / "node1")
