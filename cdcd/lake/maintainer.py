@@ -31,14 +31,16 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import structlog
 
 from cdcd import metrics
+from cdcd.lake.autocompact import FilePolicy, bound_changes, bound_compacted
 from cdcd.lake.compact import CompactResult, compact, compacted_version
 from cdcd.lake.deltalog import LOG_DIR
 from cdcd.lake.ops import optimize, optimized_since
@@ -70,6 +72,10 @@ text) and delta-rs' ``CommitFailedError``. Another writer committed first; the r
 
 CONFLICT_BACKOFF = Backoff(initial_ms=500, max_ms=30_000, jitter=0.5)
 """Between a lost run and its retry: jittered, so that two daemons do not collide again in step."""
+NEW_CACHE_DELAY_S = 1.0
+"""A cache seen landing for the first time makes the next compaction due this soon (the rest of its first
+burst lands meanwhile): its typed table and its rows in ``state`` answer queries seconds after its first
+change, not a ``compact_interval_s`` later."""
 CANCEL_REPEAT_S = 0.5
 """How often ``stop`` cancels the maintenance job group again while the run winds down."""
 SCHEDULE_JITTER = 0.1
@@ -119,6 +125,21 @@ def _gap_closed(lake: Path, listed: list[int]) -> bool:
     return False
 
 
+def _compacted_caches(lake: Path) -> set[str]:
+    """Caches with a typed table or rows in ``state``: compacted at least once."""
+    from cdcd.lake.typed_layout import list_tables
+
+    caches = set(list_tables(lake))
+    if (lake / STATE / LOG_DIR).is_dir():
+        try:
+            adds = pa.table(open_delta(lake / STATE).get_add_actions(flatten=True))
+            if adds.num_rows:
+                caches |= {str(c) for c in adds.column("partition.cache").to_pylist()}
+        except Exception:  # unreadable now: every cache counts as new, one early compaction too many
+            log.debug("lake_state_caches_unread", exc_info=True)
+    return caches
+
+
 @dataclass(frozen=True)
 class MaintainerOptions:
     compact_interval_s: float = 60.0
@@ -128,6 +149,11 @@ class MaintainerOptions:
     adds about one file per cache partition and second: this bounds the files a partition holds."""
     max_consecutive_failures: int = 3
     """Failed runs in a row (of either kind) after which the Maintainer stops and reports failure."""
+    files: FilePolicy | None = None
+    """Files per partition bounded by size tiers (cdcd/lake/autocompact.py): the scheduled ``optimize`` is
+    then that rewrite of ``changes``, without Spark, in a lane of its own, and each compaction bounds the
+    files of ``state`` and the typed tables it committed to before it returns. None: Spark's OPTIMIZE of
+    every table, in the compaction's thread (as before; ``cdcd lake optimize``)."""
 
     def __post_init__(self) -> None:
         for name in ("compact_interval_s", "optimize_interval_s"):
@@ -150,17 +176,25 @@ class Maintainer:
         options: MaintainerOptions | None = None,
         *,
         compact_fn: Callable[[Any, Path], CompactResult] = compact,
-        optimize_fn: Callable[[Any, Path], object] = optimize,
+        optimize_fn: Callable[[Any, Path], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.lake = lake
         self.options = options or MaintainerOptions()
         self._spark = spark
         self._compact = compact_fn
+        files = self.options.files
+        if optimize_fn is None:
+            optimize_fn = optimize if files is None else (lambda _spark, lake: bound_changes(lake, files))
         self._optimize = optimize_fn
         self._clock = clock
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        """Set when a new cache landed: the compaction lane runs soon (``NEW_CACHE_DELAY_S``)."""
+        self._known_caches: set[str] | None = None
+        self._threads: list[threading.Thread] = []
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
         self._group = f"cdcd-lake-maintainer-{id(self):x}"
         self.compactions = 0
         self.optimizations = 0
@@ -184,8 +218,32 @@ class Maintainer:
         opts = self.options
         if not opts.compact_interval_s and not opts.optimize_interval_s:
             return  # both off: nothing to run, no thread
-        self._thread = threading.Thread(target=self._run, name="cdcd-lake-maintainer", daemon=True)
-        self._thread.start()
+        # Separate lanes when OPTIMIZE is the JVM-free rewrite of changes: it never touches what compaction
+        # commits to, and a long one never delays the compaction that keeps the tables current.
+        lanes = [["compact"], ["optimize"]] if opts.files is not None else [["compact", "optimize"]]
+        for i, tasks in enumerate(t for t in lanes if any(self._interval(k) for k in t)):
+            name = "cdcd-lake-maintainer" if i == 0 else f"cdcd-lake-maintainer-{tasks[0]}"
+            thread = threading.Thread(target=self._run, args=(tasks,), name=name, daemon=True)
+            self._threads.append(thread)
+        self._thread = self._threads[0]
+        for thread in self._threads:
+            thread.start()
+
+    def _interval(self, task: str) -> float:
+        return self.options.compact_interval_s if task == "compact" else self.options.optimize_interval_s
+
+    def landed(self, rows_per_cache: Mapping[str, int]) -> None:
+        """Called by the sink after each commit: a cache landing for the first time (no typed table, no
+        rows in ``state`` yet) makes the next compaction due in ``NEW_CACHE_DELAY_S``."""
+        if not self.options.compact_interval_s:
+            return
+        if self._known_caches is None:
+            self._known_caches = _compacted_caches(self.lake)
+        new = [c for c in rows_per_cache if c not in self._known_caches]
+        if new:
+            self._known_caches.update(new)
+            log.info("lake_maintenance_new_cache", caches=sorted(new), compact_in_s=NEW_CACHE_DELAY_S)
+            self._wake.set()
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Stop the thread; a run in progress is cancelled (its Spark jobs): Delta discards their
@@ -193,20 +251,20 @@ class Maintainer:
         committed already; the next compaction skips them (their application transaction) and
         finishes state and the cut. Waits up to ``timeout_s``."""
         self._stop.set()
-        thread = self._thread
-        if thread is None or not thread.is_alive():
-            return
+        self._wake.set()
         deadline = time.monotonic() + timeout_s
-        # Again and again: a cancel ends only the jobs running at that moment, and a compaction caught
-        # planning (or in its delta-rs part) would start its next Spark job after a single one.
-        while thread.is_alive() and (left_s := deadline - time.monotonic()) > 0:
-            try:
-                self._spark.sparkContext.cancelJobGroup(self._group)
-            except Exception:  # the session may already be stopped by its owner
-                log.debug("lake_maintainer_cancel_failed", exc_info=True)
-            thread.join(min(left_s, CANCEL_REPEAT_S))
-        if thread.is_alive():
-            raise TimeoutError(f"lake maintainer did not stop within {timeout_s:g} s")
+        for thread in self._threads:
+            # Again and again: a cancel ends only the jobs running at that moment, and a compaction caught
+            # planning (or in its delta-rs part) would start its next Spark job after a single one.
+            while thread.is_alive() and (left_s := deadline - time.monotonic()) > 0:
+                if self._spark is not None:
+                    try:
+                        self._spark.sparkContext.cancelJobGroup(self._group)
+                    except Exception:  # the session may already be stopped by its owner
+                        log.debug("lake_maintainer_cancel_failed", exc_info=True)
+                thread.join(min(left_s, CANCEL_REPEAT_S))
+            if thread.is_alive():
+                raise TimeoutError(f"lake maintainer did not stop within {timeout_s:g} s")
 
     def alive(self) -> bool:
         """False once it gave up (``error`` set); True while running, or when never started/stopped cleanly."""
@@ -221,23 +279,26 @@ class Maintainer:
             ) from None  # the text carries the cause, on the one line the daemon exits with
 
     # --- the thread --------------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, tasks: list[str]) -> None:
         opts = self.options
         now = self._clock()
-        due = {
-            "compact": now + self._jittered(opts.compact_interval_s) if opts.compact_interval_s else None,
-            "optimize": now + self._jittered(opts.optimize_interval_s) if opts.optimize_interval_s else None,
-        }
+        due = {task: now + self._jittered(self._interval(task)) for task in tasks if self._interval(task)}
         consecutive = 0
         conflict_delays = CONFLICT_BACKOFF.delays_s()
-        sc = self._spark.sparkContext
-        sc.setJobGroup(self._group, "cdcd lake maintenance", interruptOnCancel=True)
+        if self._spark is not None:
+            self._spark.sparkContext.setJobGroup(self._group, "cdcd lake maintenance", interruptOnCancel=True)
         while not self._stop.is_set():
-            pending = {k: v for k, v in due.items() if v is not None}
-            task = min(pending, key=lambda k: pending[k])
-            wait_s = pending[task] - self._clock()
-            if wait_s > 0 and self._stop.wait(wait_s):
-                break
+            if "compact" in due and self._wake.is_set():
+                self._wake.clear()
+                due["compact"] = min(due["compact"], self._clock() + NEW_CACHE_DELAY_S)
+            task = min(due, key=lambda k: due[k])
+            wait_s = due[task] - self._clock()
+            if wait_s > 0:
+                woken = self._wake.wait(wait_s) if "compact" in due else self._stop.wait(wait_s)
+                if self._stop.is_set():
+                    break
+                if woken or self._clock() < due[task]:
+                    continue
             run_started = self._clock()
             try:
                 started = self._clock()
@@ -267,6 +328,8 @@ class Maintainer:
                 log.error("lake_maintenance_failed", task=task, consecutive=consecutive, exc_info=exc)
                 if consecutive >= opts.max_consecutive_failures:
                     self.error = exc
+                    self._stop.set()
+                    self._wake.set()
                     log.error("lake_maintenance_stopped", lake=str(self.lake), failures=consecutive)
                     return
             interval = opts.compact_interval_s if task == "compact" else opts.optimize_interval_s
@@ -304,6 +367,10 @@ class Maintainer:
                     raise
                 self._by_neighbour("compact", compacted_from=mark, compacted_to=folded, error=describe(exc))
                 return
+            files = self.options.files
+            if files is not None and result.did_work:
+                # What this compaction committed to state and the typed tables, bounded before the next.
+                bound_compacted(self.lake, files)
             self.last_compact = result
             self.compactions += 1
             log.info(

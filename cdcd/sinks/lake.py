@@ -30,6 +30,7 @@ from cdcd.consumer import CacheDrop, CacheInfo, Consumer, EventBatch, RecordSlic
 from cdcd.delivery import slices_from
 from cdcd.lake import spark as spark_session
 from cdcd.lake.arrow import build_table, split_slices, truncate_table
+from cdcd.lake.autocompact import FilePolicy, rewrite_partitions
 from cdcd.lake.compact import compact
 from cdcd.lake.delta import ChangeTable, LakeWriteError, SourceMark, WrittenFiles
 from cdcd.lake.feed import require_live_files
@@ -103,6 +104,11 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Bin-pack small files of every table every this many seconds; 0: never. Live traffic adds about
     one file per cache partition and commit; this bounds the files a partition holds. Default 0 in a
     ``[realtime_consumer]`` table, as ``compact_interval_s``."""
+    max_files_per_partition: int = 20
+    """Files (below 1 GiB) per partition of ``changes``, ``state`` and each typed table, at most, at every
+    moment: the writer rewrites the partitions a commit touched, by size tiers, once one holds too many
+    (cdcd/lake/autocompact.py); compaction does the same to ``state`` and the typed tables after each run.
+    0: off (files then wait for the scheduled OPTIMIZE)."""
     maintenance_max_failures: int = 3
     """Scheduled runs failing in a row before the sink fails (the daemon exits 4 naming the error)."""
     typed_tables: bool = True
@@ -115,6 +121,7 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         check_ranges(self, {"max_files_per_batch": 1 <= self.max_files_per_batch <= MAX_FILES_PER_BATCH})
         try:
             self.maintainer_options()
+            self.file_policy()
         except ValueError as exc:
             raise msgspec.ValidationError(str(exc)) from None
         try:
@@ -134,7 +141,13 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.writer == "spark"
 
     def maintainer_options(self) -> MaintainerOptions:
-        return MaintainerOptions(self.compact_interval_s, self.optimize_interval_s, self.maintenance_max_failures)
+        return MaintainerOptions(
+            self.compact_interval_s, self.optimize_interval_s, self.maintenance_max_failures, self.file_policy()
+        )
+
+    def file_policy(self) -> FilePolicy | None:
+        """How files are bounded per partition (None: ``max_files_per_partition = 0``, off)."""
+        return FilePolicy(max_files=self.max_files_per_partition) if self.max_files_per_partition else None
 
 
 def _is_url(text: str) -> bool:
@@ -233,7 +246,9 @@ class LakeConsumer(Consumer):
         if opts.uses_spark:
             self._spark = spark_session.acquire(opts.spark_master, opts.app_name, conf)
         if opts.compact_interval_s or opts.optimize_interval_s:
-            if self._spark is None:
+            if self._spark is None and opts.compact_interval_s:
+                # Only compaction (the MERGE into state, the typed tables) needs Spark: the scheduled
+                # small-file work runs on pyarrow and delta-rs (cdcd/lake/autocompact.py).
                 self._spark = spark_session.acquire(opts.spark_master, opts.app_name, conf)
             compact_fn = functools.partial(compact, tables=opts.declared_tables(), typed_tables=opts.typed_tables)
             self._maintainer = Maintainer(
@@ -326,6 +341,7 @@ class LakeConsumer(Consumer):
                 ):
                     self._landed[drop.source_node] = SourceMark(read.generation, drop.position)
                     metrics.LAKE_ROWS.labels(drop.name).inc()
+                    self._bound_files(table, files.adds)
                     log.info("lake_cache_truncated", cache=drop.name, at=str(drop.position))
                     break
                 metrics.LAKE_CONFLICTS.inc()
@@ -405,6 +421,9 @@ class LakeConsumer(Consumer):
                 for name, n in stats.items():
                     metrics.LAKE_ROWS.labels(name).inc(n)
                 metrics.LAKE_LAG_SECONDS.set(max(0.0, time.time() - batch.last_commit_ts_ns / 1e9))
+                if self._maintainer is not None:
+                    self._maintainer.landed(stats)
+                self._bound_files(table, files.adds)
                 try:
                     table.refresh()  # the commit's own files in the snapshot (its new log entries read)
                     metrics.LAKE_FILES_PER_PARTITION_MAX.set(table.files_per_partition_max())
@@ -414,6 +433,28 @@ class LakeConsumer(Consumer):
                 return True
             metrics.LAKE_CONFLICTS.inc()
             log.warning("lake_commit_conflict", source=source, detail="another writer landed this source first")
+
+    def _bound_files(self, table: ChangeTable, adds: Sequence[Any]) -> None:
+        """After a commit: rewrite the partitions it touched whose size tiers are over-full, before the
+        next batch (delivery waits for it: back-pressure instead of files piling up). The batch has
+        landed: a rewrite that fails is logged and tried again after the next commit, never a reason to
+        send the batch again."""
+        policy = self.options.file_policy()
+        if policy is None or not adds:
+            return
+        touched = [dict(add.partition_values) for add in adds]
+        t0 = time.monotonic()
+        try:
+            table.refresh()
+            done = rewrite_partitions(table.table, table.path, table.partition_by, policy, only=touched)
+        except Exception as exc:  # landed already; the next commit's call tries again
+            log.warning("lake_autocompact_failed", table=str(table.path), error=describe(exc))
+            return
+        if done is not None:
+            seconds = time.monotonic() - t0
+            metrics.LAKE_MAINTENANCE_SECONDS.labels("autocompact").observe(seconds)
+            metrics.LAKE_LAST_MAINTENANCE_SECONDS.labels("autocompact").set(seconds)
+            metrics.LAKE_LAST_MAINTENANCE.labels("autocompact").set(time.time())
 
     def _diverged_at(
         self, table: ChangeTable, batch: EventBatch, read: SourceMark, replayed: list[RecordSlice]

@@ -18,7 +18,7 @@ def _toml_value(v: Any) -> str:
 # The lake sink compacts and optimizes on a schedule by default (a Spark session in the daemon): the
 # config writers turn that off for a lake consumer that does not set its intervals (tests of landing);
 # tests of maintenance set their own.
-NO_MAINTENANCE: dict[str, Any] = {"compact_interval_s": 0.0, "optimize_interval_s": 0.0}
+NO_MAINTENANCE: dict[str, Any] = {"compact_interval_s": 0.0, "optimize_interval_s": 0.0, "max_files_per_partition": 0}
 
 
 def without_maintenance(consumer: dict[str, Any]) -> dict[str, Any]:

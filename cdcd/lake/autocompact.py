@@ -1,0 +1,368 @@
+"""Small files bounded at every moment: compaction of the partitions a commit just touched, without a JVM.
+
+Delta's auto compaction and Paimon's sorted-run bound solve small files by construction, not by a
+timer: right after a write, the writer itself compacts the partitions it touched once they hold too
+many small files. This is that, for cdcd's tables (``changes`` after each of the sink's commits,
+``state`` and every typed table after each compaction):
+
+- **Size tiers** (size-tiered compaction, as LSM stores and Paimon's universal compaction do): a
+  partition's files below ``large_file_bytes`` fall into tiers ``[0, base)``, ``[base, base*f)``,
+  ``[base*f, base*f^2)`` ... A tier holding more files than it is allowed is rewritten as one file,
+  which lands in the same or the next tier. Each run reads a tier's few files, so its cost grows with
+  the new small files, not with the partition: no re-packing of a 64 MiB bin per commit; a byte is
+  rewritten about once per tier over its life (``log_f(large/base)`` times).
+- **The bound**: the tiers' allowances add up to ``max_files - 1``, so with the commit that pushes a
+  tier over, a partition holds at most ``max_files`` files below ``large_file_bytes`` at every moment
+  (files of ``large_file_bytes`` or more are full-size: never rewritten, about one per GiB landed).
+- **Synchronous**: the writer compacts before it takes its next batch, so when compaction is slow
+  the writer slows down (back-pressure), never the file count.
+- **Exactly once**: the rewrite is one commit of ``remove`` and ``add`` actions with ``dataChange =
+  false`` (what Delta's OPTIMIZE writes: readers, the change data feed and cdcd's compaction,
+  ``feed.read_feed`` and ``deltalog.data_changing_versions``, see the same rows), made at exactly
+  the version read plus one (``max_commit_retries = 0``, delta-rs's put-if-absent), so no other
+  commit can come between reading the files and removing them. It carries no application
+  transaction and moves none: every source's mark and ``cdcd-compact`` stay as they are. Losing
+  the race (another writer committed first) deletes the new file; the next commit tries again.
+  Killed before its commit, the new file is an orphan (vacuum removes it); after, it is done.
+- **Any name**: the new file goes into the directory of a file it replaces, so it follows each
+  table's rule (``cache=<dir>`` of ``changes``, the random prefixes of ``state``) whatever the cache
+  name; delta-rs's own ``optimize.compact`` writes ``cache=<escaped name>`` and fails on 255-char
+  names. Unpartitioned typed tables use delta-rs's ``optimize.compact``, which keeps their full
+  statistics (``lake show`` counts rescued rows from them).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import structlog
+from deltalake import CommitProperties, DeltaTable
+from deltalake.exceptions import DeltaError
+from deltalake.transaction import AddAction, PostCommitHookProperties, RemoveAction
+
+from cdcd import failpoints
+from cdcd.durable import fsync_dir, fsync_file
+from cdcd.lake.parquet_files import file_stats
+from cdcd.lake.storage import LakeDir, file_source, is_delta, open_delta
+from cdcd.logging import describe
+
+log = structlog.get_logger("cdcd.lake")
+
+WRITTEN = "lake.autocompact.written"
+"""Fail point: the merged files are written and fsynced, not yet committed."""
+COMMITTED = "lake.autocompact.committed"
+"""Fail point: the rewrite is committed."""
+
+COMMIT_TAG = "autocompact"
+"""``commitInfo.cdcd`` of a rewrite: ``{"autocompact": {"files_removed": n, "files_added": m}}``."""
+
+
+@dataclass(frozen=True)
+class FilePolicy:
+    """How many files a partition may hold and how they are grouped (see the module doc)."""
+
+    max_files: int = 20
+    """Files below ``large_file_bytes`` per partition, at most, at every moment."""
+    base_bytes: int = 256 << 10
+    """Upper bound of the smallest tier (live traffic's files are tens of KiB)."""
+    factor: int = 4
+    """Each tier's bound is this many times the one below."""
+    large_file_bytes: int = 64 << 20
+    """Files this large are full-size: never rewritten (as the scheduled Spark OPTIMIZE left them). A
+    rewrite holds its group in memory: at most the top tier's allowance plus one files below this."""
+
+    def __post_init__(self) -> None:
+        if self.max_files < self.tiers + 1:
+            raise ValueError(
+                f"max_files_per_partition = {self.max_files}: must be at least {self.tiers + 1} (one file per "
+                f"size tier and the one a commit adds)"
+            )
+        if self.factor < 2 or self.base_bytes < 1 or self.large_file_bytes <= self.base_bytes:
+            raise ValueError("file tiers: factor >= 2 and 0 < base_bytes < large_file_bytes")
+
+    @property
+    def bounds(self) -> list[int]:
+        """Upper bounds of the tiers, the last one ``large_file_bytes``."""
+        out = [self.base_bytes]
+        while out[-1] * self.factor < self.large_file_bytes:
+            out.append(out[-1] * self.factor)
+        return [*out, self.large_file_bytes]
+
+    @property
+    def tiers(self) -> int:
+        return len(self.bounds)
+
+    def allowance(self, tier: int) -> int:
+        """Files tier ``tier`` keeps before it is rewritten: ``max_files - 1`` spread over the tiers, the
+        smallest (where every commit lands) taking what is left over, so it is rewritten least often."""
+        each = (self.max_files - 1) // self.tiers
+        return each if tier else self.max_files - 1 - each * (self.tiers - 1)
+
+    def tier_of(self, size: int) -> int | None:
+        """The tier of a file of ``size`` bytes (None: full-size)."""
+        for tier, bound in enumerate(self.bounds):
+            if size < bound:
+                return tier
+        return None
+
+    def plan(self, files: Sequence[tuple[str, int]]) -> list[list[tuple[str, int]]]:
+        """Groups of ``(path, size)`` to rewrite, one new file each, so that no tier holds more than its
+        allowance afterwards: the smallest over-full tier first, all of its files in one group, whose
+        output is counted in the tier it lands in (where it may make that tier over-full: then the two
+        rewrites are one group)."""
+        tiers: dict[int, list[tuple[str, int]]] = {}
+        for path, size in files:
+            tier = self.tier_of(size)
+            if tier is not None:
+                tiers.setdefault(tier, []).append((path, size))
+        groups: list[list[tuple[str, int]]] = []
+        carried: dict[int, list[tuple[str, int]]] = {}
+        """tier -> a planned group whose output lands there (not yet in ``groups``)."""
+        for tier in range(self.tiers):
+            members = tiers.get(tier, [])
+            inbound = carried.pop(tier, None)
+            count = len(members) + (1 if inbound is not None else 0)
+            if count <= self.allowance(tier):
+                if inbound is not None:
+                    groups.append(inbound)
+                continue
+            group = (inbound or []) + sorted(members, key=lambda f: f[1])
+            landed = self.tier_of(sum(size for _, size in group))
+            if landed is not None and landed > tier:
+                carried[landed] = group
+            else:
+                groups.append(group)
+        groups.extend(carried.values())
+        return [g for g in groups if len(g) >= 2]
+
+
+@dataclass(frozen=True)
+class Rewritten:
+    """One table's rewrite: files removed, files added, partitions touched, seconds."""
+
+    removed: int
+    added: int
+    partitions: int
+    seconds: float
+
+
+def _partition_files(dt: DeltaTable, partition_by: Sequence[str]) -> dict[tuple[str | None, ...], list[Any]]:
+    """Per partition (values in ``partition_by`` order), its live files: ``(path, size, partition values)``."""
+    adds = pa.table(dt.get_add_actions(flatten=True))
+    out: dict[tuple[str | None, ...], list[Any]] = {}
+    if not adds.num_rows:
+        return out
+    paths = adds.column("path").to_pylist()
+    sizes = adds.column("size_bytes").to_pylist()
+    values = [adds.column(f"partition.{c}").to_pylist() for c in partition_by]
+    for i, (path, size) in enumerate(zip(paths, sizes, strict=True)):
+        key = tuple(v[i] for v in values)
+        out.setdefault(key, []).append((path, int(size), dict(zip(partition_by, key, strict=True))))
+    return out
+
+
+def files_per_partition(table: LakeDir, partition_by: Sequence[str] = ()) -> dict[tuple[str | None, ...], int]:
+    """Live data files per partition of the Delta table at ``table`` (from its log; {} without a table)."""
+    if not is_delta(table):
+        return {}
+    return {k: len(v) for k, v in _partition_files(open_delta(table), partition_by).items()}
+
+
+def _schema(dt: DeltaTable, partition_by: Sequence[str]) -> pa.Schema:
+    full = pa.schema(dt.schema().to_arrow())
+    return pa.schema([f for f in full if f.name not in partition_by])
+
+
+def _read(root: LakeDir, path: str, schema: pa.Schema) -> pa.Table:
+    pf = pq.ParquetFile(file_source(root / unquote(path)))
+    have = set(pf.schema_arrow.names)
+    data = pf.read(columns=[n for n in schema.names if n in have])
+    for name in schema.names:
+        if name not in have:  # a column the table got later: null in older files
+            data = data.append_column(schema.field(name), pa.nulls(data.num_rows, schema.field(name).type))
+    return data.select(schema.names).cast(schema)
+
+
+def _merged_stats(parts: Sequence[dict[str, Any]]) -> str:
+    """The statistics of the files' rows together: bounds of the columns every part has bounds for."""
+    common = set.intersection(*(set(p["minValues"]) & set(p["maxValues"]) for p in parts)) if parts else set()
+    mins = {c: min(p["minValues"][c] for p in parts) for c in sorted(common)}
+    maxs = {c: max(p["maxValues"][c] for p in parts) for c in sorted(common)}
+    nulls = {c: sum(int(p["nullCount"].get(c, 0)) for p in parts) for c in sorted(common)}
+    total = sum(int(p["numRecords"]) for p in parts)
+    return json.dumps({"numRecords": total, "minValues": mins, "maxValues": maxs, "nullCount": nulls})
+
+
+def _write_merged(root: LakeDir, rel: str, group: Sequence[tuple[str, int]], schema: pa.Schema) -> tuple[int, str]:
+    """The group's rows as one Parquet file at ``root/rel``, fsynced; its size and statistics. (Streaming
+    them through a ``ParquetWriter`` instead made a process exit abort now and then: "terminate called
+    without an active exception".)"""
+    target = root / rel
+    if isinstance(target, Path):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        sink: Any = str(target)
+        filesystem = None
+    else:
+        sink, filesystem = target.fs_path, target.fs
+    tables = [_read(root, path, schema) for path, _ in group]
+    stats = [json.loads(file_stats(t)) for t in tables]
+    data = pa.concat_tables(tables)
+    if isinstance(target, Path):
+        pq.write_table(data, sink, compression="zstd", row_group_size=1 << 20)
+        fsync_file(target)
+        return target.stat().st_size, _merged_stats(stats)
+    pq.write_table(data, sink, filesystem=filesystem, compression="zstd", row_group_size=1 << 20)
+    return int(target.size()), _merged_stats(stats)
+
+
+def rewrite_partitions(
+    dt: DeltaTable,
+    root: LakeDir,
+    partition_by: Sequence[str],
+    policy: FilePolicy,
+    *,
+    only: Iterable[Mapping[str, str | None]] | None = None,
+) -> Rewritten | None:
+    """Rewrite the over-full tiers of the partitions ``only`` names (every partition: None) of the table
+    ``dt`` at ``root``, in one commit at the version ``dt`` holds plus one. None: nothing to do, or the
+    commit lost to another writer's (its files deleted; the next call tries again). ``dt`` is brought to
+    the new version when the commit is made through it."""
+    started = time.monotonic()
+    by_partition = _partition_files(dt, partition_by)
+    if only is not None:
+        wanted = {tuple(p.get(c) for c in partition_by) for p in only}
+        by_partition = {k: v for k, v in by_partition.items() if k in wanted}
+    work: list[tuple[dict[str, str | None], list[tuple[str, int]]]] = []
+    for files in by_partition.values():
+        values = files[0][2]
+        for group in policy.plan([(p, s) for p, s, _ in files]):
+            work.append((values, group))
+    if not work:
+        return None
+    schema = _schema(dt, partition_by)
+    read_version = dt.version()
+    attempt = uuid.uuid4().hex
+    now_ms = int(time.time() * 1000)
+    actions: list[AddAction | RemoveAction] = []
+    written: list[LakeDir] = []
+    dirs: set[Path] = set()
+    removed = sum(len(group) for _, group in work)
+    try:
+        for values, group in work:
+            largest = max(group, key=lambda f: f[1])[0]
+            rel_dir = unquote(largest).rpartition("/")[0]
+            name = f"part-{uuid.uuid4().hex}.c000.zstd.parquet"
+            rel = f"{rel_dir}/{name}" if rel_dir else name
+            target = root / rel
+            written.append(target)
+            if isinstance(target, Path):
+                dirs.add(target.parent)
+            size, stats = _write_merged(root, rel, group, schema)
+            actions.append(AddAction(rel, size, dict(values), now_ms, False, stats))
+            actions.extend(RemoveAction(path, False, now_ms, size_, dict(values)) for path, size_ in group)
+        for d in dirs:
+            fsync_dir(d)
+        failpoints.hit(WRITTEN)
+        info = {COMMIT_TAG: {"files_removed": removed, "files_added": len(work), "attempt": attempt}}
+        dt.create_write_transaction(
+            actions,
+            "append",
+            dt.schema(),
+            partition_by=list(partition_by) or None,
+            commit_properties=CommitProperties(max_commit_retries=0, custom_metadata={"cdcd": json.dumps(info)}),
+            post_commithook_properties=PostCommitHookProperties(create_checkpoint=True, cleanup_expired_logs=False),
+        )
+    except (DeltaError, OSError) as exc:
+        if _committed(dt, attempt, read_version):
+            # Failed after its commit point (writing the checkpoint): the rewrite is in the table.
+            log.warning("lake_autocompact_error_after_commit", table=str(root), error=describe(exc))
+        else:
+            for target in written:
+                target.unlink(missing_ok=True)
+            log.info("lake_autocompact_lost", table=str(root), error=describe(exc))
+            return None
+    except BaseException:
+        if not _committed(dt, attempt, read_version):
+            for target in written:
+                target.unlink(missing_ok=True)
+        raise
+    failpoints.hit(COMMITTED)
+    dt.update_incremental()
+    done = Rewritten(removed, len(work), len({tuple(v.items()) for v, _ in work}), time.monotonic() - started)
+    log.debug("lake_autocompacted", table=str(root), removed=done.removed, added=done.added, seconds=done.seconds)
+    return done
+
+
+def _committed(dt: DeltaTable, attempt: str, read_version: int) -> bool:
+    """Whether a commit after ``read_version`` is the rewrite ``attempt`` (read from the log again; an
+    error reading it counts as committed: its files are then kept, orphans at worst)."""
+    try:
+        dt.update_incremental()
+        now = dt.version()
+        for entry in dt.history(max(1, now - read_version)):
+            if entry.get("version", -1) <= read_version:
+                continue
+            meta = json.loads(entry.get("cdcd", "{}"))
+            if isinstance(meta, dict) and meta.get(COMMIT_TAG, {}).get("attempt") == attempt:
+                return True
+        return False
+    except (DeltaError, OSError, ValueError):
+        return True
+
+
+def bound_changes(lake: LakeDir, policy: FilePolicy) -> Rewritten | None:
+    """Every partition of ``<lake>/changes`` brought within the bound (the scheduled lane: partitions a
+    writer without the bound landed in, e.g. an older cdcd). No JVM."""
+    from cdcd.lake.table import CHANGES, PARTITION_BY
+
+    table = lake / CHANGES
+    if not is_delta(table):
+        return None
+    return rewrite_partitions(open_delta(table), table, PARTITION_BY, policy)
+
+
+def bound_compacted(lake: LakeDir, policy: FilePolicy) -> dict[str, Rewritten]:
+    """After a compaction: ``state``'s partitions brought within the bound by the same tiers, and each
+    typed table holding more than ``policy.max_files - 1`` files below full size bin-packed by delta-rs
+    (unpartitioned: it writes into the table's own directory and keeps every column's statistics). Returns
+    what was rewritten, per table (``state``, ``tables/<cache>``). No JVM."""
+    from cdcd.lake.table import PARTITION_BY, STATE
+    from cdcd.lake.typed_layout import TABLES, list_tables
+
+    out: dict[str, Rewritten] = {}
+    state = lake / STATE
+    if is_delta(state):
+        done = rewrite_partitions(open_delta(state), state, PARTITION_BY, policy)
+        if done is not None:
+            out[STATE] = done
+    for cache, path in sorted(list_tables(lake).items()):
+        try:
+            dt = open_delta(path)
+            sizes = pa.table(dt.get_add_actions(flatten=True)).column("size_bytes").to_pylist()
+            small = sum(1 for size in sizes if int(size) < policy.large_file_bytes)
+            if small <= policy.max_files - 1:
+                continue
+            started = time.monotonic()
+            result = dt.optimize.compact(
+                target_size=policy.large_file_bytes,
+                max_concurrent_tasks=1,
+                commit_properties=CommitProperties(custom_metadata={"cdcd": json.dumps({COMMIT_TAG: {}})}),
+            )
+            out[f"{TABLES}/{cache}"] = Rewritten(
+                int(result.get("numFilesRemoved", 0)),
+                int(result.get("numFilesAdded", 0)),
+                1,
+                time.monotonic() - started,
+            )
+        except (DeltaError, OSError) as exc:  # lost to a neighbour, or a table compaction skips: next time
+            log.info("lake_autocompact_lost", table=str(path), error=describe(exc))
+    return out

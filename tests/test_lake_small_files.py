@@ -1,0 +1,364 @@
+"""Small files bounded at every moment (issue 43 item 1, cdcd/lake/autocompact.py): the writer rewrites the
+partitions its commit touched by size tiers, compaction does the same to ``state`` and the typed tables, and a
+rewrite changes no row, loses none and duplicates none, also when the daemon is SIGKILLed in the middle of one.
+
+The bound is checked where it is claimed: after every commit of the sink (in-process), and by a sampler thread
+every second while a daemon lands live traffic in archive mode and compacts (every table, every partition, every
+sample)."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable
+
+from cdcd.lake.autocompact import COMMIT_TAG, FilePolicy, files_per_partition
+from cdcd.lake.feed import read_feed
+from cdcd.lake.table import CHANGES, PARTITION_BY, STATE
+from cdcd.node import Node
+from cdcd.sinks.lake import LakeConsumer, LakeOptions
+from tests.support.delta_lake import check_moment, lake_rows, record_sizes, sub_batch, wal_batch
+from tests.support.lake import position, process_tree, run_to_end, wait_gone, wait_started, write_config
+from tests.support.procs import child_env, stop_daemon, wait_for
+from tests.support.wal import wal_events
+from tests.support.writer import WRITER_NODE_SETTINGS, make_node, start_writer
+
+CDCD = [sys.executable, "-m", "cdcd"]
+HOSTILE = ("x" * 255, "é" * 200, "a\x00b", "plain")
+
+
+def _changes_files(lake: Path) -> dict[tuple[str | None, ...], int]:
+    return files_per_partition(lake / CHANGES, PARTITION_BY)
+
+
+def _rewrites(table: Path) -> int:
+    """Commits of the table that are rewrites by the bound (their commitInfo says so)."""
+    n = 0
+    for entry in DeltaTable(str(table)).history():
+        meta = entry.get("cdcd")
+        if meta and COMMIT_TAG in json.loads(meta):
+            n += 1
+    return n
+
+
+def _positions(lake: Path) -> Counter[tuple[int, int, int]]:
+    rows = lake_rows(lake)
+    cols = [rows.column(c).to_pylist() for c in ("wal_segment", "wal_offset", "wal_index")]
+    return Counter(zip(*cols, strict=True))
+
+
+def _same_rows_as_wal(lake: Path, events: list[dict[str, Any]]) -> None:
+    """``changes`` holds exactly one row per WAL data entry, with its op, key and value."""
+    rows = lake_rows(lake).to_pylist()
+    by_pos = {(r["wal_segment"], r["wal_offset"], r["wal_index"]): r for r in rows}
+    assert len(by_pos) == len(rows), "an entry landed twice"
+    assert set(by_pos) == {tuple(e["pos"]) for e in events}
+    for e in events:
+        r = by_pos[tuple(e["pos"])]
+        assert (r["cache"], r["op"], json.loads(r["key"])) == (e["cache"], e["op"], e["key"]), e["pos"]
+        assert (json.loads(r["value"]) if r["value"] is not None else None) == (
+            e["value"] if e["op"] != "delete" else None
+        ), e["pos"]
+
+
+# --- the tiers ---------------------------------------------------------------------------------------
+def test_size_tiers_keep_a_partition_within_the_bound_and_each_rewrite_small() -> None:
+    """5,000 commits of live-traffic-sized files (10-300 KB, now and then a 6 MB backlog batch) into one
+    partition, each followed by the plan's rewrites (a group becomes one file of its total size): the partition
+    never holds more than ``max_files`` files below full size, even between a commit and its rewrite; a rewrite
+    reads only the files of one over-full tier and what the tier below sent up, so every run's input stays below
+    ``2 * (allowance + 2) * tier bound``, whatever the partition's size; and each byte is rewritten a few times per tier
+    (write amplification bounded by the tiers), not once per commit."""
+    rng = random.Random(43)
+    amplification: dict[int, float] = {}
+    for max_files in (20, 6, 40):
+        policy = FilePolicy(max_files=max_files)
+        files: list[tuple[str, int]] = []
+        landed = rewritten = 0
+        for n in range(5000):
+            size = 6 << 20 if n % 997 == 0 else rng.randint(10_000, 300_000)
+            files.append((f"f{n}", size))
+            landed += size
+            below = [f for f in files if f[1] < policy.large_file_bytes]
+            assert len(below) <= max_files, (max_files, n, len(below))  # the moment between commit and rewrite
+            for group in policy.plan(files):
+                total = sum(s for _, s in group)
+                top = max(policy.tier_of(s) or 0 for _, s in group)
+                assert total < (policy.allowance(top) + 2) * policy.bounds[top] * 2, (group, top)
+                names = {p for p, _ in group}
+                files = [f for f in files if f[0] not in names] + [(f"m{n}-{len(files)}", total)]
+                rewritten += total
+            below = [f for f in files if f[1] < policy.large_file_bytes]
+            assert len(below) <= max_files - 1, (max_files, n, len(below))
+        # A tier's growing file is rewritten with the next few (at most ``factor`` times per tier at an allowance
+        # of one): bounded by the tiers, not by the commits (a 64 MiB bin re-packed per run would be ~200x here).
+        assert rewritten <= policy.tiers * policy.factor * landed, (max_files, rewritten / landed)
+        amplification[max_files] = round(rewritten / landed, 2)
+    print(f"\nbytes rewritten per byte landed, by max_files: {amplification}")
+    with pytest.raises(ValueError, match="must be at least"):
+        FilePolicy(max_files=3)
+
+
+# --- the sink, in-process: every commit ---------------------------------------------------------------
+def _hostile_node(node_dir: Path, transactions: int) -> None:
+    """A node whose transactions write caches with the names Delta and file systems refuse as directories."""
+    with Node.open(node_dir, **{**WRITER_NODE_SETTINGS, "wal_force_archive_timeout_ms": 0}) as node:
+        for n in range(transactions):
+            with node.transaction() as tx:
+                for i, cache in enumerate(HOSTILE):
+                    if n % 7 == 3 and i % 2:
+                        tx.remove(cache, (n - 3) % 50)
+                    else:
+                        tx.put(cache, n % 50, {"n": n, "cache": i, "pad": "p" * (n % 11)})
+        node.force_archive()
+
+
+def test_the_sink_bounds_every_partition_after_every_commit_and_no_row_moves(spark: Any, tmp_path: Path) -> None:
+    """The lake sink (JVM-free writer) lands 150 one-record batches into four partitions named as no file system
+    takes them (255 x "x", 200 x "é", a NUL): after every batch each partition holds at most
+    ``max_files_per_partition`` files (6 here, so every tier is rewritten again and again) and the table holds
+    every WAL entry exactly once; the change data feed compaction reads (every version, rewrites included) is
+    exactly those rows; the rewrites are commits that change no data and move no source's mark; and a Spark
+    compaction afterwards makes ``state`` the node's caches."""
+    from cdcd.lake.compact import compact
+
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    _hostile_node(node_dir, 150)
+    batch = wal_batch(node_dir)
+    sink = LakeConsumer(
+        LakeOptions(
+            lake_path=str(lake),
+            writer="deltalake",
+            compact_interval_s=0,
+            optimize_interval_s=0,
+            max_files_per_partition=6,
+        )
+    )
+    sink.start()
+    try:
+        n = len(batch.peek_slices())
+        for k in range(n):
+            assert sink.on_events(sub_batch(batch, k, k + 1)) is True
+            counts = _changes_files(lake)
+            assert counts and max(counts.values()) <= 6, (k, counts)
+    finally:
+        sink.stop()
+    events = wal_events(node_dir)
+    assert {e["cache"] for e in events} == set(HOSTILE)
+    _same_rows_as_wal(lake, events)
+    assert _rewrites(lake / CHANGES) >= 40
+    feed = read_feed(lake / CHANGES, 0, DeltaTable(str(lake / CHANGES)).version())
+    assert feed.num_rows == len(events), "the feed counts a rewritten row once"
+    dt = DeltaTable(str(lake / CHANGES))
+    assert dt.transaction_version("cdcd:test-node") is not None
+    for entry in dt.history():  # every rewrite: no data change, no application transaction
+        if entry.get("cdcd") and COMMIT_TAG in json.loads(entry["cdcd"]):
+            actions = [
+                json.loads(line)
+                for line in (lake / CHANGES / "_delta_log" / f"{entry['version']:020d}.json").read_text().splitlines()
+            ]
+            assert not [a for a in actions if "txn" in a]
+            assert all(
+                not (a.get("add") or a.get("remove"))["dataChange"] for a in actions if "add" in a or "remove" in a
+            )
+    compact(spark, lake)
+    state = pa.table(DeltaTable(str(lake / STATE)).to_pyarrow_table())
+    live: dict[tuple[str, str], Any] = {}
+    for e in events:
+        ck = (e["cache"], json.dumps(e["key"]))
+        if e["op"] == "delete":
+            live.pop(ck, None)
+        else:
+            live[ck] = e["value"]
+    assert {(r["cache"], r["key"]): json.loads(r["value"]) for r in state.to_pylist()} == live
+
+
+def test_the_jvm_free_rewrite_and_sparks_optimize_give_the_same_table(spark: Any, tmp_path: Path) -> None:
+    """Where both run: the same 60 small commits bin-packed by the JVM-free tiered rewrite and, on a copy, by
+    Spark's OPTIMIZE: the same rows (every column of every row) and the same column types, as Spark and delta-rs
+    read them."""
+    from cdcd.lake.autocompact import rewrite_partitions
+    from cdcd.lake.ops import optimize
+
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    _hostile_node(node_dir, 60)
+    batch = wal_batch(node_dir)
+    sink = LakeConsumer(
+        LakeOptions(
+            lake_path=str(lake),
+            writer="deltalake",
+            compact_interval_s=0,
+            optimize_interval_s=0,
+            max_files_per_partition=0,
+        )
+    )
+    sink.start()
+    try:
+        for k in range(len(batch.peek_slices())):
+            sink.on_events(sub_batch(batch, k, k + 1))
+    finally:
+        sink.stop()
+    other = tmp_path / "other"
+    shutil.copytree(lake, other)
+    dt = DeltaTable(str(lake / CHANGES))
+    assert rewrite_partitions(dt, lake / CHANGES, PARTITION_BY, FilePolicy(max_files=6)) is not None
+    optimize(spark, other)
+    assert max(_changes_files(lake).values()) <= 5
+    mine, theirs = DeltaTable(str(lake / CHANGES)), DeltaTable(str(other / CHANGES))
+    assert mine.schema().to_json() == theirs.schema().to_json()
+
+    def rows(t: pa.Table) -> list[str]:
+        return sorted(json.dumps(r, default=str, sort_keys=True) for r in t.to_pylist())
+
+    assert rows(mine.to_pyarrow_table()) == rows(theirs.to_pyarrow_table())
+    a = spark.read.format("delta").load(str(lake / CHANGES))
+    b = spark.read.format("delta").load(str(other / CHANGES))
+    assert a.schema == b.schema
+    assert a.exceptAll(b).count() == 0 and b.exceptAll(a).count() == 0 and a.count() == len(wal_events(node_dir))
+
+
+# --- the daemon: SIGKILL in the middle of a rewrite ------------------------------------------------------
+def _start(config: Path, err: Path, failpoints: str | None = None) -> subprocess.Popen[bytes]:
+    env = child_env()
+    if failpoints:
+        env["CDCD_FAILPOINTS"] = failpoints
+    with err.open("ab") as f:
+        return subprocess.Popen([*CDCD, "run", "--config", str(config)], stdout=subprocess.DEVNULL, stderr=f, env=env)
+
+
+def _orphans(lake: Path) -> set[str]:
+    changes = lake / CHANGES
+    on_disk = {str(p.relative_to(changes)) for p in changes.rglob("*.parquet") if "_delta_log" not in p.parts}
+    live = pa.table(DeltaTable(str(changes)).get_add_actions(flatten=True)).column("path").to_pylist()
+    removed: set[str] = set()
+    for log_file in (changes / "_delta_log").glob("*.json"):
+        for line in log_file.read_text().splitlines():
+            action = json.loads(line)
+            if "remove" in action:
+                removed.add(action["remove"]["path"])
+    return on_disk - set(live) - removed
+
+
+@pytest.mark.timeout(600)
+def test_sigkill_during_a_rewrite_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+    """`cdcd run` (JVM-free writer, 6 files per partition, batches of 40 records over a backlog) SIGKILLs itself
+    at its third rewrite with the merged file written but not committed, then, run again, right after its third
+    rewrite's commit, before the next batch: after each kill the table holds no entry twice and only whole records
+    and the daemon's position is not past the lake; the first kill's merged files are orphans no reader sees; the
+    second kill's rewrite is in the log. A clean run then leaves every WAL entry exactly once, with its value."""
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    make_node(node_dir, segments=6, tx_per_segment=30)
+    consumer = {"kind": "lake", "lake_path": str(lake), "writer": "deltalake", "max_files_per_partition": 6}
+    config = write_config(tmp_path / "cdcd.toml", node_dir, consumer, batch_max_events=400)
+    events = wal_events(node_dir)
+    positions, sizes = [tuple(e["pos"]) for e in events], record_sizes(events)
+    for k, point in enumerate(("lake.autocompact.written@3", "lake.autocompact.committed@3")):
+        err = tmp_path / f"daemon-{k}.err"
+        rewrites = _rewrites(lake / CHANGES) if (lake / CHANGES).is_dir() else 0
+        proc = _start(config, err, point)
+        rc = proc.wait(300)
+        assert rc == -signal.SIGKILL, f"{point}: exit {rc}\n" + err.read_text()[-3000:]
+        check_moment(lake, positions, sizes, position(config))
+        if k == 0:
+            assert _rewrites(lake / CHANGES) == rewrites + 2, "two rewrites committed, the third was not"
+            orphaned = _orphans(lake)
+            assert 1 <= len(orphaned) <= 3, "the third's merged files (one per partition): written, never in the log"
+        else:
+            assert _rewrites(lake / CHANGES) == rewrites + 3, "the third rewrite committed"
+            assert _orphans(lake) == orphaned, "the committed rewrite's files are the table's"
+    run_to_end(config, node_dir, tmp_path / "daemon-final.err")
+    _same_rows_as_wal(lake, events)
+    assert max(_changes_files(lake).values()) <= 6
+
+
+# --- the daemon in archive mode: sampled every second -------------------------------------------------------
+def _table_counts(lake: Path) -> dict[str, int]:
+    """Most files in one partition, per table: changes, state, each typed table (absent ones left out)."""
+    out: dict[str, int] = {}
+    for name, table, parts in [(CHANGES, lake / CHANGES, PARTITION_BY), (STATE, lake / STATE, PARTITION_BY)] + [
+        (f"tables/{p.name}", p, ()) for p in sorted((lake / "tables").glob("*")) if (p / "_delta_log").is_dir()
+    ]:
+        try:
+            counts = files_per_partition(table, parts)
+        except Exception:  # a table being created this very moment: the next sample reads it
+            continue
+        if counts:
+            out[name] = max(counts.values())
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_archive_mode_files_stay_bounded_at_every_sample(tmp_path: Path) -> None:
+    """A node writes live transactions (three caches, archive mode: a segment at least every 100 ms) while `cdcd
+    run` lands them with the JVM-free writer and compacts every 2 s into `state` and the typed tables with the
+    default bound (20 files per partition). A sampler thread reads every table's log every second, for 45 s of
+    traffic: at every sample, every partition of `changes`, `state` and every typed table holds at most 20 files.
+    Then every WAL entry is in `changes` exactly once. Prints files per partition p50/p99/max over the samples."""
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    make_node(node_dir, segments=1, tx_per_segment=5)
+    consumer = {
+        "kind": "lake",
+        "lake_path": str(lake),
+        "writer": "deltalake",
+        "spark_master": "local[1]",
+        "compact_interval_s": 2.0,
+        "optimize_interval_s": 10.0,
+        "max_files_per_partition": 20,
+    }
+    config = write_config(tmp_path / "cdcd.toml", node_dir, consumer, batch_max_delay_ms=100)
+    err = tmp_path / "daemon.err"
+    proc = _start(config, err)
+    samples: list[dict[str, int]] = []
+    over: list[tuple[float, dict[str, int]]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(1.0):
+            counts = _table_counts(lake)
+            samples.append(counts)
+            if any(n > 20 for n in counts.values()):
+                over.append((time.monotonic(), counts))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    load = None
+    try:
+        wait_started(proc, err, timeout=240)
+        load = start_writer(tmp_path, node_dir, pause_ms=20)
+        sampler.start()
+        time.sleep(45)  # the traffic's length is the experiment; the sampler asserts at each of its samples
+        (tmp_path / "writer.stop").touch()
+        assert load.wait(120) == 0
+        wait_for(lambda: (STATE in _table_counts(lake)) or proc.poll() is not None, 240, "a compaction")
+    finally:
+        stop.set()
+        (tmp_path / "writer.stop").touch()
+        if load is not None:
+            load.wait(120)
+        jvm = process_tree(proc.pid)
+        rc = stop_daemon(proc, timeout=120)
+        wait_gone(jvm, 60)
+    assert rc == 0, err.read_text()[-3000:]
+    assert not over, over[:5]
+    assert len(samples) >= 30 and all(CHANGES in s for s in samples[5:])
+    tables = {name for s in samples for name in s}
+    assert {CHANGES, STATE} <= tables and any(t.startswith("tables/") for t in tables), tables
+    run_to_end(config, node_dir, tmp_path / "daemon-final.err")
+    _same_rows_as_wal(lake, wal_events(node_dir))
+    values = sorted(n for s in samples for n in s.values())
+    pct = {q: values[min(len(values) - 1, int(q / 100 * len(values)))] for q in (50, 99)}
+    print(
+        f"\nfiles per partition over {len(samples)} samples x tables: p50 {pct[50]}, p99 {pct[99]}, "
+        f"max {values[-1]}; rewrites of changes: {_rewrites(lake / CHANGES)}"
+    )
