@@ -178,17 +178,16 @@ class Daemon:
                 for seg in delete_links_below(self.cdc_dir, low):
                     log.info("stale_link_deleted", segment=seg)
             self._started = True
-            state = self._primary.committed_state() or self._primary.start_state
-            assert state is not None
+            state = self._primary.committed_state() or self._primary.start_state  # None: it was invalidated
             log.info(
                 "daemon_started",
                 node_dir=self.config.node_dir,
                 cdc_dir=str(self.cdc_dir),
                 state_dir=str(self.config.state_path),
                 node_id=str(self.node_id) if self.node_id else None,
-                mode=state.mode.value,
-                cdc_mode=state.mode.name,
-                position=str(state.position) if state.position else None,
+                mode=state.mode.value if state else None,
+                cdc_mode=state.mode.name if state else None,
+                position=str(state.position) if state and state.position else None,
                 consumer=type(self.consumer).__name__,
                 version=version_and_commit(),
                 **self._consumers_field(),
