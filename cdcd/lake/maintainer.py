@@ -155,8 +155,13 @@ class MaintainerOptions:
     files of ``state`` and the typed tables it committed to before it returns. None: Spark's OPTIMIZE of
     every table, in the compaction's thread (as before; ``cdcd lake optimize``)."""
 
+    ready_within_s: float = 15.0
+    """A new cache's typed table and its rows in ``state`` answer queries within this long of its first commit:
+    a cache landing for the first time makes the next compaction due in ``NEW_CACHE_DELAY_S``, and one that
+    took longer is logged (``lake_new_cache_ready`` at warning level, with the seconds)."""
+
     def __post_init__(self) -> None:
-        for name in ("compact_interval_s", "optimize_interval_s"):
+        for name in ("compact_interval_s", "optimize_interval_s", "ready_within_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be >= 0 (0 turns it off)")
         if self.max_consecutive_failures < 1:
@@ -192,6 +197,8 @@ class Maintainer:
         self._wake = threading.Event()
         """Set when a new cache landed: the compaction lane runs soon (``NEW_CACHE_DELAY_S``)."""
         self._known_caches: set[str] | None = None
+        self._new_caches: dict[str, float] = {}
+        """Caches seen landing for the first time, not yet compacted: when (wall time) they landed."""
         self._threads: list[threading.Thread] = []
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -242,6 +249,10 @@ class Maintainer:
         new = [c for c in rows_per_cache if c not in self._known_caches]
         if new:
             self._known_caches.update(new)
+            now = time.time()
+            with self._lock:
+                for cache in new:
+                    self._new_caches.setdefault(cache, now)
             log.info("lake_maintenance_new_cache", caches=sorted(new), compact_in_s=NEW_CACHE_DELAY_S)
             self._wake.set()
 
@@ -342,6 +353,23 @@ class Maintainer:
             # never by a backlog of missed ones.
             due[task] = self._clock() + self._jittered(interval)
 
+    def _report_ready(self, waiting: Mapping[str, float]) -> None:
+        """The new caches this compaction brought into ``state`` and their tables: how long after landing."""
+        if not waiting:
+            return
+        now = time.time()
+        with self._lock:
+            for cache in waiting:
+                self._new_caches.pop(cache, None)
+        worst = max(now - landed for landed in waiting.values())
+        late = worst > self.options.ready_within_s
+        (log.warning if late else log.info)(
+            "lake_new_cache_ready",
+            caches=sorted(waiting),
+            seconds=round(worst, 3),
+            ready_within_s=self.options.ready_within_s,
+        )
+
     def _jittered(self, interval_s: float) -> float:
         return interval_s * self._rng.uniform(1.0 - SCHEDULE_JITTER, 1.0 + SCHEDULE_JITTER)
 
@@ -353,6 +381,8 @@ class Maintainer:
     def _run_one(self, task: str) -> None:
         started = self._clock()
         if task == "compact":
+            with self._lock:
+                waiting = dict(self._new_caches)  # landed before this run read changes: it compacts them
             mark = compacted_version(self.lake)
             try:
                 result = self._compact(self._spark, self.lake)
@@ -373,6 +403,7 @@ class Maintainer:
                 bound_compacted(self.lake, files)
             self.last_compact = result
             self.compactions += 1
+            self._report_ready(waiting)
             log.info(
                 "lake_maintenance_compacted",
                 to_version=result.to_version,

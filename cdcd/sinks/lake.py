@@ -109,6 +109,10 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     moment: the writer rewrites the partitions a commit touched, by size tiers, once one holds too many
     (cdcd/lake/autocompact.py); compaction does the same to ``state`` and the typed tables after each run.
     0: off (files then wait for the scheduled OPTIMIZE)."""
+    ready_within_s: float = 15.0
+    """A new cache's typed table and its rows in ``state`` answer ``cdcd lake sql`` within this long of its first
+    commit (compaction on): the first commit of a cache makes the next compaction due within a second; a cache
+    that took longer is logged (``lake_new_cache_ready`` warning)."""
     maintenance_max_failures: int = 3
     """Scheduled runs failing in a row before the sink fails (the daemon exits 4 naming the error)."""
     typed_tables: bool = True
@@ -142,7 +146,11 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def maintainer_options(self) -> MaintainerOptions:
         return MaintainerOptions(
-            self.compact_interval_s, self.optimize_interval_s, self.maintenance_max_failures, self.file_policy()
+            self.compact_interval_s,
+            self.optimize_interval_s,
+            self.maintenance_max_failures,
+            self.file_policy(),
+            self.ready_within_s,
         )
 
     def file_policy(self) -> FilePolicy | None:
