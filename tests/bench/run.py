@@ -27,6 +27,7 @@ from tests.bench import (
     bench_lake_caches,
     bench_lake_cluster,
     bench_lake_merge,
+    bench_lake_small_files,
     bench_lake_typed,
     bench_node,
     bench_realtime,
@@ -46,6 +47,7 @@ SUITES = (
     bench_lake_typed,
     bench_lake_cluster,
     bench_lake_caches,
+    bench_lake_small_files,
     bench_replication,
     bench_kafka,
 )

@@ -1,0 +1,238 @@
+"""Files per partition sampled through a live run (issue 43 item 1), not only counted at the end.
+
+- ``lake.files.bounded``: a node (a subprocess) writes ``BENCH_BOUNDED_RATE`` entries/s (5k) over 4 caches, keys
+  cycling through 1M, archiving a segment every second, for ``BENCH_BOUNDED_S`` seconds (the hour issue 43 asks
+  for: ``BENCH_BOUNDED_S=3600``; ``--quick``: 2 minutes; default 10 minutes); an in-process daemon lands it with
+  the JVM-free writer and the lake sink's defaults (the bound of 20 files per partition, compaction every 60 s on
+  Spark ``local[2]``, the optimize lane every 10 s). A sampler thread reads every table's log every 2 s: per
+  sample the most files in one partition of ``changes``, of ``state`` and of any typed table. Reports p50/p99/max
+  over the samples (goal: p99 <= 20, max <= 30), seconds per maintenance run (the writer's rewrites and the
+  compactions: mean and the p99 bucket of ``cdcd_lake_maintenance_duration_seconds``), this process's CPU per
+  entry (the daemon; the JVM is a child and reported apart), and the first ``GROUP BY`` read of ``state`` and of a
+  typed table at the end, in DuckDB and in a fresh Spark session.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.support.bench import Bench, Measurement, Metric
+
+RATE = int(os.environ.get("BENCH_BOUNDED_RATE") or 5_000)
+CACHES = 4
+KEYS = 1_000_000
+FULL_S = 600.0
+QUICK_S = 120.0
+SAMPLE_EVERY_S = 2.0
+MASTER = "local[2]"
+P99_GOAL = 20
+MAX_GOAL = 30
+RUN_P99_GOAL_S = 5.0
+
+
+def live_writer(node_dir: str, seconds: float, rate: int, caches: int) -> None:
+    """The node: ``rate`` entries/s over ``caches`` caches for ``seconds``, a segment archived every second."""
+    from cdcd.node import Node
+
+    with Node.open(node_dir, wal_force_archive_timeout_ms=1000, wal_mode="background") as node:
+        handles = [node.cache(f"live-{i}") for i in range(caches)]
+        written = 0
+        t0 = time.monotonic()
+        while (now := time.monotonic() - t0) < seconds:
+            due = int(now * rate)
+            while written < due:
+                handles[written % caches].put(written % KEYS, {"i": written, "pad": "x" * 64})
+                written += 1
+            time.sleep(0.01)
+        node.force_archive()
+    (Path(node_dir) / "written").write_text(str(written))
+
+
+def _most_files(lake: Path) -> dict[str, int]:
+    from cdcd.lake.autocompact import files_per_partition
+    from cdcd.lake.table import PARTITION_BY
+
+    out: dict[str, int] = {}
+    for name, parts in (("changes", PARTITION_BY), ("state", PARTITION_BY)):
+        counts = files_per_partition(lake / name, parts)
+        if counts:
+            out[name] = max(counts.values())
+    tables = lake / "tables"
+    for path in sorted(tables.glob("*")) if tables.is_dir() else []:
+        try:
+            n = max(files_per_partition(path).values(), default=0)
+        except Exception:  # being created this moment: the next sample reads it
+            continue
+        out["tables"] = max(out.get("tables", 0), n)
+    return out
+
+
+def _pct(values: list[int], q: float) -> int:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] if ordered else 0
+
+
+def _run_seconds(task: str) -> dict[str, float | None]:
+    """Mean and p99 bucket bound of ``cdcd_lake_maintenance_duration_seconds{task}`` in this process."""
+    from prometheus_client import REGISTRY
+
+    buckets: list[tuple[float, float]] = []
+    count = total = 0.0
+    for family in REGISTRY.collect():
+        if family.name != "cdcd_lake_maintenance_duration_seconds":
+            continue
+        for s in family.samples:
+            if s.labels.get("task") != task:
+                continue
+            if s.name.endswith("_bucket"):
+                buckets.append((float(s.labels["le"]), s.value))
+            elif s.name.endswith("_count"):
+                count = s.value
+            elif s.name.endswith("_sum"):
+                total = s.value
+    p99 = next((le for le, n in sorted(buckets) if count and n >= 0.99 * count), None)
+    return {"runs": count, "mean_s": round(total / count, 3) if count else None, "p99_s": p99}
+
+
+def _first_reads(lake: Path) -> dict[str, float]:
+    """The first GROUP BY of state and of one typed table: DuckDB (a new connection) and Spark (a new session)."""
+    from cdcd.lake import spark as spark_session
+    from cdcd.lake.readers import duckdb_connect
+    from cdcd.lake.typed_layout import list_tables
+
+    table = next(iter(sorted(list_tables(lake).items())))[1]
+    out: dict[str, float] = {}
+    con = duckdb_connect()
+    t0 = time.perf_counter()
+    con.sql(f"SELECT cache, count(*) FROM delta_scan('{lake / 'state'}') GROUP BY cache").fetchall()
+    out["duckdb_state_s"] = round(time.perf_counter() - t0, 2)
+    t0 = time.perf_counter()
+    con.sql(f"SELECT _source_node, count(*) FROM delta_scan('{table}') GROUP BY ALL").fetchall()
+    out["duckdb_table_s"] = round(time.perf_counter() - t0, 2)
+    spark = spark_session.acquire(MASTER, "cdcd-bench-reader", {})
+    try:
+        t0 = time.perf_counter()
+        spark.read.format("delta").load(str(lake / "state")).groupBy("cache").count().collect()
+        out["spark_state_s"] = round(time.perf_counter() - t0, 2)
+        t0 = time.perf_counter()
+        spark.read.format("delta").load(str(table)).groupBy("_source_node").count().collect()
+        out["spark_table_s"] = round(time.perf_counter() - t0, 2)
+    finally:
+        spark_session.release()
+    return out
+
+
+def run_bounded(duration_s: float) -> Measurement:
+    from cdcd.daemon import Daemon, DaemonConfig
+    from cdcd.sinks.lake import LakeConsumer, LakeOptions
+    from tests.support.bench import _child_env
+    from tests.support.procs import reap
+
+    var = Path(__file__).resolve().parents[2] / "var"
+    var.mkdir(exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="cdcd-bench-lake-bounded-", dir=str(var)))
+    proc: subprocess.Popen[bytes] | None = None
+    stop = threading.Event()
+    samples: list[dict[str, int]] = []
+    try:
+        node_dir, lake = root / "node", root / "lake"
+        sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake", spark_master=MASTER))
+        args = [str(node_dir), str(duration_s), str(RATE), str(CACHES)]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.bench.bench_lake_small_files", "live-writer", *args], env=_child_env()
+        )
+        deadline = time.monotonic() + 60
+        while not (node_dir / "cdc").is_dir():
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise AssertionError(f"the live writer did not start (exit {proc.poll()})")
+            time.sleep(0.1)
+
+        def sample() -> None:
+            while not stop.wait(SAMPLE_EVERY_S):
+                try:
+                    samples.append(_most_files(lake))
+                except Exception:  # a table created this very moment: the next sample reads it
+                    continue
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.monotonic()
+        with Daemon(DaemonConfig(node_dir=str(node_dir), metrics_address=""), sink) as daemon:
+            while proc.poll() is None:
+                if daemon.sync_once() == 0:
+                    time.sleep(0.05)
+            if proc.returncode != 0:
+                raise AssertionError(f"the live writer exited {proc.returncode}")
+            while daemon.sync_once() > 0:
+                pass
+            stop.set()
+            sampler.join(30)
+        elapsed = time.monotonic() - t0
+        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+        written = int((node_dir / "written").read_text())
+        cpu_s = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+        per_sample = [max(s.values(), default=0) for s in samples if s]
+        extra: dict[str, Any] = {
+            "samples": len(per_sample),
+            "p50_files": _pct(per_sample, 50),
+            "p99_files": _pct(per_sample, 99),
+            "max_files": max(per_sample, default=0),
+            "changes_max_files": max((s.get("changes", 0) for s in samples), default=0),
+            "state_max_files": max((s.get("state", 0) for s in samples), default=0),
+            "tables_max_files": max((s.get("tables", 0) for s in samples), default=0),
+            "daemon_cpu_us_per_entry": round(cpu_s / max(written, 1) * 1e6, 2),
+        }
+        for task in ("autocompact", "compact", "optimize"):
+            for k, v in _run_seconds(task).items():
+                extra[f"{task}_{k}"] = v
+        extra |= _first_reads(lake)
+        return Measurement(written, elapsed, extra, value=extra["p99_files"])
+    finally:
+        stop.set()
+        reap(proc)
+        if not os.environ.get("BENCH_KEEP_LAKE"):
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def benchmarks(quick: bool) -> list[Bench]:
+    seconds = float(os.environ.get("BENCH_BOUNDED_S") or (QUICK_S if quick else FULL_S))
+    return [
+        Bench(
+            name="lake.files.bounded",
+            description=f"files per partition sampled every {SAMPLE_EVERY_S:g} s, {seconds:.0f} s live at {RATE:,}/s",
+            run_once=lambda: run_bounded(seconds),
+            metric="p99_files",
+            unit="files",
+            goal=P99_GOAL,
+            lower_is_better=True,
+            max_repeats=1,
+            more=(
+                Metric("p50_files", "p50_files", "files", lower_is_better=True),
+                Metric("max_files", "max_files", "files", MAX_GOAL, lower_is_better=True),
+                Metric("autocompact_p99", "autocompact_p99_s", "s", RUN_P99_GOAL_S, lower_is_better=True),
+                Metric("compact_p99", "compact_p99_s", "s", RUN_P99_GOAL_S, lower_is_better=True),
+                Metric("cpu_per_entry", "daemon_cpu_us_per_entry", "us", lower_is_better=True),
+                Metric("duckdb_state_read", "duckdb_state_s", "s", lower_is_better=True),
+                Metric("spark_state_read", "spark_state_s", "s", lower_is_better=True),
+            ),
+            params={"rate": RATE, "caches": CACHES, "keys": KEYS, "seconds": seconds, "writer": "deltalake"},
+        )
+    ]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["live-writer"]:
+        node_dir, seconds, rate, caches = sys.argv[2:6]
+        live_writer(node_dir, float(seconds), int(rate), int(caches))
+    else:
+        raise SystemExit("usage: python -m tests.bench.bench_lake_small_files live-writer NODE_DIR SECONDS RATE CACHES")
