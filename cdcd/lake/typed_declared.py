@@ -1,8 +1,9 @@
 """Declared column types for the typed tables: ``[consumer.tables.<cache>] columns = { qty = "int64" }``
 in the lake sink's config, or the same ``[tables.<cache>]`` tables in a file for ``cdcd lake compact``.
 
-A declared field's column exists from the table's creation with that type, whatever the values hold;
-values that do not match go to ``_rescued`` (counted), as for inferred columns. ``json`` keeps the
+A declared field's column exists from the table's creation with that type, whatever the values hold, and
+never widens: a value takes the column's type where the lattice puts it there (an int in ``float64``, a
+scalar in ``string`` as its text), anything else goes to ``_rescued`` (counted). ``json`` keeps the
 field's JSON text in a string column, whatever its shape (a semi-structured field).
 """
 
@@ -91,6 +92,7 @@ def apply_declared(layout: Layout, declared: DeclaredTable) -> Layout:
         else:
             new.columns[field] = (col, TYPE_NAMES[type_name])
     new.json_fields = frozenset(json_fields)
+    new.fixed = new.fixed | frozenset(declared.columns)
     return new
 
 

@@ -5,13 +5,21 @@ as the changes table holds them) and the table's current layout, and returns the
 plus the layout after this batch (new columns, a key that had to become JSON text). The rules, as
 docs/lake.md states them:
 
-- types: bool, int64, float64, string, arrays (``list``) and structs (a nested dict); a struct holds
-  exactly the keys of its dict, so a nested dict with other keys than its column's does not fit.
-- a column's type is fixed when it is added: the most common type of the field in that batch;
-  a value that does not fit its column (another type, an int beyond int64, a nested dict whose keys
-  would need a mapping, lists and dicts nested deeper than ``MAX_NESTING``) goes, as JSON, into
-  ``_rescued`` (a JSON object of the fields that did not fit; for a value that is not a dict: the
-  value's JSON text itself). Nothing widens.
+- types: bool, int64, float64, string, date, timestamp (UTC), arrays (``list``) and structs (a nested
+  dict); a struct holds exactly the keys of its dict, so a nested dict with other keys than its column's
+  does not fit. A top-level string in exactly the text a datetime has in the changes table
+  (``2024-01-01T00:00:00.500000Z``: msgspec's, UTC, six fraction digits or none) is a timestamp, one
+  in ``2024-01-01`` form a date (``temporal``).
+- one lattice (``join``): int64 < float64; date < timestamp; at the top level of a value, two scalar
+  types with no such join meet at string. A new column takes the join of its values' types; a column
+  that meets a value of a type its own does not hold widens to the join (``Converted.widened``: the
+  table is rewritten at that compaction); a declared column never widens. A value in a column takes the
+  column's type: an int that a double holds exactly is that double, a scalar in a string column its
+  JSON text, a date in a timestamp column its midnight (UTC).
+- a value that fits no join (a dict where a scalar is, a list of mixed types, an int beyond int64 or
+  one a double does not hold exactly, a nested dict whose keys would need a mapping, lists and dicts
+  nested deeper than ``MAX_NESTING``) goes, as JSON, into ``_rescued`` (a JSON object of the fields that
+  did not fit; for a value that is not a dict: the value's JSON text itself).
 - an explicit null field is listed in ``_nulls`` (an absent field and a null one read back apart).
 - field names Parquet refuses or holding a backtick or a control character, names of the reserved
   columns and names equal to another column's but for case get a column name by ``column_name``; the
@@ -20,7 +28,9 @@ docs/lake.md states them:
 
 from __future__ import annotations
 
+import datetime as dt
 import math
+import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -68,6 +78,9 @@ MAX_COLUMNS = 1000
 """Field columns per table at most; fields beyond go to ``_rescued`` (a value with unbounded keys, such as
 a map keyed by id, must not grow a table without limit)."""
 
+TIMESTAMP = pa.timestamp("us", tz="UTC")
+DATE = pa.date32()
+
 TYPE_NAMES: dict[str, pa.DataType] = {
     "bool": pa.bool_(),
     "int64": pa.int64(),
@@ -98,9 +111,11 @@ class Layout:
     """field name -> (column name, type); the non-dict value's field is ``VALUE`` with column ``value``."""
     json_fields: frozenset[str] = frozenset()
     """Declared ``json``: the field's JSON text in a string column, whatever its shape."""
+    fixed: frozenset[str] = frozenset()
+    """Declared fields: their column's type never widens."""
 
     def copy(self) -> Layout:
-        return Layout(self.key_type, self.key_json, dict(self.columns), self.json_fields)
+        return Layout(self.key_type, self.key_json, dict(self.columns), self.json_fields, self.fixed)
 
     def schema(self) -> pa.Schema:
         key_type = pa.string() if self.key_json or self.key_type is None else self.key_type
@@ -173,8 +188,27 @@ def type_of(v: object, room: int = MAX_NESTING) -> pa.DataType | None:
     return None
 
 
+_JOINS = {
+    frozenset((pa.int64(), pa.float64())): pa.float64(),
+    frozenset((DATE, TIMESTAMP)): TIMESTAMP,
+}
+"""The lattice's joins below string: int64 < float64, date < timestamp."""
+_SCALARS = frozenset((pa.bool_(), pa.int64(), pa.float64(), pa.string(), DATE, TIMESTAMP))
+
+
+def join(a: pa.DataType | None, b: pa.DataType | None) -> pa.DataType | None:
+    """The type holding both at the top level of a value: ``merge``, or string for two scalars it does not
+    join (bool and int, int and string, a date and a float…); None when none does."""
+    m = merge(a, b)
+    if m is None and a in _SCALARS and b in _SCALARS:
+        return pa.string()
+    return m
+
+
 def merge(a: pa.DataType | None, b: pa.DataType | None) -> pa.DataType | None:
-    """The type holding both (``null`` gives way); None when none does."""
+    """The type holding both anywhere in a value (``null`` gives way, int64 and float64 meet at float64,
+    date and timestamp at timestamp, lists item by item, structs of the same keys field by field); None
+    when none does."""
     if a is None or b is None:
         return None
     if a == b:
@@ -183,6 +217,9 @@ def merge(a: pa.DataType | None, b: pa.DataType | None) -> pa.DataType | None:
         return b
     if b == _NULL:
         return a
+    joined = _JOINS.get(frozenset((a, b)))
+    if joined is not None:
+        return joined
     if pa.types.is_list(a) and pa.types.is_list(b):
         item = merge(a.value_type, b.value_type)
         return None if item is None else pa.list_(item)
@@ -213,21 +250,97 @@ def concrete(t: pa.DataType) -> pa.DataType:
 
 
 def fits(column: pa.DataType, t: pa.DataType | None) -> bool:
+    """A value of type ``t`` goes into a ``column`` without widening it (see ``fits_value`` for ints in
+    doubles)."""
     return t is not None and merge(column, t) == column
 
 
-def choose_type(values: list[object]) -> pa.DataType | None:
-    """A new column's type: the most common type among the values, merged with the others it holds
-    (an empty list gives way to a list of ints); None when no value has a type (all null)."""
-    counts = Counter(t for t in map(type_of, values) if t is not None and t != _NULL)
+def fits_value(column: pa.DataType, v: object) -> bool:
+    """``v`` (anywhere in a value) goes into ``column`` as it is: ``fits``, and every int under a float64
+    is one a double holds exactly (``MAX_EXACT_INT``). The reference ``checker`` answers like."""
+    return fits(column, type_of(v)) and _exact(column, v)
+
+
+def _exact(t: pa.DataType, v: object) -> bool:
+    if v is None:
+        return True
+    if t == pa.float64():
+        return type(v) is not int or _exact_double(v)
+    if pa.types.is_list(t):
+        return all(_exact(t.value_type, x) for x in v)  # type: ignore[attr-defined]
+    if pa.types.is_struct(t):
+        return all(_exact(f.type, v[f.name]) for f in t)  # type: ignore[index]
+    return True
+
+
+MAX_EXACT_INT = 1 << 53
+"""Ints a double column takes: up to 2^53 in magnitude, every one of which a double holds exactly (Arrow
+refuses larger ones, even the few a double holds); a larger int stays exact in ``_rescued``."""
+
+
+def _exact_double(v: int) -> bool:
+    return -MAX_EXACT_INT <= v <= MAX_EXACT_INT
+
+
+# --- dates and timestamps: strings in the text a datetime or a date has in the changes table -----------
+_TIMESTAMP_TEXT = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{6})?Z")
+_DATE_TEXT = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+
+
+def temporal(s: str) -> pa.DataType | None:
+    """TIMESTAMP for exactly the text msgspec writes for a datetime the node holds (a MessagePack timestamp:
+    UTC, ``Z``, six fraction digits unless whole seconds), DATE for ``YYYY-MM-DD``; None for any other
+    string (a naive datetime's text, another offset, other digits: each would not read back as it was)."""
+    n = len(s)
+    if n == 10 and _DATE_TEXT.fullmatch(s):
+        try:
+            dt.date.fromisoformat(s)
+        except ValueError:
+            return None
+        return DATE
+    if n in {20, 27} and _TIMESTAMP_TEXT.fullmatch(s) and not s.endswith(".000000Z"):
+        try:
+            dt.datetime.fromisoformat(s)
+        except ValueError:
+            return None
+        return TIMESTAMP
+    return None
+
+
+def top_type(v: object) -> pa.DataType | None:
+    """``type_of`` for a top-level field (or a non-dict value): strings may be dates and timestamps."""
+    if type(v) is str:
+        return temporal(v) or pa.string()
+    return type_of(v)
+
+
+def timestamp_text(x: dt.datetime) -> str:
+    """A timestamp as the changes table's text of the datetime (a reader's naive datetime is UTC)."""
+    if x.tzinfo is None:
+        x = x.replace(tzinfo=dt.UTC)
+    text: str = msgspec.json.encode(x.astimezone(dt.UTC)).decode()
+    return text[1:-1]
+
+
+def choose_type(values: list[object], *, top: bool = False) -> pa.DataType | None:
+    """A new column's type: the most common type among the values, joined with the others it joins
+    (an empty list gives way to a list of ints, ints to doubles; with ``top``, a top-level field: the
+    lattice's ``join``, dates and timestamps among strings); None when no value has a type (all null)."""
+    counts = Counter(t for t in map(top_type if top else type_of, values) if t is not None and t != _NULL)
     if not counts:
         return None
-    chosen: pa.DataType | None = None
+    return widen(None, counts, top=top)
+
+
+def widen(column: pa.DataType | None, counts: Counter[pa.DataType], *, top: bool = True) -> pa.DataType | None:
+    """``column`` (None: a new one) joined with the types of ``counts`` it joins, most common first."""
+    chosen = column
+    meet = join if top else merge
     for t, _ in counts.most_common():
         if chosen is None:
             chosen = t
             continue
-        m = merge(chosen, t)
+        m = meet(chosen, t)
         if m is not None:
             chosen = m
     return None if chosen is None else concrete(chosen)
@@ -265,6 +378,8 @@ class Converted:
     """The key column had to become JSON text: the table is rewritten (its old keys as JSON)."""
     rescued: int
     """Fields (or non-dict values) that went to ``_rescued``."""
+    widened: dict[str, tuple[pa.DataType, pa.DataType]] = field(default_factory=dict)
+    """column -> (its type before, its type now): columns this batch widened (the table is rewritten)."""
 
 
 def decode_all(texts: list[str | None]) -> list[object]:
@@ -302,7 +417,7 @@ def convert(winners: pa.Table, layout: Layout) -> Converted:
     non_dict: list[object] = [None] * n
     for i, v in enumerate(values):
         if live[i] and type(v) is dict:
-            dicts.append(v)  # type: ignore[arg-type]
+            dicts.append(v)
             continue
         dicts.append(empty)
         if live[i]:
@@ -323,6 +438,7 @@ def convert(winners: pa.Table, layout: Layout) -> Converted:
                 _rescue(rescued, whole, i, NON_DICT, d[NON_DICT], dict_field=True)
 
     added: list[str] = []
+    widened: dict[str, tuple[pa.DataType, pa.DataType]] = {}
     columns: dict[str, pa.Array] = {}
     taken = [f.name for f in base_columns(pa.string())] + [c for c, _ in new.columns.values()]
     fields: list[tuple[str, list[object]]] = [(name, [d.get(name) for d in dicts]) for name in sorted(names)]
@@ -339,7 +455,9 @@ def convert(winners: pa.Table, layout: Layout) -> Converted:
             columns[existing[0]] = pa.array(texts_, pa.string())  # type: ignore[index]
             continue
         if existing is None and len(new.columns) < MAX_COLUMNS:
-            t = _one_kind(kinds) or choose_type([x for x in vals if x is not None])
+            t = _one_kind(kinds) or choose_type([x for x in vals if x is not None], top=True)
+            if kinds == {str}:
+                t = _strings_type(vals)
             if t is not None:
                 col_name = VALUE if name == NON_DICT else column_name(name, taken)
                 taken.append(col_name)
@@ -354,29 +472,36 @@ def convert(winners: pa.Table, layout: Layout) -> Converted:
         col_name, col_type = existing
         array = _fast_array(vals, kinds, col_type)
         if array is None:
-            check = checker(col_type)
+            check = top_checker(col_type)
+            bad = [i for i, x in enumerate(vals) if x is not None and not check(x)]
+            if bad and name not in new.fixed:
+                wider = widen(col_type, Counter(t for i in bad if (t := top_type(vals[i])) is not None))
+                if wider is not None and wider != col_type:
+                    widened[col_name] = (col_type, wider)
+                    new.columns[name] = (col_name, wider)
+                    col_type, check = wider, top_checker(wider)
+                    bad = [i for i, x in enumerate(vals) if x is not None and not check(x)]
             kept = list(vals)
-            for i, x in enumerate(vals):
-                if x is not None and not check(x):
-                    kept[i] = None
-                    misfits += 1
-                    _rescue(rescued, whole, i, name, x)
-            array = pa.array(kept, col_type)
+            for i in bad:
+                kept[i] = None
+                misfits += 1
+                _rescue(rescued, whole, i, name, vals[i])
+            array = top_array(kept, col_type)
         columns[col_name] = array
 
     rows = _rows(winners, keys, new, columns, _rescued_texts(nulls, rescued, whole))
-    return Converted(rows, new, added, key_changed, misfits)
+    return Converted(rows, new, added, key_changed, misfits, widened)
 
 
 def checker(t: pa.DataType) -> Callable[[object], bool]:
-    """A test that a (non-null) value fits column type ``t`` exactly, on Python types alone: the same
-    answer as ``fits(t, type_of(v))``, without building Arrow types per value (the hot path)."""
+    """A test that a (non-null) value goes into type ``t`` without widening it, on Python types alone: the
+    same answer as ``fits_value(t, v)``, without building Arrow types per value (the hot path)."""
     if t == pa.bool_():
         return lambda v: type(v) is bool
     if t == pa.int64():
-        return lambda v: type(v) is int and INT64_MIN <= v <= INT64_MAX  # type: ignore[operator]
+        return lambda v: type(v) is int and INT64_MIN <= v <= INT64_MAX
     if t == pa.float64():
-        return lambda v: type(v) is float
+        return lambda v: type(v) is float or (type(v) is int and _exact_double(v))
     if t == pa.string():
         return lambda v: type(v) is str
     if pa.types.is_list(t):
@@ -396,7 +521,52 @@ def checker(t: pa.DataType) -> Callable[[object], bool]:
             return True
 
         return fits_struct
-    return lambda v: fits(t, type_of(v))
+    return lambda v: fits_value(t, v)
+
+
+_SCALAR_KINDS = (str, bool, int, float)
+
+
+def top_checker(t: pa.DataType) -> Callable[[object], bool]:
+    """``checker`` for a top-level field's column: a string column takes any scalar (as its JSON text), a
+    timestamp column the text of a timestamp or a date, a date column that of a date."""
+    if t == pa.string():
+        return lambda v: type(v) in _SCALAR_KINDS
+    if t == TIMESTAMP:
+        return lambda v: type(v) is str and temporal(v) is not None
+    if t == DATE:
+        return lambda v: type(v) is str and temporal(v) == DATE
+    return checker(t)
+
+
+def top_array(vals: list[object], t: pa.DataType) -> pa.Array:
+    """A top-level column of type ``t`` from values ``top_checker(t)`` takes (or None)."""
+    if t == pa.string():
+        vals = [x if x is None or type(x) is str else msgspec.json.encode(x).decode() for x in vals]
+    elif t == TIMESTAMP:
+        return pa.array(vals, pa.string()).cast(pa.date32()).cast(TIMESTAMP) if _all_dates(vals) else _timestamps(vals)
+    elif t == DATE:
+        return pa.array(vals, pa.string()).cast(DATE)
+    return pa.array(vals, t)
+
+
+def _all_dates(vals: list[object]) -> bool:
+    return all(x is None or len(x) == 10 for x in vals)  # type: ignore[arg-type]
+
+
+def _timestamps(vals: list[object]) -> pa.Array:
+    """Timestamp texts (and dates, as their midnight UTC) as a timestamp column."""
+    texts = [x if x is None or len(x) != 10 else f"{x}T00:00:00Z" for x in vals]  # type: ignore[arg-type]
+    return pa.array(texts, pa.string()).cast(TIMESTAMP)
+
+
+def _strings_type(vals: list[object]) -> pa.DataType:
+    """A new column of strings: TIMESTAMP when every one is a timestamp's or a date's text and one is a
+    timestamp's, DATE when every one is a date's, else STRING."""
+    kinds = {temporal(x) for x in vals if x is not None}  # type: ignore[arg-type]
+    if None in kinds:
+        return pa.string()
+    return TIMESTAMP if TIMESTAMP in kinds else DATE
 
 
 def _one_kind(kinds: set[type]) -> pa.DataType | None:
@@ -477,24 +647,35 @@ def _rows(
 
 
 def rebuild(row: Mapping[str, object], layout: Layout) -> object:
-    """The value a typed row holds (its columns, ``_nulls`` and ``_rescued``): the inverse of ``convert``,
-    for checks and for readers that want the node's value back."""
+    """The value a typed row holds (its columns, ``_nulls`` and ``_rescued``): the inverse of ``convert`` up
+    to the lattice (an int in a double column comes back a double, a scalar in a string column its text;
+    dates and timestamps as the changes table's text of them), for checks and for readers that want the
+    node's value back."""
     rescued_text = row.get(RESCUED)
     rescued = None if rescued_text is None else msgspec.json.decode(str(rescued_text))
     non_dict = layout.columns.get(NON_DICT)
     if non_dict is not None and row.get(non_dict[0]) is not None:
-        return row[non_dict[0]]
+        return _value_back(row[non_dict[0]], non_dict[1])
     if rescued_text is not None and type(rescued) is not dict:
         return rescued
     out: dict[str, object] = {}
-    for name, (col, _) in layout.columns.items():
+    for name, (col, t) in layout.columns.items():
         if name == NON_DICT:
             continue
         x = row.get(col)
         if x is not None:
-            out[name] = msgspec.json.decode(str(x)) if name in layout.json_fields else x
+            out[name] = msgspec.json.decode(str(x)) if name in layout.json_fields else _value_back(x, t)
     for name in row.get(NULLS) or []:  # type: ignore[attr-defined]
         out[name] = None
     if type(rescued) is dict:
         out.update(rescued)
     return out
+
+
+def _value_back(x: object, t: pa.DataType) -> object:
+    """A column's value (as a reader gives it) as the value's JSON form: dates and timestamps as text."""
+    if t == TIMESTAMP and isinstance(x, dt.datetime):
+        return timestamp_text(x)
+    if t == DATE and isinstance(x, dt.date):
+        return x.isoformat()
+    return x

@@ -4,7 +4,9 @@
 (``partition_dir_value``) and the real cache name is the table property ``cdcd.cache``. Each column
 carries a comment (JSON; Spark's ``DESCRIBE`` shows it, delta-rs has it in the field metadata): the
 field it holds (``field``: the mapping from column names back to field names), the table version and
-time it appeared (``since_version``, ``since``); the key column says whether it holds JSON text.
+time it appeared (``since_version``, ``since``) and each time it widened (``widened``: a list of
+``{"from", "to", "version", "at"}``, Spark SQL types); the key column says whether it holds JSON text, and
+by which lattice the table was typed (``lattice``: absent in tables typed before anything widened).
 So the table alone says how to read it back, and no other file can disagree with it.
 """
 
@@ -158,11 +160,23 @@ def column_comment(field: str | None, since_version: int, *, json_text: bool = F
     return json.dumps(info, ensure_ascii=False)
 
 
+LATTICE = 1
+"""The key comment's ``lattice`` of a table typed by the widening lattice (``typed_infer.join``); a table
+without one (typed when nothing widened) may hold rescued values the lattice takes: restored once."""
+
+
 def key_comment(key_json: bool, since_version: int, *, unset: bool = False) -> str:
     """The key column's comment: JSON text or typed (``unset``: no key seen yet, a table emptied by its
     cache's drop: the next keys' type is inferred afresh), and since which table version (a rebuild)."""
     kind = "unset" if unset else "json" if key_json else "typed"
-    return json.dumps({"key": kind, "since_version": since_version, "since": now_iso()})
+    return json.dumps({"key": kind, "since_version": since_version, "since": now_iso(), "lattice": LATTICE})
+
+
+def widened_comment(comment: Mapping[str, Any], old: pa.DataType, new: pa.DataType, version: int) -> str:
+    """A column's comment with one more widening (from ``old`` to ``new`` at table ``version``) recorded."""
+    step = {"from": spark_ddl_type(old), "to": spark_ddl_type(new), "version": version, "at": now_iso()}
+    steps = comment.get("widened")
+    return json.dumps({**comment, "widened": [*(steps if isinstance(steps, list) else []), step]}, ensure_ascii=False)
 
 
 def now_iso() -> str:
@@ -177,6 +191,7 @@ _DELTA_SCALARS: dict[str, pa.DataType] = {
     "double": pa.float64(),
     "boolean": pa.bool_(),
     "timestamp": pa.timestamp("us", tz="UTC"),
+    "date": pa.date32(),
     "binary": pa.binary(),
 }
 
@@ -248,6 +263,7 @@ def spark_ddl_type(t: pa.DataType) -> str:
         pa.float64(): "DOUBLE",
         pa.bool_(): "BOOLEAN",
         pa.timestamp("us", tz="UTC"): "TIMESTAMP",
+        pa.date32(): "DATE",
     }
     return names[t]
 

@@ -1,10 +1,11 @@
 """``cdcd lake show``'s part on the typed tables: per cache its table's version, rows, rows holding
-rescued fields, and its schema with the field each column holds and when it appeared. From the Delta
+rescued fields, and its schema with the field each column holds, when it appeared and when it widened. From the Delta
 logs and the files' statistics only (no JVM, no data read)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from dataclasses import field as dc_field
 from typing import Any
 
 import click
@@ -24,6 +25,9 @@ class ColumnShow:
     """The value's field it holds (None: the key, a metadata column, or the non-dict ``value``)."""
     since_version: int | None
     since: str | None
+    widened: list[dict[str, Any]] = dc_field(default_factory=list)
+    """Each widening of the column, oldest first: ``from`` and ``to`` (Spark SQL types), the table
+    ``version`` that rewrote it, and when (``at``)."""
 
 
 @dataclass
@@ -64,10 +68,15 @@ def tables_show(lake: LakeDir) -> list[TableShow]:
                     c.comment.get("field"),
                     c.comment.get("since_version"),
                     c.comment.get("since"),
+                    _widenings(c.comment.get("widened")),
                 )
             )
         out.append(TableShow(cache, str(path), int(table.version()), rows, rescued, key, columns))
     return out
+
+
+def _widenings(steps: object) -> list[dict[str, Any]]:
+    return [dict(step) for step in steps if isinstance(step, dict)] if isinstance(steps, list) else []
 
 
 def _sum(adds: pa.Table, column: str) -> int:
@@ -100,3 +109,9 @@ def print_tables(shows: list[TableShow]) -> None:
             when = f" ({c.since})" if c.since else ""
             holds = f"  field {printable(c.field)!s}" if c.field is not None and c.field != c.column else ""
             click.echo(f"  {printable(c.column):<24} {c.type:<20} {since}{when}{holds}")
+            for step in c.widened:
+                at = f" ({printable(str(step.get('at')))})" if step.get("at") else ""
+                click.echo(
+                    f"  {'':<24} {'':<20} widened {printable(str(step.get('from')))} -> "
+                    f"{printable(str(step.get('to')))} at version {step.get('version')}{at}"
+                )

@@ -10,7 +10,12 @@ empty table) applies them, carrying the application transaction. Both with delta
 process: a Spark MERGE per table costs a few Spark jobs each, which dominated compaction with ten
 tables. Spark only creates a table (delta-rs refuses the ``cdcd.cache`` property) and rebuilds one. A cache whose
 keys stop being one scalar type has its table rebuilt once with a JSON-text key from ``state``
-(which holds that cache's rows as of the range's start), then merged. A cache ``state`` holds but
+(which holds that cache's rows as of the range's start), then merged. A column that widens
+(``typed_infer.join``: an int column meeting a double, a date column a timestamp, a scalar column a
+string) has its table rewritten the same way, in one overwrite commit with the wider type (no Delta
+type-widening feature, which not every reader reads), every row typed again from ``state``'s JSON (so
+values rescued before that the wider type takes are restored into the column), then merged; so is,
+once, a table typed before anything widened that holds rescued rows. A cache ``state`` holds but
 that has no table (a lake compacted before the typed tables existed, or a table deleted to rebuild
 it) gets its table from ``state`` the same way.
 """
@@ -32,9 +37,10 @@ from cdcd import failpoints, metrics
 from cdcd.lake.storage import LakeDir, is_delta, open_delta, spark_path
 from cdcd.lake.table import STATE
 from cdcd.lake.typed_declared import DeclaredTable, with_declared
-from cdcd.lake.typed_infer import KEY, OP, ORDER, Converted, Layout, convert
+from cdcd.lake.typed_infer import KEY, OP, ORDER, RESCUED, Converted, Layout, convert
 from cdcd.lake.typed_layout import (
     CACHE_PROPERTY,
+    LATTICE,
     TABLE_PROPERTIES,
     BadTable,
     comments_for,
@@ -43,6 +49,7 @@ from cdcd.lake.typed_layout import (
     scan_tables,
     schema_info,
     table_dir,
+    widened_comment,
 )
 from cdcd.logging import describe
 
@@ -229,6 +236,27 @@ def _one_table(
     elif stored.key_type is None and not stored.key_json:
         # Emptied by a drop in an earlier range, no key seen since: the key column takes these keys' type.
         _replace(spark, path, cache, _fresh(rows.slice(0, 0), conv.layout), fresh_columns=True)
+    elif conv.widened or _restorable(path):
+        # A column widens (or a table typed before anything widened holds rescued rows): the table is
+        # rewritten from state (this cache's rows as of the range's start) typed by the wider layout, so
+        # rescued values that fit it now are restored into their columns; then the range is merged.
+        rebuilt = _fresh(_state_rows(lake, cache), conv.layout)
+        widened = {
+            col: (stored.columns[name][1], t)
+            for name, (col, t) in rebuilt.layout.columns.items()
+            if name in stored.columns and stored.columns[name][1] != t
+        }
+        before = _rescued_rows(path)
+        _replace(spark, path, cache, rebuilt, widened=widened, keep_key=True)
+        conv = convert(rows, rebuilt.layout)
+        conv.added = [c for c, _ in conv.layout.columns.values() if c not in had]
+        log.info(
+            "lake_table_widened",
+            cache=cache,
+            columns={c: f"{old} -> {new}" for c, (old, new) in widened.items()},
+            rescued_before=before,
+            rescued_after=rebuilt.rescued,
+        )
     elif conv.added:
         _add_columns(path, conv)
     # Before each table's MERGE: armed at its 2nd hit, it holds compaction with one table committed and
@@ -242,6 +270,25 @@ def _one_table(
     if conv.added:
         log.info("lake_table_columns_added", cache=cache, columns=conv.added)
     return conv.rescued, len(conv.added)
+
+
+def _rescued_rows(path: LakeDir) -> int:
+    """Rows of the table whose ``_rescued`` holds something, from the files' statistics."""
+    adds = pa.table(open_delta(path).get_add_actions(flatten=True))
+    if not adds.num_rows or f"null_count.{RESCUED}" not in adds.column_names:
+        return 0
+    records = pc.sum(adds.column("num_records")).as_py() or 0
+    nulls = pc.sum(adds.column(f"null_count.{RESCUED}")).as_py() or 0
+    return int(records - nulls)
+
+
+def _restorable(path: LakeDir) -> bool:
+    """A table typed before anything widened (its key comment names no lattice) with rescued rows: its
+    rescued values the lattice takes are restored into their columns, once."""
+    key = next((c for c in schema_info(open_delta(path)) if c.name == KEY), None)
+    if key is None or key.comment.get("lattice") is not None:
+        return False
+    return _rescued_rows(path) > 0
 
 
 def _fresh(rows: pa.Table, layout: Layout) -> Converted:
@@ -307,10 +354,21 @@ def _create(spark: Any, path: LakeDir, cache: str, layout: Layout) -> None:
     builder.execute()
 
 
-def _replace(spark: Any, path: LakeDir, cache: str, conv: Converted, *, fresh_columns: bool = False) -> None:
+def _replace(
+    spark: Any,
+    path: LakeDir,
+    cache: str,
+    conv: Converted,
+    *,
+    fresh_columns: bool = False,
+    widened: Mapping[str, tuple[pa.DataType, pa.DataType]] | None = None,
+    keep_key: bool = False,
+) -> None:
     """``conv``'s live rows as the table's whole content: a new table (created, then appended), or the
     existing one overwritten with its new schema in one commit (properties and history stay).
-    ``fresh_columns``: every column's comment says it appeared now (a new table in the old one's place)."""
+    ``fresh_columns``: every column's comment says it appeared now (a new table in the old one's place).
+    ``widened``: column -> (type before, type now), each recorded in its column's comment. ``keep_key``: the
+    key's comment stays (its type did not change), marked with the lattice."""
     live = conv.rows.filter(pc.not_equal(conv.rows.column(OP), "delete")).drop_columns([OP])
     if not is_delta(path):
         _create(spark, path, cache, conv.layout)
@@ -319,11 +377,19 @@ def _replace(spark: Any, path: LakeDir, cache: str, conv: Converted, *, fresh_co
         return
     # Columns the table had keep the comment saying when they appeared; the key's says JSON now.
     table = open_delta(path)
-    keep = {c.name: json.dumps(c.comment, ensure_ascii=False) for c in schema_info(table) if c.comment}
-    keep.pop(KEY, None)
+    version = int(table.version()) + 1
+    infos = schema_info(table)
+    keep = {c.name: json.dumps(c.comment, ensure_ascii=False) for c in infos if c.comment}
+    for c in infos:
+        if c.name in (widened or {}):
+            keep[c.name] = widened_comment(c.comment, *(widened or {})[c.name], version)
+        if c.name == KEY and keep_key and c.comment:
+            keep[KEY] = json.dumps({**c.comment, "lattice": LATTICE}, ensure_ascii=False)
+    if not keep_key:
+        keep.pop(KEY, None)
     if fresh_columns:
         keep = {}
-    schema = _schema(conv.layout, int(table.version()) + 1, keep)
+    schema = _schema(conv.layout, version, keep)
     frame = spark.createDataFrame(live.cast(conv.layout.schema()))
     frame = frame.select([frame[quote(f.name)].alias(f.name, metadata=f.metadata) for f in schema.fields])
     frame.write.format("delta").mode("overwrite").option("overwriteSchema", "true").save(spark_path(path))

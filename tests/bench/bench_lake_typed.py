@@ -48,7 +48,8 @@ SIZES = Sizes(quick=False)
 
 
 def value(k: int, order: int, rng: random.Random, added: str) -> bytes:
-    """20 fields: ints, floats, strings, bools, a list and a nested dict; 1% add a field; 0.1% misfit."""
+    """20 fields: ints, floats, strings, bools, a list and a nested dict; 1% add a field; 0.1% misfit (a dict
+    where the int ``qty`` is: rescued; a string would widen the column to STRING, docs/lake.md)."""
     v: dict[str, Any] = {"qty": k % 100, "sku": f"sku-{k % 1000}", "price": (k % 997) / 4, "ok": k % 2 == 0}
     for i in range(FIELDS - 6):
         v[f"f{i}"] = (k * (i + 1)) % 10_000 if i % 3 == 0 else (f"s{i}-{k % 50}" if i % 3 == 1 else k / (i + 1))
@@ -58,7 +59,7 @@ def value(k: int, order: int, rng: random.Random, added: str) -> bytes:
     if roll < 0.01:
         v[f"{added}_{order % 5}"] = order
     elif roll < 0.011:
-        v["qty"] = "many"
+        v["qty"] = {"many": True}
     return msgspec.json.encode(v)
 
 
