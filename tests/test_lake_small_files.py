@@ -445,3 +445,84 @@ def test_a_new_caches_table_and_state_answer_lake_sql_within_the_configured_boun
     ]
     assert ready and "orders" in ready[0]["caches"], ready
     print(f"\norders answered lake sql {took_s:.1f} s after its first commit (bound {ready_within_s} s)")
+
+
+# --- realtime mode: the node's worker commits several times a second ------------------------------------------
+@pytest.mark.timeout(600)
+def test_realtime_mode_files_stay_bounded_at_every_sample(tmp_path: Path) -> None:
+    """The node's realtime worker lands into the lake (JVM-free writer, the default bound of 20) while a writer
+    thread commits transactions back to back for 30 s (fsync mode: a commit per flush, several a second, one
+    file per cache partition each). A sampler thread reads the `changes` log every second: at every sample every
+    partition holds at most 20 files. Then the worker has delivered every WAL entry, each exactly once."""
+    from cdcd.daemon.config import DaemonConfig
+    from cdcd.daemon.daemon import Daemon
+    from cdcd.daemon_state import CdcMode
+    from cdcd.realtime.machine import RealtimeMode
+    from tests.support.delta_lake import lake_consumer
+    from tests.support.writer import write_tx
+
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    settings = {
+        "wal_mode": "fsync",
+        "wal_segment_size_bytes": 1 << 20,
+        "wal_force_archive_timeout_ms": 0,
+        "archive_max_bytes": 0,
+        "realtime_commit_record_interval_ms": 0,
+    }
+    consumer = lake_consumer(lake, max_files_per_partition=20)
+    node = Node.open(node_dir, realtime_cdc=True, realtime_consumer=consumer, **settings)
+    samples: list[int] = []
+    stop = threading.Event()
+    try:
+        sink = LakeConsumer(
+            LakeOptions(
+                lake_path=str(lake),
+                writer="deltalake",
+                compact_interval_s=0.0,
+                optimize_interval_s=0.0,
+                max_files_per_partition=20,
+            )
+        )
+        with Daemon(DaemonConfig(node_dir=str(node_dir), metrics_address="", consumer=consumer), sink) as d:
+            d.sync_once()  # passes the node's TryStart
+            assert d.state.mode is CdcMode.NODE_ACTIVE
+        worker: Any = node.realtime  # the RealtimeWorker behind the attachment protocol
+        wait_for(lambda: worker.mode is RealtimeMode.ON, 60, "realtime on")
+
+        def sample() -> None:
+            while not stop.wait(1.0):
+                samples.append(max(_changes_files(lake).values(), default=0))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        n = 0
+        t_end = time.monotonic() + 30  # the traffic's length is the experiment
+        while time.monotonic() < t_end:
+            write_tx(node, n)
+            n += 1
+        node.force_archive()
+        last = tuple(wal_events(node_dir)[-1]["pos"])
+
+        def delivered() -> bool:
+            pos = worker.position
+            return pos is not None and (pos.segment, pos.offset, pos.entry_index) > last
+
+        wait_for(delivered, 120, "the realtime worker to confirm every entry")
+        stop.set()
+        sampler.join(10)
+    finally:
+        stop.set()
+        node.close()
+    assert len(samples) >= 25 and max(samples) <= 20, samples
+    commits = sum(1 for _ in (lake / CHANGES / "_delta_log").glob("*.json"))
+    _same_rows_as_wal(lake, wal_events(node_dir))
+    assert _rewrites(lake / CHANGES) >= 10
+    print(
+        f"\nrealtime: {n} transactions, {commits} commits, files per partition p50 {_pct(samples, 50)}, "
+        f"p99 {_pct(samples, 99)}, max {max(samples)}; {_rewrites(lake / CHANGES)} rewrites"
+    )
+
+
+def _pct(values: list[int], q: float) -> int:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
