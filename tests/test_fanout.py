@@ -717,3 +717,25 @@ def whole_lines(path: Path) -> list[dict[str, Any]]:
         except ValueError:
             continue
     return out
+
+
+def test_lost_links_move_every_consumer_past_the_gap(tmp_path: Path) -> None:
+    """After a gap in the CDC dir, `cdcd control delete-lost-segment-links` moves every consumer's position to the
+    start of the newest run, not only default's: both then deliver exactly the entries after the gap."""
+    node_dir = tmp_path / "node"
+    make_node(node_dir, segments=2, tx_per_segment=10)
+    config = fanout_config(tmp_path / "f.toml", node_dir, {"b": {"kind": "null"}}, default={"kind": "null"})
+    loaded = load_daemon_config(config, environ={})
+    with Daemon(loaded, {"default": Counting(), "b": Counting()}) as daemon:
+        daemon.sync_once()
+    make_node(node_dir, segments=3, tx_per_segment=10, first_tx=20)
+    links = sorted(cdc_links(node_dir))
+    cdc_links(node_dir)[links[0]].unlink()  # the first new segment's link is lost
+    res = cdcd("control", "delete-lost-segment-links", "--config", str(config), "--yes")
+    assert res.returncode == 0, res.stderr
+    run_start = links[1]
+    assert set(positions_of(config).values()) == {(run_start, 0, 0)}
+    a, b = Counting(), Counting()
+    with Daemon(loaded, {"default": a, "b": b}) as daemon:
+        daemon.sync_once()
+    assert a.events == b.events == len([e for e in wal_events(node_dir) if e["pos"][0] >= run_start])

@@ -180,14 +180,21 @@ def plan_lost_links(config: DaemonConfig) -> LostLinksPlan:
 
 
 def show_position(config: DaemonConfig) -> WalPosition | None:
-    try:
-        store = StateStore(config.state_path, readonly=True)
-    except FileNotFoundError:
-        return None
-    try:
-        return store.load(INITIAL_MODE).position
-    finally:
-        store.close()
+    """The lowest committed position of the daemon's consumers (None: none yet); the one of a daemon of one."""
+    positions = []
+    for name in config.named_consumers():
+        one = config.for_consumer(name)
+        try:
+            store = StateStore(one.state_path, readonly=True)
+        except FileNotFoundError:
+            continue
+        try:
+            position = store.load(INITIAL_MODE).position
+        finally:
+            store.close()
+        if position is not None:
+            positions.append(position)
+    return min(positions, default=None)
 
 
 def plan_needs_work(plan: LostLinksPlan) -> bool:
@@ -202,21 +209,31 @@ def delete_lost_segment_links(config: DaemonConfig, plan: LostLinksPlan) -> Daem
     lock = daemon_lock(config)
     lock.acquire(0)
     try:
-        store = StateStore(config.state_path)
-        try:
-            state = store.load(INITIAL_MODE)
-            plan.old_position = state.position
-            links, _ = list_segments(config.cdc_path)
-            for seg in plan.to_delete:
-                path = links.get(seg)
-                if path is not None:
-                    path.unlink()
-            position = WalPosition(plan.run_start, 0, 0) if plan.run_start is not None else None
-            if state.position is not None and position is not None and state.position > position:
-                position = state.position  # never move a position backwards past what was delivered
-            return store.commit(msgspec.structs.replace(state, position=position))
-        finally:
-            store.close()
+        links, _ = list_segments(config.cdc_path)
+        for seg in plan.to_delete:
+            path = links.get(seg)
+            if path is not None:
+                path.unlink()
+        run_start = WalPosition(plan.run_start, 0, 0) if plan.run_start is not None else None
+        first: DaemonState | None = None
+        for i, name in enumerate(config.named_consumers()):  # every consumer's position past the gap
+            one = config.for_consumer(name)
+            if i and not (one.state_path / "data.mdb").exists():
+                continue  # a consumer without a state yet starts at the oldest link anyway
+            store = StateStore(one.state_path)
+            try:
+                state = store.load(INITIAL_MODE)
+                if first is None:
+                    plan.old_position = state.position
+                position = run_start
+                if state.position is not None and position is not None and state.position > position:
+                    position = state.position  # never move a position backwards past what was delivered
+                state = store.commit(msgspec.structs.replace(state, position=position))
+                first = first or state
+            finally:
+                store.close()
+        assert first is not None
+        return first
     finally:
         lock.release()
 
