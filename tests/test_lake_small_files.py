@@ -213,7 +213,7 @@ def test_the_jvm_free_rewrite_and_sparks_optimize_give_the_same_table(spark: Any
     other = tmp_path / "other"
     shutil.copytree(lake, other)
     dt = DeltaTable(str(lake / CHANGES))
-    assert rewrite_partitions(dt, lake / CHANGES, PARTITION_BY, FilePolicy(max_files=6)) is not None
+    assert rewrite_partitions(dt, lake / CHANGES, FilePolicy(max_files=6)) is not None
     optimize(spark, other)
     assert max(_changes_files(lake).values()) <= 5
     mine, theirs = DeltaTable(str(lake / CHANGES)), DeltaTable(str(other / CHANGES))
@@ -526,3 +526,32 @@ def test_realtime_mode_files_stay_bounded_at_every_sample(tmp_path: Path) -> Non
 def _pct(values: list[int], q: float) -> int:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def test_a_table_partitioned_by_day_too_is_rewritten_within_each_cache_and_day(tmp_path: Path) -> None:
+    """With `partition_by_day`, a partition is a (cache, day): a rewrite groups files by both (read from the
+    table's metadata), each new file keeps both partition values, and the table still holds every entry once."""
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    _hostile_node(node_dir, 40)
+    batch = wal_batch(node_dir)
+    options = LakeOptions(
+        lake_path=str(lake),
+        writer="deltalake",
+        compact_interval_s=0,
+        optimize_interval_s=0,
+        partition_by_day=True,
+        max_files_per_partition=6,
+    )
+    sink = LakeConsumer(options)
+    sink.start()
+    try:
+        for k in range(len(batch.peek_slices())):
+            assert sink.on_events(sub_batch(batch, k, k + 1)) is True
+    finally:
+        sink.stop()
+    counts = files_per_partition(lake / CHANGES)
+    assert counts and all(len(key) == 2 and key[1] for key in counts) and max(counts.values()) <= 6, counts
+    assert _rewrites(lake / CHANGES) >= 10
+    _same_rows_as_wal(lake, wal_events(node_dir))
+    rows = lake_rows(lake).to_pylist()
+    assert all(r["day"] == r["commit_ts"].strftime("%Y-%m-%d") for r in rows)

@@ -170,11 +170,14 @@ def _partition_files(dt: DeltaTable, partition_by: Sequence[str]) -> dict[tuple[
     return out
 
 
-def files_per_partition(table: LakeDir, partition_by: Sequence[str] = ()) -> dict[tuple[str | None, ...], int]:
-    """Live data files per partition of the Delta table at ``table`` (from its log; {} without a table)."""
+def files_per_partition(table: LakeDir, partition_by: Sequence[str] | None = None) -> dict[tuple[str | None, ...], int]:
+    """Live data files per partition of the Delta table at ``table`` (from its log; {} without a table);
+    ``partition_by``: the columns to group by (None: the table's partition columns)."""
     if not is_delta(table):
         return {}
-    return {k: len(v) for k, v in _partition_files(open_delta(table), partition_by).items()}
+    dt = open_delta(table)
+    columns = list(dt.metadata().partition_columns) if partition_by is None else partition_by
+    return {k: len(v) for k, v in _partition_files(dt, columns).items()}
 
 
 def _schema(dt: DeltaTable, partition_by: Sequence[str]) -> pa.Schema:
@@ -227,16 +230,16 @@ def _write_merged(root: LakeDir, rel: str, group: Sequence[tuple[str, int]], sch
 def rewrite_partitions(
     dt: DeltaTable,
     root: LakeDir,
-    partition_by: Sequence[str],
     policy: FilePolicy,
     *,
     only: Iterable[Mapping[str, str | None]] | None = None,
 ) -> Rewritten | None:
     """Rewrite the over-full tiers of the partitions ``only`` names (every partition: None) of the table
-    ``dt`` at ``root``, in one commit at the version ``dt`` holds plus one. None: nothing to do, or the
-    commit lost to another writer's (its files deleted; the next call tries again). ``dt`` is brought to
-    the new version when the commit is made through it."""
+    ``dt`` at ``root`` (partitioned as its metadata says: ``cache``, and ``day`` with ``partition_by_day``),
+    in one commit at the version ``dt`` holds plus one. None: nothing to do, or the commit lost to another
+    writer's (its files deleted; the next call tries again). ``dt`` is brought to the new version."""
     started = time.monotonic()
+    partition_by = list(dt.metadata().partition_columns)
     by_partition = _partition_files(dt, partition_by)
     if only is not None:
         wanted = {tuple(p.get(c) for c in partition_by) for p in only}
@@ -322,12 +325,12 @@ def _committed(dt: DeltaTable, attempt: str, read_version: int) -> bool:
 def bound_changes(lake: LakeDir, policy: FilePolicy) -> Rewritten | None:
     """Every partition of ``<lake>/changes`` brought within the bound (the scheduled lane: partitions a
     writer without the bound landed in, e.g. an older cdcd). No JVM."""
-    from cdcd.lake.table import CHANGES, PARTITION_BY
+    from cdcd.lake.table import CHANGES
 
     table = lake / CHANGES
     if not is_delta(table):
         return None
-    return rewrite_partitions(open_delta(table), table, PARTITION_BY, policy)
+    return rewrite_partitions(open_delta(table), table, policy)
 
 
 def bound_compacted(lake: LakeDir, policy: FilePolicy) -> dict[str, Rewritten]:
@@ -335,13 +338,13 @@ def bound_compacted(lake: LakeDir, policy: FilePolicy) -> dict[str, Rewritten]:
     typed table holding more than ``policy.max_files - 1`` files below full size bin-packed by delta-rs
     (unpartitioned: it writes into the table's own directory and keeps every column's statistics). Returns
     what was rewritten, per table (``state``, ``tables/<cache>``). No JVM."""
-    from cdcd.lake.table import PARTITION_BY, STATE
+    from cdcd.lake.table import STATE
     from cdcd.lake.typed_layout import TABLES, list_tables
 
     out: dict[str, Rewritten] = {}
     state = lake / STATE
     if is_delta(state):
-        done = rewrite_partitions(open_delta(state), state, PARTITION_BY, policy)
+        done = rewrite_partitions(open_delta(state), state, policy)
         if done is not None:
             out[STATE] = done
     for cache, path in sorted(list_tables(lake).items()):

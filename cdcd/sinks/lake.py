@@ -454,7 +454,7 @@ class LakeConsumer(Consumer):
         t0 = time.monotonic()
         try:
             table.refresh()
-            done = rewrite_partitions(table.table, table.path, table.partition_by, policy, only=touched)
+            done = rewrite_partitions(table.table, table.path, policy, only=touched)
         except Exception as exc:  # landed already; the next commit's call tries again
             log.warning("lake_autocompact_failed", table=str(table.path), error=describe(exc))
             return
