@@ -307,3 +307,49 @@ def test_a_field_widening_int_double_string_and_datetimes_read_by_every_reader(s
         "DOUBLE",
         "STRING",
     ]
+
+
+@pytest.mark.timeout(1200)  # a compaction in a JVM of its own, killed, then one in-process
+def test_a_compaction_killed_between_the_rewrite_and_the_merge_redoes_the_range(spark: Any, tmp_path: Path) -> None:
+    """SIGKILL of `cdcd lake compact` right after a widening rewrote the table and before the range's MERGE: the
+    table holds the wider type and every row as of the range's start, its application transaction and the cut
+    still name the range before; the next compaction merges the range into the wider table (no second rewrite)
+    and every row is exact."""
+    import signal
+
+    from deltalake import DeltaTable
+
+    from cdcd.lake.compact import COMPACT_APP_ID, compacted_version
+    from tests.support.compaction import compact_env, kill_group, run_compact
+
+    lake = tmp_path / "lake"
+    path = table_dir(lake, "orders")
+    before = append_changes(lake, rows_of([(1, {"n": 1}), (2, {"n": 1 << 60}), (3, {"n": 3})], 1), source_txn=("a", 1))
+    compact(spark, lake)
+    created = DeltaTable(str(path)).version()
+    version = append_changes(lake, rows_of([(3, {"n": 3.5}), (4, {"n": 4})], 10), source_txn=("a", 2))
+    proc = run_compact(lake, compact_env(CDCD_FAILPOINTS="lake.compact.table_merge"))
+    _, err = proc.communicate(timeout=900)
+    kill_group(proc)
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
+    table = DeltaTable(str(path))
+    assert table.version() == created + 1  # the rewrite alone
+    assert table.transaction_version(COMPACT_APP_ID) == before and compacted_version(lake) == before
+    cut = latest_cut(lake)
+    assert cut is not None and cut.tables["orders"] == created
+    check(
+        lake,
+        spark,
+        "orders",
+        {"n": "DOUBLE"},
+        {1: ({"n": 1.0}, None), 2: ({"n": 1 << 60}, {"n": 1 << 60}), 3: ({"n": 3.0}, None)},
+        cut=False,
+    )
+
+    result = compact(spark, lake)
+    assert result.to_version == version and compacted_version(lake) == version
+    assert DeltaTable(str(path)).transaction_version(COMPACT_APP_ID) == version
+    want = {1: ({"n": 1.0}, None), 2: ({"n": 1 << 60}, {"n": 1 << 60}), 3: ({"n": 3.5}, None), 4: ({"n": 4.0}, None)}
+    check(lake, spark, "orders", {"n": "DOUBLE"}, want)
+    amount = next(c for c in next(iter(tables_show(lake))).columns if c.column == "n")
+    assert [(w["from"], w["to"], w["version"]) for w in amount.widened] == [("BIGINT", "DOUBLE", created + 1)]

@@ -228,7 +228,7 @@ def _one_table(
         # Keys of another type arrived: the table is rebuilt with JSON-text keys from state (this
         # cache's rows as of the range's start), then the range is merged as usual.
         rebuilt = convert(_state_rows(lake, cache), conv.layout)
-        _replace(spark, path, cache, rebuilt)
+        _replace(spark, path, cache, rebuilt, widened=_widenings(stored, rebuilt.layout))
         conv = convert(rows, rebuilt.layout)
         log.info("lake_table_key_to_json", cache=cache)
     elif not existing:
@@ -241,11 +241,7 @@ def _one_table(
         # rewritten from state (this cache's rows as of the range's start) typed by the wider layout, so
         # rescued values that fit it now are restored into their columns; then the range is merged.
         rebuilt = _fresh(_state_rows(lake, cache), conv.layout)
-        widened = {
-            col: (stored.columns[name][1], t)
-            for name, (col, t) in rebuilt.layout.columns.items()
-            if name in stored.columns and stored.columns[name][1] != t
-        }
+        widened = _widenings(stored, rebuilt.layout)
         before = _rescued_rows(path)
         _replace(spark, path, cache, rebuilt, widened=widened, keep_key=True)
         conv = convert(rows, rebuilt.layout)
@@ -270,6 +266,15 @@ def _one_table(
     if conv.added:
         log.info("lake_table_columns_added", cache=cache, columns=conv.added)
     return conv.rescued, len(conv.added)
+
+
+def _widenings(stored: Layout, layout: Layout) -> dict[str, tuple[pa.DataType, pa.DataType]]:
+    """column -> (type in ``stored``, type in ``layout``) for each column whose type ``layout`` widened."""
+    return {
+        col: (stored.columns[name][1], t)
+        for name, (col, t) in layout.columns.items()
+        if name in stored.columns and stored.columns[name][1] != t
+    }
 
 
 def _rescued_rows(path: LakeDir) -> int:
