@@ -353,3 +353,50 @@ def test_a_compaction_killed_between_the_rewrite_and_the_merge_redoes_the_range(
     check(lake, spark, "orders", {"n": "DOUBLE"}, want)
     amount = next(c for c in next(iter(tables_show(lake))).columns if c.column == "n")
     assert [(w["from"], w["to"], w["version"]) for w in amount.widened] == [("BIGINT", "DOUBLE", created + 1)]
+
+
+@pytest.mark.timeout(1200)
+def test_datetimes_and_dates_a_node_holds_land_as_timestamp_and_date(spark: Any, tmp_path: Path) -> None:
+    """Through a real node and the lake sink (the C row builder writes the changes table): aware datetimes, at
+    UTC and at +02:00, are a TIMESTAMP column of their UTC instants; dates a DATE column; naive datetimes,
+    whose zone nobody knows, a STRING of their text; a field of ints and doubles one DOUBLE column. Every reader
+    reads the types, and every row rebuilds as the node's value as the lattice types it."""
+    from cdcd.node import Node
+    from cdcd.sinks.lake import LakeConsumer, LakeOptions
+    from tests.support.config import NO_MAINTENANCE
+    from tests.support.delta_lake import wal_batch
+
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    values = {
+        1: {"at": dt.datetime(2026, 3, 1, 12, 0, 0, 250000, tzinfo=UTC), "day": dt.date(2026, 3, 1), "x": 1},
+        2: {"at": dt.datetime(2026, 3, 1, 12, 0, tzinfo=PLUS_2), "day": dt.date(1999, 12, 31), "x": 2.5},
+        3: {"at": dt.datetime(1, 1, 1, tzinfo=UTC), "naive": dt.datetime(2026, 1, 1, 8, 30), "x": 3},
+    }
+    with Node.open(node_dir) as node:
+        node.cache("events").put_all(values)
+    sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake", **NO_MAINTENANCE))
+    sink.start()
+    try:
+        assert sink.on_events(wal_batch(node_dir)) is True
+    finally:
+        sink.stop()
+    compact(spark, lake)
+    check(
+        lake,
+        spark,
+        "events",
+        {"at": "TIMESTAMP", "day": "DATE", "naive": "STRING", "x": "DOUBLE"},
+        {
+            1: ({"at": "2026-03-01T12:00:00.250000Z", "day": "2026-03-01", "x": 1.0}, None),
+            2: ({"at": "2026-03-01T10:00:00Z", "day": "1999-12-31", "x": 2.5}, None),
+            3: ({"at": "0001-01-01T00:00:00Z", "naive": "2026-01-01T08:30:00", "x": 3.0}, None),
+        },
+    )
+    from cdcd.lake.readers import duckdb_connect
+
+    sql = (
+        f"SELECT key FROM delta_scan('{table_dir(lake, 'events')}') WHERE \"at\" = TIMESTAMPTZ '2026-03-01 10:00:00+00'"
+    )
+    assert duckdb_connect().sql(sql).fetchall() == [(2,)]
+    rows = spark.sql(f"SELECT key FROM delta.`{table_dir(lake, 'events')}` WHERE day < DATE'2000-01-01'").collect()
+    assert [r["key"] for r in rows] == [2]
