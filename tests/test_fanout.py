@@ -739,3 +739,64 @@ def test_lost_links_move_every_consumer_past_the_gap(tmp_path: Path) -> None:
     with Daemon(loaded, {"default": a, "b": b}) as daemon:
         daemon.sync_once()
     assert a.events == b.events == len([e for e in wal_events(node_dir) if e["pos"][0] >= run_start])
+
+
+def test_a_consumer_down_past_its_cap_is_invalidated_while_retrying(tmp_path: Path) -> None:
+    """A consumer whose target stays down (retried for up to 10 minutes) while a live node writes: once it holds
+    back more than max_retained_bytes it is invalidated at once, mid-retry, with one line naming it, its position
+    and the way back; the CDC dir stays bounded, the other consumer delivers everything, and the daemon's exit at
+    SIGTERM is 7 naming the consumer."""
+    (tmp_path / "outagesink.py").write_text(OUTAGE)
+    node_dir = tmp_path / "node"
+    down = tmp_path / "down"
+    down.touch()
+    live = tmp_path / "live.jsonl"
+    cap = 256 * 1024  # four of the writer's 64 KiB segments
+    config = fanout_config(
+        tmp_path / "fanout.toml",
+        node_dir,
+        {
+            "late": {
+                "kind": "python",
+                "class": "outagesink:Outage",
+                "options": {"path": str(tmp_path / "late.jsonl"), "down": str(down)},
+                "retry_timeout_s": 600,
+                "max_retained_bytes": cap,
+            }
+        },
+        default={"kind": "jsonl", "path": str(live)},
+    )
+    # The daemon first (it waits for its node), so that late falls behind while it retries, not before it starts.
+    err = tmp_path / "daemon.err"
+    proc = start_daemon(config, err, env=child_env(tmp_path))
+    wait_for(lambda: b"waiting_for_node" in err.read_bytes(), 60, "the daemon to wait for its node")
+    writer = start_writer(tmp_path, node_dir, count=0, pause_ms=20)
+    try:
+        wait_for(lambda: any(e.get("event") == "consumer_retrying" for e in log_events(err)), 120, "late retrying")
+
+        def invalidated() -> bool:
+            assert proc is not None and proc.poll() is None, err.read_text()[-3000:]
+            return any(e.get("event") == "consumer_invalidated" for e in log_events(err))
+
+        wait_for(invalidated, 120, "late to be invalidated")
+        wait_for(lambda: state_show(config)["consumers"]["late"]["stopped"] is not None, 30, "late stopped")
+        # From here on only the live consumer holds links: the CDC dir stays small while the node writes on.
+        held = sum(p.stat().st_size for p in cdc_links(node_dir).values() if p.exists())
+        assert held < 4 * cap, held
+    finally:
+        (tmp_path / "writer.stop").touch()
+        assert writer.wait(60) == 0, (tmp_path / "writer.log").read_text()[-3000:]
+    assert proc is not None
+    try:
+        wait_for(lambda: positions_of(config)["default"] == (max(archived_segments(node_dir)) + 1, 0, 0), 60, "live")
+    finally:
+        code = stop_daemon(proc)
+    assert code == 7, err.read_text()[-3000:]
+    (line,) = error_lines(err)
+    assert line.startswith("cdcd: error: consumer late: consumer late invalidated: it holds ")
+    assert f"max_retained_bytes = {cap}" in line and "cdcd state reset --config F --consumer late" in line
+    check_jsonl(live, wal_events(node_dir))
+    assert not cdc_links(node_dir)
+    consumers = json.loads(cdcd("state", "consumers", "--config", str(config), "--json").stdout)
+    late = next(c for c in consumers if c["name"] == "late")
+    assert late["invalidated"] and late["holds_bytes"] == 0

@@ -125,7 +125,7 @@ class Daemon:
                 markers=name == handover,
                 primary=i == 0,
                 notifier=self._notifier,
-                stopping=self._stopping,
+                stopping=threading.Event(),
                 shared=self.shared,
                 release=functools.partial(self._release, name),
                 show_progress=show_progress,
@@ -256,6 +256,7 @@ class Daemon:
         """Ask a running ``run()`` to finish its in-flight batches and return (thread- and signal-safe)."""
         self._stopping.set()
         for lane in self.lanes.values():
+            lane.stopping.set()
             lane.interrupt()
         loop, event = self._loop, self._stop_event
         if loop is not None and event is not None:
@@ -264,6 +265,8 @@ class Daemon:
 
     def close(self) -> None:
         self._stopping.set()
+        for lane in self.lanes.values():
+            lane.stopping.set()
         self._shutdown()
 
     def _shutdown(self) -> None:
@@ -363,6 +366,8 @@ class Daemon:
         async def passes(lane: Lane) -> None:
             try:
                 while not self._stopping.is_set():
+                    if lane.invalidated and lane.failure is not None:
+                        raise lane.failure
                     node_id = self._learnt(lane.follower) if lane.follower is not None else self.node_id
                     await lane.run_pass(node_id, stopping)
             except PipelineStalled:

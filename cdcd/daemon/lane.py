@@ -96,6 +96,7 @@ class Lane:
         self.state_path = config.consumer_state_path(name)
         self.cdc_dir = config.cdc_path
         self.stopping = stopping
+        """This consumer's own stop: set when the daemon stops, or when it is invalidated (mid-retry too)."""
         self.shared = shared
         self.release = release
         self.store: StateStore | None = None
@@ -200,8 +201,9 @@ class Lane:
         with contextlib.suppress(OSError):
             write_atomic(self.state_path / INVALIDATED_FILE, msgspec.json.encode(record))
         log.error("consumer_invalidated", consumer=self.name, retained_bytes=retained, error=error)
-        self.failure = ConsumerInvalidated(error)
+        self.stopping.set()  # its delivery loop gives up at its next step, also in the middle of retries
         self.interrupt()
+        self.stopped_for_good(ConsumerInvalidated(error))
 
     @property
     def position(self) -> WalPosition | None:
@@ -236,8 +238,8 @@ class Lane:
 
     def stopped_for_good(self, exc: BaseException) -> None:
         """This consumer failed: it delivers no more (its position keeps holding its links); the others go on."""
-        if self.failure is not None and self.failure is not exc and isinstance(self.failure, ConsumerInvalidated):
-            exc = self.failure  # its pass ended because it was invalidated: that is why it stopped
+        if isinstance(self.failure, ConsumerInvalidated):
+            return  # its pass ended because it was invalidated, which was said then
         self.failure = exc
         code, line = failure_line(exc)
         metrics.DAEMON_CONSUMER_UP.labels(self.name).set(0)
@@ -374,6 +376,9 @@ class Lane:
                     get.cancel()
                     return
                 if get not in done:
+                    if self.stopping.is_set():  # invalidated: this consumer stops, the daemon goes on
+                        get.cancel()
+                        return
                     # Idle: ask the consumer on every poll whether it can still take events (Ignite
                     # IGNITE-18249), so a dead sink ends the daemon even when nothing is written.
                     await asyncio.shield(watch.in_thread("consumer", "consumer alive()", committer.check_alive))
