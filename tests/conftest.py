@@ -108,6 +108,7 @@ _LONGEST_FIRST = (
     "test_chaos_short.py",
     "test_lake_ops.py",
     "test_lake_tables.py",
+    "test_lake_small_files.py",
     "test_demo.py",
     "test_kafka_sink.py",
     "test_upgrade.py",

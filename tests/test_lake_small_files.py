@@ -303,7 +303,7 @@ def _table_counts(lake: Path) -> dict[str, int]:
 def test_archive_mode_files_stay_bounded_at_every_sample(tmp_path: Path) -> None:
     """A node writes live transactions (three caches, archive mode: a segment at least every 100 ms) while `cdcd
     run` lands them with the JVM-free writer and compacts every 2 s into `state` and the typed tables with the
-    default bound (20 files per partition). A sampler thread reads every table's log every second, for 45 s of
+    default bound (20 files per partition). A sampler thread reads every table's log every second, for 30 s of
     traffic: at every sample, every partition of `changes`, `state` and every typed table holds at most 20 files.
     Then every WAL entry is in `changes` exactly once. Prints files per partition p50/p99/max over the samples."""
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
@@ -337,7 +337,7 @@ def test_archive_mode_files_stay_bounded_at_every_sample(tmp_path: Path) -> None
         wait_started(proc, err, timeout=240)
         load = start_writer(tmp_path, node_dir, pause_ms=20)
         sampler.start()
-        time.sleep(45)  # the traffic's length is the experiment; the sampler asserts at each of its samples
+        time.sleep(30)  # the traffic's length is the experiment; the sampler asserts at each of its samples
         (tmp_path / "writer.stop").touch()
         assert load.wait(120) == 0
         wait_for(lambda: (STATE in _table_counts(lake)) or proc.poll() is not None, 240, "a compaction")
@@ -351,7 +351,7 @@ def test_archive_mode_files_stay_bounded_at_every_sample(tmp_path: Path) -> None
         wait_gone(jvm, 60)
     assert rc == 0, err.read_text()[-3000:]
     assert not over, over[:5]
-    assert len(samples) >= 30 and all(CHANGES in s for s in samples[5:])
+    assert len(samples) >= 20 and all(CHANGES in s for s in samples[5:])
     tables = {name for s in samples for name in s}
     assert {CHANGES, STATE} <= tables and any(t.startswith("tables/") for t in tables), tables
     run_to_end(config, node_dir, tmp_path / "daemon-final.err")
