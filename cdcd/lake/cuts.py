@@ -192,7 +192,18 @@ def _read(lake: LakeDir, where: Any) -> list[Cut]:
         return []
     delta = open_delta(path)
     check_format(delta, path)
-    dataset = delta.to_pyarrow_dataset()
+    if isinstance(path, ObjectPath):
+        dataset = delta.to_pyarrow_dataset()
+    else:
+        # Locally pyarrow reads the live files itself: delta-rs's dataset (its file system handler on arrow's I/O
+        # threads) now and then aborted the interpreter at exit ("terminate called without an active exception"),
+        # so a `cdcd lake cut` that had printed its answer exited 134.
+        import pyarrow.dataset as ds
+
+        files = delta.file_uris()
+        if not files:
+            return []
+        dataset = ds.dataset(files, format="parquet")
     # The files' statistics (min/max per column) let the dataset skip every file the filter excludes.
     table = dataset.to_table(filter=where)
     return [_cut(row) for row in table.to_pylist()]
