@@ -338,8 +338,8 @@ def bound_compacted(lake: LakeDir, policy: FilePolicy) -> dict[str, Rewritten]:
     typed table holding more than ``policy.max_files - 1`` files below full size bin-packed by delta-rs
     (unpartitioned: it writes into the table's own directory and keeps every column's statistics). Returns
     what was rewritten, per table (``state``, ``tables/<cache>``). No JVM."""
-    from cdcd.lake.table import STATE
-    from cdcd.lake.typed_layout import TABLES, list_tables
+    from cdcd.lake.table import STATE, TABLES
+    from cdcd.lake.typed_layout import list_tables
 
     out: dict[str, Rewritten] = {}
     state = lake / STATE

@@ -34,7 +34,7 @@ from cdcd.faults import ExitCode
 from cdcd.faults import Fault as ExitFault
 from cdcd.lake.deltalog import LOG_DIR
 from cdcd.lake.storage import LakeDir, ObjectPath, file_source
-from cdcd.lake.table import CHANGES, STATE
+from cdcd.lake.table import CHANGES, CUTS, STATE, TABLES
 
 EXIT_DAMAGED_LAKE = ExitCode.DAMAGED_LAKE
 """Exit code of a command or daemon that stopped on a damaged lake (docs/operations.md)."""
@@ -321,8 +321,6 @@ def check_lake(lake: LakeDir, *, read_files: bool = True, every_table: bool = Fa
     ``every_table`` (``cdcd lake check``): also ``_cuts`` and each typed table under ``tables/``.
     Those are left out of the checks that gate landing and compaction: one damaged typed table must
     not stop the others."""
-    from cdcd.lake.cuts import CUTS
-
     out = []
     tables = [lake / CHANGES, lake / STATE]
     if every_table:
@@ -335,8 +333,6 @@ def check_lake(lake: LakeDir, *, read_files: bool = True, every_table: bool = Fa
 
 def _typed_tables(lake: LakeDir) -> list[LakeDir]:
     """The directories under ``<lake>/tables`` that have a Delta log, by name."""
-    from cdcd.lake.typed_layout import TABLES
-
     root = lake / TABLES
     if isinstance(root, ObjectPath):
         import pyarrow.fs as pafs

@@ -38,11 +38,10 @@ import structlog
 
 from cdcd import formats
 from cdcd.lake.storage import LakeDir, ObjectPath, as_location_arg, is_delta, lake_root, open_delta
-from cdcd.lake.table import COMMON_PROPERTIES, SOURCE_APP_PREFIX
+from cdcd.lake.table import COMMON_PROPERTIES, CUTS, SOURCE_APP_PREFIX
 
 log = structlog.get_logger("cdcd.lake")
 
-CUTS = "_cuts"
 
 FORMAT_KEY = "cdcd.format"
 """The format version of ``_cuts`` (``cdcd.formats.LAKE_CUTS``; absent: 1, as v0.1.0 created it), in the

@@ -187,7 +187,7 @@ def optimized_since(lake: LakeDir, since_ms: int, max_commits: int = OPTIMIZE_LO
 def _maintained(lake: LakeDir) -> list[tuple[str, LakeDir]]:
     """(name, path) of every table optimize and vacuum look after: changes, state, and each typed
     table (named ``tables/<cache>``)."""
-    from cdcd.lake.typed_layout import TABLES as TYPED_DIR
+    from cdcd.lake.table import TABLES as TYPED_DIR
     from cdcd.lake.typed_layout import list_tables
 
     typed = [(f"{TYPED_DIR}/{cache}", path) for cache, path in sorted(list_tables(lake).items())]

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from cdcd.faults import ExitCode, Fault
-from cdcd.lake.cuts import CUTS, Cut, NoCut, latest_cut, table_path
+from cdcd.lake.cuts import Cut, NoCut, latest_cut, table_path
 from cdcd.lake.deltalog import LOG_DIR
 from cdcd.lake.printable import printable
 from cdcd.lake.storage import LakeDir, ObjectPath, StorageOptions, lake_root, spark_path
-from cdcd.lake.table import CHANGES, STATE
+from cdcd.lake.table import CHANGES, CUTS, STATE
 
 
 def duckdb_delta_extension() -> Path:

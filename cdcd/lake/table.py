@@ -14,6 +14,10 @@ import pyarrow as pa
 
 CHANGES = "changes"
 STATE = "state"
+CUTS = "_cuts"
+"""The cuts table (``cdcd/lake/cuts.py``)."""
+TABLES = "tables"
+"""The directory of the typed tables, one per cache (``cdcd/lake/typed_layout.py``)."""
 
 CHANGE_SCHEMA = pa.schema(
     [

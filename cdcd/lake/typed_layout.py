@@ -23,10 +23,9 @@ import pyarrow as pa
 from cdcd.faults import ExitCode, Fault
 from cdcd.lake.delta import partition_dir_value
 from cdcd.lake.storage import LakeDir, ObjectPath, is_delta, open_delta
-from cdcd.lake.table import COMMON_PROPERTIES
+from cdcd.lake.table import COMMON_PROPERTIES, TABLES
 from cdcd.lake.typed_infer import KEY, NON_DICT, Layout, base_columns
 
-TABLES = "tables"
 CACHE_PROPERTY = "cdcd.cache"
 """Table property holding the cache's real name (the directory name may be a prefix and a hash)."""
 
