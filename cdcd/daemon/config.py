@@ -175,7 +175,6 @@ IDENTITY_KEYS: dict[str, tuple[str, ...]] = {
     "lake": ("lake_path",),
     "kafka": ("bootstrap_servers", "topic", "topic_prefix"),
     "replication": ("target",),
-    "python": ("class",),
     "null": (),
 }
 """The keys that say where a consumer of each kind delivers: with the kind, its identity."""
@@ -188,6 +187,10 @@ def consumer_identity(table: Mapping[str, Any]) -> str:
     never used for another. Local paths are made absolute (what the sink writes to)."""
     kind = str(table.get("kind", ""))
     kind = "lake" if kind == "spark" else kind  # the deprecated spelling builds the same consumer
+    if kind == "python":
+        # A class's target is its own business (often a subclass of a shipped sink, or a wrapper around one):
+        # its name says nothing about where it delivers, so its state is bound to no identity.
+        return ""
     parts = [kind]
     for key in IDENTITY_KEYS.get(kind, ()):
         value = table.get(key)

@@ -60,8 +60,9 @@ def load_start_state(
 
 
 def _check_consumer(config: DaemonConfig, store: StateStore, state: DaemonState, name: str, identity: str) -> None:
-    """A position of another consumer is never used: it would start this one where the other stopped."""
-    if not state.consumer or state.consumer == identity:
+    """A position of another consumer is never used: it would start this one where the other stopped. A state
+    that holds no position yet (its consumer failed before it delivered anything) is no one's: it is bound anew."""
+    if not state.consumer or state.consumer == identity or state.position is None:
         return
     key = config.consumer_key(name)
     raise ForeignConsumerState(
