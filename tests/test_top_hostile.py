@@ -20,15 +20,18 @@ from typing import Any
 
 import pytest
 
+from cdcd.top.snapshot import ONCE_READING_S
 from tests.support.config import jsonl_consumer, write_daemon_config
 from tests.support.ports import free_port
 from tests.support.procs import CDCD, child_env, wait_for
 from tests.support.tmux import Pane
 
 TOP = [*CDCD, "top"]
-ANSWER_WITHIN_S = 5.0
-"""The product's claim: both reads end within 3.5 s in all (2 s for any one source), plus the start of a
-Python process; the rest is room for a busy machine."""
+READ_SLACK_S = 1.0
+"""Past ``ONCE_READING_S`` (both reads within 3.5 s in all, 2 s for any one source): a busy machine's late wake-up."""
+HANG_S = 30.0
+"""The wall-clock bound, only against a hang: it adds the Python start, which a loaded machine stretches. On a quiet
+one the whole answer comes within 5 s (docs/operations.md), as ``read_s`` plus the start."""
 METRICS_LIMIT = 8 << 20
 STATUS_LIMIT = 1 << 20
 
@@ -329,17 +332,20 @@ def run_top(argv: list[str], *extra: str) -> tuple[subprocess.CompletedProcess[s
 
 
 @pytest.mark.parametrize("name", list(RUNS))
-def test_a_bad_source_is_one_line_within_5_s(tmp_path: Path, name: str) -> None:
-    """Exit 0 within 5 s, nothing on stderr, each bad source named in its one line (in `sources` and in
-    `source_problems`), sources merely not there not counted as problems, and a source that ran out of
-    time in the first read not asked again."""
+def test_a_bad_source_is_one_line_within_the_deadline(tmp_path: Path, name: str) -> None:
+    """Exit 0 with the reads ended by their deadline (3.5 s in all), nothing on stderr, each bad source named in
+    its one line (in `sources` and in `source_problems`), sources merely not there not counted as problems, and a
+    source that ran out of time in the first read not asked again."""
     case = RUNS[name]
     with rig(tmp_path, case) as r:
         res, elapsed = run_top(r.argv, "--json")
         connections = {source: server.connections for source, server in r.servers.items()}
     assert res.returncode == 0 and res.stderr == "", res.stderr
-    assert elapsed < ANSWER_WITHIN_S, f"took {elapsed:.1f} s"
     out = json.loads(res.stdout)
+    # The claim is top's own: its reads end by their deadline whatever the sources do. The wall-clock time adds the
+    # interpreter's start, which a busy machine stretches as it likes: bounded here only against a hang.
+    assert out["read_s"] <= ONCE_READING_S + READ_SLACK_S, f"read for {out['read_s']} s (all in all {elapsed:.1f} s)"
+    assert elapsed < HANG_S, f"took {elapsed:.1f} s"
     sources, problems = out["sources"], out["source_problems"]
     for source, says in case.says.items():
         line = sources[source]
@@ -385,7 +391,7 @@ def test_odd_values_are_shown_not_obeyed(tmp_path: Path) -> None:
     assert out["problems"] == {'cdcd_kafka_retries_total{cache="[/bold]\n"x"\x1b[2J"}': 3.0}
     assert out["source_problems"] == []
     assert text.returncode == 0 and text.stderr == "", text.stderr
-    assert max(elapsed, text_elapsed) < ANSWER_WITHIN_S
+    assert out["read_s"] <= ONCE_READING_S + READ_SLACK_S and max(elapsed, text_elapsed) < HANG_S
     assert "\x1b[2J" not in text.stdout  # the escape is shown, not sent to the terminal
     assert r"Node n[/bold][red]\x1b[2J" in text.stdout and r'cache="[/bold]\n"x"\x1b[2J"' in text.stdout
     assert "(not a time)" in text.stdout

@@ -132,6 +132,14 @@ class _Settling(Exception):
 
 
 _SETTLING_BACKOFF = Backoff(initial_ms=200, max_ms=200)
+_SETTLING_CODES = frozenset(
+    {
+        KafkaError._TIMED_OUT,
+        # librdkafka does not mark these retriable for a watermark query, though a leader election ends them
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.LEADER_NOT_AVAILABLE,
+    }
+)
 
 
 def read_stored(conf: dict[str, Any], topic: str, partitions: int, node: str, timeout_s: float) -> Stored | None:
@@ -155,7 +163,7 @@ def read_stored(conf: dict[str, Any], topic: str, partitions: int, node: str, ti
         except KafkaException as exc:
             # a topic just created, a leader moving or down: its metadata settles in a moment
             err = exc.args[0]
-            if err.retriable() or err.code() == KafkaError._TIMED_OUT:
+            if err.retriable() or err.code() in _SETTLING_CODES:
                 raise _Settling(exc) from exc
             raise
         finally:

@@ -47,8 +47,9 @@ EXIT_BAD_INPUT = 2
 MIN_INTERVAL_MS = 100
 
 
-def snapshot_dict(snap: Snapshot, r: Rates | None, node_dir: Path) -> dict[str, Any]:
-    """What ``--once --json`` prints (keys documented in docs/operations.md)."""
+def snapshot_dict(snap: Snapshot, r: Rates | None, node_dir: Path, read_s: float | None = None) -> dict[str, Any]:
+    """What ``--once --json`` prints (keys documented in docs/operations.md); ``read_s``: how long the two reads
+    took, the interval between them included (what top waited for beyond its own start)."""
     daemon: dict[str, Any] | None = None
     if snap.daemon is not None:
         daemon = {**msgspec.to_builtins(snap.daemon), "lag_segments": daemon_lag_segments(snap)}
@@ -63,6 +64,7 @@ def snapshot_dict(snap: Snapshot, r: Rates | None, node_dir: Path) -> dict[str, 
         "consumer": snap.consumer,
         "problems": snap.problems,
         "source_problems": list(snap.source_problems),
+        "read_s": None if read_s is None else round(read_s, 3),
     }
 
 
@@ -195,10 +197,12 @@ def top_command(
     node_dir = node_dir if node_dir is not None else Path(config.node_dir)
     if not once:
         return _live(node_dir, config, node_metrics, interval_ms)
+    reading_from = time.monotonic()
     first, snap = read_twice(node_dir, config, node_metrics, interval_ms)
+    read_s = time.monotonic() - reading_from
     r = rates(first, snap)
     if as_json:
-        sys.stdout.write(msgspec.json.encode(snapshot_dict(snap, r, node_dir)).decode() + "\n")
+        sys.stdout.write(msgspec.json.encode(snapshot_dict(snap, r, node_dir, read_s)).decode() + "\n")
     else:
         since = DeliverySince(first.taken_unix_s).see(snap)
         Console().print(render_once(snap, r, node_dir=str(node_dir), since=since, interval_ms=interval_ms))
