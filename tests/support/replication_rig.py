@@ -259,8 +259,21 @@ class DaemonProc:
         self.proc.wait()
 
     def pause(self) -> None:
+        """SIGSTOP, returning once the process is stopped: the signal is only queued when ``kill`` returns, and a
+        daemon still running for a moment could commit after the caller read its position."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGSTOP)
+        tasks = Path(f"/proc/{self.proc.pid}/task")
+
+        def stopped() -> bool:
+            # Every thread's state, the field after the parenthesised command name: "T", stopped by a signal.
+            try:
+                states = [(t / "stat").read_text().rpartition(")")[2].split()[0] for t in tasks.iterdir()]
+            except FileNotFoundError:  # a thread ended between the listing and the read: look again
+                return False
+            return all(state == "T" for state in states)
+
+        wait_for(stopped, 30, "every thread of the daemon to stop")
 
     def resume(self) -> None:
         assert self.proc is not None
