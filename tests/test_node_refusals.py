@@ -15,8 +15,7 @@ import msgspec
 import pytest
 
 from cdcd.node import Node, ValueRefused
-from cdcd.node.writes import INT_RANGE, MAX_KEY_BYTES, MAX_NESTING, key_encoder
-from cdcd.replication.resolver import key_hash
+from cdcd.node.writes import INT_RANGE, MAX_KEY_BYTES, MAX_NESTING, key_encoder, key_hash
 from tests.support.wal import wal_events
 
 

@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from cdcd.node.node import Node
-from cdcd.node.writes import key_encoder
+from cdcd.node.writes import key_encoder, key_hash
 from cdcd.replication.protocol import Error, Hello, Welcome, encode_frame
-from cdcd.replication.resolver import key_hash
 from cdcd.wal.reader import WalReader
 from cdcd.wal.records import DataRecord, Op
 from tests.support.procs import error_lines, wait_for

@@ -22,9 +22,10 @@ from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.node.node import Node
 from cdcd.node.topology import next_topology_version
+from cdcd.node.writes import key_hash
 from cdcd.replication.client import ReplicationClient
 from cdcd.replication.protocol import ReplEntry
-from cdcd.replication.resolver import ConflictResolver, Held, Rule, Verdict, key_hash
+from cdcd.replication.resolver import ConflictResolver, Held, Rule, Verdict
 from cdcd.sinks import load_consumer
 from cdcd.sinks.replication import ReplicationConsumer
 from cdcd.wal.records import CacheVersion, DataEntry, Op

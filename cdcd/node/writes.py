@@ -100,7 +100,9 @@ class _TypeRefused(ValueRefused, TypeError):
 
 
 def key_hash(key_raw: bytes) -> str:
-    """BLAKE2b-64 of a key's MessagePack bytes in hex: the name the replication resolver's log lines give it too."""
+    """The name of a key in log lines and refusals: BLAKE2b-64 of its canonical MessagePack bytes (what the node
+    stores), in hex. It tells lines about one key apart without showing the key; a key can be found by hashing
+    candidates (``key_hash(key_encoder.encode(k))``). The replication resolver names keys by it too."""
     return hashlib.blake2b(key_raw, digest_size=8).hexdigest()
 
 
@@ -181,16 +183,20 @@ class Refuse:
     def too_deep(self, what: str, key_raw: bytes | None) -> ValueRefused:
         return self(what, f"nests deeper than {MAX_NESTING} levels", f"{MAX_NESTING} levels of nesting", key_raw)
 
-    def encode_key(self) -> bytes:
-        """The key's canonical MessagePack bytes, or ValueRefused."""
-        key = self.key
+    def _encode(self, encoder: msgspec.msgpack.Encoder, what: str, obj: Any, key_raw: bytes | None) -> bytes:
+        """``encoder.encode(obj)``; an error msgspec raises for what the node refuses becomes ValueRefused."""
         try:
-            raw = key_encoder.encode(key)
+            return encoder.encode(obj)
         except _ENCODE_ERRORS as exc:
-            refused = self.encoding("key", key, None, exc)
+            refused = self.encoding(what, obj, key_raw, exc)
             if refused is None:
                 raise
             raise refused from None
+
+    def encode_key(self) -> bytes:
+        """The key's canonical MessagePack bytes, or ValueRefused."""
+        key = self.key
+        raw = self._encode(key_encoder, "key", key, None)
         # Each level costs at least one byte, so only encodings this long can be too deep to read back.
         if len(raw) > MAX_NESTING:
             if len(raw) > MAX_KEY_BYTES:
@@ -202,13 +208,7 @@ class Refuse:
 
     def encode_value(self, value: Any, key_raw: bytes) -> bytes:
         """The value's MessagePack bytes, or ValueRefused."""
-        try:
-            raw = value_encoder.encode(value)
-        except _ENCODE_ERRORS as exc:
-            refused = self.encoding("value", value, key_raw, exc)
-            if refused is None:
-                raise
-            raise refused from None
+        raw = self._encode(value_encoder, "value", value, key_raw)
         if len(raw) > MAX_NESTING and too_deep(value):
             raise self.too_deep("value", key_raw)
         return raw

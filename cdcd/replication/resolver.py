@@ -21,13 +21,13 @@ Log lines name a key by ``key_hash`` (never the key or a value), unless ``log_ke
 from __future__ import annotations
 
 import enum
-import hashlib
 from typing import Any
 
 import msgspec
 import structlog
 
 from cdcd.config import ConfigError, import_object
+from cdcd.node.writes import key_hash
 from cdcd.replication.protocol import ReplEntry
 from cdcd.wal.records import CacheVersion
 
@@ -156,13 +156,6 @@ class ConflictResolver:
             conflict_resolve_field=self.conflict_resolve_field or None,
         )
         return Verdict(False, Rule.UNRESOLVED)
-
-
-def key_hash(key: bytes) -> str:
-    """The name of a key in log lines: BLAKE2b-64 of its canonical MessagePack bytes (what the node
-    stores), in hex. It tells lines about one key apart without showing the key; a key can be found
-    by hashing candidates (``key_hash(cdcd.node.writes.key_encoder.encode(k))``)."""
-    return hashlib.blake2b(key, digest_size=8).hexdigest()
 
 
 def _repr_key(key: bytes) -> str:
