@@ -14,7 +14,7 @@ import msgspec
 import structlog
 
 from cdcd.cli.exits import fail, fail_on, line_for
-from cdcd.cli.process import STOP_BOUND_S, log_to_stderr, on_stop_signals, serve_metrics
+from cdcd.cli.process import log_to_stderr, on_stop_signals, serve_metrics, stop_timeout_option
 from cdcd.faults import ExitCode
 
 if TYPE_CHECKING:
@@ -60,13 +60,7 @@ def confirm(yes: bool) -> None:
     default=None,
     help="Overrides the config's log_format. Default: console on a terminal, else JSON lines.",
 )
-@click.option(
-    "--stop-timeout",
-    type=click.FloatRange(0.1),
-    default=STOP_BOUND_S,
-    show_default=True,
-    help="Seconds from a stop request (or a failure) to the exit, closed or not.",
-)
+@stop_timeout_option
 def daemon_run(config_path: Path, log_format: str | None, stop_timeout: float) -> None:
     """Run the CDC daemon: follow the node's CDC dir and deliver to the consumer until SIGTERM/SIGINT.
 

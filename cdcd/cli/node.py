@@ -11,7 +11,7 @@ import click
 import msgspec
 
 from cdcd.cli.exits import fail, fail_on, line_for
-from cdcd.cli.process import STOP_BOUND_S, Stops, log_to_stderr, on_stop_signals, serve_metrics
+from cdcd.cli.process import Stops, log_to_stderr, on_stop_signals, serve_metrics, stop_timeout_option
 from cdcd.faults import ExitCode
 
 
@@ -29,13 +29,7 @@ def node() -> None:
 @click.option("--load-seed", type=int, default=1, show_default=True, help="Seed of the load's key choice.")
 @click.option("--seconds", type=float, default=0, help="Stop after this long (0: until SIGTERM/SIGINT).")
 @click.option("--log-format", type=click.Choice(["json", "console"]), default=None, help="Default: console on a TTY.")
-@click.option(
-    "--stop-timeout",
-    type=click.FloatRange(0.1),
-    default=STOP_BOUND_S,
-    show_default=True,
-    help="Seconds from a stop request (or a failure) to the exit, closed or not.",
-)
+@stop_timeout_option
 def node_run(
     *,
     config_path: Path,

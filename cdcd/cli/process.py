@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
+import click
+
 from cdcd.config import ConfigError, deprecations_loggable, split_host_port
 from cdcd.logging import configure as configure_logging
 from cdcd.logging import last_words, watch_reader
@@ -154,3 +156,13 @@ def serve_metrics(address: str, config_path: Path) -> None:
         start_http_server(port, addr=host)
     except OSError as exc:
         raise ConfigError(f"{config_path}: key 'metrics_address': cannot listen on {address}: {exc}") from None
+
+
+stop_timeout_option = click.option(
+    "--stop-timeout",
+    type=click.FloatRange(0.1),
+    default=STOP_BOUND_S,
+    show_default=True,
+    help="Seconds from a stop request (or a failure) to the exit, closed or not.",
+)
+"""``--stop-timeout`` of the long-running commands (``node run``, ``run``)."""
