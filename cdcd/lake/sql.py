@@ -116,21 +116,12 @@ def run_sql(
         if engine == "duckdb":
             _duckdb_check(query)  # before the cut and the delta extension: a refusal costs nothing
         cut = cut_as_of(root, when) if when is not None else resolve_cut(root, None)
-    except NoCut as exc:
-        err.write(f"{exc}\n")
-        return 1
-    except NotAQuery as exc:
-        err.write(f"{exc.line}\n")
-        return int(exc.exit_code)
-    except QueryFailed as exc:
-        err.write(f"{exc}\n")
-        return 1
-    if engine == "duckdb":
-        opened = _duckdb_result(root, cut, query)
-    else:
-        # The table format shows max_rows at most: one more says whether there are more.
-        opened = _spark_result(root, cut, query, master=spark_master, limit=max_rows + 1 if fmt == "table" else None)
-    try:
+        if engine == "duckdb":
+            opened = _duckdb_result(root, cut, query)
+        else:
+            # The table format shows max_rows at most: one more says whether there are more.
+            limit = max_rows + 1 if fmt == "table" else None
+            opened = _spark_result(root, cut, query, master=spark_master, limit=limit)
         with opened as result, _spool() as spool:
             write_result(result, spool, fmt, max_rows)
             spool.seek(0)
@@ -138,7 +129,7 @@ def run_sql(
     except NotAQuery as exc:
         err.write(f"{exc.line}\n")
         return int(exc.exit_code)
-    except QueryFailed as exc:
+    except (NoCut, QueryFailed) as exc:
         err.write(f"{exc}\n")
         return 1
     return 0
