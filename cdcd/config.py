@@ -514,12 +514,6 @@ def deprecations_loggable() -> None:
         _log_notice(deprecated, source, said)
 
 
-def deprecations_seen() -> list[str]:
-    """The deprecation warnings this process gave, in order."""
-    with _NOTICES.lock:
-        return list(_NOTICES.seen)
-
-
 def _log_notice(deprecated: Deprecated, source: str, said: str) -> None:
     _log.warning(
         "config_deprecated",

@@ -276,12 +276,6 @@ def _read_status(socket_path: Path, deadline_s: float) -> Answer:
     return Answer(reply, "ok")
 
 
-def read_status(socket_path: Path, deadline_s: float = SOURCE_DEADLINE_S) -> tuple[dict[str, Any] | None, str]:
-    """The node's status reply (checked: ``parse_status``) and ``ok``, or None and why not."""
-    answer = _read_status(socket_path, deadline_s)
-    return answer.value, one_line(answer.line)
-
-
 def _lock_pid(path: Path) -> int | None:
     """The pid in the daemon's lock file, read as no more than a pid: a FIFO or a device there
     neither blocks nor floods the read."""
