@@ -25,11 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.bench.bench_lake_caches import LIVE_KEYS as KEYS
+from tests.bench.bench_lake_caches import live_writer
 from tests.support.bench import Bench, Measurement, Metric
 
 RATE = int(os.environ.get("BENCH_BOUNDED_RATE") or 5_000)
 CACHES = 4
-KEYS = 1_000_000
 FULL_S = 600.0
 QUICK_S = 120.0
 SAMPLE_EVERY_S = 2.0
@@ -37,24 +38,6 @@ MASTER = "local[2]"
 P99_GOAL = 20
 MAX_GOAL = 30
 RUN_P99_GOAL_S = 5.0
-
-
-def live_writer(node_dir: str, seconds: float, rate: int, caches: int) -> None:
-    """The node: ``rate`` entries/s over ``caches`` caches for ``seconds``, a segment archived every second."""
-    from cdcd.node import Node
-
-    with Node.open(node_dir, wal_force_archive_timeout_ms=1000, wal_mode="background") as node:
-        handles = [node.cache(f"live-{i}") for i in range(caches)]
-        written = 0
-        t0 = time.monotonic()
-        while (now := time.monotonic() - t0) < seconds:
-            due = int(now * rate)
-            while written < due:
-                handles[written % caches].put(written % KEYS, {"i": written, "pad": "x" * 64})
-                written += 1
-            time.sleep(0.01)
-        node.force_archive()
-    (Path(node_dir) / "written").write_text(str(written))
 
 
 def _most_files(lake: Path) -> dict[str, int]:
