@@ -17,13 +17,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
-from cdcd.consumer import EventBatch, RecordSlice
+from cdcd.consumer import EventBatch
 from cdcd.kafka.sink import KafkaSink
 from cdcd.kafka.topics import cache_of, suffix_of
 from cdcd.node import Node
-from cdcd.wal.records import CacheRecord, DataRecord
+from tests.support.delta_lake import wal_batch
 from tests.support.kafka import Broker, kafka_broker, read_topic
-from tests.support.wal import wal_records
 
 __all__ = ["kafka_broker"]
 
@@ -43,17 +42,6 @@ def test_topic_suffixes_never_collide(a: str, b: str) -> None:
 def test_topic_suffix_examples() -> None:
     assert suffix_of("orders") == "orders" and suffix_of("order_items") == "order_items"
     assert suffix_of("b c") == "b_20c" and suffix_of("x_1f") == "x_5f1f" and suffix_of("é") == "_c3_a9"
-
-
-def _batch(node_dir: Path, node: str) -> EventBatch:
-    names: dict[int, str] = {}
-    slices = []
-    for ptr, rec in wal_records(node_dir):
-        if type(rec) is CacheRecord:
-            names[rec.cache_id] = rec.name
-        elif type(rec) is DataRecord:
-            slices.append(RecordSlice(ptr, rec))
-    return EventBatch(node, slices, names)
 
 
 def _values(broker: Broker, topic: str) -> list[tuple[Any, Any]]:
@@ -85,7 +73,7 @@ def test_per_cache_topics_and_transaction_records(kafka_broker: Broker, tmp_path
         "tombstones": False,
         "max_events_per_transaction": 2,
     }
-    batch: EventBatch | None = _batch(node_dir, str(node_id))
+    batch: EventBatch | None = wal_batch(node_dir, str(node_id))
     rounds = 0
     while batch is not None:  # a new producer for every Kafka transaction: state only in Kafka
         sink = KafkaSink.from_options(options, "consumer")

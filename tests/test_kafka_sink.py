@@ -16,13 +16,13 @@ import pytest
 from confluent_kafka.admin import AdminClient
 from prometheus_client import REGISTRY
 
-from cdcd.consumer import EventBatch, RecordSlice
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.kafka.sink import KafkaSink
 from cdcd.node import Node
-from cdcd.wal.records import CacheRecord, DataEntry, DataRecord
+from cdcd.wal.records import DataEntry, DataRecord
 from tests.support.config import write_daemon_config
+from tests.support.delta_lake import wal_batch
 from tests.support.kafka import (
     Broker,
     explain_missing,
@@ -184,18 +184,6 @@ def test_envelope_tombstones_metadata_and_stored_position(kafka_broker: Broker, 
     assert sample(0, "cdcd_kafka_skipped_events_total", {"reason": "already_sent"}) - skipped_before == 7
     again = read_topic(kafka_broker.bootstrap, topic)
     assert sum(len(ms) for ms in again.values()) == 8
-
-
-def wal_batch(node_dir: Path, source_node: str) -> EventBatch:
-    """Every data record of the node's WAL as one batch, as the daemon would hand it over."""
-    names: dict[int, str] = {}
-    slices = []
-    for ptr, rec in wal_records(node_dir):
-        if type(rec) is CacheRecord:
-            names[rec.cache_id] = rec.name
-        elif type(rec) is DataRecord:
-            slices.append(RecordSlice(ptr, rec))
-    return EventBatch(source_node, slices, names)
 
 
 def _json_key(key: Any) -> Any:

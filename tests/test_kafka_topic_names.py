@@ -22,17 +22,16 @@ from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
 from cdcd.config import ConfigError
-from cdcd.consumer import EventBatch, RecordSlice
 from cdcd.kafka.errors import KafkaSetupError
 from cdcd.kafka.options import KafkaSinkOptions
 from cdcd.kafka.sink import KafkaSink
 from cdcd.kafka.topics import TopicNameError, cache_of, cache_topic, dlq_topic, fold, sink_topics, suffix_of
 from cdcd.node import Node
-from cdcd.wal.records import CacheRecord, DataRecord
 from tests.support.config import write_daemon_config
+from tests.support.delta_lake import wal_batch
 from tests.support.kafka import Broker, kafka_broker, positions_of, read_topic
 from tests.support.procs import child_env, error_lines, log_events, start_daemon, stop_daemon, wait_for
-from tests.support.wal import wal_events, wal_records
+from tests.support.wal import wal_events
 
 __all__ = ["kafka_broker"]  # the fixture, used by name
 
@@ -137,17 +136,6 @@ def test_sink_topics_that_fold_alike_are_a_config_error(options: dict[str, Any],
 
 
 # --- against a broker ---------------------------------------------------------------------------------
-
-
-def _batch(node_dir: Path, node: str) -> EventBatch:
-    names: dict[int, str] = {}
-    slices = []
-    for ptr, rec in wal_records(node_dir):
-        if type(rec) is CacheRecord:
-            names[rec.cache_id] = rec.name
-        elif type(rec) is DataRecord:
-            slices.append(RecordSlice(ptr, rec))
-    return EventBatch(node, slices, names)
 
 
 def _stored_position(broker: Broker, node_dir: Path) -> tuple[int, int, int] | None:
@@ -270,7 +258,7 @@ def test_a_foreign_topic_that_folds_like_a_caches_topic_is_named_in_one_line(
     sink.start(REGISTRY)
     try:
         with pytest.raises(KafkaSetupError) as err:
-            sink.on_events(_batch(node_dir, str(node_id)))
+            sink.on_events(wal_batch(node_dir, str(node_id)))
     finally:
         sink.stop()
     line = str(err.value)
