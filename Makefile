@@ -19,9 +19,9 @@ install: $(STAMP) $(JARS)
 
 # Every Python package at the version and hash requirements.lock names (scripts/install-python.sh); PYTHON_DEPS=latest
 # (make test-latest) takes the newest versions pyproject.toml's ranges allow instead. setup.py and the C source: pip
-# builds cdcd's C module (cdcd/lake/_rows.c) again when they change.
+# builds cdcd's C module (cdcd/lake/landing/_rows.c) again when they change.
 PYTHON_DEPS ?= locked
-$(STAMP): pyproject.toml setup.py cdcd/lake/_rows.c requirements.lock
+$(STAMP): pyproject.toml setup.py cdcd/lake/landing/_rows.c requirements.lock
 	@bash scripts/ensure-java.sh
 	@bash scripts/ensure-cc.sh $(PYTHON)
 	$(PYTHON) -m venv $(VENV)
@@ -66,7 +66,7 @@ test: install $(CDS)
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25
 	CDCD_LAKE_ROWS=python $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(LAKE_ON_PYTHON)
 
-# The lake again on the Python row builder (cdcd/lake/rows_py.py), as a machine without the C module runs it:
+# The lake again on the Python row builder (cdcd/lake/landing/rows_py.py), as a machine without the C module runs it:
 # the many-partition writer end to end (its processes inherit CDCD_LAKE_ROWS). The row tests compare both builders
 # column by column in the main run (row_builder fixture, tests/test_lake_keys.py); make test-lake-python runs all.
 LAKE_ON_PYTHON := tests/test_lake_rows.py::test_this_process_uses_the_builder_the_environment_names \

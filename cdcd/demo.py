@@ -20,14 +20,14 @@ from cdcd import metrics
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.lake import spark as spark_session
-from cdcd.lake.compact import compact
-from cdcd.lake.ops import LakeInfo, show
-from cdcd.lake.report import print_demo_ending, print_show, print_verify
-from cdcd.lake.verify import verify
+from cdcd.lake.maintenance.compact import compact
+from cdcd.lake.maintenance.ops import LakeInfo, show
+from cdcd.lake.reading.report import print_demo_ending, print_show, print_verify
+from cdcd.lake.reading.verify import verify
+from cdcd.lake.sink import LakeConsumer, LakeOptions
 from cdcd.node.load import LoadGenerator
 from cdcd.node.node import Node
 from cdcd.node.snapshot import NodeSnapshot
-from cdcd.sinks.lake import LakeConsumer, LakeOptions
 from cdcd.top import DeliverySince
 from cdcd.top.snapshot import Rates, Snapshot, collect, rates, read_registries, running_state
 from cdcd.top.view import render, status_line

@@ -196,11 +196,11 @@ def main() -> int:
         node_main(args.node[0], args.node[1], int(args.node[2]), args.node[3], int(args.node[4]))
         return 0
     from cdcd.cli.process import log_to_stderr
-    from cdcd.lake.compact import compact
-    from cdcd.lake.ops import show
-    from cdcd.lake.report import compact_summary, print_show, print_verify, verify_summary
+    from cdcd.lake.maintenance.compact import compact
+    from cdcd.lake.maintenance.ops import show
+    from cdcd.lake.reading.report import compact_summary, print_show, print_verify, verify_summary
+    from cdcd.lake.reading.verify import verify
     from cdcd.lake.storage import LakeLocation, StorageOptions
-    from cdcd.lake.verify import verify
     from cdcd.node.snapshot import NodeSnapshot
 
     log_to_stderr(level="warning")

@@ -74,18 +74,18 @@ def spark() -> Iterator[Any]:
 
 @pytest.fixture(scope="module", params=["c", "python"])
 def row_builder(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The lake's row builder (cdcd.lake.arrow.build_columns) set to the C module, then to the Python path: a test
-    that asks for this runs on both. The C module must be built (the suite's ``make install`` builds it)."""
-    from cdcd.lake import arrow, rows_py
+    """The lake's row builder (cdcd.lake.landing.arrow.build_columns) set to the C module, then to the Python path: a
+    test that asks for this runs on both. The C module must be built (the suite's ``make install`` builds it)."""
+    from cdcd.lake.landing import arrow, rows_py
 
     saved = arrow.build_columns
     if request.param == "python":
         arrow.build_columns = rows_py.columns
     else:
         try:
-            from cdcd.lake import _rows
+            from cdcd.lake.landing import _rows
         except ImportError:
-            pytest.fail(f"cdcd.lake._rows is not built: {arrow.BUILD_HINT}")
+            pytest.fail(f"cdcd.lake.landing._rows is not built: {arrow.BUILD_HINT}")
         arrow.build_columns = _rows.columns
     try:
         yield request.param

@@ -28,8 +28,8 @@ import pyarrow.compute as pc
 import pytest
 from deltalake import DeltaTable
 
+from cdcd.lake.reading.verify import verify
 from cdcd.lake.table import CHANGE_SCHEMA
-from cdcd.lake.verify import verify
 from cdcd.node import Node
 from cdcd.replication.client import ReplicationClient
 from cdcd.replication.protocol import ReplEntry
@@ -59,7 +59,7 @@ import os
 import signal
 from pathlib import Path
 
-from cdcd.sinks.lake import LakeConsumer, LakeOptions
+from cdcd.lake.sink import LakeConsumer, LakeOptions
 
 
 class KillAtDrop(LakeConsumer):
@@ -120,7 +120,7 @@ def typed_rows(lake: Path, cache: str) -> dict[Any, Any]:
 
 @pytest.mark.timeout(300)
 def test_lake_drop_truncates_exactly_once_and_compaction_keeps_only_the_new_rows(tmp_path: Path, spark: Any) -> None:
-    from cdcd.lake.compact import compact
+    from cdcd.lake.maintenance.compact import compact
 
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
     drop = write_scenario(node_dir)
@@ -326,7 +326,7 @@ def test_split_truncates_drops_only_the_same_sources_older_rows_of_the_cache() -
     """A truncate of ``c`` by source A at (gen 1, 5:100) removes A's rows of ``c`` before it (an earlier
     generation at a higher position included) and keeps A's rows after it, B's rows of ``c`` and A's rows of
     other caches; the truncate rows themselves never reach the winners."""
-    from cdcd.lake.compact import FEED_COLUMNS, split_truncates
+    from cdcd.lake.maintenance.compact import FEED_COLUMNS, split_truncates
 
     rows = [
         _feed_row("create", "c", "A", (0, 9, 0, 0), '"gen0-later-pos"'),

@@ -18,13 +18,13 @@ from click.testing import CliRunner
 from cdcd.cli import main
 from cdcd.daemon.config import DaemonConfig
 from cdcd.kafka.options import KafkaSinkOptions, KafkaToNodeOptions
+from cdcd.lake.sink import LakeOptions
 from cdcd.lake.storage import StorageOptions
-from cdcd.lake.typed_declared import TableOptions
+from cdcd.lake.typed.declared import TableOptions
 from cdcd.node.config import NodeConfig
 from cdcd.replication.target import TargetOptions
 from cdcd.sinks import COMMON_KEYS
 from cdcd.sinks.jsonl import JsonlOptions
-from cdcd.sinks.lake import LakeOptions
 from cdcd.sinks.null import NullOptions
 from cdcd.sinks.python import PythonOptions
 from cdcd.sinks.replication import ReplicationOptions

@@ -48,8 +48,8 @@ import msgspec
 import pytest
 
 from cdcd.consumer import EventBatch
-from cdcd.lake.compact import compact
 from cdcd.lake.cuts import Cut, latest_cut
+from cdcd.lake.maintenance.compact import compact
 from cdcd.node import Node
 from tests.support.delta_lake import lake_consumer, wal_batch
 from tests.support.docs import (
@@ -726,7 +726,7 @@ def test_every_config_block_loads(tmp_path: Path) -> None:
     from cdcd.config import load_toml
     from cdcd.daemon.config import load_daemon_config
     from cdcd.kafka.options import KafkaToNodeOptions
-    from cdcd.lake.typed_declared import load_declared
+    from cdcd.lake.typed.declared import load_declared
     from cdcd.node.config import NodeConfig
     from cdcd.sinks import load_consumer
 

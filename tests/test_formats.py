@@ -23,9 +23,9 @@ from cdcd import formats
 from cdcd.daemon_state import FORMAT_KEY as STATE_FORMAT_KEY
 from cdcd.faults import ExitCode
 from cdcd.kafka.offsets import decode_record, encode_stored, stored
-from cdcd.lake.compact_mark import COMPACT_APP_ID, commit_ids, read_mark
 from cdcd.lake.cuts import CUTS, CUTS_SCHEMA, latest_cut, record_cut
 from cdcd.lake.cuts import FORMAT_KEY as CUTS_FORMAT_KEY
+from cdcd.lake.maintenance.compact_mark import COMPACT_APP_ID, commit_ids, read_mark
 from cdcd.lake.registry import FILE_NAME as REGISTRY
 from cdcd.lake.registry import read_registry
 from cdcd.lake.table import STATE

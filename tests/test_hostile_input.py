@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from cdcd.config import ConfigError, convert
 from cdcd.control import ControlServer, request
 from cdcd.daemon.config import NON_CONFIG_ENV, DaemonConfig, env_overrides, load_daemon_config
+from cdcd.lake.sink import LakeOptions
 from cdcd.node import Node, NodeConfig
-from cdcd.sinks.lake import LakeOptions
 from tests.support.procs import cdcd, child_env, start_daemon, stop_daemon, wait_for
 
 

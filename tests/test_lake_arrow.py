@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from cdcd.consumer import OP_NAMES, EventBatch, RecordSlice
-from cdcd.lake.arrow import SCHEMA, build_table, pack, split_slices, table_from_packed, to_json
-from cdcd.lake.spark_write import ship, unship
+from cdcd.lake.landing.arrow import SCHEMA, build_table, pack, split_slices, table_from_packed, to_json
+from cdcd.lake.landing.spark_write import ship, unship
 from cdcd.wal.dump import json_key, jsonable
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import CacheVersion, DataEntry, DataRecord, Op
@@ -206,7 +206,7 @@ def test_delta_partition_directories_are_safe_short_and_distinct(names: list[str
     """Any cache name (any characters, up to 255 of them, 4 bytes each) gets a partition directory value that is a
     plain name of at most 64 ASCII bytes ('cache=' plus it fits any file system), the same every time, and one per
     name; Delta keeps the real name in the log."""
-    from cdcd.lake.delta import partition_dir_value
+    from cdcd.lake.landing.delta import partition_dir_value
 
     dirs = [partition_dir_value(n) for n in names]
     for d in dirs:

@@ -18,12 +18,12 @@ from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.daemon_state import CdcMode, StateStore
 from cdcd.faults import ExitCode
-from cdcd.lake.arrow import key_to_json
-from cdcd.lake.compact import compact, compacted_version, state_lag, table_version
-from cdcd.lake.delta import app_id, decode_version
+from cdcd.lake.landing.arrow import key_to_json
+from cdcd.lake.landing.delta import app_id, decode_version
+from cdcd.lake.maintenance.compact import compact, compacted_version, state_lag, table_version
+from cdcd.lake.sink import LakeConsumer, LakeOptions
 from cdcd.node.identity import read_node_id
 from cdcd.node.snapshot import NodeSnapshot
-from cdcd.sinks.lake import LakeConsumer, LakeOptions
 from tests.support.config import NO_MAINTENANCE
 from tests.support.delta_lake import check_lake, delta_commits, lake_consumer, lake_rows
 from tests.support.delta_tables import state_rows

@@ -10,8 +10,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cdcd.lake.delta import ChangeTable
-from cdcd.lake.parquet_files import SMALL_FILE_ROWS, file_stats
+from cdcd.lake.landing.delta import ChangeTable
+from cdcd.lake.landing.parquet_files import SMALL_FILE_ROWS, file_stats
 from cdcd.lake.table import CHANGE_SCHEMA
 
 

@@ -1,4 +1,4 @@
-"""``cdcd lake check`` (cdcd/lake/check.py) on real Delta tables written by the real lake sink,
+"""``cdcd lake check`` (cdcd/lake/reading/check.py) on real Delta tables written by the real lake sink,
 damaged as an operator meets it: a deleted Parquet file of ``changes``, a torn or garbage commit
 file, a garbage ``_last_checkpoint``. Each fault is one line naming the file; ``lake show`` and
 ``lake verify`` stop on it with DamagedLake (one line, its own exit code) instead of a traceback,
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from deltalake import DeltaTable
 
-from cdcd.lake.check import EXIT_DAMAGED_LAKE, DamagedLake, check_lake, report_lines
-from cdcd.lake.ops import show
-from cdcd.lake.verify import verify
+from cdcd.lake.maintenance.ops import show
+from cdcd.lake.reading.check import EXIT_DAMAGED_LAKE, DamagedLake, check_lake, report_lines
+from cdcd.lake.reading.verify import verify
+from cdcd.lake.sink import LakeConsumer, LakeOptions
 from cdcd.node.snapshot import NodeSnapshot
-from cdcd.sinks.lake import LakeConsumer, LakeOptions
 from tests.support.config import NO_MAINTENANCE
 from tests.support.delta_lake import lake_consumer, sub_batch, wal_batch
 from tests.support.lake import write_config
@@ -248,8 +248,8 @@ def test_lake_check_covers_the_cuts_and_every_typed_table(tmp_path: Path) -> Non
     import pyarrow as pa
     from deltalake import write_deltalake
 
-    from cdcd.lake.check import require_sound
     from cdcd.lake.cuts import record_cut, table_path
+    from cdcd.lake.reading.check import require_sound
     from tests.support.delta_tables import change, compacted_lake
     from tests.support.procs import cdcd
 

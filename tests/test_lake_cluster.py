@@ -18,9 +18,9 @@ import pyarrow.compute as pc
 import pytest
 from deltalake import DeltaTable
 
-from cdcd.lake.delta import app_id, decode_version
+from cdcd.lake.landing.delta import app_id, decode_version
+from cdcd.lake.landing.spark_write import TASK_WRITTEN
 from cdcd.lake.spark import S3A_ARTIFACTS, jar_name, jars_dir
-from cdcd.lake.spark_write import TASK_WRITTEN
 from cdcd.lake.storage import LakeLocation, StorageOptions
 from cdcd.node.identity import read_node_id
 from tests.support.lake import caught_up, position, write_config
@@ -284,7 +284,7 @@ def test_s3a_jars_are_fetched_by_make_install() -> None:
 def test_on_an_object_store_the_default_writer_is_deltalake_and_spark_is_accepted() -> None:
     import msgspec
 
-    from cdcd.sinks.lake import LakeConsumer, LakeOptions
+    from cdcd.lake.sink import LakeConsumer, LakeOptions
 
     assert msgspec.convert({"lake_path": "s3://b/p", "writer": "spark"}, LakeOptions).uses_spark
     with pytest.raises(msgspec.ValidationError, match="unknown scheme 'ftp'"):

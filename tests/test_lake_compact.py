@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from cdcd.lake import spark as spark_session
-from cdcd.lake.compact import COMPACT_APP_ID, compact, compacted_version, state_lag, table_version
+from cdcd.lake.maintenance.compact import COMPACT_APP_ID, compact, compacted_version, state_lag, table_version
 from cdcd.lake.table import CHANGES, STATE
 from tests.support.compaction import QUICK_JVM, compact_env, kill_group, run_compact
 from tests.support.delta_tables import append_changes, change, expected_state, state_rows

@@ -1,5 +1,5 @@
 """Consistent cuts across cache tables (cdcd/lake/cuts.py), the readers that open every cache table at
-one cut (DuckDB, Spark, polars; cdcd/lake/readers.py) and ``cdcd lake sql`` (cdcd/lake/sql.py).
+one cut (DuckDB, Spark, polars; cdcd/lake/reading/readers.py) and ``cdcd lake sql`` (cdcd/lake/reading/sql.py).
 
 The tables here are real Delta tables made with delta-rs, laid out as compaction lays them out
 (``<lake>/tables/<dir>``, ``cdcd.cache`` in the metadata). Each table is one version AHEAD of the
@@ -27,8 +27,15 @@ from cdcd.lake.cuts import (
     source_positions,
     table_path,
 )
-from cdcd.lake.readers import duckdb_connect, polars_frames, register_duckdb, register_spark, spark_frames, view_names
-from cdcd.lake.sql import lake_sql
+from cdcd.lake.reading.readers import (
+    duckdb_connect,
+    polars_frames,
+    register_duckdb,
+    register_spark,
+    spark_frames,
+    view_names,
+)
+from cdcd.lake.reading.sql import lake_sql
 from tests.support.delta_tables import append_changes, change
 
 ODD = 'odd name.x "q" `b` = ;'
@@ -390,7 +397,7 @@ def landed_ledger_rows(lake: Path) -> int:
 def land(node_dir: Path, lake: Path) -> None:
     """An in-process daemon lands everything the CDC dir holds (JVM-free writer)."""
     from cdcd.daemon import Daemon, DaemonConfig
-    from cdcd.sinks.lake import LakeConsumer, LakeOptions
+    from cdcd.lake.sink import LakeConsumer, LakeOptions
     from tests.support.config import NO_MAINTENANCE
 
     sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake", **NO_MAINTENANCE))
@@ -411,7 +418,7 @@ def test_a_compaction_held_between_its_table_commits_leaves_the_latest_cut_whole
     import threading
 
     from cdcd import failpoints
-    from cdcd.lake.compact import compact
+    from cdcd.lake.maintenance.compact import compact
     from cdcd.lake.table import CHANGES
     from cdcd.node import Node
 
@@ -610,7 +617,7 @@ def test_compaction_records_its_cut_and_a_missing_one_at_the_next_run(spark: Any
     removed) gets it recorded by the next run, which has nothing else to do."""
     import shutil
 
-    from cdcd.lake.compact import compact
+    from cdcd.lake.maintenance.compact import compact
 
     append_changes(
         tmp_path,

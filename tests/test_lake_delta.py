@@ -28,9 +28,9 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
 
-from cdcd.lake.delta import MAX_OFFSET, MAX_SEGMENT, LakeWriteError, app_id, decode_version, encode_version
+from cdcd.lake.landing.delta import MAX_OFFSET, MAX_SEGMENT, LakeWriteError, app_id, decode_version, encode_version
+from cdcd.lake.sink import LakeConsumer, LakeOptions
 from cdcd.node import Node
-from cdcd.sinks.lake import LakeConsumer, LakeOptions
 from cdcd.wal import WalPointer
 from tests.support.config import NO_MAINTENANCE
 from tests.support.delta_lake import (
@@ -238,8 +238,8 @@ def test_a_commit_lost_to_another_writer_of_the_same_records_is_neither_counted_
     its own (the racing test above once saw 55 commits counted for 54 in the log, after a
     lake_commit_error_after_landing warning), and its own files, named by no commit, are deleted. It answers
     False: the caller filters the batch again and finds nothing left to land."""
-    from cdcd.lake.arrow import build_table
-    from cdcd.lake.delta import ChangeTable
+    from cdcd.lake.landing.arrow import build_table
+    from cdcd.lake.landing.delta import ChangeTable
 
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
     make_node(node_dir, segments=1, tx_per_segment=5)

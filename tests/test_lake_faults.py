@@ -28,7 +28,7 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
-from cdcd.lake.delta import app_id, decode_version
+from cdcd.lake.landing.delta import app_id, decode_version
 from tests.support.delta_lake import (
     check_lake,
     check_moment,
@@ -62,7 +62,7 @@ import os
 import signal
 from pathlib import Path
 
-from cdcd.sinks.lake import LakeConsumer, LakeOptions
+from cdcd.lake.sink import LakeConsumer, LakeOptions
 
 
 class KillingLake(LakeConsumer):

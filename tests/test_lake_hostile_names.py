@@ -21,9 +21,9 @@ import msgspec
 import pyarrow as pa
 import pytest
 
-from cdcd.lake.compact import compact
+from cdcd.lake.maintenance.compact import compact
 from cdcd.lake.table import CHANGE_SCHEMA
-from cdcd.lake.typed_infer import (
+from cdcd.lake.typed.infer import (
     BAD_CHARS,
     KEY,
     MAX_NESTING,
@@ -35,8 +35,8 @@ from cdcd.lake.typed_infer import (
     rebuild,
     type_of,
 )
-from cdcd.lake.typed_layout import list_tables, read_layout, scan_tables
-from cdcd.lake.typed_layout import table_dir as lake_table_dir
+from cdcd.lake.typed.layout import list_tables, read_layout, scan_tables
+from cdcd.lake.typed.layout import table_dir as lake_table_dir
 from tests.support.delta_tables import append_changes, change, state_rows
 
 CONTROLS = [chr(c) for c in [*range(0x20), *range(0x7F, 0xA0)]]
@@ -81,7 +81,7 @@ def typed_rows(path: Path, reader: str, spark: Any) -> list[dict[str, Any]]:
 
         return pl.read_delta(str(path)).to_dicts()
     if reader == "duckdb":
-        from cdcd.lake.readers import duckdb_connect
+        from cdcd.lake.reading.readers import duckdb_connect
 
         sql = "SELECT * FROM delta_scan('" + str(path).replace("'", "''") + "')"
         return duckdb_connect().sql(sql).arrow().read_all().to_pylist()  # type: ignore[no-any-return]
@@ -181,7 +181,7 @@ def test_hostile_field_names_and_deep_values_compact_twice_and_every_reader_read
     assert tick == {"a`b": "a$60b", "n": "n", "`": "$60"}
     deep = read_layout(table_dir(lake, "deep"))
     assert not deep.key_json and {name for name in deep.columns} == {"d", "l"}  # typed from key 3's values
-    from cdcd.lake.readers import duckdb_connect
+    from cdcd.lake.reading.readers import duckdb_connect
 
     path = str(table_dir(lake, "deep"))
     started = time.monotonic()
@@ -217,7 +217,7 @@ def test_an_unreadable_table_and_a_failing_one_are_skipped_while_state_and_the_o
     compaction rebuilds the failed table from ``state`` (its stale mark) and it is exact again; the unreadable one
     stays skipped until its directory is deleted, then it is rebuilt from ``state`` too."""
     from cdcd.lake.cuts import latest_cut
-    from cdcd.lake.typed_tables import STALE_MARK
+    from cdcd.lake.typed.tables import STALE_MARK
     from tests.support.cli import run_cli
 
     lake = tmp_path / "lake"
@@ -260,7 +260,7 @@ def test_an_unreadable_table_and_a_failing_one_are_skipped_while_state_and_the_o
     assert cut is not None and set(cut.tables) == {"a", "c"}
 
     # Scheduled maintenance, as a daemon runs it: runs go on with the unreadable table skipped, none fails.
-    from cdcd.lake.maintainer import Maintainer, MaintainerOptions
+    from cdcd.lake.maintenance.maintainer import Maintainer, MaintainerOptions
     from tests.support.procs import wait_for
 
     maintainer = Maintainer(lake, spark, MaintainerOptions(compact_interval_s=0.2, optimize_interval_s=0))
@@ -334,7 +334,7 @@ def landed_lake(tmp: Path) -> tuple[Path, Path]:
     """A node's WAL landed by the real sink in four commits, a checkpoint of ``changes`` after the second."""
     from deltalake import DeltaTable
 
-    from cdcd.sinks.lake import LakeConsumer, LakeOptions
+    from cdcd.lake.sink import LakeConsumer, LakeOptions
     from tests.support.config import NO_MAINTENANCE
     from tests.support.delta_lake import sub_batch, wal_batch
     from tests.support.writer import make_node
@@ -369,8 +369,8 @@ def test_a_daemon_starting_on_changes_with_a_deleted_or_cut_data_file_stops_with
     """A data file the last checkpoint names deleted: ``cdcd run`` exits 8 (as ``lake compact``/``verify``/``check``
     stop) with one error line naming the file and no traceback, and lands nothing; a file of a commit after the
     checkpoint cut short: the sink's start names it and both sizes."""
-    from cdcd.lake.check import EXIT_DAMAGED_LAKE, DamagedLake
-    from cdcd.sinks.lake import LakeConsumer, LakeOptions
+    from cdcd.lake.reading.check import EXIT_DAMAGED_LAKE, DamagedLake
+    from cdcd.lake.sink import LakeConsumer, LakeOptions
     from tests.support.config import NO_MAINTENANCE
     from tests.support.delta_lake import lake_consumer
     from tests.support.lake import write_config
@@ -408,8 +408,8 @@ def test_a_daemon_starting_on_changes_with_a_deleted_or_cut_data_file_stops_with
 def test_the_start_check_of_changes_data_files_on_an_object_store(tmp_path: Path) -> None:
     """The same check on ``s3://`` (MinIO on loopback: one listing, no file read): a whole table passes; a
     deleted object and one cut short are each named, the first with how many more."""
-    from cdcd.lake.check import DamagedLake
-    from cdcd.lake.feed import require_live_files
+    from cdcd.lake.maintenance.feed import require_live_files
+    from cdcd.lake.reading.check import DamagedLake
     from cdcd.lake.storage import StorageOptions, lake_root, open_delta
     from cdcd.lake.table import CHANGES, CHANGES_PROPERTIES, PARTITION_BY
     from tests.support.servers import MINIO_BIN, MINIO_PASSWORD, MINIO_USER, MinioServer

@@ -10,7 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
-from cdcd.lake.autocompact import files_per_partition
+from cdcd.lake.maintenance.autocompact import files_per_partition
 from cdcd.lake.table import CHANGES, PARTITION_BY
 from tests.support.delta_lake import lake_rows
 from tests.support.lake import process_tree, run_to_end, wait_started, write_config

@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cdcd.consumer import RecordSlice
-from cdcd.lake import _rows
-from cdcd.lake.arrow import key_to_json, pack, to_json
-from cdcd.lake.jsontext import KEY_MAX_NESTING, key_json_bytes, to_json_bytes
-from cdcd.lake.typed_infer import decode_all, key_type
+from cdcd.lake.landing import _rows
+from cdcd.lake.landing.arrow import key_to_json, pack, to_json
+from cdcd.lake.landing.jsontext import KEY_MAX_NESTING, key_json_bytes, to_json_bytes
+from cdcd.lake.typed.infer import decode_all, key_type
 from cdcd.node.writes import MAX_NESTING, key_encoder
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import CacheVersion, DataEntry, DataRecord, Op
@@ -404,7 +404,7 @@ def _typed_keys(lake: Path, cache: str) -> tuple[pa.DataType, list[Any]]:
 
 
 def _land_compact_verify(tmp_path: Path, node_dir: Path, lake: Path, run: str, spark: Any) -> str:
-    from cdcd.lake.compact import compact
+    from cdcd.lake.maintenance.compact import compact
     from tests.support.delta_lake import lake_consumer
     from tests.support.lake import wait_caught_up, wait_started, write_config
     from tests.support.procs import cdcd, start_daemon, stop_daemon

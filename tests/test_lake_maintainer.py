@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from cdcd.lake.compact import NotADeltaLake, compacted_version, table_version
-from cdcd.lake.maintainer import Maintainer, MaintainerOptions, MaintenanceFailed
+from cdcd.lake.maintenance.compact import NotADeltaLake, compacted_version, table_version
+from cdcd.lake.maintenance.maintainer import Maintainer, MaintainerOptions, MaintenanceFailed
 from cdcd.lake.table import CHANGES
 from tests.support.delta_tables import append_changes, change, expected_state, state_rows
 from tests.support.procs import wait_for
@@ -79,7 +79,7 @@ def test_each_run_s_duration_is_measured_and_exported(spark: Any, tmp_path: Path
     from prometheus_client import REGISTRY
 
     from cdcd import metrics
-    from cdcd.lake.compact import CompactResult, compact
+    from cdcd.lake.maintenance.compact import CompactResult, compact
 
     metrics.export(metrics.LAKE)
 
@@ -172,8 +172,8 @@ def test_the_lake_sink_runs_it_and_fails_when_it_gave_up(spark: Any, tmp_path: P
     Maintainer (on the process's SparkSession) compacts it into `state` without an operator; a Maintainer
     that gave up makes `alive()` raise its error (the daemon's exit line names it) and the next batch fail
     with it."""
+    from cdcd.lake.sink import LakeConsumer, LakeOptions
     from cdcd.node import Node
-    from cdcd.sinks.lake import LakeConsumer, LakeOptions
     from tests.support.delta_lake import wal_batch
 
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
@@ -221,8 +221,8 @@ def test_conflicts_with_a_neighbour_are_retried_not_counted(spark: Any, tmp_path
     from prometheus_client import REGISTRY
 
     from cdcd import metrics
-    from cdcd.lake.compact import compact
-    from cdcd.lake.maintainer import is_conflict
+    from cdcd.lake.maintenance.compact import compact
+    from cdcd.lake.maintenance.maintainer import is_conflict
 
     metrics.export(metrics.LAKE)
     lake = tmp_path / "lake"
@@ -268,7 +268,7 @@ def test_conflicts_with_a_neighbour_are_retried_not_counted(spark: Any, tmp_path
 def test_a_table_created_by_a_neighbour_meanwhile_is_a_conflict(tmp_path: Path) -> None:
     """Two first compactions create `state` at once; the loser's "not empty and also not a Delta table" is a
     conflict once the location is a Delta table (the neighbour's), a failure while it is not."""
-    from cdcd.lake.maintainer import is_conflict
+    from cdcd.lake.maintenance.maintainer import is_conflict
 
     state = tmp_path / "lake" / "state"
     state.mkdir(parents=True)
@@ -332,7 +332,7 @@ def test_a_compaction_lost_to_a_neighbour_that_folded_the_same_changes_is_progre
     to retry and no failure, but a run done by the neighbour (logged, counted in
     cdcd_lake_maintenance_by_neighbour_total{task="compact"}, the last-maintenance time set) and state current."""
     from cdcd import metrics
-    from cdcd.lake.compact import compact
+    from cdcd.lake.maintenance.compact import compact
 
     metrics.export(metrics.LAKE)
     lake = tmp_path / "lake"
@@ -371,7 +371,7 @@ def test_an_optimize_lost_to_a_neighbours_is_retried_and_recognised_as_done(spar
     after a backoff; the retry finds the neighbour's commit since the lost attempt began and counts the run as
     done by the neighbour instead of rewriting the files again; the next scheduled run is its own."""
     from cdcd import metrics
-    from cdcd.lake.ops import optimize
+    from cdcd.lake.maintenance.ops import optimize
 
     metrics.export(metrics.LAKE)
     lake = tmp_path / "lake"
@@ -409,7 +409,7 @@ def test_a_gap_in_the_changes_log_seen_while_neighbours_commit_is_a_conflict(tmp
     """delta-spark listing `_delta_log` while neighbours commit can miss a file created during the listing and
     report the versions not contiguous; that is a conflict when the missing commits are there now, near the
     table's head, and a real failure when a commit is missing for good."""
-    from cdcd.lake.maintainer import is_conflict
+    from cdcd.lake.maintenance.maintainer import is_conflict
 
     lake = tmp_path / "lake"
     for i in range(5):
@@ -431,7 +431,7 @@ def test_an_optimize_longer_than_its_interval_is_followed_after_as_long_again(sp
     """OPTIMIZE every 0.05 s, each run taking 0.6 s: the next starts only after as long as the last took (less
     the schedule's jitter), so the thread is free for compaction at least half the time instead of running
     OPTIMIZE back to back."""
-    from cdcd.lake.maintainer import SCHEDULE_JITTER
+    from cdcd.lake.maintenance.maintainer import SCHEDULE_JITTER
 
     runs: list[tuple[float, float]] = []
 

@@ -13,10 +13,10 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
-from cdcd.lake.compact import compact
-from cdcd.lake.ops import optimize
+from cdcd.lake.maintenance.compact import compact
+from cdcd.lake.maintenance.ops import optimize
+from cdcd.lake.sink import LakeConsumer, LakeOptions
 from cdcd.node import Node
-from cdcd.sinks.lake import LakeConsumer, LakeOptions
 from tests.support.config import NO_MAINTENANCE
 from tests.support.delta_lake import lake_consumer, wal_batch
 from tests.support.delta_tables import append_changes, change, expected_state, state_rows

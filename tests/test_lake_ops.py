@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from cdcd.lake.arrow import to_json
-from cdcd.lake.compact import compact, state_lag
-from cdcd.lake.ops import Vacuumed, VacuumRefused, data_files_on_disk, optimize, vacuum
-from cdcd.lake.report import byte_size, printable
+from cdcd.lake.landing.arrow import to_json
+from cdcd.lake.maintenance.compact import compact, state_lag
+from cdcd.lake.maintenance.ops import Vacuumed, VacuumRefused, data_files_on_disk, optimize, vacuum
+from cdcd.lake.reading.report import byte_size, printable
 from cdcd.lake.table import CHANGES
 from cdcd.node import Node
 from cdcd.node.snapshot import NodeSnapshot
@@ -304,7 +304,7 @@ def test_optimize_leaves_files_at_or_above_its_minimum_size_alone(
     import pyarrow as pa
     from deltalake import DeltaTable
 
-    from cdcd.lake import ops
+    from cdcd.lake.maintenance import ops
 
     adds = pa.table(DeltaTable(str(lake / CHANGES)).get_add_actions(flatten=True))
     sizes = sorted(adds.column("size_bytes").to_pylist())

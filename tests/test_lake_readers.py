@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from cdcd.lake.compact import compact
+from cdcd.lake.maintenance.compact import compact
 from cdcd.lake.table import CHANGES, STATE
 from tests.support.delta_tables import append_changes, change, expected_state
 
@@ -80,7 +80,7 @@ def test_polars(lake: Path) -> None:
 
 def test_duckdb_with_the_delta_extension_from_its_wheel(lake: Path) -> None:
     """Loaded from the installed wheel with DuckDB's own autoinstall/autoload off: no network."""
-    from cdcd.lake.readers import duckdb_connect
+    from cdcd.lake.reading.readers import duckdb_connect
 
     con = duckdb_connect()
     rows = con.execute(f"SELECT cache, key, value FROM delta_scan('{lake / STATE}')").fetchall()
@@ -95,8 +95,8 @@ def test_make_run_ending_queries_the_typed_tables_with_spark_sql(
     """What `make run` ends with: the lake path, the cut, a typed Spark SQL query over the cache tables
     (views at that cut) and its result, then one summary line (the checks here are `lake verify`'s)."""
     from cdcd.lake.cuts import latest_cut
-    from cdcd.lake.report import print_demo_ending
-    from cdcd.lake.verify import CacheCheck
+    from cdcd.lake.reading.report import print_demo_ending
+    from cdcd.lake.reading.verify import CacheCheck
 
     checks = [CacheCheck("new\nline", 1, 1, 7, 7), CacheCheck("orders", 2, 2, 9, 9)]
     cut = latest_cut(lake)

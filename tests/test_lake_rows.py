@@ -1,6 +1,6 @@
-"""The lake's row builders against their definition: the C module (cdcd/lake/_rows.c) writes the JSON
+"""The lake's row builders against their definition: the C module (cdcd/lake/landing/_rows.c) writes the JSON
 text of any key or value byte for byte as ``jsontext.to_json_bytes`` does and never takes the Python
-fallback for the common values; the C module and the Python path (cdcd/lake/rows_py.py) give the same
+fallback for the common values; the C module and the Python path (cdcd/lake/landing/rows_py.py) give the same
 buffers for any records, fixed-width columns hold each entry's fields, extra fields a later schema
 appends are skipped, and a malformed input raises ValueError naming the place (never a crash, never
 rows made up). Which builder a process uses, and what it says when the C module is missing."""
@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cdcd.consumer import RecordSlice
-from cdcd.lake import _rows, arrow, rows_py
-from cdcd.lake.arrow import pack, table_from_packed
-from cdcd.lake.jsontext import InvalidValue, key_json_bytes, to_json_bytes
+from cdcd.lake.landing import _rows, arrow, rows_py
+from cdcd.lake.landing.arrow import pack, table_from_packed
+from cdcd.lake.landing.jsontext import InvalidValue, key_json_bytes, to_json_bytes
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import CacheVersion, DataEntry, DataRecord, Op
 from tests.support.wal_fuzz import COLUMN_WIDTHS, compare_row_builders
@@ -358,15 +358,15 @@ BLOCK_C_MODULE = """
 import importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name == "cdcd.lake._rows":
+        if name == "cdcd.lake.landing._rows":
             raise ImportError("blocked: as if never built")
 sys.meta_path.insert(0, Block())
 """
 
 USE_ROWS = """
 import msgspec
-from cdcd.lake import arrow, rows_py
-from cdcd.lake.jsontext import key_json_bytes, to_json_bytes
+from cdcd.lake.landing import arrow, rows_py
+from cdcd.lake.landing.jsontext import key_json_bytes, to_json_bytes
 entry = [7, 1, b"\\xa1k", b"\\x81\\xa1v\\x01", 9, [5, 1, 2, 3], True, 0]
 data = msgspec.msgpack.encode([[0, 8, 0, None, [1, [entry, entry], 10**18]]])
 first = arrow.build_columns(data, to_json_bytes, key_json_bytes)
@@ -403,7 +403,7 @@ def test_the_environment_chooses_the_python_path_without_a_warning() -> None:
     [("fast", False, "CDCD_LAKE_ROWS='fast' is not 'c' or 'python'"), ("c", True, "CDCD_LAKE_ROWS=c but")],
 )
 def test_a_bad_choice_fails_at_import_naming_the_variable(value: str, blocked: bool, error: str) -> None:
-    res = _python((BLOCK_C_MODULE if blocked else "") + "import cdcd.lake.arrow", CDCD_LAKE_ROWS=value)
+    res = _python((BLOCK_C_MODULE if blocked else "") + "import cdcd.lake.landing.arrow", CDCD_LAKE_ROWS=value)
     assert res.returncode == 1
     assert error in res.stderr
 

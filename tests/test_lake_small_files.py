@@ -1,4 +1,4 @@
-"""Small files bounded at every moment (issue 43 item 1, cdcd/lake/autocompact.py): the writer rewrites the
+"""Small files bounded at every moment (issue 43 item 1, cdcd/lake/maintenance/autocompact.py): the writer rewrites the
 partitions its commit touched by size tiers, compaction does the same to ``state`` and the typed tables, and a
 rewrite changes no row, loses none and duplicates none, also when the daemon is SIGKILLed in the middle of one.
 
@@ -24,11 +24,11 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
-from cdcd.lake.autocompact import COMMIT_TAG, FilePolicy, files_per_partition
-from cdcd.lake.feed import read_feed
+from cdcd.lake.maintenance.autocompact import COMMIT_TAG, FilePolicy, files_per_partition
+from cdcd.lake.maintenance.feed import read_feed
+from cdcd.lake.sink import LakeConsumer, LakeOptions
 from cdcd.lake.table import CHANGES, PARTITION_BY, STATE
 from cdcd.node import Node
-from cdcd.sinks.lake import LakeConsumer, LakeOptions
 from tests.support.delta_lake import check_moment, lake_rows, record_sizes, sub_batch, wal_batch
 from tests.support.lake import position, process_tree, run_to_end, wait_gone, wait_started, write_config
 from tests.support.procs import child_env, stop_daemon, wait_for
@@ -132,7 +132,7 @@ def test_the_sink_bounds_every_partition_after_every_commit_and_no_row_moves(spa
     every WAL entry exactly once; the change data feed compaction reads (every version, rewrites included) is
     exactly those rows; the rewrites are commits that change no data and move no source's mark; and a Spark
     compaction afterwards makes ``state`` the node's caches."""
-    from cdcd.lake.compact import compact
+    from cdcd.lake.maintenance.compact import compact
 
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
     _hostile_node(node_dir, 150)
@@ -189,8 +189,8 @@ def test_the_jvm_free_rewrite_and_sparks_optimize_give_the_same_table(spark: Any
     """Where both run: the same 60 small commits bin-packed by the JVM-free tiered rewrite and, on a copy, by
     Spark's OPTIMIZE: the same rows (every column of every row) and the same column types, as Spark and delta-rs
     read them."""
-    from cdcd.lake.autocompact import rewrite_partitions
-    from cdcd.lake.ops import optimize
+    from cdcd.lake.maintenance.autocompact import rewrite_partitions
+    from cdcd.lake.maintenance.ops import optimize
 
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
     _hostile_node(node_dir, 60)

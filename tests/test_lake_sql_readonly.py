@@ -1,6 +1,6 @@
-"""``cdcd lake sql`` reads and never writes (cdcd/lake/sql.py, docs/lake.md "SQL by name"): on a lake that real
+"""``cdcd lake sql`` reads and never writes (cdcd/lake/reading/sql.py, docs/lake.md "SQL by name"): on a lake that real
 Spark compaction made (changes, state, typed tables, cuts), ``SELECT *`` works on every cache in every format and
-through ``cdcd.lake.readers`` (``_commit_ts`` is a timestamp with time zone: DuckDB hands it to Python through
+through ``cdcd.lake.reading.readers`` (``_commit_ts`` is a timestamp with time zone: DuckDB hands it to Python through
 pytz); every statement that is not one query is refused by the engine's own parser, one line and exit 2, on
 DuckDB and on Spark; a list of write attempts on both engines changes no byte under the lake; DuckDB opens no file
 outside it; and a query that fails half-way prints nothing but its error line."""
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from cdcd.lake.readers import duckdb_connect, quote_identifier, register_duckdb, view_names
-from cdcd.lake.sql import NotAQuery, duckdb_statement_check, lake_sql, spark_statement_check
+from cdcd.lake.reading.readers import duckdb_connect, quote_identifier, register_duckdb, view_names
+from cdcd.lake.reading.sql import NotAQuery, duckdb_statement_check, lake_sql, spark_statement_check
 from tests.support.delta_tables import append_changes, change, expected_state
 from tests.support.lake import TEST_MASTER
 from tests.support.procs import cdcd
@@ -59,7 +59,7 @@ LIVE = {cache: sum(1 for c, _ in expected_state(ROWS) if c == cache) for cache i
 def lake(tmp_path_factory: pytest.TempPathFactory, spark: Any) -> Path:
     """Changes landed by delta-rs as the sink lays them out, then one real compaction (state, a typed table
     per cache, a cut), in the worker's Spark session."""
-    from cdcd.lake.compact import compact
+    from cdcd.lake.maintenance.compact import compact
 
     root = tmp_path_factory.mktemp("sql-readonly") / "lake"
     append_changes(root, ROWS)
@@ -216,7 +216,7 @@ def test_output_is_written_only_once_the_result_is_complete(lake: Path) -> None:
     failing = "SELECT CASE WHEN n < 25000 THEN n ELSE error('boom at ' || n) END AS n FROM range(30000) t(n)"
     for fmt in ("table", "csv", "json"):
         out, err = io.StringIO(), io.StringIO()
-        from cdcd.lake.sql import run_sql
+        from cdcd.lake.reading.sql import run_sql
 
         assert run_sql(lake, failing, out, err, fmt=fmt) == 1
         assert out.getvalue() == ""
@@ -269,7 +269,7 @@ def _spark_attempts(lake: Path) -> list[str]:
         f"EXECUTE IMMEDIATE 'DELETE FROM {state}'",
         f"EXPLAIN DELETE FROM {state}",
         f"SELECT 1; DELETE FROM {state}",
-        "SELECT reflect('java.lang.System', 'setProperty', 'cdcd.lake.sql', 'x')",
+        "SELECT reflect('java.lang.System', 'setProperty', 'cdcd.lake.reading.sql', 'x')",
         "CREATE TEMP VIEW v AS SELECT 1",
         "CACHE TABLE orders",
         "SET spark.sql.shuffle.partitions = 1",

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cdcd.lake.compact import compact
+from cdcd.lake.maintenance.compact import compact
 from cdcd.lake.table import CHANGE_SCHEMA
-from cdcd.lake.typed_declared import DeclaredSchemaError, load_declared
-from cdcd.lake.typed_infer import (
+from cdcd.lake.typed.declared import DeclaredSchemaError, load_declared
+from cdcd.lake.typed.infer import (
     BAD_CHARS,
     KEY,
     META_COLUMNS,
@@ -33,8 +33,8 @@ from cdcd.lake.typed_infer import (
     rebuild,
     top_checker,
 )
-from cdcd.lake.typed_layout import CACHE_PROPERTY, NotATypedTable, list_tables, read_layout, table_dir
-from cdcd.lake.typed_show import tables_show
+from cdcd.lake.typed.layout import CACHE_PROPERTY, NotATypedTable, list_tables, read_layout, table_dir
+from cdcd.lake.typed.show import tables_show
 from tests.support.delta_tables import append_changes, change, expected_state
 from tests.support.procs import wait_for
 
@@ -203,7 +203,7 @@ def typed_rows(path: Path, reader: str, spark: Any) -> list[dict[str, Any]]:
         import polars as pl
 
         return pl.read_delta(str(path)).to_dicts()
-    from cdcd.lake.readers import duckdb_connect
+    from cdcd.lake.reading.readers import duckdb_connect
 
     sql = "SELECT * FROM delta_scan('" + str(path).replace("'", "''") + "')"
     return duckdb_connect().sql(sql).arrow().read_all().to_pylist()  # type: ignore[no-any-return]
@@ -285,7 +285,7 @@ def test_compaction_types_evolves_rescues_and_every_reader_reads_it(spark: Any, 
     path = str(lake / "tables" / "orders")
     total = spark.sql(f"SELECT sum(qty) AS n FROM delta.`{path}`").collect()[0]["n"]
     assert total == 3 + 4  # key 1's {"many": true} is rescued, key 2 deleted
-    from cdcd.lake.readers import duckdb_connect
+    from cdcd.lake.reading.readers import duckdb_connect
 
     assert duckdb_connect().sql(f"SELECT sum(qty) FROM delta_scan('{path}')").fetchone() == (7,)
     rescued = spark.sql(f"SELECT key, {RESCUED} FROM delta.`{path}` WHERE {RESCUED} IS NOT NULL ORDER BY key").collect()
@@ -370,9 +370,9 @@ def test_node_values_round_trip_a_resent_cache_and_a_new_cache_arrive_on_schedul
     into the lake that already holds it, with writes after the resend: the new cache is a table after
     the next compaction, the resent one has no duplicate keys and the newest version of each key."""
     from cdcd.config import convert as convert_options
-    from cdcd.lake.compact import compacted_version, table_version
+    from cdcd.lake.maintenance.compact import compacted_version, table_version
+    from cdcd.lake.sink import LakeConsumer, LakeOptions
     from cdcd.node import Node
-    from cdcd.sinks.lake import LakeConsumer, LakeOptions
     from tests.support.delta_lake import wal_batch
 
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
@@ -430,7 +430,7 @@ def test_compaction_killed_between_the_tables_and_state_redoes_only_state(spark:
     application transaction covers the range), which hold exactly the latest value per key."""
     import signal
 
-    from cdcd.lake.compact import compacted_version
+    from cdcd.lake.maintenance.compact import compacted_version
     from tests.support.compaction import compact_env, kill_group, run_compact
 
     lake = tmp_path / "lake"
@@ -448,7 +448,7 @@ def test_compaction_killed_between_the_tables_and_state_redoes_only_state(spark:
     assert compacted_version(lake) == version - 1
     from deltalake import DeltaTable
 
-    from cdcd.lake.compact import COMPACT_APP_ID
+    from cdcd.lake.maintenance.compact import COMPACT_APP_ID
 
     for path in list_tables(lake).values():
         assert DeltaTable(str(path)).transaction_version(COMPACT_APP_ID) == version, path
@@ -476,10 +476,10 @@ def test_a_node_re_created_in_a_fresh_dir_wins_in_the_typed_tables_as_in_state(s
 
     from deltalake import DeltaTable
 
+    from cdcd.lake.sink import LakeConsumer, LakeOptions
     from cdcd.lake.storage import spark_path
-    from cdcd.lake.typed_layout import schema_info
+    from cdcd.lake.typed.layout import schema_info
     from cdcd.node import Node
-    from cdcd.sinks.lake import LakeConsumer, LakeOptions
     from tests.support.delta_lake import wal_batch
     from tests.support.delta_tables import state_rows
 

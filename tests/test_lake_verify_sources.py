@@ -8,7 +8,7 @@ from pathlib import Path
 
 import structlog
 
-from cdcd.lake.verify import verify
+from cdcd.lake.reading.verify import verify
 from cdcd.node import Node
 from cdcd.node.snapshot import NodeSnapshot
 

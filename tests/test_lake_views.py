@@ -1,4 +1,4 @@
-"""View names are injective (cdcd/lake/readers.py ``view_names``, docs/lake.md "View names"): whatever the cache
+"""View names are injective (cdcd/lake/reading/readers.py ``view_names``, docs/lake.md "View names"): whatever the cache
 names, no two caches get views an engine confuses, and each view reads its own cache's rows, in DuckDB (ASCII
 case-insensitive) and Spark (Unicode case-insensitive). Before, with caches ``ORDERS``, ``Orders`` and ``orders``
 one view was ``Orders#2``, so a cache literally named ``orders#2`` read Orders' rows, and a cache named
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cdcd.lake.cuts import record_cut, table_path
-from cdcd.lake.readers import (
+from cdcd.lake.reading.readers import (
     cache_of_view,
     duckdb_connect,
     escape_view_name,
@@ -25,7 +25,7 @@ from cdcd.lake.readers import (
     register_spark,
     view_names,
 )
-from cdcd.lake.sql import lake_sql
+from cdcd.lake.reading.sql import lake_sql
 
 COLLIDING = ["ORDERS", "Orders", "orders", "orders#2", "Orders#2", "a\0b", "a\\u0000b", "a#{0}b", "K", "\u212a", "k"]
 """The issue's collisions, and their neighbours: a name spelled like another's escape (``a#{0}b``), the Kelvin

@@ -17,11 +17,11 @@ import msgspec
 import pyarrow as pa
 import pytest
 
-from cdcd.lake.compact import compact
 from cdcd.lake.cuts import latest_cut
-from cdcd.lake.jsontext import to_json_bytes
+from cdcd.lake.landing.jsontext import to_json_bytes
+from cdcd.lake.maintenance.compact import compact
 from cdcd.lake.table import CHANGE_SCHEMA
-from cdcd.lake.typed_infer import (
+from cdcd.lake.typed.infer import (
     KEY,
     META_COLUMNS,
     RESCUED,
@@ -30,8 +30,8 @@ from cdcd.lake.typed_infer import (
     rebuild,
     temporal,
 )
-from cdcd.lake.typed_layout import read_layout, table_dir
-from cdcd.lake.typed_show import tables_show
+from cdcd.lake.typed.layout import read_layout, table_dir
+from cdcd.lake.typed.show import tables_show
 from tests.support.delta_tables import append_changes, change
 from tests.support.procs import cdcd
 
@@ -133,7 +133,7 @@ def read_rows(path: object, reader: str, spark: Any) -> pa.Table:
         import polars as pl
 
         return pl.read_delta(str(path)).to_arrow()
-    from cdcd.lake.readers import duckdb_connect
+    from cdcd.lake.reading.readers import duckdb_connect
 
     sql = "SELECT * FROM delta_scan('" + str(path).replace("'", "''") + "')"
     return duckdb_connect().sql(sql).arrow().read_all()
@@ -332,7 +332,7 @@ def test_a_compaction_killed_between_the_rewrite_and_the_merge_redoes_the_range(
 
     from deltalake import DeltaTable
 
-    from cdcd.lake.compact import COMPACT_APP_ID, compacted_version
+    from cdcd.lake.maintenance.compact import COMPACT_APP_ID, compacted_version
     from tests.support.compaction import compact_env, kill_group, run_compact
 
     lake = tmp_path / "lake"
@@ -374,8 +374,8 @@ def test_datetimes_and_dates_a_node_holds_land_as_timestamp_and_date(spark: Any,
     UTC and at +02:00, are a TIMESTAMP column of their UTC instants; dates a DATE column; naive datetimes,
     whose zone nobody knows, a STRING of their text; a field of ints and doubles one DOUBLE column. Every reader
     reads the types, and every row rebuilds as the node's value as the lattice types it."""
+    from cdcd.lake.sink import LakeConsumer, LakeOptions
     from cdcd.node import Node
-    from cdcd.sinks.lake import LakeConsumer, LakeOptions
     from tests.support.config import NO_MAINTENANCE
     from tests.support.delta_lake import wal_batch
 
@@ -405,7 +405,7 @@ def test_datetimes_and_dates_a_node_holds_land_as_timestamp_and_date(spark: Any,
             3: ({"at": "0001-01-01T00:00:00Z", "naive": "2026-01-01T08:30:00", "x": 3.0}, None),
         },
     )
-    from cdcd.lake.readers import duckdb_connect
+    from cdcd.lake.reading.readers import duckdb_connect
 
     sql = (
         f"SELECT key FROM delta_scan('{table_dir(lake, 'events')}') WHERE \"at\" = TIMESTAMPTZ '2026-03-01 10:00:00+00'"

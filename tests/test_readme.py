@@ -26,7 +26,7 @@ from tests.support.procs import CDCD, ROOT, child_env, reap, wait_for
 from tests.support.shipped import copy_shipped_config
 
 COVERED = {
-    "python": ['Node.open("var/node1")', "from cdcd.lake.readers import"],
+    "python": ['Node.open("var/node1")', "from cdcd.lake.reading.readers import"],
     "sh": ["make run ", "cdcd node run --config config/node.toml", "cdcd top --node-dir", "config/lake.toml"],
 }
 """A marker of each README block, and where it runs (the module docstring)."""

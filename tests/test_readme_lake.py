@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cdcd.lake.cuts import latest_cut
-from cdcd.lake.sql import lake_sql
+from cdcd.lake.reading.sql import lake_sql
 from tests.support.docs import README, block_with
 from tests.support.procs import CDCD, child_env, reap, start_daemon, stop_daemon, wait_for
 from tests.support.shipped import copy_shipped_config
@@ -80,7 +80,7 @@ def test_the_first_look_runs_as_written(tmp_path: Path, monkeypatch: pytest.Monk
     assert cut.returncode == 0, cut.stderr
     assert "orders" in cut.stdout, cut.stdout
 
-    readers = block_with(text, "python", "from cdcd.lake.readers import")
+    readers = block_with(text, "python", "from cdcd.lake.reading.readers import")
     from cdcd.lake import spark as lake_spark
 
     out = io.StringIO()

@@ -22,9 +22,9 @@ from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.daemon.rewind import TargetBehind
 from cdcd.daemon_state import CdcMode
+from cdcd.lake.sink import LakeConsumer, LakeOptions
 from cdcd.node import Node
 from cdcd.realtime.machine import RealtimeMode
-from cdcd.sinks.lake import LakeConsumer, LakeOptions
 from cdcd.wal.records import StopRealtimeCdcRecord
 from tests.support.delta_lake import check_lake, lake_consumer, lake_rows
 from tests.support.procs import wait_for

@@ -25,8 +25,8 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from cdcd import formats
 from cdcd.faults import ExitCode
 from cdcd.kafka.offsets import partition_of, read_stored
-from cdcd.lake.compact_mark import read_mark
 from cdcd.lake.cuts import latest_cut
+from cdcd.lake.maintenance.compact_mark import read_mark
 from cdcd.lake.registry import read_registry
 from tests.support.config import write_daemon_config
 from tests.support.delta_lake import check_lake, lake_consumer

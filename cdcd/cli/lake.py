@@ -118,7 +118,7 @@ def _master_option() -> _Decorator:
 def _require_lake(lake_path: Any) -> None:
     """``--lake`` names a lake (one of its Delta tables is there), else one line naming the path as no
     lake, with where the lake is when it is close by (``--lake var`` for ``var/lake``): exit 2."""
-    from cdcd.lake.readers import not_a_lake
+    from cdcd.lake.reading.readers import not_a_lake
 
     try:
         missing = not_a_lake(lake_path)
@@ -131,8 +131,8 @@ def _require_lake(lake_path: Any) -> None:
 def _require_changes(lake_path: Path) -> None:
     """A cdcd lake whose logs check out (``lake check`` without reading data files), else one line:
     exit 2 for no lake, 8 for a damaged one."""
-    from cdcd.lake.check import require_sound
-    from cdcd.lake.compact import table_version
+    from cdcd.lake.maintenance.compact import table_version
+    from cdcd.lake.reading.check import require_sound
     from cdcd.lake.table import CHANGES
 
     if not (lake_path / CHANGES).exists():
@@ -162,10 +162,10 @@ def lake_compact(lake_path: Path, spark_master: str, tables_config: Path | None)
     each cache, <lake>/tables/<cache> (latest per key by version, then WAL position; deletes applied;
     idempotent), and record the cut they make together."""
     from cdcd.lake import spark as spark_session
-    from cdcd.lake.compact import compact
-    from cdcd.lake.report import compact_summary
-    from cdcd.lake.typed_declared import DeclaredSchemaError, load_declared
-    from cdcd.lake.typed_layout import NotATypedTable, list_tables
+    from cdcd.lake.maintenance.compact import compact
+    from cdcd.lake.reading.report import compact_summary
+    from cdcd.lake.typed.declared import DeclaredSchemaError, load_declared
+    from cdcd.lake.typed.layout import NotATypedTable, list_tables
 
     _require_changes(lake_path)
     try:
@@ -187,8 +187,8 @@ def lake_compact(lake_path: Path, spark_master: str, tables_config: Path | None)
 def lake_optimize(lake_path: Path, spark_master: str) -> None:
     """Bin-pack small files of both tables (Delta OPTIMIZE; no data changes)."""
     from cdcd.lake import spark as spark_session
-    from cdcd.lake.ops import optimize
-    from cdcd.lake.report import optimize_line
+    from cdcd.lake.maintenance.ops import optimize
+    from cdcd.lake.reading.report import optimize_line
 
     _require_changes(lake_path)
     spark = _spark(spark_master, "cdcd-lake-optimize", lake_path)
@@ -216,8 +216,8 @@ def lake_vacuum(lake_path: Path, retain_hours: float, force: bool, spark_master:
     --retain-hours, and orphans of writes that never committed. Refused while older changes wait
     for compaction, and below Delta's default retention (168 h) without --force."""
     from cdcd.lake import spark as spark_session
-    from cdcd.lake.ops import DEFAULT_RETAIN_HOURS, VacuumRefused, check_vacuum, vacuum
-    from cdcd.lake.report import retention_check_off, vacuum_line
+    from cdcd.lake.maintenance.ops import DEFAULT_RETAIN_HOURS, VacuumRefused, check_vacuum, vacuum
+    from cdcd.lake.reading.report import retention_check_off, vacuum_line
 
     _require_changes(lake_path)
     try:
@@ -252,9 +252,9 @@ def lake_verify(lake_path: Path, node_dirs: tuple[Path, ...]) -> None:
     The nodes must be stopped; exit 2 when state is behind changes (compact first), 1 on a mismatch."""
     from contextlib import ExitStack
 
-    from cdcd.lake.compact import state_lag
-    from cdcd.lake.report import print_verify, verify_summary
-    from cdcd.lake.verify import verify
+    from cdcd.lake.maintenance.compact import state_lag
+    from cdcd.lake.reading.report import print_verify, verify_summary
+    from cdcd.lake.reading.verify import verify
     from cdcd.node.node import NodeLocked
     from cdcd.node.snapshot import NodeSnapshot
 
@@ -295,7 +295,7 @@ def lake_check(lake_path: Any, no_read: bool) -> None:
     commit file parses, no version is missing, checkpoints match the log, every file the log names
     exists with the size the log records and reads. One line per fault naming the file and what to
     do; exit 8 on any fault."""
-    from cdcd.lake.check import check_lake, report_lines
+    from cdcd.lake.reading.check import check_lake, report_lines
 
     log_to_stderr(level="warning")
     _require_lake(lake_path)
@@ -347,7 +347,7 @@ def lake_sql(  # noqa: PLR0917 (click passes every option by keyword)
     nothing is printed before the whole result is there."""
     import io
 
-    from cdcd.lake.sql import MAX_TABLE_ROWS, run_sql
+    from cdcd.lake.reading.sql import MAX_TABLE_ROWS, run_sql
 
     log_to_stderr(level="warning")
     if engine == "spark":
@@ -388,9 +388,9 @@ def lake_show(lake_path: Path, as_json: bool) -> None:
     """From the Delta logs: table versions, last commit, application transactions (per source, and
     compaction's), rows per cache in changes and state, whether state is behind; each typed table's
     version, rows, rescued rows and columns with when each appeared."""
-    from cdcd.lake.ops import show
-    from cdcd.lake.report import print_show
-    from cdcd.lake.typed_show import print_tables, tables_json, tables_show
+    from cdcd.lake.maintenance.ops import show
+    from cdcd.lake.reading.report import print_show
+    from cdcd.lake.typed.show import print_tables, tables_json, tables_show
 
     _require_lake(lake_path)
     try:
@@ -414,9 +414,9 @@ def lake_show(lake_path: Path, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def lake_history(lake_path: Path, table: str, limit: int, as_json: bool) -> None:
     """A table's commits, newest first (Delta's history): version, time, operation, rows, writer."""
-    from cdcd.lake.compact import NotADeltaLake
-    from cdcd.lake.ops import history
-    from cdcd.lake.report import print_history
+    from cdcd.lake.maintenance.compact import NotADeltaLake
+    from cdcd.lake.maintenance.ops import history
+    from cdcd.lake.reading.report import print_history
 
     _require_lake(lake_path)
     try:

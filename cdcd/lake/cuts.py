@@ -93,7 +93,7 @@ class Cut:
 
 def table_path(lake: LakeDir, cache: str) -> LakeDir:
     """Where the typed table of ``cache`` lives (``<lake>/tables/<dir>``)."""
-    from cdcd.lake.typed_layout import table_dir
+    from cdcd.lake.typed.layout import table_dir
 
     return table_dir(lake, cache)
 
@@ -101,8 +101,8 @@ def table_path(lake: LakeDir, cache: str) -> LakeDir:
 def source_positions(lake: LakeDir, changes_version: int) -> dict[str, str]:
     """Per source node (and generation), the WAL position the changes table holds up to at
     ``changes_version``: its application transactions, decoded."""
-    from cdcd.lake.delta import decode_version
     from cdcd.lake.deltalog import app_transactions
+    from cdcd.lake.landing.delta import decode_version
     from cdcd.lake.table import CHANGES
 
     if changes_version < 0:

@@ -99,7 +99,7 @@ class LakeLocation:
         self._spark_conf.update(self.storage.spark_conf)
 
     def __getstate__(self) -> dict[str, Any]:
-        # Pickled into Spark tasks (cdcd/lake/spark_write.py): the open client stays behind.
+        # Pickled into Spark tasks (cdcd/lake/landing/spark_write.py): the open client stays behind.
         return {**self.__dict__, "_fs": None}
 
     # --- what each writer needs --------------------------------------------------------------------

@@ -17,7 +17,7 @@ STATE = "state"
 CUTS = "_cuts"
 """The cuts table (``cdcd/lake/cuts.py``)."""
 TABLES = "tables"
-"""The directory of the typed tables, one per cache (``cdcd/lake/typed_layout.py``)."""
+"""The directory of the typed tables, one per cache (``cdcd/lake/typed/layout.py``)."""
 
 CHANGE_SCHEMA = pa.schema(
     [
@@ -94,4 +94,4 @@ def change_partitions(partition_by_day: bool) -> list[str]:
 
 SOURCE_APP_PREFIX = "cdcd:"
 """Application transaction ids of the changes table: ``cdcd:<source node id>`` for a source's first
-generation, ``cdcd:<source node id>:g<n>`` for generation n (see cdcd/lake/delta.py)."""
+generation, ``cdcd:<source node id>:g<n>`` for generation n (see cdcd/lake/landing/delta.py)."""

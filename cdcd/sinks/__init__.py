@@ -59,7 +59,7 @@ def _replication(options: Mapping[str, Any], source: str) -> Consumer:
 
 
 def _lake(options: Mapping[str, Any], source: str) -> Consumer:
-    from cdcd.sinks.lake import LakeConsumer
+    from cdcd.lake.sink import LakeConsumer
 
     return LakeConsumer.from_options(options, source)
 

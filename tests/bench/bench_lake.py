@@ -122,7 +122,7 @@ def _spark_write_totals() -> tuple[float, float]:
 
 
 def _consumer(lake: Path, writer: str) -> Any:
-    from cdcd.sinks.lake import LakeConsumer, LakeOptions
+    from cdcd.lake.sink import LakeConsumer, LakeOptions
 
     class TimedSparkConsumer(LakeConsumer):
         """The sink, plus the wall time spent in ``on_events`` and the number of batches."""

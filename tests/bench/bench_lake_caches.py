@@ -86,7 +86,7 @@ class ManyCaches:
 
     def run(self, writer: str) -> Measurement:
         from cdcd.daemon import Daemon, DaemonConfig
-        from cdcd.sinks.lake import LakeConsumer, LakeOptions
+        from cdcd.lake.sink import LakeConsumer, LakeOptions
 
         assert self.root is not None
         work = self.root / "work"
@@ -177,8 +177,8 @@ def run_live(duration_s: float) -> Measurement:
 
     from cdcd.daemon import Daemon, DaemonConfig
     from cdcd.lake import spark as spark_session
-    from cdcd.lake.typed_layout import list_tables
-    from cdcd.sinks.lake import LakeConsumer, LakeOptions
+    from cdcd.lake.sink import LakeConsumer, LakeOptions
+    from cdcd.lake.typed.layout import list_tables
     from tests.support.bench import _child_env
     from tests.support.procs import reap
 

@@ -1,4 +1,4 @@
-"""Compaction of the Delta lake: ``cdcd.lake.compact.compact`` (MERGE of the change data feed into state).
+"""Compaction of the Delta lake: ``cdcd.lake.maintenance.compact.compact`` (MERGE of the change data feed into state).
 
 - ``lake.merge``: 100k changes (60k updates, 30k new keys, 10k deletes over 10 caches) MERGEd into a
   state of 1M keys, on ``local[2]``. Goal: <= 15 s (issue 15).
@@ -129,7 +129,7 @@ class MergeLake:
         self.next_order = 0
 
     def ensure(self) -> None:
-        from cdcd.lake.compact import compact
+        from cdcd.lake.maintenance.compact import compact
 
         spark = SESSION.ensure()
         if self.root is not None:
@@ -168,7 +168,7 @@ MERGE = MergeLake()
 
 
 def run_merge() -> Measurement:
-    from cdcd.lake.compact import compact
+    from cdcd.lake.maintenance.compact import compact
 
     spark = SESSION.ensure()
     assert MERGE.root is not None
@@ -186,7 +186,7 @@ def run_merge() -> Measurement:
 
 
 def run_many_caches() -> Measurement:
-    from cdcd.lake.compact import compact
+    from cdcd.lake.maintenance.compact import compact
 
     spark = SESSION.ensure()
     root = Path(tempfile.mkdtemp(prefix="cdcd-bench-lake-caches-", dir=_bench_dir()))

@@ -41,7 +41,7 @@ RUN_P99_GOAL_S = 5.0
 
 
 def _most_files(lake: Path) -> dict[str, int]:
-    from cdcd.lake.autocompact import files_per_partition
+    from cdcd.lake.maintenance.autocompact import files_per_partition
     from cdcd.lake.table import PARTITION_BY
 
     out: dict[str, int] = {}
@@ -89,8 +89,8 @@ def _run_seconds(task: str) -> dict[str, float | None]:
 def _first_reads(lake: Path) -> dict[str, float]:
     """The first GROUP BY of state and of one typed table: DuckDB (a new connection) and Spark (a new session)."""
     from cdcd.lake import spark as spark_session
-    from cdcd.lake.readers import duckdb_connect
-    from cdcd.lake.typed_layout import list_tables
+    from cdcd.lake.reading.readers import duckdb_connect
+    from cdcd.lake.typed.layout import list_tables
 
     table = next(iter(sorted(list_tables(lake).items())))[1]
     out: dict[str, float] = {}
@@ -116,7 +116,7 @@ def _first_reads(lake: Path) -> dict[str, float]:
 
 def run_bounded(duration_s: float) -> Measurement:
     from cdcd.daemon import Daemon, DaemonConfig
-    from cdcd.sinks.lake import LakeConsumer, LakeOptions
+    from cdcd.lake.sink import LakeConsumer, LakeOptions
     from tests.support.bench import _child_env
     from tests.support.procs import reap
 

@@ -74,7 +74,7 @@ class TypedLake:
         self.initial_s = 0.0
 
     def ensure(self) -> None:
-        from cdcd.lake.compact import compact
+        from cdcd.lake.maintenance.compact import compact
 
         spark = SESSION.ensure()
         if self.root is not None:
@@ -121,7 +121,7 @@ class QueryLake:
         self.root: Path | None = None
 
     def ensure(self) -> None:
-        from cdcd.lake.compact import compact
+        from cdcd.lake.maintenance.compact import compact
 
         spark = SESSION.ensure()
         if self.root is not None:
@@ -152,13 +152,13 @@ QUERY_LAKE = QueryLake()
 
 
 def table_rows(lake: Path) -> int:
-    from cdcd.lake.typed_show import tables_show
+    from cdcd.lake.typed.show import tables_show
 
     return sum(t.rows for t in tables_show(lake))
 
 
 def _timed_compaction(typed: bool) -> tuple[float, Path, int]:
-    from cdcd.lake.compact import compact
+    from cdcd.lake.maintenance.compact import compact
 
     spark = SESSION.ensure()
     assert LAKE.root is not None
@@ -201,8 +201,8 @@ def _best_of(n: int, fn: Any) -> float:
 
 
 def run_query() -> Measurement:
-    from cdcd.lake.readers import duckdb_connect
-    from cdcd.lake.typed_layout import list_tables
+    from cdcd.lake.reading.readers import duckdb_connect
+    from cdcd.lake.typed.layout import list_tables
 
     spark = SESSION.ensure()
     lake = QUERY_LAKE.root

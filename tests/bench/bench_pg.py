@@ -659,7 +659,7 @@ class CdcdSide:
         """The backlog into a fresh lake through the default lake pipeline (``writer = "spark"`` on
         ``local[2]``, delta-rs commits), with ``lake.ingest.run``'s batch settings; CPU includes the
         Spark JVM's and its Python workers'."""
-        from cdcd.sinks.lake import LakeConsumer, LakeOptions
+        from cdcd.lake.sink import LakeConsumer, LakeOptions
 
         SPARK.ensure()  # started and warmed up once, outside every timing
         lake = self._dir("lake")

@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
 from cdcd.consumer import EventBatch, RecordSlice
-from cdcd.lake.delta import app_id, decode_version
-from cdcd.sinks.lake import LakeConsumer, LakeOptions
+from cdcd.lake.landing.delta import app_id, decode_version
+from cdcd.lake.sink import LakeConsumer, LakeOptions
 from cdcd.wal import CacheRecord, DataRecord, WalPointer
 from tests.support.config import NO_MAINTENANCE
 from tests.support.lake import QUICK_START

@@ -98,7 +98,7 @@ def state_rows(lake: Path) -> dict[tuple[str, str], str]:
 def compacted_lake(lake: Path, rows: list[dict[str, Any]]) -> None:
     """A lake whose ``changes`` hold ``rows`` (one commit) and whose ``state`` is their fold, written
     with delta-rs as ``lake compact`` would leave it (its application transaction included), no JVM."""
-    from cdcd.lake.compact import COMPACT_APP_ID
+    from cdcd.lake.maintenance.compact import COMPACT_APP_ID
     from cdcd.lake.table import STATE, STATE_PROPERTIES, STATE_SCHEMA
 
     version = append_changes(lake, rows)

@@ -83,8 +83,8 @@ class SharedSpark:
         from pyspark.sql import functions as F
 
         from cdcd.consumer import RecordSlice
-        from cdcd.lake.delta import ChangeTable
-        from cdcd.lake.spark_write import BatchInfo, write_on_executors
+        from cdcd.lake.landing.delta import ChangeTable
+        from cdcd.lake.landing.spark_write import BatchInfo, write_on_executors
         from cdcd.lake.storage import LakeLocation
         from cdcd.wal.pointer import WalPointer
         from cdcd.wal.records import CacheVersion, DataEntry, DataRecord, Op

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from deltalake import DeltaTable
 
-from cdcd.lake.compact import compacted_version, state_lag, table_version
+from cdcd.lake.maintenance.compact import compacted_version, state_lag, table_version
 from cdcd.node.identity import read_node_id
 from tests.support.delta_lake import QUICK_START, lake_consumer
 from tests.support.lake import caught_up, position, write_config

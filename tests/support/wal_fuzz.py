@@ -17,7 +17,7 @@ contract, so the same targets run under our own random loop, hypothesis and athe
 - ``check_name``: the bytes are a file name: it is a segment iff it is exactly 16 ASCII digits and
   ``.wal``; anything else is ``BadSegmentName`` or refused by the listing.
 - ``check_lake_rows``: the bytes are record slices packed for the lake's C module
-  (``cdcd.lake._rows.columns``): column buffers of exactly one value per row, offsets that cut the
+  (``cdcd.lake.landing._rows.columns``): column buffers of exactly one value per row, offsets that cut the
   text, valid JSON in every key and value, or a ValueError; never a crash; the same buffers from the
   Python path (``rows_py``). Its seed holds keys of every kind the key text tags (NaN, binary, maps
   with ``$``, int or repeated keys, timestamps, extensions).
@@ -55,9 +55,9 @@ import msgspec
 import numpy as np
 
 from cdcd.consumer import RecordSlice
-from cdcd.lake import _rows, rows_py
-from cdcd.lake.arrow import pack
-from cdcd.lake.jsontext import key_json_bytes, to_json_bytes
+from cdcd.lake.landing import _rows, rows_py
+from cdcd.lake.landing.arrow import pack
+from cdcd.lake.landing.jsontext import key_json_bytes, to_json_bytes
 from cdcd.wal.errors import (
     BadSegmentHeader,
     BadSegmentName,
@@ -1282,7 +1282,7 @@ TypeError for an extension value or RecursionError for a value nested past msgsp
 
 
 def compare_row_builders(data: bytes) -> tuple[int, tuple[bytes, ...]]:
-    """``data`` through the C module and through the Python path (cdcd/lake/rows_py.py): their rows when every
+    """``data`` through the C module and through the Python path (cdcd/lake/landing/rows_py.py): their rows when every
     buffer of both is the same; the C module's error when both fail (each stops at the first fault it meets, so
     the two errors may differ). One failure but not the other, or any buffer that differs, is a FuzzFailure.
     The one difference rows_py documents is let through: C skips a value nested past the recursion limit where
@@ -1311,8 +1311,8 @@ def compare_row_builders(data: bytes) -> tuple[int, tuple[bytes, ...]]:
 
 
 def check_lake_rows(data: bytes) -> None:
-    """Target: ``data`` as packed record slices for the row builders, the C module (cdcd/lake/_rows.c) and the
-    Python path (cdcd/lake/rows_py.py): the same rows from both, buffer for buffer, or an error from both
+    """Target: ``data`` as packed record slices for the row builders, the C module (cdcd/lake/landing/_rows.c) and the
+    Python path (cdcd/lake/landing/rows_py.py): the same rows from both, buffer for buffer, or an error from both
     (``ROW_ERRORS``); rows come as buffers of exactly ``rows`` values each, and every key and value text is
     valid JSON."""
     with hang_guard():

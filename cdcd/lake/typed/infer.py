@@ -23,7 +23,7 @@ docs/lake.md states them:
 - an explicit null field is listed in ``_nulls`` (an absent field and a null one read back apart).
 - field names Parquet refuses or holding a backtick or a control character, names of the reserved
   columns and names equal to another column's but for case get a column name by ``column_name``; the
-  field's real name is in the column's comment (``cdcd/lake/typed_layout.py``).
+  field's real name is in the column's comment (``cdcd/lake/typed/layout.py``).
 """
 
 from __future__ import annotations
@@ -352,7 +352,7 @@ _KEY_TYPES = {bool: pa.bool_(), int: pa.int64(), float: pa.float64(), str: pa.st
 
 def key_type(keys: list[object]) -> pa.DataType | None:
     """The one scalar type of all ``keys`` (None: more than one, or not scalar: JSON text). NaN and the
-    infinities arrive as ``{"$float": ...}`` objects (cdcd/lake/jsontext.py), so they are not scalar;
+    infinities arrive as ``{"$float": ...}`` objects (cdcd/lake/landing/jsontext.py), so they are not scalar;
     -0.0 is not typed either: a DOUBLE column's equality makes it 0.0, and a MERGE would make the two
     keys one row."""
     kinds = {type(k) for k in keys}

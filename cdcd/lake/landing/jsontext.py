@@ -17,7 +17,7 @@ object whose member name starts with ``$``, which an ordinary map never has:
   (RFC 3339 UTC, 0, 6 or 9 fraction digits, as msgspec writes a datetime); any other extension
   value: ``{"$ext":[type,"<base64>"]}``.
 
-``cdcd/lake/_rows.c`` writes the JSON text of keys and values while it reads records into columns,
+``cdcd/lake/landing/_rows.c`` writes the JSON text of keys and values while it reads records into columns,
 and calls these functions for every key or value it does not write itself (extension types, map keys
 that are not plain strings, invalid UTF-8, deep nesting, a non-finite float32 key), so what lands is
 always what they write; tests compare the two on generated values.

@@ -60,7 +60,7 @@ class CompactMark:
     commits: dict[int, str] | None
     """Identifiers of the newest changes commits folded in (None: not recorded, an older cdcd)."""
     generation_starts: frozenset[str] | None = None
-    """The sources' generation starts compaction had seen (cdcd/lake/lost_history.py; None: not recorded)."""
+    """The sources' generation starts compaction had seen (maintenance/lost_history.py; None: not recorded)."""
 
     @property
     def app_id(self) -> str:

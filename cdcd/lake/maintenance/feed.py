@@ -93,7 +93,7 @@ def require_live_files(changes: LakeDir, table: Any) -> None:
     size the log records. Otherwise ``DamagedLake``: one line naming the first such file, how many more,
     exit 8, as ``lake compact``/``verify``/``check`` stop. One stat per file (one listing on an object
     store), no file read."""
-    from cdcd.lake.check import DamagedLake
+    from cdcd.lake.reading.check import DamagedLake
 
     adds = pa.table(table.get_add_actions(flatten=True))
     if not adds.num_rows:

@@ -12,8 +12,8 @@ import click
 import pyarrow as pa
 
 from cdcd.lake.storage import LakeDir, open_delta
-from cdcd.lake.typed_infer import RESCUED
-from cdcd.lake.typed_layout import scan_tables, schema_info, spark_ddl_type
+from cdcd.lake.typed.infer import RESCUED
+from cdcd.lake.typed.layout import scan_tables, schema_info, spark_ddl_type
 
 
 @dataclass

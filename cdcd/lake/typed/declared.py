@@ -16,7 +16,7 @@ from pathlib import Path
 
 import msgspec
 
-from cdcd.lake.typed_infer import TYPE_NAMES, Layout, base_columns, column_name
+from cdcd.lake.typed.infer import TYPE_NAMES, Layout, base_columns, column_name
 
 JSON_TYPE = "json"
 

@@ -9,7 +9,7 @@ Parquet files under ``<table>/<partition dirs>/`` with names unique per file (``
 the JVM-free writer writes), fsynced on a local disk, and returns one row per file: its path, size,
 partition values and statistics. The driver collects those rows as Delta ``AddAction``s, and
 delta-rs commits them with the source's application transaction exactly as for any other batch
-(cdcd/lake/delta.py). So the daemon decodes the WAL and re-encodes records (C code, a fraction of a
+(cdcd/lake/landing/delta.py). So the daemon decodes the WAL and re-encodes records (C code, a fraction of a
 microsecond per row); the rest of the lake's per-row work (columns, JSON text, Parquet) runs on
 the executors' cores, in parallel, one task per part.
 
@@ -35,8 +35,8 @@ from deltalake.transaction import AddAction
 
 from cdcd import failpoints
 from cdcd.consumer import RecordSlice
-from cdcd.lake.arrow import pack, table_from_packed
-from cdcd.lake.delta import ChangeTable, WrittenFiles
+from cdcd.lake.landing.arrow import pack, table_from_packed
+from cdcd.lake.landing.delta import ChangeTable, WrittenFiles
 from cdcd.lake.storage import LakeLocation
 
 TASK_WRITTEN = "lake.spark_task.written"

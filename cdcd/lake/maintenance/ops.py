@@ -16,9 +16,9 @@ import pyarrow as pa
 import structlog
 
 from cdcd.faults import ExitCode, Fault
-from cdcd.lake.check import require_sound
-from cdcd.lake.compact import COMPACT_APP_ID, NotADeltaLake, compacted_version, state_lag
 from cdcd.lake.deltalog import LOG_DIR, AppTransaction, app_transactions, read_commit
+from cdcd.lake.maintenance.compact import COMPACT_APP_ID, NotADeltaLake, compacted_version, state_lag
+from cdcd.lake.reading.check import require_sound
 from cdcd.lake.storage import LakeDir, ObjectPath, is_delta, open_delta, spark_path
 from cdcd.lake.table import CHANGES, STATE
 
@@ -188,7 +188,7 @@ def _maintained(lake: LakeDir) -> list[tuple[str, LakeDir]]:
     """(name, path) of every table optimize and vacuum look after: changes, state, and each typed
     table (named ``tables/<cache>``)."""
     from cdcd.lake.table import TABLES as TYPED_DIR
-    from cdcd.lake.typed_layout import list_tables
+    from cdcd.lake.typed.layout import list_tables
 
     typed = [(f"{TYPED_DIR}/{cache}", path) for cache, path in sorted(list_tables(lake).items())]
     return [(name, lake / name) for name in TABLES] + typed

@@ -48,8 +48,8 @@ from deltalake.exceptions import CommitFailedError, DeltaError
 from deltalake.transaction import AddAction, PostCommitHookProperties, RemoveAction
 
 from cdcd.durable import fsync_dir, fsync_file, sync_filesystem
-from cdcd.lake.check import damaged_table
-from cdcd.lake.parquet_files import parquet_codec, slice_stats, write_parquet
+from cdcd.lake.landing.parquet_files import parquet_codec, slice_stats, write_parquet
+from cdcd.lake.reading.check import damaged_table
 from cdcd.lake.storage import LakeDir, as_location_arg
 from cdcd.lake.table import (
     CHANGES,

@@ -1,9 +1,9 @@
 """``kind = "lake"``: batches into the Delta table ``<lake>/changes``, exactly once.
 
 The Parquet files are written by Spark tasks on ``spark_master`` (``writer = "spark"``, the default:
-each task writes its part of the batch straight into the table, cdcd/lake/spark_write.py) or by
+each task writes its part of the batch straight into the table, cdcd/lake/landing/spark_write.py) or by
 pyarrow in this process (``writer = "deltalake"``, no JVM: the node's realtime worker and small
-machines); delta-rs commits either way (cdcd/lake/delta.py says why and how the commit is exactly
+machines); delta-rs commits either way (cdcd/lake/landing/delta.py says why and how the commit is exactly
 once).
 """
 
@@ -29,16 +29,16 @@ from cdcd.config import check_ranges, convert
 from cdcd.consumer import CacheDrop, CacheInfo, Consumer, EventBatch, RecordSlice, ResumeAt, RetriableError
 from cdcd.delivery import slices_from
 from cdcd.lake import spark as spark_session
-from cdcd.lake.arrow import build_table, split_slices, truncate_table
-from cdcd.lake.autocompact import FilePolicy, rewrite_partitions
-from cdcd.lake.compact import compact
-from cdcd.lake.delta import ChangeTable, LakeWriteError, SourceMark, WrittenFiles
-from cdcd.lake.feed import require_live_files
-from cdcd.lake.maintainer import Maintainer, MaintainerOptions
+from cdcd.lake.landing.arrow import build_table, split_slices, truncate_table
+from cdcd.lake.landing.delta import ChangeTable, LakeWriteError, SourceMark, WrittenFiles
+from cdcd.lake.landing.spark_write import BatchInfo, write_on_executors
+from cdcd.lake.maintenance.autocompact import FilePolicy, rewrite_partitions
+from cdcd.lake.maintenance.compact import compact
+from cdcd.lake.maintenance.feed import require_live_files
+from cdcd.lake.maintenance.maintainer import Maintainer, MaintainerOptions
 from cdcd.lake.registry import record_caches
-from cdcd.lake.spark_write import BatchInfo, write_on_executors
 from cdcd.lake.storage import LakeDir, LakeLocation, LakeStorageError, StorageOptions, check_writable
-from cdcd.lake.typed_declared import DeclaredSchemaError, DeclaredTable, TableOptions, check_declared
+from cdcd.lake.typed.declared import DeclaredSchemaError, DeclaredTable, TableOptions, check_declared
 from cdcd.logging import describe
 from cdcd.secrets import mask_mapping
 from cdcd.wal.pointer import WalPointer, WalPosition
@@ -107,7 +107,7 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_files_per_partition: int = 20
     """Files (below 1 GiB) per partition of ``changes``, ``state`` and each typed table, at most, at every
     moment: the writer rewrites the partitions a commit touched, by size tiers, once one holds too many
-    (cdcd/lake/autocompact.py); compaction does the same to ``state`` and the typed tables after each run.
+    (cdcd/lake/maintenance/autocompact.py); compaction does the same to ``state`` and the typed tables after each run.
     0: off (files then wait for the scheduled OPTIMIZE)."""
     ready_within_s: float = 15.0
     """A new cache's typed table and its rows in ``state`` answer ``cdcd lake sql`` within this long of its first
@@ -256,7 +256,7 @@ class LakeConsumer(Consumer):
         if opts.compact_interval_s or opts.optimize_interval_s:
             if self._spark is None and opts.compact_interval_s:
                 # Only compaction (the MERGE into state, the typed tables) needs Spark: the scheduled
-                # small-file work runs on pyarrow and delta-rs (cdcd/lake/autocompact.py).
+                # small-file work runs on pyarrow and delta-rs (cdcd/lake/maintenance/autocompact.py).
                 self._spark = spark_session.acquire(opts.spark_master, opts.app_name, conf)
             compact_fn = functools.partial(compact, tables=opts.declared_tables(), typed_tables=opts.typed_tables)
             self._maintainer = Maintainer(
@@ -497,7 +497,7 @@ class LakeConsumer(Consumer):
         return self._write_arrow(table, parts, batch, generation)
 
     def _write_on_spark(self, table: ChangeTable, parts: list[list[RecordSlice]], info: BatchInfo) -> WrittenFiles:
-        """One Spark task per part builds its rows and writes them (cdcd/lake/spark_write.py)."""
+        """One Spark task per part builds its rows and writes them (cdcd/lake/landing/spark_write.py)."""
         try:
             return write_on_executors(self._spark, table, self.location, parts, info)
         except Exception as exc:

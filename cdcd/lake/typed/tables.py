@@ -3,7 +3,7 @@
 Called by ``compact`` for each range of the changes feed it folds, *before* the range's ``state``
 MERGE: ``state``'s application transaction stays the one progress mark, and a table whose own
 ``cdcd-compact`` transaction already covers the range (a compaction killed between the two) is
-skipped. Per cache with changes in the range: the winners are typed (``typed_infer.convert``), new
+skipped. Per cache with changes in the range: the winners are typed (``infer.convert``), new
 columns are added by one ``ADD COLUMN`` commit (its own: the schema change is a line of the table's
 history, the comments say when each column appeared), then one MERGE (or a plain append into an
 empty table) applies them, carrying the application transaction. Both with delta-rs in this
@@ -11,7 +11,7 @@ process: a Spark MERGE per table costs a few Spark jobs each, which dominated co
 tables. Spark only creates a table (delta-rs refuses the ``cdcd.cache`` property) and rebuilds one. A cache whose
 keys stop being one scalar type has its table rebuilt once with a JSON-text key from ``state``
 (which holds that cache's rows as of the range's start), then merged. A column that widens
-(``typed_infer.join``: an int column meeting a double, a date column a timestamp, a scalar column a
+(``infer.join``: an int column meeting a double, a date column a timestamp, a scalar column a
 string) has its table rewritten the same way, in one overwrite commit with the wider type (no Delta
 type-widening feature, which not every reader reads), every row typed again from ``state``'s JSON (so
 values rescued before that the wider type takes are restored into the column), then merged; so is,
@@ -36,9 +36,9 @@ import structlog
 from cdcd import failpoints, metrics
 from cdcd.lake.storage import LakeDir, is_delta, open_delta, spark_path
 from cdcd.lake.table import STATE
-from cdcd.lake.typed_declared import DeclaredTable, with_declared
-from cdcd.lake.typed_infer import KEY, OP, ORDER, RESCUED, Converted, Layout, convert
-from cdcd.lake.typed_layout import (
+from cdcd.lake.typed.declared import DeclaredTable, with_declared
+from cdcd.lake.typed.infer import KEY, OP, ORDER, RESCUED, Converted, Layout, convert
+from cdcd.lake.typed.layout import (
     CACHE_PROPERTY,
     LATTICE,
     TABLE_PROPERTIES,

@@ -21,10 +21,10 @@ from typing import Any
 import pyarrow as pa
 
 from cdcd.faults import ExitCode, Fault
-from cdcd.lake.delta import partition_dir_value
+from cdcd.lake.landing.delta import partition_dir_value
 from cdcd.lake.storage import LakeDir, ObjectPath, is_delta, open_delta
 from cdcd.lake.table import COMMON_PROPERTIES, TABLES
-from cdcd.lake.typed_infer import KEY, NON_DICT, Layout, base_columns
+from cdcd.lake.typed.infer import KEY, NON_DICT, Layout, base_columns
 
 CACHE_PROPERTY = "cdcd.cache"
 """Table property holding the cache's real name (the directory name may be a prefix and a hash)."""
@@ -160,7 +160,7 @@ def column_comment(field: str | None, since_version: int, *, json_text: bool = F
 
 
 LATTICE = 1
-"""The key comment's ``lattice`` of a table typed by the widening lattice (``typed_infer.join``); a table
+"""The key comment's ``lattice`` of a table typed by the widening lattice (``infer.join``); a table
 without one (typed when nothing widened) may hold rescued values the lattice takes: restored once."""
 
 

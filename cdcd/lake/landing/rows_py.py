@@ -1,7 +1,7 @@
-"""The lake's change rows as column buffers, in Python: what the C module (cdcd/lake/_rows.c) does,
+"""The lake's change rows as column buffers, in Python: what the C module (cdcd/lake/landing/_rows.c) does,
 for a machine where it was not built.
 
-Same input (``cdcd.lake.arrow.pack``: MessagePack ``[segment, offset, start, stop | nil, record]``
+Same input (``cdcd.lake.landing.arrow.pack``: MessagePack ``[segment, offset, start, stop | nil, record]``
 per slice), same output: 13 fixed-width native-endian buffers and the int32 offsets plus UTF-8 text
 of keys and values, in the order ``_rows.columns`` documents. msgspec reads the records; every value
 goes through ``fallback`` (``jsontext.to_json_bytes``) and every key through ``key_fallback``

@@ -2,7 +2,7 @@
 
 A restored node reuses WAL positions: the lake lands what it writes from there as the next
 generation of its source, and records where each generation starts (the ``cdcd:<node>:g<n>:first``
-application transaction, cdcd/lake/delta.py). A row of generation g at a position at or after the
+application transaction, cdcd/lake/landing/delta.py). A row of generation g at a position at or after the
 start of a later generation is of the lost history: the node no longer has what it wrote. ``changes``
 keeps those rows (it is the log of what happened); compaction leaves them out of ``state`` and the
 typed tables, and rebuilds both once when it meets a generation start it has not seen (rows of the
@@ -17,8 +17,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from cdcd.lake.delta import OFFSET_BITS
 from cdcd.lake.deltalog import app_transactions
+from cdcd.lake.landing.delta import OFFSET_BITS
 from cdcd.lake.storage import LakeDir
 
 _FIRST = re.compile(r"^cdcd:(?P<source>.*):g(?P<generation>[0-9]+):first$")

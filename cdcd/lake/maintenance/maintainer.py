@@ -40,10 +40,10 @@ import pyarrow as pa
 import structlog
 
 from cdcd import metrics
-from cdcd.lake.autocompact import FilePolicy, bound_changes, bound_compacted
-from cdcd.lake.compact import CompactResult, compact, compacted_version
 from cdcd.lake.deltalog import LOG_DIR
-from cdcd.lake.ops import optimize, optimized_since
+from cdcd.lake.maintenance.autocompact import FilePolicy, bound_changes, bound_compacted
+from cdcd.lake.maintenance.compact import CompactResult, compact, compacted_version
+from cdcd.lake.maintenance.ops import optimize, optimized_since
 from cdcd.lake.storage import open_delta
 from cdcd.lake.table import CHANGES, STATE
 from cdcd.logging import describe
@@ -127,7 +127,7 @@ def _gap_closed(lake: Path, listed: list[int]) -> bool:
 
 def _compacted_caches(lake: Path) -> set[str]:
     """Caches with a typed table or rows in ``state``: compacted at least once."""
-    from cdcd.lake.typed_layout import list_tables
+    from cdcd.lake.typed.layout import list_tables
 
     caches = set(list_tables(lake))
     if (lake / STATE / LOG_DIR).is_dir():
@@ -150,7 +150,7 @@ class MaintainerOptions:
     max_consecutive_failures: int = 3
     """Failed runs in a row (of either kind) after which the Maintainer stops and reports failure."""
     files: FilePolicy | None = None
-    """Files per partition bounded by size tiers (cdcd/lake/autocompact.py): the scheduled ``optimize`` is
+    """Files per partition bounded by size tiers (cdcd/lake/maintenance/autocompact.py): the scheduled ``optimize`` is
     then that rewrite of ``changes``, without Spark, in a lane of its own, and each compaction bounds the
     files of ``state`` and the typed tables it committed to before it returns. None: Spark's OPTIMIZE of
     every table, in the compaction's thread (as before; ``cdcd lake optimize``)."""

@@ -13,8 +13,8 @@ import pyarrow as pa
 import structlog
 
 from cdcd.consumer import OP_NAMES, CacheDrop, EventBatch, RecordSlice
-from cdcd.lake import rows_py
-from cdcd.lake.jsontext import key_json_bytes, to_json_bytes
+from cdcd.lake.landing import rows_py
+from cdcd.lake.landing.jsontext import key_json_bytes, to_json_bytes
 from cdcd.lake.table import CHANGE_SCHEMA, DAY_FIELD
 from cdcd.wal.records import Op
 
@@ -36,7 +36,7 @@ def to_json(raw: bytes | msgspec.Raw) -> str:
 
 
 def key_to_json(raw: bytes | msgspec.Raw) -> str:
-    """MessagePack key as the lake's key text: one text per key (cdcd/lake/jsontext.py)."""
+    """MessagePack key as the lake's key text: one text per key (cdcd/lake/landing/jsontext.py)."""
     return key_json_bytes(raw).decode()
 
 
@@ -62,7 +62,7 @@ _encoder = msgspec.msgpack.Encoder()
 
 Fallback = Callable[[bytes], bytes]
 RowBuilder = Callable[[bytes, Fallback, Fallback], tuple[int, tuple[bytes, ...]]]
-"""``(packed, fallback, key_fallback) -> (rows, buffers)``: cdcd/lake/_rows.c, or cdcd/lake/rows_py.py."""
+"""``(packed, fallback, key_fallback) -> (rows, buffers)``: the C module (landing/_rows.c), or landing/rows_py.py."""
 
 ROWS_ENV = "CDCD_LAKE_ROWS"
 """``python`` makes this process (and the Spark tasks it starts) build rows in Python even where the C
@@ -75,7 +75,7 @@ def _python_rows(packed: bytes, fallback: Fallback, key_fallback: Fallback) -> t
     """The Python path for a process without the C module: says so once, at the first batch (when logging is
     set up, unlike at import), then builds the same columns, several times slower."""
     global build_columns
-    log.warning("lake_rows_without_c_module", hint=f"cdcd.lake._rows is not built: {BUILD_HINT}")
+    log.warning("lake_rows_without_c_module", hint=f"cdcd.lake.landing._rows is not built: {BUILD_HINT}")
     build_columns = rows_py.columns
     return build_columns(packed, fallback, key_fallback)
 
@@ -86,10 +86,10 @@ def _row_builder(choice: str) -> RowBuilder:
     if choice not in ("", "c"):
         raise ValueError(f"environment: {ROWS_ENV}={choice!r} is not 'c' or 'python'")
     try:
-        from cdcd.lake import _rows
+        from cdcd.lake.landing import _rows
     except ImportError:
         if choice == "c":
-            raise ImportError(f"{ROWS_ENV}=c but cdcd.lake._rows is not built: {BUILD_HINT}") from None
+            raise ImportError(f"{ROWS_ENV}=c but cdcd.lake.landing._rows is not built: {BUILD_HINT}") from None
         return _python_rows
     return _rows.columns
 
@@ -100,7 +100,7 @@ build_columns: RowBuilder = _row_builder(os.environ.get(ROWS_ENV, ""))
 
 
 def pack(slices: Sequence[RecordSlice]) -> bytes:
-    """``slices`` as ``build_columns`` reads them (cdcd/lake/_rows.c, cdcd/lake/rows_py.py): MessagePack of
+    """``slices`` as ``build_columns`` reads them (landing/_rows.c, landing/rows_py.py): MessagePack of
     ``[segment, offset, start, stop, record]`` per slice, the record as the WAL holds it."""
     return _encoder.encode([(s.pointer.segment, s.pointer.offset, s.start, s.stop, s.record) for s in slices])
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import structlog
 
-from cdcd.lake.arrow import key_to_json, to_json
-from cdcd.lake.check import require_sound
+from cdcd.lake.landing.arrow import key_to_json, to_json
+from cdcd.lake.reading.check import require_sound
 from cdcd.lake.storage import LakeDir, is_delta, open_delta
 from cdcd.lake.table import STATE
 

@@ -1,6 +1,6 @@
 /* The lake's change rows as column buffers, straight from MessagePack records.
  *
- * Input: what cdcd.lake.arrow.pack() writes, a MessagePack array of record slices, each
+ * Input: what cdcd.lake.landing.arrow.pack() writes, a MessagePack array of record slices, each
  *     [segment, offset, start, stop | nil, record]
  * where record is a DataRecord as msgspec encodes it (array-like, tag first):
  *     [1, [entry, ...], commit_ts_ns, ...]
@@ -9,10 +9,10 @@
  * Fields past the ones read are skipped: the record schema only ever appends fields.
  *
  * Output: one buffer per column (native-endian fixed-width values, and for keys and values Arrow's
- * string layout: int32 offsets plus UTF-8 data), which cdcd/lake/arrow.py wraps as Arrow arrays.
+ * string layout: int32 offsets plus UTF-8 data), which cdcd/lake/landing/arrow.py wraps as Arrow arrays.
  *
  * Keys and values become JSON text here without a Python object in between. The text must be
- * byte for byte what the Python path writes: for values cdcd.lake.jsontext.to_json_bytes (msgspec
+ * byte for byte what the Python path writes: for values cdcd.lake.landing.jsontext.to_json_bytes (msgspec
  * decode, msgspec JSON encode, and a careful fallback for map keys JSON cannot hold), for keys
  * key_json_bytes (the same text, except that binary, NaN and the infinities, and maps whose keys
  * are not plain strings become {"$binary": ...}-style tags, so that no two keys share a text). This
@@ -585,7 +585,7 @@ done:
     return rc;
 }
 
-/* A non-finite double in a key (cdcd.lake.jsontext.key_json_bytes): a tag no plain key text is. */
+/* A non-finite double in a key (cdcd.lake.landing.jsontext.key_json_bytes): a tag no plain key text is. */
 static int put_float_tag(Buf *o, uint64_t bits) {
     if ((bits & 0x000fffffffffffffull) == 0) {
         return bits >> 63 ? PUT_LIT(o, "{\"$float\":\"-Infinity\"}") : PUT_LIT(o, "{\"$float\":\"Infinity\"}");
@@ -825,11 +825,11 @@ static int slice_rows(Rd *r, Buf *c, PyObject *fallback, PyObject *key_fallback,
 
 PyDoc_STRVAR(columns_doc,
              "columns(packed, fallback, key_fallback) -> (rows, buffers)\n\n"
-             "The rows of packed record slices (cdcd.lake.arrow.pack) as column buffers, in the order\n"
+             "The rows of packed record slices (cdcd.lake.landing.arrow.pack) as column buffers, in the order\n"
              "op, partition, primary, order, node_order, cluster_id, topology_version, expire_time_ms,\n"
              "cache_id, segment, offset, index, commit_ts_ns, key offsets, key text, value offsets,\n"
              "value text. fallback(msgpack bytes) -> JSON bytes writes the values this module does not,\n"
-             "key_fallback the keys (cdcd.lake.jsontext.to_json_bytes and key_json_bytes).");
+             "key_fallback the keys (cdcd.lake.landing.jsontext.to_json_bytes and key_json_bytes).");
 
 static PyObject *columns(PyObject *self, PyObject *args) {
     Py_buffer in;
@@ -929,7 +929,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "cdcd.lake._rows", "MessagePack records to the lake's column buffers.", -1, methods,
+    PyModuleDef_HEAD_INIT, "cdcd.lake.landing._rows", "MessagePack records to the lake's column buffers.", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

@@ -51,7 +51,7 @@ from deltalake.transaction import AddAction, PostCommitHookProperties, RemoveAct
 
 from cdcd import failpoints
 from cdcd.durable import fsync_dir, fsync_file
-from cdcd.lake.parquet_files import file_stats
+from cdcd.lake.landing.parquet_files import file_stats
 from cdcd.lake.storage import LakeDir, file_source, is_delta, open_delta
 from cdcd.logging import describe
 
@@ -339,7 +339,7 @@ def bound_compacted(lake: LakeDir, policy: FilePolicy) -> dict[str, Rewritten]:
     (unpartitioned: it writes into the table's own directory and keeps every column's statistics). Returns
     what was rewritten, per table (``state``, ``tables/<cache>``). No JVM."""
     from cdcd.lake.table import STATE, TABLES
-    from cdcd.lake.typed_layout import list_tables
+    from cdcd.lake.typed.layout import list_tables
 
     out: dict[str, Rewritten] = {}
     state = lake / STATE

@@ -34,7 +34,7 @@ from typing import Any, TextIO
 
 from cdcd.faults import ExitCode, Fault
 from cdcd.lake.cuts import Cut, NoCut, cut_as_of, parse_time
-from cdcd.lake.readers import (
+from cdcd.lake.reading.readers import (
     LakeArg,
     duckdb_connect,
     not_a_lake,

@@ -10,11 +10,11 @@ from typing import Any
 
 import click
 
-from cdcd.lake.compact import CompactResult
-from cdcd.lake.ops import DEFAULT_RETAIN_HOURS, LakeInfo, Vacuumed
+from cdcd.lake.maintenance.compact import CompactResult
+from cdcd.lake.maintenance.ops import DEFAULT_RETAIN_HOURS, LakeInfo, Vacuumed
 from cdcd.lake.printable import printable
-from cdcd.lake.typed_layout import BadTable
-from cdcd.lake.verify import CacheCheck
+from cdcd.lake.reading.verify import CacheCheck
+from cdcd.lake.typed.layout import BadTable
 
 
 def print_show(info: LakeInfo) -> None:
@@ -144,8 +144,8 @@ def print_demo_ending(spark: Any, lake: Path, checks: list[CacheCheck], since: f
     over the typed cache tables (views registered in ``spark``, at that cut) and its result, then
     one summary line (``verified: N keys, OK in S s``: S seconds since ``since``, a monotonic time)."""
     from cdcd.lake.cuts import latest_cut
-    from cdcd.lake.readers import register_spark
-    from cdcd.lake.sql import Result, write_result
+    from cdcd.lake.reading.readers import register_spark
+    from cdcd.lake.reading.sql import Result, write_result
 
     cut = latest_cut(lake)
     click.echo(f"lake: {lake.resolve()}")

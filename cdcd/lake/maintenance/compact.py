@@ -23,8 +23,9 @@ import structlog
 
 from cdcd import failpoints
 from cdcd.faults import ExitCode, Fault
-from cdcd.lake.arrow import TRUNCATE
-from cdcd.lake.compact_mark import (
+from cdcd.lake.deltalog import data_changing_versions, rows_added
+from cdcd.lake.landing.arrow import TRUNCATE
+from cdcd.lake.maintenance.compact_mark import (
     COMPACT_APP_ID,
     USER_METADATA_CONF,
     CompactMark,
@@ -33,9 +34,8 @@ from cdcd.lake.compact_mark import (
     read_mark,
     replaced_from,
 )
-from cdcd.lake.deltalog import data_changing_versions, rows_added
-from cdcd.lake.feed import FEED_COLUMNS, read_feed
-from cdcd.lake.lost_history import drop_lost, generation_starts, start_ids
+from cdcd.lake.maintenance.feed import FEED_COLUMNS, read_feed
+from cdcd.lake.maintenance.lost_history import drop_lost, generation_starts, start_ids
 from cdcd.lake.storage import LakeDir, is_delta, open_delta, spark_path
 from cdcd.lake.table import (
     CHANGE_SCHEMA,
@@ -46,9 +46,9 @@ from cdcd.lake.table import (
     STATE_PROPERTIES,
     STATE_SCHEMA,
 )
-from cdcd.lake.typed_declared import DeclaredTable
-from cdcd.lake.typed_layout import BadTable, list_tables, scan_tables
-from cdcd.lake.typed_tables import compact_tables, missing_tables
+from cdcd.lake.typed.declared import DeclaredTable
+from cdcd.lake.typed.layout import BadTable, list_tables, scan_tables
+from cdcd.lake.typed.tables import compact_tables, missing_tables
 
 log = structlog.get_logger("cdcd.lake")
 
@@ -148,7 +148,7 @@ def _start(lake: LakeDir, end: int, starts: list[str]) -> tuple[int, str, bool]:
     """(the changes version to fold in after, the application id of state's commits, whether to
     rebuild): the mark; or, when a version it names was replaced by another commit, the version
     before it in the next epoch; or, when a source started a generation since (a node restored from a
-    backup: cdcd/lake/lost_history.py), everything again in the next epoch."""
+    backup: cdcd/lake/maintenance/lost_history.py), everything again in the next epoch."""
     mark: CompactMark = read_mark(lake)
     new = set(starts) - mark.generation_starts if mark.generation_starts is not None else set()
     if new and mark.version >= 0:
