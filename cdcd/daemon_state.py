@@ -49,6 +49,17 @@ class CdcMode(enum.Enum):
     """The node's realtime worker delivers; the daemon follows its markers and deletes links."""
 
 
+DELIVERED_BY = ("realtime", "daemon")
+"""Who delivers a consumer, as status and ``state show`` spell it (``delivered_by``): the node's realtime
+worker, or the daemon from the archive. It replaces the older spellings of one reply (``cdc_mode``,
+``delivering``, ``realtime.mode``, ACTIVE/PASSIVE), which stay one release, deprecated."""
+
+
+def delivered_by(mode: CdcMode) -> str:
+    """``realtime`` while the node's realtime worker delivers (PASSIVE), else ``daemon``."""
+    return "realtime" if mode is CdcMode.NODE_ACTIVE else "daemon"
+
+
 class DaemonState(msgspec.Struct, frozen=True):
     """``position``: every entry before it is committed (None: nothing yet, start at the oldest link)."""
 

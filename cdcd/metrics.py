@@ -8,9 +8,10 @@ and a daemon none of the node's. Declare new metrics with ``registry=`` one of t
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -141,6 +142,19 @@ class _LogLinesLost(Collector):
 
 _LogLinesLost("cdcd_node_log_lines_lost", NODE)
 _LogLinesLost("cdcd_daemon_log_lines_lost", DAEMON)
+
+
+def watch_consumer(name: str, state: Callable[[], str], retained_bytes: Callable[[], float], cap: int) -> None:
+    """The named consumer's state and retained bytes, read at scrape time from ``state()`` (one of
+    ``CONSUMER_STATES``) and ``retained_bytes()``: no code path has to remember to set them."""
+    for each in CONSUMER_STATES:
+        DAEMON_CONSUMER_STATE.labels(name, each).set_function(functools.partial(_is_state, state, each))
+    DAEMON_CONSUMER_RETAINED_BYTES.labels(name).set_function(retained_bytes)
+    DAEMON_CONSUMER_MAX_RETAINED_BYTES.labels(name).set(cap)
+
+
+def _is_state(state: Callable[[], str], which: str) -> float:
+    return 1.0 if state() == which else 0.0
 
 
 def register_node(stats: NodeStats) -> None:
@@ -278,6 +292,28 @@ DAEMON_CONSUMER_LAG_SECONDS = Gauge(
 DAEMON_CONSUMER_INVALIDATIONS = Counter(
     "cdcd_daemon_consumer_invalidations_total",
     "Named consumers invalidated for holding back more than their max_retained_bytes of links",
+    ["consumer"],
+    registry=DAEMON,
+)
+CONSUMER_STATES = ("delivering", "retrying", "stopped", "invalidated")
+"""What ``cdcd_daemon_consumer_state`` and ``cdcd top`` say of a consumer: it delivers (or waits for
+events), it retries a transient failure, it stopped for good (until the daemon's restart), or it was
+invalidated (until ``cdcd state reset --consumer``)."""
+DAEMON_CONSUMER_STATE = Gauge(
+    "cdcd_daemon_consumer_state",
+    "1 for the named consumer's state (delivering, retrying, stopped, invalidated), 0 for the others",
+    ["consumer", "state"],
+    registry=DAEMON,
+)
+DAEMON_CONSUMER_RETAINED_BYTES = Gauge(
+    "cdcd_daemon_consumer_retained_bytes",
+    "Bytes of CDC links from the named consumer's committed position on (what max_retained_bytes caps)",
+    ["consumer"],
+    registry=DAEMON,
+)
+DAEMON_CONSUMER_MAX_RETAINED_BYTES = Gauge(
+    "cdcd_daemon_consumer_max_retained_bytes",
+    "The named consumer's max_retained_bytes (0: no cap)",
     ["consumer"],
     registry=DAEMON,
 )

@@ -89,10 +89,19 @@ def _node_request(ctx: click.Context, message: dict[str, Any]) -> dict[str, Any]
 @click.argument("state", type=click.Choice(["on", "off"]))
 @click.pass_context
 def control_realtime(ctx: click.Context, state: str) -> None:
-    """Switch realtime CDC: `on` tries to start it (hand-over from the daemon), `off` stops it.
+    """Switch realtime CDC for the consumer the node's `[realtime_consumer]` names: `on` tries to start it
+    (hand-over from the daemon), `off` stops it; every other consumer stays with the daemon.
     `cdcd control cdc realtime on|off` is the same command."""
     reply = _node_request(ctx, {"cmd": "realtime", "state": state})
     click.echo(f"realtime: {reply['realtime']}")
+    consumer = reply.get("consumer")
+    if isinstance(consumer, str):  # a node of an older release does not say
+        # On stderr: scripts read stdout's one line, as before consumers had names.
+        if state == "on":
+            line = f"consumer {consumer}: to the node's realtime worker; every other consumer stays with the daemon"
+        else:
+            line = f"consumer {consumer}: handed back to the daemon (from the archive), as every other consumer"
+        click.echo(line, err=True)
 
 
 @control.command("cdc")
@@ -144,6 +153,10 @@ def control_status(ctx: click.Context, as_json: bool) -> None:
         ("consumer", msgspec.json.encode(reply.get("realtime_consumer") or {}).decode()),
         ("cluster id", reply.get("cluster_id", "-")),
     ]
+    for name, one in (reply.get("consumers") or {}).items():
+        by = "realtime worker" if one["delivered_by"] == "realtime" else "daemon, from the archive"
+        lag = f", lag {one['lag_segments']} segment(s)" if one["lag_segments"] is not None else ""
+        rows.append((f"consumer {name}", f"{by}, at {one['position'] or '-'}{lag}"))
     repl = reply.get("replication")
     if repl:
         tls = "TLS + client certificates" if repl["client_certificates"] else "TLS" if repl["tls"] else "no TLS"

@@ -87,6 +87,17 @@ class ConsumerStopped(Fault, Exception):
         self.name = name
 
 
+def consumer_state(lane: Lane) -> str:
+    """One of ``metrics.CONSUMER_STATES`` for ``lane``, as ``cdcd_daemon_consumer_state`` exports it."""
+    if lane.invalidated:
+        return "invalidated"
+    if lane.failure is not None:
+        return "stopped"
+    if lane.watch.retrying is not None:
+        return "retrying"
+    return "delivering"
+
+
 class Daemon:
     """Use ``start()``/``stop()`` or ``async with``; ``stop()`` is idempotent.
 
@@ -159,6 +170,13 @@ class Daemon:
             self.node_id = read_node_id(self.config.node_dir)
             for lane in self.lanes.values():  # every state checked before any consumer starts
                 self.node_id = lane.load(self.node_id) or self.node_id
+            for name, lane in self.lanes.items():
+                metrics.watch_consumer(
+                    name,
+                    functools.partial(consumer_state, lane),
+                    functools.partial(self._retained_bytes, lane),
+                    lane.policy.max_retained_bytes,
+                )
             for lane in self.lanes.values():
                 lane.node_id = self.node_id
                 if lane.failure is not None:
@@ -238,6 +256,19 @@ class Daemon:
             retained = sum(size for seg, size in sizes.items() if pos is None or seg >= pos.segment)
             if retained > lane.policy.max_retained_bytes:
                 lane.invalidate(retained)
+
+    def _retained_bytes(self, lane: Lane) -> float:
+        """Bytes of the links from ``lane``'s position on (at scrape time); an invalidated one holds none."""
+        if lane.invalidated:
+            return 0.0
+        pos = lane.position
+        links, _ = list_segments(self.cdc_dir)
+        held = 0
+        for seg, path in links.items():
+            if pos is None or seg >= pos.segment:
+                with contextlib.suppress(FileNotFoundError):  # deleted since the listing
+                    held += path.stat().st_size
+        return float(held)
 
     def _release(self, name: str, segment: int) -> list[int]:
         """Consumer ``name`` committed past ``segment``: delete the links below the lowest position of all

@@ -19,7 +19,7 @@ from cdcd.daemon.follower import delete_links_below
 from cdcd.daemon.lane import INVALIDATED_FILE, STOPPED_FILE
 from cdcd.daemon.processor import INITIAL_MODE, start_from_node
 from cdcd.daemon.source import ask_node, node_caches
-from cdcd.daemon_state import DaemonState, StateDamaged, StateStore
+from cdcd.daemon_state import DaemonState, StateDamaged, StateStore, delivered_by
 from cdcd.delivery import record_entries
 from cdcd.durable import fsync_dir
 from cdcd.faults import ExitCode, Fault
@@ -38,16 +38,35 @@ def show_state(config: DaemonConfig) -> dict[str, Any]:
     """The committed state and the CDC dir as plain data (works while the daemon runs): the top-level keys
     are the ``default`` (else the first) consumer's; ``consumers`` has every consumer's, by name."""
     tables = config.named_consumers()
+    sizes = _link_sizes(config.cdc_path)
     consumers = {}
     for name in tables:
         one = config.for_consumer(name)
         info = _show_one(one)
         info["realtime"] = name == config.handover_consumer
+        info["retained_bytes"] = _retained(info, sizes)
         consumers[name] = info
     first = next(iter(tables))
     out = _show_one(config.for_consumer(first))
     out["consumers"] = consumers
     return out
+
+
+def _link_sizes(cdc_dir: Path) -> dict[int, int]:
+    links, _ = list_segments(cdc_dir)
+    sizes = {}
+    for seg, path in links.items():
+        with contextlib.suppress(FileNotFoundError):  # deleted by the running daemon since the listing
+            sizes[seg] = path.stat().st_size
+    return sizes
+
+
+def _retained(info: dict[str, Any], sizes: dict[int, int]) -> int:
+    """Bytes of the links from the consumer's position on (0 once invalidated: it holds none)."""
+    if info["invalidated"]:
+        return 0
+    parts = info["position_parts"]
+    return sum(n for seg, n in sizes.items() if parts is None or seg >= parts[0])
 
 
 def _show_one(config: DaemonConfig) -> dict[str, Any]:
@@ -67,6 +86,7 @@ def _show_one(config: DaemonConfig) -> dict[str, Any]:
     return {
         "state_dir": str(config.state_path),
         "fresh": fresh,
+        "delivered_by": delivered_by(state.mode),
         "mode": state.mode.value,
         "cdc_mode": state.mode.name,
         "node_id": state.node_id or None,
@@ -82,13 +102,15 @@ def _show_one(config: DaemonConfig) -> dict[str, Any]:
         "ignored_files": [p.name for p in refused],
         "consumer": mask_mapping(config.consumer),
         "identity": state.consumer or None,
-        "stopped": _stopped(config.state_path),
+        "stopped": _record(config.state_path / STOPPED_FILE),
+        "invalidated": _record(config.state_path / INVALIDATED_FILE),
     }
 
 
-def _stopped(state_path: Path) -> dict[str, Any] | None:
+def _record(path: Path) -> dict[str, Any] | None:
+    """``stopped.json`` or ``invalidated.json`` of a consumer's state dir (None: there is none)."""
     try:
-        found: dict[str, Any] = msgspec.json.decode((state_path / STOPPED_FILE).read_bytes())
+        found: dict[str, Any] = msgspec.json.decode(path.read_bytes())
     except (FileNotFoundError, msgspec.DecodeError):
         return None
     return found
@@ -97,11 +119,7 @@ def _stopped(state_path: Path) -> dict[str, Any] | None:
 def list_consumers(config: DaemonConfig) -> list[dict[str, Any]]:
     """Every consumer of the config, then every consumer state no longer in it (``in_config`` False): its
     identity, position, mode, whether it stopped or was invalidated, and the link bytes it holds."""
-    links, _ = list_segments(config.cdc_path)
-    sizes = {}
-    for seg, path in links.items():
-        with contextlib.suppress(FileNotFoundError):
-            sizes[seg] = path.stat().st_size
+    sizes = _link_sizes(config.cdc_path)
     shown = show_state(config)["consumers"]
     out = []
     for name, info in shown.items():
@@ -119,10 +137,7 @@ def list_consumers(config: DaemonConfig) -> list[dict[str, Any]]:
 
 
 def _holds(info: dict[str, Any], sizes: dict[int, int]) -> dict[str, Any]:
-    parts = info["position_parts"]
-    held = sum(n for seg, n in sizes.items() if parts is None or seg >= parts[0])
-    invalidated = (Path(info["state_dir"]) / INVALIDATED_FILE).exists()
-    return {**info, "invalidated": invalidated, "holds_bytes": 0 if invalidated else held}
+    return {**info, "invalidated": info["invalidated"] is not None, "holds_bytes": _retained(info, sizes)}
 
 
 class DropRefused(Fault, Exception):

@@ -67,6 +67,9 @@ class Watch:
         self.show_progress = show_progress
         self.busy: dict[str, tuple[str, float]] = {}
         """Worker-thread call in flight per pipeline stage: (what, monotonic start)."""
+        self.retrying: str | None = None
+        """The consumer call that met a transient failure and retries it (None once it returned): what
+        ``cdcd_daemon_consumer_state`` and ``cdcd top`` call ``retrying``."""
         self.oldest_unconfirmed_ns: int | None = None
         self.tail: tuple[int, int] | None = None
         """(segment, commit ns) of the first data record in the node's active segment, not yet in a link."""
@@ -105,6 +108,8 @@ class Watch:
             return await asyncio.to_thread(fn, *args)
         finally:
             self.busy.pop(stage, None)
+            if stage == "consumer":
+                self.retrying = None
 
     def touch(self, stage: str) -> None:
         """The call in flight in ``stage`` made progress of a kind (a retry step after a transient
@@ -112,6 +117,8 @@ class Watch:
         busy = self.busy.get(stage)
         if busy is not None:
             self.busy[stage] = (busy[0], time.monotonic())
+            if stage == "consumer":
+                self.retrying = busy[0]
 
     def read(self, chunk_first: int, chunk_last: int) -> None:
         """A read reached segments ``chunk_first..chunk_last`` (one read may span segments)."""

@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING, Any
 from cdcd.control import ControlError
 from cdcd.daemon_state import CdcMode, read_daemon_state
 from cdcd.node.attach import AttachError
+from cdcd.node.config import CONSUMER_NAME, DEFAULT_CONSUMER
 from cdcd.node.diff import digests
 from cdcd.secrets import mask_mapping
-from cdcd.wal.pointer import WalPosition
+from cdcd.wal.pointer import WalPointer, WalPosition
 
 if TYPE_CHECKING:
     from cdcd.node.node import Node
@@ -29,6 +30,7 @@ def status(node: Node) -> dict[str, Any]:
     if node_active and rt["last_event_commit_ts_ns"]:
         lag_ms = max(0.0, (time.time_ns() - rt["last_event_commit_ts_ns"]) / 1e6)
     return {
+        "consumers": consumers(node, daemon, node_active, wal_pos),
         "node_dir": config.node_dir,
         "node_id": str(node.node_id),
         "writes": node.writes_state(),
@@ -48,6 +50,34 @@ def status(node: Node) -> dict[str, Any]:
     }
 
 
+def consumers(
+    node: Node, default: dict[str, Any] | None, node_active: bool, wal_pos: WalPointer
+) -> dict[str, dict[str, Any]]:
+    """Per consumer of the daemon (its states in ``daemon_state_dir``, and the one ``[realtime_consumer]``
+    names): who delivers it (``delivered_by``: ``realtime``, the node's realtime worker, or ``daemon``, from
+    the archive), its committed position and its lag in segments."""
+    config = node.config
+    states: dict[str, dict[str, Any] | None] = {DEFAULT_CONSUMER: default} if default is not None else {}
+    named = config.daemon_state_path / "consumers"  # the daemon's layout (DaemonConfig.consumer_state_path)
+    for path in sorted(named.iterdir()) if named.is_dir() else []:
+        if CONSUMER_NAME.fullmatch(path.name) and (path / "data.mdb").is_file():
+            states[path.name] = read_daemon_state(path)
+    realtime = config.realtime_consumer_name if config.realtime_consumer else None
+    if realtime is not None:
+        states.setdefault(realtime, None)
+    out = {}
+    for name, state in sorted(states.items()):
+        by_realtime = name == realtime and node_active
+        committed = node.realtime.position if by_realtime else _daemon_position(state)
+        out[name] = {
+            "delivered_by": "realtime" if by_realtime else "daemon",
+            "realtime_consumer": name == realtime,
+            "position": str(committed) if committed is not None else None,
+            "lag_segments": max(0, wal_pos.segment - committed.segment) if committed is not None else None,
+        }
+    return out
+
+
 def _daemon_position(daemon: dict[str, Any] | None) -> WalPosition | None:
     if daemon is None or daemon["position_parts"] is None:
         return None
@@ -59,9 +89,10 @@ def handle(node: Node, req: dict[str, Any]) -> dict[str, Any]:
     cmd = req["cmd"]
     if cmd == "realtime":
         try:
-            return {"realtime": node.realtime.switch(str(req.get("state")))}
+            switched = node.realtime.switch(str(req.get("state")))
         except AttachError as exc:
             raise ControlError(str(exc)) from None
+        return {"realtime": switched, "consumer": node.config.realtime_consumer_name}
     if cmd == "cdc":
         state = req.get("state")
         if state not in ("on", "off"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -11,6 +12,9 @@ import msgspec
 from cdcd.config import BadCacheFilter, CacheFilter, check_address, check_ranges
 
 MiB = 1 << 20
+DEFAULT_CONSUMER = "default"
+CONSUMER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""The daemon's consumer names (``[consumers.<name>]``), which ``[realtime_consumer] name`` is one of."""
 MAX_SOCKET_NAME_BYTES = 80
 """A Unix socket address holds ~108 bytes; a deep directory is reached through /proc/self/fd/N/
 (cdcd/control.py), which leaves about this much for the socket's own file name."""
@@ -61,7 +65,8 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     """Capture changes inside the node right after each WAL flush (IEP-104); the daemon goes PASSIVE.
     At every open the node restores an enabled realtime state, or tries to start it (hand-over)."""
     realtime_consumer: dict[str, Any] = msgspec.field(default_factory=dict)
-    """The realtime worker's consumer: the same table as the daemon's ``[consumer]``."""
+    """The realtime worker's consumer: the same table as the daemon's ``[consumer]``, plus ``name``: the
+    daemon's consumer it stands in for (the daemon's ``realtime_consumer``; default ``default``)."""
     cdc_buffer_bytes: int = 0
     """Flushed WAL bytes the realtime worker may hold; over it realtime stops (0: 10 segments' worth)."""
     realtime_batch_max_events: int = 10_000
@@ -142,6 +147,11 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
             raise msgspec.ValidationError(
                 "realtime_cdc = true needs a realtime_consumer table - at `$.realtime_consumer`"
             )
+        name = self.realtime_consumer.get("name", DEFAULT_CONSUMER)
+        if not isinstance(name, str) or not CONSUMER_NAME.fullmatch(name):
+            raise msgspec.ValidationError(
+                f"{name!r}: not a consumer name (1 to 64 of A-Z a-z 0-9 _ -) - at `$.realtime_consumer.name`"
+            )
         try:
             CacheFilter.parse(self.realtime_consumer)
         except BadCacheFilter as exc:
@@ -153,6 +163,16 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
             raise msgspec.ValidationError(
                 "replication_listen needs a replication_token_file - at `$.replication_token_file`"
             )
+
+    @property
+    def realtime_consumer_name(self) -> str:
+        """The daemon's consumer the realtime worker delivers to (``[realtime_consumer] name``)."""
+        return str(self.realtime_consumer.get("name", DEFAULT_CONSUMER))
+
+    @property
+    def realtime_consumer_table(self) -> dict[str, Any]:
+        """``[realtime_consumer]`` as the consumer's own table: its name is the node's, not the consumer's."""
+        return {k: v for k, v in self.realtime_consumer.items() if k != "name"}
 
     @property
     def wal_path(self) -> Path:

@@ -36,7 +36,7 @@ class ConsumerSlot:
         if self.current is None:
             if not self._config.realtime_consumer:
                 raise RealtimeError("realtime CDC needs a realtime_consumer table in the node config")
-            consumer = self._load(self._config.realtime_consumer, "realtime_consumer")
+            consumer = self._load(self._config.realtime_consumer_table, "realtime_consumer")
             consumer.start(REGISTRY)
             self.current = consumer
         return self.current

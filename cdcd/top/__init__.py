@@ -61,6 +61,10 @@ def snapshot_dict(snap: Snapshot, r: Rates | None, node_dir: Path, read_s: float
         "daemon": daemon,
         "rates": msgspec.to_builtins(r) if r is not None else None,
         "lake": msgspec.to_builtins(snap.lake) if snap.lake is not None else None,
+        "consumers": [
+            {**msgspec.to_builtins(c), "events_per_s": r.consumer_events_per_s.get(c.name) if r else None}
+            for c in snap.consumers
+        ],
         "consumer": snap.consumer,
         "problems": snap.problems,
         "source_problems": list(snap.source_problems),

@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from cdcd.control import ControlReplyError, request_within
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.ops import show_state
-from cdcd.daemon_state import DaemonState, StateRefused
+from cdcd.daemon_state import DaemonState, StateRefused, delivered_by
 from cdcd.wal.segment import list_segments
 
 # Prefixes of the consumer's own figures on the daemon's endpoint (lake, Kafka, replication).
@@ -127,6 +127,33 @@ class LakeFigures(msgspec.Struct, frozen=True, kw_only=True):
     last_optimize_seconds: float | None
 
 
+class ConsumerFigures(msgspec.Struct, frozen=True, kw_only=True):
+    """One consumer of the daemon (``[consumer]`` is the one named ``default``): from the daemon's state
+    (``state show``'s ``consumers``) and, where noted, the daemon's metrics labelled with its name."""
+
+    name: str
+    kind: str
+    delivered_by: str
+    """``realtime`` (the node's realtime worker) or ``daemon`` (from the archive)."""
+    realtime: bool
+    """The consumer the node's realtime worker stands in for (the daemon's ``realtime_consumer``)."""
+    state: str
+    """``delivering``, ``retrying``, ``stopped`` or ``invalidated`` (``metrics.CONSUMER_STATES``)."""
+    why: str
+    """Why it is not delivering, in one line ("" while it delivers)."""
+    position: str | None
+    position_parts: list[int] | None
+    lag_segments: int | None = None
+    """The node's WAL segment minus the consumer's (None without a node or a position)."""
+    lag_bytes: int | None = None
+    """Bytes of CDC links from its position on: what it has still to deliver, the node's active segment apart."""
+    lag_seconds: float | None = None
+    """Metrics: now minus the commit time of the oldest entry it has not confirmed."""
+    events_total: float | None = None
+    """Metrics: events it confirmed since the daemon started."""
+    last_commit_unix_s: float | None = None
+
+
 class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
     taken_unix_s: float
     sources: dict[str, str]
@@ -139,6 +166,8 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
     """Retries, stalls, dead letters and refusals from both endpoints, one entry per sample."""
     lake: LakeFigures | None = None
     """Read out of ``consumer`` when the daemon's consumer is a lake sink (None otherwise)."""
+    consumers: tuple[ConsumerFigures, ...] = ()
+    """Every consumer of the daemon, in config order (none when its state says none)."""
     slow: frozenset[str] = frozenset()
     """The sources that ran out of time (``--once`` does not read them a second time)."""
     source_problems: tuple[str, ...] = ()
@@ -154,6 +183,8 @@ class Rates(msgspec.Struct, frozen=True, kw_only=True):
     node_entries_per_s: float | None
     daemon_events_per_s: float | None
     daemon_segments_per_s: float | None
+    consumer_events_per_s: dict[str, float | None] = msgspec.field(default_factory=dict)
+    """Per consumer, by name: events it confirmed per second."""
 
 
 # --- reading ------------------------------------------------------------------------------------
@@ -510,7 +541,16 @@ def running_state(config: DaemonConfig, state: DaemonState, consumer_kind: str) 
     a second open of an environment in one process, so its state comes from the daemon itself."""
     links, _ = list_segments(config.cdc_path)
     pos = state.position
+    one = {
+        "delivered_by": delivered_by(state.mode),
+        "mode": state.mode.value,
+        "position": str(pos) if pos else None,
+        "position_parts": msgspec.to_builtins(pos) if pos else None,
+        "realtime": True,
+        "consumer": {"kind": consumer_kind},
+    }
     return {
+        "consumers": {next(iter(config.named_consumers())): one},
         "fresh": state.commits == 0,
         "mode": state.mode.value,
         "position": str(pos) if pos else None,
@@ -709,6 +749,106 @@ def _lake_figures(consumer: Mapping[str, float]) -> LakeFigures | None:
     )
 
 
+class _Record(msgspec.Struct):
+    """``stopped.json`` or ``invalidated.json`` as top reads it (any other shape: no reason given)."""
+
+    error: str = ""
+    exit_code: int | None = None
+
+
+class _ConsumerState(msgspec.Struct, kw_only=True):
+    """One consumer of ``state show``'s ``consumers``, the fields top reads, typed (the rest is ignored)."""
+
+    delivered_by: str = ""
+    mode: str = ""
+    position: str | None = None
+    position_parts: list[int] | None = None
+    realtime: bool = False
+    consumer: dict[str, Any] = msgspec.field(default_factory=dict)
+    stopped: Any = None
+    invalidated: Any = None
+    retained_bytes: int | None = None
+
+
+def _why(record: Any, default: str) -> str:
+    """The one line of a stop record (``stopped.json``, ``invalidated.json``), ``default`` when it has none."""
+    try:
+        found = msgspec.convert(record, _Record)
+    except msgspec.ValidationError:
+        return default
+    line = found.error or default
+    return one_line(f"exit {found.exit_code}: {line}" if found.exit_code is not None else line)
+
+
+def _labelled(samples: Mapping[str, float] | None, name: str, consumer: str, **more: str) -> float | None:
+    """The sample ``name`` of ``consumer`` (and ``more`` labels), None when there is none."""
+    if samples is None:
+        return None
+    labels = ",".join(f'{k}="{v}"' for k, v in sorted({"consumer": consumer, **more}.items()))
+    return samples.get(f"{name}{{{labels}}}")
+
+
+def consumer_state(
+    info: _ConsumerState, name: str, pid: int | None, daemon_m: Mapping[str, float] | None
+) -> tuple[str, str]:
+    """(state, why) of one consumer: its state dir's records first (they outlive the daemon), then whether a
+    daemon runs at all, then what the daemon's metrics say of it."""
+    if info.invalidated:
+        return "invalidated", _why(info.invalidated, "invalidated (max_retained_bytes)")
+    if info.stopped:
+        return "stopped", _why(info.stopped, "stopped for good")
+    if pid is None:
+        return "stopped", "daemon not running"
+    for state, why in (
+        ("invalidated", "invalidated (max_retained_bytes)"),
+        ("stopped", "stopped for good (cdcd state show says why)"),
+        ("retrying", "retrying a transient failure (its consumer_retrying lines carry the error)"),
+    ):
+        if _labelled(daemon_m, "cdcd_daemon_consumer_state", name, state=state) == 1:
+            return state, why
+    return "delivering", ""
+
+
+def _consumer_figures(
+    state: Mapping[str, Any], pid: int | None, daemon_m: Mapping[str, float] | None, wal_segment: int | None
+) -> tuple[ConsumerFigures, ...]:
+    raw = state.get("consumers")
+    if not isinstance(raw, dict):
+        return ()
+    out = []
+    for key, one in raw.items():
+        try:
+            info = msgspec.convert(one, _ConsumerState)
+        except msgspec.ValidationError:
+            info = _ConsumerState()
+        name = str(key)
+        parts = info.position_parts
+        seg = parts[0] if parts else None
+        lag_bytes = info.retained_bytes
+        if lag_bytes is not None and parts and len(parts) > 1:
+            lag_bytes = max(0, lag_bytes - parts[1])  # its first link is read up to its offset
+        what, why = consumer_state(info, name, pid, daemon_m)
+        kind = info.consumer.get("kind")
+        out.append(
+            ConsumerFigures(
+                name=name,
+                kind=str(kind) if kind is not None else "",
+                delivered_by=info.delivered_by or ("realtime" if info.mode == "PASSIVE" else "daemon"),
+                realtime=info.realtime,
+                state=what,
+                why=why,
+                position=info.position,
+                position_parts=parts,
+                lag_segments=max(0, wal_segment - seg) if wal_segment is not None and seg is not None else None,
+                lag_bytes=lag_bytes,
+                lag_seconds=_labelled(daemon_m, "cdcd_daemon_consumer_lag_seconds", name),
+                events_total=_labelled(daemon_m, "cdcd_daemon_consumer_events_total", name),
+                last_commit_unix_s=_labelled(daemon_m, "cdcd_daemon_consumer_last_commit_timestamp_seconds", name),
+            )
+        )
+    return tuple(out)
+
+
 def build_snapshot(
     taken_unix_s: float,
     *,
@@ -731,14 +871,18 @@ def build_snapshot(
         # A counter at zero is no problem (unlabelled ones are exported from the start).
         if v and any(word in k.partition("{")[0] for word in PROBLEM_WORDS)
     }
+    node = _node_figures(status, node_m) if status is not None else None
     return Snapshot(
         taken_unix_s=taken_unix_s,
         sources=dict(sources),
-        node=_node_figures(status, node_m) if status is not None else None,
+        node=node,
         daemon=_daemon_figures(state, daemon_pid, daemon_m) if state is not None else None,
         consumer=consumer,
         problems=problems,
         lake=_lake_figures(consumer),
+        consumers=_consumer_figures(state, daemon_pid, daemon_m, node.wal_segment if node else None)
+        if state is not None
+        else (),
         slow=slow,
         source_problems=source_problems,
     )
@@ -761,6 +905,7 @@ def rates(old: Snapshot, new: Snapshot) -> Rates:
     """Rates between two consecutive snapshots (a counter that went back, a restart, reads as 0)."""
     dt = new.taken_unix_s - old.taken_unix_s
     on, nn, od, nd = old.node, new.node, old.daemon, new.daemon
+    before = {c.name: c for c in old.consumers}
     old_seg = od.position_parts[0] if od is not None and od.position_parts else None
     new_seg = nd.position_parts[0] if nd is not None and nd.position_parts else None
     return Rates(
@@ -769,4 +914,8 @@ def rates(old: Snapshot, new: Snapshot) -> Rates:
         node_entries_per_s=_per_s(nn.entries_total if nn else None, on.entries_total if on else None, dt),
         daemon_events_per_s=_per_s(nd.events_total if nd else None, od.events_total if od else None, dt),
         daemon_segments_per_s=_per_s(new_seg, old_seg, dt),
+        consumer_events_per_s={
+            c.name: _per_s(c.events_total, before[c.name].events_total if c.name in before else None, dt)
+            for c in new.consumers
+        },
     )

@@ -143,6 +143,35 @@ def _daemon_panel(snap: Snapshot, rates: Rates | None) -> Panel:
     return Panel(t, title="Daemon")
 
 
+STATE_STYLES = {"delivering": "green", "retrying": "yellow", "stopped": "bold red", "invalidated": "bold red"}
+
+
+def _consumers_panel(snap: Snapshot, rates: Rates | None) -> Panel | None:
+    """One row per consumer of the daemon: who delivers it, its state (and why not delivering), position, lag
+    and rate. None when the daemon's state lists none (unreadable, or a daemon of an older release)."""
+    if not snap.consumers:
+        return None
+    t = Table(box=None, padding=(0, 1), pad_edge=False, header_style="bold", expand=True)
+    for col in ("consumer", "kind", "by", "state", "position", "lag"):
+        t.add_column(col, no_wrap=True, overflow="ellipsis")
+    t.add_column("rate", no_wrap=True, justify="right")
+    t.add_column("why", overflow="ellipsis", no_wrap=True, ratio=1)
+    per_s = rates.consumer_events_per_s if rates else {}
+    for c in snap.consumers:
+        lag = f"{_num(c.lag_segments, ' seg')} {_bytes(c.lag_bytes)} {_num(c.lag_seconds, ' s', 1)}"
+        t.add_row(
+            _plain(c.name + (" *" if c.realtime else "")),
+            _plain(c.kind or "-"),
+            _plain(c.delivered_by),
+            Text(one_line(c.state), style=STATE_STYLES.get(c.state, "")),
+            _plain(c.position or "-"),
+            lag,
+            _num(per_s.get(c.name), "/s"),
+            _plain(c.why),
+        )
+    return Panel(t, title="Consumers (* the node's realtime worker stands in for it)")
+
+
 def _first(item: tuple[str, float]) -> tuple[int, str]:
     """Sort key: the figures ``FIRST_FIGURES`` names first (in that order), then the rest by name."""
     base = item[0].partition("{")[0]
@@ -220,17 +249,29 @@ PANEL_ROWS = 12
 """Node and daemon panels: their rows and borders."""
 
 
-class _Screen:
-    """The layout for the terminal's width at draw time (side by side, or stacked when narrow)."""
+Parts = tuple[Text, Panel, Panel, Panel | None, Panel, Panel]
+"""Header, node, daemon, consumers (None: none listed), consumer metrics and problems."""
 
-    def __init__(self, header: Text, node: Panel, daemon: Panel, consumer: Panel, problems: Panel) -> None:
-        self.parts = (header, node, daemon, consumer, problems)
+
+class _Screen:
+    """The layout for the terminal's width at draw time (side by side, or stacked when narrow); the
+    consumers' rows, when there are any, between the node and daemon and the metrics."""
+
+    def __init__(self, parts: Parts) -> None:
+        self.parts = parts
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        header, node, daemon, consumer, problems = self.parts
+        header, node, daemon, consumers, consumer, problems = self.parts
+        rows = []
+        if consumers is not None:
+            table = consumers.renderable
+            # Borders and the header row around one row per consumer.
+            rows = [Layout(consumers, size=(table.row_count if isinstance(table, Table) else 1) + 3)]
         layout = Layout()
         if options.max_width >= WIDE_COLUMNS:
-            layout.split_column(Layout(header, size=3), Layout(name="main", size=PANEL_ROWS), Layout(name="figures"))
+            layout.split_column(
+                Layout(header, size=3), Layout(name="main", size=PANEL_ROWS), *rows, Layout(name="figures")
+            )
             layout["main"].split_row(Layout(node), Layout(daemon))
             layout["figures"].split_row(Layout(consumer), Layout(problems))
         else:
@@ -238,6 +279,7 @@ class _Screen:
                 Layout(header, size=4),
                 Layout(node, size=PANEL_ROWS),
                 Layout(daemon, size=PANEL_ROWS - 1),
+                *rows,
                 Layout(consumer),
                 Layout(problems),
             )
@@ -246,12 +288,14 @@ class _Screen:
 
 def _panels(
     snap: Snapshot, rates: Rates | None, node_dir: str, since: str, interval_ms: int, *, title: str, keys: str
-) -> tuple[Text, Panel, Panel, Panel, Panel]:
-    """Header, node, daemon, consumer and problems: what both forms of the screen show."""
+) -> Parts:
+    """Header, node, daemon, consumers (None: none listed), consumer metrics and problems: what both forms
+    of the screen show."""
     return (
         _header(snap, node_dir, interval_ms, title, keys),
         _node_panel(snap, rates, since),
         _daemon_panel(snap, rates),
+        _consumers_panel(snap, rates),
         _consumer_panel(snap),
         _problems_panel(snap),
     )
@@ -269,12 +313,13 @@ def render(
 ) -> RenderableType:
     """The whole screen. ``since``: when the current deliverer was first seen delivering; ``title`` and
     ``keys`` head it (``make run`` shows the same screen under its own name)."""
-    return _Screen(*_panels(snap, rates, node_dir, since, interval_ms, title=title, keys=keys))
+    return _Screen(_panels(snap, rates, node_dir, since, interval_ms, title=title, keys=keys))
 
 
 def render_once(snap: Snapshot, rates: Rates | None, *, node_dir: str, since: str, interval_ms: int) -> Group:
     """The same panels stacked, for a plain-text print (no full-screen layout to fill)."""
-    return Group(*_panels(snap, rates, node_dir, since, interval_ms, title="cdcd top", keys="q: quit"))
+    parts = _panels(snap, rates, node_dir, since, interval_ms, title="cdcd top", keys="q: quit")
+    return Group(*(part for part in parts if part is not None))
 
 
 # --- one line of the same figures (make run and make run-cluster when stdout is not a terminal) ------
@@ -315,6 +360,8 @@ def figures(snap: Snapshot, rates: Rates | None) -> dict[str, str]:
     elif "cdcd_kafka_transactions_total" in c:
         out["kafka txns"] = _num(c["cdcd_kafka_transactions_total"])
         out["sent"] = _num(sum(v for k, v in c.items() if k.startswith("cdcd_kafka_sent_events_total")))
+    if len(snap.consumers) > 1:
+        out["consumers"] = ", ".join(one_line(f"{c.name} {c.state}") for c in snap.consumers)
     out["problems"] = _problems_text(snap.problems)
     if snap.source_problems:
         bad = ", ".join(line.partition(":")[0] for line in snap.source_problems)
