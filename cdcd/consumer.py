@@ -12,15 +12,17 @@ otherwise it fails naming its position. Any other exception is fatal.
 
 from __future__ import annotations
 
+import math
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from itertools import chain, count, repeat
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from prometheus_client import CollectorRegistry
 
+from cdcd.config import ConfigError
 from cdcd.wal.pointer import EventAddress, WalPointer, WalPosition
 from cdcd.wal.records import CacheInfo, CacheVersion, DataEntry, DataRecord, Op
 
@@ -30,12 +32,15 @@ __all__ = [
     "CacheInfo",
     "CdcEvent",
     "Consumer",
+    "DeliveryPolicy",
     "EventBatch",
     "EventSource",
     "RecordSlice",
     "RefusedEvent",
     "ResumeAt",
     "RetriableError",
+    "LoadedConsumer",
+    "as_consumer",
     "enabled_slices",
 ]
 
@@ -342,13 +347,9 @@ class ResumeAt(msgspec.Struct, frozen=True):
 class Consumer:
     """Base class of consumers; override what you need. ``start``/``stop`` run once each."""
 
-    retry_timeout_s: float = DEFAULT_RETRY_TIMEOUT_S
-    """How long the caller retries a ``RetriableError`` (set from ``[consumer] retry_timeout_s``)."""
     dead_letters: bool = False
-    """``[consumer] dead_letters = "on"``: set refused events aside instead of failing."""
-    dead_letters_path: str = ""
-    """The jsonl file the caller writes a ``RefusedEvent``'s event to (``[consumer] dead_letters_path``);
-    empty for a consumer that keeps its dead letters itself (Kafka's ``<topic>.dlq``)."""
+    """Set on a kind that keeps refused events itself (Kafka's ``<topic>.dlq``) when ``[consumer]
+    dead_letters = "on"``; the caller's own policy is ``DeliveryPolicy``, never read from here."""
 
     def start(self, registry: CollectorRegistry) -> None:
         """Called once before any event; ``registry`` is where the consumer may add metrics."""
@@ -388,3 +389,61 @@ class Consumer:
     def alive(self) -> bool:
         """False makes the caller fail fast (the service manager restarts it)."""
         return True
+
+
+class DeliveryPolicy(msgspec.Struct, frozen=True):
+    """How the caller delivers to one consumer, read once from its table (``[consumer]`` or
+    ``[consumers.<name>]``), never from the consumer object."""
+
+    retry_timeout_s: float = DEFAULT_RETRY_TIMEOUT_S
+    """How long a ``RetriableError`` is retried before the consumer fails."""
+    dead_letters_path: str = ""
+    """The jsonl file the caller sets a ``RefusedEvent``'s event aside in; "" with dead letters off
+    (refused: the consumer fails) or kept by the consumer itself (``Consumer.dead_letters``)."""
+
+    @classmethod
+    def from_table(cls, table: Mapping[str, Any], source: str) -> DeliveryPolicy:
+        """The policy of a consumer table; errors name ``source`` and the key (the kind's own rules on
+        dead letters are ``cdcd.sinks``')."""
+        retry = table.get("retry_timeout_s", DEFAULT_RETRY_TIMEOUT_S)
+        if isinstance(retry, bool) or not isinstance(retry, int | float) or not math.isfinite(retry) or retry < 0:
+            raise ConfigError(f"{source}: key 'retry_timeout_s': {retry!r}: must be a finite number of seconds >= 0")
+        value = table.get("dead_letters", "off")
+        if value not in ("off", "on"):
+            raise ConfigError(f'{source}: key \'dead_letters\': {value!r}: must be "off" or "on"')
+        path = table.get("dead_letters_path", "")
+        if not isinstance(path, str):
+            raise ConfigError(f"{source}: key 'dead_letters_path': {path!r}: must be a file path")
+        if value == "off" and path:
+            raise ConfigError(f"{source}: key 'dead_letters_path': set, but dead_letters is \"off\"")
+        return cls(float(retry), path)
+
+
+class LoadedConsumer(NamedTuple):
+    """A consumer as ``cdcd.sinks.load_consumer`` builds it, with the policy its table gives it."""
+
+    consumer: Consumer
+    policy: DeliveryPolicy
+
+
+_HOOKS = (
+    *("start", "on_events", "resume_at", "on_cache_change", "on_cache_destroy", "on_cache_drop"),
+    *("stop", "interrupt", "alive"),
+)
+
+
+class UserConsumer(Consumer):
+    """A user class that does not subclass ``Consumer``, wrapped once where it is built: what it lacks
+    is ``Consumer``'s default, so no caller probes it for a method."""
+
+    def __init__(self, user: object) -> None:
+        self.user = user
+        for name in _HOOKS:
+            method = getattr(user, name, None)
+            if callable(method):
+                setattr(self, name, method)  # an instance attribute hides the default method
+
+
+def as_consumer(obj: object) -> Consumer:
+    """``obj`` itself if it is a ``Consumer``, else wrapped as one (``UserConsumer``)."""
+    return obj if isinstance(obj, Consumer) else UserConsumer(obj)

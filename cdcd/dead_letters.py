@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from cdcd import metrics
-from cdcd.consumer import CdcEvent
+from cdcd.consumer import CdcEvent, DeliveryPolicy
 from cdcd.wal.dump import jsonable
 from cdcd.wal.pointer import EventAddress
 
@@ -27,12 +28,10 @@ _TAIL_BYTES = 1 << 16
 """Read backwards in steps of this much to find the last line."""
 
 
-def path_of(consumer: object) -> str:
-    """The jsonl file ``consumer`` sets refused events aside in; "" when it sets none aside (off, the
-    default, or a user class without the attributes: fail-fast)."""
-    if not getattr(consumer, "dead_letters", False):
-        return ""
-    return str(getattr(consumer, "dead_letters_path", "") or "")
+def writer(policy: DeliveryPolicy) -> Callable[[CdcEvent, str], bool] | None:
+    """What sets a refused event aside under ``policy``: its file's ``write``; None when the caller sets
+    none aside (dead letters off: fail-fast, or kept by the consumer itself)."""
+    return DeadLetterFile(policy.dead_letters_path).write if policy.dead_letters_path else None
 
 
 class DeadLetterError(Exception):

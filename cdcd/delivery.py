@@ -6,13 +6,10 @@ record); ``Batcher`` turns WAL records into batches of events and cache changes,
 hiding caches with ``cdc_enabled = false`` and those the consumer's cache filter leaves out (their
 positions are passed all the same; they are never announced);
 ``feed_active`` is what the delivering side does with one record. These are pure logic.
-``DeliveryLoop`` hands one batch to a consumer (Ignite's loop): each side passes its consumer
-call, its ``commit(cursor)``, its stop check and its retry wait. It is also the one place where a
-consumer's ``RetriableError`` is waited out, for every sink: the same events again, with backoff,
-for up to the consumer's ``retry_timeout_s``; the cache calls (``on_cache_change``,
-``on_cache_drop``) go through the same policy (``DeliveryLoop.cache_call``); and where a
-``RefusedEvent`` splits the batch: the events before it, the refused one to the dead letters, the
-events after it.
+``DeliveryLoop`` delivers to one consumer (Ignite's loop), for either side (``Side``: how it calls,
+commits and waits): batches, cache changes, a ``RetriableError`` waited out with backoff for up to
+the consumer's ``retry_timeout_s`` (``DeliveryPolicy``), a ``RefusedEvent`` split out of its batch
+to the dead letters; whatever fails for good is one ``DeliveryFailed``.
 """
 
 from __future__ import annotations
@@ -21,15 +18,16 @@ import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import structlog
 
 from cdcd import failpoints
 from cdcd.consumer import (
-    DEFAULT_RETRY_TIMEOUT_S,
     CacheDrop,
     CdcEvent,
+    Consumer,
+    DeliveryPolicy,
     EventBatch,
     RecordSlice,
     RefusedEvent,
@@ -37,7 +35,7 @@ from cdcd.consumer import (
     enabled_slices,
 )
 from cdcd.logging import describe
-from cdcd.retry import Backoff, Retry, RetryInterrupted, retry_until
+from cdcd.retry import Backoff, RetriesExhausted, Retry, RetryInterrupted, retry_until
 from cdcd.wal.pointer import EventAddress, WalPointer, WalPosition
 from cdcd.wal.records import CacheInfo, CacheOp, CacheRecord, DataRecord, Record, SegmentEnd
 
@@ -234,10 +232,6 @@ DeadLetter = Callable[[CdcEvent, str], object]
 """Sets a refused event aside durably (once per position), with the refusal's text."""
 
 
-class EventRefused(Exception):
-    """A consumer refused an event and there is nowhere to set it aside: the side fails with this line."""
-
-
 def split_at(
     events: EventBatch, address: EventAddress
 ) -> tuple[EventBatch | None, RecordSlice, EventBatch | None] | None:
@@ -261,60 +255,75 @@ def split_at(
     return None
 
 
-Observe = Callable[[Sequence[RecordSlice], EventBatch, int, bool], None]
-"""After each consumer call: the slices it took, the batch it was given, how many events it took,
-and whether it confirmed (metrics, lag)."""
+class Side(Protocol):
+    """What one deliverer (the daemon's ``Committer``, the node's realtime ``Deliverer``) brings to a
+    ``DeliveryLoop``; the loop does the rest: the consumer's calls, retries, dead letters, cache changes."""
+
+    def call(self, what: str, fn: Callable[[], T]) -> T:
+        """Run the consumer's call ``what`` (``on_events``, ``on_cache_change``, ...): ``fn()``, with
+        whatever the side does around it (the daemon asks ``alive()`` first and times it). What it
+        raises, the loop sorts out."""
+        ...
+
+    def commit(self, end: WalPosition) -> None:
+        """The consumer confirmed everything before ``end``: make it the committed position."""
+        ...
+
+    def wait(self, delay_s: float, retrying: bool = False) -> bool:
+        """Wait up to ``delay_s`` unless stopping; True: stopping (``wait(0)`` only asks). ``retrying``:
+        a ``RetriableError`` is retried after this wait (the side's metric, its stall watch)."""
+        ...
+
+    def delivered(self, taken: Sequence[RecordSlice], events: EventBatch, took: int, ok: bool) -> None:
+        """After each ``on_events``: the slices it took, the batch it was given, how many events it
+        took, and whether it confirmed (metrics, lag)."""
+        ...
+
+
+class DeliveryFailed(Exception):
+    """The consumer failed for good: it raised, reported itself dead, kept failing past its
+    ``retry_timeout_s``, or refused an event with nowhere (or no way) to set it aside. The message
+    is the one line the side logs or exits with; the cause is the consumer's error."""
 
 
 class DeliveryLoop:
-    """Ignite's delivery loop over one batch, shared by the daemon and the realtime worker.
+    """Ignite's delivery loop over one consumer, shared by the daemon and the realtime worker; the
+    ``side`` says how to commit, wait and call (``Side``), ``policy`` how long to retry and where
+    refused events go (``dead_letter``, from ``cdcd.dead_letters.writer``).
 
-    ``on_events`` is the side's consumer call (it wraps the consumer's errors its own way);
-    ``commit(cursor)`` makes everything before ``cursor`` the committed position; ``stopping()``
-    tells whether the side is stopping (the rest of a batch is then not offered again: the side
-    that goes on later starts from the last commit); ``retry_wait()`` is the side's retry policy,
-    called before a batch of which the consumer took nothing is offered again.
+    ``deliver`` offers a batch until the consumer has taken all of it, committing after each
+    confirmed call. A call that took nothing is offered again after ``retry_s`` (or not, when the
+    side is stopping: the side that goes on later starts from the last commit).
 
-    ``on_events`` raising ``RetriableError`` (passed through by the side's wrapper): the same events
-    are offered again, as a fresh batch (what the failed call iterated does not count as taken),
-    after ``pause(delay_s)`` (True: the side is stopping, ``deliver`` returns False) with
-    ``RETRY_BACKOFF``; each step is one ``consumer_retrying`` line, then ``on_retry`` hears of it (the
-    side's metric). Still failing ``retry_timeout_s`` after the
-    first failure: ``RetriesExhausted`` (the side fails).
+    A ``RetriableError`` (from any consumer call): the same events are offered again, as a fresh
+    batch (what the failed call iterated does not count as taken), with ``RETRY_BACKOFF``; each step
+    is one ``consumer_retrying`` line. Still failing ``retry_timeout_s`` after the first failure:
+    ``DeliveryFailed``.
 
-    ``on_events`` raising ``RefusedEvent``: the events before the refused one are offered again (and
-    committed once confirmed), ``dead_letter`` sets the refused one aside, the position moves past
-    it, and the events after it follow. A ``dead_letter`` that runs again for the same event (a
-    crash before that commit) must not set it aside twice. No ``dead_letter`` (dead letters off):
-    the events before it are delivered all the same, then ``EventRefused``, one line naming the
-    position (the side fails).
+    A ``RefusedEvent``: the events before the refused one are offered again (and committed once
+    confirmed), ``dead_letter`` sets the refused one aside, the position moves past it, and the
+    events after it follow. A ``dead_letter`` that runs again for the same event (a crash before
+    that commit) must not set it aside twice. No ``dead_letter``: the events before it are delivered
+    all the same, then ``DeliveryFailed`` naming the position.
 
-    ``cache_call`` runs a consumer's cache call under the same retry policy (its own retry steps,
-    lines and ``on_retry``), so that a cache created or dropped during an outage waits it out as a
-    batch does."""
+    ``cache_change`` tells the consumer of created and destroyed caches under the same retry policy,
+    so that a cache created or dropped during an outage waits it out as a batch does. Any other
+    exception of the consumer: ``DeliveryFailed``."""
 
     def __init__(
         self,
-        on_events: Callable[[EventBatch], bool],
-        commit: Callable[[WalPosition], None],
+        side: Side,
+        consumer: Consumer,
+        policy: DeliveryPolicy,
         *,
-        stopping: Callable[[], bool],
-        retry_wait: Callable[[], None],
-        observe: Observe | None = None,
-        pause: Callable[[float], bool] | None = None,
-        on_retry: Callable[[Retry], None] | None = None,
-        retry_timeout_s: float = DEFAULT_RETRY_TIMEOUT_S,
+        retry_s: float,
         dead_letter: DeadLetter | None = None,
     ) -> None:
-        self.on_events = on_events
+        self.side = side
+        self.consumer = consumer
+        self.policy = policy
+        self.retry_s = retry_s
         self.dead_letter = dead_letter
-        self.commit = commit
-        self.stopping = stopping
-        self.retry_wait = retry_wait
-        self.observe = observe
-        self.pause = pause or self._sleep_unless_stopping
-        self.on_retry = on_retry
-        self.retry_timeout_s = retry_timeout_s
         self.unconfirmed = False
         """A call returned False: nothing after the last commit may be committed until one returns True."""
 
@@ -324,12 +333,13 @@ class DeliveryLoop:
         assert events is not None
         if len(events) == 0:
             if not self.unconfirmed:
-                self.commit(item.end)  # only the position moves (markers, CDC-off entries, segment ends)
+                self.side.commit(item.end)  # only the position moves (markers, CDC-off entries, segment ends)
             return True
         return self._deliver(events, item.end)
 
     def _deliver(self, events: EventBatch | None, end: WalPosition) -> bool:
         """``deliver`` of ``events``, of which everything before ``end`` is committed once all is taken."""
+        side = self.side
         while events is not None:
             # What the consumer did not pull goes to its next call, also from inside a record; a
             # True commits the position after what it took.
@@ -345,17 +355,14 @@ class DeliveryLoop:
             ok, events = offered
             taken, rest = events.split_taken()
             took = len(events) - (len(rest) if rest is not None else 0)
-            if self.observe is not None:
-                self.observe(taken, events, took, ok)
+            side.delivered(taken, events, took, ok)
             if ok:
                 self.unconfirmed = False
-                self.commit(end if rest is None or rest.first is None else rest.first.cursor())
+                side.commit(end if rest is None or rest.first is None else rest.first.cursor())
             else:
                 self.unconfirmed = True  # the next confirmed call commits both
-            if rest is not None and not took:
-                if self.stopping():
-                    return False
-                self.retry_wait()
+            if rest is not None and not took and side.wait(self.retry_s):
+                return False
             events = rest
         return True
 
@@ -366,10 +373,10 @@ class DeliveryLoop:
         split = split_at(events, at)
         if split is None:
             first, last = events.first, events.last
-            raise EventRefused(
+            raise DeliveryFailed(
                 f"consumer refused the event at {at.cursor()}, which is not in the batch it was given "
                 f"({first and first.cursor()} to {last and last.cursor()}): {refused.reason}"
-            )
+            ) from refused
         before, one, after = split
         event = next(iter(EventBatch(events.source_node, [one], events.cache_names)))
         error = describe(refused).removeprefix(f"{type(refused).__name__}: ")
@@ -377,15 +384,18 @@ class DeliveryLoop:
         if before is not None and not self._deliver(before, at.cursor()):
             return False, None
         if self.dead_letter is None:
-            raise EventRefused(
+            raise DeliveryFailed(
                 f"consumer refused the event at {at.cursor()} (cache {event.cache_name}): {error} "
                 '(set [consumer] dead_letters = "on" to set such events aside)'
-            )
-        self.dead_letter(event, error)
+            ) from refused
+        try:
+            self.dead_letter(event, error)
+        except Exception as exc:  # the dead-letter file: its message names it
+            raise DeliveryFailed(str(exc)) from exc
         failpoints.hit("delivery.dead_letter.written")  # set aside, the position not yet past it
         log.warning("dead_letter", position=str(at.cursor()), cache=event.cache_name, error=error)
         if not self.unconfirmed:
-            self.commit(end if after is None or after.first is None else after.first.cursor())
+            self.side.commit(end if after is None or after.first is None else after.first.cursor())
         return True, after
 
     def confirm(self) -> bool:
@@ -395,7 +405,7 @@ class DeliveryLoop:
             try:
                 offered = self._offer(EventBatch("", [], {}))
             except RefusedEvent as refused:
-                raise EventRefused(
+                raise DeliveryFailed(
                     f"consumer refused the event at {refused.position.cursor()} in a call without events: "
                     f"{refused.reason}"
                 ) from refused
@@ -404,9 +414,8 @@ class DeliveryLoop:
             if offered[0]:
                 self.unconfirmed = False
                 return True
-            if self.stopping():
+            if self.side.wait(self.retry_s):
                 return False
-            self.retry_wait()
         return True
 
     def _offer(self, events: EventBatch) -> tuple[bool, EventBatch] | None:
@@ -414,25 +423,44 @@ class DeliveryLoop:
         cut the retries of a ``RetriableError`` short."""
         given = events
         attempts = 0
+        on_events = self.consumer.on_events
 
         def attempt() -> bool:
             nonlocal given, attempts
             if attempts:
                 given = EventBatch(events.source_node, events.peek_slices(), events.cache_names)
             attempts += 1
-            return self.on_events(given)
+            return on_events(given)
 
         try:
             ok = self._retried("on_events", attempt)
         except RetryInterrupted:
             return None
-        return ok, given
+        return bool(ok), given
 
-    def cache_call(self, what: str, call: Callable[[], object]) -> bool:
-        """``call()``, the consumer's cache call ``what`` (``on_cache_drop``, ...), with a
-        ``RetriableError`` waited out as for a batch; False: stopping cut the retries short (the call
-        did not succeed: the side must not move its position past it). Still failing after
-        ``retry_timeout_s``: ``RetriesExhausted``."""
+    def cache_change(self, change: CacheChange) -> bool:
+        """Tell the consumer of ``change`` (``on_cache_change`` unless ``quiet``, then ``on_cache_drop``
+        with the drops' places, else ``on_cache_destroy``); False: stopping cut its retries short (it
+        did not succeed: the side must not move its position past it)."""
+        consumer = self.consumer
+        if (
+            change.created
+            and not change.quiet
+            and not self._cache_call("on_cache_change", lambda: consumer.on_cache_change(change.created))
+        ):
+            return False
+        if change.drops:
+            return self._cache_call("on_cache_drop", lambda: consumer.on_cache_drop(change.drops))
+        if change.destroyed:
+            return self._cache_call("on_cache_destroy", lambda: consumer.on_cache_destroy(change.destroyed))
+        return True
+
+    def check_alive(self) -> None:
+        """``DeliveryFailed`` unless the consumer says it is ``alive()``."""
+        if not self._call("alive", self.consumer.alive):
+            raise DeliveryFailed("consumer reports alive() == False")
+
+    def _cache_call(self, what: str, call: Callable[[], object]) -> bool:
         failpoints.hit(f"delivery.{what}")  # a test stops the target here, before the first attempt
         try:
             self._retried(what, call)
@@ -440,34 +468,43 @@ class DeliveryLoop:
             return False
         return True
 
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()`` through the side; a ``RetriableError`` (and an ``on_events`` ``RefusedEvent``) passes
+        through to the loop, anything else fails the consumer."""
+        try:
+            return self.side.call(what, fn)
+        except (RetriableError, DeliveryFailed):
+            raise
+        except Exception as exc:
+            if what == "on_events" and isinstance(exc, RefusedEvent):
+                raise
+            raise DeliveryFailed(f"consumer {what}() raised {describe(exc)}") from exc
+
     def _retried(self, what: str, call: Callable[[], T]) -> T:
+        timeout_s = self.policy.retry_timeout_s
+
         def retrying(retry: Retry) -> None:
-            self._retrying(what, retry)
+            log.warning(
+                "consumer_retrying",
+                call=what,
+                error=describe(retry.error),
+                attempt=retry.attempt,
+                retry_in_s=round(retry.retry_in_s, 3),
+                failing_for_s=round(retry.failing_for_s, 1),
+                retry_timeout_s=timeout_s,
+            )
 
-        return retry_until(
-            call,
-            self.retry_timeout_s,
-            RETRY_BACKOFF,
-            retriable=(RetriableError,),
-            wait=self.pause,
-            on_retry=retrying,
-        )
-
-    def _retrying(self, what: str, retry: Retry) -> None:
-        log.warning(
-            "consumer_retrying",
-            call=what,
-            error=describe(retry.error),
-            attempt=retry.attempt,
-            retry_in_s=round(retry.retry_in_s, 3),
-            failing_for_s=round(retry.failing_for_s, 1),
-            retry_timeout_s=self.retry_timeout_s,
-        )
-        if self.on_retry is not None:
-            self.on_retry(retry)
-
-    def _sleep_unless_stopping(self, delay_s: float) -> bool:
-        if self.stopping():
-            return True
-        time.sleep(delay_s)
-        return self.stopping()
+        try:
+            return retry_until(
+                lambda: self._call(what, call),
+                timeout_s,
+                RETRY_BACKOFF,
+                retriable=(RetriableError,),
+                wait=lambda delay_s: self.side.wait(delay_s, True),
+                on_retry=retrying,
+            )
+        except RetriesExhausted as exc:
+            raise DeliveryFailed(
+                f"consumer {what}() failing for {exc.failing_for_s:.1f} s over {exc.attempts} attempt(s) "
+                f"(retry_timeout_s = {timeout_s:g}): {describe(exc.last)}"
+            ) from exc.last

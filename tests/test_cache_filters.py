@@ -70,7 +70,7 @@ def events_metric(cache: str) -> float:
 def run_daemon(node_dir: Path, table: dict[str, Any], consumer: Consumer | None = None) -> Consumer:
     """The consumer the table describes (or ``consumer``), fed by a daemon over the whole WAL; checks
     that the daemon counted exactly the events it delivered, per cache."""
-    built = consumer or load_consumer(table, "consumer")
+    built = consumer or load_consumer(table, "consumer").consumer
     before = {name: events_metric(name) for name in CACHES}
     with Daemon(DaemonConfig(node_dir=str(node_dir), metrics_address="", consumer=table), built) as daemon:
         delivered = daemon.sync_once()

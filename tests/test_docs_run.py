@@ -762,7 +762,7 @@ def test_every_config_block_loads(tmp_path: Path) -> None:
                 got = values_of(loaded, key)
                 assert value in got, f"{block}: {key} = {value!r} loads as {got!r}"
         for table in consumers:
-            consumer = load_consumer(table, f"{block}")
+            consumer = load_consumer(table, f"{block}").consumer
             assert type(consumer).__name__ == CONSUMER_CLASSES[table["kind"]], consumer
     assert used == set(CONFIGS), f"CONFIGS entries without a block: {set(CONFIGS) - used}"
 

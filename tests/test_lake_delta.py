@@ -462,7 +462,7 @@ def test_the_node_realtime_worker_defaults_to_the_jvm_free_writer() -> None:
     from cdcd.sinks import load_consumer
 
     def writer(table: dict[str, Any], source: str) -> str:
-        consumer = load_consumer(table, source)
+        consumer = load_consumer(table, source).consumer
         assert isinstance(consumer, LakeConsumer)
         return consumer.options.writer
 
@@ -475,7 +475,7 @@ def test_the_node_realtime_worker_defaults_to_the_jvm_free_writer() -> None:
     assert writer({"kind": "lake", "lake_path": "/x", "writer": "spark"}, "realtime_consumer") == "spark"
 
     def maintenance(table: dict[str, Any], source: str) -> tuple[float, float]:
-        opts = load_consumer(table, source).options  # type: ignore[attr-defined]
+        opts = load_consumer(table, source).consumer.options  # type: ignore[attr-defined]
         return opts.compact_interval_s, opts.optimize_interval_s
 
     assert maintenance({"kind": "lake", "lake_path": "/x"}, "cdcd.toml: consumer") == (60.0, 10.0)

@@ -444,7 +444,7 @@ def test_ttl_reaches_the_replica_which_expires_it_without_sending_it_back(tmp_pa
         assert dst.replication is not None
         consumer = load_consumer(
             {"kind": "replication", "target": f"127.0.0.1:{dst.replication.port}", "token_file": str(tok)}
-        )
+        ).consumer
         with Daemon(daemon_config(Path(src.config.node_dir)), consumer, show_progress=False) as daemon:
             daemon.sync_once()
         assert isinstance(consumer, ReplicationConsumer)

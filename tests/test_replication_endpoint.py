@@ -296,7 +296,7 @@ def test_daemon_replicates_a_node_and_nothing_comes_back(tmp_path: Path) -> None
         a.force_archive()
         consumer = {"kind": "replication", "target": f"127.0.0.1:{b.replication.port if b.replication else 0}",
                     "token_file": str(tok), "caches": ["people", "ord*"], "max_batch_size": 64}  # fmt: skip
-        a_to_b = load_consumer(consumer)
+        a_to_b = load_consumer(consumer).consumer
         config = DaemonConfig(node_dir=a.config.node_dir, metrics_address="", consumer=consumer)
         with Daemon(config, a_to_b) as daemon:
             assert daemon.sync_once() == 600 + 100 + 300  # people puts + removes, orders; private is filtered out
@@ -306,7 +306,9 @@ def test_daemon_replicates_a_node_and_nothing_comes_back(tmp_path: Path) -> None
         assert dict(b.cache("orders").items()) == dict(other.items())
         assert "private" not in b.caches()
         b.force_archive()
-        b_to_a = load_consumer({**consumer, "target": f"127.0.0.1:{a.replication.port if a.replication else 0}"})
+        b_to_a = load_consumer(
+            {**consumer, "target": f"127.0.0.1:{a.replication.port if a.replication else 0}"}
+        ).consumer
         config = DaemonConfig(node_dir=b.config.node_dir, metrics_address="", consumer=consumer)
         with Daemon(config, b_to_a) as daemon:
             assert daemon.sync_once() == 1000  # delivered to the consumer, which sends none of it
@@ -334,7 +336,7 @@ def _kafka_to_node(options: dict[str, Any]) -> Any:
 
 def _replication_sink(options: dict[str, Any]) -> Any:
     """The sink as the daemon builds it, and the cache filter the daemon applies for it."""
-    sink = load_consumer({"kind": "replication", **options}, "test")
+    sink = load_consumer({"kind": "replication", **options}, "test").consumer
     assert isinstance(sink, ReplicationConsumer)
     return sink.client.address, CacheFilter.from_table(options, "test")
 

@@ -157,7 +157,7 @@ def _replicate(tmp: Path, a: Node, b: Node) -> ReplicationConsumer:
     assert b.replication is not None
     consumer = load_consumer(
         {"kind": "replication", "target": f"127.0.0.1:{b.replication.port}", "token_file": str(_token(tmp))}
-    )
+    ).consumer
     assert isinstance(consumer, ReplicationConsumer)
     with Daemon(DaemonConfig(node_dir=a.config.node_dir, metrics_address=""), consumer) as daemon:
         daemon.sync_once()

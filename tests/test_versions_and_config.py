@@ -163,13 +163,13 @@ OLD_AND_NEW: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
 
 
 def _behaviour(table: dict[str, Any]) -> tuple[Any, ...]:
-    consumer = load_consumer(table, "c.toml: consumer")
+    consumer, policy = load_consumer(table, "c.toml: consumer")
     selected = CacheFilter.parse(upgrade_table(table, "consumer", "c.toml: consumer"))
     names = ["orders", "ord", "order_lines", "events", "users", "events2"]
     return (
         type(consumer),
         getattr(consumer, "options", None),
-        consumer.retry_timeout_s,
+        policy.retry_timeout_s,
         [n for n in names if selected(n)],
     )
 

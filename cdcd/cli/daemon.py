@@ -89,7 +89,7 @@ def daemon_run(config_path: Path, log_format: str | None, stop_timeout: float) -
     consumers = {}
     try:
         for name, table in config.named_consumers().items():
-            consumers[name] = load_consumer(table, f"{config_path}: {config.consumer_key(name)}")
+            consumers[name] = load_consumer(table, f"{config_path}: {config.consumer_key(name)}").consumer
     except Exception as exc:
         fail_on(exc)
     only = consumers.get("default") if len(consumers) == 1 else None

@@ -6,27 +6,26 @@ after the state that no longer needs them is durable.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 import numpy as np
 import structlog
 
 from cdcd import dead_letters, failpoints, metrics
-from cdcd.consumer import DEFAULT_RETRY_TIMEOUT_S, Consumer, EventBatch, RecordSlice, RefusedEvent, RetriableError
+from cdcd.consumer import Consumer, DeliveryPolicy, EventBatch, RecordSlice
 from cdcd.daemon.follower import delete_links_below
 from cdcd.daemon.processor import Item, MarkerCommit, Switch
 from cdcd.daemon_state import CdcMode, DaemonState, StateStore
-from cdcd.dead_letters import DeadLetterError, DeadLetterFile
-from cdcd.delivery import Batch, CacheChange, DeliveryLoop, EventRefused
+from cdcd.delivery import Batch, CacheChange, DeliveryFailed, DeliveryLoop
 from cdcd.faults import ExitCode, Fault
-from cdcd.logging import describe
-from cdcd.retry import RetriesExhausted, Retry
 from cdcd.wal.pointer import WalPosition
 from cdcd.wal.records import CacheInfo
 
@@ -35,12 +34,22 @@ log = structlog.get_logger("cdcd.daemon")
 _OPS = ("create", "update", "delete")
 _cache_id = operator.attrgetter("cache_id")
 _op = operator.attrgetter("op")
+T = TypeVar("T")
 
 
 class ConsumerFailed(Fault, Exception):
     """The consumer raised or reported itself dead: the daemon exits (code 4)."""
 
     exit_code = ExitCode.CONSUMER_FAILED
+
+
+@contextlib.contextmanager
+def _failing() -> Iterator[None]:
+    """The delivery loop's one failure, as the daemon exits with it (code 4)."""
+    try:
+        yield
+    except DeliveryFailed as exc:
+        raise ConsumerFailed(str(exc)) from exc.__cause__
 
 
 class Committer:
@@ -52,6 +61,7 @@ class Committer:
         consumer: Consumer,
         cdc_dir: Path,
         *,
+        policy: DeliveryPolicy | None = None,
         confirm_retry_s: float = 0.5,
         stopping: threading.Event | None = None,
         retrying: Callable[[], None] | None = None,
@@ -71,7 +81,6 @@ class Committer:
         self.caches = caches
         self.consumer = consumer
         self.cdc_dir = cdc_dir
-        self.confirm_retry_s = confirm_retry_s
         self.stopping = stopping
         """Set when the daemon stops: a consumer that takes nothing is not offered the rest again."""
         self.retrying = retrying
@@ -79,20 +88,11 @@ class Committer:
         self.release = release or (lambda segment: delete_links_below(cdc_dir, segment))
         self.name = name
         self.primary = primary
-        self.retry_timeout_s = float(getattr(consumer, "retry_timeout_s", DEFAULT_RETRY_TIMEOUT_S))
-        path = dead_letters.path_of(consumer)
-        self.dead_letters = DeadLetterFile(path) if path else None
+        policy = policy or DeliveryPolicy()
         self.loop = DeliveryLoop(
-            self._on_events,
-            self.commit,
-            stopping=self._stopping,
-            retry_wait=self._retry_wait,
-            observe=self._observe,
-            pause=self._pause,
-            on_retry=self._on_retry,
-            retry_timeout_s=self.retry_timeout_s,
-            dead_letter=self.dead_letters.write if self.dead_letters is not None else None,
+            self, consumer, policy, retry_s=confirm_retry_s, dead_letter=dead_letters.writer(policy)
         )
+        self._call_s = 0.0
         self._pending_caches: dict[int, CacheInfo] = {}
         self._pending_destroyed: list[int] = []
         self.events_delivered = 0
@@ -104,65 +104,43 @@ class Committer:
         self._events_metric = metrics.DAEMON_CONSUMER_EVENTS.labels(name)
 
     def apply(self, item: Item) -> None:
-        if isinstance(item, Batch):
-            try:
+        with _failing():
+            if isinstance(item, Batch):
                 self.loop.deliver(item)
-            except RetriesExhausted as exc:
-                raise self._gave_up(exc) from exc.last
-            except (EventRefused, DeadLetterError) as exc:
-                raise ConsumerFailed(str(exc)) from exc
-        elif isinstance(item, CacheChange):
-            self._cache_change(item)
-        elif isinstance(item, MarkerCommit):
-            self.commit(item.position)
-        elif isinstance(item, Switch):
-            self._switch(item)
-        else:  # pragma: no cover - the processor emits nothing else
-            raise TypeError(f"unknown item {item!r}")
+            elif isinstance(item, CacheChange):
+                self._cache_change(item)
+            elif isinstance(item, MarkerCommit):
+                self.commit(item.position)
+            elif isinstance(item, Switch):
+                self._switch(item)
+            else:  # pragma: no cover - the processor emits nothing else
+                raise TypeError(f"unknown item {item!r}")
 
-    def _call(self, what: str, fn: object, *args: object) -> object:
-        try:
-            return fn(*args)  # type: ignore[operator]
-        except RetriableError:
-            raise  # waited out by the delivery loop (batches and cache calls alike)
-        except RefusedEvent as exc:
-            if what == "on_events()":
-                raise  # the delivery loop sets the event aside (or fails naming it)
-            raise ConsumerFailed(f"consumer {what} raised {describe(exc)}") from exc
-        except Exception as exc:
-            raise ConsumerFailed(f"consumer {what} raised {describe(exc)}") from exc
+    def check_alive(self) -> None:
+        with _failing():
+            self.loop.check_alive()
 
-    def _gave_up(self, exc: RetriesExhausted, what: str = "on_events()") -> ConsumerFailed:
-        return ConsumerFailed(
-            f"consumer {what} failing for {exc.failing_for_s:.1f} s over {exc.attempts} attempt(s) "
-            f"(retry_timeout_s = {self.retry_timeout_s:g}): {describe(exc.last)}"
-        )
+    # --- the delivery loop's side (cdcd.delivery.Side) -------------------------------------------
+    def call(self, what: str, fn: Callable[[], T]) -> T:
+        if what == "on_events":
+            self.loop.check_alive()
+        t0 = time.perf_counter()
+        result = fn()
+        self._call_s = time.perf_counter() - t0
+        return result
 
-    def _on_retry(self, retry: Retry) -> None:
-        if self.primary:
-            metrics.DAEMON_CONSUMER_RETRIES.inc()
-        if self.retrying is not None:
-            self.retrying()
-
-    def _pause(self, delay_s: float) -> bool:
+    def wait(self, delay_s: float, retrying: bool = False) -> bool:
+        if retrying:
+            if self.primary:
+                metrics.DAEMON_CONSUMER_RETRIES.inc()
+            if self.retrying is not None:
+                self.retrying()
         if self.stopping is None:
             time.sleep(delay_s)
             return False
         return self.stopping.wait(delay_s)
 
-    def check_alive(self) -> None:
-        if not self._call("alive()", self.consumer.alive):
-            raise ConsumerFailed("consumer reports alive() == False")
-
-    def _on_events(self, events: EventBatch) -> bool:
-        self.check_alive()
-        t0 = time.perf_counter()
-        ok = bool(self._call("on_events()", self.consumer.on_events, events))
-        if len(events) and self.primary:
-            metrics.DAEMON_CONSUMER_SECONDS.observe(time.perf_counter() - t0)
-        return ok
-
-    def _observe(self, taken: Sequence[RecordSlice], events: EventBatch, took: int, ok: bool) -> None:
+    def delivered(self, taken: Sequence[RecordSlice], events: EventBatch, took: int, ok: bool) -> None:
         self.events_delivered += took
         if took:
             self.last_event_ts_ns = taken[-1].record.commit_ts_ns
@@ -170,16 +148,12 @@ class Committer:
             self._events_metric.inc(took)
         if not self.primary:
             return
+        if len(events):
+            metrics.DAEMON_CONSUMER_SECONDS.observe(self._call_s)
         metrics.DAEMON_BATCH_EVENTS.observe(took)
         if took:
             self._count(taken, events)
         metrics.DAEMON_BATCHES.labels("committed" if ok else "not_committed").inc()
-
-    def _stopping(self) -> bool:
-        return self.stopping is not None and self.stopping.is_set()
-
-    def _retry_wait(self) -> None:
-        time.sleep(self.confirm_retry_s)
 
     @property
     def unconfirmed(self) -> bool:
@@ -196,40 +170,24 @@ class Committer:
         for code, count in zip(values.tolist(), counts.tolist(), strict=True):
             metrics.DAEMON_EVENTS.labels(events.cache_name(code // 4), _OPS[code % 4]).inc(count)
 
-    def _cache_call(self, what: str, fn: object, arg: object) -> bool:
-        """The consumer's cache call under the delivery loop's retry policy; False: the daemon is
-        stopping (the call did not succeed, nothing of it may be committed)."""
-        try:
-            return self.loop.cache_call(what.removesuffix("()"), lambda: self._call(what, fn, arg))
-        except RetriesExhausted as exc:
-            raise self._gave_up(exc, what) from exc.last
-
     def announce(self, caches: list[CacheInfo]) -> None:
         """At start: tell the consumer of the caches the registry knows (retried as any cache call; a
         stop meanwhile leaves it to the next start, which announces them again)."""
         if caches:
-            self._cache_call("on_cache_change()", self.consumer.on_cache_change, caches)
+            with _failing():
+                self.loop.cache_change(CacheChange(None, created=caches))
 
     def _cache_change(self, item: CacheChange) -> None:
-        if item.created:
-            created = item.quiet or self._cache_call("on_cache_change()", self.consumer.on_cache_change, item.created)
-            if not created:
-                return
-            for info in item.created:
-                self.caches[info.cache_id] = info
-                self._pending_caches[info.cache_id] = info
-                log.info("cache_seen", cache=info.name, cache_id=info.cache_id)
-        if item.destroyed:
-            if item.drops:
-                called = self._cache_call("on_cache_drop()", self.consumer.on_cache_drop, item.drops)
-            else:
-                called = self._cache_call("on_cache_destroy()", self.consumer.on_cache_destroy, item.destroyed)
-            if not called:
-                return
-            for cache_id in item.destroyed:
-                self.caches.pop(cache_id, None)
-                self._pending_caches.pop(cache_id, None)
-                self._pending_destroyed.append(cache_id)
+        if not self.loop.cache_change(item):
+            return
+        for info in item.created:
+            self.caches[info.cache_id] = info
+            self._pending_caches[info.cache_id] = info
+            log.info("cache_seen", cache=info.name, cache_id=info.cache_id)
+        for cache_id in item.destroyed:
+            self.caches.pop(cache_id, None)
+            self._pending_caches.pop(cache_id, None)
+            self._pending_destroyed.append(cache_id)
         if item.end is None:
             return  # a batch is open: the registry change is recorded with its commit
         if not self.unconfirmed:
@@ -240,13 +198,7 @@ class Committer:
     def _switch(self, item: Switch) -> None:
         # Everything before the switch point must be durable on the consumer side first; a daemon
         # stopped meanwhile does not switch (it reads the marker again at its next start).
-        try:
-            confirmed = self.loop.confirm()
-        except RetriesExhausted as exc:
-            raise self._gave_up(exc) from exc.last
-        except EventRefused as exc:
-            raise ConsumerFailed(str(exc)) from exc
-        if not confirmed:
+        if not self.loop.confirm():
             return
         old = self.state.mode
         if item.delivered is not None and (self._taken_until is None or item.delivered > self._taken_until):

@@ -25,7 +25,7 @@ from prometheus_client import REGISTRY
 
 from cdcd import metrics
 from cdcd.config import CacheFilter
-from cdcd.consumer import Consumer
+from cdcd.consumer import Consumer, DeliveryPolicy, as_consumer
 from cdcd.daemon.committer import Committer, ConsumerFailed
 from cdcd.daemon.config import DEFAULT_CONSUMER, DaemonConfig, lane_policy
 from cdcd.daemon.follower import ReadItem, SegmentFollower, SharedReads
@@ -82,12 +82,14 @@ class Lane:
     ) -> None:
         self.config = config
         self.name = name
-        self.consumer = consumer
+        self.consumer = as_consumer(consumer)
         self.identity = identity
         self.markers = markers
         self.primary = primary
         self.table = config.named_consumers().get(name, {"kind": "null"})
         self.policy = lane_policy(self.table, config.consumer_key(name))
+        self.delivery = DeliveryPolicy.from_table(self.table, config.consumer_key(name))
+        """Retries and dead letters: read once, from the table ``cdcd.sinks.load_consumer`` built the consumer of."""
         self.invalidated = False
         """Past ``max_retained_bytes``: its position holds no link; it stays stopped until ``state reset``."""
         self.selected = CacheFilter.from_table(self.table, config.consumer_key(name))
@@ -164,6 +166,7 @@ class Lane:
             self._caches,
             self.consumer,
             self.cdc_dir,
+            policy=self.delivery,
             stopping=self.stopping,
             retrying=retrying,
             rewind=self.rewind,
@@ -222,9 +225,7 @@ class Lane:
         return rewind(self.config, self.store, state, self.consumer, str(self.node_id) if self.node_id else "")
 
     def interrupt(self) -> None:
-        interrupt = getattr(self.consumer, "interrupt", None)  # user classes may not subclass Consumer
-        if callable(interrupt):
-            interrupt()
+        self.consumer.interrupt()
 
     def shutdown(self) -> None:
         if self.watch.stalled is not None:

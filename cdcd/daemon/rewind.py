@@ -50,11 +50,10 @@ class ResumeFailed(Fault, Exception):
 
 
 def _ask(consumer: Consumer, source_node: str, state: DaemonState) -> ResumeAt | None:
-    hook = getattr(consumer, "resume_at", None)  # user classes may not subclass Consumer
-    if not callable(hook) or state.last_delivered is None:
+    if state.last_delivered is None:
         return None
     try:
-        answer = hook(source_node, state.last_delivered)
+        answer = consumer.resume_at(source_node, state.last_delivered)
     except Exception as exc:
         if isinstance(exc, Fault):
             raise

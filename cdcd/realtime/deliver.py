@@ -9,28 +9,17 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import NoReturn
+from typing import TypeVar
 
 import structlog
 
 from cdcd import dead_letters, metrics
 from cdcd.config import CacheFilter
-from cdcd.consumer import (
-    DEFAULT_RETRY_TIMEOUT_S,
-    CdcEvent,
-    Consumer,
-    EventBatch,
-    RecordSlice,
-    RefusedEvent,
-    RetriableError,
-)
-from cdcd.dead_letters import DeadLetterError, DeadLetterFile
-from cdcd.delivery import Batch, Batcher, CacheChange, DeliveryLoop, EventRefused, feed_active
-from cdcd.logging import describe
+from cdcd.consumer import EventBatch, LoadedConsumer, RecordSlice
+from cdcd.delivery import Batch, Batcher, DeliveryFailed, DeliveryLoop, feed_active
 from cdcd.node.config import NodeConfig
 from cdcd.node.wal_log import WalLog
 from cdcd.realtime.machine import RealtimeMachine
-from cdcd.retry import RetriesExhausted, Retry
 from cdcd.wal.pointer import WalPointer, WalPosition
 from cdcd.wal.reader import iter_chunk
 from cdcd.wal.records import CacheInfo, DataRecord, Record
@@ -39,6 +28,7 @@ log = structlog.get_logger("cdcd.realtime")
 
 _RETRY_S = 0.02
 """Retry policy for a consumer call that took nothing: offer the rest again after this (or at a stop)."""
+T = TypeVar("T")
 _NO_BYTE_BOUND = 1 << 62
 """Realtime batches are bounded by events only (the buffer already bounds the bytes)."""
 
@@ -57,7 +47,7 @@ class Deliverer:
         node_id: str,
         *,
         caches: Callable[[], dict[int, CacheInfo]],
-        consumer: Callable[[], Consumer],
+        consumer: Callable[[], LoadedConsumer],
         committed: Callable[[], None],
         stop: Callable[[str, bool], None],
     ) -> None:
@@ -78,25 +68,16 @@ class Deliverer:
         self.last_event_ts_ns = 0
         self._taken: WalPointer | None = None
         """The last data record the consumer took (committed with the position it confirms)."""
-        self.loop = DeliveryLoop(
-            self._on_events,
-            self._commit,
-            stopping=self._stopping,
-            retry_wait=self._retry_wait,
-            observe=self._observe,
-            pause=self._pause,
-            on_retry=self._on_retry,
-        )
+        self.loop: DeliveryLoop | None = None
+        """The current run's loop, with the consumer and policy of that run."""
         self.batcher: Batcher | None = None
         """Batches and cache changes of the current run of deliveries (None: a new run begins)."""
-        self._dead_letters: DeadLetterFile | None = None
         self._names: dict[int, str] = {}
         """Names of the node's caches, kept for events of a cache destroyed meanwhile."""
 
     def stopped(self) -> None:
         """Realtime stopped: the next delivery is a new run (a fresh consumer hears of every cache)."""
         self.batcher = None
-        self.loop.unconfirmed = False
 
     def _records(self) -> Iterator[tuple[WalPointer, Record, int]]:
         """Buffered records in WAL order from the delivery start, with how many entries of each were
@@ -119,9 +100,13 @@ class Deliverer:
 
     def deliver_available(self) -> None:
         """Deliver everything buffered now, in batches of at most ``realtime_batch_max_events``."""
-        batcher = self.batcher
-        if batcher is None:
+        batcher, loop = self.batcher, self.loop
+        if batcher is None or loop is None:
             # A new run of deliveries: a fresh consumer hears of every cache whose CREATE it reads.
+            consumer, policy = self._consumer()
+            loop = self.loop = DeliveryLoop(
+                self, consumer, policy, retry_s=_RETRY_S, dead_letter=dead_letters.writer(policy)
+            )
             batcher = self.batcher = Batcher(
                 position=self.machine.position,
                 caches={},
@@ -142,86 +127,41 @@ class Deliverer:
             items = feed_active(batcher, ptr, record, done, 0)
             skipped |= not items and type(record) is DataRecord and batcher.events == before
             for item in items:
-                if isinstance(item, Batch):
-                    self._deliver(item)
-                else:
-                    self._cache_change(item)
+                # The daemon delivers from the last commit, which is before what a stop cut short;
+                # a cache change is committed with the batch (or marker) after it.
+                ok = self._run(loop.deliver, item) if isinstance(item, Batch) else self._run(loop.cache_change, item)
+                if not ok:
+                    raise Stopped
         if self.machine.stopping:
             return  # the open batch is not started: the daemon delivers it from the last commit
         if batcher.slices:
-            self._deliver(batcher.close())
-        elif skipped and batcher.position is not None and not self.loop.unconfirmed:
+            if not self._run(loop.deliver, batcher.close()):
+                raise Stopped
+        elif skipped and batcher.position is not None and not loop.unconfirmed:
             # Only entries of caches with CDC off: nothing to deliver, the position moves on all the
             # same (only after data: a marker alone would make the next marker, forever).
-            self._commit(batcher.position)
+            self.commit(batcher.position)
 
-    def _cache_change(self, change: CacheChange) -> None:
-        consumer = self._consumer()
-        if change.created and not change.quiet:
-            self._cache_call(consumer, "on_cache_change", lambda: consumer.on_cache_change(change.created))
-        if change.drops:  # the consumer never heard of a cache with CDC off
-            self._cache_call(consumer, "on_cache_drop", lambda: consumer.on_cache_drop(change.drops))
-        elif change.destroyed:
-            self._cache_call(consumer, "on_cache_destroy", lambda: consumer.on_cache_destroy(change.destroyed))
-
-    def _cache_call(self, consumer: Consumer, what: str, call: Callable[[], object]) -> None:
-        """A cache call with a ``RetriableError`` waited out as a batch's is."""
-        self.loop.retry_timeout_s = float(getattr(consumer, "retry_timeout_s", DEFAULT_RETRY_TIMEOUT_S))
+    def _run(self, step: Callable[[T], bool], item: T) -> bool:
+        """``step(item)``; the consumer failing for good stops realtime (``Stopped``)."""
         try:
-            called = self.loop.cache_call(what, call)
-        except RetriesExhausted as exc:
-            self._gave_up(f"{what}() ", exc)
-        if not called:
-            raise Stopped  # the daemon delivers from the last commit, which is before this call
-
-    def _dead_letter(self, event: CdcEvent, error: str) -> object:
-        path = dead_letters.path_of(self._consumer())
-        if self._dead_letters is None or str(self._dead_letters.path) != path:
-            self._dead_letters = DeadLetterFile(path)
-        return self._dead_letters.write(event, error)
-
-    def _deliver(self, item: Batch) -> None:
-        consumer = self._consumer()
-        self.loop.retry_timeout_s = float(getattr(consumer, "retry_timeout_s", DEFAULT_RETRY_TIMEOUT_S))
-        self.loop.dead_letter = self._dead_letter if dead_letters.path_of(consumer) else None
-        try:
-            delivered = self.loop.deliver(item)
-        except (EventRefused, DeadLetterError) as exc:
+            return step(item)
+        except DeliveryFailed as exc:
             log.error("realtime_consumer_failed", error=str(exc))
             self._stop("consumer_error", True)
             raise Stopped from None
-        except RetriesExhausted as exc:
-            self._gave_up("", exc)
-        if not delivered:
-            raise Stopped  # the daemon delivers from the last commit, which is before these events
 
-    def _gave_up(self, what: str, exc: RetriesExhausted) -> NoReturn:
-        log.error(
-            "realtime_consumer_failed",
-            error=f"{what}failing for {exc.failing_for_s:.1f} s over {exc.attempts} attempt(s) "
-            f"(retry_timeout_s = {self.loop.retry_timeout_s:g}): {describe(exc.last)}",
-        )
-        self._stop("consumer_error", True)
-        raise Stopped from None
+    # --- the delivery loop's side (cdcd.delivery.Side) -------------------------------------------
+    def call(self, what: str, fn: Callable[[], T]) -> T:
+        return fn()
 
-    def _on_events(self, events: EventBatch) -> bool:
-        try:
-            return self._consumer().on_events(events)
-        except (RetriableError, RefusedEvent):
-            raise  # waited out, or set aside, by the delivery loop
-        except Exception as exc:
-            log.error("realtime_consumer_failed", error=describe(exc))
-            self._stop("consumer_error", True)
-            raise Stopped from None
-
-    def _on_retry(self, retry: Retry) -> None:
-        metrics.RT_CONSUMER_RETRIES.inc()
-
-    def _pause(self, delay_s: float) -> bool:
+    def wait(self, delay_s: float, retrying: bool = False) -> bool:
+        if retrying:
+            metrics.RT_CONSUMER_RETRIES.inc()
         with self._cv:
             return self._cv.wait_for(lambda: self.machine.stopping, delay_s)
 
-    def _observe(self, taken: Sequence[RecordSlice], _events: EventBatch, took: int, _ok: bool) -> None:
+    def delivered(self, taken: Sequence[RecordSlice], events: EventBatch, took: int, ok: bool) -> None:
         if took:
             ts = taken[-1].record.commit_ts_ns
             self.last_event_ts_ns = ts
@@ -229,14 +169,7 @@ class Deliverer:
             metrics.RT_LAG_SECONDS.observe(max(0.0, (time.time_ns() - ts) / 1e9))
             metrics.RT_EVENTS.inc(took)
 
-    def _stopping(self) -> bool:
-        return self.machine.stopping
-
-    def _retry_wait(self) -> None:
-        with self._cv:
-            self._cv.wait_for(lambda: self.machine.stopping, _RETRY_S)
-
-    def _commit(self, end: WalPosition) -> None:
+    def commit(self, end: WalPosition) -> None:
         """The consumer confirmed everything before ``end``: make it the position (and on the
         marker cadence have the marker thread persist it and tell the daemon)."""
         with self._cv:

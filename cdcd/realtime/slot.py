@@ -8,7 +8,7 @@ from typing import Any
 import structlog
 from prometheus_client import REGISTRY
 
-from cdcd.consumer import Consumer
+from cdcd.consumer import Consumer, LoadedConsumer
 from cdcd.node.attach import AttachError
 from cdcd.node.config import NodeConfig
 
@@ -21,7 +21,7 @@ class RealtimeError(AttachError):
     pass
 
 
-ConsumerFactory = Callable[[Mapping[str, Any], str], Consumer]
+ConsumerFactory = Callable[[Mapping[str, Any], str], LoadedConsumer]
 """Builds the consumer a ``realtime_consumer`` table describes (``cdcd.sinks.load_consumer``)."""
 
 
@@ -30,23 +30,27 @@ class ConsumerSlot:
         self._config = config
         self._load = load_consumer
         self.current: Consumer | None = None
+        self._loaded: LoadedConsumer | None = None
 
     def get(self) -> Consumer:
         """The started consumer; built from the node config's ``realtime_consumer`` table on first call."""
-        if self.current is None:
+        return self.loaded().consumer
+
+    def loaded(self) -> LoadedConsumer:
+        """The started consumer with its delivery policy (``get``)."""
+        if self.current is None or self._loaded is None:
             if not self._config.realtime_consumer:
                 raise RealtimeError("realtime CDC needs a realtime_consumer table in the node config")
-            consumer = self._load(self._config.realtime_consumer_table, "realtime_consumer")
-            consumer.start(REGISTRY)
-            self.current = consumer
-        return self.current
+            loaded = self._load(self._config.realtime_consumer_table, "realtime_consumer")
+            loaded.consumer.start(REGISTRY)
+            self.current, self._loaded = loaded.consumer, loaded
+        return self._loaded
 
     def interrupt(self) -> bool:
-        """Ask a consumer call in flight to give up (e.g. one retrying a dead target); False if it cannot."""
-        interrupt = getattr(self.current, "interrupt", None)
-        if not callable(interrupt):
+        """Ask a consumer call in flight to give up (e.g. one retrying a dead target); False if there is none."""
+        if self.current is None:
             return False
-        interrupt()
+        self.current.interrupt()
         return True
 
     def drop(self, *, failed: bool) -> None:

@@ -32,11 +32,10 @@ def target_behind(consumer: Consumer, source_node: str, saved: RealtimeState) ->
     """The Stop reason when the worker must not go on from ``saved`` (its target lost part of what was
     delivered, or cannot say), else None. One log line either way it stops."""
     delivered = saved.last_delivered
-    hook = getattr(consumer, "resume_at", None)  # user classes may not subclass Consumer
-    if delivered is None or not callable(hook):
+    if delivered is None:
         return None
     try:
-        answer = hook(source_node, delivered)
+        answer = consumer.resume_at(source_node, delivered)
     except Exception as exc:
         log.error(
             "realtime_target_check_failed",

@@ -70,7 +70,7 @@ class RealtimeWorker:
             self.wal,
             self.node_id,
             caches=parts.caches,
-            consumer=self._slot.get,
+            consumer=self._slot.loaded,
             committed=self.markers.committed,
             stop=lambda reason, failed: self._stop(reason, consumer_failed=failed),
         )

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from cdcd.config import CACHE_FILTER_KEYS, CacheFilter, ConfigError, upgrade_table, with_known_keys
-from cdcd.consumer import DEFAULT_RETRY_TIMEOUT_S, Consumer
+from cdcd.consumer import Consumer, DeliveryPolicy, LoadedConsumer, as_consumer
 
 COMMON_KEYS = (
     "kind",
@@ -74,8 +73,10 @@ KINDS: dict[str, ConsumerFactory] = {
 }
 
 
-def load_consumer(table: Mapping[str, Any], source: str = "consumer") -> Consumer:
-    """Build the consumer a ``[consumer]`` table describes; errors name ``source`` and the key.
+def load_consumer(table: Mapping[str, Any], source: str = "consumer") -> LoadedConsumer:
+    """Build the consumer a ``[consumer]`` table describes, with its delivery policy (read here, once);
+    errors name ``source`` and the key. A user class that does not subclass ``Consumer`` is wrapped
+    (``cdcd.consumer.as_consumer``).
 
     ``caches`` and ``exclude_caches`` are checked here but are not the consumer's: whoever delivers
     to it (the daemon, the node's realtime worker) applies them to the batches (``CacheFilter``).
@@ -88,56 +89,34 @@ def load_consumer(table: Mapping[str, Any], source: str = "consumer") -> Consume
     if factory is None:
         raise ConfigError(f"{source}: key 'kind': unknown consumer kind {kind!r} (one of: {', '.join(sorted(KINDS))})")
     CacheFilter.from_table(table, source)
-    retry_timeout_s = _retry_timeout_s(table, source)
-    dead_letters, dead_letters_path = _dead_letters(table, kind, source)
+    policy = delivery_policy(table, source)
     options = {k: v for k, v in table.items() if k not in COMMON_KEYS}
     try:
-        consumer = factory(options, source)
+        consumer = as_consumer(factory(options, source))
     except ConfigError as exc:
         # The kind's options never see the common keys, of which a typo may be one.
         raise with_known_keys(exc, source, COMMON_KEYS) from None
-    try:
-        consumer.retry_timeout_s = retry_timeout_s
-        if dead_letters:  # set only when on: a user class without the attributes still runs fail-fast
-            consumer.dead_letters = True
-            consumer.dead_letters_path = dead_letters_path
-    except AttributeError:  # a user class with __slots__ and no such slot
-        raise ConfigError(
-            f"{source}: key 'class': {type(consumer).__name__} cannot take retry_timeout_s or dead_letters "
-            "(subclass cdcd.consumer.Consumer)"
-        ) from None
-    return consumer
+    if kind in NATIVE_DEAD_LETTERS:
+        consumer.dead_letters = table.get("dead_letters") == "on"
+    return LoadedConsumer(consumer, policy)
 
 
-def _dead_letters(table: Mapping[str, Any], kind: str, source: str) -> tuple[bool, str]:
-    """``dead_letters`` ("off" or "on") and, for kinds without a destination of their own, ``dead_letters_path``."""
-    value = table.get("dead_letters", "off")
-    if value not in ("off", "on"):
-        raise ConfigError(f'{source}: key \'dead_letters\': {value!r}: must be "off" or "on"')
-    path = table.get("dead_letters_path", "")
-    if not isinstance(path, str):
-        raise ConfigError(f"{source}: key 'dead_letters_path': {path!r}: must be a file path")
-    if value == "off":
-        if path:
-            raise ConfigError(f"{source}: key 'dead_letters_path': set, but dead_letters is \"off\"")
-        return False, ""
+def delivery_policy(table: Mapping[str, Any], source: str) -> DeliveryPolicy:
+    """``DeliveryPolicy.from_table`` with the kind's rules on dead letters: ``dead_letters_path`` is
+    required for kinds without a destination of their own and refused for the others."""
+    policy = DeliveryPolicy.from_table(table, source)
+    kind = table.get("kind", "")
+    if table.get("dead_letters", "off") == "off":
+        return policy
     if kind in NO_DEAD_LETTERS:
         raise ConfigError(f"{source}: key 'dead_letters': kind {kind!r} has no dead letters: {NO_DEAD_LETTERS[kind]}")
     if kind in NATIVE_DEAD_LETTERS:
-        if path:
+        if policy.dead_letters_path:
             raise ConfigError(
                 f"{source}: key 'dead_letters_path': kind {kind!r} keeps dead letters in {NATIVE_DEAD_LETTERS[kind]}"
             )
-    elif not path:
+    elif not policy.dead_letters_path:
         raise ConfigError(
             f"{source}: key 'dead_letters_path': required with dead_letters = \"on\" for kind {kind!r} (a jsonl file)"
         )
-    return True, path
-
-
-def _retry_timeout_s(table: Mapping[str, Any], source: str) -> float:
-    """``retry_timeout_s``, every kind's: how long a transient failure is retried before the consumer fails."""
-    value = table.get("retry_timeout_s", DEFAULT_RETRY_TIMEOUT_S)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{source}: key 'retry_timeout_s': {value!r}: must be a finite number of seconds >= 0")
-    return float(value)
+    return policy

@@ -193,7 +193,7 @@ class Target:
 
 
 def _consumer(target: Target, token_file: Path) -> ReplicationConsumer:
-    consumer = load_consumer({"kind": "replication", "target": target.address, "token_file": str(token_file)})
+    consumer = load_consumer({"kind": "replication", "target": target.address, "token_file": str(token_file)}).consumer
     assert isinstance(consumer, ReplicationConsumer)
     return consumer
 
