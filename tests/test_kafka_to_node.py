@@ -6,10 +6,14 @@ nothing B holds."""
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 from pathlib import Path
 from typing import Any
+
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
@@ -164,6 +168,13 @@ def test_kafka_to_node_reads_per_cache_topics(kafka_broker: Broker, tmp_path: Pa
                 pass
 
     deliver()
+    # A dead-letter topic beside the cache topics: set aside for an operator, never read (as with ``topic``).
+    dlq = "pk.zz.dlq"
+    admin = AdminClient({"bootstrap.servers": kafka_broker.bootstrap})
+    admin.create_topics([NewTopic(dlq, 1, 1)])[dlq].result(60)
+    producer = Producer({"bootstrap.servers": kafka_broker.bootstrap})
+    producer.produce(dlq, key=b"k", value=b"set aside")
+    assert producer.flush(60) == 0
     b = NodeProc(procs, tmp_path, "b", 2)
     b.start()
     app = Applier(
@@ -181,6 +192,9 @@ def test_kafka_to_node_reads_per_cache_topics(kafka_broker: Broker, tmp_path: Pa
     assert proc.poll() is None, app.tail()
     skipped_before = app.metric("cdcd_kafka_to_node_skipped_messages_total")
     assert skipped_before > 0  # BEGIN/END records and tombstones
+    reading = [json.loads(line) for line in app.tail_all().splitlines() if '"kafka_to_node_reading"' in line]
+    read = {tp.rpartition(":")[0] for event in reading for tp in event["offsets"]}
+    assert read and not any(topic.endswith(".dlq") for topic in read), read
 
     with Node.open(a_dir, wal_force_archive_timeout_ms=0) as node:  # a new cache: a new topic
         node.cache("late comer").put_all({k: {"n": k} for k in range(50)})

@@ -31,6 +31,7 @@ from cdcd.faults import ExitCode, Fault
 from cdcd.kafka.drops import DROP_HEADER
 from cdcd.kafka.errors import describe, error_of, missing_topic, unknown_topic
 from cdcd.kafka.options import KafkaToNodeOptions, parse_partitions
+from cdcd.kafka.topics import is_cache_topic
 from cdcd.replication.client import TargetRefused
 from cdcd.replication.protocol import Applied, ProtocolError, ReplEntry
 from cdcd.retry import Backoff, RetriesExhausted, Retry, RetryInterrupted, retry_until
@@ -382,7 +383,8 @@ class KafkaToNode:
 
     def topics_of(self, meta: Any) -> dict[str, int]:
         """The data topics in cluster metadata, with their partition counts: ``topic``, or every
-        ``<topic_prefix>.*`` (the transaction topic's records carry no change: skipped)."""
+        ``<topic_prefix>.<suffix>`` but the dead-letter topics (the transaction topic's records carry no change:
+        skipped)."""
         opts = self.opts
         if opts.topic:
             t = meta.topics.get(opts.topic)
@@ -393,11 +395,14 @@ class KafkaToNode:
             if t.error is not None:
                 raise KafkaToNodeError(f"{self.source}: key 'topic': {opts.topic}: {t.error.str()}")
             return {opts.topic: len(t.partitions)}
-        start = f"{opts.topic_prefix}."
+        # Not the dead-letter topics: their changes were set aside for an operator, as with ``topic``.
         return {
             name: len(t.partitions)
             for name, t in meta.topics.items()
-            if name.startswith(start) and name != opts.metadata_topic_name and t.error is None and t.partitions
+            if is_cache_topic(opts.topic_prefix, name)
+            and name != opts.metadata_topic_name
+            and t.error is None
+            and t.partitions
         }
 
     def data_topics(self) -> dict[str, int]:

@@ -62,6 +62,13 @@ def dlq_topic(topic: str) -> str:
     return topic + DLQ_SUFFIX
 
 
+def is_cache_topic(prefix: str, topic: str) -> bool:
+    """Whether ``topic`` is a cache's topic of ``prefix`` (``<prefix>.<suffix>``, the suffix without a ``.``): not a
+    dead-letter topic ``<prefix>.<suffix>.dlq``, which holds the changes set aside for an operator."""
+    suffix = topic.removeprefix(f"{prefix}.")
+    return suffix != topic and bool(suffix) and "." not in suffix
+
+
 def suffix_of(cache: str) -> str:
     """The topic name part of a cache name (see the module docstring)."""
     if _PLAIN_NAME.fullmatch(cache) and _ESCAPE.search(cache) is None and not cache.endswith("_dlq"):

@@ -56,6 +56,10 @@ class Applier:
     def tail(self) -> str:
         return self.runs[-1].read_text()[-3000:]
 
+    def tail_all(self) -> str:
+        """Every line of the last run's log."""
+        return self.runs[-1].read_text()
+
 
 def node_diff_rc(a_dir: Path, b: NodeProc) -> int:
     res = cdcd("node", "diff", str(a_dir), str(b.dir), "--json", timeout=120)
