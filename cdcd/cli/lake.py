@@ -408,22 +408,26 @@ def lake_show(lake_path: Path, as_json: bool) -> None:
 @lake.command("history")
 @_lake_option()
 @click.option(
-    "--table", type=click.Choice(["changes", "state"]), default="changes", show_default=True, help="Which Delta table."
+    "--table",
+    default="changes",
+    show_default=True,
+    metavar="TABLE",
+    help="changes, state, _cuts, or a typed table by its cache's name (orders, tables/orders) or view name.",
 )
 @click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True, help="Newest N commits.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def lake_history(lake_path: Path, table: str, limit: int, as_json: bool) -> None:
     """A table's commits, newest first (Delta's history): version, time, operation, rows, writer."""
-    from cdcd.lake.maintenance.compact import NotADeltaLake
-    from cdcd.lake.maintenance.ops import history
+    from cdcd.lake.maintenance.ops import find_table, table_history
     from cdcd.lake.reading.report import print_history
 
     _require_lake(lake_path)
     try:
-        rows = history(lake_path, table, limit)
-    except NotADeltaLake as exc:
+        named = find_table(lake_path, table)
+        rows = table_history(named.path, limit)
+    except Exception as exc:
         fail_on(exc)
     if as_json:
         click.echo(msgspec.json.encode(rows).decode())
     else:
-        print_history(table, rows)
+        print_history(named.name, rows)

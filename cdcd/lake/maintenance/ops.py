@@ -18,13 +18,19 @@ import structlog
 from cdcd.faults import ExitCode, Fault
 from cdcd.lake.deltalog import LOG_DIR, AppTransaction, app_transactions, read_commit
 from cdcd.lake.maintenance.compact import COMPACT_APP_ID, NotADeltaLake, compacted_version, state_lag
-from cdcd.lake.reading.check import require_sound
+from cdcd.lake.printable import printable
+from cdcd.lake.reading.check import damaged_table, require_sound
+from cdcd.lake.reading.readers import view_names
 from cdcd.lake.storage import LakeDir, ObjectPath, is_delta, open_delta, spark_path
-from cdcd.lake.table import CHANGES, STATE
+from cdcd.lake.table import CHANGES, CUTS, STATE
+from cdcd.lake.table import TABLES as TYPED_DIR
+from cdcd.lake.typed.layout import CACHE_PROPERTY, scan_tables, table_dir
 
 log = structlog.get_logger("cdcd.lake")
 
 TABLES = (CHANGES, STATE)
+LAKE_TABLES = (CHANGES, STATE, CUTS)
+"""The tables ``lake history`` knows by their own name (the typed ones are ``tables/<cache>``)."""
 
 DEFAULT_RETAIN_HOURS = 168.0
 """Delta's own default (7 days): files a reader of an older snapshot may still need are kept that long."""
@@ -110,13 +116,98 @@ def show(lake: LakeDir) -> LakeInfo:
     return LakeInfo(str(lake), tables, compacted_version(lake), behind)
 
 
+class UnknownTable(Fault, ValueError):
+    """``lake history --table`` named no table of the lake: the line lists those it has."""
+
+    exit_code = ExitCode.BAD_INPUT
+
+
+@dataclass(frozen=True)
+class NamedTable:
+    """One Delta table of the lake by the name ``lake history`` prints: ``changes``, ``state``, ``_cuts`` or
+    ``tables/<cache>``."""
+
+    name: str
+    path: LakeDir
+
+
+TYPED_PREFIX = f"{TYPED_DIR}/"
+LISTED_TABLES = 20
+"""Typed tables an unknown name's error line lists at most (a lake may hold thousands)."""
+
+
+def find_table(lake: LakeDir, name: str) -> NamedTable:
+    """The table ``name`` stands for: ``changes``, ``state``, ``_cuts``, or a typed table by its cache's name
+    (``orders``, ``tables/orders``: the prefix says a typed table where a cache is named ``state``), by its
+    directory under ``tables/``, or by its view name in ``lake sql`` (a cache whose name holds a NUL or a
+    newline can be typed that way: ``#{0}``). ``UnknownTable`` (one line listing the lake's tables) else."""
+    if name in LAKE_TABLES:
+        return NamedTable(name, lake / name)
+    cache = name.removeprefix(TYPED_PREFIX)
+    if cache:
+        direct = _typed_by_name(lake, cache)
+        if direct is not None:
+            return direct
+    typed = _typed_tables(lake)
+    for found_cache, path in typed:
+        if cache and path.name == cache:
+            return NamedTable(_typed_name(found_cache, path), path)
+    views = view_names(c for c, _ in typed if c is not None)
+    by_cache = {c: path for c, path in typed if c is not None}
+    if cache in views:
+        return NamedTable(_typed_name(views[cache], by_cache[views[cache]]), by_cache[views[cache]])
+    present = [t for t in LAKE_TABLES if is_delta(lake / t)]
+    listed = [f"{TYPED_PREFIX}{view}" for view in sorted(views)] + [
+        f"{TYPED_PREFIX}{path.name}" for c, path in typed if c is None
+    ]
+    more = f" and {len(listed) - LISTED_TABLES} more" if len(listed) > LISTED_TABLES else ""
+    there = ", ".join([*present, *listed[:LISTED_TABLES]]) or "none"
+    raise UnknownTable(f"{lake}: no table {printable(name)!r}; tables there: {there}{more}")
+
+
+def _typed_name(cache: str | None, path: LakeDir) -> str:
+    return TYPED_PREFIX + (printable(cache) if cache is not None else path.name)
+
+
+def _typed_by_name(lake: LakeDir, cache: str) -> NamedTable | None:
+    """The typed table of ``cache`` where its name puts it, if its ``cdcd.cache`` property says it is that
+    cache's (one read of its log, not a scan of every table); a table delta-rs cannot open is taken on its
+    place alone (its history then names what is damaged)."""
+    path = table_dir(lake, cache)
+    if not is_delta(path):
+        return None
+    try:
+        found = open_delta(path).metadata().configuration.get(CACHE_PROPERTY)
+    except Exception:  # a damaged log: ``history`` says which file
+        return NamedTable(_typed_name(cache, path), path)
+    return NamedTable(_typed_name(cache, path), path) if found == cache else None
+
+
+def _typed_tables(lake: LakeDir) -> list[tuple[str | None, LakeDir]]:
+    """(cache, path) of every typed table: those delta-rs opens and those it cannot (cache None when unknown)."""
+    tables = scan_tables(lake)
+    return [*sorted(tables.found.items()), *((bad.cache, bad.path) for bad in tables.unreadable)]
+
+
 def history(lake: LakeDir, table: str, limit: int | None) -> list[dict[str, Any]]:
-    """The table's commits, newest first: version, time, operation, its parameters and metrics."""
-    path = lake / table
+    """The table's commits, newest first: version, time, operation, its parameters and metrics (``table`` as
+    ``find_table`` takes it). ``DamagedLake`` naming the file when the log cannot be read."""
+    return table_history(find_table(lake, table).path, limit)
+
+
+def table_history(path: LakeDir, limit: int | None) -> list[dict[str, Any]]:
+    """``history`` of the Delta table at ``path``."""
     if not is_delta(path):
         raise NotADeltaLake(f"{path}: not a Delta table (no _delta_log/)")
+    try:
+        commits = open_delta(path).history(limit)
+    except Exception as exc:
+        damaged = damaged_table(path)
+        if damaged is not None:
+            raise damaged from exc
+        raise
     out = []
-    for commit in open_delta(path).history(limit):
+    for commit in commits:
         out.append(
             {
                 "version": commit.get("version"),
@@ -286,12 +377,16 @@ def vacuum(
 __all__ = [
     "COMPACT_APP_ID",
     "LakeInfo",
+    "NamedTable",
     "TableInfo",
+    "UnknownTable",
     "VacuumRefused",
     "Vacuumed",
+    "find_table",
     "history",
     "optimize",
     "optimized_since",
     "show",
+    "table_history",
     "vacuum",
 ]
