@@ -25,6 +25,12 @@ TEST_MASTER = "local[2]"
 ODD_CACHES = ["orders", "a/b", "new\nline", "x=y", "ünï cödé"]
 
 
+@pytest.fixture(params=["spark", "deltalake"])
+def engine(request: pytest.FixtureRequest) -> Any:
+    """What ``compact`` is given: the SparkSession (Spark's MERGE) or None (delta-rs, no JVM)."""
+    return request.getfixturevalue("spark") if request.param == "spark" else None
+
+
 def state_version(lake: Path) -> int:
     version = table_version(lake / STATE)
     assert version is not None
@@ -32,7 +38,7 @@ def state_version(lake: Path) -> int:
 
 
 # --- the fold ---------------------------------------------------------------------------------------
-def test_compact_keeps_the_latest_change_per_key_and_applies_deletes(spark: Any, tmp_path: Path) -> None:
+def test_compact_keeps_the_latest_change_per_key_and_applies_deletes(engine: Any, tmp_path: Path) -> None:
     """Across several commits and caches (odd names included): the highest version wins, a WAL position
     breaks a tie, a delete removes the key, a re-create after a delete brings it back, a stale change
     arriving later loses; a second compaction reads only the new commits; a third has nothing to do."""
@@ -51,7 +57,7 @@ def test_compact_keeps_the_latest_change_per_key_and_applies_deletes(spark: Any,
         change("ünï cödé", "1", '"u"', 1),
     ]
     append_changes(lake, first, source_txn=("node-a", 1))
-    r1 = compact(spark, lake)
+    r1 = compact(engine, lake)
     assert r1.did_work and (r1.from_version, r1.to_version) == (0, 0)
     assert r1.keys == 7
     assert state_rows(lake) == expected_state(first)
@@ -67,14 +73,14 @@ def test_compact_keeps_the_latest_change_per_key_and_applies_deletes(spark: Any,
     third = [change("ünï cödé", "1", None, 15), change("orders", "1", '"back"', 16)]
     append_changes(lake, second, source_txn=("node-a", 2))
     append_changes(lake, third, source_txn=("node-a", 3))
-    r2 = compact(spark, lake)
+    r2 = compact(engine, lake)
     assert (r2.from_version, r2.to_version) == (1, 2)
     assert state_rows(lake) == expected_state(first + second + third)
     assert state_rows(lake)[("orders", "3")] == '"c"'
     assert compacted_version(lake) == 2
 
     before = state_version(lake)
-    r3 = compact(spark, lake)
+    r3 = compact(engine, lake)
     assert not r3.did_work and r3.to_version == 2
     assert state_version(lake) == before, "a compaction with nothing new must not commit"
     assert state_lag(lake) == (2, 2, False)

@@ -1,7 +1,7 @@
 """`writer = "deltalake"` stays JVM-free (issue 43): its small-file maintenance (the writer's bound on files per
-partition and the scheduled optimize lane) runs on pyarrow and delta-rs, so a daemon that lands and maintains
-the lake without compaction starts no JVM. Compaction (the MERGE into `state` and the typed tables) still runs on
-Spark: with it on, the daemon starts its SparkSession (docs/lake.md, Maintenance)."""
+partition and the scheduled optimize lane) and its compaction (the MERGE into `state` and the typed tables,
+`compact_engine = "auto"` without a `spark_master`) run on pyarrow and delta-rs, so a daemon that lands and
+maintains the lake with the default settings starts no JVM (docs/lake.md, Maintenance)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import threading
 from pathlib import Path
 
 from cdcd.lake.maintenance.autocompact import files_per_partition
-from cdcd.lake.table import CHANGES, PARTITION_BY
+from cdcd.lake.sink import LakeOptions
+from cdcd.lake.storage import is_delta
+from cdcd.lake.table import CHANGES, PARTITION_BY, STATE
+from cdcd.lake.typed.layout import list_tables
 from tests.support.delta_lake import lake_rows
 from tests.support.lake import process_tree, run_to_end, wait_started, write_config
 from tests.support.procs import child_env, stop_daemon, wait_for
@@ -34,18 +37,19 @@ def _java_in_tree(pid: int) -> list[str]:
     return out
 
 
-def test_the_deltalake_writer_bounds_files_and_optimizes_without_a_jvm(tmp_path: Path) -> None:
-    """`cdcd run` with `writer = "deltalake"`, the default bound (20 files per partition) and the default
-    scheduled optimize (every 10 s, here every 2 s), compaction off, lands 25 s of live traffic: a sampler reading
-    /proc every 0.5 s never finds a java process under the daemon (nor a `spark-submit`), the optimize lane runs,
-    every partition of `changes` stays within 20 files at every sample, and every WAL entry lands once."""
+def test_the_deltalake_writer_bounds_files_optimizes_and_compacts_without_a_jvm(tmp_path: Path) -> None:
+    """`cdcd run` with `writer = "deltalake"`, the default bound (20 files per partition), the default
+    scheduled optimize (every 10 s, here every 2 s) and the default compaction (on, its engine `auto`), lands 25 s
+    of live traffic: a sampler reading /proc every 0.5 s never finds a java process under the daemon (nor a
+    `spark-submit`), the optimize lane and compaction run (`state` and the typed tables exist), every partition of
+    `changes` stays within 20 files at every sample, and every WAL entry lands once."""
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
     make_node(node_dir, segments=1, tx_per_segment=5)
     consumer = {
         "kind": "lake",
         "lake_path": str(lake),
         "writer": "deltalake",
-        "compact_interval_s": 0.0,
+        "compact_interval_s": LakeOptions(lake_path=str(lake)).compact_interval_s,  # the default, on
         "optimize_interval_s": 2.0,
         "max_files_per_partition": 20,
     }
@@ -75,6 +79,7 @@ def test_the_deltalake_writer_bounds_files_and_optimizes_without_a_jvm(tmp_path:
         (tmp_path / "writer.stop").touch()
         assert load.wait(120) == 0
         wait_for(lambda: b"lake_maintenance_optimized" in err.read_bytes(), 60, "the optimize lane to run")
+        wait_for(lambda: b"lake_maintenance_compacted" in err.read_bytes(), 120, "a compaction to run")
     finally:
         stop.set()
         sampler.join(10)
@@ -86,6 +91,7 @@ def test_the_deltalake_writer_bounds_files_and_optimizes_without_a_jvm(tmp_path:
     assert len(java) >= 50 and not any(java), [j for j in java if j][:3]
     assert b"spark_jvm" not in err.read_bytes()
     assert files and max(files) <= 20, max(files)
+    assert is_delta(lake / STATE) and list_tables(lake), "compaction made state and the typed tables"
     run_to_end(config, node_dir, tmp_path / "daemon-final.err")
     rows = lake_rows(lake)
     positions = list(

@@ -150,30 +150,45 @@ def _require_changes(lake_path: Path) -> None:
 
 @lake.command("compact")
 @_lake_option()
-@_master_option()
+@click.option(
+    "--engine",
+    type=click.Choice(["auto", "spark", "deltalake"]),
+    default="auto",
+    show_default=True,
+    help="Who MERGEs: Spark, or delta-rs in this process (no JVM). auto: Spark when --spark-master is given.",
+)
+@click.option("--spark-master", default=None, help="Spark master URL (with --engine spark: default local[*]).")
 @click.option(
     "--tables-config",
     type=click.Path(path_type=Path, dir_okay=False),
     default=None,
     help="Declared column types: a daemon config's [consumer.tables.*] or a file of [tables.*] tables.",
 )
-def lake_compact(lake_path: Path, spark_master: str, tables_config: Path | None) -> None:
+def lake_compact(lake_path: Path, engine: str, spark_master: str | None, tables_config: Path | None) -> None:
     """MERGE the changes committed since the last compaction into <lake>/state and the typed table of
     each cache, <lake>/tables/<cache> (latest per key by version, then WAL position; deletes applied;
-    idempotent), and record the cut they make together."""
+    idempotent), and record the cut they make together. Either engine writes the same tables."""
     from cdcd.lake import spark as spark_session
-    from cdcd.lake.maintenance.compact import compact
+    from cdcd.lake.maintenance.compact import compact, compact_engine
     from cdcd.lake.reading.report import compact_summary
     from cdcd.lake.typed.declared import DeclaredSchemaError, load_declared
     from cdcd.lake.typed.layout import NotATypedTable, list_tables
 
+    try:
+        use_spark = compact_engine(engine, spark_master, spark_writer=False) == "spark"
+    except ValueError as exc:
+        fail(f"--engine {engine}: {exc}", ExitCode.BAD_INPUT)
     _require_changes(lake_path)
     try:
         declared = load_declared(tables_config) if tables_config is not None else {}
         list_tables(lake_path)
     except (DeclaredSchemaError, NotATypedTable) as exc:
         fail(str(exc), ExitCode.BAD_INPUT)
-    spark = _spark(spark_master, "cdcd-lake-compact", lake_path)
+    if not use_spark:
+        log_to_stderr()
+        click.echo(compact_summary(compact(None, lake_path, tables=declared)))
+        return
+    spark = _spark(spark_master or "local[*]", "cdcd-lake-compact", lake_path)
     try:
         result = compact(spark, lake_path, tables=declared)
     finally:

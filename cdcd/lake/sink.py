@@ -33,7 +33,7 @@ from cdcd.lake.landing.arrow import build_table, split_slices, truncate_table
 from cdcd.lake.landing.delta import ChangeTable, LakeWriteError, SourceMark, WrittenFiles
 from cdcd.lake.landing.spark_write import BatchInfo, write_on_executors
 from cdcd.lake.maintenance.autocompact import FilePolicy, rewrite_partitions
-from cdcd.lake.maintenance.compact import compact
+from cdcd.lake.maintenance.compact import compact, compact_engine
 from cdcd.lake.maintenance.feed import require_live_files
 from cdcd.lake.maintenance.maintainer import Maintainer, MaintainerOptions
 from cdcd.lake.registry import record_caches
@@ -78,9 +78,10 @@ def _io_error(cause: str) -> bool:
 
 class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lake_path: str
-    spark_master: str = "local[*]"
+    spark_master: str | None = None
     """Any Spark master URL: local[N], spark://host:port, yarn, k8s://... (with the Spark writer on a
-    cluster the lake is an object store, or a path every executor and this process see)."""
+    cluster the lake is an object store, or a path every executor and this process see). Unset: ``local[*]``
+    (``master``); named, it also makes ``compact_engine = "auto"`` compact on Spark."""
     spark_conf: dict[str, str] = msgspec.field(default_factory=dict)
     app_name: str = "cdcd-lake"
     partition_by_day: bool = False
@@ -97,7 +98,7 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``[consumer.storage]``: endpoint, region, credentials of an object store (``lake_path = "s3://..."``)."""
     compact_interval_s: float = 60.0
     """Run ``lake compact`` (MERGE into ``state`` and the typed tables) from the daemon every this many
-    seconds; 0: never. It runs on Spark (``spark_master``), also when the writer is ``deltalake``.
+    seconds; 0: never. On the engine ``compact_engine`` names.
     In a ``[realtime_consumer]`` table the default is 0: the daemon's sink maintains the lake (it runs
     PASSIVE or not), and the node's process starts no JVM unless asked."""
     optimize_interval_s: float = 10.0
@@ -113,6 +114,10 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A new cache's typed table and its rows in ``state`` answer ``cdcd lake sql`` within this long of its first
     commit (compaction on): the first commit of a cache makes the next compaction due within a second; a cache
     that took longer is logged (``lake_new_cache_ready`` warning)."""
+    compact_engine: Literal["auto", "spark", "deltalake"] = "auto"
+    """Who runs compaction: Spark on ``spark_master``, or delta-rs and pyarrow in this process (no JVM).
+    ``auto``: Spark with ``writer = "spark"`` or when ``spark_master`` is set, delta-rs otherwise (the
+    ``deltalake`` writer stays JVM-free). Both write the same tables."""
     maintenance_max_failures: int = 3
     """Scheduled runs failing in a row before the sink fails (the daemon exits 4 naming the error)."""
     typed_tables: bool = True
@@ -144,6 +149,14 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def uses_spark(self) -> bool:
         return self.writer == "spark"
 
+    @property
+    def master(self) -> str:
+        return self.spark_master or "local[*]"
+
+    @property
+    def compacts_on_spark(self) -> bool:
+        return compact_engine(self.compact_engine, self.spark_master, spark_writer=self.uses_spark) == "spark"
+
     def maintainer_options(self) -> MaintainerOptions:
         return MaintainerOptions(
             self.compact_interval_s,
@@ -156,6 +169,11 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def file_policy(self) -> FilePolicy | None:
         """How files are bounded per partition (None: ``max_files_per_partition = 0``, off)."""
         return FilePolicy(max_files=self.max_files_per_partition) if self.max_files_per_partition else None
+
+
+def _compact_jvm_free(_spark: Any, lake: LakeDir, **options: Any) -> Any:
+    """``compact`` on delta-rs, whatever session the Maintainer holds (the Spark writer's)."""
+    return compact(None, lake, **options)
 
 
 def _is_url(text: str) -> bool:
@@ -246,19 +264,25 @@ class LakeConsumer(Consumer):
             lake=str(self.lake),
             storage=self.location.masked(),
             writer=opts.writer,
-            spark_master=opts.spark_master if opts.uses_spark else None,
+            spark_master=opts.master if opts.uses_spark or opts.compacts_on_spark else None,
             spark_conf=mask_mapping(opts.spark_conf),
             table_version=table.table.version(),
         )
         conf = {**self.location.spark_conf, **opts.spark_conf}
         if opts.uses_spark:
-            self._spark = spark_session.acquire(opts.spark_master, opts.app_name, conf)
+            self._spark = spark_session.acquire(opts.master, opts.app_name, conf)
         if opts.compact_interval_s or opts.optimize_interval_s:
-            if self._spark is None and opts.compact_interval_s:
-                # Only compaction (the MERGE into state, the typed tables) needs Spark: the scheduled
-                # small-file work runs on pyarrow and delta-rs (cdcd/lake/maintenance/autocompact.py).
-                self._spark = spark_session.acquire(opts.spark_master, opts.app_name, conf)
-            compact_fn = functools.partial(compact, tables=opts.declared_tables(), typed_tables=opts.typed_tables)
+            on_spark = opts.compacts_on_spark
+            spark_optimize = bool(opts.optimize_interval_s) and opts.file_policy() is None
+            if self._spark is None and ((opts.compact_interval_s and on_spark) or spark_optimize):
+                # Spark only when asked for: compaction on the Spark engine, or OPTIMIZE without the files
+                # bound; the bound's rewrites run on pyarrow and delta-rs (cdcd/lake/maintenance/autocompact.py).
+                self._spark = spark_session.acquire(opts.master, opts.app_name, conf)
+            compact_fn = functools.partial(
+                compact if on_spark else _compact_jvm_free,
+                tables=opts.declared_tables(),
+                typed_tables=opts.typed_tables,
+            )
             self._maintainer = Maintainer(
                 self.lake,  # type: ignore[arg-type]
                 self._spark,

@@ -1,9 +1,10 @@
 """``cdcd lake compact``: MERGE the changes since the last compaction into ``<lake>/state``.
 
-One Spark job for all caches. It reads the change data feed of ``<lake>/changes`` from the version
-after the last compacted one up to the table's current version, keeps per (cache, key) the change
-with the highest version order, then WAL position, and MERGEs that into ``state``: deletes remove
-the row, anything else replaces an older one. The MERGE commit carries the application
+One job for all caches, on Spark or, without a JVM, on delta-rs and pyarrow (``compact(None, lake)``;
+the daemon's choice is its ``compact_engine``, docs/lake.md). It reads the change data feed of
+``<lake>/changes`` from the version after the last compacted one up to the table's current version,
+keeps per (cache, key) the change with the highest version order, then WAL position, and MERGEs that
+into ``state``: deletes remove the row, anything else replaces an older one. The MERGE commit carries the application
 transaction ``(COMPACT_APP_ID, changes version compacted up to)``: Delta skips a commit whose
 version is not above the recorded one, so a compaction that died (anywhere, even after its commit)
 and runs again either finds nothing left to do or redoes exactly the uncommitted range.
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dc_field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -36,16 +37,9 @@ from cdcd.lake.maintenance.compact_mark import (
 )
 from cdcd.lake.maintenance.feed import FEED_COLUMNS, read_feed
 from cdcd.lake.maintenance.lost_history import drop_lost, generation_starts, start_ids
+from cdcd.lake.maintenance.state_rs import ensure_state, merge_state
 from cdcd.lake.storage import LakeDir, is_delta, open_delta, spark_path
-from cdcd.lake.table import (
-    CHANGE_SCHEMA,
-    CHANGES,
-    ORDER_COLUMNS,
-    PARTITION_BY,
-    STATE,
-    STATE_PROPERTIES,
-    STATE_SCHEMA,
-)
+from cdcd.lake.table import CHANGE_SCHEMA, CHANGES, ORDER_COLUMNS, PARTITION_BY, STATE, STATE_SCHEMA
 from cdcd.lake.typed.declared import DeclaredTable
 from cdcd.lake.typed.layout import BadTable, list_tables, scan_tables
 from cdcd.lake.typed.tables import compact_tables, missing_tables
@@ -61,6 +55,7 @@ __all__ = [
     "NotADeltaLake",
     "behind",
     "compact",
+    "compact_engine",
     "compacted_version",
     "latest_per_key",
     "read_feed",
@@ -76,6 +71,22 @@ MAX_ROWS_PER_MERGE = 2_000_000
 STATE_COLUMNS = tuple(STATE_SCHEMA.names)
 _TXN_APP = "spark.databricks.delta.write.txnAppId"
 _TXN_VERSION = "spark.databricks.delta.write.txnVersion"
+
+
+ENGINES = ("auto", "spark", "deltalake")
+"""``compact_engine`` (the lake sink's option) and ``cdcd lake compact --engine``."""
+
+
+def compact_engine(choice: str, spark_master: str | None, *, spark_writer: bool) -> Literal["spark", "deltalake"]:
+    """Which engine compacts: ``choice`` itself, or for ``auto`` Spark when the writer is Spark's or a Spark
+    master is named, delta-rs (no JVM) otherwise. ``ValueError`` (naming the choices) for anything else."""
+    if choice == "auto":
+        return "spark" if spark_writer or spark_master else "deltalake"
+    if choice == "spark":
+        return "spark"
+    if choice == "deltalake":
+        return "deltalake"
+    raise ValueError(f"{choice!r}: expected one of {', '.join(ENGINES)}")
 
 
 class NotADeltaLake(Fault, ValueError):
@@ -115,21 +126,6 @@ class CompactResult:
     @property
     def did_work(self) -> bool:
         return self.from_version >= 0
-
-
-def spark_type(t: pa.DataType) -> str:
-    """Spark SQL type of a table-contract column (the contract uses only these)."""
-    if pa.types.is_string(t):
-        return "STRING"
-    if pa.types.is_int32(t):
-        return "INT"
-    if pa.types.is_int64(t):
-        return "BIGINT"
-    if pa.types.is_boolean(t):
-        return "BOOLEAN"
-    if pa.types.is_timestamp(t):
-        return "TIMESTAMP"
-    raise TypeError(f"no Spark type for {t}")
 
 
 def table_version(path: LakeDir) -> int | None:
@@ -174,17 +170,10 @@ def _start(lake: LakeDir, end: int, starts: list[str]) -> tuple[int, str, bool]:
     return replaced - 1, compact_app_id(mark.epoch + 1), False
 
 
-def ensure_state_table(spark: Any, lake: LakeDir) -> None:
-    """Create ``<lake>/state`` (empty, the contract's schema, partitioning and properties) if absent."""
-    from delta.tables import DeltaTable
-
-    builder = DeltaTable.createIfNotExists(spark).location(spark_path(lake / STATE))
-    for field in STATE_SCHEMA:
-        builder = builder.addColumn(field.name, spark_type(field.type))
-    builder = builder.partitionedBy(*PARTITION_BY)
-    for key, value in STATE_PROPERTIES.items():
-        builder = builder.property(key, value)
-    builder.execute()
+def ensure_state_table(lake: LakeDir) -> None:
+    """Create ``<lake>/state`` (empty, the contract's schema, partitioning and properties) if absent. With
+    delta-rs whatever the engine: a table any reader and either engine's MERGE takes, without a Spark job."""
+    ensure_state(lake)
 
 
 def latest_per_key(feed: pa.Table) -> pa.Table:
@@ -276,7 +265,7 @@ def _newer(source: str, target: str) -> str:
 
 
 def compact(
-    spark: Any,
+    spark: Any | None,
     lake: LakeDir,
     *,
     max_rows_per_merge: int = MAX_ROWS_PER_MERGE,
@@ -285,10 +274,13 @@ def compact(
 ) -> CompactResult:
     """Fold every change committed to ``<lake>/changes`` since the last compaction into ``<lake>/state``
     and the typed tables ``<lake>/tables/<cache>``: one MERGE per range of at most
-    ``max_rows_per_merge`` change rows (one range unless a backlog). ``tables``: declared column
-    types per cache (``[consumer.tables.<cache>]``). ``typed_tables=False``: ``state`` alone (a lake
-    of thousands of tiny caches; the benchmark's reference). Turning it on again later: delete
-    ``<lake>/tables`` first, the next compaction rebuilds every table from ``state``."""
+    ``max_rows_per_merge`` change rows (one range unless a backlog). ``spark``: the SparkSession whose
+    MERGEs write ``state`` and rebuild typed tables, or None: all of it with delta-rs and pyarrow in this
+    process, no JVM (cdcd/lake/maintenance/state_rs.py); either way the same tables, the same marks, the
+    same cut. ``tables``: declared column types per cache (``[consumer.tables.<cache>]``).
+    ``typed_tables=False``: ``state`` alone (a lake of thousands of tiny caches; the benchmark's
+    reference). Turning it on again later: delete ``<lake>/tables`` first, the next compaction rebuilds
+    every table from ``state``."""
     changes = lake / CHANGES
     end = table_version(changes)
     if end is None:
@@ -299,24 +291,24 @@ def compact(
     starts = generation_starts(changes, end)
     seen = start_ids(starts)
     done, app_id, rebuild = _start(lake, end, seen)
+    # Its own session: the application-transaction settings are per session, and the lake sink may
+    # commit through the process's main session at the same time.
+    session = None if spark is None else spark.newSession()
     if not behind(changes, done, end):
         if not typed_tables or not missing_tables(lake):
             if typed_tables:
                 _cut_if_behind(lake, done)
             return CompactResult(-1, done, 0, _state_version(lake), skipped=unreadable)
         # Nothing new, but state holds caches without a table (a lake compacted before the typed tables).
-        session = spark.newSession()
         empty = CHANGE_SCHEMA.empty_table()
         typed = compact_tables(session, lake, empty, done, app_id=app_id, declared=tables)
         _after_tables_committed(lake, typed.versions, done, typed.failed)
         return CompactResult(
             -1, done, 0, _state_version(lake), typed.versions, typed.rescued, skipped=_unique(typed.failed)
         )
-    # Its own session: the application-transaction settings are per session, and the lake sink may
-    # commit through the process's main session at the same time.
-    session = spark.newSession()
-    session.conf.set("spark.databricks.delta.merge.repartitionBeforeWrite.enabled", "true")
-    ensure_state_table(session, lake)
+    if session is not None:
+        session.conf.set("spark.databricks.delta.merge.repartitionBeforeWrite.enabled", "true")
+    ensure_state_table(lake)
     failpoints.hit("lake.compact.state_table")
     keys = rescued = inserted = updated = deleted = 0
     versions: dict[str, int] = {}
@@ -337,26 +329,13 @@ def compact(
             versions, rescued, failed = typed.versions, rescued + typed.rescued, typed.failed
             skipped += typed.failed
         failpoints.hit("lake.compact.tables_committed")
-        if truncated:
-            # Without an application transaction (an earlier range's is still set): Delta would skip
-            # the commit as a repeat, or count it as the range's.
-            session.conf.unset(_TXN_APP)
-            session.conf.unset(_TXN_VERSION)
-            deleted += _truncate_state(session, lake, truncated)
-        session.conf.set(_TXN_APP, app_id)
-        session.conf.set(_TXN_VERSION, str(last))
-        session.conf.set(USER_METADATA_CONF, commit_ids(changes, first, last, seen))
-        source = session.createDataFrame(winners)
-        if _is_empty(lake / STATE):
-            # Nothing to match against (the first compaction): a plain append of the live winners,
-            # same application transaction, no join. One writer per cache: one file per cache.
-            live = source.where("op <> 'delete'").select(*STATE_COLUMNS).repartition(*PARTITION_BY)
-            live.write.format("delta").mode("append").save(spark_path(lake / STATE))
-            inserted += winners.num_rows - pc.sum(pc.equal(winners.column("op"), "delete")).as_py()
+        mark = commit_ids(changes, first, last, seen)
+        if session is None:
+            # The drops, the MERGE, the transaction and the mark in one commit.
+            ins, upd, dele = merge_state(lake, winners, truncated, app_id=app_id, version=last, user_metadata=mark)
         else:
-            ins, upd, dele = _merge(session, lake, source, winners.column("cache").unique().to_pylist())
-            inserted, updated, deleted = inserted + ins, updated + upd, deleted + dele
-        session.conf.unset(USER_METADATA_CONF)
+            ins, upd, dele = _spark_state(session, lake, winners, truncated, app_id=app_id, last=last, mark=mark)
+        inserted, updated, deleted = inserted + ins, updated + upd, deleted + dele
         failpoints.hit("lake.compact.committed")
         if typed_tables:
             _after_tables_committed(lake, versions, last, failed)
@@ -367,6 +346,36 @@ def compact(
     return CompactResult(
         done + 1, end, keys, state_version, versions, rescued, inserted, updated, deleted, _unique(skipped)
     )
+
+
+def _spark_state(
+    session: Any, lake: LakeDir, winners: pa.Table, truncated: frozenset[str], *, app_id: str, last: int, mark: str
+) -> tuple[int, int, int]:
+    """One range into ``state`` with Spark: the drops' delete, then the MERGE (a plain append into an empty
+    table) carrying the application transaction and the mark. Rows (inserted, updated, deleted)."""
+    deleted = 0
+    if truncated:
+        # Without an application transaction (an earlier range's is still set): Delta would skip
+        # the commit as a repeat, or count it as the range's.
+        session.conf.unset(_TXN_APP)
+        session.conf.unset(_TXN_VERSION)
+        deleted += _truncate_state(session, lake, truncated)
+    session.conf.set(_TXN_APP, app_id)
+    session.conf.set(_TXN_VERSION, str(last))
+    session.conf.set(USER_METADATA_CONF, mark)
+    try:
+        source = session.createDataFrame(winners)
+        if _is_empty(lake / STATE):
+            # Nothing to match against (the first compaction): a plain append of the live winners,
+            # same application transaction, no join. One writer per cache: one file per cache.
+            live = source.where("op <> 'delete'").select(*STATE_COLUMNS).repartition(*PARTITION_BY)
+            live.write.format("delta").mode("append").save(spark_path(lake / STATE))
+            deletes = pc.sum(pc.equal(winners.column("op"), "delete")).as_py() or 0
+            return winners.num_rows - deletes, 0, deleted
+        ins, upd, dele = _merge(session, lake, source, winners.column("cache").unique().to_pylist())
+        return ins, upd, deleted + dele
+    finally:
+        session.conf.unset(USER_METADATA_CONF)
 
 
 def _unique(bad: list[BadTable]) -> list[BadTable]:

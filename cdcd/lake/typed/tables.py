@@ -8,7 +8,8 @@ columns are added by one ``ADD COLUMN`` commit (its own: the schema change is a 
 history, the comments say when each column appeared), then one MERGE (or a plain append into an
 empty table) applies them, carrying the application transaction. Both with delta-rs in this
 process: a Spark MERGE per table costs a few Spark jobs each, which dominated compaction with ten
-tables. Spark only creates a table (delta-rs refuses the ``cdcd.cache`` property) and rebuilds one. A cache whose
+tables. delta-rs creates a table too (a Spark job would delay a new cache's first answer by seconds); a
+rebuild is Spark's overwrite with the Spark engine, delta-rs's without a JVM. A cache whose
 keys stop being one scalar type has its table rebuilt once with a JSON-text key from ``state``
 (which holds that cache's rows as of the range's start), then merged. A column that widens
 (``infer.join``: an int column meeting a double, a date column a timestamp, a scalar column a
@@ -27,6 +28,7 @@ import re
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -97,7 +99,7 @@ def compact_tables(
     rescued = added = 0
     caches = set(winners.column("cache").unique().to_pylist()) if winners.num_rows else set()
     missing = sorted(c for c in _state_caches(lake) if c not in tables and str(table_dir(lake, c)) not in unreadable)
-    clean = spark.newSession()
+    clean = None if spark is None else spark.newSession()
     for cache in missing:
         # In state but without a table: the table starts as state's rows of the cache.
         path = table_dir(lake, cache)
@@ -121,14 +123,15 @@ def compact_tables(
         tables[cache] = path
         rows = winners.filter(pc.equal(winners.column("cache"), cache))
         jobs.append((cache, path, rows, declared.get(cache), cache in truncated, cache in stale))
-    # Tables side by side: each MERGE is mostly a few short Spark jobs and commits, so two at a
-    # time keep the executors busy while the driver plans and commits the other.
-    from pyspark import inheritable_thread_target  # the maintainer's job group (cancel on stop) follows
+    # Tables side by side: each MERGE is mostly a few short jobs and commits, so two at a time keep
+    # the executors (or delta-rs's threads) busy while the other plans and commits.
+    one_table = _one_table
+    if spark is not None:
+        from pyspark import inheritable_thread_target  # the maintainer's job group (cancel on stop) follows
 
+        one_table = inheritable_thread_target(spark)(_one_table)
     with ThreadPoolExecutor(max_workers=TABLE_WORKERS, thread_name_prefix="cdcd-typed") as pool:
-        futures = [
-            pool.submit(inheritable_thread_target(spark)(_one_table), spark, lake, job, app_id, last) for job in jobs
-        ]
+        futures = [pool.submit(one_table, spark, lake, job, app_id, last) for job in jobs]
         for job, future in zip(jobs, futures, strict=True):
             try:
                 r, a = future.result()
@@ -187,7 +190,7 @@ def _one_table(
     """Type one cache's winners and merge them into its table: (fields rescued, columns added)."""
     cache, path, rows, declared, truncate, stale = job
     # A session of its own: no application transaction set by anyone else applies to its writes.
-    spark = spark.newSession()
+    spark = None if spark is None else spark.newSession()
     existing = is_delta(path)
     if existing and (open_delta(path).transaction_version(app_id) or -1) >= last:
         if stale:  # rebuilt and merged by a compaction that died before removing the mark
@@ -232,7 +235,7 @@ def _one_table(
         conv = convert(rows, rebuilt.layout)
         log.info("lake_table_key_to_json", cache=cache)
     elif not existing:
-        _create(spark, path, cache, conv.layout)
+        _create(path, cache, conv.layout)
     elif stored.key_type is None and not stored.key_json:
         # Emptied by a drop in an earlier range, no key seen since: the key column takes these keys' type.
         _replace(spark, path, cache, _fresh(rows.slice(0, 0), conv.layout), fresh_columns=True)
@@ -336,27 +339,51 @@ def _state_rows(lake: LakeDir, cache: str) -> pa.Table:
     return rows.append_column("op", pa.array(["update"] * rows.num_rows, pa.string()))
 
 
-# --- Spark ---------------------------------------------------------------------------------------------------
-def _schema(conv_layout: Layout, since_version: int, keep: Mapping[str, str]) -> Any:
+# --- creating and rewriting a table -----------------------------------------------------------------------
+def _schema(layout: Layout, since_version: int, keep: Mapping[str, str]) -> pa.Schema:
+    """The table's Arrow schema, each column's comment in its field metadata (where Delta keeps it)."""
+    comments = {**comments_for(layout, since_version), **keep}
+    return pa.schema(
+        [
+            pa.field(f.name, f.type, True, {"comment": comments[f.name]} if f.name in comments else None)
+            for f in layout.schema()
+        ]
+    )
+
+
+def _spark_schema(schema: pa.Schema) -> Any:
     from pyspark.sql.pandas.types import from_arrow_type
     from pyspark.sql.types import StructField, StructType
 
-    comments = {**comments_for(conv_layout, since_version), **keep}
-    fields = []
-    for f in conv_layout.schema():
-        meta = {"comment": comments[f.name]} if f.name in comments else {}
-        fields.append(StructField(f.name, from_arrow_type(f.type), True, meta))
-    return StructType(fields)
+    return StructType(
+        [
+            StructField(
+                f.name, from_arrow_type(f.type), True, {k.decode(): v.decode() for k, v in (f.metadata or {}).items()}
+            )
+            for f in schema
+        ]
+    )
 
 
-def _create(spark: Any, path: LakeDir, cache: str, layout: Layout) -> None:
-    from delta.tables import DeltaTable
+def _create(path: LakeDir, cache: str, layout: Layout) -> None:
+    """An empty table, with delta-rs whatever the engine (no Spark job: a new cache's table answers queries
+    sooner); its properties and comments as Spark would write them. A neighbour's creating it first is none."""
+    from deltalake import DeltaTable
 
-    builder = DeltaTable.createIfNotExists(spark).location(spark_path(path)).addColumns(_schema(layout, 0, {}))
-    builder = builder.comment(f"cdcd: current state of cache {cache!r}, one row per live key")
-    for key, value in {**TABLE_PROPERTIES, CACHE_PROPERTY: cache}.items():
-        builder = builder.property(key, value)
-    builder.execute()
+    from cdcd.lake.storage import as_location_arg
+
+    if isinstance(path, Path):
+        path.mkdir(parents=True, exist_ok=True)
+    uri, options = as_location_arg(path)
+    DeltaTable.create(
+        uri,
+        _schema(layout, 0, {}),
+        mode="ignore",
+        description=f"cdcd: current state of cache {cache!r}, one row per live key",
+        configuration={**TABLE_PROPERTIES, CACHE_PROPERTY: cache},
+        storage_options=options,
+        raise_if_key_not_exists=False,
+    )
 
 
 def _replace(
@@ -370,15 +397,25 @@ def _replace(
     keep_key: bool = False,
 ) -> None:
     """``conv``'s live rows as the table's whole content: a new table (created, then appended), or the
-    existing one overwritten with its new schema in one commit (properties and history stay).
+    existing one overwritten with its new schema in one commit (properties and history stay); by Spark, or
+    by delta-rs when ``spark`` is None.
     ``fresh_columns``: every column's comment says it appeared now (a new table in the old one's place).
     ``widened``: column -> (type before, type now), each recorded in its column's comment. ``keep_key``: the
     key's comment stays (its type did not change), marked with the lattice."""
+    from deltalake import write_deltalake
+
+    from cdcd.lake.storage import as_location_arg
+
     live = conv.rows.filter(pc.not_equal(conv.rows.column(OP), "delete")).drop_columns([OP])
+    uri, options = as_location_arg(path)
     if not is_delta(path):
-        _create(spark, path, cache, conv.layout)
+        _create(path, cache, conv.layout)
         if live.num_rows:
-            spark.createDataFrame(live).write.format("delta").mode("append").save(spark_path(path))
+            rows = live.cast(_schema(conv.layout, 0, {}))
+            if spark is None:
+                write_deltalake(uri, rows, mode="append", storage_options=options)
+            else:
+                spark.createDataFrame(rows).write.format("delta").mode("append").save(spark_path(path))
         return
     # Columns the table had keep the comment saying when they appeared; the key's says JSON now.
     table = open_delta(path)
@@ -395,8 +432,13 @@ def _replace(
     if fresh_columns:
         keep = {}
     schema = _schema(conv.layout, version, keep)
+    if spark is None:
+        rows = live.cast(conv.layout.schema()).cast(schema)
+        write_deltalake(uri, rows, mode="overwrite", schema_mode="overwrite", storage_options=options)
+        return
+    fields = _spark_schema(schema).fields
     frame = spark.createDataFrame(live.cast(conv.layout.schema()))
-    frame = frame.select([frame[quote(f.name)].alias(f.name, metadata=f.metadata) for f in schema.fields])
+    frame = frame.select([frame[quote(f.name)].alias(f.name, metadata=f.metadata) for f in fields])
     frame.write.format("delta").mode("overwrite").option("overwriteSchema", "true").save(spark_path(path))
 
 

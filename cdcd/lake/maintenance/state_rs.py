@@ -1,0 +1,244 @@
+"""``state`` without a JVM: its creation and one range's MERGE (truncates included) with pyarrow and delta-rs.
+
+delta-rs's own MERGE names a partition's directory ``cache=<percent-escaped name>``, which a cache of
+255 characters (or 200 x "é") cannot be; so the MERGE is done here, copy-on-write per data file, and
+committed with delta-rs like the lake's other writes: each new file goes into
+``cache=<partition_dir_value>`` (cdcd/lake/landing/delta.py), the log holds the real name.
+
+Per cache the range touches: the files whose key bounds (their statistics) may hold one of its winners
+have their ``key`` column read; those that do hold one are read whole, their rows resolved against the
+winners (a winner newer by ``ORDER_COLUMNS`` replaces or deletes its row, as Spark's MERGE in
+``compact._merge``), and written again with the winners no file held; a dropped cache's files are
+removed whole. One commit for the range carries the removes, the adds, the application transaction and
+the compaction mark (``userMetadata``): a compaction killed before it left orphan files only (VACUUM's),
+one killed after it finds the range done. Memory: the range's winners (bounded by ``MAX_ROWS_PER_MERGE``)
+and up to ``FILE_ROWS`` rows of one partition at a time.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import structlog
+from deltalake import CommitProperties, DeltaTable, Transaction
+from deltalake.exceptions import DeltaError
+from deltalake.transaction import AddAction, PostCommitHookProperties, RemoveAction
+
+from cdcd.durable import fsync_dir
+from cdcd.lake.landing.delta import partition_dir_value
+from cdcd.lake.landing.parquet_files import file_stats, write_parquet
+from cdcd.lake.storage import LakeDir, as_location_arg, file_source, is_delta, open_delta
+from cdcd.lake.table import ORDER_COLUMNS, PARTITION_BY, STATE, STATE_PROPERTIES, STATE_SCHEMA
+
+log = structlog.get_logger("cdcd.lake")
+
+FILE_ROWS = 1 << 20
+"""Rows of one partition held before they are written out as a file of their own."""
+
+_DATA_SCHEMA = pa.schema([f for f in STATE_SCHEMA if f.name not in PARTITION_BY])
+
+
+def ensure_state(lake: LakeDir) -> None:
+    """Create ``<lake>/state`` (empty, the contract's schema, partitioning and properties) if absent; a
+    neighbour creating it at the same moment is no error."""
+    path = lake / STATE
+    if is_delta(path):
+        return
+    if isinstance(path, Path):
+        path.mkdir(parents=True, exist_ok=True)
+    uri, options = as_location_arg(path)
+    try:
+        DeltaTable.create(
+            uri,
+            STATE_SCHEMA,
+            mode="error",
+            partition_by=list(PARTITION_BY),
+            name="cdcd_state",
+            description="cdcd state: the latest change of every live key",
+            configuration=STATE_PROPERTIES,
+            storage_options=options,
+            raise_if_key_not_exists=False,
+        )
+    except (DeltaError, OSError):
+        if not is_delta(path):
+            raise
+
+
+@dataclass
+class Merged:
+    inserted: int = 0
+    updated: int = 0
+    deleted: int = 0
+    adds: list[AddAction] = field(default_factory=list)
+    removes: list[RemoveAction] = field(default_factory=list)
+    written: list[LakeDir] = field(default_factory=list)
+
+
+def merge_state(
+    lake: LakeDir, winners: pa.Table, truncated: frozenset[str], *, app_id: str, version: int, user_metadata: str
+) -> tuple[int, int, int]:
+    """Apply one range to ``state`` in one commit carrying ``(app_id, version)`` and ``user_metadata``:
+    the rows of the ``truncated`` caches removed, then ``winners`` (latest change per (cache, key),
+    deletes included) merged. Returns the rows inserted, updated and deleted."""
+    path = lake / STATE
+    dt = open_delta(path)
+    adds = pa.table(dt.get_add_actions(flatten=True))
+    now_ms = int(time.time() * 1000)
+    out = Merged()
+    caches = set(winners.column("cache").unique().to_pylist()) if winners.num_rows else set()
+    try:
+        for cache in sorted(caches | truncated):
+            files = _files_of(adds, cache)
+            if cache in truncated:
+                out.deleted += sum(n for _, _, n, _, _ in files)
+                out.removes += [RemoveAction(p, True, now_ms, size, {"cache": cache}) for p, size, _, _, _ in files]
+                files = []
+            rows = winners.filter(pc.equal(winners.column("cache"), cache)) if cache in caches else None
+            if rows is not None and rows.num_rows:
+                _merge_partition(path, cache, files, rows.combine_chunks(), now_ms=now_ms, out=out)
+        props = CommitProperties(
+            max_commit_retries=0,
+            app_transactions=[Transaction(app_id, version, now_ms)],
+            custom_metadata={"userMetadata": user_metadata},
+        )
+        dirs = {t.parent for t in out.written if isinstance(t, Path)}
+        for d in dirs:
+            fsync_dir(d)
+        dt.create_write_transaction(
+            [*out.removes, *out.adds],
+            "append",
+            dt.schema(),
+            partition_by=list(PARTITION_BY),
+            commit_properties=props,
+            post_commithook_properties=PostCommitHookProperties(create_checkpoint=True, cleanup_expired_logs=False),
+        )
+    except BaseException:
+        _discard(path, app_id, version, out.written)
+        raise
+    return out.inserted, out.updated, out.deleted
+
+
+def _discard(path: LakeDir, app_id: str, version: int, written: list[LakeDir]) -> None:
+    """A commit that failed: its files deleted unless the log says it is in (failing after its commit
+    point); an error reading the log keeps them (orphans for VACUUM at worst)."""
+    try:
+        if (open_delta(path).transaction_version(app_id) or -1) >= version:
+            return
+    except Exception:  # the log unreadable now: keep the files, they may be committed
+        log.debug("lake_state_merge_unknown", path=str(path), exc_info=True)
+        return
+    for target in written:
+        target.unlink(missing_ok=True)
+
+
+def _files_of(adds: pa.Table, cache: str) -> list[tuple[str, int, int, Any, Any]]:
+    """(path, size, rows, key min, key max) of each live file of the cache's partition (bounds None: unknown)."""
+    if not adds.num_rows:
+        return []
+    part = adds.filter(pc.equal(adds.column("partition.cache"), cache))
+    cols = part.column_names
+    mins = part.column("min.key").to_pylist() if "min.key" in cols else [None] * part.num_rows
+    maxs = part.column("max.key").to_pylist() if "max.key" in cols else [None] * part.num_rows
+    return list(
+        zip(
+            part.column("path").to_pylist(),
+            [int(s) for s in part.column("size_bytes").to_pylist()],
+            [int(n or 0) for n in part.column("num_records").to_pylist()],
+            mins,
+            maxs,
+            strict=True,
+        )
+    )
+
+
+def _read(root: LakeDir, rel: str, columns: list[str] | None = None) -> pa.Table:
+    """A state file's data columns (``columns``: these only), typed as the contract says; a column the
+    file lacks is null."""
+    pf = pq.ParquetFile(file_source(root / unquote(rel)))
+    have = set(pf.schema_arrow.names)
+    schema = _DATA_SCHEMA if columns is None else pa.schema([_DATA_SCHEMA.field(c) for c in columns])
+    data = pf.read(columns=[n for n in schema.names if n in have])
+    for f in schema:
+        if f.name not in have:
+            data = data.append_column(f, pa.nulls(data.num_rows, f.type))
+    return data.select(schema.names).cast(schema)
+
+
+def _newer(source: pa.Table, target: pa.Table) -> np.ndarray:
+    """Row by row, whether ``source``'s change is later than ``target``'s (``ORDER_COLUMNS`` compared left
+    to right; a null is lower than any value, as in Spark's struct comparison)."""
+    newer = np.zeros(source.num_rows, bool)
+    equal = np.ones(source.num_rows, bool)
+    low = np.iinfo(np.int64).min
+    for c in ORDER_COLUMNS:
+        s = source.column(c).cast(pa.int64()).fill_null(low).to_numpy()
+        t = target.column(c).cast(pa.int64()).fill_null(low).to_numpy()
+        newer |= equal & (s > t)
+        equal &= s == t
+    return newer
+
+
+def _merge_partition(
+    root: LakeDir, cache: str, files: list[tuple[str, int, int, Any, Any]], rows: pa.Table, *, now_ms: int, out: Merged
+) -> None:
+    keys = rows.column("key")
+    lo, hi = pc.min_max(keys).values()
+    lo_key, hi_key = lo.as_py(), hi.as_py()
+    matched = np.zeros(rows.num_rows, bool)
+    pending: list[pa.Table] = []
+    held = 0
+    for rel, size, _, kmin, kmax in files:
+        if kmin is not None and kmax is not None and (kmax < lo_key or kmin > hi_key):
+            continue  # by its statistics, no winner's key is in this file
+        if not pc.any(pc.is_in(_read(root, rel, ["key"]).column("key"), value_set=keys)).as_py():
+            continue
+        target = _read(root, rel)
+        at = pc.index_in(target.column("key"), value_set=keys)
+        hit = pc.is_valid(at).to_numpy(zero_copy_only=False)
+        idx = at.filter(pc.is_valid(at))
+        source = rows.take(idx)
+        matched[idx.to_numpy()] = True
+        newer = _newer(source, target.filter(pa.array(hit)))
+        deletes = newer & (source.column("op").to_numpy(zero_copy_only=False) == "delete")
+        updates = newer & ~deletes
+        out.deleted += int(deletes.sum())
+        out.updated += int(updates.sum())
+        keep = target.filter(pa.array(~hit))
+        kept_old = target.filter(pa.array(hit)).filter(pa.array(~newer))
+        replaced = source.filter(pa.array(updates)).select(_DATA_SCHEMA.names).cast(_DATA_SCHEMA)
+        for part in (keep, kept_old, replaced):
+            if part.num_rows:
+                pending.append(part)
+                held += part.num_rows
+        out.removes.append(RemoveAction(rel, True, now_ms, size, {"cache": cache}))
+        if held >= FILE_ROWS:
+            _write(root, cache, pending, now_ms, out)
+            pending, held = [], 0
+    new = rows.filter(pa.array(~matched))
+    new = new.filter(pc.not_equal(new.column("op"), "delete"))
+    out.inserted += new.num_rows
+    if new.num_rows:
+        pending.append(new.select(_DATA_SCHEMA.names).cast(_DATA_SCHEMA))
+    if pending:
+        _write(root, cache, pending, now_ms, out)
+
+
+def _write(root: LakeDir, cache: str, parts: list[pa.Table], now_ms: int, out: Merged) -> None:
+    data = pa.concat_tables(parts)
+    rel_dir = f"cache={partition_dir_value(cache)}"
+    rel = f"{rel_dir}/part-{uuid.uuid4().hex}.c000.zstd.parquet"
+    target = root / rel
+    if isinstance(target, Path):
+        target.parent.mkdir(parents=True, exist_ok=True)
+    out.written.append(target)
+    size, _ = write_parquet(data, target)
+    out.adds.append(AddAction(rel, size, {"cache": cache}, now_ms, True, file_stats(data)))
