@@ -10,10 +10,17 @@
   compactions: mean and the p99 bucket of ``cdcd_lake_maintenance_duration_seconds``), this process's CPU per
   entry (the daemon; the JVM is a child and reported apart), and the first ``GROUP BY`` read of ``state`` and of a
   typed table at the end, in DuckDB and in a fresh Spark session.
+- ``lake.files.bounded.realtime``: the same load landed by the node's realtime worker (its ``[realtime_consumer]``
+  is the lake, JVM-free writer, the bound of 20), switched on as an operator does (``cdcd control --node-dir DIR
+  realtime on``) while the daemon sits PASSIVE and maintains the lake (compaction and the optimize lane, its sink's
+  defaults). The same figures, the node's CPU per entry beside the daemon's (the landing moved there), and the
+  realtime lag p50/p99 from the node's ``cdcd_node_realtime_lag_seconds`` (WAL commit to the lake's commit,
+  per batch), read every 2 s in the node's process (goal: p99 <= 300 ms).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import resource
 import shutil
@@ -65,12 +72,18 @@ def _pct(values: list[int], q: float) -> int:
 
 
 def _run_seconds(task: str) -> dict[str, float | None]:
-    """Mean and p99 bucket bound of ``cdcd_lake_maintenance_duration_seconds{task}`` in this process."""
-    from prometheus_client import REGISTRY
+    """Mean and p99 bucket bound of ``cdcd_lake_maintenance_duration_seconds{task}`` in this process (the lake
+    sink's registry: the daemon exports it to the default one only with a metrics address)."""
+    from cdcd import metrics
 
     buckets: list[tuple[float, float]] = []
     count = total = 0.0
-    for family in REGISTRY.collect():
+    failures = 0.0
+    for family in metrics.LAKE.collect():
+        if family.name == "cdcd_lake_maintenance_failures":
+            failures += sum(
+                s.value for s in family.samples if s.labels.get("task") == task and s.name.endswith("_total")
+            )
         if family.name != "cdcd_lake_maintenance_duration_seconds":
             continue
         for s in family.samples:
@@ -83,7 +96,7 @@ def _run_seconds(task: str) -> dict[str, float | None]:
             elif s.name.endswith("_sum"):
                 total = s.value
     p99 = next((le for le, n in sorted(buckets) if count and n >= 0.99 * count), None)
-    return {"runs": count, "mean_s": round(total / count, 3) if count else None, "p99_s": p99}
+    return {"runs": count, "failures": failures, "mean_s": round(total / count, 3) if count else None, "p99_s": p99}
 
 
 def _first_reads(lake: Path) -> dict[str, float]:
@@ -114,7 +127,133 @@ def _first_reads(lake: Path) -> dict[str, float]:
     return out
 
 
-def run_bounded(duration_s: float) -> Measurement:
+LAG_P99_GOAL_MS = 300.0
+REALTIME_START_S = 600.0
+"""How long the realtime writer waits for its worker to be on (the PASSIVE switch waits for a daemon's sync)."""
+
+
+def realtime_writer(node_dir: str, lake: str, seconds: float, rate: int, caches: int) -> None:
+    """The node of ``lake.files.bounded.realtime`` (a process of its own): the live writer's node and load with the
+    lake as its ``[realtime_consumer]``. It waits until ``cdcd control ... realtime on`` has turned its worker on,
+    then writes, and every ``SAMPLE_EVERY_S`` records the cumulative buckets of ``cdcd_node_realtime_lag_seconds``
+    and whether the worker is still on (``lag.json``); its own CPU seconds go to ``cpu``."""
+    import json
+
+    from cdcd import metrics
+    from cdcd.node import Node
+    from cdcd.realtime.machine import RealtimeMode
+
+    consumer = {"kind": "lake", "lake_path": lake, "writer": "deltalake", "max_files_per_partition": P99_GOAL}
+    samples: list[dict[str, Any]] = []
+
+    def lag_buckets() -> dict[str, float]:
+        return {
+            s.labels["le"]: s.value
+            for family in metrics.RT_LAG_SECONDS.collect()
+            for s in family.samples
+            if s.name.endswith("_bucket")
+        }
+
+    with Node.open(
+        node_dir, wal_force_archive_timeout_ms=1000, wal_mode="background", realtime_consumer=consumer
+    ) as node:
+        worker: Any = node.realtime
+        deadline = time.monotonic() + REALTIME_START_S
+        while worker.mode is not RealtimeMode.ON:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"realtime did not come on within {REALTIME_START_S:.0f} s")
+            time.sleep(0.05)
+        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        handles = [node.cache(f"live-{i}") for i in range(caches)]
+        written = 0
+        t0 = time.monotonic()
+        next_sample = 0.0
+        while (now := time.monotonic() - t0) < seconds:
+            if now >= next_sample:
+                samples.append({"t": round(now, 2), "on": worker.mode is RealtimeMode.ON, "buckets": lag_buckets()})
+                next_sample += SAMPLE_EVERY_S
+            due = int(now * rate)
+            while written < due:
+                handles[written % caches].put(written % KEYS, {"i": written, "pad": "x" * 64})
+                written += 1
+            time.sleep(0.01)
+        node.force_archive()
+        samples.append(
+            {"t": round(time.monotonic() - t0, 2), "on": worker.mode is RealtimeMode.ON, "buckets": lag_buckets()}
+        )
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu_s = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    (Path(node_dir) / "lag.json").write_text(json.dumps(samples))
+    (Path(node_dir) / "cpu").write_text(f"{cpu_s:.3f}")
+    (Path(node_dir) / "written").write_text(str(written))
+
+
+def _quantile(q: float, buckets: dict[str, float]) -> float | None:
+    """``histogram_quantile`` as Prometheus computes it: linear within the bucket the rank falls in (None: no
+    observations; the highest finite bound when the rank is in ``+Inf``)."""
+    ordered = sorted((float(le), n) for le, n in buckets.items())
+    total = ordered[-1][1] if ordered else 0.0
+    if not total:
+        return None
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for le, n in ordered:
+        if n >= rank:
+            if le == float("inf"):
+                return lower
+            return lower + (le - lower) * ((rank - below) / (n - below) if n > below else 1.0)
+        lower, below = le, n
+    return lower
+
+
+def _lag_figures(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Realtime lag p50/p99 over the run (the last sample's buckets less the first's), the worst p99 of one
+    sampling window, and in how many samples the worker was not on (then the daemon delivered)."""
+
+    def minus(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+        return {le: n - b.get(le, 0.0) for le, n in a.items()}
+
+    def ms(v: float | None) -> float | None:
+        return None if v is None else round(v * 1000, 1)
+
+    if len(samples) < 2:
+        return {"lag_p50_ms": None, "lag_p99_ms": None, "lag_window_p99_max_ms": None, "realtime_off_samples": 0}
+    run = minus(samples[-1]["buckets"], samples[0]["buckets"])
+    batches = max(run.values(), default=0.0)
+    finite = max((n for le, n in run.items() if float(le) != float("inf")), default=0.0)
+    windows = [_quantile(0.99, minus(b["buckets"], a["buckets"])) for a, b in itertools.pairwise(samples)]
+    return {
+        "lag_p50_ms": ms(_quantile(0.5, run)),
+        "lag_p99_ms": ms(_quantile(0.99, run)),
+        "lag_window_p99_max_ms": ms(max((w for w in windows if w is not None), default=None)),
+        "lag_batches": int(batches),
+        # Past the highest bucket the quantile is that bucket's bound: how many batches lay beyond it.
+        "lag_over_top_bucket": int(batches - finite),
+        "realtime_off_samples": sum(1 for s in samples if not s["on"]),
+    }
+
+
+def _switch_realtime_on(node_dir: Path, stop: threading.Event) -> None:
+    """``cdcd control --node-dir DIR realtime on`` until the node takes it (its control socket may not be up yet);
+    the node's worker comes on once the daemon has passed the TryStart record."""
+    from tests.support.bench import _child_env
+
+    while not stop.is_set():
+        done = subprocess.run(
+            [sys.executable, "-m", "cdcd", "control", "--node-dir", str(node_dir), "realtime", "on"],
+            env=_child_env(),
+            capture_output=True,
+            timeout=120,
+            check=False,
+        )
+        if done.returncode == 0:
+            return
+        stop.wait(1.0)
+
+
+def run_bounded(duration_s: float, *, realtime: bool = False) -> Measurement:
+    import json
+
     from cdcd.daemon import Daemon, DaemonConfig
     from cdcd.lake.sink import LakeConsumer, LakeOptions
     from tests.support.bench import _child_env
@@ -128,10 +267,12 @@ def run_bounded(duration_s: float) -> Measurement:
     samples: list[dict[str, int]] = []
     try:
         node_dir, lake = root / "node", root / "lake"
+        consumer = {"kind": "lake", "lake_path": str(lake), "writer": "deltalake", "spark_master": MASTER}
         sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake", spark_master=MASTER))
-        args = [str(node_dir), str(duration_s), str(RATE), str(CACHES)]
+        args = [str(node_dir), *([str(lake)] if realtime else []), str(duration_s), str(RATE), str(CACHES)]
+        writer = "realtime-writer" if realtime else "live-writer"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.bench.bench_lake_small_files", "live-writer", *args], env=_child_env()
+            [sys.executable, "-m", "tests.bench.bench_lake_small_files", writer, *args], env=_child_env()
         )
         deadline = time.monotonic() + 60
         while not (node_dir / "cdc").is_dir():
@@ -148,9 +289,12 @@ def run_bounded(duration_s: float) -> Measurement:
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
+        switch = threading.Thread(target=_switch_realtime_on, args=(node_dir, stop), daemon=True)
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.monotonic()
-        with Daemon(DaemonConfig(node_dir=str(node_dir), metrics_address=""), sink) as daemon:
+        with Daemon(DaemonConfig(node_dir=str(node_dir), metrics_address="", consumer=consumer), sink) as daemon:
+            if realtime:
+                switch.start()
             while proc.poll() is None:
                 if daemon.sync_once() == 0:
                     time.sleep(0.05)
@@ -175,6 +319,11 @@ def run_bounded(duration_s: float) -> Measurement:
             "tables_max_files": max((s.get("tables", 0) for s in samples), default=0),
             "daemon_cpu_us_per_entry": round(cpu_s / max(written, 1) * 1e6, 2),
         }
+        if realtime:
+            # The node's process lands now: its CPU (the load it writes included) is the landing's cost.
+            node_cpu_s = float((node_dir / "cpu").read_text())
+            extra["node_cpu_us_per_entry"] = round(node_cpu_s / max(written, 1) * 1e6, 2)
+            extra |= _lag_figures(json.loads((node_dir / "lag.json").read_text()))
         for task in ("autocompact", "compact", "optimize"):
             for k, v in _run_seconds(task).items():
                 extra[f"{task}_{k}"] = v
@@ -187,29 +336,55 @@ def run_bounded(duration_s: float) -> Measurement:
             shutil.rmtree(root, ignore_errors=True)
 
 
+def _files_metrics() -> tuple[Metric, ...]:
+    return (
+        Metric("p50_files", "p50_files", "files", lower_is_better=True),
+        Metric("max_files", "max_files", "files", MAX_GOAL, lower_is_better=True),
+        Metric("autocompact_p99", "autocompact_p99_s", "s", RUN_P99_GOAL_S, lower_is_better=True),
+        Metric("compact_p99", "compact_p99_s", "s", RUN_P99_GOAL_S, lower_is_better=True),
+        Metric("cpu_per_entry", "daemon_cpu_us_per_entry", "us", lower_is_better=True),
+        Metric("duckdb_state_read", "duckdb_state_s", "s", lower_is_better=True),
+        Metric("spark_state_read", "spark_state_s", "s", lower_is_better=True),
+        Metric("duckdb_table_read", "duckdb_table_s", "s", lower_is_better=True),
+        Metric("spark_table_read", "spark_table_s", "s", lower_is_better=True),
+    )
+
+
 def benchmarks(quick: bool) -> list[Bench]:
     seconds = float(os.environ.get("BENCH_BOUNDED_S") or (QUICK_S if quick else FULL_S))
+    what = f"files per partition sampled every {SAMPLE_EVERY_S:g} s, {seconds:.0f} s live at {RATE:,}/s"
+    params = {"rate": RATE, "caches": CACHES, "keys": KEYS, "seconds": seconds, "writer": "deltalake"}
     return [
         Bench(
             name="lake.files.bounded",
-            description=f"files per partition sampled every {SAMPLE_EVERY_S:g} s, {seconds:.0f} s live at {RATE:,}/s",
+            description=what,
             run_once=lambda: run_bounded(seconds),
             metric="p99_files",
             unit="files",
             goal=P99_GOAL,
             lower_is_better=True,
             max_repeats=1,
+            more=_files_metrics(),
+            params=params,
+        ),
+        Bench(
+            name="lake.files.bounded.realtime",
+            description=f"{what}, landed by the node's realtime worker (daemon PASSIVE, maintaining)",
+            run_once=lambda: run_bounded(seconds, realtime=True),
+            metric="p99_files",
+            unit="files",
+            goal=P99_GOAL,
+            lower_is_better=True,
+            max_repeats=1,
             more=(
-                Metric("p50_files", "p50_files", "files", lower_is_better=True),
-                Metric("max_files", "max_files", "files", MAX_GOAL, lower_is_better=True),
-                Metric("autocompact_p99", "autocompact_p99_s", "s", RUN_P99_GOAL_S, lower_is_better=True),
-                Metric("compact_p99", "compact_p99_s", "s", RUN_P99_GOAL_S, lower_is_better=True),
-                Metric("cpu_per_entry", "daemon_cpu_us_per_entry", "us", lower_is_better=True),
-                Metric("duckdb_state_read", "duckdb_state_s", "s", lower_is_better=True),
-                Metric("spark_state_read", "spark_state_s", "s", lower_is_better=True),
+                *_files_metrics(),
+                Metric("node_cpu_per_entry", "node_cpu_us_per_entry", "us", lower_is_better=True),
+                Metric("lag_p50", "lag_p50_ms", "ms", lower_is_better=True),
+                Metric("lag_p99", "lag_p99_ms", "ms", LAG_P99_GOAL_MS, lower_is_better=True),
+                Metric("lag_window_p99_max", "lag_window_p99_max_ms", "ms", lower_is_better=True),
             ),
-            params={"rate": RATE, "caches": CACHES, "keys": KEYS, "seconds": seconds, "writer": "deltalake"},
-        )
+            params={**params, "mode": "realtime"},
+        ),
     ]
 
 
@@ -217,5 +392,11 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["live-writer"]:
         node_dir, seconds, rate, caches = sys.argv[2:6]
         live_writer(node_dir, float(seconds), int(rate), int(caches))
+    elif sys.argv[1:2] == ["realtime-writer"]:
+        node_dir, lake, seconds, rate, caches = sys.argv[2:7]
+        realtime_writer(node_dir, lake, float(seconds), int(rate), int(caches))
     else:
-        raise SystemExit("usage: python -m tests.bench.bench_lake_small_files live-writer NODE_DIR SECONDS RATE CACHES")
+        raise SystemExit(
+            "usage: python -m tests.bench.bench_lake_small_files live-writer NODE_DIR SECONDS RATE CACHES\n"
+            "       python -m tests.bench.bench_lake_small_files realtime-writer NODE_DIR LAKE SECONDS RATE CACHES"
+        )
