@@ -386,8 +386,7 @@ class Daemon:
             self._stop_event.set()
         wakes = []
         for lane in self.lanes.values():
-            lane.wake = asyncio.Event()
-            wakes.append(lane.wake)
+            wakes.append(lane.begin_run())
         observer = Observer()
         observer.schedule(_Wake(loop, wakes), str(self.cdc_dir), recursive=False)
         observer.start()

@@ -110,6 +110,9 @@ class Lane:
         self.node_id: uuid.UUID | None = None
         self.follower: SegmentFollower | None = None
         self.wake: asyncio.Event | None = None
+        self._read_q: asyncio.Queue[list[ReadItem] | WalError | None] | None = None
+        self._item_q: asyncio.Queue[Item | WalError] | None = None
+        """The pipeline's bounded queues (``queue_max_batches``), made once per run, kept across passes."""
         self.watch = Watch(config, notifier, self.committed_state, show_progress=show_progress and primary)
 
     # --- start and stop --------------------------------------------------------------------------
@@ -301,72 +304,104 @@ class Lane:
                 processor, follower = self.new_pass(node_id)
 
     # --- the long-running form -------------------------------------------------------------------
+    def begin_run(self) -> asyncio.Event:
+        """In ``Daemon.run``'s event loop: the lane's wake event and queues; returns the wake event."""
+        self.wake = asyncio.Event()
+        self._read_q = asyncio.Queue(self.config.queue_max_batches)
+        self._item_q = asyncio.Queue(self.config.queue_max_batches)
+        return self.wake
+
     async def run_pass(self, node_id: uuid.UUID | None, stopping: asyncio.Event) -> None:
-        """One pass in one mode, until a mode switch or stop()."""
+        """One pass in one mode, until a mode switch or stop(): the reader, decoder and consumer tasks
+        over the lane's two bounded queues (emptied first: what a pass left behind is read again)."""
         processor, follower = self.new_pass(node_id)
-        committer = self.committer
-        assert committer is not None and self.wake is not None
-        wake = self.wake
-        config = self.config
-        watch = self.watch
-        read_q: asyncio.Queue[list[ReadItem] | WalError | None] = asyncio.Queue(config.queue_max_batches)
-        item_q: asyncio.Queue[Item | WalError] = asyncio.Queue(config.queue_max_batches)
+        assert self._read_q is not None and self._item_q is not None, "begin_run() first"
+        for q in (self._read_q, self._item_q):
+            while not q.empty():
+                q.get_nowait()
+        tasks = [
+            asyncio.create_task(self._reader(processor, follower), name=f"cdcd-reader-{self.name}"),
+            asyncio.create_task(self._decoder(processor, follower), name=f"cdcd-decoder-{self.name}"),
+        ]
+        consumer_task = asyncio.create_task(self._consume(follower, stopping), name=f"cdcd-consumer-{self.name}")
+        try:
+            # The consumer task ends the pass (switch or stop); a failure anywhere ends it too.
+            pending: set[asyncio.Task[None]] = {*tasks, consumer_task}
+            while consumer_task in pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if t is not consumer_task and not t.cancelled() and t.exception() is not None:
+                        raise t.exception()  # type: ignore[misc]
+            consumer_task.result()
+        finally:
+            for t in (*tasks, consumer_task):
+                t.cancel()
+            for t in (*tasks, consumer_task):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+
+    async def _reader(self, processor: Processor, follower: SegmentFollower) -> None:
+        config, watch, wake, read_q = self.config, self.watch, self.wake, self._read_q
+        assert wake is not None and read_q is not None
         check_s = config.check_interval_ms / 1000
-        delay_s = config.batch_max_delay_ms / 1000
-        primary = self.primary
+        while True:
+            chunk = await watch.in_thread(
+                "reader", f"reading segment {follower.segment}", read_chunk, follower, config.read_chunk_records
+            )
+            if isinstance(chunk, WalError):
+                await read_q.put(chunk)  # the decoder delivers what came before it, then the consumer raises it
+                return
+            if follower.segment is not None and self.primary:
+                metrics.DAEMON_CURRENT_SEGMENT.set(follower.segment)
+            if chunk:
+                watch.read(chunk[0][0].segment, chunk[-1][0].segment)
+            if chunk is None:
+                await read_q.put(None)  # caught up: the decoder closes its batch now
+                if processor.mode is CdcMode.DAEMON_ACTIVE:
+                    await asyncio.to_thread(watch.peek_active_segment, follower)
+                wake.clear()
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+                # races with the wake-up, and stop() would then hang on a full queue.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(check_s):
+                        await wake.wait()
+                continue
+            await read_q.put(chunk)
 
-        async def reader() -> None:
-            while True:
-                chunk = await watch.in_thread(
-                    "reader", f"reading segment {follower.segment}", read_chunk, follower, config.read_chunk_records
-                )
-                if isinstance(chunk, WalError):
-                    await read_q.put(chunk)  # the decoder delivers what came before it, then the consumer raises it
-                    return
-                if follower.segment is not None and primary:
-                    metrics.DAEMON_CURRENT_SEGMENT.set(follower.segment)
-                if chunk:
-                    watch.read(chunk[0][0].segment, chunk[-1][0].segment)
-                if chunk is None:
-                    await read_q.put(None)  # caught up: the decoder closes its batch now
-                    if processor.mode is CdcMode.DAEMON_ACTIVE:
-                        await asyncio.to_thread(watch.peek_active_segment, follower)
-                    wake.clear()
-                    # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
-                    # races with the wake-up, and stop() would then hang on a full queue.
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(check_s):
-                            await wake.wait()
-                    continue
-                await read_q.put(chunk)
-
-        async def decoder() -> None:
-            while True:
-                timeout = None
-                if processor.batch_started is not None:
-                    timeout = max(0.0, processor.batch_started + delay_s - time.monotonic())
-                timed_out = False
-                try:
-                    async with asyncio.timeout(timeout):
-                        chunk = await read_q.get()
-                except TimeoutError:
-                    chunk, timed_out = None, True
-                if chunk is None or isinstance(chunk, WalError):
-                    # Caught up (segments arrive whole, waiting adds only lag), batch_max_delay_ms
-                    # passed, or a bad spot.
-                    for item in end_of_read(processor, committer, chunk, timed_out=timed_out):
-                        await item_q.put(item)
-                    if chunk is None:
-                        continue
-                    return
-                processor.source_node = follower.node_id
-                for item in processor.feed_many(chunk):
+    async def _decoder(self, processor: Processor, follower: SegmentFollower) -> None:
+        committer, read_q, item_q = self.committer, self._read_q, self._item_q
+        assert committer is not None and read_q is not None and item_q is not None
+        delay_s = self.config.batch_max_delay_ms / 1000
+        while True:
+            timeout = None
+            if processor.batch_started is not None:
+                timeout = max(0.0, processor.batch_started + delay_s - time.monotonic())
+            timed_out = False
+            try:
+                async with asyncio.timeout(timeout):
+                    chunk = await read_q.get()
+            except TimeoutError:
+                chunk, timed_out = None, True
+            if chunk is None or isinstance(chunk, WalError):
+                # Caught up (segments arrive whole, waiting adds only lag), batch_max_delay_ms
+                # passed, or a bad spot.
+                for item in end_of_read(processor, committer, chunk, timed_out=timed_out):
                     await item_q.put(item)
-                if processor.finished:
-                    return
+                if chunk is None:
+                    continue
+                return
+            processor.source_node = follower.node_id
+            for item in processor.feed_many(chunk):
+                await item_q.put(item)
+            if processor.finished:
+                return
 
-        async def consumer() -> None:
-            get: asyncio.Future[Any] | None = None
+    async def _consume(self, follower: SegmentFollower, stopping: asyncio.Event) -> None:
+        committer, watch, item_q, primary = self.committer, self.watch, self._item_q, self.primary
+        assert committer is not None and item_q is not None
+        check_s = self.config.check_interval_ms / 1000
+        get: asyncio.Future[Any] | None = None
+        try:
             while True:
                 if get is None:
                     get = asyncio.ensure_future(item_q.get())
@@ -374,11 +409,9 @@ class Lane:
                 done, _ = await asyncio.wait({get, stop_wait}, timeout=check_s, return_when=asyncio.FIRST_COMPLETED)
                 stop_wait.cancel()
                 if stop_wait in done:
-                    get.cancel()
                     return
                 if get not in done:
                     if self.stopping.is_set():  # invalidated: this consumer stops, the daemon goes on
-                        get.cancel()
                         return
                     # Idle: ask the consumer on every poll whether it can still take events (Ignite
                     # IGNITE-18249), so a dead sink ends the daemon even when nothing is written.
@@ -403,27 +436,9 @@ class Lane:
                     watch.oldest_unconfirmed_ns = None
                 if isinstance(item, Switch) or self.stopping.is_set():
                     return
-
-        tasks = [
-            asyncio.create_task(reader(), name=f"cdcd-reader-{self.name}"),
-            asyncio.create_task(decoder(), name=f"cdcd-decoder-{self.name}"),
-        ]
-        consumer_task = asyncio.create_task(consumer(), name=f"cdcd-consumer-{self.name}")
-        try:
-            # The consumer task ends the pass (switch or stop); a failure anywhere ends it too.
-            pending: set[asyncio.Task[None]] = {*tasks, consumer_task}
-            while consumer_task in pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for t in done:
-                    if t is not consumer_task and not t.cancelled() and t.exception() is not None:
-                        raise t.exception()  # type: ignore[misc]
-            consumer_task.result()
         finally:
-            for t in (*tasks, consumer_task):
-                t.cancel()
-            for t in (*tasks, consumer_task):
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
+            if get is not None:
+                get.cancel()  # the queue outlives the pass: no getter of this one may take the next pass's item
 
 
 def failure_line(exc: BaseException) -> tuple[ExitCode, str]:
