@@ -138,7 +138,7 @@ def test_once_json_matches_status_and_state(rig: Rig, tmp_path: Path) -> None:
     # Under 2000 entries/s both sides move within the half second between top's two reads.
     assert rates["wal_bytes_per_s"] > 0 and rates["node_entries_per_s"] > 0
     assert rates["daemon_events_per_s"] > 0
-    keys = {"taken_at", "node_dir", "sources", "node", "daemon", "rates", "lake", "consumer", "problems"}
+    keys = {"taken_at", "node_dir", "sources", "node", "daemon", "rates", "lake", "consumer", "consumers", "problems"}
     assert set(snap) == keys | {"source_problems", "read_s"}
     assert snap["consumer"] == {} and snap["lake"] is None  # jsonl has no metrics of its own
     assert snap["problems"] == {} and snap["source_problems"] == []

@@ -59,7 +59,8 @@ def snapshot_dict(snap: Snapshot, r: Rates | None, node_dir: Path, read_s: float
         "sources": snap.sources,
         "node": msgspec.to_builtins(snap.node) if snap.node is not None else None,
         "daemon": daemon,
-        "rates": msgspec.to_builtins(r) if r is not None else None,
+        # Each consumer's rate is in its own entry of ``consumers``.
+        "rates": {k: v for k, v in msgspec.to_builtins(r).items() if k != "consumer_events_per_s"} if r else None,
         "lake": msgspec.to_builtins(snap.lake) if snap.lake is not None else None,
         "consumers": [
             {**msgspec.to_builtins(c), "events_per_s": r.consumer_events_per_s.get(c.name) if r else None}
