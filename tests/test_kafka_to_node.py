@@ -206,3 +206,50 @@ def test_kafka_to_node_reads_per_cache_topics(kafka_broker: Broker, tmp_path: Pa
     assert proc.wait(60) == 0, app.tail()
     b.stop()
     assert node_raw(a_dir) == node_raw(b.dir)
+
+
+def test_a_stop_held_by_an_apply_ends_at_the_stop_timeout_then_the_next_start_converges(
+    kafka_broker: Broker, tmp_path: Path, procs: Procs
+) -> None:
+    """SIGTERM while a thread is held after an apply, before its offset commit (fail point
+    ``kafka_to_node.applied=pause``): the process leaves at ``--stop-timeout`` with one line and 128 + SIGTERM
+    instead of waiting for the thread; the next start re-applies the batch in hand and B ends equal to A."""
+    a_dir = tmp_path / "a"
+    make_node(a_dir, 2, 30, cluster_id=1, partitions=8)
+    topic = "k2n-stop"
+    sink = KafkaSink.from_options({"bootstrap_servers": kafka_broker.bootstrap, "topic": topic}, "consumer")
+    with Daemon(DaemonConfig(node_dir=str(a_dir), metrics_address=""), sink) as daemon:
+        while daemon.sync_once():
+            pass
+    b = NodeProc(procs, tmp_path, "b", 2)
+    b.start()
+    app = Applier(
+        procs,
+        tmp_path,
+        "k2n-stop",
+        bootstrap_servers=kafka_broker.bootstrap,
+        topic=topic,
+        target=b.target,
+        token_file=str(b.token),
+        group_id="gs",
+        max_batch_events=100,
+    )
+    env = {**child_env(), "CDCD_FAILPOINTS": "kafka_to_node.applied=pause", "CDCD_FAILPOINTS_DIR": str(tmp_path)}
+    proc = app.start("--stop-timeout", "1", env=env)
+    wait_for(lambda: (tmp_path / "kafka_to_node.applied").exists() or proc.poll() is not None, 120, "a held apply")
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(60)  # the pause alone would hold it for ten minutes
+    assert rc == 128 + signal.SIGTERM, app.tail()
+    errors = [line for line in app.tail_all().splitlines() if line.startswith("cdcd: error:")]
+    assert errors == [
+        f"cdcd: error: kafka-to-node of {app.config} did not stop within 1 s of SIGTERM: left without closing "
+        "(the next start re-applies at most the batches in hand)"
+    ], app.tail()
+    (tmp_path / "kafka_to_node.applied").unlink()
+    proc = app.start()
+    wait_for(lambda: node_diff_rc(a_dir, b) == 0 or proc.poll() is not None, 180, "B equal to A")
+    assert proc.poll() is None, app.tail()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0, app.tail()
+    b.stop()
+    assert node_raw(a_dir) == node_raw(b.dir)

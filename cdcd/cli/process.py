@@ -165,4 +165,4 @@ stop_timeout_option = click.option(
     show_default=True,
     help="Seconds from a stop request (or a failure) to the exit, closed or not.",
 )
-"""``--stop-timeout`` of the long-running commands (``node run``, ``run``)."""
+"""``--stop-timeout`` of the long-running commands (``node run``, ``run``, ``kafka-to-node``)."""
