@@ -20,11 +20,14 @@ from cdcd import metrics
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.lake import spark as spark_session
+from cdcd.lake.maintenance.autocompact import files_per_partition
 from cdcd.lake.maintenance.compact import compact
 from cdcd.lake.maintenance.ops import LakeInfo, show
 from cdcd.lake.reading.report import print_demo_ending, print_show, print_verify
 from cdcd.lake.reading.verify import verify
 from cdcd.lake.sink import LakeConsumer, LakeOptions
+from cdcd.lake.table import CHANGES, STATE, TABLES
+from cdcd.lake.typed.layout import list_tables
 from cdcd.node.load import LoadGenerator
 from cdcd.node.node import Node
 from cdcd.node.snapshot import NodeSnapshot
@@ -39,17 +42,50 @@ PLAIN_EVERY_S = 2.0
 """Without a terminal (CI, a pipe) a line every this often: fewer than a screen needs."""
 
 
+def most_files(lake: Path) -> dict[str, int]:
+    """The most live data files in one partition of ``changes``, of ``state`` and of any typed table
+    (``tables``), from their Delta logs: what the bound of ``max_files_per_partition`` holds at every moment.
+    A table not there yet is left out."""
+    out: dict[str, int] = {}
+    for name, path in ((CHANGES, lake / CHANGES), (STATE, lake / STATE)):
+        counts = files_per_partition(path)
+        if counts:
+            out[name] = max(counts.values())
+    for table in list_tables(lake).values():
+        out[TABLES] = max(out.get(TABLES, 0), max(files_per_partition(table).values(), default=0))
+    return out
+
+
+def files_line(most: dict[str, int]) -> str:
+    """``files/partition max 7 (changes 7, state 1, tables 1)``: the figure of the live view."""
+    if not most:
+        return "files/partition max -"
+    each = ", ".join(f"{name} {n}" for name, n in most.items())
+    return f"files/partition max {max(most.values())} ({each})"
+
+
 class _Watch:
     """``cdcd top``'s figures of this process's node and daemon: the full screen on a terminal, else one
-    plain line every ``PLAIN_EVERY_S``. The daemon's state and the metrics are read in process."""
+    plain line every ``PLAIN_EVERY_S``. The daemon's state and the metrics are read in process; the most
+    files in one partition of every table of the lake from their logs (top's figure is the sink's, of
+    ``changes`` alone)."""
 
-    def __init__(self, node_dir: Path, daemon: Daemon) -> None:
+    def __init__(self, node_dir: Path, daemon: Daemon, lake: Path) -> None:
         self.node_dir = node_dir
         self.daemon = daemon
         self.config = daemon.config
+        self.lake = lake
         self.previous: Snapshot | None = None
         self.last_line = ""
+        self.files = ""
         self.since = DeliverySince(time.time())
+
+    def _files(self) -> str:
+        try:
+            return files_line(most_files(self.lake))
+        except Exception as exc:  # a table being created or rewritten this moment: the next refresh reads it
+            log.debug("demo_files_unread", error=str(exc))
+            return self.files or files_line({})
 
     def _state(self, config: DaemonConfig) -> tuple[dict[str, Any] | None, int | None, str]:
         return running_state(config, self.daemon.state, "lake"), os.getpid(), "ok"
@@ -65,7 +101,8 @@ class _Watch:
         )
         r = rates(self.previous, snap) if self.previous is not None else None
         self.previous = snap
-        self.last_line = status_line(snap, r)
+        self.files = self._files()
+        self.last_line = f"{status_line(snap, r)}  {self.files}"
         return snap, r
 
     def run(self, stop: threading.Event, seconds: float) -> float:
@@ -90,7 +127,7 @@ class _Watch:
                     node_dir=str(self.node_dir),
                     since=self.since.see(snap),
                     interval_ms=int(LIVE_EVERY_S * 1000),
-                    title=f"make run  {time.monotonic() - started:.0f}s",
+                    title=f"make run  {time.monotonic() - started:.0f}s  {self.files}",
                     keys="Ctrl-C: stop, catch up, compact, verify",
                 )
                 live.update(view, refresh=True)
@@ -154,7 +191,7 @@ def run_demo(*, var: Path, seconds: float, rate: int, spark_master: str, fresh: 
         daemon.start()
         daemon_thread.start()
         load.start()
-        watch = _Watch(node_dir, daemon)
+        watch = _Watch(node_dir, daemon, lake)
         elapsed = watch.run(stop, seconds)
         stopping = time.monotonic()
         load.stop()
