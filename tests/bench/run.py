@@ -22,6 +22,7 @@ from typing import Any
 from cdcd.logging import configure as configure_logging
 from tests.bench import (
     bench_daemon,
+    bench_fanout,
     bench_kafka,
     bench_lake,
     bench_lake_caches,
@@ -50,6 +51,7 @@ SUITES = (
     bench_lake_small_files,
     bench_replication,
     bench_kafka,
+    bench_fanout,
 )
 
 
