@@ -39,6 +39,7 @@ from cdcd.lake.maintenance.maintainer import Maintainer, MaintainerOptions
 from cdcd.lake.registry import record_caches
 from cdcd.lake.storage import LakeDir, LakeLocation, LakeStorageError, StorageOptions, check_writable
 from cdcd.lake.typed.declared import DeclaredSchemaError, DeclaredTable, TableOptions, check_declared
+from cdcd.lake.typed.probe import top_level_fields
 from cdcd.logging import describe
 from cdcd.secrets import mask_mapping
 from cdcd.wal.pointer import WalPointer, WalPosition
@@ -236,6 +237,9 @@ class LakeConsumer(Consumer):
         self.batches_skipped = 0
         self._landed: dict[str, SourceMark] = {}
         """Per source, the mark this sink last saw or moved: a mark read lower later was lost."""
+        self._fields_landed: dict[str, set[str]] = {}
+        """The batch being landed: cache -> top-level fields of its values (probed when compaction keeps typed
+        tables and the writer holds the values: a known cache's new field makes compaction due soon)."""
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], source: str) -> LakeConsumer:
@@ -436,6 +440,7 @@ class LakeConsumer(Consumer):
                 return True
             rows = sum(s.end - s.start for s in new)
             t0 = time.perf_counter()
+            self._fields_landed = {}
             files, stats = self._write(table, new, batch, generation)
             metrics.LAKE_WRITE_SECONDS.observe(time.perf_counter() - t0)
             meta = {"rows": rows, "first": str(new[0].pointer), "writer": self.options.writer, "pid": os.getpid()}
@@ -454,7 +459,7 @@ class LakeConsumer(Consumer):
                     metrics.LAKE_ROWS.labels(name).inc(n)
                 metrics.LAKE_LAG_SECONDS.set(max(0.0, time.time() - batch.last_commit_ts_ns / 1e9))
                 if self._maintainer is not None:
-                    self._maintainer.landed(stats)
+                    self._maintainer.landed(stats, self._fields_landed)
                 self._bound_files(table, files.adds)
                 try:
                     table.refresh()  # the commit's own files in the snapshot (its new log entries read)
@@ -520,6 +525,12 @@ class LakeConsumer(Consumer):
             return written, rows
         return self._write_arrow(table, parts, batch, generation)
 
+    def _probe_fields(self, data: pa.Table) -> None:
+        if self._maintainer is None or not self.options.compact_interval_s or not self.options.typed_tables:
+            return
+        for cache, names in top_level_fields(data).items():
+            self._fields_landed.setdefault(cache, set()).update(names)
+
     def _write_on_spark(self, table: ChangeTable, parts: list[list[RecordSlice]], info: BatchInfo) -> WrittenFiles:
         """One Spark task per part builds its rows and writes them (cdcd/lake/landing/spark_write.py)."""
         try:
@@ -544,6 +555,7 @@ class LakeConsumer(Consumer):
                 for part in parts:
                     data, part_stats = build_table(part, batch, batch.source_node, by_day, generation)
                     futures.append(pool.submit(table.write_arrow, data))
+                    self._probe_fields(data)
                     for name, (n, _ts) in part_stats.items():
                         rows[name] = rows.get(name, 0) + n
                 written = [f.result() for f in futures]

@@ -31,7 +31,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,6 +125,20 @@ def _gap_closed(lake: Path, listed: list[int]) -> bool:
     return False
 
 
+def _table_fields(lake: Path, cache: str) -> set[str]:
+    """The fields ``cache``'s typed table has a column for (none: no table, or one that cannot be read now)."""
+    from cdcd.lake.typed.layout import read_layout, table_dir
+
+    path = table_dir(lake, cache)
+    if not (path / LOG_DIR).is_dir():
+        return set()
+    try:
+        return set(read_layout(path).columns)
+    except Exception:  # unreadable now: every field counts as new, one early compaction too many
+        log.debug("lake_table_fields_unread", cache=cache, exc_info=True)
+        return set()
+
+
 def _compacted_caches(lake: Path) -> set[str]:
     """Caches with a typed table or rows in ``state``: compacted at least once."""
     from cdcd.lake.typed.layout import list_tables
@@ -197,6 +211,8 @@ class Maintainer:
         self._wake = threading.Event()
         """Set when a new cache landed: the compaction lane runs soon (``NEW_CACHE_DELAY_S``)."""
         self._known_caches: set[str] | None = None
+        self._fields: dict[str, set[str]] = {}
+        """Per cache, the top-level fields its typed table has a column for, or that landed since."""
         self._new_caches: dict[str, float] = {}
         """Caches seen landing for the first time, not yet compacted: when (wall time) they landed."""
         self._threads: list[threading.Thread] = []
@@ -239,14 +255,24 @@ class Maintainer:
     def _interval(self, task: str) -> float:
         return self.options.compact_interval_s if task == "compact" else self.options.optimize_interval_s
 
-    def landed(self, rows_per_cache: Mapping[str, int]) -> None:
+    def landed(self, rows_per_cache: Mapping[str, int], fields: Mapping[str, Collection[str]] | None = None) -> None:
         """Called by the sink after each commit: a cache landing for the first time (no typed table, no
-        rows in ``state`` yet) makes the next compaction due in ``NEW_CACHE_DELAY_S``."""
+        rows in ``state`` yet), or a known cache's value bringing a top-level field its typed table has no
+        column for (``fields``: cache -> the fields of its values in the commit, when the sink read them),
+        makes the next compaction due in ``NEW_CACHE_DELAY_S``."""
         if not self.options.compact_interval_s:
             return
         if self._known_caches is None:
             self._known_caches = _compacted_caches(self.lake)
         new = [c for c in rows_per_cache if c not in self._known_caches]
+        grown: dict[str, list[str]] = {}
+        for cache, names in (fields or {}).items():
+            known = self._known_fields(cache)
+            unseen = [f for f in names if f not in known]
+            if unseen:
+                known.update(unseen)
+                if cache not in new:
+                    grown[cache] = sorted(unseen)
         if new:
             self._known_caches.update(new)
             now = time.time()
@@ -254,7 +280,17 @@ class Maintainer:
                 for cache in new:
                     self._new_caches.setdefault(cache, now)
             log.info("lake_maintenance_new_cache", caches=sorted(new), compact_in_s=NEW_CACHE_DELAY_S)
+        if grown:
+            log.info("lake_maintenance_new_fields", fields=grown, compact_in_s=NEW_CACHE_DELAY_S)
+        if new or grown:
             self._wake.set()
+
+    def _known_fields(self, cache: str) -> set[str]:
+        """The fields ``cache``'s typed table has a column for (read once; then grown by what landed)."""
+        known = self._fields.get(cache)
+        if known is None:
+            known = self._fields[cache] = _table_fields(self.lake, cache)
+        return known
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Stop the thread; a run in progress is cancelled (its Spark jobs): Delta discards their
