@@ -216,3 +216,36 @@ def test_a_jvm_free_compaction_killed_between_its_commits_converges_exactly_once
         assert sorted(json.dumps(k) for k in keys) == sorted(k for (c, k) in expected if c == cache), cache
         assert cut.tables[cache] == DeltaTable(str(path)).version()
     shutil.rmtree(tmp_path / "lake", ignore_errors=True)
+
+
+# --- which engine ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("options", "on_spark"),
+    [
+        ({"writer": "deltalake"}, False),  # JVM-free by default
+        ({"writer": "deltalake", "spark_master": "local[1]"}, True),  # a Spark master named
+        ({}, True),  # the Spark writer keeps Spark
+        ({"compact_engine": "deltalake"}, False),
+        ({"writer": "deltalake", "compact_engine": "spark"}, True),
+    ],
+)
+def test_compact_engine_auto_is_spark_only_with_the_spark_writer_or_a_named_master(
+    tmp_path: Path, options: dict[str, Any], on_spark: bool
+) -> None:
+    from cdcd.lake.sink import LakeConsumer
+
+    consumer = LakeConsumer.from_options({"lake_path": str(tmp_path), **options}, "consumer")
+    assert consumer.options.compacts_on_spark is on_spark
+
+
+def test_an_unknown_compact_engine_is_one_line_naming_the_key(tmp_path: Path) -> None:
+    from cdcd.config import ConfigError
+    from cdcd.lake.sink import LakeConsumer
+
+    with pytest.raises(ConfigError) as err:
+        LakeConsumer.from_options({"lake_path": str(tmp_path), "compact_engine": "jvm"}, "consumer")
+    assert str(err.value) == "consumer: key 'compact_engine': Invalid enum value 'jvm'"
+    res = subprocess.run(
+        [*CDCD, "lake", "compact", "--lake", str(tmp_path), "--engine", "jvm"], capture_output=True, text=True
+    )
+    assert res.returncode == 2 and "'jvm' is not one of 'auto', 'spark', 'deltalake'" in res.stderr, res.stderr
