@@ -5,8 +5,9 @@ delta-rs's own MERGE names a partition's directory ``cache=<percent-escaped name
 committed with delta-rs like the lake's other writes: each new file goes into
 ``cache=<partition_dir_value>`` (cdcd/lake/landing/delta.py), the log holds the real name.
 
-Per cache the range touches: the files whose key bounds (their statistics) may hold one of its winners
-have their ``key`` column read; those that do hold one are read whole, their rows resolved against the
+Per cache the range touches: its files have their ``key`` column read (not pruned by key statistics: a
+writer's truncated string bounds would make a skipped file's key a second row); those that do hold a
+winner's key are read whole, their rows resolved against the
 winners (a winner newer by ``ORDER_COLUMNS`` replaces or deletes its row, as Spark's MERGE in
 ``compact._merge``), and written again with the winners no file held; a dropped cache's files are
 removed whole. One commit for the range carries the removes, the adds, the application transaction and
@@ -21,7 +22,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 from urllib.parse import unquote
 
 import numpy as np
@@ -99,8 +99,8 @@ def merge_state(
         for cache in sorted(caches | truncated):
             files = _files_of(adds, cache)
             if cache in truncated:
-                out.deleted += sum(n for _, _, n, _, _ in files)
-                out.removes += [RemoveAction(p, True, now_ms, size, {"cache": cache}) for p, size, _, _, _ in files]
+                out.deleted += sum(n for _, _, n in files)
+                out.removes += [RemoveAction(p, True, now_ms, size, {"cache": cache}) for p, size, _ in files]
                 files = []
             rows = winners.filter(pc.equal(winners.column("cache"), cache)) if cache in caches else None
             if rows is not None and rows.num_rows:
@@ -140,21 +140,16 @@ def _discard(path: LakeDir, app_id: str, version: int, written: list[LakeDir]) -
         target.unlink(missing_ok=True)
 
 
-def _files_of(adds: pa.Table, cache: str) -> list[tuple[str, int, int, Any, Any]]:
-    """(path, size, rows, key min, key max) of each live file of the cache's partition (bounds None: unknown)."""
+def _files_of(adds: pa.Table, cache: str) -> list[tuple[str, int, int]]:
+    """(path, size, rows) of each live file of the cache's partition."""
     if not adds.num_rows:
         return []
     part = adds.filter(pc.equal(adds.column("partition.cache"), cache))
-    cols = part.column_names
-    mins = part.column("min.key").to_pylist() if "min.key" in cols else [None] * part.num_rows
-    maxs = part.column("max.key").to_pylist() if "max.key" in cols else [None] * part.num_rows
     return list(
         zip(
             part.column("path").to_pylist(),
             [int(s) for s in part.column("size_bytes").to_pylist()],
             [int(n or 0) for n in part.column("num_records").to_pylist()],
-            mins,
-            maxs,
             strict=True,
         )
     )
@@ -188,17 +183,13 @@ def _newer(source: pa.Table, target: pa.Table) -> np.ndarray:
 
 
 def _merge_partition(
-    root: LakeDir, cache: str, files: list[tuple[str, int, int, Any, Any]], rows: pa.Table, *, now_ms: int, out: Merged
+    root: LakeDir, cache: str, files: list[tuple[str, int, int]], rows: pa.Table, *, now_ms: int, out: Merged
 ) -> None:
     keys = rows.column("key")
-    lo, hi = pc.min_max(keys).values()
-    lo_key, hi_key = lo.as_py(), hi.as_py()
     matched = np.zeros(rows.num_rows, bool)
     pending: list[pa.Table] = []
     held = 0
-    for rel, size, _, kmin, kmax in files:
-        if kmin is not None and kmax is not None and (kmax < lo_key or kmin > hi_key):
-            continue  # by its statistics, no winner's key is in this file
+    for rel, size, _ in files:
         if not pc.any(pc.is_in(_read(root, rel, ["key"]).column("key"), value_set=keys)).as_py():
             continue
         target = _read(root, rel)
