@@ -248,7 +248,7 @@ def test_missing_delta_jars_is_one_line_naming_the_directory(tmp_path: Path) -> 
     empty = tmp_path / "nojars"
     empty.mkdir()
     res = subprocess.run(
-        [*CDCD, "lake", "compact", "--lake", str(lake)],
+        [*CDCD, "lake", "compact", "--lake", str(lake), "--engine", "spark"],
         capture_output=True,
         text=True,
         env=compact_env(CDCD_SPARK_JARS_DIR=str(empty)),
