@@ -1,5 +1,5 @@
-"""Scheduled lake maintenance inside a process that already has a SparkSession (the lake sink):
-``compact`` every ``compact_interval_s`` and ``optimize`` every ``optimize_interval_s``.
+"""Scheduled lake maintenance inside the lake sink's process: ``compact`` every ``compact_interval_s`` and
+``optimize`` every ``optimize_interval_s``, on the sink's SparkSession or, without one, on delta-rs.
 
 One owned background thread. A failed run is logged with its exception and counted
 (``cdcd_lake_maintenance_failures_total``; a successful one sets
@@ -185,7 +185,8 @@ class MaintainerOptions:
 class Maintainer:
     """``Maintainer(lake, spark, options)``; ``start()`` once, ``stop()`` once (idempotent).
 
-    ``spark``: the owner's SparkSession (it stays the owner's: the Maintainer never stops it).
+    ``spark``: the owner's SparkSession (it stays the owner's: the Maintainer never stops it), or None: the
+    tasks run without a JVM (``compact_fn`` then compacts on delta-rs).
     ``compact_fn``/``optimize_fn``: what runs (tests pass wrappers); default the lake's own."""
 
     def __init__(
