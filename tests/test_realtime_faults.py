@@ -111,7 +111,11 @@ def test_daemon_sigkill_during_a_switch_completes_after_restart(rig_factory: Any
         assert rig.daemon is not None
         if delay is None:
             rig.daemon.send_signal(signal.SIGSTOP)  # killed for sure before it handles the TryStart
-        assert request(rig.socket, {"cmd": "realtime", "state": "on"}) == {"ok": True, "realtime": "try_start"}
+        assert request(rig.socket, {"cmd": "realtime", "state": "on"}) == {
+            "ok": True,
+            "realtime": "try_start",
+            "consumer": "default",
+        }
         if delay is not None:
             time.sleep(delay)  # where the kill lands (the fault under test), not a synchronisation
         rig.kill_daemon()
