@@ -139,6 +139,30 @@ def test_consumers_added_in_both_start_modes_and_one_removed_while_another_deliv
     assert set(state_show(second)["consumers"]) == {"default", "oldest", "now"}
 
 
+def wait_handed_over(rig: Rig, state: str) -> None:
+    """Until the node's realtime mode is ``state`` and the daemon's lake consumer has followed it (PASSIVE while the
+    node delivers it, ACTIVE once the daemon does), read from the daemon's state: the node's status describes the
+    hand-over of the consumer named default only (its deprecated ``daemon`` is None for a named one)."""
+    lane = "PASSIVE" if state == "on" else "ACTIVE"
+
+    def there() -> bool:
+        assert rig.node is not None and rig.node.poll() is None, rig.node_log.read_text()[-3000:]
+        assert rig.daemon is not None and rig.daemon.poll() is None, rig.daemon_err.read_text()[-3000:]
+        status = rig.status()
+        who = status["consumers"]["lake"]["delivered_by"]
+        mode = state_show(rig.daemon_config)["consumers"]["lake"]["mode"]
+        seen.update(realtime=status["realtime"], consumers=status["consumers"], lane=mode)
+        return bool(
+            status["realtime"]["mode"] == state and who == ("realtime" if state == "on" else "daemon") and mode == lane
+        )
+
+    seen: dict[str, Any] = {}
+    try:
+        wait_for(there, 180, f"realtime {state}, the daemon's lake consumer {lane}", interval=0.2)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last seen: {seen}") from None
+
+
 @pytest.fixture
 def rig_factory(tmp_path: Path) -> Iterator[Callable[..., Rig]]:
     yield from rig_maker(tmp_path)
@@ -154,7 +178,7 @@ def test_realtime_lake_consumer_beside_kafka_from_the_archive_through_switches(
     exactly once."""
     lake = tmp_path / "lake"
     table = lake_consumer(lake)
-    rig: Rig = rig_factory(consumer=table, realtime_cdc=True)
+    rig: Rig = rig_factory(consumer={**table, "name": "lake"}, realtime_cdc=True)
     topic = "fanout-realtime"
     rig.daemon_config = fanout_config(
         tmp_path / "fanout.toml",
@@ -171,13 +195,16 @@ def test_realtime_lake_consumer_beside_kafka_from_the_archive_through_switches(
         },
         realtime_consumer="lake",
     )
-    rig.start_node(pause_ms=30)
+    rig.start_node(pause_ms=200)  # a rate the lake keeps up with on a loaded machine: a switch waits for no backlog
     rig.start_daemon()
-    rig.wait_mode("on", "PASSIVE")
+    wait_handed_over(rig, "on")
     for state in ("off", "on", "off", "on"):
         rig.wait_written(1)  # the side delivering now has entries of its own before the switch
-        st = rig.switch_off() if state == "off" else rig.switch_on()
-        assert st["cdc_mode"] == ("DAEMON_ACTIVE" if state == "off" else "NODE_ACTIVE")
+        said = rig.control("realtime", state).strip()
+        assert said in (
+            ("realtime: off", "realtime: stopping") if state == "off" else ("realtime: try_start", "realtime: on")
+        )
+        wait_handed_over(rig, state)
     rig.wait_written(1)
     rig.stop_node(drained=True)
     end = (max(archived_segments(rig.node_dir)) + 1, 0, 0)
