@@ -56,12 +56,13 @@ def most_files(lake: Path) -> dict[str, int]:
     return out
 
 
-def files_line(most: dict[str, int]) -> str:
-    """``files/partition max 7 (changes 7, state 1, tables 1)``: the figure of the live view."""
+def files_line(most: dict[str, int], *, each: bool = True) -> str:
+    """``files/partition max 7 (changes 7, state 1, tables 1)``: the figure of the live view (``each``: with the
+    tables' own; the screen's header line has room for the most alone)."""
     if not most:
         return "files/partition max -"
-    each = ", ".join(f"{name} {n}" for name, n in most.items())
-    return f"files/partition max {max(most.values())} ({each})"
+    tables = ", ".join(f"{name} {n}" for name, n in most.items())
+    return f"files/partition max {max(most.values())}" + (f" ({tables})" if each else "")
 
 
 class _Watch:
@@ -77,15 +78,15 @@ class _Watch:
         self.lake = lake
         self.previous: Snapshot | None = None
         self.last_line = ""
-        self.files = ""
+        self.most: dict[str, int] = {}
         self.since = DeliverySince(time.time())
 
-    def _files(self) -> str:
+    def _most_files(self) -> dict[str, int]:
         try:
-            return files_line(most_files(self.lake))
+            return most_files(self.lake)
         except Exception as exc:  # a table being created or rewritten this moment: the next refresh reads it
             log.debug("demo_files_unread", error=str(exc))
-            return self.files or files_line({})
+            return self.most
 
     def _state(self, config: DaemonConfig) -> tuple[dict[str, Any] | None, int | None, str]:
         return running_state(config, self.daemon.state, "lake"), os.getpid(), "ok"
@@ -101,8 +102,8 @@ class _Watch:
         )
         r = rates(self.previous, snap) if self.previous is not None else None
         self.previous = snap
-        self.files = self._files()
-        self.last_line = f"{status_line(snap, r)}  {self.files}"
+        self.most = self._most_files()
+        self.last_line = f"{status_line(snap, r)}  {files_line(self.most)}"
         return snap, r
 
     def run(self, stop: threading.Event, seconds: float) -> float:
@@ -127,7 +128,7 @@ class _Watch:
                     node_dir=str(self.node_dir),
                     since=self.since.see(snap),
                     interval_ms=int(LIVE_EVERY_S * 1000),
-                    title=f"make run  {time.monotonic() - started:.0f}s  {self.files}",
+                    title=f"make run  {time.monotonic() - started:.0f}s  {files_line(self.most, each=False)}",
                     keys="Ctrl-C: stop, catch up, compact, verify",
                 )
                 live.update(view, refresh=True)
