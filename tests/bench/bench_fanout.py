@@ -28,7 +28,9 @@
   * replica: the ``commit_ts_ns`` of the DataRecord holding the key on the replica (taken when it appended
     it) minus the ``commit_ts_ns`` of the DataRecord holding it on the source.
 
-  p50 (the row's value), p99 (goal <= 2000 ms each) and max; ``*_before_p99_ms``: the p99 of the entries
+  p50 (the row's value), p99 (goal <= 2000 ms each) and max; in the JSON also the p99 of each phase of the
+  outage (``stopping``: ``kafka.sh stop`` running, ``down``, ``starting``: ``kafka.sh start`` running, until
+  the broker answers); ``*_before_p99_ms``: the p99 of the entries
   committed in the second half of the warm-up, the broker up (what the machine gives without the outage).
   Checked afterwards: the topic (read_committed) holds every WAL entry exactly once, the lake's rows are every
   WAL entry once, the replica holds every key. ``kafka_catchup_s``: from the broker's return until Kafka's
@@ -450,8 +452,10 @@ def run_outage(*, rate: int, warmup_s: float, outage_s: float) -> Measurement:
         time.sleep(warmup_s)
         down_ns = time.time_ns()
         broker.stop()
+        stopped_ns = time.time_ns()
         broker_up = False
         time.sleep(outage_s)
+        starting_ns = time.time_ns()
         broker.start()
         broker_up = True
         up_ns = time.time_ns()
@@ -511,12 +515,22 @@ def run_outage(*, rate: int, warmup_s: float, outage_s: float) -> Measurement:
     calm_ns = down_ns - int(warmup_s / 2 * 1e9)
     lake_calm = _stats_ms([done - ts for ts, done in lake_rows if calm_ns <= ts < down_ns])
     replica_calm = _stats_ms([target[k] - ts for k, ts in source.items() if calm_ns <= ts < down_ns])
+    # By phase of the outage: the broker's JVM stopping and starting takes much of a small machine's CPU.
+    phases = {"stopping": (down_ns, stopped_ns), "down": (stopped_ns, starting_ns), "starting": (starting_ns, up_ns)}
+    by_phase: dict[str, float | None] = {}
+    for phase, (a, b) in phases.items():
+        lake_in = [done - ts for ts, done in lake_rows if a <= ts < b]
+        replica_in = [target[k] - ts for k, ts in source.items() if a <= ts < b]
+        by_phase[f"{phase}_s"] = round((b - a) / 1e9, 1)
+        by_phase[f"lake_{phase}_p99_ms"] = _stats_ms(lake_in)["p99_ms"] if lake_in else None
+        by_phase[f"replica_{phase}_p99_ms"] = _stats_ms(replica_in)["p99_ms"] if replica_in else None
     extra = {
         **{f"lake_{k}": v for k, v in lake_ms.items()},
         **{f"replica_{k}": v for k, v in replica_ms.items()},
         "lake_before_p99_ms": lake_calm["p99_ms"],
         "replica_before_p99_ms": replica_calm["p99_ms"],
         "outage_s": round((up_ns - down_ns) / 1e9, 1),
+        **by_phase,
         "kafka_catchup_s": round(catchup_s, 1),
         "written": written["written"],
         "write_rate": round(written["written"] / written["seconds"]),
