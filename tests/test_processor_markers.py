@@ -9,7 +9,7 @@ import structlog
 from cdcd.daemon.processor import MarkerCommit, Processor
 from cdcd.daemon_state import CdcMode
 from cdcd.wal.pointer import WalPointer, WalPosition
-from cdcd.wal.records import RealtimeCdcRecord
+from cdcd.wal.records import RealtimeCdcRecord, StopRealtimeCdcRecord
 
 
 def processor(mode: CdcMode) -> Processor:
@@ -57,11 +57,23 @@ def passive_at(position: WalPosition) -> Processor:
     )
 
 
-def test_a_new_marker_naming_a_position_behind_the_committed_one_is_the_crash_rules_warning() -> None:
-    """A node killed after its TryStart reached the WAL restarts with its older position and writes a marker naming
-    it, after the daemon's committed position: the daemon keeps its own position and warns."""
+def test_a_marker_read_again_behind_the_committed_position_is_silent_and_commits_nothing() -> None:
+    """Each pass starts at the committed position, a later marker's ``last``, which lies before the markers the node
+    wrote while its worker delivered up to it: those are read again at every pass and are no news (a warning per
+    marker per pass flooded the PASSIVE daemon's log)."""
     p = passive_at(WalPosition(3, 100, 0))
     with structlog.testing.capture_logs() as logs:
         items = p.feed(WalPointer(3, 200), RealtimeCdcRecord(WalPosition(3, 16, 0)), 24)
-    assert items == [MarkerCommit(WalPosition(3, 100, 0))]
+        items += p.feed(WalPointer(3, 240), RealtimeCdcRecord(WalPosition(3, 150, 0)), 24)
+    assert items == [MarkerCommit(WalPosition(3, 150, 0))] and logs == []
+
+
+def test_a_stop_naming_a_position_behind_the_committed_one_is_the_crash_rules_warning() -> None:
+    """A node killed after its TryStart reached the WAL restarts with its older position and writes Stop(older), after
+    the daemon's committed position: the daemon keeps its own position, warns, and delivers from there."""
+    p = passive_at(WalPosition(3, 100, 0))
+    with structlog.testing.capture_logs() as logs:
+        items = p.feed(WalPointer(3, 200), StopRealtimeCdcRecord(WalPosition(3, 16, 0)), 24)
+    assert [type(i).__name__ for i in items] == ["Switch"]
+    assert items[0].position == WalPosition(3, 100, 0)  # type: ignore[union-attr]
     assert [(e["event"], e["log_level"]) for e in logs] == [("marker_behind_committed_position", "warning")]

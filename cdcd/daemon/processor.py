@@ -188,10 +188,14 @@ class Processor:
         elif rtype is RealtimeCdcRecord:
             assert isinstance(record, RealtimeCdcRecord)
             if self.mode is CdcMode.NODE_ACTIVE:
-                last = self._not_behind(ptr, record.last)
-                assert last is not None
-                self.floor = last
-                out.append(MarkerCommit(last))
+                floor = self.floor
+                if record.last is not None and floor is not None and record.last < floor:
+                    # Read again: a pass starts at the committed position, which is a later marker's ``last``
+                    # and so lies before the markers written while the worker delivered it. Nothing new.
+                    return out
+                assert record.last is not None
+                self.floor = record.last
+                out.append(MarkerCommit(record.last))
             else:
                 # A marker from before the node's realtime worker stopped (a restore larger than its
                 # buffer, say): its Stop record handed what follows it to this daemon. Expected, no fault.
