@@ -371,6 +371,37 @@ def test_close_timeout_leaves_realtime_off(rig_factory: Any, tmp_path: Path) -> 
     assert got == {tuple(e["pos"]) for e in wal_events(rig.node_dir)}
 
 
+def test_a_consumer_call_that_outlives_the_close_is_left_running_not_stopped_under_it(
+    rig_factory: Any, tmp_path: Path
+) -> None:
+    """A consumer call still running after ``realtime_close_timeout_ms`` and its interrupt: the node does not stop the
+    consumer under it (a native writer's buffers freed mid-call crashed the process), says so in one line, writes
+    Stop(close_timeout) and exits 0; the daemon delivers that batch and everything after it."""
+    consumer = {
+        "kind": "python",
+        "class": "rt_plugins:GatedWatchingStop",
+        "options": {"path": str(tmp_path / "node.jsonl"), "gate": str(tmp_path / "never")},
+    }
+    rig: Rig = rig_factory(
+        realtime_cdc=False, consumer=consumer, realtime_close_timeout_ms=300, realtime_batch_max_events=100
+    )
+    rig.start_node(pause_ms=30)
+    rig.start_daemon()
+    rig.wait_mode("off", "ACTIVE")
+    rig.wait_delivered("daemon", 100)
+    rig.switch_on()
+    rig.wait_batch_started(0)  # held for good: the gate never opens
+    rig.stop_node()
+    events = [e["event"] for e in rig.node_log_events()]
+    assert "realtime_close_timeout" in events and "realtime_consumer_left_running" in events, events
+    assert not (tmp_path / "node.jsonl.stopped_in_call").exists()
+    assert any(isinstance(r, StopRealtimeCdcRecord) and r.reason == "close_timeout" for _p, r in markers(rig.node_dir))
+    rig.wait_daemon_caught_up()
+    rig.stop_daemon()
+    got = {tuple(e["pos"]) for e in read_runs(rig.daemon_out, [])[0]}
+    assert got == {tuple(e["pos"]) for e in wal_events(rig.node_dir)}
+
+
 def test_cache_created_while_passive_keeps_the_links_the_node_needs(rig_factory: Any, tmp_path: Path) -> None:
     """Caches created (in segment 2) while the daemon is PASSIVE and the node's realtime consumer still works on its
     first batch (segment 1) do not make the daemon delete link 1: when that batch fails, the daemon delivers from the

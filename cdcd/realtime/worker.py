@@ -329,6 +329,14 @@ class RealtimeWorker:
         end = self.markers.write_marker()
         if end is not None:
             self.wal.wait_durable(end)
+        if worker is not None and worker.is_alive():
+            # Its call is still running: stopping the consumer under it would free what the call uses (a native
+            # writer's buffers, a closed file). The Stop record hands its batch to the daemon; the process leaves it.
+            log.error(
+                "realtime_consumer_left_running",
+                hint="a consumer call outlived realtime_close_timeout_ms and its interrupt; the daemon delivers it",
+            )
+            return
         self._slot.drop(failed=False)
 
     def status(self) -> dict[str, Any]:

@@ -116,6 +116,26 @@ class Gated(JsonlConsumer):
         return super().on_events(batch)
 
 
+class GatedWatchingStop(Gated):
+    """Gated, and says in ``<path>.stopped_in_call`` when stop() comes while a batch is held."""
+
+    def __init__(self, path, gate):
+        super().__init__(path, gate)
+        self.in_call = False
+
+    def on_events(self, batch):
+        self.in_call = True
+        try:
+            return super().on_events(batch)
+        finally:
+            self.in_call = False
+
+    def stop(self):
+        if self.in_call:
+            open(str(self.path) + ".stopped_in_call", "w").close()
+        super().stop()
+
+
 class Busy(JsonlConsumer):
     """Takes ``delay_ms`` per batch; stop() waits for a batch in progress (a thread-safe consumer)."""
 
