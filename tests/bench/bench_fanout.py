@@ -30,7 +30,8 @@
 
   p50 (the row's value), p99 (goal <= 2000 ms each) and max; in the JSON also the p99 of each phase of the
   outage (``stopping``: ``kafka.sh stop`` running, ``down``, ``starting``: ``kafka.sh start`` running, until
-  the broker answers); ``*_before_p99_ms``: the p99 of the entries
+  the broker answers) and of Kafka's catch-up after it (``catchup``, outside the row's window);
+  ``*_before_p99_ms``: the p99 of the entries
   committed in the second half of the warm-up, the broker up (what the machine gives without the outage).
   Checked afterwards: the topic (read_committed) holds every WAL entry exactly once, the lake's rows are every
   WAL entry once, the replica holds every key. ``kafka_catchup_s``: from the broker's return until Kafka's
@@ -516,7 +517,12 @@ def run_outage(*, rate: int, warmup_s: float, outage_s: float) -> Measurement:
     lake_calm = _stats_ms([done - ts for ts, done in lake_rows if calm_ns <= ts < down_ns])
     replica_calm = _stats_ms([target[k] - ts for k, ts in source.items() if calm_ns <= ts < down_ns])
     # By phase of the outage: the broker's JVM stopping and starting takes much of a small machine's CPU.
-    phases = {"stopping": (down_ns, stopped_ns), "down": (stopped_ns, starting_ns), "starting": (starting_ns, up_ns)}
+    phases = {
+        "stopping": (down_ns, stopped_ns),
+        "down": (stopped_ns, starting_ns),
+        "starting": (starting_ns, up_ns),
+        "catchup": (up_ns, up_ns + int(catchup_s * 1e9)),
+    }
     by_phase: dict[str, float | None] = {}
     for phase, (a, b) in phases.items():
         lake_in = [done - ts for ts, done in lake_rows if a <= ts < b]
