@@ -105,14 +105,14 @@ def first_app_id(source_node: str, generation: int) -> str:
     return f"{app_id(source_node, generation)}:first"
 
 
-_PLAIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def partition_dir_value(value: str) -> str:
     """The directory form of a partition value: the value itself when it is short and plain, else a
     readable prefix and a hash. Delta keeps the real value in the log, so any name the node accepts
     (255 characters, 200 x "é", "/", "%") lands; readers never parse the directory."""
-    if _PLAIN.match(value):
+    if _PLAIN.fullmatch(value):  # not match() with "$": that also accepts a name ending in "\n"
         return value
     prefix = re.sub(r"[^A-Za-z0-9._-]", "_", value)[:40].lstrip("._-")
     digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:20]
