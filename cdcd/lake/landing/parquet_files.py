@@ -87,15 +87,17 @@ def parquet_codec(chunk: pa.Table) -> str:
     return str(_parquet_options(chunk)["compression"])
 
 
-_UNIQUE_TEXT = frozenset({"key", "value"})
-"""Columns whose values hardly repeat: a dictionary page costs a hash per value, then pyarrow gives
-up on it anyway, so the write is slower and the file no smaller."""
+_NO_DICTIONARY = frozenset({"key", "value", "version_order", "partition", "wal_index"})
+"""Columns whose values hardly repeat within a run of rows (keys, values, the version order that grows
+per entry, the hash partition and the entry's index in its record): a dictionary costs a hash per value
+and pyarrow either gives up on it or keeps one as large as the column, so the write is slower and the
+file larger than plain values under zstd. The other columns repeat per record, per cache or per node."""
 
 
 def _parquet_options(chunk: pa.Table) -> dict[str, Any]:
     if chunk.num_rows < SMALL_FILE_ROWS:
         return {"compression": "snappy", "use_dictionary": False}
-    dictionary = [c for c in chunk.column_names if c not in _UNIQUE_TEXT]
+    dictionary = [c for c in chunk.column_names if c not in _NO_DICTIONARY]
     return {"compression": "zstd", "row_group_size": 1 << 20, "use_dictionary": dictionary}
 
 
