@@ -196,6 +196,8 @@ def test_realtime_on_and_off_name_the_consumer_they_switch(tmp_path: Path) -> No
         shown = lambda: state_show(rig.daemon_config)["consumers"]  # noqa: E731
         wait_for(lambda: shown()["lake"]["delivered_by"] == "realtime", 60, "the daemon's lake consumer PASSIVE")
         assert shown()["default"]["delivered_by"] == "daemon"
+        # The single-consumer keys describe the consumer the realtime worker hands over with, not `default`.
+        assert rig.status()["daemon"]["mode"] == "PASSIVE"
         text = cdcd(*where, "status").stdout
         assert "consumer lake" in text and "realtime worker" in text, text
         off = cdcd(*where, "realtime", "off")

@@ -22,7 +22,8 @@ def status(node: Node) -> dict[str, Any]:
     config = node.config
     rt = node.realtime.status()
     wal_pos = node.wal.position
-    daemon = read_daemon_state(config.daemon_state_path)
+    default = read_daemon_state(config.daemon_state_path)
+    daemon = _handover_state(node, default)
     cdc_mode = CdcMode.NODE_ACTIVE if rt["mode"] == "on" else CdcMode.DAEMON_ACTIVE
     node_active = cdc_mode is CdcMode.NODE_ACTIVE
     committed = node.realtime.position if node_active else _daemon_position(daemon)
@@ -30,7 +31,7 @@ def status(node: Node) -> dict[str, Any]:
     if node_active and rt["last_event_commit_ts_ns"]:
         lag_ms = max(0.0, (time.time_ns() - rt["last_event_commit_ts_ns"]) / 1e6)
     return {
-        "consumers": consumers(node, daemon, node_active, wal_pos),
+        "consumers": consumers(node, default, node_active, wal_pos),
         "node_dir": config.node_dir,
         "node_id": str(node.node_id),
         "writes": node.writes_state(),
@@ -48,6 +49,17 @@ def status(node: Node) -> dict[str, Any]:
         "cluster_id": config.cluster_id,
         "replication": node.replication.status() if node.replication is not None else None,
     }
+
+
+def _handover_state(node: Node, default: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The state of the daemon's consumer the realtime worker hands over with (``[realtime_consumer] name``): what
+    the single-consumer keys ``daemon`` and ``lag_segments`` describe."""
+    config = node.config
+    name = config.realtime_consumer_name if config.realtime_consumer else DEFAULT_CONSUMER
+    if name == DEFAULT_CONSUMER:
+        return default
+    path = config.daemon_state_path / "consumers" / name  # the daemon's layout (DaemonConfig.consumer_state_path)
+    return read_daemon_state(path) if (path / "data.mdb").is_file() else None
 
 
 def consumers(
