@@ -45,7 +45,18 @@ Workloads (``--only`` names; rows are 8-byte int keys with 100-byte values on bo
   ``local[2]``, delta-rs commits; batches of ``INGEST_BATCH_EVENTS`` as in ``lake.ingest.run``) into
   a fresh lake per run and checks the row count of the Delta table. The SparkSession is started and
   warmed up once before the first run (``tests/support/lake_bench.py``). CPU: the process plus the
-  Spark JVM and its Python workers (which run the writer's tasks).
+  Spark JVM and its Python workers (which run the writer's tasks). ``autocompact_s``: the part of the
+  time the sink spent rewriting small files after its commits (the default ``max_files_per_partition``
+  bound, cdcd/lake/maintenance/autocompact.py), from its metric.
+
+``--lake-option NAME=VALUE``: a ``LakeOptions`` field of ``catchup.lake``'s sink other than its default
+(an int, float or bool, as JSON; repeatable), recorded in the results: e.g.
+``max_files_per_partition=0`` lands without the small-file rewrites.
+
+``--profile``: after each catch-up workload's runs, one more cdcd run (not in the table) under cProfile
+in every thread it starts (one profiler per thread, merged): ``bench-pg-profile-<workload>.prof`` in
+the results directory, and its top functions by own time in the log (waits included: a thread blocked
+on a queue or a Spark job shows as time in ``acquire``/``get``/``poll``).
 
 ``live`` -- 500 transactions/s of 10 rows for 20 s (5 s with ``--quick``) plus a warm-up second
   (excluded), from one Python thread on a fixed open-loop schedule (transaction ``g`` starts at
@@ -69,7 +80,7 @@ Workloads (``--only`` names; rows are 8-byte int keys with 100-byte values on bo
 
 Goals (from the medians of the same run): node write >= 1.0x PostgreSQL's INSERT rate; catch-up
 to null and to a consumer iterating every event >= 2.0x pg_recvlogical/pgoutput; catch-up to a
-file >= 2.0x test_decoding to a file; catch-up into the lake >= 1.0x pgoutput; realtime p99 <=
+file >= 2.0x test_decoding to a file; catch-up into the lake >= 2.0x pgoutput; realtime p99 <=
 PostgreSQL's p99 and realtime p50 <= 0.5 ms;
 archive-mode p99 <= force-archive timeout + 150 ms.
 """
@@ -79,10 +90,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
 import datetime as dt
+import io
 import json
 import math
 import os
+import pstats
 import resource
 import shutil
 import signal
@@ -98,6 +112,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from cdcd import metrics
 from cdcd.consumer import Consumer, EventBatch
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
@@ -507,6 +522,49 @@ class _RecvReader(threading.Thread):
 
 
 # --- cdcd side -----------------------------------------------------------------------------------------
+def _autocompact_s() -> float:
+    """Seconds the lake sinks of this process spent in their small-file rewrites so far."""
+    total = metrics.LAKE.get_sample_value("cdcd_lake_maintenance_duration_seconds_sum", {"task": "autocompact"})
+    return total or 0.0
+
+
+def profiled(fn: Callable[[], Sample], path: Path, log: Callable[[str], None], top: int = 20) -> Sample:
+    """``fn()`` under cProfile in this thread and in every thread started meanwhile (cProfile sees only
+    the thread that enabled it: the daemon reads, decodes and lands in worker threads), merged into
+    ``path``; logs the ``top`` functions by own time."""
+    main = cProfile.Profile()
+    others: list[cProfile.Profile] = []
+
+    def start(*_args: Any) -> None:  # a new thread's first call: a profiler of its own from here on
+        sys.setprofile(None)
+        prof = cProfile.Profile()
+        others.append(prof)
+        prof.enable()
+
+    threading.setprofile(start)
+    main.enable()
+    try:
+        return fn()
+    finally:
+        main.disable()
+        threading.setprofile(None)
+        for prof in others:
+            prof.disable()
+        stats = pstats.Stats(main)
+        for prof in others:
+            with contextlib.suppress(TypeError):  # a thread that made no call after starting
+                stats.add(prof)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        stats.dump_stats(path)
+        out = io.StringIO()
+        stats.stream = out  # type: ignore[attr-defined]
+        stats.sort_stats("tottime").print_stats(top)
+        log(f"  profile: {path}")
+        for line in out.getvalue().splitlines():
+            if line.strip() and not line.startswith(("   Ordered", "   List reduced")):
+                log(f"    {line.rstrip()}")
+
+
 async def _run_until(daemon: Daemon, last_segment: int) -> float:
     """``Daemon.run()`` until its committed position passes ``last_segment``; returns the seconds."""
     t0 = time.perf_counter()
@@ -552,9 +610,10 @@ class IterateConsumer(Consumer):
 
 
 class CdcdSide:
-    def __init__(self, work: Path, rows: int) -> None:
+    def __init__(self, work: Path, rows: int, lake_options: dict[str, Any] | None = None) -> None:
         self.work = work
         self.rows = rows
+        self.lake_options = lake_options or {}
         self.backlog: Path | None = None
         self.last_segment = -1
         self._runs = 0
@@ -670,14 +729,17 @@ class CdcdSide:
                 app_name=APP_NAME,
                 compact_interval_s=0,  # landing is timed, as PostgreSQL's side is
                 optimize_interval_s=0,
+                **self.lake_options,
             )
         )
+        assert self.backlog is not None, "backlog not prepared"
         daemon = Daemon(ingest_config(self.backlog), consumer, show_progress=False)
         try:
             daemon.start()
-            cpu0, jvm0 = time.process_time(), SPARK.jvm_cpu_s()
+            cpu0, jvm0, rewrites0 = time.process_time(), SPARK.jvm_cpu_s(), _autocompact_s()
             seconds = asyncio.run(_run_until(daemon, self.last_segment))
             cpu, jvm = time.process_time() - cpu0, SPARK.jvm_cpu_s() - jvm0
+            rewrites = _autocompact_s() - rewrites0
             delivered = daemon.events_delivered
         finally:
             daemon.close()
@@ -695,6 +757,7 @@ class CdcdSide:
             "seconds": round(seconds, 3),
             "process_cpu_s": round(cpu, 2),
             "jvm_cpu_s": round(jvm, 2),
+            "autocompact_s": round(rewrites, 2),
         }
 
     def live_realtime(self, seconds: float, warmup_s: float) -> Sample:
@@ -841,7 +904,7 @@ ROWS: tuple[Row, ...] = (
     Row("catchup.file", "catch-up -> file", "rows_per_s", "rows/s", "cdcd"),
     Row("catchup.file", "catch-up -> file", "cpu_us_per_row", "CPU us/row", "cdcd"),
     Row("catchup.file", "catch-up -> file", "bytes_per_row", "B/row", "cdcd"),
-    Row("catchup.lake", "catch-up -> lake (Spark) vs pgoutput", "rows_per_s", "rows/s", "cdcd", "ratio>=", 1.0),
+    Row("catchup.lake", "catch-up -> lake (Spark) vs pgoutput", "rows_per_s", "rows/s", "cdcd", "ratio>=", 2.0),
     Row("catchup.lake", "catch-up -> lake (Spark) vs pgoutput", "cpu_us_per_row", "CPU us/row", "cdcd"),
     Row("live", "live lag, realtime", "p50_ms", "ms", "cdcd_realtime", "<=", 0.5),
     Row("live", "live lag, realtime", "p99_ms", "ms", "cdcd_realtime", "<=pg"),
@@ -1096,7 +1159,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict[str
     try:
         with PgCluster(bin_dir, base_dir=base) as cluster:
             log(f"PostgreSQL {cluster.version} in {cluster.root} (socket only), cdcd in {work}")
-            pg, cd = PgSide(cluster, work, rows), CdcdSide(work, rows)
+            pg, cd = PgSide(cluster, work, rows), CdcdSide(work, rows, args.lake_option)
             pg.setup()
 
             def measure(workload: str, rep: int, jobs: dict[str, Callable[[], Sample]]) -> None:
@@ -1124,6 +1187,10 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict[str
                     log(f"{w}: pg_recvlogical vs cdcd daemon")
                     for rep in range(args.repeats):
                         measure(w, rep, {"pg": partial(pg.catchup, kind), "cdcd": partial(cd.catchup, kind)})
+                    if args.profile:
+                        prof = args.results_dir / f"bench-pg-profile-{w}.prof"
+                        sample = profiled(partial(cd.catchup, kind), prof, log)
+                        log(f"  {w} cdcd, profiled (not in the table): {sample}")
                 pg.drop_backlog()
             if "live" in workloads:
                 log(
@@ -1164,13 +1231,27 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = _log) -> dict[str
             "bin_dir": str(bin_dir),
             "cluster_dir": pg_root,
         },
-        "cdcd": {"rt_flush_ms": RT_FLUSH_MS, "wal_force_archive_timeout_ms": FORCE_ARCHIVE_MS},
+        "cdcd": {
+            "rt_flush_ms": RT_FLUSH_MS,
+            "wal_force_archive_timeout_ms": FORCE_ARCHIVE_MS,
+            "lake_options": args.lake_option,
+        },
         "host": {"cpus": os.cpu_count(), "loadavg_start": load0},
         "loadavg_end": list(os.getloadavg()),
         "git": _git(),
         "setup": setup,
         "samples": samples,
     }
+
+
+def _lake_option(text: str) -> tuple[str, Any]:
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r}: NAME=VALUE")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"{text!r}: the value is not JSON (an int, float or bool)") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1188,7 +1269,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pg-driver", choices=("auto", "psycopg", "psql"), default="auto", help="live PostgreSQL client")
     ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON and PNG go")
     ap.add_argument("--no-install", action="store_true", help="fail instead of apt-get installing PostgreSQL")
+    ap.add_argument(
+        "--lake-option",
+        type=_lake_option,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a LakeOptions field for catchup.lake (JSON value; repeatable)",
+    )
+    ap.add_argument(
+        "--profile", action="store_true", help="one more cProfile'd cdcd run per catch-up workload (results dir)"
+    )
     args = ap.parse_args(argv)
+    args.lake_option = dict(args.lake_option)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
     if args.rows is not None and (args.rows < TX_ROWS or args.rows % TX_ROWS):
