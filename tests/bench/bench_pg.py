@@ -775,9 +775,9 @@ class CdcdSide:
             )
             try:
                 deadline = time.monotonic() + 10
-                while node.realtime.mode is not RealtimeMode.ON:
+                while (mode := node.realtime.status()["mode"]) != RealtimeMode.ON.value:
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"realtime mode {node.realtime.mode.value} after 10 s")
+                        raise RuntimeError(f"realtime mode {mode} after 10 s")
                     time.sleep(0.01)
                 put_all = node.cache("lag").put_all
                 value = VALUE_100B
