@@ -28,6 +28,8 @@ ENV_PREFIX = "CDCD_"
 DEFAULT_CONSUMER = "default"
 """The name of the consumer a ``[consumer]`` table describes (its state is the ``state_dir`` itself)."""
 CONSUMER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+CATCHUP_MAX_SHARE = 0.5
+"""Default ``catchup_max_share``: a consumer catching up works at most half the time while another is live."""
 
 
 class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -73,6 +75,8 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     shared_read_bytes: int = 64 * MiB
     """Decoded WAL chunks kept for the other consumers of a daemon with several (each reads on its
     own from its position when what it needs is no longer there)."""
+    catchup_max_share: float = CATCHUP_MAX_SHARE
+    """The default of every consumer's ``catchup_max_share`` (its table's own key wins)."""
     has_default_consumer: bool = True
     """Whether a ``[consumer]`` table was given (or no ``[consumers]`` at all): set by ``load_daemon_config``."""
 
@@ -103,6 +107,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             "read_chunk_records": self.read_chunk_records >= 1,
             "consumer_stall_timeout_ms": self.consumer_stall_timeout_ms >= 1000,
             "shared_read_bytes": self.shared_read_bytes >= 0,
+            "catchup_max_share": 0.0 < self.catchup_max_share <= 1.0,
         }
         check_ranges(self, checks)
         check_address(self.metrics_address, "metrics_address")
@@ -215,17 +220,26 @@ class LanePolicy(msgspec.Struct, frozen=True):
     """The most link bytes this consumer may hold back from its position on (0: no cap). Past it the consumer is
     invalidated (PostgreSQL's ``max_slot_wal_keep_size``): it stops, holds no link any more, and stays
     stopped until ``cdcd state reset --consumer NAME``."""
+    catchup_max_share: float = CATCHUP_MAX_SHARE
+    """While this consumer is behind and another is live (at the head and delivering), the most of the time
+    each of its stages (read, decode, delivery) may work: after each step it waits ``(1 - share) / share``
+    times what the step took (1.0: no bound). The process's cores and GIL are shared; this keeps them for the
+    live ones, at the cost of a catch-up that much slower (``cdcd.daemon.lane.Throttle``)."""
 
 
-def lane_policy(table: Mapping[str, Any], source: str) -> LanePolicy:
-    """``start`` and ``max_retained_bytes`` of a consumer table; errors name ``source`` and the key."""
+def lane_policy(table: Mapping[str, Any], source: str, default_share: float = CATCHUP_MAX_SHARE) -> LanePolicy:
+    """``start``, ``max_retained_bytes`` and ``catchup_max_share`` (default: the daemon table's) of a consumer
+    table; errors name ``source`` and the key."""
     value = table.get("start", "oldest")
     if value not in ("oldest", "now"):
         raise ConfigError(f'{source}: key \'start\': {value!r}: must be "oldest" or "now"')
     cap = table.get("max_retained_bytes", 0)
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
         raise ConfigError(f"{source}: key 'max_retained_bytes': {cap!r}: must be a whole number of bytes >= 0")
-    return LanePolicy(start=value, max_retained_bytes=cap)
+    share = table.get("catchup_max_share", default_share)
+    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+        raise ConfigError(f"{source}: key 'catchup_max_share': {share!r}: must be a number > 0 and <= 1")
+    return LanePolicy(start=value, max_retained_bytes=cap, catchup_max_share=float(share))
 
 
 def _env_value(text: str) -> Any:
@@ -306,7 +320,7 @@ def load_daemon_config(
         if "kind" not in table:
             raise ConfigError(f"{path}: missing key '{key}.kind'")
         CacheFilter.from_table(table, f"{path}: {key}")
-        lane_policy(table, f"{path}: {key}")
+        lane_policy(table, f"{path}: {key}", config.catchup_max_share)
     try:
         config.node()
     except ConfigError as exc:

@@ -140,6 +140,7 @@ class Daemon:
                 shared=self.shared,
                 release=functools.partial(self._release, name),
                 show_progress=show_progress,
+                others_live=functools.partial(self._others_live, name),
             )
         self._primary = self.lanes[names[0]]
         self.consumer = self._primary.consumer
@@ -269,6 +270,11 @@ class Daemon:
                 with contextlib.suppress(FileNotFoundError):  # deleted since the listing
                     held += path.stat().st_size
         return float(held)
+
+    def _others_live(self, name: str) -> bool:
+        """Whether a consumer other than ``name`` is live (at the head and delivering): ``name``, if it is behind,
+        catches up at most at its ``catchup_max_share`` then."""
+        return any(lane.live() for other, lane in self.lanes.items() if other != name)
 
     def _release(self, name: str, segment: int) -> list[int]:
         """Consumer ``name`` committed past ``segment``: delete the links below the lowest position of all

@@ -6,6 +6,11 @@ identity; each reads from its own position with its own follower, through the da
 decoded chunks (``SharedReads``), so lanes that keep up read and decode a segment once between them
 and a lane that falls behind reads on its own without holding the others back. Only the daemon's
 ``realtime_consumer`` lane follows the node's hand-over markers; the others are always ACTIVE.
+
+Every lane runs in this one process, on its CPU and under its GIL: a lane catching up over a backlog would take
+them from the lanes at the head, whose lag is what users see. While at least one other lane is live, a lane
+behind works at most ``catchup_max_share`` of the time (``Throttle``); alone, or with every lane behind, it
+goes at full speed.
 """
 
 from __future__ import annotations
@@ -49,6 +54,10 @@ log = structlog.get_logger("cdcd.daemon")
 
 _PASSIVE_SKIP = frozenset({DataRecord.TYPE})
 
+HEAD_WINDOW_S = 5.0
+"""A lane whose reader reached the end of the CDC dir this recently is at the head (a live lane's reader, a few
+chunks ahead of its consumer, gets there every few seconds; one catching up does not until it is done)."""
+
 STOPPED_FILE = "stopped.json"
 """In a consumer's state dir: why it stopped for good (``cdcd state show``), removed at its next start."""
 INVALIDATED_FILE = "invalidated.json"
@@ -59,6 +68,56 @@ class ConsumerInvalidated(Fault, Exception):
     """A consumer held back more than its ``max_retained_bytes``: it stops and holds no link any more."""
 
     exit_code = ExitCode.BAD_STATE
+
+
+class Throttle:
+    """A duty cycle for one stage of a lane catching up: after each step of ``seconds``, no next step for
+    ``seconds * (1 - share) / share``, while ``engaged()`` (this lane behind, another live). The reader, the
+    decoder and the consumer each have one: each stage works at most ``share`` of the time, so the lane takes
+    at most ``share`` of what it takes at full speed, and catches up that much slower (one clock for all three
+    would serialise stages that overlap at full speed). ``say``: the one of the lane that logs its changes."""
+
+    def __init__(self, name: str, share: float, engaged: Callable[[], bool], *, say: bool = False) -> None:
+        self.name = name
+        self.share = share
+        self.engaged = engaged
+        self.say = say
+        self._until = 0.0
+        self.on = False
+        """Engaged at the last step (the log says when it changes)."""
+        self.waited_s = 0.0
+        """Seconds its steps were held back, in all."""
+
+    def charge(self, seconds: float) -> None:
+        if self.share >= 1.0:
+            return
+        engaged = self.engaged()
+        if engaged != self.on and self.say:
+            log.info(
+                "consumer_catchup_throttled" if engaged else "consumer_catchup_unthrottled",
+                consumer=self.name,
+                catchup_max_share=self.share,
+                waited_s=round(self.waited_s, 1),
+            )
+        self.on = engaged
+        if engaged:
+            self._until = max(self._until, time.monotonic()) + seconds * (1.0 - self.share) / self.share
+
+    async def wait(self, stopping: asyncio.Event | None = None) -> None:
+        """Until the lane may take its next step (at once when not engaged any more, or on ``stopping``)."""
+        delay = self._until - time.monotonic()
+        if delay <= 0:
+            return
+        if not self.engaged():
+            self._until = 0.0  # the live lanes caught up with it, or stopped: full speed from here
+            return
+        self.waited_s += delay
+        if stopping is None:
+            await asyncio.sleep(delay)  # the reader and the decoder: cancelled when their pass ends
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):
+                await stopping.wait()
 
 
 class Lane:
@@ -79,7 +138,10 @@ class Lane:
         shared: SharedReads | None,
         release: Callable[[int], list[int]],
         show_progress: bool,
+        others_live: Callable[[], bool] = lambda: False,
     ) -> None:
+        """``others_live()``: whether another lane of the daemon is live (``live()``), which engages this
+        lane's ``Throttle`` while it is behind."""
         self.config = config
         self.name = name
         self.consumer = as_consumer(consumer)
@@ -87,7 +149,7 @@ class Lane:
         self.markers = markers
         self.primary = primary
         self.table = config.named_consumers().get(name, {"kind": "null"})
-        self.policy = lane_policy(self.table, config.consumer_key(name))
+        self.policy = lane_policy(self.table, config.consumer_key(name), config.catchup_max_share)
         self.delivery = DeliveryPolicy.from_table(self.table, config.consumer_key(name))
         """Retries and dead letters: read once, from the table ``cdcd.sinks.load_consumer`` built the consumer of."""
         self.invalidated = False
@@ -114,6 +176,16 @@ class Lane:
         self._item_q: asyncio.Queue[Item | WalError] | None = None
         """The pipeline's bounded queues (``queue_max_batches``), made once per run, kept across passes."""
         self.watch = Watch(config, notifier, self.committed_state, show_progress=show_progress and primary)
+        self._retried = False
+        """The consumer call in flight waited out a retriable error (``_retry_step``)."""
+        self.at_head_at: float | None = None
+        """When its reader last found nothing more to read (monotonic; None: not in this run)."""
+        self.head_window_s = max(HEAD_WINDOW_S, 3 * config.check_interval_ms / 1000)
+        share = self.policy.catchup_max_share
+        behind = functools.partial(self._behind, others_live)
+        self.throttles = {stage: Throttle(name, share, behind) for stage in ("reader", "decoder")}
+        self.throttle = Throttle(name, share, behind, say=True)
+        """The consumer stage's (the others': ``throttles``)."""
 
     # --- start and stop --------------------------------------------------------------------------
     def load(self, node_id: uuid.UUID | None) -> uuid.UUID | None:
@@ -162,7 +234,7 @@ class Lane:
         # Before links are deleted: a target behind the position is re-delivered from them.
         state = self.rewind(self.start_state)
         self.start_state = state
-        retrying = functools.partial(self.watch.touch, "consumer")  # a retry step is not a stall
+        retrying = self._retry_step
         self.committer = Committer(
             self.store,
             state,
@@ -179,6 +251,12 @@ class Lane:
         )
         self.committer.announce([i for i in self._caches.values() if i.config.cdc_enabled and self.selected(i.name)])
         metrics.DAEMON_CONSUMER_LAG_SECONDS.labels(self.name).set_function(self.watch.lag_seconds)
+
+    def _retry_step(self) -> None:
+        """A backoff step of the consumer's call (on its worker thread): not a stall, and not work to charge
+        to the catch-up throttle (an outage waited out is no CPU taken from the others)."""
+        self.watch.touch("consumer")
+        self._retried = True
 
     def _start_now(self, state: DaemonState) -> DaemonState:
         """``start = "now"``: after the newest segment archived (linked or not), not at the oldest link."""
@@ -217,6 +295,18 @@ class Lane:
         if self.committer is not None:
             return self.committer.state.position
         return self.start_state.position if self.start_state is not None else None
+
+    def at_head(self) -> bool:
+        """Its reader reached the end of the CDC dir within the last ``head_window_s``."""
+        return self.at_head_at is not None and time.monotonic() - self.at_head_at <= self.head_window_s
+
+    def _behind(self, others_live: Callable[[], bool]) -> bool:
+        return not self.at_head() and others_live()
+
+    def live(self) -> bool:
+        """At the head and delivering (not retrying an outage, not stopped): a lane whose lag the others'
+        catching up must not take CPU from."""
+        return self.at_head() and self.failure is None and not self.invalidated and self.watch.retrying is None
 
     def committed_state(self) -> DaemonState | None:
         return self.committer.state if self.committer is not None else None
@@ -342,12 +432,19 @@ class Lane:
 
     async def _reader(self, processor: Processor, follower: SegmentFollower) -> None:
         config, watch, wake, read_q = self.config, self.watch, self.wake, self._read_q
+        throttle = self.throttles["reader"]
         assert wake is not None and read_q is not None
         check_s = config.check_interval_ms / 1000
         while True:
+            await throttle.wait()
+            began = time.monotonic()
             chunk = await watch.in_thread(
                 "reader", f"reading segment {follower.segment}", read_chunk, follower, config.read_chunk_records
             )
+            if chunk is None:
+                self.at_head_at = time.monotonic()
+            else:
+                throttle.charge(time.monotonic() - began)
             if isinstance(chunk, WalError):
                 await read_q.put(chunk)  # the decoder delivers what came before it, then the consumer raises it
                 return
@@ -371,6 +468,7 @@ class Lane:
     async def _decoder(self, processor: Processor, follower: SegmentFollower) -> None:
         committer, read_q, item_q = self.committer, self._read_q, self._item_q
         assert committer is not None and read_q is not None and item_q is not None
+        throttle = self.throttles["decoder"]
         delay_s = self.config.batch_max_delay_ms / 1000
         while True:
             timeout = None
@@ -391,7 +489,11 @@ class Lane:
                     continue
                 return
             processor.source_node = follower.node_id
-            for item in processor.feed_many(chunk):
+            await throttle.wait()
+            began = time.monotonic()
+            items = processor.feed_many(chunk)
+            throttle.charge(time.monotonic() - began)
+            for item in items:
                 await item_q.put(item)
             if processor.finished:
                 return
@@ -420,6 +522,11 @@ class Lane:
                 item, get = get.result(), None
                 if isinstance(item, WalError):
                     raise item
+                batch = isinstance(item, Batch) and len(item.events) > 0
+                if batch:
+                    await self.throttle.wait(stopping)
+                    if stopping.is_set():
+                        return  # not started: the next run reads it again from the committed position
                 what = type(item).__name__
                 if isinstance(item, Batch) and len(item.events):
                     events = item.events
@@ -428,8 +535,11 @@ class Lane:
                         watch.batch_started(events)
                     elif watch.oldest_unconfirmed_ns is None:
                         watch.oldest_unconfirmed_ns = events.peek_slices()[0].record.commit_ts_ns
+                began, self._retried = time.monotonic(), False
                 # Shielded: a started batch finishes (and commits if confirmed) even on shutdown.
                 await asyncio.shield(watch.in_thread("consumer", what, committer.apply, item))
+                if batch and not self._retried:
+                    self.throttle.charge(time.monotonic() - began)
                 if primary:
                     watch.committed(committer.state.position, unconfirmed=committer.unconfirmed, follower=follower)
                 elif not committer.unconfirmed:

@@ -16,9 +16,11 @@ COMMON_KEYS = (
     *CACHE_FILTER_KEYS,
     "start",
     "max_retained_bytes",
+    "catchup_max_share",
 )
-"""Keys of every ``[consumer]`` table, read here (the rest goes to the kind's own options). ``start`` and
-``max_retained_bytes`` are the daemon's, checked where it reads its config (``cdcd.daemon.config.lane_policy``)."""
+"""Keys of every ``[consumer]`` table, read here (the rest goes to the kind's own options). ``start``,
+``max_retained_bytes`` and ``catchup_max_share`` are the daemon's, checked where it reads its config
+(``cdcd.daemon.config.lane_policy``)."""
 
 NATIVE_DEAD_LETTERS = {"kafka": "<topic>.dlq, in the same transaction as its batch"}
 """Kinds that keep dead letters themselves; the others get ``dead_letters_path`` (the delivery loop's file)."""
