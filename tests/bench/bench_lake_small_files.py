@@ -4,7 +4,7 @@
   cycling through 1M, archiving a segment every second, for ``BENCH_BOUNDED_S`` seconds (the hour issue 43 asks
   for: ``BENCH_BOUNDED_S=3600``; ``--quick``: 2 minutes; default 10 minutes); an in-process daemon lands it with
   the JVM-free writer and the lake sink's defaults (the bound of 20 files per partition, compaction every 60 s on
-  Spark ``local[2]``, the optimize lane every 10 s). A sampler thread reads every table's log every 2 s: per
+  delta-rs, no JVM; ``BENCH_BOUNDED_ENGINE=spark``: on Spark ``local[2]``; the optimize lane every 10 s). A sampler thread reads every table's log every 2 s: per
   sample the most files in one partition of ``changes``, of ``state`` and of any typed table. Reports p50/p99/max
   over the samples (goal: p99 <= 20, max <= 30), seconds per maintenance run (the writer's rewrites and the
   compactions: mean and the p99 bucket of ``cdcd_lake_maintenance_duration_seconds``), this process's CPU per
@@ -285,8 +285,11 @@ def run_bounded(duration_s: float, *, realtime: bool = False) -> Measurement:
     samples: list[dict[str, int]] = []
     try:
         node_dir, lake = root / "node", root / "lake"
-        consumer = {"kind": "lake", "lake_path": str(lake), "writer": "deltalake", "spark_master": MASTER}
-        sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake", spark_master=MASTER))
+        # The sink's defaults: compaction on delta-rs, no JVM (BENCH_BOUNDED_ENGINE=spark: on Spark local[2]).
+        engine = os.environ.get("BENCH_BOUNDED_ENGINE") or "deltalake"
+        master = {"spark_master": MASTER} if engine == "spark" else {}
+        consumer = {"kind": "lake", "lake_path": str(lake), "writer": "deltalake", **master}
+        sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake", **master))  # type: ignore[arg-type]
         args = [str(node_dir), *([str(lake)] if realtime else []), str(duration_s), str(RATE), str(CACHES)]
         writer = "realtime-writer" if realtime else "live-writer"
         proc = subprocess.Popen(
@@ -376,7 +379,8 @@ def _files_metrics() -> tuple[Metric, ...]:
 def benchmarks(quick: bool) -> list[Bench]:
     seconds = float(os.environ.get("BENCH_BOUNDED_S") or (QUICK_S if quick else FULL_S))
     what = f"files per partition sampled every {SAMPLE_EVERY_S:g} s, {seconds:.0f} s live at {RATE:,}/s"
-    params = {"rate": RATE, "caches": CACHES, "keys": KEYS, "seconds": seconds, "writer": "deltalake"}
+    engine = os.environ.get("BENCH_BOUNDED_ENGINE") or "deltalake"
+    params = {"rate": RATE, "caches": CACHES, "keys": KEYS, "seconds": seconds, "writer": "deltalake", "engine": engine}
     return [
         Bench(
             name="lake.files.bounded",
