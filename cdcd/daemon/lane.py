@@ -54,10 +54,6 @@ log = structlog.get_logger("cdcd.daemon")
 
 _PASSIVE_SKIP = frozenset({DataRecord.TYPE})
 
-HEAD_WINDOW_S = 5.0
-"""A lane whose reader reached the end of the CDC dir this recently is at the head (a live lane's reader, a few
-chunks ahead of its consumer, gets there every few seconds; one catching up does not until it is done)."""
-
 STOPPED_FILE = "stopped.json"
 """In a consumer's state dir: why it stopped for good (``cdcd state show``), removed at its next start."""
 INVALIDATED_FILE = "invalidated.json"
@@ -178,9 +174,10 @@ class Lane:
         self.watch = Watch(config, notifier, self.committed_state, show_progress=show_progress and primary)
         self._retried = False
         """The consumer call in flight waited out a retriable error (``_retry_step``)."""
-        self.at_head_at: float | None = None
-        """When its reader last found nothing more to read (monotonic; None: not in this run)."""
-        self.head_window_s = max(HEAD_WINDOW_S, 3 * config.check_interval_ms / 1000)
+        self.catching_up = True
+        """Over a backlog: from its start, or from an outage of its target (a retried call), until its reader
+        reaches the end of the CDC dir. A lane that was at the head and falls behind under load is not: it is
+        one of the live lanes the throttle is for."""
         share = self.policy.catchup_max_share
         behind = functools.partial(self._behind, others_live)
         self.throttles = {stage: Throttle(name, share, behind) for stage in ("reader", "decoder")}
@@ -257,6 +254,7 @@ class Lane:
         to the catch-up throttle (an outage waited out is no CPU taken from the others)."""
         self.watch.touch("consumer")
         self._retried = True
+        self.catching_up = True  # what its target missed meanwhile is a backlog once it is back
 
     def _start_now(self, state: DaemonState) -> DaemonState:
         """``start = "now"``: after the newest segment archived (linked or not), not at the oldest link."""
@@ -296,17 +294,13 @@ class Lane:
             return self.committer.state.position
         return self.start_state.position if self.start_state is not None else None
 
-    def at_head(self) -> bool:
-        """Its reader reached the end of the CDC dir within the last ``head_window_s``."""
-        return self.at_head_at is not None and time.monotonic() - self.at_head_at <= self.head_window_s
-
     def _behind(self, others_live: Callable[[], bool]) -> bool:
-        return not self.at_head() and others_live()
+        return self.catching_up and others_live()
 
     def live(self) -> bool:
-        """At the head and delivering (not retrying an outage, not stopped): a lane whose lag the others'
-        catching up must not take CPU from."""
-        return self.at_head() and self.failure is None and not self.invalidated and self.watch.retrying is None
+        """Not catching up and delivering (not retrying an outage, not stopped): a lane whose lag the others'
+        catching up must not take the process's cores and GIL from."""
+        return not self.catching_up and self.failure is None and not self.invalidated and self.watch.retrying is None
 
     def committed_state(self) -> DaemonState | None:
         return self.committer.state if self.committer is not None else None
@@ -442,7 +436,7 @@ class Lane:
                 "reader", f"reading segment {follower.segment}", read_chunk, follower, config.read_chunk_records
             )
             if chunk is None:
-                self.at_head_at = time.monotonic()
+                self.catching_up = False
             else:
                 throttle.charge(time.monotonic() - began)
             if isinstance(chunk, WalError):

@@ -486,6 +486,9 @@ def run_outage(*, rate: int, warmup_s: float, outage_s: float) -> Measurement:
             daemon_log,
         )
         _stop(daemon, daemon_log)
+        # catchup_max_share at work: how often each consumer was held back, and for how long in all.
+        throttled = Counter(e["consumer"] for e in _log_events(daemon_log, "consumer_catchup_throttled"))
+        waited = {e["consumer"]: e.get("waited_s") for e in _log_events(daemon_log, "consumer_catchup_unthrottled")}
         replica_proc = replica.proc
         _stop(replica_proc, replica.log_path)
         written = json.loads(writer_out.read_text())
@@ -538,6 +541,7 @@ def run_outage(*, rate: int, warmup_s: float, outage_s: float) -> Measurement:
         "outage_s": round((up_ns - down_ns) / 1e9, 1),
         **by_phase,
         "kafka_catchup_s": round(catchup_s, 1),
+        "throttled": {name: {"times": n, "waited_s": waited.get(name)} for name, n in throttled.items()},
         "written": written["written"],
         "write_rate": round(written["written"] / written["seconds"]),
         "writer_behind_max_ms": written["behind_max_ms"],
