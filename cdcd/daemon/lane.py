@@ -175,9 +175,12 @@ class Lane:
         self._retried = False
         """The consumer call in flight waited out a retriable error (``_retry_step``)."""
         self.catching_up = True
-        """Over a backlog: from its start, or from an outage of its target (a retried call), until its reader
-        reaches the end of the CDC dir. A lane that was at the head and falls behind under load is not: it is
+        """Over a backlog: from its start, or from an outage of its target (a retried call), until its consumer
+        finds nothing queued with its reader at the end of the CDC dir (the reader alone gets there long before:
+        its queues hold whole batches). A lane that was at the head and falls behind under load is not: it is
         one of the live lanes the throttle is for."""
+        self._read_all = False
+        """The reader's last read found the end of the CDC dir."""
         share = self.policy.catchup_max_share
         behind = functools.partial(self._behind, others_live)
         self.throttles = {stage: Throttle(name, share, behind) for stage in ("reader", "decoder")}
@@ -435,9 +438,10 @@ class Lane:
             chunk = await watch.in_thread(
                 "reader", f"reading segment {follower.segment}", read_chunk, follower, config.read_chunk_records
             )
-            if chunk is None:
-                self.catching_up = False
-            else:
+            self._read_all = chunk is None
+            if chunk is None and read_q.empty() and self._item_q is not None and self._item_q.empty():
+                self.catching_up = False  # at the end with nothing queued (the consumer may be on its last batch)
+            if chunk is not None:
                 throttle.charge(time.monotonic() - began)
             if isinstance(chunk, WalError):
                 await read_q.put(chunk)  # the decoder delivers what came before it, then the consumer raises it
@@ -499,6 +503,8 @@ class Lane:
         get: asyncio.Future[Any] | None = None
         try:
             while True:
+                if item_q.empty() and self._read_all:
+                    self.catching_up = False
                 if get is None:
                     get = asyncio.ensure_future(item_q.get())
                 stop_wait: asyncio.Future[Any] = asyncio.ensure_future(stopping.wait())
