@@ -25,8 +25,9 @@ from tests.support.procs import child_env, log_events, start_daemon, state_show,
 from tests.support.wal import archived_segments, read_jsonl, wal_events
 from tests.support.writer import start_writer
 
-BACKLOG_TX = 2400
-"""Transactions of about 50 entries written before the daemon starts: ``late``'s backlog."""
+BACKLOG_TX = 3600
+"""Transactions of about 50 entries written before the daemon starts: ``late``'s backlog, long enough that ``late``
+catching up flat out leaves ``live`` far further behind than the bound (over twice as far), however busy the cores."""
 WRITER_PAUSE_MS = 500
 """The live writer's pause after every 10 transactions: about 1,000 entries/s."""
 BATCH_MAX_EVENTS = 1000
@@ -35,8 +36,9 @@ LATE_HOLD_US, LATE_PIECE_US = 100, 20_000
 LIVE_HOLD_US, LIVE_PIECE_US = 550, 1000
 """``live``: at the writer's rate, about 40% of the time, in calls of 1 ms."""
 SHARE = 0.5
-SLACK_S = 2.0
-"""For what the daemon does besides the consumer calls, on a machine whose cores are busy."""
+SLACK_S = 5.0
+"""For what the daemon does besides the consumer calls, on a machine whose cores are busy (the suite runs three
+test processes on two cores)."""
 
 
 def newest_commit_ns(path: Path) -> int:
