@@ -28,9 +28,9 @@ from cdcd.daemon.daemon import Daemon
 from cdcd.daemon_state import CdcMode, DaemonState, StateStore
 from cdcd.wal.pointer import WalPosition
 from tests.support.delta_lake import check_lake, lake_consumer
+from tests.support.fanout import OUTAGE, fanout_config
 from tests.support.kafka import Broker, kafka_broker, read_topic
 from tests.support.kafka import positions_of as kafka_positions
-from tests.support.lake import toml_value
 from tests.support.procs import (
     cdcd,
     child_env,
@@ -47,36 +47,6 @@ from tests.support.wal import archived_segments, cdc_links, read_jsonl, wal_even
 from tests.support.writer import make_node, start_writer
 
 __all__ = ["kafka_broker", "procs"]  # the fixtures, used by name
-
-SETTINGS: dict[str, Any] = {
-    "metrics_address": "",
-    "lock_timeout_ms": 5000,
-    "check_interval_ms": 50,
-    "batch_max_delay_ms": 20,
-    "batch_max_events": 200,
-    "read_chunk_records": 32,
-}
-
-
-def fanout_config(
-    path: Path,
-    node_dir: Path,
-    consumers: dict[str, dict[str, Any]],
-    *,
-    default: dict[str, Any] | None = None,
-    **kw: Any,
-) -> Path:
-    """A daemon config with ``[consumers.<name>]`` tables (and ``[consumer]`` if ``default``)."""
-    values = {"node_dir": str(node_dir), **SETTINGS, **kw}
-    lines = [f"{k} = {toml_value(v)}" for k, v in values.items()]
-    if default is not None:
-        lines.append("[consumer]")
-        lines += [f"{k} = {toml_value(v)}" for k, v in default.items()]
-    for name, table in consumers.items():
-        lines.append(f"[consumers.{name}]")
-        lines += [f"{k} = {toml_value(v)}" for k, v in table.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def positions_of(config: Path) -> dict[str, tuple[int, int, int] | None]:
@@ -205,27 +175,6 @@ def test_realtime_hands_over_one_consumer_while_another_reads_the_archive(rig_fa
     show = state_show(rig.daemon_config)
     assert show["consumers"]["default"]["realtime"] and not show["consumers"]["archive"]["realtime"]
     assert show["consumers"]["archive"]["mode"] == "ACTIVE"
-
-
-OUTAGE = textwrap.dedent(
-    """
-    import os
-    from cdcd.consumer import RetriableError
-    from cdcd.sinks.jsonl import JsonlConsumer
-
-    class Outage(JsonlConsumer):
-        \"\"\"A jsonl file whose target is down (RetriableError) while the file ``down`` exists.\"\"\"
-
-        def __init__(self, path: str, down: str) -> None:
-            super().__init__(path)
-            self.down = down
-
-        def on_events(self, batch):
-            if os.path.exists(self.down):
-                raise RetriableError("target down")
-            return super().on_events(batch)
-    """
-)
 
 
 def test_an_outage_of_one_consumer_does_not_hold_back_the_other(tmp_path: Path) -> None:
