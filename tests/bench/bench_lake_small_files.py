@@ -1,15 +1,16 @@
 """Files per partition sampled through a live run (issue 43 item 1), not only counted at the end.
 
 - ``lake.files.bounded``: a node (a subprocess) writes ``BENCH_BOUNDED_RATE`` entries/s (5k) over 4 caches, keys
-  cycling through 1M, archiving a segment every second, for ``BENCH_BOUNDED_S`` seconds (the hour issue 43 asks
-  for: ``BENCH_BOUNDED_S=3600``; ``--quick``: 2 minutes; default 10 minutes); an in-process daemon lands it with
-  the JVM-free writer and the lake sink's defaults (the bound of 20 files per partition, compaction every 60 s on
-  delta-rs, no JVM; ``BENCH_BOUNDED_ENGINE=spark``: on Spark ``local[2]``; the optimize lane every 10 s). A sampler thread reads every table's log every 2 s: per
-  sample the most files in one partition of ``changes``, of ``state`` and of any typed table. Reports p50/p99/max
-  over the samples (goal: p99 <= 20, max <= 30), seconds per maintenance run (the writer's rewrites and the
-  compactions: mean and the p99 bucket of ``cdcd_lake_maintenance_duration_seconds``), this process's CPU per
-  entry (the daemon; the JVM is a child and reported apart), and the first ``GROUP BY`` read of ``state`` and of a
-  typed table at the end, in DuckDB and in a fresh Spark session.
+  cycling through 1M, archiving a segment every second, for ``BENCH_BOUNDED_S`` seconds (the hour issue 43 asks for:
+  ``BENCH_BOUNDED_S=3600``; ``--quick``: 2 minutes; default 10 minutes); an in-process daemon lands it with the
+  JVM-free writer and the lake sink's defaults (the bound of 20 files per partition, compaction every 60 s on
+  delta-rs, no JVM; ``BENCH_BOUNDED_ENGINE=spark``: on Spark ``local[2]``; the optimize lane every 10 s). A sampler
+  thread reads every table's log every 2 s: per sample the most files in one partition of ``changes``, of ``state``
+  and of any typed table. Reports p50/p99/max over the samples (goal: p99 <= 20, max <= 30), seconds per maintenance
+  run (the writer's rewrites and the compactions: mean and the p99 bucket of
+  ``cdcd_lake_maintenance_duration_seconds``), this process's CPU per entry (the daemon; the JVM is a child and
+  reported apart), and the first ``GROUP BY`` read of ``state`` and of a typed table at the end, in DuckDB and in a
+  fresh Spark session.
 - ``lake.files.bounded.realtime``: the same load landed by the node's realtime worker (its ``[realtime_consumer]``
   is the lake, JVM-free writer, the bound of 20), switched on as an operator does (``cdcd control --node-dir DIR
   realtime on``) while the daemon sits PASSIVE and maintains the lake (compaction and the optimize lane, its sink's
