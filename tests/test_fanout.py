@@ -28,7 +28,7 @@ from cdcd.daemon.daemon import Daemon
 from cdcd.daemon_state import CdcMode, DaemonState, StateStore
 from cdcd.wal.pointer import WalPosition
 from tests.support.delta_lake import check_lake, lake_consumer
-from tests.support.fanout import OUTAGE, fanout_config
+from tests.support.fanout import OUTAGE, fanout_config, newest_commit_ns
 from tests.support.kafka import Broker, kafka_broker, read_topic
 from tests.support.kafka import positions_of as kafka_positions
 from tests.support.procs import (
@@ -233,23 +233,6 @@ def test_an_outage_of_one_consumer_does_not_hold_back_the_other(tmp_path: Path) 
     check_jsonl(live, expected)
     check_jsonl(late, expected)
     print(f"live consumer's lag during the other's outage: max {max(lags):.2f} s over {len(lags)} samples")
-
-
-def newest_commit_ns(path: Path) -> int:
-    """The commit time of the newest entry in a jsonl file (0: none yet)."""
-    try:
-        with path.open("rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - 65536))
-            lines = [line for line in f.read().splitlines() if line.endswith(b"}")]
-    except FileNotFoundError:
-        return 0
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["commit_ts_ns"])
-        except (ValueError, KeyError):
-            continue
-    return 0
 
 
 BROKEN = textwrap.dedent(

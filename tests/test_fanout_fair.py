@@ -10,7 +10,6 @@ most ``catchup_max_share`` of the time while ``live`` is at the head, ``live`` k
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 from cdcd.config import ConfigError
 from cdcd.daemon.config import lane_policy, load_daemon_config
 from cdcd.sinks import load_consumer
-from tests.support.fanout import fanout_config
+from tests.support.fanout import fanout_config, newest_commit_ns
 from tests.support.procs import child_env, log_events, start_daemon, state_show, stop_daemon, wait_for
 from tests.support.wal import archived_segments, read_jsonl, wal_events
 from tests.support.writer import start_writer
@@ -39,23 +38,6 @@ SHARE = 0.5
 SLACK_S = 5.0
 """For what the daemon does besides the consumer calls, on a machine whose cores are busy (the suite runs three
 test processes on two cores)."""
-
-
-def newest_commit_ns(path: Path) -> int:
-    """The commit time of the newest entry in a jsonl file (0: none yet)."""
-    try:
-        with path.open("rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - 65536))
-            lines = [line for line in f.read().splitlines() if line.endswith(b"}")]
-    except FileNotFoundError:
-        return 0
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["commit_ts_ns"])
-        except (ValueError, KeyError):
-            continue
-    return 0
 
 
 def test_a_consumer_catching_up_holds_the_live_one_back_at_most_its_share(tmp_path: Path) -> None:

@@ -71,6 +71,23 @@ OUTAGE = textwrap.dedent(
 """Module ``outagesink`` (write it into a dir on the daemon's PYTHONPATH): ``class = "outagesink:Outage"``."""
 
 
+def newest_commit_ns(path: Path) -> int:
+    """The commit time of the newest entry in a jsonl file (0: none yet)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 65536))
+            lines = [line for line in f.read().splitlines() if line.endswith(b"}")]
+    except FileNotFoundError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["commit_ts_ns"])
+        except (ValueError, KeyError):
+            continue
+    return 0
+
+
 def top_json(node_dir: Path, config: Path, *extra: str) -> dict[str, Any]:
     """``cdcd top --once --json`` of ``node_dir`` and its daemon's ``config``: exit 0, nothing on stderr."""
     res = subprocess.run(
