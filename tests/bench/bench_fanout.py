@@ -64,6 +64,7 @@ import pyarrow.parquet as pq
 from cdcd.node.node import Node
 from cdcd.wal import CacheRecord, DataRecord
 from cdcd.wal.segment import list_segments
+from tests.bench.bench_replication import Target
 from tests.support.bench import (
     ROOT,
     VALUE_100B,
@@ -282,51 +283,6 @@ def _writer(node_dir: str, rate: int, out: str) -> None:
     Path(out).write_text(json.dumps(stats))
 
 
-class Replica:
-    """``cdcd node run`` of a fresh node (cluster 2) taking replication on a free port, its CDC off."""
-
-    def __init__(self, work: Path, token_file: Path) -> None:
-        self.node_dir = work / "replica"
-        self.log_path = work / "replica.log"
-        config = work / "replica.toml"
-        settings = {
-            "node_dir": str(self.node_dir),
-            "cluster_id": 2,
-            "replication_listen": "127.0.0.1:0",
-            "replication_token_file": str(token_file),
-            "cdc_enabled": False,
-            "archive_max_bytes": 0,
-            "metrics_address": "",
-        }
-        config.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in settings.items()))
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "cdcd", "node", "run", "--config", str(config), "--log-format", "json"],
-                cwd=ROOT,
-                env=_child_env(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        try:
-            self.address = self._wait_listening()
-        except BaseException:
-            reap(self.proc)
-            raise
-
-    def _wait_listening(self) -> str:
-        deadline = time.monotonic() + 60
-        while True:
-            for line in self.log_path.read_text(errors="replace").splitlines():
-                if '"replication_listening"' in line:
-                    return str(json.loads(line)["address"])
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"replica exited {self.proc.returncode}:\n{_tail(self.log_path)}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"replica not listening after 60s:\n{_tail(self.log_path)}")
-            time.sleep(0.05)
-
-
 def _positions(config: Path) -> dict[str, tuple[int, int, int] | None]:
     res = subprocess.run(
         [sys.executable, "-m", "cdcd", "state", "show", "--config", str(config), "--json"],
@@ -394,7 +350,7 @@ def run_outage(*, rate: int, warmup_s: float, outage_s: float) -> Measurement:
         raise RuntimeError(f"{LIBS} missing: run `make install` first")
     work = Path(tempfile.mkdtemp(prefix="cdcd-bench-fanout-outage-", dir=_bench_dir()))
     broker = Broker(work / "broker", profile="standard")
-    replica: Replica | None = None
+    replica: Target | None = None
     writer: subprocess.Popen[bytes] | None = None
     daemon: subprocess.Popen[bytes] | None = None
     broker_up = False
@@ -404,7 +360,7 @@ def run_outage(*, rate: int, warmup_s: float, outage_s: float) -> Measurement:
         token = work / "token"
         token.write_text(TOKEN + "\n")
         token.chmod(0o600)
-        replica = Replica(work, token)
+        replica = Target(work, token)
         node_dir, lake, topic = work / "node", work / "lake", "fanout"
         config = _write_config(
             work / "fanout.toml",
