@@ -101,6 +101,7 @@ from cdcd.node import Node
 from cdcd.realtime import RealtimeMode
 from cdcd.wal.segment import list_segments
 from tests.support.bench import _child_env, _tail
+from tests.support.cpu import cpu_s
 from tests.support.kafka import LIBS, ROOT, Broker, apply_topic_to_node
 from tests.support.pg_cluster import PgCluster, ensure_postgres
 from tests.support.ports import free_port
@@ -161,11 +162,6 @@ def _log(msg: str) -> None:
 
 def _loadavg() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _stop(proc: subprocess.Popen[bytes] | None) -> None:
@@ -476,7 +472,7 @@ class DebeziumSide:
             return n
 
         def cpu() -> dict[str, float]:
-            return {"process": _cpu_s(proc.pid), "walsender": _cpu_s(walsender[0])}
+            return {"process": cpu_s(proc.pid), "walsender": cpu_s(walsender[0])}
 
         try:
             t_first, warm, done = _watch_steady(in_topic, warmup, rows, cpu, proc, log, DRAIN_TIMEOUT_S * 10)
@@ -612,7 +608,7 @@ class CdcdSide:
                 lambda: max(0.0, _metric(port, sent)),
                 warmup,
                 rows,
-                lambda: {"process": _cpu_s(proc.pid)},
+                lambda: {"process": cpu_s(proc.pid)},
                 proc,
                 log,
                 DRAIN_TIMEOUT_S * 10,

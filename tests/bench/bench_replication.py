@@ -82,6 +82,7 @@ from tests.support.bench import (
     _stop,
     _tail,
 )
+from tests.support.cpu import cpu_s
 from tests.support.pacing import Pacer
 from tests.support.procs import reap
 
@@ -126,13 +127,6 @@ def _token_file(work: Path) -> Path:
     with os.fdopen(fd, "w") as f:
         f.write(TOKEN + "\n")
     return path
-
-
-def _cpu_s(pid: int) -> float:
-    """utime + stime of a process (all its threads) in seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # --- node B: the target process -------------------------------------------------------------------
@@ -183,7 +177,7 @@ class Target:
             time.sleep(0.02)
 
     def cpu_s(self) -> float:
-        return _cpu_s(self.proc.pid)
+        return cpu_s(self.proc.pid)
 
     def stop(self) -> None:
         _stop(self.proc, self.log_path)

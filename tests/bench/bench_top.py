@@ -30,6 +30,7 @@ from typing import NamedTuple
 from tests.bench import bench_daemon
 from tests.bench.bench_daemon import BACKLOG, _start_daemon, _write_daemon_config
 from tests.support.bench import _child_env, _links, _stop, _tail
+from tests.support.cpu import cpu_s
 from tests.support.ports import free_port
 from tests.support.procs import reap
 
@@ -75,12 +76,6 @@ class TopInPty:
         finally:
             reap(self.proc)
             os.close(self.master)
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a running process."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Run(NamedTuple):

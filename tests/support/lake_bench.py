@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cdcd.daemon.config import DaemonConfig
+from tests.support.cpu import cpu_s, stat_fields
 
 SPARK_MASTER = "local[2]"
 APP_NAME = "cdcd-bench-lake"
@@ -144,20 +145,12 @@ class SharedSpark:
             spark_session.release()
 
 
-def _stat(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rpartition(")")[2].split()
-
-
 def _cpu_s(pid: int) -> float:
-    """utime + stime + cutime + cstime (its reaped children) of ``pid``; 0 if it is gone. A live
-    child is counted by its own entry, a reaped one in its parent's: never twice."""
+    """CPU seconds of ``pid`` and its reaped children; 0 if it is gone."""
     try:
-        fields = _stat(pid)
+        return cpu_s(pid, reaped_children=True)
     except OSError:
         return 0.0
-    ticks = sum(int(f) for f in fields[11:15])
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _descendants(root: int) -> list[int]:
@@ -166,7 +159,7 @@ def _descendants(root: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                parent[int(entry)] = int(_stat(int(entry))[1])
+                parent[int(entry)] = int(stat_fields(int(entry))[1])
             except (OSError, IndexError, ValueError):
                 continue
     out, frontier = [root], [root]
