@@ -32,7 +32,7 @@ from cdcd.lake import spark as spark_session
 from cdcd.lake.landing.arrow import build_table, split_slices, truncate_table
 from cdcd.lake.landing.delta import ChangeTable, LakeWriteError, SourceMark, WrittenFiles
 from cdcd.lake.landing.spark_write import BatchInfo, write_on_executors
-from cdcd.lake.maintenance.autocompact import FilePolicy, rewrite_partitions
+from cdcd.lake.maintenance.autocompact import FilePolicy, Rewriter
 from cdcd.lake.maintenance.compact import compact, compact_engine
 from cdcd.lake.maintenance.feed import require_live_files
 from cdcd.lake.maintenance.maintainer import Maintainer, MaintainerOptions
@@ -240,6 +240,8 @@ class LakeConsumer(Consumer):
         self._fields_landed: dict[str, set[str]] = {}
         """The batch being landed: cache -> top-level fields of its values (probed when compaction keeps typed
         tables and the writer holds the values: a known cache's new field makes compaction due soon)."""
+        self._rewriter: Rewriter | None = None
+        """The bound's rewrite after a commit, in a thread of its own; the next commit waits for it."""
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], source: str) -> LakeConsumer:
@@ -301,6 +303,9 @@ class LakeConsumer(Consumer):
         return True
 
     def stop(self) -> None:
+        if self._rewriter is not None:  # the last commit's rewrite ends (or fails, logged) before the sink does
+            self._rewriter.close()
+            self._rewriter = None
         if self._maintainer is not None:
             try:
                 self._maintainer.stop()
@@ -366,7 +371,9 @@ class LakeConsumer(Consumer):
                 data = truncate_table([drop], self.options.partition_by_day, read.generation)
                 files = table.write_arrow(data)
                 meta = {"rows": 1, "first": str(drop.position), "truncate": drop.name, "pid": os.getpid()}
-                if table.commit(
+                if not self._rewrite_settled(table, drop.source_node, read):
+                    files.discard()
+                elif table.commit(
                     files=files,
                     source=drop.source_node,
                     read=read,
@@ -444,7 +451,9 @@ class LakeConsumer(Consumer):
             files, stats = self._write(table, new, batch, generation)
             metrics.LAKE_WRITE_SECONDS.observe(time.perf_counter() - t0)
             meta = {"rows": rows, "first": str(new[0].pointer), "writer": self.options.writer, "pid": os.getpid()}
-            if table.commit(
+            if not self._rewrite_settled(table, source, read):
+                files.discard()
+            elif table.commit(
                 files=files,
                 source=source,
                 read=read,
@@ -472,26 +481,30 @@ class LakeConsumer(Consumer):
             log.warning("lake_commit_conflict", source=source, detail="another writer landed this source first")
 
     def _bound_files(self, table: ChangeTable, adds: Sequence[Any]) -> None:
-        """After a commit: rewrite the partitions it touched whose size tiers are over-full, before the
-        next batch (delivery waits for it: back-pressure instead of files piling up). The batch has
-        landed: a rewrite that fails is logged and tried again after the next commit, never a reason to
+        """After a commit: start rewriting the partitions it touched whose size tiers are over-full, in the
+        rewriter's thread (its own Delta handle), while the next batch is read, built and written; the next
+        commit to ``changes`` waits for it first (``_rewrite_settled``), so a partition holds at most the
+        bound at every moment as when the rewrite ran here, and one rewrite at most is in flight. The batch
+        has landed: a rewrite that fails is logged and tried again after the next commit, never a reason to
         send the batch again."""
         policy = self.options.file_policy()
         if policy is None or not adds:
             return
-        touched = [dict(add.partition_values) for add in adds]
-        t0 = time.monotonic()
-        try:
-            table.refresh()
-            done = rewrite_partitions(table.table, table.path, policy, only=touched)
-        except Exception as exc:  # landed already; the next commit's call tries again
-            log.warning("lake_autocompact_failed", table=str(table.path), error=describe(exc))
-            return
-        if done is not None:
-            seconds = time.monotonic() - t0
-            metrics.LAKE_MAINTENANCE_SECONDS.labels("autocompact").observe(seconds)
-            metrics.LAKE_LAST_MAINTENANCE_SECONDS.labels("autocompact").set(seconds)
-            metrics.LAKE_LAST_MAINTENANCE.labels("autocompact").set(time.time())
+        if self._rewriter is None:
+            self._rewriter = Rewriter(table.path, policy)
+        self._rewriter.submit([dict(add.partition_values) for add in adds])
+
+    def _rewrite_settled(self, table: ChangeTable, source: str, read: SourceMark) -> bool:
+        """Before a commit to ``changes``: wait for the rewrite in flight (back-pressure: delivery goes no
+        faster than the bound's rewrites). It moves no source's mark, but it may have committed a version
+        after the one ``read`` came from: then the snapshot is brought up to date and the commit goes on at
+        the new version provided the source's mark is still ``read`` (what ``ChangeTable.commit`` does after
+        losing to any other writer). False: the mark moved meanwhile (another writer landed this source):
+        the caller filters the batch again."""
+        if self._rewriter is None or not self._rewriter.wait():
+            return True
+        table.refresh()
+        return table.mark(source) == read
 
     def _diverged_at(
         self, table: ChangeTable, batch: EventBatch, read: SourceMark, replayed: list[RecordSlice]

@@ -14,8 +14,12 @@ many small files. This is that, for cdcd's tables (``changes`` after each of the
 - **The bound**: the tiers' allowances add up to ``max_files - 1``, so with the commit that pushes a
   tier over, a partition holds at most ``max_files`` files below ``large_file_bytes`` at every moment
   (files of ``large_file_bytes`` or more are full-size: never rewritten, about one per GiB landed).
-- **Synchronous**: the writer compacts before it takes its next batch, so when compaction is slow
-  the writer slows down (back-pressure), never the file count.
+- **Before the next commit, off the delivery path** (``Rewriter``): the rewrite a commit made due
+  runs in a thread of its own (its own ``DeltaTable``) while the writer reads, builds and writes its
+  next batch, and the writer's next commit waits for it first. A partition's file count grows only
+  at a commit, so it holds the bound at every moment as if the rewrite had run before the next batch;
+  when compaction is slow the writer's commits slow down (back-pressure), never the file count. One
+  rewrite at most is in flight (memory: one group of files).
 - **Exactly once**: the rewrite is one commit of ``remove`` and ``add`` actions with ``dataChange =
   false`` (what Delta's OPTIMIZE writes: readers, the change data feed and cdcd's compaction,
   ``feed.read_feed`` and ``deltalog.data_changing_versions``, see the same rows), made at exactly
@@ -34,9 +38,11 @@ many small files. This is that, for cdcd's tables (``changes`` after each of the
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,7 +55,7 @@ from deltalake import CommitProperties, DeltaTable
 from deltalake.exceptions import DeltaError
 from deltalake.transaction import AddAction, PostCommitHookProperties, RemoveAction
 
-from cdcd import failpoints
+from cdcd import failpoints, metrics
 from cdcd.durable import fsync_dir, fsync_file
 from cdcd.lake.landing.parquet_files import file_stats
 from cdcd.lake.storage import LakeDir, file_source, is_delta, open_delta
@@ -303,6 +309,85 @@ def rewrite_partitions(
     done = Rewritten(removed, len(work), len({tuple(v.items()) for v, _ in work}), time.monotonic() - started)
     log.debug("lake_autocompacted", table=str(root), removed=done.removed, added=done.added, seconds=done.seconds)
     return done
+
+
+WAIT_LOGGED_S = 1.0
+"""A commit that waited this long or longer for the rewrite before it is logged (``lake_autocompact_waited``)."""
+
+
+class Rewriter:
+    """The writer's rewrites (``rewrite_partitions`` of the partitions a commit touched) in a thread of its own,
+    one at a time, on a ``DeltaTable`` of its own: ``submit`` after a commit, ``wait`` before the next one.
+
+    A rewrite commits at exactly the version it read plus one and moves no source's mark, so nothing the
+    writer does between the two calls (reading, building, writing the next batch's files) can conflict with
+    it; the writer's commit, which would, waits. A rewrite that fails is logged (``lake_autocompact_failed``)
+    and its partitions are tried again with the next commit's. Killed while one runs, the process leaves
+    orphan files only (its merged file, the next batch's files): neither is in the log."""
+
+    def __init__(self, table: LakeDir, policy: FilePolicy) -> None:
+        self.table = table
+        self.policy = policy
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="cdcd-lake-autocompact")
+        self._dt: DeltaTable | None = None
+        """The rewriting thread's handle (only that thread uses it once opened)."""
+        self._running: Future[None] | None = None
+        self._failed: list[dict[str, str | None]] = []
+        """Partitions of a rewrite that failed: rewritten with the next commit's."""
+        self._lock = threading.Lock()
+        self.waited_s = 0.0
+        """Seconds commits waited for a rewrite so far (the back-pressure of the bound)."""
+
+    def submit(self, touched: Sequence[Mapping[str, str | None]]) -> None:
+        """Start rewriting the over-full tiers of ``touched`` partitions (call ``wait`` first: one at a time)."""
+        if self._running is not None:
+            raise RuntimeError("Rewriter.submit with a rewrite in flight: wait() first")
+        with self._lock:
+            unique = {tuple(sorted(p.items())): dict(p) for p in [*self._failed, *touched]}
+            self._failed = []
+        partitions = list(unique.values())
+        self._running = self._pool.submit(self._rewrite, partitions)
+
+    def wait(self) -> bool:
+        """Block until the rewrite in flight has ended (committed, found nothing to do, lost or failed and
+        logged). Whether one was in flight: the table may then have a version the caller has not read."""
+        running, self._running = self._running, None
+        if running is None:
+            return False
+        started = time.monotonic()
+        running.result()  # _rewrite logs and keeps what fails; anything else it raises is a bug: raise it here
+        waited = time.monotonic() - started
+        self.waited_s += waited
+        if waited >= WAIT_LOGGED_S:
+            log.info("lake_autocompact_waited", table=str(self.table), seconds=round(waited, 3))
+        return True
+
+    def close(self) -> None:
+        """Wait for the rewrite in flight, then end the thread."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def _rewrite(self, partitions: list[dict[str, str | None]]) -> None:
+        started = time.monotonic()
+        try:
+            if self._dt is None:
+                self._dt = open_delta(self.table)
+            else:
+                self._dt.update_incremental()  # the commit that made this rewrite due
+            done = rewrite_partitions(self._dt, self.table, self.policy, only=partitions)
+        except Exception as exc:  # the batch landed already: its partitions are tried again with the next commit's
+            self._dt = None  # opened afresh next time, whatever state the failure left it in
+            with self._lock:
+                self._failed.extend(partitions)
+            log.warning("lake_autocompact_failed", table=str(self.table), error=describe(exc))
+            return
+        if done is not None:
+            seconds = time.monotonic() - started
+            metrics.LAKE_MAINTENANCE_SECONDS.labels("autocompact").observe(seconds)
+            metrics.LAKE_LAST_MAINTENANCE_SECONDS.labels("autocompact").set(seconds)
+            metrics.LAKE_LAST_MAINTENANCE.labels("autocompact").set(time.time())
 
 
 def _committed(dt: DeltaTable, attempt: str, read_version: int) -> bool:
