@@ -242,6 +242,8 @@ class LakeConsumer(Consumer):
         tables and the writer holds the values: a known cache's new field makes compaction due soon)."""
         self._rewriter: Rewriter | None = None
         """The bound's rewrite after a commit, in a thread of its own; the next commit waits for it."""
+        self.rewrite_wait_s = 0.0
+        """Seconds this sink's commits waited for the rewrite before them (the bound's back-pressure)."""
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], source: str) -> LakeConsumer:
@@ -501,7 +503,12 @@ class LakeConsumer(Consumer):
         the new version provided the source's mark is still ``read`` (what ``ChangeTable.commit`` does after
         losing to any other writer). False: the mark moved meanwhile (another writer landed this source):
         the caller filters the batch again."""
-        if self._rewriter is None or not self._rewriter.wait():
+        if self._rewriter is None:
+            return True
+        waited = self._rewriter.waited_s
+        in_flight = self._rewriter.wait()
+        self.rewrite_wait_s += self._rewriter.waited_s - waited
+        if not in_flight:
             return True
         table.refresh()
         return table.mark(source) == read

@@ -45,9 +45,14 @@ Workloads (``--only`` names; rows are 8-byte int keys with 100-byte values on bo
   ``local[2]``, delta-rs commits; batches of ``INGEST_BATCH_EVENTS`` as in ``lake.ingest.run``) into
   a fresh lake per run and checks the row count of the Delta table. The SparkSession is started and
   warmed up once before the first run (``tests/support/lake_bench.py``). CPU: the process plus the
-  Spark JVM and its Python workers (which run the writer's tasks). ``autocompact_s``: the part of the
-  time the sink spent rewriting small files after its commits (the default ``max_files_per_partition``
-  bound, cdcd/lake/maintenance/autocompact.py), from its metric.
+  Spark JVM and its Python workers (which run the writer's tasks). ``autocompact_s``: seconds the
+  sink's small-file rewrites took (the default ``max_files_per_partition`` bound,
+  cdcd/lake/maintenance/autocompact.py), from its metric, the last one included; they run in a thread
+  of their own beside the next batch, and ``autocompact_wait_s`` is how long the sink's commits waited
+  for one. The timed section ends when the last batch is committed and the daemon's position moved
+  past it; the rewrite that commit made due may still be running: ``tail_s`` and ``tail_cpu_s`` are
+  the wall and daemon CPU seconds of the daemon's close after it (the sink waits for that rewrite),
+  not in the rate nor in the CPU per row.
 
 ``--lake-option NAME=VALUE``: a ``LakeOptions`` field of ``catchup.lake``'s sink other than its default
 (an int, float or bool, as JSON; repeatable), recorded in the results: e.g.
@@ -734,15 +739,18 @@ class CdcdSide:
         )
         assert self.backlog is not None, "backlog not prepared"
         daemon = Daemon(ingest_config(self.backlog), consumer, show_progress=False)
+        rewrites0 = _autocompact_s()
         try:
             daemon.start()
-            cpu0, jvm0, rewrites0 = time.process_time(), SPARK.jvm_cpu_s(), _autocompact_s()
+            cpu0, jvm0 = time.process_time(), SPARK.jvm_cpu_s()
             seconds = asyncio.run(_run_until(daemon, self.last_segment))
             cpu, jvm = time.process_time() - cpu0, SPARK.jvm_cpu_s() - jvm0
-            rewrites = _autocompact_s() - rewrites0
             delivered = daemon.events_delivered
         finally:
-            daemon.close()
+            closing, closing_cpu = time.perf_counter(), time.process_time()
+            daemon.close()  # the sink's stop() waits for the rewrite the last commit made due
+        tail, tail_cpu = time.perf_counter() - closing, time.process_time() - closing_cpu
+        rewrites = _autocompact_s() - rewrites0
         try:
             from deltalake import DeltaTable
 
@@ -758,6 +766,9 @@ class CdcdSide:
             "process_cpu_s": round(cpu, 2),
             "jvm_cpu_s": round(jvm, 2),
             "autocompact_s": round(rewrites, 2),
+            "autocompact_wait_s": round(consumer.rewrite_wait_s, 2),
+            "tail_s": round(tail, 2),
+            "tail_cpu_s": round(tail_cpu, 2),
         }
 
     def live_realtime(self, seconds: float, warmup_s: float) -> Sample:
