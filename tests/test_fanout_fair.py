@@ -10,6 +10,7 @@ most ``catchup_max_share`` of the time while ``live`` is at the head, ``live`` k
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ import pytest
 from cdcd.config import ConfigError
 from cdcd.daemon.config import lane_policy, load_daemon_config
 from cdcd.sinks import load_consumer
-from tests.support.fanout import fanout_config, newest_commit_ns
+from tests.support.fanout import SLOW_CALLS, fanout_config, newest_commit_ns
 from tests.support.procs import child_env, log_events, start_daemon, state_show, stop_daemon, wait_for
 from tests.support.wal import archived_segments, read_jsonl, wal_events
 from tests.support.writer import start_writer
@@ -109,6 +110,60 @@ def test_a_consumer_catching_up_holds_the_live_one_back_at_most_its_share(tmp_pa
     expected = wal_events(node_dir)
     assert read_jsonl(late) == expected
     assert read_jsonl(live) == [e for e in expected if e["pos"][0] >= first_live]
+
+
+SLOW_CALL_S = 1.0
+"""Each call of the slow consumer: a sleep, so its pace does not depend on how busy the cores are."""
+SLOW_CALLS_SEEN = 12
+
+
+def test_a_live_consumer_slower_than_the_writes_takes_what_came_meanwhile_in_one_batch(tmp_path: Path) -> None:
+    """A live consumer whose calls take longer than the node takes to fill a segment: the batch that is due while
+    it is in a call stays open until it asks for the next, so each call takes what came during the one before
+    and an event waits about one call before its own begins (bound: two). Batches cut at every segment queued
+    up behind such a consumer instead, each call taking a few segments, and the wait grew with every call
+    (2 s at the third, 5.4 s at the twelfth). The file is the whole WAL from its start, once and in order."""
+    (tmp_path / "slowsink.py").write_text(SLOW_CALLS)
+    node_dir = tmp_path / "node"
+    out, calls = tmp_path / "slow.jsonl", tmp_path / "calls.jsonl"
+    config = fanout_config(
+        tmp_path / "fanout.toml",
+        node_dir,
+        {
+            "slow": {
+                "kind": "python",
+                "class": "slowsink:SlowCalls",
+                "options": {"path": str(out), "calls": str(calls), "call_s": SLOW_CALL_S},
+            }
+        },
+        batch_max_events=1_000_000,
+        batch_max_bytes=256 << 20,
+    )
+    writer = start_writer(tmp_path, node_dir, count=0, pause_ms=50)
+    err = tmp_path / "daemon.err"
+    proc = None
+
+    def seen() -> list[dict[str, int]]:
+        return [json.loads(line) for line in calls.read_text().splitlines()] if calls.exists() else []
+
+    try:
+        wait_for(lambda: (node_dir / "cdc").is_dir(), 60, "the node")
+        proc = start_daemon(config, err, env=child_env(tmp_path))
+        wait_for(lambda: len(seen()) >= SLOW_CALLS_SEEN, 120, f"{SLOW_CALLS_SEEN} calls of the slow consumer")
+    finally:
+        (tmp_path / "writer.stop").touch()
+        assert writer.wait(60) == 0, (tmp_path / "writer.log").read_text()[-3000:]
+    end = (max(archived_segments(node_dir)) + 1, 0, 0)
+    try:
+        wait_for(lambda: tuple(state_show(config)["consumers"]["slow"]["position_parts"] or ()) == end, 120, "the end")
+    finally:
+        assert proc is not None and stop_daemon(proc) == 0, err.read_text()[-3000:]
+    # From the third call on: the first ones take what was there when the daemon started.
+    waits = [(c["began_ns"] - c["first_ns"]) / 1e9 for c in seen()[2:SLOW_CALLS_SEEN]]
+    print(f"waits before each call: {[round(w, 2) for w in waits]} s")
+    bound_s = 2 * SLOW_CALL_S
+    assert max(waits) <= bound_s, f"an event waited {max(waits):.2f} s for its call (bound {bound_s:.2f} s)"
+    assert read_jsonl(out) == wal_events(node_dir)
 
 
 @pytest.mark.parametrize(

@@ -171,6 +171,10 @@ class Lane:
         self._read_q: asyncio.Queue[list[ReadItem] | WalError | None] | None = None
         self._item_q: asyncio.Queue[Item | WalError] | None = None
         """The pipeline's bounded queues (``queue_max_batches``), made once per run, kept across passes."""
+        self._asking = False
+        """The consumer stage waits for its next item (it is not in a call, nor has one to start)."""
+        self._asked: asyncio.Event | None = None
+        """Set whenever ``_asking`` changes (a decoder holding a batch waits on it)."""
         self.watch = Watch(config, notifier, self.committed_state, show_progress=show_progress and primary)
         self._retried = False
         """The consumer call in flight waited out a retriable error (``_retry_step``)."""
@@ -396,6 +400,7 @@ class Lane:
         self.wake = asyncio.Event()
         self._read_q = asyncio.Queue(self.config.queue_max_batches)
         self._item_q = asyncio.Queue(self.config.queue_max_batches)
+        self._asked = asyncio.Event()
         return self.wake
 
     async def run_pass(self, node_id: uuid.UUID | None, stopping: asyncio.Event) -> None:
@@ -464,37 +469,77 @@ class Lane:
             await read_q.put(chunk)
 
     async def _decoder(self, processor: Processor, follower: SegmentFollower) -> None:
-        committer, read_q, item_q = self.committer, self._read_q, self._item_q
-        assert committer is not None and read_q is not None and item_q is not None
+        committer, read_q, item_q, asked = self.committer, self._read_q, self._item_q, self._asked
+        assert committer is not None and read_q is not None and item_q is not None and asked is not None
         throttle = self.throttles["decoder"]
         delay_s = self.config.batch_max_delay_ms / 1000
-        while True:
-            timeout = None
-            if processor.batch_started is not None:
-                timeout = max(0.0, processor.batch_started + delay_s - time.monotonic())
-            timed_out = False
-            try:
-                async with asyncio.timeout(timeout):
-                    chunk = await read_q.get()
-            except TimeoutError:
-                chunk, timed_out = None, True
-            if chunk is None or isinstance(chunk, WalError):
-                # Caught up (segments arrive whole, waiting adds only lag), batch_max_delay_ms
-                # passed, or a bad spot.
-                for item in end_of_read(processor, committer, chunk, timed_out=timed_out):
-                    await item_q.put(item)
-                if chunk is None:
+        get: asyncio.Future[list[ReadItem] | WalError | None] | None = None
+        held: bool | None = None
+        """The open batch is due (the reader caught up: False, or ``batch_max_delay_ms`` passed: True) while the
+        consumer is busy: it stays open, taking what is read meanwhile, until the consumer asks for its next
+        item (``_holds``)."""
+        try:
+            while True:
+                if held is not None and not self._holds(item_q):
+                    for item in end_of_read(processor, committer, None, timed_out=held):
+                        await item_q.put(item)
+                    held = None
+                chunk: list[ReadItem] | WalError | None
+                timed_out = False
+                if get is None and not read_q.empty():
+                    chunk = read_q.get_nowait()
+                else:
+                    timeout = None
+                    if processor.batch_started is not None and held is None:
+                        timeout = max(0.0, processor.batch_started + delay_s - time.monotonic())
+                    if get is None:
+                        get = asyncio.ensure_future(read_q.get())
+                    waits: set[asyncio.Future[Any]] = {get}
+                    if held is not None:
+                        asked.clear()
+                        waits.add(asyncio.ensure_future(asked.wait()))
+                    try:
+                        done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        for waiting in waits - {get}:
+                            waiting.cancel()
+                    if get in done:
+                        chunk, get = get.result(), None
+                    elif held is not None:
+                        continue  # the consumer asks, or took a batch: the held one may go now
+                    else:
+                        chunk, timed_out = None, True
+                if chunk is None and self._holds(item_q):
+                    held = timed_out and held is not False  # caught up once while held: it commits its position
                     continue
-                return
-            processor.source_node = follower.node_id
-            await throttle.wait()
-            began = time.monotonic()
-            items = processor.feed_many(chunk)
-            throttle.charge(time.monotonic() - began)
-            for item in items:
-                await item_q.put(item)
-            if processor.finished:
-                return
+                if chunk is None or isinstance(chunk, WalError):
+                    # Caught up (segments arrive whole, waiting adds only lag), batch_max_delay_ms
+                    # passed, or a bad spot.
+                    held = None
+                    for item in end_of_read(processor, committer, chunk, timed_out=timed_out):
+                        await item_q.put(item)
+                    if chunk is None:
+                        continue
+                    return
+                processor.source_node = follower.node_id
+                await throttle.wait()
+                began = time.monotonic()
+                items = processor.feed_many(chunk)
+                throttle.charge(time.monotonic() - began)
+                for item in items:
+                    await item_q.put(item)
+                if processor.finished:
+                    return
+        finally:
+            if get is not None:
+                get.cancel()  # the queue outlives the pass: no getter of this one may take the next pass's chunk
+
+    def _holds(self, item_q: asyncio.Queue[Item | WalError]) -> bool:
+        """Whether a due batch stays open: the lane is live (a lane catching up keeps its batches, and its
+        throttle's steps, as they come) and its consumer is busy (in a call, or with an item queued). A
+        consumer slower than the writes then takes what came during its last call in one batch, and its lag
+        stays about one of its calls, where batches cut at every segment would queue up behind it."""
+        return not self.catching_up and not (self._asking and item_q.empty())
 
     async def _consume(self, follower: SegmentFollower, stopping: asyncio.Event) -> None:
         committer, watch, item_q, primary = self.committer, self.watch, self._item_q, self.primary
@@ -507,6 +552,7 @@ class Lane:
                     self.catching_up = False
                 if get is None:
                     get = asyncio.ensure_future(item_q.get())
+                    self._ask(True)
                 stop_wait: asyncio.Future[Any] = asyncio.ensure_future(stopping.wait())
                 done, _ = await asyncio.wait({get, stop_wait}, timeout=check_s, return_when=asyncio.FIRST_COMPLETED)
                 stop_wait.cancel()
@@ -520,6 +566,7 @@ class Lane:
                     await asyncio.shield(watch.in_thread("consumer", "consumer alive()", committer.check_alive))
                     continue
                 item, get = get.result(), None
+                self._ask(False)
                 if isinstance(item, WalError):
                     raise item
                 batch = isinstance(item, Batch) and len(item.events) > 0
@@ -547,8 +594,14 @@ class Lane:
                 if isinstance(item, Switch) or self.stopping.is_set():
                     return
         finally:
+            self._ask(False)
             if get is not None:
                 get.cancel()  # the queue outlives the pass: no getter of this one may take the next pass's item
+
+    def _ask(self, asking: bool) -> None:
+        self._asking = asking
+        if self._asked is not None:
+            self._asked.set()
 
 
 def failure_line(exc: BaseException) -> tuple[ExitCode, str]:

@@ -70,6 +70,33 @@ OUTAGE = textwrap.dedent(
 )
 """Module ``outagesink`` (write it into a dir on the daemon's PYTHONPATH): ``class = "outagesink:Outage"``."""
 
+SLOW_CALLS = textwrap.dedent(
+    """
+    import json
+    import time
+    from cdcd.sinks.jsonl import JsonlConsumer
+
+    class SlowCalls(JsonlConsumer):
+        \"\"\"A jsonl file each of whose calls takes ``call_s`` more (a sleep: no CPU, no GIL), as a sink waiting on
+        its target does; ``calls`` gets a line per call: when it began, its events, the commit time of its first.\"\"\"
+
+        def __init__(self, path: str, calls: str, call_s: float) -> None:
+            super().__init__(path, fsync=False)
+            self.calls = calls
+            self.call_s = call_s
+
+        def on_events(self, batch):
+            began_ns = time.time_ns()
+            slices = batch.peek_slices()
+            first_ns = slices[0].record.commit_ts_ns if slices else 0
+            time.sleep(self.call_s)
+            with open(self.calls, "a") as f:
+                f.write(json.dumps({"began_ns": began_ns, "first_ns": first_ns, "events": len(batch)}) + "\\n")
+            return super().on_events(batch)
+    """
+)
+"""Module ``slowsink`` (write it into a dir on the daemon's PYTHONPATH): ``class = "slowsink:SlowCalls"``."""
+
 
 def newest_commit_ns(path: Path) -> int:
     """The commit time of the newest entry in a jsonl file (0: none yet)."""
