@@ -37,8 +37,16 @@
   WAL entry once, the replica holds every key. ``kafka_catchup_s``: from the broker's return until Kafka's
   position reached where the lake was then.
 
+  ``$BENCH_FANOUT_BACKLOG`` entries (default 0; the issue's row: 1000000) are written by the writer before the
+  daemon starts (background mode, as fast as the node takes them, keys apart from the live ones); then the live
+  writes begin and the daemon starts: the three consumers catch up over the backlog while the node writes.
+  ``<name>_caught_up_s``: from the daemon's start until the consumer's position is past the backlog and at the
+  newest archived segment. With ``BENCH_FANOUT_OUTAGE_S=0`` the broker is not stopped and the row's window is
+  the ``$BENCH_FANOUT_WARMUP_S`` of live writes once every consumer caught up (``*_before_p99_ms``: its second
+  half); the exactly-once checks are the same.
+
 Run as a script, this module is the outage benchmark's writer:
-``python -m tests.bench.bench_fanout writer --node-dir D --rate 2000 --out F`` (until SIGTERM).
+``python -m tests.bench.bench_fanout writer --node-dir D --rate 2000 --out F [--backlog N]`` (until SIGTERM).
 """
 
 from __future__ import annotations
@@ -96,6 +104,9 @@ SETTLE_S = 2.0
 DRAIN_TIMEOUT_S = 600.0
 TOKEN = "bench-fanout-token-0123456789abcdef"
 POSITION_COLUMNS = ("wal_segment", "wal_offset", "wal_index")
+BACKLOG_KEY_BASE = 1 << 40
+"""The backlog's keys start here: apart from the live writer's, which start at 0."""
+BACKLOG_TIMEOUT_S = 1800.0
 
 
 def _bench_dir() -> str | None:
@@ -260,10 +271,37 @@ def run_read_once(entries: int) -> Measurement:
 
 
 # --- fanout.outage --------------------------------------------------------------------------------
-def _writer(node_dir: str, rate: int, out: str) -> None:
-    """Write ``rate`` entries/s (``put_all`` of TX_SIZE fresh keys on a fixed schedule) until SIGTERM."""
+def _write_backlog(node_dir: str, entries: int, out: str) -> None:
+    """``entries`` entries (``put_all`` of TX_SIZE fresh keys from BACKLOG_KEY_BASE) as fast as the node takes them,
+    in background mode, archived; then ``<out>.backlog`` says where they end (the position after their last
+    segment) and how long they took to write."""
+    began = time.monotonic()
+    node = Node.open(
+        node_dir,
+        wal_mode="background",
+        wal_segment_size_bytes=SEGMENT_BYTES,
+        wal_force_archive_timeout_ms=0,
+        archive_max_bytes=0,
+    )
+    try:
+        put_all = node.cache(CACHE).put_all
+        for start in range(BACKLOG_KEY_BASE, BACKLOG_KEY_BASE + entries, TX_SIZE):
+            put_all(dict.fromkeys(range(start, min(start + TX_SIZE, BACKLOG_KEY_BASE + entries)), VALUE_100B))
+        last = node.force_archive()
+    finally:
+        node.close()
+    assert last is not None, "the backlog wrote no segment"
+    done = {"end": [last + 1, 0, 0], "entries": entries, "seconds": round(time.monotonic() - began, 1)}
+    Path(out + ".backlog").write_text(json.dumps(done))
+
+
+def _writer(node_dir: str, rate: int, out: str, backlog: int = 0) -> None:
+    """Write ``backlog`` entries at once (``_write_backlog``), then ``rate`` entries/s (``put_all`` of TX_SIZE fresh
+    keys on a fixed schedule) until SIGTERM."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if backlog:
+        _write_backlog(node_dir, backlog, out)
     node = Node.open(
         node_dir,
         wal_mode="fsync",
@@ -345,7 +383,7 @@ def _stats_ms(lags_ns: list[int]) -> dict[str, float]:
     }
 
 
-def run_outage(*, rate: int, warmup_s: float, outage_s: float) -> Measurement:
+def run_outage(*, rate: int, warmup_s: float, outage_s: float, backlog: int = 0) -> Measurement:
     if not LIBS.is_dir():
         raise RuntimeError(f"{LIBS} missing: run `make install` first")
     work = Path(tempfile.mkdtemp(prefix="cdcd-bench-fanout-outage-", dir=_bench_dir()))
@@ -391,6 +429,8 @@ def run_outage(*, rate: int, warmup_s: float, outage_s: float) -> Measurement:
                     str(rate),
                     "--out",
                     str(writer_out),
+                    "--backlog",
+                    str(backlog),
                 ],
                 cwd=ROOT,
                 env=_child_env(),
@@ -403,32 +443,37 @@ def run_outage(*, rate: int, warmup_s: float, outage_s: float) -> Measurement:
             if writer.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the writer did not open its node:\n{_tail(writer_log)}")
             time.sleep(0.02)
+        backlog_done: dict[str, Any] = {}
+        if backlog:
+            marker = Path(f"{writer_out}.backlog")
+            deadline = time.monotonic() + BACKLOG_TIMEOUT_S
+            while not marker.exists():
+                if writer.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the writer did not write its backlog:\n{_tail(writer_log)}")
+                time.sleep(0.2)
+            backlog_done = json.loads(marker.read_text())
         daemon = _start_daemon(config, daemon_log)
         d = daemon
         _wait(lambda: bool(_log_events(daemon_log, "daemon_started")), 120, "daemon_started", d, daemon_log)
+        live_ns = time.time_ns() + int(warmup_s / 2 * 1e9)
+        caught = _caught_up(config, node_dir, tuple(backlog_done["end"]), d, daemon_log) if backlog else {}
+        if backlog:
+            live_ns = time.time_ns()
         time.sleep(warmup_s)
-        down_ns = time.time_ns()
-        broker.stop()
-        stopped_ns = time.time_ns()
-        broker_up = False
-        time.sleep(outage_s)
-        starting_ns = time.time_ns()
-        broker.start()
-        broker_up = True
-        up_ns = time.time_ns()
+        down_ns = stopped_ns = starting_ns = up_ns = time.time_ns()
         up_at = time.monotonic()
-        lake_then = _positions(config)["lake"]
-        catchup_s: float | None = None
-        while catchup_s is None:
-            if daemon.poll() is not None:
-                raise RuntimeError(f"cdcd run exited {daemon.returncode}:\n{_tail(daemon_log)}")
-            kafka_now = _positions(config)["kafka"]
-            if kafka_now is not None and lake_then is not None and kafka_now >= lake_then:
-                catchup_s = time.monotonic() - up_at
-            elif time.monotonic() - up_at > DRAIN_TIMEOUT_S:
-                raise TimeoutError(f"Kafka at {kafka_now}, not at {lake_then} {DRAIN_TIMEOUT_S:.0f}s after the broker")
-            else:
-                time.sleep(0.2)
+        catchup_s = 0.0
+        if outage_s > 0:
+            broker.stop()
+            stopped_ns = time.time_ns()
+            broker_up = False
+            time.sleep(outage_s)
+            starting_ns = time.time_ns()
+            broker.start()
+            broker_up = True
+            up_ns = time.time_ns()
+            up_at = time.monotonic()
+            catchup_s = _kafka_catchup(config, up_at, d, daemon_log)
         time.sleep(max(0.0, AFTER_S - (time.monotonic() - up_at)))
         writer.send_signal(signal.SIGTERM)
         if writer.wait(60) != 0:
@@ -461,16 +506,20 @@ def run_outage(*, rate: int, warmup_s: float, outage_s: float) -> Measurement:
             broker.stop()
         shutil.rmtree(work, ignore_errors=True)
     want = Counter(expected)
-    if len(expected) != written["written"]:
-        raise AssertionError(f"the WAL holds {len(expected):,} entries, the writer wrote {written['written']:,}")
+    if len(expected) != written["written"] + backlog:
+        raise AssertionError(
+            f"the WAL holds {len(expected):,} entries, the writer wrote {written['written']:,} and {backlog:,} before"
+        )
     if Counter(sent) != want:
         raise AssertionError(f"Kafka: {len(sent):,} messages for {len(expected):,} entries, not each once")
     if Counter(lake_positions) != want:
         raise AssertionError(f"lake: {len(lake_positions):,} rows for {len(expected):,} entries, not each once")
     if set(target) != set(source):
         raise AssertionError(f"replica: {len(target):,} keys, the source {len(source):,}")
-    lake_ms = _stats_ms([done - ts for ts, done in lake_rows if down_ns <= ts <= up_ns])
-    replica_ms = _stats_ms([target[k] - ts for k, ts in source.items() if down_ns <= ts <= up_ns])
+    # The row's window: the outage, or without one the live writes once every consumer caught up.
+    win = (down_ns, up_ns) if outage_s > 0 else (live_ns, up_ns)
+    lake_ms = _stats_ms([done - ts for ts, done in lake_rows if win[0] <= ts <= win[1]])
+    replica_ms = _stats_ms([target[k] - ts for k, ts in source.items() if win[0] <= ts <= win[1]])
     # The same over the second half of the warm-up, the broker up: what the machine gives without the outage.
     calm_ns = down_ns - int(warmup_s / 2 * 1e9)
     lake_calm = _stats_ms([done - ts for ts, done in lake_rows if calm_ns <= ts < down_ns])
@@ -483,7 +532,7 @@ def run_outage(*, rate: int, warmup_s: float, outage_s: float) -> Measurement:
         "catchup": (up_ns, up_ns + int(catchup_s * 1e9)),
     }
     by_phase: dict[str, float | None] = {}
-    for phase, (a, b) in phases.items():
+    for phase, (a, b) in phases.items() if outage_s > 0 else ():
         lake_in = [done - ts for ts, done in lake_rows if a <= ts < b]
         replica_in = [target[k] - ts for k, ts in source.items() if a <= ts < b]
         by_phase[f"{phase}_s"] = round((b - a) / 1e9, 1)
@@ -495,6 +544,15 @@ def run_outage(*, rate: int, warmup_s: float, outage_s: float) -> Measurement:
         "lake_before_p99_ms": lake_calm["p99_ms"],
         "replica_before_p99_ms": replica_calm["p99_ms"],
         "outage_s": round((up_ns - down_ns) / 1e9, 1),
+        **(
+            {
+                "backlog": backlog_done["entries"],
+                "backlog_write_s": backlog_done["seconds"],
+                **{f"{name}_caught_up_s": round(s, 1) for name, s in caught.items()},
+            }
+            if backlog
+            else {}
+        ),
         **by_phase,
         "kafka_catchup_s": round(catchup_s, 1),
         "throttled": {name: {"times": n, "waited_s": waited.get(name)} for name, n in throttled.items()},
@@ -502,7 +560,43 @@ def run_outage(*, rate: int, warmup_s: float, outage_s: float) -> Measurement:
         "write_rate": round(written["written"] / written["seconds"]),
         "writer_behind_max_ms": written["behind_max_ms"],
     }
-    return Measurement(len(expected), (up_ns - down_ns) / 1e9, extra, value=lake_ms["p50_ms"])
+    return Measurement(len(expected), (win[1] - win[0]) / 1e9, extra, value=lake_ms["p50_ms"])
+
+
+def _caught_up(
+    config: Path, node_dir: Path, backlog_end: tuple[int, ...], daemon: subprocess.Popen[bytes], log: Path
+) -> dict[str, float]:
+    """Seconds from now until each consumer is past the backlog and within a segment of the newest archived one."""
+    began = time.monotonic()
+    caught: dict[str, float] = {}
+    archive = node_dir / "wal" / "archive"
+    while True:
+        if daemon.poll() is not None:
+            raise RuntimeError(f"cdcd run exited {daemon.returncode}:\n{_tail(log)}")
+        head = (max(list_segments(archive)[0]), 0, 0)
+        positions = _positions(config)
+        for name, pos in positions.items():
+            if name not in caught and pos is not None and pos >= backlog_end and pos >= head:
+                caught[name] = time.monotonic() - began
+        if len(caught) == len(positions):
+            return caught
+        if time.monotonic() - began > BACKLOG_TIMEOUT_S:
+            raise TimeoutError(f"not every consumer past the backlog after {BACKLOG_TIMEOUT_S:.0f}s: {positions}")
+        time.sleep(0.5)
+
+
+def _kafka_catchup(config: Path, up_at: float, daemon: subprocess.Popen[bytes], log: Path) -> float:
+    """Seconds from the broker's return (``up_at``) until Kafka's position reached where the lake was then."""
+    lake_then = _positions(config)["lake"]
+    while True:
+        if daemon.poll() is not None:
+            raise RuntimeError(f"cdcd run exited {daemon.returncode}:\n{_tail(log)}")
+        kafka_now = _positions(config)["kafka"]
+        if kafka_now is not None and lake_then is not None and kafka_now >= lake_then:
+            return time.monotonic() - up_at
+        if time.monotonic() - up_at > DRAIN_TIMEOUT_S:
+            raise TimeoutError(f"Kafka at {kafka_now}, not at {lake_then} {DRAIN_TIMEOUT_S:.0f}s after the broker")
+        time.sleep(0.2)
 
 
 # --- registration ---------------------------------------------------------------------------------
@@ -511,6 +605,7 @@ def benchmarks(quick: bool) -> list[Bench]:
     rate = int(_env_number("BENCH_FANOUT_RATE", 2000))
     outage_s = _env_number("BENCH_FANOUT_OUTAGE_S", 10.0 if quick else 30.0)
     warmup_s = _env_number("BENCH_FANOUT_WARMUP_S", 5.0 if quick else 10.0)
+    backlog = int(_env_number("BENCH_FANOUT_BACKLOG", 0))
     return [
         Bench(
             name="fanout.read_once",
@@ -532,10 +627,11 @@ def benchmarks(quick: bool) -> list[Bench]:
         Bench(
             name="fanout.outage",
             description=(
-                f"lake, Kafka, replica from one node at {rate} entries/s; lag while Kafka's broker is down "
-                f"{outage_s:.0f}s"
+                f"lake, Kafka, replica from one node at {rate} entries/s"
+                + (f" after a {backlog:,}-entry backlog" if backlog else "")
+                + (f"; lag while Kafka's broker is down {outage_s:.0f}s" if outage_s > 0 else "; lag once caught up")
             ),
-            run_once=lambda: run_outage(rate=rate, warmup_s=warmup_s, outage_s=outage_s),
+            run_once=lambda: run_outage(rate=rate, warmup_s=warmup_s, outage_s=outage_s, backlog=backlog),
             metric="lake.p50",
             unit="ms",
             lower_is_better=True,
@@ -554,6 +650,7 @@ def benchmarks(quick: bool) -> list[Bench]:
                 "rate": rate,
                 "outage_s": outage_s,
                 "warmup_s": warmup_s,
+                "backlog": backlog,
                 "tx_size": TX_SIZE,
                 "wal_force_archive_timeout_ms": FORCE_ARCHIVE_MS,
             },
@@ -568,11 +665,12 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("--node-dir", required=True)
     w.add_argument("--rate", type=int, required=True)
     w.add_argument("--out", required=True)
+    w.add_argument("--backlog", type=int, default=0)
     args = ap.parse_args(argv)
     from cdcd.logging import configure as configure_logging
 
     configure_logging("json", "warning")
-    _writer(args.node_dir, args.rate, args.out)
+    _writer(args.node_dir, args.rate, args.out, args.backlog)
 
 
 if __name__ == "__main__":
