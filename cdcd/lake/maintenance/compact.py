@@ -12,7 +12,9 @@ and runs again either finds nothing left to do or redoes exactly the uncommitted
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from dataclasses import field as dc_field
 from typing import Any, Literal
@@ -37,7 +39,7 @@ from cdcd.lake.maintenance.compact_mark import (
 )
 from cdcd.lake.maintenance.feed import FEED_COLUMNS, read_feed
 from cdcd.lake.maintenance.lost_history import drop_lost, generation_starts, start_ids
-from cdcd.lake.maintenance.state_rs import ensure_state, merge_state
+from cdcd.lake.maintenance.state_rs import Prepared, ensure_state, prepare_state
 from cdcd.lake.storage import LakeDir, is_delta, open_delta, spark_path
 from cdcd.lake.table import CHANGE_SCHEMA, CHANGES, ORDER_COLUMNS, PARTITION_BY, STATE, STATE_SCHEMA
 from cdcd.lake.typed.declared import DeclaredTable
@@ -177,23 +179,19 @@ def ensure_state_table(lake: LakeDir) -> None:
 
 
 def latest_per_key(feed: pa.Table) -> pa.Table:
-    """Per (cache, key), the change with the highest version order, then WAL position."""
-    import pyarrow.compute as pc
-
+    """Per (cache, key), the change with the highest version order, then WAL position (of equals, the later
+    row). Rows without a cache or key are each their own (no key to match)."""
     if feed.num_rows == 0:
         return feed
-    order = [("cache", "ascending"), ("key", "ascending")] + [(c, "ascending") for c in ORDER_COLUMNS]
-    ordered = feed.sort_by(order)
-    n = ordered.num_rows
-    cache = ordered["cache"].combine_chunks()
-    key = ordered["key"].combine_chunks()
-    # The last row of each (cache, key) run: the next row has another cache or key.
-    differs = pc.or_(
-        pc.not_equal(cache.slice(0, n - 1), cache.slice(1)).fill_null(True),
-        pc.not_equal(key.slice(0, n - 1), key.slice(1)).fill_null(True),
-    )
-    last = pa.concat_arrays([differs, pa.array([True])])
-    return ordered.filter(last)
+    # The numeric order columns sorted (stably), then the last row of each (cache, key) in that order by a
+    # hash aggregation: no sort of the string columns, which cost the most at an interval's size.
+    order = pc.sort_indices(feed, sort_keys=[(c, "ascending") for c in ORDER_COLUMNS])
+    cache, key = feed.column("cache").take(order), feed.column("key").take(order)
+    keyed = pc.and_(pc.is_valid(cache), pc.is_valid(key))
+    rows = pa.table({"cache": cache, "key": key, "row": order}).filter(keyed)
+    last = rows.group_by(["cache", "key"], use_threads=False).aggregate([("row", "last")]).column("row_last")
+    keyless = order.filter(pc.invert(keyed))
+    return feed.take(np.concatenate([last.to_numpy(), keyless.to_numpy()]))
 
 
 def split_truncates(feed: pa.Table) -> tuple[pa.Table, frozenset[str]]:
@@ -322,17 +320,29 @@ def compact(
         winners = latest_per_key(feed)
         keys += winners.num_rows
         failpoints.hit("lake.compact.source_read")
+        # Without a JVM, state's new files are written while the typed tables merge (in a thread of its
+        # own: its reads, typing and Parquet encoding release the GIL), and committed after them.
+        pending = _prepare_state(lake, winners, truncated) if session is None and typed_tables else None
         # The typed tables first: state's application transaction is the progress mark, so a
         # compaction killed between the two redoes this range (tables already past it are skipped).
-        if typed_tables:
-            typed = compact_tables(session, lake, winners, last, app_id=app_id, declared=tables, truncated=truncated)
-            versions, rescued, failed = typed.versions, rescued + typed.rescued, typed.failed
-            skipped += typed.failed
-        failpoints.hit("lake.compact.tables_committed")
-        mark = commit_ids(changes, first, last, seen)
+        try:
+            if typed_tables:
+                typed = compact_tables(
+                    session, lake, winners, last, app_id=app_id, declared=tables, truncated=truncated
+                )
+                versions, rescued, failed = typed.versions, rescued + typed.rescued, typed.failed
+                skipped += typed.failed
+            failpoints.hit("lake.compact.tables_committed")
+            mark = commit_ids(changes, first, last, seen)
+            prepared = None if pending is None else pending.result()
+        except BaseException:
+            _discard_prepared(pending)
+            raise
         if session is None:
             # The drops, the MERGE, the transaction and the mark in one commit.
-            ins, upd, dele = merge_state(lake, winners, truncated, app_id=app_id, version=last, user_metadata=mark)
+            if prepared is None:
+                prepared = prepare_state(lake, winners, truncated)
+            ins, upd, dele = prepared.commit(app_id=app_id, version=last, user_metadata=mark)
         else:
             ins, upd, dele = _spark_state(session, lake, winners, truncated, app_id=app_id, last=last, mark=mark)
         inserted, updated, deleted = inserted + ins, updated + upd, deleted + dele
@@ -346,6 +356,32 @@ def compact(
     return CompactResult(
         done + 1, end, keys, state_version, versions, rescued, inserted, updated, deleted, _unique(skipped)
     )
+
+
+def _prepare_state(lake: LakeDir, winners: pa.Table, truncated: frozenset[str]) -> Future[Prepared]:
+    """``prepare_state`` in a thread of its own (a daemon thread: it never holds the process up at exit;
+    compaction always waits for its result, to commit or to discard what it wrote)."""
+    future: Future[Prepared] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(prepare_state(lake, winners, truncated))
+        except BaseException as exc:  # handed to the compaction, which raises it or discards it
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="cdcd-state-prepare", daemon=True).start()
+    return future
+
+
+def _discard_prepared(pending: Future[Prepared] | None) -> None:
+    """The compaction failed before ``state``'s commit: the files prepared for it deleted (waiting for them
+    to be written); one that cannot be deleted is logged, the compaction's own error is the one raised."""
+    if pending is None or pending.exception() is not None:
+        return  # nothing prepared (prepare_state deletes what it wrote before it raises)
+    try:
+        pending.result().discard()
+    except OSError:
+        log.warning("lake_state_prepare_not_discarded", exc_info=True)  # orphans: VACUUM's
 
 
 def _spark_state(

@@ -6,13 +6,18 @@ committed with delta-rs like the lake's other writes: each new file goes into
 ``cache=<partition_dir_value>`` (cdcd/lake/landing/delta.py), the log holds the real name.
 
 Per cache the range touches: its files have their ``key`` column read (not pruned by key statistics: a
-writer's truncated string bounds would make a skipped file's key a second row); those that do hold a
-winner's key are read whole, their rows resolved against the
+writer's truncated string bounds would make a skipped file's key a second row), looked up among the
+winners' keys in one hash lookup each; those that do hold a winner's key have their other columns read
+(the keys not a second time), their rows resolved against the
 winners (a winner newer by ``ORDER_COLUMNS`` replaces or deletes its row, as Spark's MERGE in
 ``compact._merge``), and written again with the winners no file held; a dropped cache's files are
 removed whole. One commit for the range carries the removes, the adds, the application transaction and
 the compaction mark (``userMetadata``): a compaction killed before it left orphan files only (VACUUM's),
-one killed after it finds the range done. Memory: the range's winners (bounded by ``MAX_ROWS_PER_MERGE``)
+one killed after it finds the range done. The files are written by ``prepare_state`` and committed by
+``Prepared.commit``: compaction writes them while the typed tables merge, and commits after those;
+failing in between, it deletes them (``Prepared.discard``). Every file holding a changed key is read
+and written whole (copy-on-write, no deletion vectors): with changes spread over all keys, each run
+rewrites the whole partition. Memory: the range's winners (bounded by ``MAX_ROWS_PER_MERGE``)
 and up to ``FILE_ROWS`` rows of one partition at a time.
 """
 
@@ -89,6 +94,54 @@ def merge_state(
     """Apply one range to ``state`` in one commit carrying ``(app_id, version)`` and ``user_metadata``:
     the rows of the ``truncated`` caches removed, then ``winners`` (latest change per (cache, key),
     deletes included) merged. Returns the rows inserted, updated and deleted."""
+    return prepare_state(lake, winners, truncated).commit(app_id=app_id, version=version, user_metadata=user_metadata)
+
+
+@dataclass
+class Prepared:
+    """One range's new files of ``state``, written but not committed (orphans until ``commit``; ``discard``
+    deletes them): lets compaction write them while the typed tables merge, and commit after those."""
+
+    path: LakeDir
+    dt: DeltaTable
+    out: Merged
+
+    def commit(self, *, app_id: str, version: int, user_metadata: str) -> tuple[int, int, int]:
+        """The removes, the adds, the application transaction and the mark in one commit, at the version the
+        files were read from plus one (``max_commit_retries=0``). (inserted, updated, deleted)."""
+        out = self.out
+        now_ms = int(time.time() * 1000)
+        try:
+            props = CommitProperties(
+                max_commit_retries=0,
+                app_transactions=[Transaction(app_id, version, now_ms)],
+                custom_metadata={"userMetadata": user_metadata},
+            )
+            dirs = {t.parent for t in out.written if isinstance(t, Path)}
+            for d in dirs:
+                fsync_dir(d)
+            self.dt.create_write_transaction(
+                [*out.removes, *out.adds],
+                "append",
+                self.dt.schema(),
+                partition_by=list(PARTITION_BY),
+                commit_properties=props,
+                post_commithook_properties=PostCommitHookProperties(create_checkpoint=True, cleanup_expired_logs=False),
+            )
+        except BaseException:
+            _discard(self.path, app_id, version, out.written)
+            raise
+        return out.inserted, out.updated, out.deleted
+
+    def discard(self) -> None:
+        """Not to be committed (the compaction failed before ``state``'s turn): its files deleted."""
+        for target in self.out.written:
+            target.unlink(missing_ok=True)
+
+
+def prepare_state(lake: LakeDir, winners: pa.Table, truncated: frozenset[str]) -> Prepared:
+    """Read ``state`` at its current version and write the files one range's MERGE adds (the ``truncated``
+    caches' files removed, ``winners`` resolved against the files holding their keys), without committing."""
     path = lake / STATE
     dt = open_delta(path)
     adds = pa.table(dt.get_add_actions(flatten=True))
@@ -105,26 +158,10 @@ def merge_state(
             rows = winners.filter(pc.equal(winners.column("cache"), cache)) if cache in caches else None
             if rows is not None and rows.num_rows:
                 _merge_partition(path, cache, files, rows.combine_chunks(), now_ms=now_ms, out=out)
-        props = CommitProperties(
-            max_commit_retries=0,
-            app_transactions=[Transaction(app_id, version, now_ms)],
-            custom_metadata={"userMetadata": user_metadata},
-        )
-        dirs = {t.parent for t in out.written if isinstance(t, Path)}
-        for d in dirs:
-            fsync_dir(d)
-        dt.create_write_transaction(
-            [*out.removes, *out.adds],
-            "append",
-            dt.schema(),
-            partition_by=list(PARTITION_BY),
-            commit_properties=props,
-            post_commithook_properties=PostCommitHookProperties(create_checkpoint=True, cleanup_expired_logs=False),
-        )
     except BaseException:
-        _discard(path, app_id, version, out.written)
+        Prepared(path, dt, out).discard()
         raise
-    return out.inserted, out.updated, out.deleted
+    return Prepared(path, dt, out)
 
 
 def _discard(path: LakeDir, app_id: str, version: int, written: list[LakeDir]) -> None:
@@ -189,22 +226,27 @@ def _merge_partition(
     matched = np.zeros(rows.num_rows, bool)
     pending: list[pa.Table] = []
     held = 0
+    others = [n for n in _DATA_SCHEMA.names if n != "key"]
     for rel, size, _ in files:
-        if not pc.any(pc.is_in(_read(root, rel, ["key"]).column("key"), value_set=keys)).as_py():
+        # The key column alone decides whether the file is touched (one hash lookup per key); the other
+        # columns are read only for a touched file, its keys not a second time.
+        target_keys = _read(root, rel, ["key"]).column("key")
+        at = pc.index_in(target_keys, value_set=keys)
+        if at.null_count == len(at):
             continue
-        target = _read(root, rel)
-        at = pc.index_in(target.column("key"), value_set=keys)
+        target = _read(root, rel, others).add_column(_DATA_SCHEMA.get_field_index("key"), "key", target_keys)
         hit = pc.is_valid(at).to_numpy(zero_copy_only=False)
-        idx = at.filter(pc.is_valid(at))
+        idx = at.filter(pa.array(hit)).to_numpy(zero_copy_only=False)
         source = rows.take(idx)
-        matched[idx.to_numpy()] = True
-        newer = _newer(source, target.filter(pa.array(hit)))
+        matched[idx] = True
+        held_rows = target.filter(pa.array(hit))
+        newer = _newer(source, held_rows)
         deletes = newer & (source.column("op").to_numpy(zero_copy_only=False) == "delete")
         updates = newer & ~deletes
         out.deleted += int(deletes.sum())
         out.updated += int(updates.sum())
         keep = target.filter(pa.array(~hit))
-        kept_old = target.filter(pa.array(hit)).filter(pa.array(~newer))
+        kept_old = held_rows.filter(pa.array(~newer))
         replaced = source.filter(pa.array(updates)).select(_DATA_SCHEMA.names).cast(_DATA_SCHEMA)
         for part in (keep, kept_old, replaced):
             if part.num_rows:
