@@ -175,6 +175,9 @@ class Lane:
         """The consumer stage waits for its next item (it is not in a call, nor has one to start)."""
         self._asked: asyncio.Event | None = None
         """Set whenever ``_asking`` changes (a decoder holding a batch waits on it)."""
+        self._holding = False
+        """The decoder holds a due batch open (``_holds``): what it took is queued too, so the lane is not at the
+        end yet, however empty its queues."""
         self.watch = Watch(config, notifier, self.committed_state, show_progress=show_progress and primary)
         self._retried = False
         """The consumer call in flight waited out a retriable error (``_retry_step``)."""
@@ -444,7 +447,13 @@ class Lane:
                 "reader", f"reading segment {follower.segment}", read_chunk, follower, config.read_chunk_records
             )
             self._read_all = chunk is None
-            if chunk is None and read_q.empty() and self._item_q is not None and self._item_q.empty():
+            if (
+                chunk is None
+                and read_q.empty()
+                and self._item_q is not None
+                and self._item_q.empty()
+                and not self._holding
+            ):
                 self.catching_up = False  # at the end with nothing queued (the consumer may be on its last batch)
             if chunk is not None:
                 throttle.charge(time.monotonic() - began)
@@ -484,6 +493,7 @@ class Lane:
                     for item in end_of_read(processor, committer, None, timed_out=held):
                         await item_q.put(item)
                     held = None
+                    self._holding = False
                 chunk: list[ReadItem] | WalError | None
                 timed_out = False
                 if get is None and not read_q.empty():
@@ -511,11 +521,13 @@ class Lane:
                         chunk, timed_out = None, True
                 if chunk is None and self._holds(item_q):
                     held = timed_out and held is not False  # caught up once while held: it commits its position
+                    self._holding = True
                     continue
                 if chunk is None or isinstance(chunk, WalError):
                     # Caught up (segments arrive whole, waiting adds only lag), batch_max_delay_ms
                     # passed, or a bad spot.
                     held = None
+                    self._holding = False
                     for item in end_of_read(processor, committer, chunk, timed_out=timed_out):
                         await item_q.put(item)
                     if chunk is None:
@@ -531,6 +543,7 @@ class Lane:
                 if processor.finished:
                     return
         finally:
+            self._holding = False  # what it held is read again by the next pass
             if get is not None:
                 get.cancel()  # the queue outlives the pass: no getter of this one may take the next pass's chunk
 
@@ -548,7 +561,7 @@ class Lane:
         get: asyncio.Future[Any] | None = None
         try:
             while True:
-                if item_q.empty() and self._read_all:
+                if item_q.empty() and self._read_all and not self._holding:
                     self.catching_up = False
                 if get is None:
                     get = asyncio.ensure_future(item_q.get())
