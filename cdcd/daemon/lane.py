@@ -16,6 +16,7 @@ goes at full speed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import threading
@@ -58,6 +59,10 @@ STOPPED_FILE = "stopped.json"
 """In a consumer's state dir: why it stopped for good (``cdcd state show``), removed at its next start."""
 INVALIDATED_FILE = "invalidated.json"
 """In a consumer's state dir: it was invalidated (``max_retained_bytes``); removed by ``cdcd state reset``."""
+
+
+RECENT_CALLS = 8
+"""The consumer's calls ``Lane._holds`` compares the one in progress with."""
 
 
 class ConsumerInvalidated(Fault, Exception):
@@ -175,6 +180,10 @@ class Lane:
         """The consumer stage waits for its next item (it is not in a call, nor has one to start)."""
         self._asked: asyncio.Event | None = None
         """Set whenever ``_asking`` changes (a decoder holding a batch waits on it)."""
+        self._call_began: float | None = None
+        """Monotonic time the consumer's call in progress began (None between calls)."""
+        self._calls_s: collections.deque[float] = collections.deque(maxlen=RECENT_CALLS)
+        """How long its last calls with events took (a call far longer than these is a stall, not a slow sink)."""
         self._holding = False
         """The decoder holds a due batch open (``_holds``): what it took is queued too, so the lane is not at the
         end yet, however empty its queues."""
@@ -502,6 +511,8 @@ class Lane:
                     timeout = None
                     if processor.batch_started is not None and held is None:
                         timeout = max(0.0, processor.batch_started + delay_s - time.monotonic())
+                    elif held is not None:
+                        timeout = self._hold_left()
                     if get is None:
                         get = asyncio.ensure_future(read_q.get())
                     waits: set[asyncio.Future[Any]] = {get}
@@ -516,7 +527,7 @@ class Lane:
                     if get in done:
                         chunk, get = get.result(), None
                     elif held is not None:
-                        continue  # the consumer asks, or took a batch: the held one may go now
+                        continue  # the consumer asks, took a batch, or its call became a stall: look again
                     else:
                         chunk, timed_out = None, True
                 if chunk is None and self._holds(item_q):
@@ -551,8 +562,22 @@ class Lane:
         """Whether a due batch stays open: the lane is live (a lane catching up keeps its batches, and its
         throttle's steps, as they come) and its consumer is busy (in a call, or with an item queued). A
         consumer slower than the writes then takes what came during its last call in one batch, and its lag
-        stays about one of its calls, where batches cut at every segment would queue up behind it."""
-        return not self.catching_up and not (self._asking and item_q.empty())
+        stays about one of its calls, where batches cut at every segment would queue up behind it. Not for
+        a call that has lasted over twice its recent ones (a sink waiting out an outage: Kafka's commit
+        waits its transaction timeout before it fails), which would get batches of ``batch_max_events``
+        after it instead."""
+        if self.catching_up or (self._asking and item_q.empty()):
+            return False
+        left = self._hold_left()
+        return left is None or left > 0
+
+    def _hold_left(self) -> float | None:
+        """Seconds the call in progress is still held for (None: no call in progress)."""
+        began = self._call_began
+        if began is None:
+            return None
+        allowed = 2 * max(self._calls_s, default=0.0) + self.config.batch_max_delay_ms / 1000
+        return max(0.0, began + allowed - time.monotonic())
 
     async def _consume(self, follower: SegmentFollower, stopping: asyncio.Event) -> None:
         committer, watch, item_q, primary = self.committer, self.watch, self._item_q, self.primary
@@ -596,10 +621,16 @@ class Lane:
                     elif watch.oldest_unconfirmed_ns is None:
                         watch.oldest_unconfirmed_ns = events.peek_slices()[0].record.commit_ts_ns
                 began, self._retried = time.monotonic(), False
-                # Shielded: a started batch finishes (and commits if confirmed) even on shutdown.
-                await asyncio.shield(watch.in_thread("consumer", what, committer.apply, item))
+                if batch:
+                    self._call_began = began
+                try:
+                    # Shielded: a started batch finishes (and commits if confirmed) even on shutdown.
+                    await asyncio.shield(watch.in_thread("consumer", what, committer.apply, item))
+                finally:
+                    self._call_began = None
                 if batch and not self._retried:
                     self.throttle.charge(time.monotonic() - began)
+                    self._calls_s.append(time.monotonic() - began)
                 if primary:
                     watch.committed(committer.state.position, unconfirmed=committer.unconfirmed, follower=follower)
                 elif not committer.unconfirmed:
