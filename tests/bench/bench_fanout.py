@@ -86,6 +86,7 @@ from tests.support.bench import (
     _tail,
 )
 from tests.support.config import NO_MAINTENANCE
+from tests.support.cpu import cpu_s
 from tests.support.kafka import LIBS, Broker, read_topic
 from tests.support.kafka import positions_of as kafka_positions
 from tests.support.lake import toml_value
@@ -116,13 +117,6 @@ def _bench_dir() -> str | None:
 def _env_number(name: str, default: float) -> float:
     raw = os.environ.get(name)
     return float(raw) if raw else default
-
-
-def _cpu_s(pid: int) -> float:
-    """utime + stime of a process (all its threads) in seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _write_config(path: Path, node_dir: Path, consumers: dict[str, dict[str, Any]], **settings: Any) -> Path:
@@ -237,12 +231,12 @@ def _replay_cpu(consumers: int, work: Path) -> dict[str, Any]:
     try:
         _wait(lambda: bool(_log_events(log, "daemon_started")), 60, "daemon_started", proc, log)
         time.sleep(SETTLE_S)  # what the start left (a first scan, a first commit) is not counted
-        cpu0, t0 = _cpu_s(proc.pid), time.perf_counter()
+        cpu0, t0 = cpu_s(proc.pid), time.perf_counter()
         segments = BACKLOG.link_all()
         cdc = BACKLOG.node_dir / "cdc"
         _wait(lambda: not _links(cdc), DRAIN_TIMEOUT_S, "every link consumed", proc, log)
         wall = time.perf_counter() - t0
-        cpu = _cpu_s(proc.pid) - cpu0
+        cpu = cpu_s(proc.pid) - cpu0
     except BaseException:
         reap(proc)
         raise
