@@ -181,20 +181,7 @@ class Backlog:
         self.cleanup()
         self.root = Path(tempfile.mkdtemp(prefix="cdcd-bench-fanout-", dir=_bench_dir()))
         atexit.register(self.cleanup)
-        node = Node.open(
-            self.node_dir,
-            wal_mode="background",
-            wal_segment_size_bytes=SEGMENT_BYTES,
-            wal_force_archive_timeout_ms=0,
-            archive_max_bytes=0,
-        )
-        try:
-            put_all = node.cache(CACHE).put_all
-            for start in range(0, entries, TX_SIZE):
-                put_all(dict.fromkeys(range(start, min(start + TX_SIZE, entries)), VALUE_100B))
-            node.force_archive()
-        finally:
-            node.close()
+        _put_backlog(self.node_dir, 0, entries)
         self.entries = entries
 
     def empty(self) -> None:
@@ -264,12 +251,9 @@ def run_read_once(entries: int) -> Measurement:
     return Measurement(entries, three["wall_s"], extra, value=round(ratio, 3))
 
 
-# --- fanout.outage --------------------------------------------------------------------------------
-def _write_backlog(node_dir: str, entries: int, out: str) -> None:
-    """``entries`` entries (``put_all`` of TX_SIZE fresh keys from BACKLOG_KEY_BASE) as fast as the node takes them,
-    in background mode, archived; then ``<out>.backlog`` says where they end (the position after their last
-    segment) and how long they took to write."""
-    began = time.monotonic()
+def _put_backlog(node_dir: Path, first_key: int, entries: int) -> int | None:
+    """``entries`` fresh keys from ``first_key`` in ``put_all`` of TX_SIZE, in background mode as fast as the node
+    takes them, then archived; the index of the last segment archived."""
     node = Node.open(
         node_dir,
         wal_mode="background",
@@ -279,11 +263,21 @@ def _write_backlog(node_dir: str, entries: int, out: str) -> None:
     )
     try:
         put_all = node.cache(CACHE).put_all
-        for start in range(BACKLOG_KEY_BASE, BACKLOG_KEY_BASE + entries, TX_SIZE):
-            put_all(dict.fromkeys(range(start, min(start + TX_SIZE, BACKLOG_KEY_BASE + entries)), VALUE_100B))
-        last = node.force_archive()
+        end = first_key + entries
+        for start in range(first_key, end, TX_SIZE):
+            put_all(dict.fromkeys(range(start, min(start + TX_SIZE, end)), VALUE_100B))
+        return node.force_archive()
     finally:
         node.close()
+
+
+# --- fanout.outage --------------------------------------------------------------------------------
+def _write_backlog(node_dir: str, entries: int, out: str) -> None:
+    """``entries`` entries (``put_all`` of TX_SIZE fresh keys from BACKLOG_KEY_BASE) as fast as the node takes them,
+    in background mode, archived; then ``<out>.backlog`` says where they end (the position after their last
+    segment) and how long they took to write."""
+    began = time.monotonic()
+    last = _put_backlog(Path(node_dir), BACKLOG_KEY_BASE, entries)
     assert last is not None, "the backlog wrote no segment"
     done = {"end": [last + 1, 0, 0], "entries": entries, "seconds": round(time.monotonic() - began, 1)}
     Path(out + ".backlog").write_text(json.dumps(done))
