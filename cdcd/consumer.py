@@ -191,6 +191,11 @@ class RecordSlice(msgspec.Struct, frozen=True, gc=False):
     record: DataRecord
     start: int = 0
     stop: int | None = None
+    payload: bytes | None = None
+    """The record's MessagePack as the WAL holds it, when the reader kept it (``SegmentReader.frames``):
+    what a sink that ships records on sends as is instead of encoding ``record`` again (the lake's
+    ``arrow.pack``). None (slices built from records in memory, the realtime worker's): encode ``record``.
+    Its keys and values point into these bytes already, so a slice holding them costs no copy."""
 
     @property
     def end(self) -> int:
@@ -201,23 +206,25 @@ class RecordSlice(msgspec.Struct, frozen=True, gc=False):
 _cache_id = operator.attrgetter("cache_id")
 
 
-def enabled_slices(ptr: WalPointer, record: DataRecord, start: int, disabled: AbstractSet[int]) -> list[RecordSlice]:
+def enabled_slices(
+    ptr: WalPointer, record: DataRecord, start: int, disabled: AbstractSet[int], payload: bytes | None = None
+) -> list[RecordSlice]:
     """The entries ``start..`` of ``record`` outside the caches in ``disabled``, as slices (none if
     every one is of such a cache). Entries keep their index: positions stay those of the WAL."""
     entries = record.entries
     if not disabled or disabled.isdisjoint(map(_cache_id, entries)):
-        return [RecordSlice(ptr, record, start)]
+        return [RecordSlice(ptr, record, start, None, payload)]
     out = []
     run = -1
     for i in range(start, len(entries)):
         if entries[i].cache_id in disabled:
             if run >= 0:
-                out.append(RecordSlice(ptr, record, run, i))
+                out.append(RecordSlice(ptr, record, run, i, payload))
                 run = -1
         elif run < 0:
             run = i
     if run >= 0:
-        out.append(RecordSlice(ptr, record, run))
+        out.append(RecordSlice(ptr, record, run, None, payload))
     return out
 
 
@@ -298,10 +305,10 @@ class EventBatch:
         if k < 0:
             return [], EventBatch(self.source_node, slices, self._names)
         s = slices[k]
-        taken = [*slices[:k], RecordSlice(s.pointer, s.record, s.start, i + 1)]
+        taken = [*slices[:k], RecordSlice(s.pointer, s.record, s.start, i + 1, s.payload)]
         rest = list(slices[k + 1 :])
         if i + 1 < s.end:
-            rest.insert(0, RecordSlice(s.pointer, s.record, i + 1, s.stop))
+            rest.insert(0, RecordSlice(s.pointer, s.record, i + 1, s.stop, s.payload))
         if not rest:
             return slices, None
         return taken, EventBatch(self.source_node, rest, self._names)

@@ -67,7 +67,7 @@ def slices_from(slices: Sequence[RecordSlice], cursor: WalPosition | None) -> li
         done = cursor.entries_done(s.pointer, s.end)
         if done >= s.end:
             continue
-        out.append(RecordSlice(s.pointer, s.record, done, s.stop) if done > s.start else s)
+        out.append(RecordSlice(s.pointer, s.record, done, s.stop, s.payload) if done > s.start else s)
     return out
 
 
@@ -135,16 +135,19 @@ class Batcher:
         """Whether the consumer gets this cache's events (and hears of it)."""
         return info.config.cdc_enabled and (self.selected is None or self.selected(info.name))
 
-    def data(self, ptr: WalPointer, record: DataRecord, done: int, size: int) -> Batch | None:
-        """Add the entries ``done..`` of a DataRecord; returns the batch it fills, if any."""
+    def data(
+        self, ptr: WalPointer, record: DataRecord, done: int, size: int, payload: bytes | None = None
+    ) -> Batch | None:
+        """Add the entries ``done..`` of a DataRecord; returns the batch it fills, if any. ``payload``:
+        the record's bytes as read (``RecordSlice.payload``), when the reader kept them."""
         disabled = self.disabled
         if done or (disabled and not disabled.isdisjoint(map(_cache_id, record.entries))):
-            parts = enabled_slices(ptr, record, done, disabled)
+            parts = enabled_slices(ptr, record, done, disabled, payload)
             added = sum(p.end - p.start for p in parts)
             self.slices.extend(parts)
         else:
             added = len(record.entries)
-            self.slices.append(RecordSlice(ptr, record, 0))
+            self.slices.append(RecordSlice(ptr, record, 0, None, payload))
         if added and self.batch_started is None:
             self.batch_started = time.monotonic()
         self.events += added
@@ -210,13 +213,16 @@ class Batcher:
         return batch
 
 
-def feed_active(batcher: Batcher, ptr: WalPointer, record: Record, done: int, size: int) -> list[Batch | CacheChange]:
+def feed_active(
+    batcher: Batcher, ptr: WalPointer, record: Record, done: int, size: int, *, payload: bytes | None = None
+) -> list[Batch | CacheChange]:
     """The delivering side's handling of a record not (wholly) before its start: the entries
     ``done..`` of a DataRecord join the batch, a CacheRecord becomes a CacheChange, any other
-    record only moves the position (markers are the caller's: they mean nothing to a batch)."""
+    record only moves the position (markers are the caller's: they mean nothing to a batch).
+    ``payload``: the record's bytes as read, if kept (``RecordSlice.payload``)."""
     rtype = type(record)
     if rtype is DataRecord:
-        batch = batcher.data(ptr, record, done, size)  # type: ignore[arg-type]
+        batch = batcher.data(ptr, record, done, size, payload)  # type: ignore[arg-type]
         return [batch] if batch is not None else []
     if rtype is CacheRecord:
         return batcher.cache_record(ptr, record)  # type: ignore[arg-type]
@@ -242,14 +248,15 @@ def split_at(
         i = address.entry_index
         if s.pointer.segment != address.segment or s.pointer.offset != address.offset or not s.start <= i < s.end:
             continue
-        before = [*slices[:k], RecordSlice(s.pointer, s.record, s.start, i)] if i > s.start else list(slices[:k])
+        p = s.payload
+        before = [*slices[:k], RecordSlice(s.pointer, s.record, s.start, i, p)] if i > s.start else list(slices[:k])
         after = list(slices[k + 1 :])
         if i + 1 < s.end:
-            after.insert(0, RecordSlice(s.pointer, s.record, i + 1, s.stop))
+            after.insert(0, RecordSlice(s.pointer, s.record, i + 1, s.stop, p))
         node, names = events.source_node, events.cache_names
         return (
             EventBatch(node, before, names) if before else None,
-            RecordSlice(s.pointer, s.record, i, i + 1),
+            RecordSlice(s.pointer, s.record, i, i + 1, p),
             EventBatch(node, after, names) if after else None,
         )
     return None

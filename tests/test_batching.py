@@ -93,11 +93,13 @@ def test_slices_from_keeps_exactly_the_events_at_or_after_the_cursor() -> None:
 CACHES = 1000
 
 
-def _many_caches() -> list[tuple[WalPointer, Any, int]]:
-    out: list[tuple[WalPointer, Any, int]] = []
+def _many_caches() -> list[tuple[WalPointer, Any, int, None]]:
+    out: list[tuple[WalPointer, Any, int, None]] = []
     for cid in range(1, CACHES + 1):
-        out.append((WalPointer(0, len(out) * 100), CacheRecord(cid, f"c{cid}", CacheOp.CREATE, CacheConfig()), 50))
-        out.append((WalPointer(0, len(out) * 100), _data(cid, 1, 2), 50))
+        out.append(
+            (WalPointer(0, len(out) * 100), CacheRecord(cid, f"c{cid}", CacheOp.CREATE, CacheConfig()), 50, None)
+        )
+        out.append((WalPointer(0, len(out) * 100), _data(cid, 1, 2), 50, None))
     return out
 
 

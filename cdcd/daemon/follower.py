@@ -19,8 +19,8 @@ from cdcd.wal.segment import list_segments
 
 log = structlog.get_logger("cdcd.daemon")
 
-ReadItem = tuple[WalPointer, Record, int]
-"""(pointer, record, frame size in bytes)."""
+ReadItem = tuple[WalPointer, Record, int, bytes | None]
+"""(pointer, record, frame size in bytes, the record's payload as read: ``RecordSlice.payload``)."""
 
 _ReadKey = tuple[int, int, frozenset[int], int]
 """(segment, offset, record types skipped, records at most): a read's chunk is the same for every
@@ -107,7 +107,7 @@ class SegmentFollower:
         self._segment: int | None = start.segment if start is not None else None
         self._offset = start.offset if start is not None else 0
         self._reader: SegmentReader | None = None
-        self._records: Iterator[tuple[WalPointer, Record]] | None = None
+        self._records: Iterator[tuple[WalPointer, Record, bytes]] | None = None
         self._warned: set[str] = set()
         self.node_id = ""
         """Node id from the header of the segment being read (the source of its events)."""
@@ -146,7 +146,7 @@ class SegmentFollower:
             skip_types=self.skip_types,
             expect_node_id=self.expect_node_id,
         )
-        self._records = iter(self._reader)
+        self._records = self._reader.frames()
         return True
 
     def read(self, max_records: int) -> list[ReadItem] | None:
@@ -178,7 +178,7 @@ class SegmentFollower:
         self.node_id = node_id
         if self.expect_node_id is None and node_id:
             self.expect_node_id = uuid.UUID(node_id)
-        ptr, record, size = chunk[-1]
+        ptr, record, size, _payload = chunk[-1]
         if type(record) is SegmentEnd:
             self._segment = ptr.segment + 1
             self._offset = 0
@@ -193,12 +193,12 @@ class SegmentFollower:
         assert reader is not None and records is not None
         out: list[ReadItem] = []
         append = out.append
-        for ptr, record in records:
+        for ptr, record, payload in records:
             if not out and reader.header is not None:
                 self.node_id = str(reader.header.node_id)
                 if self.expect_node_id is None:
                     self.expect_node_id = reader.header.node_id
-            append((ptr, record, reader.end_offset - ptr.offset))
+            append((ptr, record, reader.end_offset - ptr.offset, payload))
             if type(record) is SegmentEnd:
                 self._reader = self._records = None
                 assert self._segment is not None

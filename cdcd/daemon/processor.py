@@ -143,8 +143,9 @@ class Processor:
         """Monotonic time the open batch got its first event (for ``batch_max_delay_ms``)."""
         return self.batcher.batch_started
 
-    def feed(self, ptr: WalPointer, record: Record, size: int) -> list[Item]:
-        """Process one record; returns the items it completes, in order."""
+    def feed(self, ptr: WalPointer, record: Record, size: int, payload: bytes | None = None) -> list[Item]:
+        """Process one record (``payload``: its bytes as read, ``RecordSlice.payload``); returns the items
+        it completes, in order."""
         if self.finished:
             raise RuntimeError("processor fed after its pass finished")
         n = record_entries(record)
@@ -162,7 +163,7 @@ class Processor:
             batcher.passed(ptr, record)
             return []
         if rtype is DataRecord or rtype is CacheRecord:
-            return list(feed_active(batcher, ptr, record, done, size))
+            return list(feed_active(batcher, ptr, record, done, size, payload=payload))
         out: list[Item] = []
         batcher.passed(ptr, record)
         if not self.markers:
@@ -220,25 +221,25 @@ class Processor:
         log.warning("marker_behind_committed_position", pointer=str(ptr), last=str(last), committed=str(floor))
         return floor
 
-    def feed_many(self, chunk: list[tuple[WalPointer, Record, int]]) -> list[Item]:
+    def feed_many(self, chunk: list[tuple[WalPointer, Record, int, bytes | None]]) -> list[Item]:
         """``feed`` over a chunk, stopping after a switch; the loop for plain DataRecords is inlined
         because it runs once per record of the backlog."""
         out: list[Item] = []
         batcher = self.batcher
         active = self.mode is CdcMode.DAEMON_ACTIVE
         disabled = batcher.disabled
-        for ptr, record, size in chunk:
+        for ptr, record, size, payload in chunk:
             if (
                 active
                 and self.start is None
                 and type(record) is DataRecord
                 and (not disabled or disabled.isdisjoint(map(_cache_id, record.entries)))
             ):
-                batch = batcher.data(ptr, record, 0, size)  # type: ignore[arg-type]
+                batch = batcher.data(ptr, record, 0, size, payload)  # type: ignore[arg-type]
                 if batch is not None:
                     out.append(batch)
                 continue
-            out.extend(self.feed(ptr, record, size))
+            out.extend(self.feed(ptr, record, size, payload))
             if self.finished:
                 break
         return out

@@ -75,6 +75,14 @@ class SegmentReader:
         self.torn_tail = False
 
     def __iter__(self) -> Iterator[tuple[WalPointer, Record]]:
+        for ptr, record, _payload in self.frames():
+            yield ptr, record
+
+    def frames(self) -> Iterator[tuple[WalPointer, Record, bytes]]:
+        """Like iterating the reader, with each record's payload: the MessagePack bytes it was decoded
+        from (CRC checked), which its keys and values (``msgspec.Raw``) point into already, so keeping
+        it costs no copy. A consumer that ships records on (the lake's Spark tasks) sends these bytes
+        instead of encoding the record again (``RecordSlice.payload``)."""
         path, segment = self.path, self.segment
         with _open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
@@ -153,7 +161,7 @@ class SegmentReader:
                 except (msgspec.DecodeError, ValueError, RecursionError) as exc:
                     message = f"undecodable record of type {rtype}: {_decode_error(exc)}"
                     raise CorruptRecord(path, off, message) from None
-                yield WalPointer(segment, off), record
+                yield WalPointer(segment, off), record, payload
                 if rtype == _SEGMENT_END:
                     self.ended = True
                     return

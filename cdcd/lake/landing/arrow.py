@@ -101,8 +101,17 @@ build_columns: RowBuilder = _row_builder(os.environ.get(ROWS_ENV, ""))
 
 def pack(slices: Sequence[RecordSlice]) -> bytes:
     """``slices`` as ``build_columns`` reads them (landing/_rows.c, landing/rows_py.py): MessagePack of
-    ``[segment, offset, start, stop, record]`` per slice, the record as the WAL holds it."""
-    return _encoder.encode([(s.pointer.segment, s.pointer.offset, s.start, s.stop, s.record) for s in slices])
+    ``[segment, offset, start, stop, record]`` per slice, the record as the WAL holds it: its payload as
+    read (``RecordSlice.payload``, copied as is: no encoding per entry) or, without one, ``record``
+    encoded again: the same bytes for a record written with the current schema (one an older node wrote
+    may lack fields appended since, which the row builders do not read)."""
+    raw = msgspec.Raw
+    return _encoder.encode(
+        [
+            (s.pointer.segment, s.pointer.offset, s.start, s.stop, s.record if s.payload is None else raw(s.payload))
+            for s in slices
+        ]
+    )
 
 
 def _text(n: int, offsets: bytes, data: bytes, validity: pa.Buffer | None = None, nulls: int = 0) -> pa.Array:

@@ -9,9 +9,9 @@ Parquet files under ``<table>/<partition dirs>/`` with names unique per file (``
 the JVM-free writer writes), fsynced on a local disk, and returns one row per file: its path, size,
 partition values and statistics. The driver collects those rows as Delta ``AddAction``s, and
 delta-rs commits them with the source's application transaction exactly as for any other batch
-(cdcd/lake/landing/delta.py). So the daemon decodes the WAL and re-encodes records (C code, a fraction of a
-microsecond per row); the rest of the lake's per-row work (columns, JSON text, Parquet) runs on
-the executors' cores, in parallel, one task per part.
+(cdcd/lake/landing/delta.py). So the daemon decodes the WAL and ships the records' bytes as it read them
+(``RecordSlice.payload``: copied, not encoded again, where the reader kept them); the rest of the lake's
+per-row work (columns, JSON text, Parquet) runs on the executors' cores, in parallel, one task per part.
 
 Nothing is renamed or copied, so the same path serves a local lake and an object store (which has no
 rename: a "move" is a copy of every byte), and no file goes through Hadoop's file systems. Files
