@@ -112,6 +112,10 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     (cdcd/lake/maintenance/autocompact.py); compaction does the same to ``state`` and the typed tables after each run.
     0: off (files then wait for the scheduled OPTIMIZE)."""
     ready_within_s: float = 15.0
+    compact_file_rows: int = 65_536
+    """Rows per file of ``state``'s cache partitions and the typed tables, which compaction keeps sorted by key
+    in files of bounded key ranges, so a run rewrites only the files its changed keys fall in
+    (cdcd/lake/maintenance/clustered.py); such key-disjoint files count as one toward ``max_files_per_partition``."""
     """A new cache's typed table and its rows in ``state`` answer ``cdcd lake sql`` within this long of its first
     commit (compaction on): the first commit of a cache makes the next compaction due within a second; a cache
     that took longer is logged (``lake_new_cache_ready`` warning)."""
@@ -128,7 +132,13 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``[consumer.tables.<cache>]``: declared column types of a cache's typed table (docs/lake.md)."""
 
     def __post_init__(self) -> None:
-        check_ranges(self, {"max_files_per_batch": 1 <= self.max_files_per_batch <= MAX_FILES_PER_BATCH})
+        check_ranges(
+            self,
+            {
+                "max_files_per_batch": 1 <= self.max_files_per_batch <= MAX_FILES_PER_BATCH,
+                "compact_file_rows": self.compact_file_rows >= 1,
+            },
+        )
         try:
             self.maintainer_options()
             self.file_policy()
@@ -169,7 +179,9 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def file_policy(self) -> FilePolicy | None:
         """How files are bounded per partition (None: ``max_files_per_partition = 0``, off)."""
-        return FilePolicy(max_files=self.max_files_per_partition) if self.max_files_per_partition else None
+        if not self.max_files_per_partition:
+            return None
+        return FilePolicy(max_files=self.max_files_per_partition, file_rows=self.compact_file_rows)
 
 
 def _compact_jvm_free(_spark: Any, lake: LakeDir, **options: Any) -> Any:
@@ -301,6 +313,7 @@ class LakeConsumer(Consumer):
 
     def alive(self) -> bool:
         if self._maintainer is not None:
+                file_rows=opts.compact_file_rows,
             self._maintainer.check()  # MaintenanceFailed names the cause in the caller's exit line
         return True
 

@@ -13,6 +13,12 @@
   ``changes`` (``read_feed``) and to write the whole ``state`` (1M rows) once with pyarrow: what a run
   costs at least, and what a run that rewrites all of ``state`` costs at least.
 
+Per run also the files and bytes a run removed (read and rewrote) from ``state`` and the typed tables, summed
+over their commits (the Delta log's ``remove`` actions, the tables' own bin-packing and clustering
+included): with key-range clustered files (``compact_file_rows``) they track the changed keys' ranges, not
+the table. ``BENCH_COMPACT_KEYS`` (default 1M) sets the table's size, ``BENCH_COMPACT_FILE_ROWS`` the rows
+per clustered file (default: the sink's).
+
 ``BENCH_COMPACT_PROFILE=path``: the first timed run of each variant under cProfile, written to
 ``path.<variant>.prof`` (``python -m pstats``).
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import cProfile
+import json
 import os
 import random
 import resource
@@ -30,7 +37,9 @@ import time
 from pathlib import Path
 
 import pyarrow as pa
+from deltalake import DeltaTable
 
+from cdcd.lake.maintenance.clustered import FILE_ROWS
 from tests.bench.bench_lake_merge import _bench_dir, append, change_table, state_count
 from tests.support.bench import Bench, Measurement, Metric
 
@@ -55,11 +64,33 @@ def _changes(keys: list[int], first_order: int, deletes: float = 0.0, rng: rando
     return change_table([f"live-{k % CACHES}" for k in keys], keys, ops, first_order, _value)
 
 
+def _removed(table: Path, after: int) -> tuple[int, int]:
+    """(files, bytes) the commits of the Delta table at ``table`` after version ``after`` removed."""
+    files = size = 0
+    dt = DeltaTable(str(table))
+    for version in range(after + 1, dt.version() + 1):
+        log = table / "_delta_log" / f"{version:020d}.json"
+        for line in log.read_text().splitlines():
+            if '"remove"' in line:
+                action = json.loads(line).get("remove")
+                if action is not None:
+                    files += 1
+                    size += int(action.get("size") or 0)
+    return files, size
+
+
+def _versions(lake: Path) -> dict[Path, int]:
+    from cdcd.lake.typed.layout import list_tables
+
+    tables = [lake / "state", *list_tables(lake).values()]
+    return {t: DeltaTable(str(t)).version() for t in tables}
+
+
 class Lake:
     """1M keys compacted once (``base``); each variant works on a copy of it."""
 
-    def __init__(self, keys: int, changes: int, runs: int) -> None:
-        self.keys, self.changes, self.runs = keys, changes, runs
+    def __init__(self, keys: int, changes: int, runs: int, file_rows: int = FILE_ROWS) -> None:
+        self.keys, self.changes, self.runs, self.file_rows = keys, changes, runs, file_rows
         self.root: Path | None = None
         self.initial_s = 0.0
         self.next_order = 0
@@ -80,7 +111,7 @@ class Lake:
             )
         self.next_order = self.keys
         t0 = time.perf_counter()
-        compact(None, base)
+        compact(None, base, file_rows=self.file_rows)
         self.initial_s = time.perf_counter() - t0
         if state_count(base) != self.keys:
             raise AssertionError(f"initial state: {state_count(base):,} rows, expected {self.keys:,}")
@@ -105,7 +136,6 @@ def _cpu_s() -> float:
 def _baseline(lake: Path, first: int, last: int) -> tuple[float, float]:
     """Seconds to read changes ``first..last`` (the feed), and to write all of ``state`` once with pyarrow."""
     import pyarrow.parquet as pq
-    from deltalake import DeltaTable
 
     from cdcd.lake.maintenance.feed import read_feed
 
@@ -122,8 +152,6 @@ def _baseline(lake: Path, first: int, last: int) -> tuple[float, float]:
 
 
 def run_variant(lake_spec: Lake, variant: str) -> Measurement:
-    from deltalake import DeltaTable
-
     from cdcd.lake.maintenance.compact import compact
 
     assert lake_spec.root is not None
@@ -136,6 +164,8 @@ def run_variant(lake_spec: Lake, variant: str) -> Measurement:
     seconds: list[float] = []
     cpu: list[float] = []
     load: list[float] = []
+    removed_files: list[int] = []
+    removed_bytes: list[int] = []
     profile = os.environ.get("BENCH_COMPACT_PROFILE")
     live = lake_spec.keys
     deleted: set[int] = set()
@@ -164,15 +194,19 @@ def run_variant(lake_spec: Lake, variant: str) -> Measurement:
         append(lake, changes)
         load.append(os.getloadavg()[0])
         prof = cProfile.Profile() if profile and run == 0 else None
+        before = _versions(lake)
         c0 = _cpu_s()
         t0 = time.perf_counter()
         if prof is not None:
             prof.enable()
-        compact(None, lake)
+        compact(None, lake, file_rows=lake_spec.file_rows)
         if prof is not None:
             prof.disable()
         seconds.append(time.perf_counter() - t0)
         cpu.append(_cpu_s() - c0)
+        gone = [_removed(t, v) for t, v in before.items()]
+        removed_files.append(sum(f for f, _ in gone))
+        removed_bytes.append(sum(b for _, b in gone))
         if prof is not None:
             prof.dump_stats(f"{profile}.{variant}.prof")
         if state_count(lake) != live:
@@ -189,6 +223,10 @@ def run_variant(lake_spec: Lake, variant: str) -> Measurement:
         "initial_s": round(lake_spec.initial_s, 1),
         "load": [round(x, 1) for x in load],
         "state_files": len(DeltaTable(str(lake / "state")).file_uris()),
+        "table_files": sum(len(DeltaTable(str(t)).file_uris()) for t in _versions(lake)),
+        "removed_files_p50": int(_pct([float(x) for x in removed_files], 0.5)),
+        "removed_mib_p50": round(_pct([float(x) for x in removed_bytes], 0.5) / (1 << 20), 1),
+        "removed_files_runs": removed_files,
     }
     shutil.rmtree(lake, ignore_errors=True)
     return Measurement(lake_spec.changes * lake_spec.runs, sum(seconds), extra, value=extra["p99_s"])
@@ -196,18 +234,23 @@ def run_variant(lake_spec: Lake, variant: str) -> Measurement:
 
 def benchmarks(quick: bool) -> list[Bench]:
     changes = int(os.environ.get("BENCH_COMPACT_CHANGES", 5_000 if quick else INTERVAL_CHANGES))
-    lake = Lake(100_000 if quick else KEYS, changes, 3 if quick else RUNS)
+    keys = int(os.environ.get("BENCH_COMPACT_KEYS", 100_000 if quick else KEYS))
+    file_rows = int(os.environ.get("BENCH_COMPACT_FILE_ROWS", FILE_ROWS))
+    lake = Lake(keys, changes, 3 if quick else RUNS, file_rows)
     params = {
         "keys": lake.keys,
         "caches": CACHES,
         "changes_per_run": lake.changes,
         "runs": lake.runs,
         "engine": "deltalake",
+        "file_rows": file_rows,
         "hot": f"{HOT_SHARE:.0%} of changes on 1% of keys",
     }
     more = (
         Metric("p50", "p50_s", "s", GOAL_S, lower_is_better=True),
         Metric("cpu_p50", "cpu_p50_s", "s", lower_is_better=True),
+        Metric("removed_files_p50", "removed_files_p50", "files", lower_is_better=True),
+        Metric("removed_mib_p50", "removed_mib_p50", "MiB", lower_is_better=True),
         Metric("baseline_read_changes", "baseline_read_changes_s", "s", lower_is_better=True),
         Metric("baseline_write_state", "baseline_write_state_s", "s", lower_is_better=True),
     )

@@ -58,6 +58,7 @@ from deltalake.transaction import AddAction, PostCommitHookProperties, RemoveAct
 from cdcd import failpoints, metrics
 from cdcd.durable import fsync_dir, fsync_file
 from cdcd.lake.landing.parquet_files import file_stats
+from cdcd.lake.maintenance.clustered import FILE_ROWS, ranged_files, recluster, sorted_runs
 from cdcd.lake.storage import LakeDir, file_source, is_delta, open_delta
 from cdcd.logging import describe
 
@@ -85,6 +86,10 @@ class FilePolicy:
     large_file_bytes: int = 64 << 20
     """Files this large are full-size: never rewritten (as the scheduled Spark OPTIMIZE left them). A
     rewrite holds its group in memory: at most the top tier's allowance plus one files below this."""
+    file_rows: int = FILE_ROWS
+    """Rows per key-range clustered file of ``state`` and the typed tables (``compact_file_rows``,
+    cdcd/lake/maintenance/clustered.py): their files sorted by key, pairwise disjoint, count as one sorted
+    run toward ``max_files``."""
 
     def __post_init__(self) -> None:
         if self.max_files < self.tiers + 1:
@@ -94,6 +99,8 @@ class FilePolicy:
             )
         if self.factor < 2 or self.base_bytes < 1 or self.large_file_bytes <= self.base_bytes:
             raise ValueError("file tiers: factor >= 2 and 0 < base_bytes < large_file_bytes")
+        if self.file_rows < 1:
+            raise ValueError(f"compact_file_rows = {self.file_rows}: must be at least 1")
 
     @property
     def bounds(self) -> list[int]:
@@ -176,6 +183,40 @@ def _partition_files(dt: DeltaTable, partition_by: Sequence[str]) -> dict[tuple[
     return out
 
 
+def _outside_main_run(
+    dt: DeltaTable, by_partition: dict[tuple[str | None, ...], list[Any]], key: str, policy: FilePolicy
+) -> dict[tuple[str | None, ...], list[Any]]:
+    """Per partition, its files but those of its longest sorted run by ``key`` (below full size)."""
+    ranged = {f.path: f for f in ranged_files(pa.table(dt.get_add_actions(flatten=True)), key)}
+    out: dict[tuple[str | None, ...], list[Any]] = {}
+    for part, files in by_partition.items():
+        small = [ranged[p] for p, size, _ in files if size < policy.large_file_bytes and p in ranged]
+        runs = sorted_runs(small)
+        main = {f.path for f in max(runs, key=len)} if runs else set()
+        out[part] = [f for f in files if f[0] not in main]
+    return {k: v for k, v in out.items() if v}
+
+
+def sorted_runs_per_partition(table: LakeDir, key: str) -> dict[tuple[str | None, ...], int]:
+    """Sorted runs by ``key`` (files below full size, cdcd/lake/maintenance/clustered.py) per partition of the
+    Delta table at ``table``: what the bound counts for ``state`` and the typed tables ({} without a table)."""
+    if not is_delta(table):
+        return {}
+    dt = open_delta(table)
+    columns = list(dt.metadata().partition_columns)
+    adds = pa.table(dt.get_add_actions(flatten=True))
+    if not adds.num_rows:
+        return {}
+    out: dict[tuple[str | None, ...], int] = {}
+    parts = [adds.column(f"partition.{c}").to_pylist() for c in columns]
+    groups: dict[tuple[str | None, ...], list[int]] = {}
+    for i in range(adds.num_rows):
+        groups.setdefault(tuple(v[i] for v in parts), []).append(i)
+    for part, rows in groups.items():
+        out[part] = len(sorted_runs(ranged_files(adds.take(rows), key)))
+    return out
+
+
 def files_per_partition(table: LakeDir, partition_by: Sequence[str] | None = None) -> dict[tuple[str | None, ...], int]:
     """Live data files per partition of the Delta table at ``table`` (from its log; {} without a table);
     ``partition_by``: the columns to group by (None: the table's partition columns)."""
@@ -239,14 +280,20 @@ def rewrite_partitions(
     policy: FilePolicy,
     *,
     only: Iterable[Mapping[str, str | None]] | None = None,
+    runs_by: str | None = None,
 ) -> Rewritten | None:
     """Rewrite the over-full tiers of the partitions ``only`` names (every partition: None) of the table
     ``dt`` at ``root`` (partitioned as its metadata says: ``cache``, and ``day`` with ``partition_by_day``),
     in one commit at the version ``dt`` holds plus one. None: nothing to do, or the commit lost to another
-    writer's (its files deleted; the next call tries again). ``dt`` is brought to the new version."""
+    writer's (its files deleted; the next call tries again). ``dt`` is brought to the new version.
+    ``runs_by``: a key column the table's files are clustered by (``state``'s ``key``): a partition's
+    longest sorted run of key-disjoint files counts as one and is left as it is; the tiers bound the
+    other files (cdcd/lake/maintenance/clustered.py)."""
     started = time.monotonic()
     partition_by = list(dt.metadata().partition_columns)
     by_partition = _partition_files(dt, partition_by)
+    if runs_by is not None:
+        by_partition = _outside_main_run(dt, by_partition, runs_by, policy)
     if only is not None:
         wanted = {tuple(p.get(c) for c in partition_by) for p in only}
         by_partition = {k: v for k, v in by_partition.items() if k in wanted}
@@ -337,6 +384,14 @@ class Rewriter:
         self._lock = threading.Lock()
         self.waited_s = 0.0
         """Seconds commits waited for a rewrite so far (the back-pressure of the bound)."""
+        self.committed_version: int | None = None
+        """The version the last rewrite committed (None: it found nothing to do, lost or failed); read after
+        ``wait``: the writer knows that version moved no source's mark and need not read the log for it."""
+
+    @property
+    def in_flight(self) -> bool:
+        """A rewrite was submitted and not waited for yet (it may have ended)."""
+        return self._running is not None
 
     def submit(self, touched: Sequence[Mapping[str, str | None]]) -> None:
         """Start rewriting the over-full tiers of ``touched`` partitions (call ``wait`` first: one at a time)."""
@@ -346,6 +401,7 @@ class Rewriter:
             unique = {tuple(sorted(p.items())): dict(p) for p in [*self._failed, *touched]}
             self._failed = []
         partitions = list(unique.values())
+        self.committed_version = None
         self._running = self._pool.submit(self._rewrite, partitions)
 
     def wait(self) -> bool:
@@ -384,6 +440,7 @@ class Rewriter:
             log.warning("lake_autocompact_failed", table=str(self.table), error=describe(exc))
             return
         if done is not None:
+            self.committed_version = self._dt.version()  # rewrite_partitions brought it to its own commit
             seconds = time.monotonic() - started
             metrics.LAKE_MAINTENANCE_SECONDS.labels("autocompact").observe(seconds)
             metrics.LAKE_LAST_MAINTENANCE_SECONDS.labels("autocompact").set(seconds)
@@ -419,38 +476,32 @@ def bound_changes(lake: LakeDir, policy: FilePolicy) -> Rewritten | None:
 
 
 def bound_compacted(lake: LakeDir, policy: FilePolicy) -> dict[str, Rewritten]:
-    """After a compaction: ``state``'s partitions brought within the bound by the same tiers, and each
-    typed table holding more than ``policy.max_files - 1`` files below full size bin-packed by delta-rs
-    (unpartitioned: it writes into the table's own directory and keeps every column's statistics). Returns
-    what was rewritten, per table (``state``, ``tables/<cache>``). No JVM."""
+    """After a compaction: ``state``'s partitions brought within the bound by the same tiers, counting each
+    partition's key-disjoint files (its longest sorted run by key) as one; each typed table holding more
+    than ``policy.max_files - 1`` sorted runs by key written again as one (its overlapping files sorted and
+    split: cdcd/lake/maintenance/clustered.py). Returns what was rewritten, per table (``state``,
+    ``tables/<cache>``). No JVM."""
     from cdcd.lake.table import STATE, TABLES
+    from cdcd.lake.typed.infer import KEY
     from cdcd.lake.typed.layout import list_tables
 
     out: dict[str, Rewritten] = {}
     state = lake / STATE
     if is_delta(state):
-        done = rewrite_partitions(open_delta(state), state, policy)
+        done = rewrite_partitions(open_delta(state), state, policy, runs_by="key")
         if done is not None:
             out[STATE] = done
     for cache, path in sorted(list_tables(lake).items()):
         try:
             dt = open_delta(path)
-            sizes = pa.table(dt.get_add_actions(flatten=True)).column("size_bytes").to_pylist()
-            small = sum(1 for size in sizes if int(size) < policy.large_file_bytes)
-            if small <= policy.max_files - 1:
+            adds = pa.table(dt.get_add_actions(flatten=True))
+            small = [f for f in ranged_files(adds, KEY) if f.size < policy.large_file_bytes]
+            if len(sorted_runs(small)) <= policy.max_files - 1:
                 continue
             started = time.monotonic()
-            result = dt.optimize.compact(
-                target_size=policy.large_file_bytes,
-                max_concurrent_tasks=1,
-                commit_properties=CommitProperties(custom_metadata={"cdcd": json.dumps({COMMIT_TAG: {}})}),
-            )
-            out[f"{TABLES}/{cache}"] = Rewritten(
-                int(result.get("numFilesRemoved", 0)),
-                int(result.get("numFilesAdded", 0)),
-                1,
-                time.monotonic() - started,
-            )
-        except (DeltaError, OSError) as exc:  # lost to a neighbour, or a table compaction skips: next time
+            removed, added = recluster(dt, path, KEY, policy.file_rows)
+            if removed:
+                out[f"{TABLES}/{cache}"] = Rewritten(removed, added, 1, time.monotonic() - started)
+        except (DeltaError, OSError) as exc:  # a table compaction skips: next time
             log.info("lake_autocompact_lost", table=str(path), error=describe(exc))
     return out

@@ -28,6 +28,7 @@ from cdcd import failpoints
 from cdcd.faults import ExitCode, Fault
 from cdcd.lake.deltalog import data_changing_versions, rows_added
 from cdcd.lake.landing.arrow import TRUNCATE
+from cdcd.lake.maintenance.clustered import FILE_ROWS
 from cdcd.lake.maintenance.compact_mark import (
     COMPACT_APP_ID,
     USER_METADATA_CONF,
@@ -269,6 +270,7 @@ def compact(
     max_rows_per_merge: int = MAX_ROWS_PER_MERGE,
     tables: Mapping[str, DeclaredTable] | None = None,
     typed_tables: bool = True,
+    file_rows: int = FILE_ROWS,
 ) -> CompactResult:
     """Fold every change committed to ``<lake>/changes`` since the last compaction into ``<lake>/state``
     and the typed tables ``<lake>/tables/<cache>``: one MERGE per range of at most
@@ -278,7 +280,8 @@ def compact(
     same cut. ``tables``: declared column types per cache (``[consumer.tables.<cache>]``).
     ``typed_tables=False``: ``state`` alone (a lake of thousands of tiny caches; the benchmark's
     reference). Turning it on again later: delete ``<lake>/tables`` first, the next compaction rebuilds
-    every table from ``state``."""
+    every table from ``state``. ``file_rows``: rows per file of ``state``'s and the typed tables' key-range
+    clustered files (``compact_file_rows``, cdcd/lake/maintenance/clustered.py)."""
     changes = lake / CHANGES
     end = table_version(changes)
     if end is None:
@@ -322,13 +325,20 @@ def compact(
         failpoints.hit("lake.compact.source_read")
         # Without a JVM, state's new files are written while the typed tables merge (in a thread of its
         # own: its reads, typing and Parquet encoding release the GIL), and committed after them.
-        pending = _prepare_state(lake, winners, truncated) if session is None and typed_tables else None
+        pending = _prepare_state(lake, winners, truncated, file_rows) if session is None and typed_tables else None
         # The typed tables first: state's application transaction is the progress mark, so a
         # compaction killed between the two redoes this range (tables already past it are skipped).
         try:
             if typed_tables:
                 typed = compact_tables(
-                    session, lake, winners, last, app_id=app_id, declared=tables, truncated=truncated
+                    session,
+                    lake,
+                    winners,
+                    last,
+                    app_id=app_id,
+                    declared=tables,
+                    truncated=truncated,
+                    file_rows=file_rows,
                 )
                 versions, rescued, failed = typed.versions, rescued + typed.rescued, typed.failed
                 skipped += typed.failed
@@ -341,7 +351,7 @@ def compact(
         if session is None:
             # The drops, the MERGE, the transaction and the mark in one commit.
             if prepared is None:
-                prepared = prepare_state(lake, winners, truncated)
+                prepared = prepare_state(lake, winners, truncated, file_rows=file_rows)
             ins, upd, dele = prepared.commit(app_id=app_id, version=last, user_metadata=mark)
         else:
             ins, upd, dele = _spark_state(session, lake, winners, truncated, app_id=app_id, last=last, mark=mark)
@@ -358,14 +368,16 @@ def compact(
     )
 
 
-def _prepare_state(lake: LakeDir, winners: pa.Table, truncated: frozenset[str]) -> Future[Prepared]:
+def _prepare_state(
+    lake: LakeDir, winners: pa.Table, truncated: frozenset[str], file_rows: int = FILE_ROWS
+) -> Future[Prepared]:
     """``prepare_state`` in a thread of its own (a daemon thread: it never holds the process up at exit;
     compaction always waits for its result, to commit or to discard what it wrote)."""
     future: Future[Prepared] = Future()
 
     def run() -> None:
         try:
-            future.set_result(prepare_state(lake, winners, truncated))
+            future.set_result(prepare_state(lake, winners, truncated, file_rows=file_rows))
         except BaseException as exc:  # handed to the compaction, which raises it or discards it
             future.set_exception(exc)
 

@@ -23,6 +23,7 @@ and up to ``FILE_ROWS`` rows of one partition at a time.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -41,13 +42,12 @@ from deltalake.transaction import AddAction, PostCommitHookProperties, RemoveAct
 from cdcd.durable import fsync_dir
 from cdcd.lake.landing.delta import partition_dir_value
 from cdcd.lake.landing.parquet_files import file_stats, write_parquet
+from cdcd.lake.maintenance.clustered import FILE_ROWS, Ranged, assign, components, ranged_files, split_sorted
 from cdcd.lake.storage import LakeDir, as_location_arg, file_source, is_delta, open_delta
 from cdcd.lake.table import ORDER_COLUMNS, PARTITION_BY, STATE, STATE_PROPERTIES, STATE_SCHEMA
 
 log = structlog.get_logger("cdcd.lake")
 
-FILE_ROWS = 1 << 20
-"""Rows of one partition held before they are written out as a file of their own."""
 
 _DATA_SCHEMA = pa.schema([f for f in STATE_SCHEMA if f.name not in PARTITION_BY])
 
@@ -89,12 +89,20 @@ class Merged:
 
 
 def merge_state(
-    lake: LakeDir, winners: pa.Table, truncated: frozenset[str], *, app_id: str, version: int, user_metadata: str
+    lake: LakeDir,
+    winners: pa.Table,
+    truncated: frozenset[str],
+    *,
+    app_id: str,
+    version: int,
+    user_metadata: str,
+    file_rows: int = FILE_ROWS,
 ) -> tuple[int, int, int]:
     """Apply one range to ``state`` in one commit carrying ``(app_id, version)`` and ``user_metadata``:
     the rows of the ``truncated`` caches removed, then ``winners`` (latest change per (cache, key),
     deletes included) merged. Returns the rows inserted, updated and deleted."""
-    return prepare_state(lake, winners, truncated).commit(app_id=app_id, version=version, user_metadata=user_metadata)
+    prepared = prepare_state(lake, winners, truncated, file_rows=file_rows)
+    return prepared.commit(app_id=app_id, version=version, user_metadata=user_metadata)
 
 
 @dataclass
@@ -139,7 +147,9 @@ class Prepared:
             target.unlink(missing_ok=True)
 
 
-def prepare_state(lake: LakeDir, winners: pa.Table, truncated: frozenset[str]) -> Prepared:
+def prepare_state(
+    lake: LakeDir, winners: pa.Table, truncated: frozenset[str], *, file_rows: int = FILE_ROWS
+) -> Prepared:
     """Read ``state`` at its current version and write the files one range's MERGE adds (the ``truncated``
     caches' files removed, ``winners`` resolved against the files holding their keys), without committing."""
     path = lake / STATE
@@ -152,12 +162,12 @@ def prepare_state(lake: LakeDir, winners: pa.Table, truncated: frozenset[str]) -
         for cache in sorted(caches | truncated):
             files = _files_of(adds, cache)
             if cache in truncated:
-                out.deleted += sum(n for _, _, n in files)
-                out.removes += [RemoveAction(p, True, now_ms, size, {"cache": cache}) for p, size, _ in files]
+                out.deleted += sum(f.rows for f in files)
+                out.removes += [RemoveAction(f.path, True, now_ms, f.size, {"cache": cache}) for f in files]
                 files = []
             rows = winners.filter(pc.equal(winners.column("cache"), cache)) if cache in caches else None
             if rows is not None and rows.num_rows:
-                _merge_partition(path, cache, files, rows.combine_chunks(), now_ms=now_ms, out=out)
+                _merge_partition(path, cache, files, rows.combine_chunks(), now_ms=now_ms, out=out, file_rows=file_rows)
     except BaseException:
         Prepared(path, dt, out).discard()
         raise
@@ -177,19 +187,11 @@ def _discard(path: LakeDir, app_id: str, version: int, written: list[LakeDir]) -
         target.unlink(missing_ok=True)
 
 
-def _files_of(adds: pa.Table, cache: str) -> list[tuple[str, int, int]]:
-    """(path, size, rows) of each live file of the cache's partition."""
+def _files_of(adds: pa.Table, cache: str) -> list[Ranged]:
+    """Each live file of the cache's partition, with its key range."""
     if not adds.num_rows:
         return []
-    part = adds.filter(pc.equal(adds.column("partition.cache"), cache))
-    return list(
-        zip(
-            part.column("path").to_pylist(),
-            [int(s) for s in part.column("size_bytes").to_pylist()],
-            [int(n or 0) for n in part.column("num_records").to_pylist()],
-            strict=True,
-        )
-    )
+    return ranged_files(adds.filter(pc.equal(adds.column("partition.cache"), cache)), "key")
 
 
 def _read(root: LakeDir, rel: str, columns: list[str] | None = None) -> pa.Table:
@@ -220,53 +222,68 @@ def _newer(source: pa.Table, target: pa.Table) -> np.ndarray:
 
 
 def _merge_partition(
-    root: LakeDir, cache: str, files: list[tuple[str, int, int]], rows: pa.Table, *, now_ms: int, out: Merged
+    root: LakeDir, cache: str, files: list[Ranged], rows: pa.Table, *, now_ms: int, out: Merged, file_rows: int
+) -> None:
+    """One cache's winners into its files, component by component (cdcd/lake/maintenance/clustered.py): a
+    component none of whose files holds a changed key and that takes no new key is neither read nor
+    written."""
+    comps = components(files)
+    at = assign(rows.column("key"), comps)
+    for ci in np.unique(at):
+        sub = rows.take(np.flatnonzero(at == ci))
+        _merge_component(root, cache, comps[int(ci)] if comps else [], sub, now_ms=now_ms, out=out, file_rows=file_rows)
+
+
+def _merge_component(
+    root: LakeDir, cache: str, comp: list[Ranged], rows: pa.Table, *, now_ms: int, out: Merged, file_rows: int
 ) -> None:
     keys = rows.column("key")
-    matched = np.zeros(rows.num_rows, bool)
-    pending: list[pa.Table] = []
-    held = 0
     others = [n for n in _DATA_SCHEMA.names if n != "key"]
-    for rel, size, _ in files:
-        # The key column alone decides whether the file is touched (one hash lookup per key); the other
-        # columns are read only for a touched file, its keys not a second time.
-        target_keys = _read(root, rel, ["key"]).column("key")
-        at = pc.index_in(target_keys, value_set=keys)
-        if at.null_count == len(at):
+    deletes_only = bool(pc.all(pc.equal(rows.column("op"), "delete")).as_py())
+    targets: list[pa.Table] = []
+    for f in comp:
+        # Only deletes: the key column alone decides whether a file holds one of them; anything else
+        # (an update or a new key) rewrites the component, which is then read whole.
+        target_keys = _read(root, f.path, ["key"]).column("key")
+        if deletes_only and not pc.any(pc.is_in(target_keys, value_set=keys)).as_py():
+            targets.append(pa.table({}))
             continue
-        target = _read(root, rel, others).add_column(_DATA_SCHEMA.get_field_index("key"), "key", target_keys)
-        hit = pc.is_valid(at).to_numpy(zero_copy_only=False)
-        idx = at.filter(pa.array(hit)).to_numpy(zero_copy_only=False)
-        source = rows.take(idx)
-        matched[idx] = True
-        held_rows = target.filter(pa.array(hit))
-        newer = _newer(source, held_rows)
-        deletes = newer & (source.column("op").to_numpy(zero_copy_only=False) == "delete")
-        updates = newer & ~deletes
-        out.deleted += int(deletes.sum())
-        out.updated += int(updates.sum())
-        keep = target.filter(pa.array(~hit))
-        kept_old = held_rows.filter(pa.array(~newer))
-        replaced = source.filter(pa.array(updates)).select(_DATA_SCHEMA.names).cast(_DATA_SCHEMA)
-        for part in (keep, kept_old, replaced):
-            if part.num_rows:
-                pending.append(part)
-                held += part.num_rows
-        out.removes.append(RemoveAction(rel, True, now_ms, size, {"cache": cache}))
-        if held >= FILE_ROWS:
-            _write(root, cache, pending, now_ms, out)
-            pending, held = [], 0
+        targets.append(_read(root, f.path, others).add_column(_DATA_SCHEMA.get_field_index("key"), "key", target_keys))
+    if deletes_only and all(t.num_columns == 0 for t in targets):
+        return  # deletes of keys no file holds: nothing changes
+    for i, f in enumerate(comp):
+        if targets[i].num_columns == 0:
+            targets[i] = _read(root, f.path)
+    target = pa.concat_tables(targets) if targets else _DATA_SCHEMA.empty_table()
+    at = pc.index_in(target.column("key"), value_set=keys)
+    hit = pc.is_valid(at).to_numpy(zero_copy_only=False)
+    idx = at.filter(pa.array(hit)).to_numpy(zero_copy_only=False)
+    matched = np.zeros(rows.num_rows, bool)
+    matched[idx] = True
+    source = rows.take(idx)
+    held_rows = target.filter(pa.array(hit))
+    newer = _newer(source, held_rows)
+    deletes = newer & (source.column("op").to_numpy(zero_copy_only=False) == "delete")
+    updates = newer & ~deletes
+    out.deleted += int(deletes.sum())
+    out.updated += int(updates.sum())
     new = rows.filter(pa.array(~matched))
     new = new.filter(pc.not_equal(new.column("op"), "delete"))
     out.inserted += new.num_rows
-    if new.num_rows:
-        pending.append(new.select(_DATA_SCHEMA.names).cast(_DATA_SCHEMA))
-    if pending:
-        _write(root, cache, pending, now_ms, out)
+    if not (deletes.any() or updates.any() or new.num_rows):
+        return  # every change older than its row: the files stay as they are
+    parts = [
+        target.filter(pa.array(~hit)),
+        held_rows.filter(pa.array(~newer)),
+        source.filter(pa.array(updates)).select(_DATA_SCHEMA.names).cast(_DATA_SCHEMA),
+        new.select(_DATA_SCHEMA.names).cast(_DATA_SCHEMA),
+    ]
+    out.removes += [RemoveAction(f.path, True, now_ms, f.size, {"cache": cache}) for f in comp]
+    for data in split_sorted(pa.concat_tables(parts), "key", file_rows):
+        _write(root, cache, data, now_ms, out)
 
 
-def _write(root: LakeDir, cache: str, parts: list[pa.Table], now_ms: int, out: Merged) -> None:
-    data = pa.concat_tables(parts)
+def _write(root: LakeDir, cache: str, data: pa.Table, now_ms: int, out: Merged) -> None:
     rel_dir = f"cache={partition_dir_value(cache)}"
     rel = f"{rel_dir}/part-{uuid.uuid4().hex}.c000.zstd.parquet"
     target = root / rel
@@ -274,4 +291,14 @@ def _write(root: LakeDir, cache: str, parts: list[pa.Table], now_ms: int, out: M
         target.parent.mkdir(parents=True, exist_ok=True)
     out.written.append(target)
     size, _ = write_parquet(data, target)
-    out.adds.append(AddAction(rel, size, {"cache": cache}, now_ms, True, file_stats(data)))
+    out.adds.append(AddAction(rel, size, {"cache": cache}, now_ms, True, _stats(data)))
+
+
+def _stats(data: pa.Table) -> str:
+    """The change columns' statistics plus the key's bounds (exact): the file's key range."""
+    stats = json.loads(file_stats(data))
+    if data.num_rows and data.column("key").null_count == 0:
+        mm = pc.min_max(data.column("key")).as_py()
+        stats["minValues"]["key"], stats["maxValues"]["key"] = mm["min"], mm["max"]
+        stats["nullCount"]["key"] = 0
+    return json.dumps(stats)

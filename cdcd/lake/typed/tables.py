@@ -31,11 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import structlog
 
 from cdcd import failpoints, metrics
+from cdcd.lake.maintenance.clustered import FILE_ROWS, assign, components, ranged_files, recluster
 from cdcd.lake.storage import LakeDir, is_delta, open_delta, spark_path
 from cdcd.lake.table import STATE
 from cdcd.lake.typed.declared import DeclaredTable, with_declared
@@ -85,10 +87,11 @@ def compact_tables(
     app_id: str,
     declared: Mapping[str, DeclaredTable] | None = None,
     truncated: frozenset[str] = frozenset(),
+    file_rows: int = FILE_ROWS,
 ) -> TablesResult:
     """Fold one range's winners (latest change per (cache, key), deletes included) into the typed tables.
     ``truncated``: caches dropped in the range: their tables are emptied first (``winners`` holds
-    only their rows after the drop)."""
+    only their rows after the drop). ``file_rows``: rows per key-range clustered file."""
     declared = declared or {}
     scan = scan_tables(lake)
     tables = scan.found
@@ -131,7 +134,7 @@ def compact_tables(
 
         one_table = inheritable_thread_target(spark)(_one_table)
     with ThreadPoolExecutor(max_workers=TABLE_WORKERS, thread_name_prefix="cdcd-typed") as pool:
-        futures = [pool.submit(one_table, spark, lake, job, app_id, last) for job in jobs]
+        futures = [pool.submit(one_table, spark, lake, job, app_id, last, file_rows=file_rows) for job in jobs]
         for job, future in zip(jobs, futures, strict=True):
             try:
                 r, a = future.result()
@@ -186,6 +189,8 @@ def _one_table(
     job: tuple[str, LakeDir, pa.Table, DeclaredTable | None, bool, bool],
     app_id: str,
     last: int,
+    *,
+    file_rows: int = FILE_ROWS,
 ) -> tuple[int, int]:
     """Type one cache's winners and merge them into its table: (fields rescued, columns added)."""
     cache, path, rows, declared, truncate, stale = job
@@ -261,7 +266,7 @@ def _one_table(
     # Before each table's MERGE: armed at its 2nd hit, it holds compaction with one table committed and
     # the next not begun, where a reader without a cut sees one table ahead of the other.
     failpoints.hit("lake.compact.table_merge")
-    _merge(path, conv, app_id, last)
+    _merge(path, conv, app_id, last, file_rows)
     if stale:
         (path / STALE_MARK).unlink(missing_ok=True)
     if conv.rescued:
@@ -461,10 +466,51 @@ def _newer() -> str:
     return expr
 
 
-def _merge(path: LakeDir, conv: Converted, app_id: str, last: int) -> None:
+MAX_RANGES = 64
+"""Key ranges a MERGE's predicate names at most (more: the source's keys touch most files anyway)."""
+
+
+def _key_ranges(table: Any, keys: pa.ChunkedArray) -> str | None:
+    """A predicate on the target's key naming, per clustered component the source's keys fall in, the range of
+    those keys (cdcd/lake/maintenance/clustered.py), so delta-rs reads only the files those ranges overlap:
+    its own pruning takes the source's one min/max, every file between. Every source key lies in a range,
+    so a row any file holds for it still matches. None: no such predicate (keys neither integers nor plain
+    strings, a null key, or too many ranges)."""
+    if not len(keys) or keys.null_count:
+        return None
+    integer = pa.types.is_integer(keys.type)
+    if not integer and not pa.types.is_string(keys.type):
+        return None
+    comps = components(ranged_files(pa.table(table.get_add_actions(flatten=True)), KEY))
+    at = assign(keys, comps)
+    ranges: list[tuple[Any, Any]] = []
+    for ci in np.unique(at):
+        mm = pc.min_max(keys.take(pa.array(np.flatnonzero(at == ci)))).as_py()
+        ranges.append((mm["min"], mm["max"]))
+    if len(ranges) > MAX_RANGES:
+        return None
+
+    def literal(v: Any) -> str | None:
+        if integer:
+            return str(int(v))
+        if not v.isprintable() or "\\" in v:
+            return None
+        return "'" + str(v).replace("'", "''") + "'"
+
+    terms = []
+    for lo, hi in ranges:
+        a, b = literal(lo), literal(hi)
+        if a is None or b is None:
+            return None
+        terms.append(f"(t.{KEY} >= {a} AND t.{KEY} <= {b})")
+    return "(" + " OR ".join(terms) + ")"
+
+
+def _merge(path: LakeDir, conv: Converted, app_id: str, last: int, file_rows: int = FILE_ROWS) -> None:
     """The range's rows into the table with delta-rs (in this process: a Spark MERGE per table would
     cost a few Spark jobs each), carrying the application transaction; the change data feed is
-    written by the same commit."""
+    written by the same commit. Then the files it wrote, unsorted, clustered again by key
+    (``clustered.recluster``, a commit of its own changing no data)."""
     from deltalake import CommitProperties, Transaction, write_deltalake
 
     from cdcd.lake.storage import as_location_arg
@@ -477,11 +523,14 @@ def _merge(path: LakeDir, conv: Converted, app_id: str, last: int) -> None:
         live = rows.filter(pc.not_equal(rows.column(OP), "delete")).drop_columns([OP])
         uri, options = as_location_arg(path)
         write_deltalake(uri, live, mode="append", storage_options=options, commit_properties=props)
-        return
-    (
-        table.merge(rows, predicate=f"t.{KEY} = s.{KEY}", source_alias="s", target_alias="t", commit_properties=props)
-        .when_matched_delete(predicate=f"s.{OP} = 'delete' AND {_newer()}")
-        .when_matched_update_all(predicate=f"s.{OP} <> 'delete' AND {_newer()}", except_cols=[OP])
-        .when_not_matched_insert_all(predicate=f"s.{OP} <> 'delete'", except_cols=[OP])
-        .execute()
-    )
+    else:
+        ranges = _key_ranges(table, rows.column(KEY))
+        predicate = f"t.{KEY} = s.{KEY}" + ("" if ranges is None else f" AND {ranges}")
+        (
+            table.merge(rows, predicate=predicate, source_alias="s", target_alias="t", commit_properties=props)
+            .when_matched_delete(predicate=f"s.{OP} = 'delete' AND {_newer()}")
+            .when_matched_update_all(predicate=f"s.{OP} <> 'delete' AND {_newer()}", except_cols=[OP])
+            .when_not_matched_insert_all(predicate=f"s.{OP} <> 'delete'", except_cols=[OP])
+            .execute()
+        )
+    recluster(open_delta(path), path, KEY, file_rows)
