@@ -309,3 +309,27 @@ def test_a_compaction_killed_anywhere_converges_exactly_once(tmp_path: Path, poi
     assert _compact_in_child(lake, None).returncode == 0
     assert_disjoint(files(typed(lake, "orders")))
     assert typed_keys(lake, "orders") == expected_keys(landed, "orders")
+
+
+def test_a_run_over_most_ranges_is_not_cut_again_and_a_narrow_one_clusters_the_table(tmp_path: Path) -> None:
+    """Keys spread over most of the table: its MERGE rewrote most files anyway; no second pass cutting that into
+    ranges (the next such run would rewrite them all again). The next run of a narrow range of keys does."""
+    lake = tmp_path / "lake"
+    landed = seeded(lake, range(1000, 2000))
+    table = typed(lake, "orders")
+    spread = [change("orders", str(k), f'{{"n": {-k}}}', 100000 + k) for k in range(1000, 2000, 20)]
+    append_changes(lake, spread)
+    landed += spread
+    version = DeltaTable(str(table)).version()
+    compact(None, lake, file_rows=ROWS)
+    assert DeltaTable(str(table)).version() == version + 1, "the MERGE alone"
+    assert len(files(table)) == 1
+    assert_disjoint(files(lake / STATE, cache="orders"))
+    narrow = [change("orders", str(k), f'{{"n": {k}}}', 200000 + k) for k in range(1500, 1510)]
+    append_changes(lake, narrow)
+    landed += narrow
+    compact(None, lake, file_rows=ROWS)
+    assert len(files(table)) == 1000 // ROWS
+    assert_disjoint(files(table))
+    assert typed_keys(lake, "orders") == expected_keys(landed, "orders")
+    assert state_rows(lake) == expected_state(landed)

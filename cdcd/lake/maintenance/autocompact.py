@@ -31,8 +31,12 @@ many small files. This is that, for cdcd's tables (``changes`` after each of the
 - **Any name**: the new file goes into the directory of a file it replaces, so it follows each
   table's rule (``cache=<dir>`` of ``changes``, the random prefixes of ``state``) whatever the cache
   name; delta-rs's own ``optimize.compact`` writes ``cache=<escaped name>`` and fails on 255-char
-  names. Unpartitioned typed tables use delta-rs's ``optimize.compact``, which keeps their full
-  statistics (``lake show`` counts rescued rows from them).
+  names.
+- **Sorted runs** (``state`` and the typed tables, after each compaction): their files are key-range
+  clustered (cdcd/lake/maintenance/clustered.py), pairwise disjoint by key, so a partition's longest such
+  run counts as one file (Paimon's sorted run) and is never packed back into one file; the tiers bound the
+  other files of a ``state`` partition, and a typed table with more runs than the bound allows is merged
+  into one sorted run again (every column's statistics kept: ``lake show`` counts rescued rows from them).
 """
 
 from __future__ import annotations

@@ -136,14 +136,56 @@ def assign(keys: pa.Array | pa.ChunkedArray, comps: Sequence[Sequence[Ranged]]) 
     return out
 
 
+SPREAD_SAMPLE = 4096
+"""Keys sampled (each side) to tell whether a run's changed keys spread over most of a table's key ranges."""
+
+
+def spread_wide(
+    target_keys: pa.Array | pa.ChunkedArray, source_keys: pa.Array | pa.ChunkedArray, file_rows: int
+) -> bool:
+    """Whether ``source_keys`` fall in more than half of the files ``target_keys`` would be cut into (sorted, in
+    files of ``file_rows`` rows), estimated from samples. Such a run rewrites most of the table whatever its
+    layout: sorting it into ranges costs a second pass and saves the next such run nothing."""
+    bins = -(-len(target_keys) // max(1, file_rows))
+    if bins < 2 or not len(source_keys):
+        return False
+    rng = np.random.default_rng(43)
+
+    def sample(keys: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+        keys = keys.drop_null()
+        if len(keys) > SPREAD_SAMPLE:
+            keys = keys.take(pa.array(rng.choice(len(keys), SPREAD_SAMPLE, replace=False)))
+        return keys
+
+    target = sample(target_keys)
+    target = target.take(pc.sort_indices(target))
+    if not len(target):
+        return False
+    cuts = [target[int(len(target) * i / bins)].as_py() for i in range(1, bins)]
+    source = sample(source_keys).to_pylist()
+    at = np.searchsorted(np.array(cuts, dtype=object), np.array(source, dtype=object), side="right")
+    return 2 * len(np.unique(at)) > bins
+
+
+def wide_run(comps: Sequence[Sequence[Ranged]], at: np.ndarray) -> bool | None:
+    """From the layout alone: whether the keys assigned (``at``) touch more than half of several components
+    (clustered files); None: one component, the layout cannot tell (``spread_wide`` on its keys can)."""
+    if len(comps) < 2:
+        return None
+    return 2 * len(np.unique(at)) > len(comps)
+
+
 def split_sorted(data: pa.Table, key: str, file_rows: int) -> list[pa.Table]:
-    """``data`` sorted by ``key``: one file up to half again ``file_rows`` rows, else cut into equal files of at
-    most ``file_rows`` rows (none: no rows)."""
+    """``data`` as one file up to half again ``file_rows`` rows, else sorted by ``key`` and cut into equal files
+    of at most ``file_rows`` rows (none: no rows)."""
     if not data.num_rows:
         return []
+    # Up to half again as many rows stay one file: a full file taking a key or two does not halve. Its rows'
+    # order within it does not matter (a file's range is what readers and compaction skip by): unsorted.
+    if data.num_rows <= file_rows + file_rows // 2:
+        return [data]
+    parts = -(-data.num_rows // max(1, file_rows))
     data = data.take(pc.sort_indices(data, sort_keys=[(key, "ascending")]))
-    # Up to half again as many rows stay one file: a full file taking a key or two does not halve.
-    parts = 1 if data.num_rows <= file_rows + file_rows // 2 else -(-data.num_rows // max(1, file_rows))
     step = -(-data.num_rows // parts)
     return [data.slice(start, step) for start in range(0, data.num_rows, step)]
 

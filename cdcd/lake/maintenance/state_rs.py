@@ -5,20 +5,22 @@ delta-rs's own MERGE names a partition's directory ``cache=<percent-escaped name
 committed with delta-rs like the lake's other writes: each new file goes into
 ``cache=<partition_dir_value>`` (cdcd/lake/landing/delta.py), the log holds the real name.
 
-Per cache the range touches: its files have their ``key`` column read (not pruned by key statistics: a
-writer's truncated string bounds would make a skipped file's key a second row), looked up among the
-winners' keys in one hash lookup each; those that do hold a winner's key have their other columns read
-(the keys not a second time), their rows resolved against the
-winners (a winner newer by ``ORDER_COLUMNS`` replaces or deletes its row, as Spark's MERGE in
-``compact._merge``), and written again with the winners no file held; a dropped cache's files are
-removed whole. One commit for the range carries the removes, the adds, the application transaction and
-the compaction mark (``userMetadata``): a compaction killed before it left orphan files only (VACUUM's),
-one killed after it finds the range done. The files are written by ``prepare_state`` and committed by
-``Prepared.commit``: compaction writes them while the typed tables merge, and commits after those;
-failing in between, it deletes them (``Prepared.discard``). Every file holding a changed key is read
-and written whole (copy-on-write, no deletion vectors): with changes spread over all keys, each run
-rewrites the whole partition. Memory: the range's winners (bounded by ``MAX_ROWS_PER_MERGE``)
-and up to ``FILE_ROWS`` rows of one partition at a time.
+Per cache the range touches: its files are key-range clustered (cdcd/lake/maintenance/clustered.py: sorted
+by key, each a bounded range of keys, the range in the file's statistics of ``key``); each winner belongs to
+the component of files whose range holds its key, or to the one before it. A component taking no winner is
+not read at all; one taking only deletes has its ``key`` column read first (nothing to delete: left as it
+is); otherwise its files are read, their rows resolved against the winners (a winner newer by
+``ORDER_COLUMNS`` replaces or deletes its row, as Spark's MERGE in ``compact._merge``), the new keys added,
+and the component written again sorted by key in files of ``file_rows`` rows (``compact_file_rows``); a
+dropped cache's files are removed whole. One commit for the range carries the removes, the adds, the
+application transaction and the compaction mark (``userMetadata``): a compaction killed before it left
+orphan files only (VACUUM's), one killed after it finds the range done. The files are written by
+``prepare_state`` and committed by ``Prepared.commit``: compaction writes them while the typed tables merge,
+and commits after those; failing in between, it deletes them (``Prepared.discard``). Copy-on-write (no
+deletion vectors): a run costs the files its keys fall in, so keys spread over every range (uniform
+changes) still rewrite the partition. Memory: the range's winners (bounded by ``MAX_ROWS_PER_MERGE``) and
+one component's rows at a time (a partition written before clustering, or by Spark, is one component the
+first time).
 """
 
 from __future__ import annotations
@@ -42,7 +44,15 @@ from deltalake.transaction import AddAction, PostCommitHookProperties, RemoveAct
 from cdcd.durable import fsync_dir
 from cdcd.lake.landing.delta import partition_dir_value
 from cdcd.lake.landing.parquet_files import file_stats, write_parquet
-from cdcd.lake.maintenance.clustered import FILE_ROWS, Ranged, assign, components, ranged_files, split_sorted
+from cdcd.lake.maintenance.clustered import (
+    FILE_ROWS,
+    Ranged,
+    assign,
+    components,
+    ranged_files,
+    split_sorted,
+    spread_wide,
+)
 from cdcd.lake.storage import LakeDir, as_location_arg, file_source, is_delta, open_delta
 from cdcd.lake.table import ORDER_COLUMNS, PARTITION_BY, STATE, STATE_PROPERTIES, STATE_SCHEMA
 
@@ -231,11 +241,20 @@ def _merge_partition(
     at = assign(rows.column("key"), comps)
     for ci in np.unique(at):
         sub = rows.take(np.flatnonzero(at == ci))
-        _merge_component(root, cache, comps[int(ci)] if comps else [], sub, now_ms=now_ms, out=out, file_rows=file_rows)
+        comp = comps[int(ci)] if comps else []
+        _merge_component(root, cache, comp, sub, now_ms=now_ms, out=out, file_rows=file_rows, one=len(comps) <= 1)
 
 
 def _merge_component(
-    root: LakeDir, cache: str, comp: list[Ranged], rows: pa.Table, *, now_ms: int, out: Merged, file_rows: int
+    root: LakeDir,
+    cache: str,
+    comp: list[Ranged],
+    rows: pa.Table,
+    *,
+    now_ms: int,
+    out: Merged,
+    file_rows: int,
+    one: bool,
 ) -> None:
     keys = rows.column("key")
     others = [n for n in _DATA_SCHEMA.names if n != "key"]
@@ -279,8 +298,15 @@ def _merge_component(
         new.select(_DATA_SCHEMA.names).cast(_DATA_SCHEMA),
     ]
     out.removes += [RemoveAction(f.path, True, now_ms, f.size, {"cache": cache}) for f in comp]
-    for data in split_sorted(pa.concat_tables(parts), "key", file_rows):
+    data = pa.concat_tables(parts)
+    # The partition one component (written by Spark or before this layout, or left so by such a run) and this
+    # run's keys spread over most of it: it stays one file. Cutting it into ranges costs a sort, and the next
+    # such run rewrites them all again; a run of narrower keys cuts it.
+    if one and comp and data.num_rows > file_rows + file_rows // 2 and spread_wide(data.column("key"), keys, file_rows):
         _write(root, cache, data, now_ms, out)
+        return
+    for part in split_sorted(data, "key", file_rows):
+        _write(root, cache, part, now_ms, out)
 
 
 def _write(root: LakeDir, cache: str, data: pa.Table, now_ms: int, out: Merged) -> None:

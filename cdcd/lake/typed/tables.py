@@ -18,7 +18,10 @@ type-widening feature, which not every reader reads), every row typed again from
 values rescued before that the wider type takes are restored into the column), then merged; so is,
 once, a table typed before anything widened that holds rescued rows. A cache ``state`` holds but
 that has no table (a lake compacted before the typed tables existed, or a table deleted to rebuild
-it) gets its table from ``state`` the same way.
+it) gets its table from ``state`` the same way. Each table is key-range clustered
+(cdcd/lake/maintenance/clustered.py): the MERGE names the key ranges its rows fall in, so delta-rs scans only
+the files of those ranges, and the files it wrote (unsorted, spanning every range it touched) are merged into
+the table's sorted run by one more commit that changes no data.
 """
 
 from __future__ import annotations
@@ -37,7 +40,17 @@ import pyarrow.compute as pc
 import structlog
 
 from cdcd import failpoints, metrics
-from cdcd.lake.maintenance.clustered import FILE_ROWS, assign, components, ranged_files, recluster
+from cdcd.lake.maintenance.clustered import (
+    FILE_ROWS,
+    Ranged,
+    assign,
+    components,
+    ranged_files,
+    read_file,
+    recluster,
+    spread_wide,
+    wide_run,
+)
 from cdcd.lake.storage import LakeDir, is_delta, open_delta, spark_path
 from cdcd.lake.table import STATE
 from cdcd.lake.typed.declared import DeclaredTable, with_declared
@@ -470,7 +483,7 @@ MAX_RANGES = 64
 """Key ranges a MERGE's predicate names at most (more: the source's keys touch most files anyway)."""
 
 
-def _key_ranges(table: Any, keys: pa.ChunkedArray) -> str | None:
+def _key_ranges(comps: list[list[Ranged]], at: np.ndarray, keys: pa.ChunkedArray) -> str | None:
     """A predicate on the target's key naming, per clustered component the source's keys fall in, the range of
     those keys (cdcd/lake/maintenance/clustered.py), so delta-rs reads only the files those ranges overlap:
     its own pruning takes the source's one min/max, every file between. Every source key lies in a range,
@@ -481,8 +494,6 @@ def _key_ranges(table: Any, keys: pa.ChunkedArray) -> str | None:
     integer = pa.types.is_integer(keys.type)
     if not integer and not pa.types.is_string(keys.type):
         return None
-    comps = components(ranged_files(pa.table(table.get_add_actions(flatten=True)), KEY))
-    at = assign(keys, comps)
     ranges: list[tuple[Any, Any]] = []
     for ci in np.unique(at):
         mm = pc.min_max(keys.take(pa.array(np.flatnonzero(at == ci)))).as_py()
@@ -524,7 +535,15 @@ def _merge(path: LakeDir, conv: Converted, app_id: str, last: int, file_rows: in
         uri, options = as_location_arg(path)
         write_deltalake(uri, live, mode="append", storage_options=options, commit_properties=props)
     else:
-        ranges = _key_ranges(table, rows.column(KEY))
+        keys = rows.column(KEY)
+        comps = components(ranged_files(pa.table(table.get_add_actions(flatten=True)), KEY))
+        at = assign(keys, comps)
+        wide = wide_run(comps, at)
+        if wide is None and sum(f.rows for f in comps[0]) > file_rows + file_rows // 2:
+            schema = pa.schema([pa.schema(table.schema().to_arrow()).field(KEY)])
+            held = pa.concat_tables([read_file(path, f.path, schema) for f in comps[0]]).column(KEY)
+            wide = spread_wide(held, keys, file_rows)
+        ranges = None if wide else _key_ranges(comps, at, keys)
         predicate = f"t.{KEY} = s.{KEY}" + ("" if ranges is None else f" AND {ranges}")
         (
             table.merge(rows, predicate=predicate, source_alias="s", target_alias="t", commit_properties=props)
@@ -533,4 +552,8 @@ def _merge(path: LakeDir, conv: Converted, app_id: str, last: int, file_rows: in
             .when_not_matched_insert_all(predicate=f"s.{OP} <> 'delete'", except_cols=[OP])
             .execute()
         )
+        if wide:
+            # Its keys spread over most of the table: the MERGE rewrote most of it, cutting that into ranges
+            # again would cost a second pass the next such run throws away; a narrower run cuts it.
+            return
     recluster(open_delta(path), path, KEY, file_rows)
