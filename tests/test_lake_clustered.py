@@ -333,3 +333,55 @@ def test_a_run_over_most_ranges_is_not_cut_again_and_a_narrow_one_clusters_the_t
     assert_disjoint(files(table))
     assert typed_keys(lake, "orders") == expected_keys(landed, "orders")
     assert state_rows(lake) == expected_state(landed)
+
+
+def test_the_change_data_feed_and_spark_see_the_merge_alone(spark: Any, tmp_path: Path) -> None:
+    """The clustering commit changes no data: the typed table's change data feed (delta-rs's and Spark's) holds
+    exactly the MERGE's changes; Spark reads `state` and the table as the others do, and a Spark compaction on
+    the clustered lake keeps working (its own layout for `state`, the typed tables clustered by delta-rs)."""
+    from cdcd.lake.storage import spark_path
+
+    lake = tmp_path / "lake"
+    landed = seeded(lake, range(1000, 2000))
+    table = typed(lake, "orders")
+    version = DeltaTable(str(table)).version()
+    more = [change("orders", str(k), f'{{"n": {-k}}}', 5000 + k) for k in range(1500, 1503)]
+    more.append(change("orders", "1600", None, 9000))
+    append_changes(lake, more)
+    landed += more
+    compact(None, lake, file_rows=ROWS)
+    assert DeltaTable(str(table)).version() == version + 2, "the MERGE, then the clustering commit"
+    want = [
+        (1500, "update_postimage", -1500),
+        (1500, "update_preimage", 1500),
+        (1501, "update_postimage", -1501),
+        (1501, "update_preimage", 1501),
+        (1502, "update_postimage", -1502),
+        (1502, "update_preimage", 1502),
+        (1600, "delete", 1600),
+    ]
+    cdf = DeltaTable(str(table)).load_cdf(starting_version=version + 1).read_all()
+    assert (
+        sorted(zip(cdf["key"].to_pylist(), cdf["_change_type"].to_pylist(), cdf["n"].to_pylist(), strict=True)) == want
+    )
+    frame = (
+        spark.read.format("delta")
+        .option("readChangeFeed", "true")
+        .option("startingVersion", version + 1)
+        .load(spark_path(table))
+    )
+    assert sorted((r["key"], r["_change_type"], r["n"]) for r in frame.collect()) == want
+    rows = spark.read.format("delta").load(spark_path(lake / STATE)).select("cache", "key", "value").collect()
+    assert {(r["cache"], r["key"]): r["value"] for r in rows} == expected_state(landed)
+    keys = [r["key"] for r in spark.read.format("delta").load(spark_path(table)).select("key").collect()]
+    assert sorted(str(k) for k in keys) == expected_keys(landed, "orders")
+
+    later = [change("orders", str(k), f'{{"n": {k}}}', 10000 + k) for k in range(1200, 1240)]
+    append_changes(lake, later)
+    landed += later
+    compact(spark, lake, file_rows=ROWS)
+    bound_compacted(lake, FilePolicy(max_files=6, file_rows=ROWS))
+    assert state_rows(lake) == expected_state(landed)
+    assert typed_keys(lake, "orders") == expected_keys(landed, "orders")
+    assert_disjoint(files(table))
+    assert max(sorted_runs_per_partition(lake / STATE, "key").values()) <= 6

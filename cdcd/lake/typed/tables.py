@@ -536,6 +536,9 @@ def _merge(path: LakeDir, conv: Converted, app_id: str, last: int, file_rows: in
         write_deltalake(uri, live, mode="append", storage_options=options, commit_properties=props)
     else:
         keys = rows.column(KEY)
+        if not (pa.types.is_integer(keys.type) or pa.types.is_string(keys.type)):
+            _merge_rows(table, rows, props, f"t.{KEY} = s.{KEY}")  # keys of another type: not clustered
+            return
         comps = components(ranged_files(pa.table(table.get_add_actions(flatten=True)), KEY))
         at = assign(keys, comps)
         wide = wide_run(comps, at)
@@ -544,16 +547,21 @@ def _merge(path: LakeDir, conv: Converted, app_id: str, last: int, file_rows: in
             held = pa.concat_tables([read_file(path, f.path, schema) for f in comps[0]]).column(KEY)
             wide = spread_wide(held, keys, file_rows)
         ranges = None if wide else _key_ranges(comps, at, keys)
-        predicate = f"t.{KEY} = s.{KEY}" + ("" if ranges is None else f" AND {ranges}")
-        (
-            table.merge(rows, predicate=predicate, source_alias="s", target_alias="t", commit_properties=props)
-            .when_matched_delete(predicate=f"s.{OP} = 'delete' AND {_newer()}")
-            .when_matched_update_all(predicate=f"s.{OP} <> 'delete' AND {_newer()}", except_cols=[OP])
-            .when_not_matched_insert_all(predicate=f"s.{OP} <> 'delete'", except_cols=[OP])
-            .execute()
-        )
+        _merge_rows(table, rows, props, f"t.{KEY} = s.{KEY}" + ("" if ranges is None else f" AND {ranges}"))
         if wide:
             # Its keys spread over most of the table: the MERGE rewrote most of it, cutting that into ranges
             # again would cost a second pass the next such run throws away; a narrower run cuts it.
             return
     recluster(open_delta(path), path, KEY, file_rows)
+
+
+def _merge_rows(table: Any, rows: pa.Table, props: Any, predicate: str) -> None:
+    """delta-rs's MERGE of ``rows`` into ``table`` on ``predicate``: a newer change replaces or deletes the row,
+    a new key is inserted unless deleted."""
+    (
+        table.merge(rows, predicate=predicate, source_alias="s", target_alias="t", commit_properties=props)
+        .when_matched_delete(predicate=f"s.{OP} = 'delete' AND {_newer()}")
+        .when_matched_update_all(predicate=f"s.{OP} <> 'delete' AND {_newer()}", except_cols=[OP])
+        .when_not_matched_insert_all(predicate=f"s.{OP} <> 'delete'", except_cols=[OP])
+        .execute()
+    )
