@@ -14,6 +14,7 @@ import functools
 import json
 import os
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -125,6 +126,10 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``deltalake`` writer stays JVM-free). Both write the same tables."""
     maintenance_max_failures: int = 3
     """Scheduled runs failing in a row before the sink fails (the daemon exits 4 naming the error)."""
+    maintenance_nice: int = 10
+    """Niceness added to the scheduled maintenance's threads (compaction, the optimize lane; Linux, 0-19): on
+    cores shared with delivery, or with the node's realtime worker beside a PASSIVE daemon, maintenance
+    gets the CPU they leave. 0: the process's own priority."""
     typed_tables: bool = True
     """Scheduled compaction keeps ``<lake>/tables/<cache>`` too (one Delta table per cache); false:
     ``state`` only (thousands of tiny caches: a table each costs a few commits per compaction)."""
@@ -175,6 +180,7 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             self.maintenance_max_failures,
             self.file_policy(),
             self.ready_within_s,
+            nice=self.maintenance_nice,
         )
 
     def file_policy(self) -> FilePolicy | None:
@@ -256,6 +262,11 @@ class LakeConsumer(Consumer):
         """The bound's rewrite after a commit, in a thread of its own; the next commit waits for it."""
         self.rewrite_wait_s = 0.0
         """Seconds this sink's commits waited for the rewrite before them (the bound's back-pressure)."""
+        self._known: dict[str, tuple[int, SourceMark]] = {}
+        """Per source, a version of ``changes`` and the source's mark at it, known without reading the log
+        again: the mark read at that version, this sink's own commit (at the version it read plus one) and
+        the rewrites right after it (they move no mark). Reading a mark replays the log since its last
+        checkpoint, as does every refresh: per batch, the sink does each at most once."""
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], source: str) -> LakeConsumer:
@@ -429,8 +440,12 @@ class LakeConsumer(Consumer):
         source = batch.source_node
         slices = batch.slices
         while True:
-            table.refresh()
-            read = table.mark(source)
+            known = self._known.get(source)
+            if known is None or known[0] != table.table.version() or not self._in_flight():
+                table.refresh()
+            # else: with a rewrite in flight after this sink's own commit, whose mark it knows, the snapshot is
+            # brought up to date once, after the rewrite and before the commit (_rewrite_settled), not twice.
+            read = self._mark(table, source)
             self._check_not_behind(table, source, read)
             replayed, new = split_replayed(slices, read.last)
             generation = read.generation
@@ -466,7 +481,9 @@ class LakeConsumer(Consumer):
             files, stats = self._write(table, new, batch, generation)
             metrics.LAKE_WRITE_SECONDS.observe(time.perf_counter() - t0)
             meta = {"rows": rows, "first": str(new[0].pointer), "writer": self.options.writer, "pid": os.getpid()}
-            if not self._rewrite_settled(table, source, read):
+            settled = self._rewrite_settled(table, source, read)
+            read_version = table.table.version()
+            if not settled:
                 files.discard()
             elif table.commit(
                 files=files,
@@ -477,7 +494,9 @@ class LakeConsumer(Consumer):
                 first=new[0].pointer,
                 metadata=meta,
             ):
-                self._landed[source] = SourceMark(generation, new[-1].pointer)
+                landed = SourceMark(generation, new[-1].pointer)
+                self._landed[source] = landed
+                self._committed(table, source, read_version, landed, files.adds)
                 self.rows_written += rows
                 for name, n in stats.items():
                     metrics.LAKE_ROWS.labels(name).inc(n)
@@ -485,15 +504,46 @@ class LakeConsumer(Consumer):
                 if self._maintainer is not None:
                     self._maintainer.landed(stats, self._fields_landed)
                 self._bound_files(table, files.adds)
-                try:
-                    table.refresh()  # the commit's own files in the snapshot (its new log entries read)
-                    metrics.LAKE_FILES_PER_PARTITION_MAX.set(table.files_per_partition_max())
-                    metrics.LAKE_TABLE_VERSION.set(table.table.version())
-                except (DeltaError, OSError) as exc:  # landed already: a figure is no reason to send it again
-                    log.warning("lake_files_gauge_not_updated", error=describe(exc))
                 return True
             metrics.LAKE_CONFLICTS.inc()
             log.warning("lake_commit_conflict", source=source, detail="another writer landed this source first")
+
+    def _in_flight(self) -> bool:
+        return self._rewriter is not None and self._rewriter.in_flight
+
+    def _mark(self, table: ChangeTable, source: str) -> SourceMark:
+        """The source's mark in the snapshot ``table`` holds: known (``_known``) or read from it."""
+        version = table.table.version()
+        known = self._known.get(source)
+        if known is not None and known[0] == version:
+            return known[1]
+        read = table.mark(source)
+        self._known[source] = (version, read)
+        return read
+
+    def _committed(
+        self, table: ChangeTable, source: str, read_version: int, landed: SourceMark, adds: Sequence[Any]
+    ) -> None:
+        """After this sink's commit: the version it made, known with the source's mark when its first attempt
+        landed (the snapshot still holds ``read_version``: the commit never retries by itself), and the files
+        gauge from that snapshot and the commit's own files, without reading the log again."""
+        try:
+            version = table.table.version()
+            if version == read_version:
+                version += 1
+                self._known[source] = (version, landed)
+                new = adds
+            else:  # it read the log again (a conflict, an error after landing): the log says where it landed
+                self._known.pop(source, None)
+                version, new = table.refresh(), []
+            snapshot = pa.table(table.table.get_add_actions(flatten=True))
+            columns = [snapshot.column(f"partition.{c}").to_pylist() for c in table.partition_by]
+            counts = Counter(zip(*columns, strict=True))
+            counts.update(tuple(add.partition_values.get(c) for c in table.partition_by) for add in new)
+            metrics.LAKE_FILES_PER_PARTITION_MAX.set(max(counts.values(), default=0))
+            metrics.LAKE_TABLE_VERSION.set(version)
+        except (DeltaError, OSError) as exc:  # landed already: a figure is no reason to send it again
+            log.warning("lake_files_gauge_not_updated", error=describe(exc))
 
     def _bound_files(self, table: ChangeTable, adds: Sequence[Any]) -> None:
         """After a commit: start rewriting the partitions it touched whose size tiers are over-full, in the
@@ -518,13 +568,17 @@ class LakeConsumer(Consumer):
         the caller filters the batch again."""
         if self._rewriter is None:
             return True
+        known = self._known.get(source)
         waited = self._rewriter.waited_s
         in_flight = self._rewriter.wait()
         self.rewrite_wait_s += self._rewriter.waited_s - waited
         if not in_flight:
             return True
+        committed = self._rewriter.committed_version
+        if known is not None and committed == known[0] + 1:
+            self._known[source] = (committed, known[1])  # the rewrite's version: the mark did not move
         table.refresh()
-        return table.mark(source) == read
+        return self._mark(table, source) == read
 
     def _diverged_at(
         self, table: ChangeTable, batch: EventBatch, read: SourceMark, replayed: list[RecordSlice]

@@ -70,6 +70,12 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     cdc_buffer_bytes: int = 0
     """Flushed WAL bytes the realtime worker may hold; over it realtime stops (0: 10 segments' worth)."""
     realtime_batch_max_events: int = 10_000
+    realtime_batch_min_interval_ms: int = 0
+    """The realtime worker starts a delivery at most this often: what the flusher offers meanwhile joins the
+    next batch (a backlog over ``realtime_batch_max_events`` goes on at once, and closing or stopping never
+    waits). A consumer that commits per call (the lake: a commit, its files and rewrites) then commits at
+    most ``1000 / realtime_batch_min_interval_ms`` times a second whatever the load, for up to this long
+    more lag of a batch's first entries. 0: as soon as the last call returned."""
     realtime_commit_record_interval_ms: int = 1000
     """At most this often a RealtimeCdcRecord tells the daemon how far the node delivered."""
     realtime_close_timeout_ms: int = 10_000
@@ -132,6 +138,7 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
             "topology_version": self.topology_version >= 0,
             "cdc_buffer_bytes": self.cdc_buffer_bytes >= 0,
             "realtime_batch_max_events": self.realtime_batch_max_events >= 1,
+            "realtime_batch_min_interval_ms": 0 <= self.realtime_batch_min_interval_ms <= 60_000,
             "realtime_commit_record_interval_ms": self.realtime_commit_record_interval_ms >= 0,
             "realtime_close_timeout_ms": self.realtime_close_timeout_ms >= 0,
         }

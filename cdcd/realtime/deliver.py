@@ -74,6 +74,8 @@ class Deliverer:
         """Batches and cache changes of the current run of deliveries (None: a new run begins)."""
         self._names: dict[int, str] = {}
         """Names of the node's caches, kept for events of a cache destroyed meanwhile."""
+        self._started_s: float | None = None
+        """When the last delivery began (monotonic), for ``realtime_batch_min_interval_ms``."""
 
     def stopped(self) -> None:
         """Realtime stopped: the next delivery is a new run (a fresh consumer hears of every cache)."""
@@ -98,8 +100,25 @@ class Deliverer:
                 if done is not None:
                     yield ptr, record, done
 
+    def _paced(self) -> None:
+        """Wait out the rest of ``realtime_batch_min_interval_ms`` since the last delivery began (what is
+        offered meanwhile joins this one), unless stopping, closing or the buffer is half full."""
+        interval_s = self.config.realtime_batch_min_interval_ms / 1000
+        now = time.monotonic()
+        if interval_s and self._started_s is not None and now - self._started_s < interval_s:
+            machine = self.machine
+            half = machine.buffer_limit_bytes // 2
+            with self._cv:
+                self._cv.wait_for(
+                    lambda: machine.stopping or machine.closing or machine.buffered_bytes >= half,
+                    interval_s - (now - self._started_s),
+                )
+            now = time.monotonic()
+        self._started_s = now
+
     def deliver_available(self) -> None:
         """Deliver everything buffered now, in batches of at most ``realtime_batch_max_events``."""
+        self._paced()
         batcher, loop = self.batcher, self.loop
         if batcher is None or loop is None:
             # A new run of deliveries: a fresh consumer hears of every cache whose CREATE it reads.

@@ -36,6 +36,7 @@ from typing import Any
 
 from tests.bench.bench_lake_caches import LIVE_KEYS as KEYS
 from tests.bench.bench_lake_caches import live_writer
+from tests.bench.thread_profile import ThreadProfile
 from tests.support.bench import Bench, Measurement, Metric
 
 RATE = int(os.environ.get("BENCH_BOUNDED_RATE") or 5_000)
@@ -130,6 +131,12 @@ def _first_reads(lake: Path) -> dict[str, float]:
 
 
 LAG_P99_GOAL_MS = 300.0
+PACE_MS = os.environ.get("BENCH_RT_BATCH_MIN_INTERVAL_MS")
+"""The node's ``realtime_batch_min_interval_ms`` (unset: its default)."""
+NICE = os.environ.get("BENCH_MAINTENANCE_NICE")
+"""The daemon's sink's ``maintenance_nice`` (unset: its default)."""
+BASELINE_S = float(os.environ.get("BENCH_BASELINE_S") or 20.0)
+"""The realtime writer first writes this long into a node without a consumer: the node's own CPU per entry."""
 REALTIME_START_S = 600.0
 """How long the realtime writer waits for its worker to be on (the PASSIVE switch waits for a daemon's sync)."""
 
@@ -147,6 +154,9 @@ def realtime_writer(node_dir: str, lake: str, seconds: float, rate: int, caches:
 
     consumer = {"kind": "lake", "lake_path": lake, "writer": "deltalake", "max_files_per_partition": P99_GOAL}
     samples: list[dict[str, Any]] = []
+    profile_to = os.environ.get("BENCH_PROFILE")
+    if BASELINE_S:
+        _baseline(Path(node_dir).with_name("baseline"), BASELINE_S, rate, caches, profile_to)
 
     def lag_buckets() -> dict[str, float]:
         return {
@@ -156,11 +166,29 @@ def realtime_writer(node_dir: str, lake: str, seconds: float, rate: int, caches:
             if s.name.endswith("_bucket")
         }
 
+    # The node's histogram times each batch from its last (newest) entry; what pacing adds waits in its first
+    # entries: time those too, per batch, in this process (bench instrumentation around the worker's hook).
+    from cdcd.realtime import deliver
+
+    first_lag_s: list[float] = []
+    delivered = deliver.Deliverer.delivered
+
+    def timed(self: Any, taken: Any, events: Any, took: int, ok: bool) -> None:
+        if took:
+            first_lag_s.append((time.time_ns() - taken[0].record.commit_ts_ns) / 1e9)
+        delivered(self, taken, events, took, ok)
+
+    deliver.Deliverer.delivered = timed  # type: ignore[method-assign]
+
     def confirmed() -> int:
         return int(sum(s.value for f in metrics.RT_EVENTS.collect() for s in f.samples if s.name.endswith("_total")))
 
     with Node.open(
-        node_dir, wal_force_archive_timeout_ms=1000, wal_mode="background", realtime_consumer=consumer
+        node_dir,
+        wal_force_archive_timeout_ms=1000,
+        wal_mode="background",
+        realtime_consumer=consumer,
+        **({"realtime_batch_min_interval_ms": int(PACE_MS)} if PACE_MS is not None else {}),
     ) as node:
         worker: Any = node.realtime
         deadline = time.monotonic() + REALTIME_START_S
@@ -169,6 +197,9 @@ def realtime_writer(node_dir: str, lake: str, seconds: float, rate: int, caches:
                 raise SystemExit(f"realtime did not come on within {REALTIME_START_S:.0f} s")
             time.sleep(0.05)
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        profile = ThreadProfile() if profile_to else None
+        if profile is not None:
+            profile.start()
         handles = [node.cache(f"live-{i}") for i in range(caches)]
         written = 0
         t0 = time.monotonic()
@@ -184,6 +215,11 @@ def realtime_writer(node_dir: str, lake: str, seconds: float, rate: int, caches:
             time.sleep(0.01)
         node.force_archive()
         load_s = time.monotonic() - t0
+        if profile is not None and profile_to:
+            report = profile.report(profile.stop(), written)
+            with open(profile_to, "a") as out:
+                out.write(f"\n##### realtime on, the lake as [realtime_consumer]\n{report}\n")
+        first_lags = sorted(first_lag_s)
         # Closing with batches still buffered would cut the drain short at realtime_close_timeout_ms: wait for the
         # worker to confirm every entry (its events counter) while it stays on, and report how long that took.
         while confirmed() < written and worker.mode is RealtimeMode.ON and time.monotonic() - t0 < seconds * 3 + 60:
@@ -200,9 +236,39 @@ def realtime_writer(node_dir: str, lake: str, seconds: float, rate: int, caches:
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu_s = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     (Path(node_dir) / "lag.json").write_text(json.dumps(samples))
+    (Path(node_dir) / "first_lag.json").write_text(json.dumps(first_lags))
     (Path(node_dir) / "autocompact.json").write_text(json.dumps(_run_seconds("autocompact")))
     (Path(node_dir) / "cpu").write_text(f"{cpu_s:.3f}")
     (Path(node_dir) / "written").write_text(str(written))
+
+
+def _baseline(node_dir: Path, seconds: float, rate: int, caches: int, profile_to: str | None) -> None:
+    """The same load into a node without a realtime consumer (the daemon does not read it): what the node's put
+    path and WAL cost alone, per entry, as ``baseline_cpu`` beside the bench's node directory."""
+    from cdcd.node import Node
+
+    with Node.open(str(node_dir), wal_force_archive_timeout_ms=1000, wal_mode="background") as node:
+        handles = [node.cache(f"live-{i}") for i in range(caches)]
+        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        profile = ThreadProfile() if profile_to else None
+        if profile is not None:
+            profile.start()
+        written = 0
+        t0 = time.monotonic()
+        while (now := time.monotonic() - t0) < seconds:
+            due = int(now * rate)
+            while written < due:
+                handles[written % caches].put(written % KEYS, {"i": written, "pad": "x" * 64})
+                written += 1
+            time.sleep(0.01)
+        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+        if profile is not None and profile_to:
+            report = profile.report(profile.stop(), written)
+            with open(profile_to, "a") as out:
+                out.write(f"\n##### baseline: no realtime consumer\n{report}\n")
+    cpu_s = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    (node_dir.parent / "baseline_cpu").write_text(f"{cpu_s / max(written, 1) * 1e6:.2f}")
+    shutil.rmtree(node_dir, ignore_errors=True)
 
 
 def _quantile(q: float, buckets: dict[str, float]) -> float | None:
@@ -289,14 +355,15 @@ def run_bounded(duration_s: float, *, realtime: bool = False) -> Measurement:
         # The sink's defaults: compaction on delta-rs, no JVM (BENCH_BOUNDED_ENGINE=spark: on Spark local[2]).
         engine = os.environ.get("BENCH_BOUNDED_ENGINE") or "deltalake"
         master = {"spark_master": MASTER} if engine == "spark" else {}
-        consumer = {"kind": "lake", "lake_path": str(lake), "writer": "deltalake", **master}
-        sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake", **master))  # type: ignore[arg-type]
+        nice = {"maintenance_nice": int(NICE)} if NICE is not None else {}
+        consumer = {"kind": "lake", "lake_path": str(lake), "writer": "deltalake", **master, **nice}
+        sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake", **master, **nice))  # type: ignore[arg-type]
         args = [str(node_dir), *([str(lake)] if realtime else []), str(duration_s), str(RATE), str(CACHES)]
         writer = "realtime-writer" if realtime else "live-writer"
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.bench.bench_lake_small_files", writer, *args], env=_child_env()
         )
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 60 + (BASELINE_S if realtime else 0.0)
         while not (node_dir / "cdc").is_dir():
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise AssertionError(f"the live writer did not start (exit {proc.poll()})")
@@ -345,7 +412,15 @@ def run_bounded(duration_s: float, *, realtime: bool = False) -> Measurement:
             # The node's process lands now: its CPU (the load it writes included) is the landing's cost.
             node_cpu_s = float((node_dir / "cpu").read_text())
             extra["node_cpu_us_per_entry"] = round(node_cpu_s / max(written, 1) * 1e6, 2)
+            baseline = root / "baseline_cpu"
+            if baseline.exists():  # the same load into a node without a consumer, before
+                extra["node_baseline_cpu_us_per_entry"] = float(baseline.read_text())
             extra |= _lag_figures(json.loads((node_dir / "lag.json").read_text()))
+            first = json.loads((node_dir / "first_lag.json").read_text())
+            for q in (50, 99):  # per batch, from its first (oldest) entry: exact, not bucketed
+                extra[f"lag_first_p{q}_ms"] = (
+                    round(first[min(len(first) - 1, len(first) * q // 100)] * 1000, 1) if first else None
+                )
             extra["writer_exit"] = proc.returncode  # its figures are written before the node closes
         for task in ("autocompact", "compact", "optimize"):
             for k, v in _run_seconds(task).items():
@@ -382,6 +457,10 @@ def benchmarks(quick: bool) -> list[Bench]:
     what = f"files per partition sampled every {SAMPLE_EVERY_S:g} s, {seconds:.0f} s live at {RATE:,}/s"
     engine = os.environ.get("BENCH_BOUNDED_ENGINE") or "deltalake"
     params = {"rate": RATE, "caches": CACHES, "keys": KEYS, "seconds": seconds, "writer": "deltalake", "engine": engine}
+    if PACE_MS is not None:
+        params["realtime_batch_min_interval_ms"] = int(PACE_MS)
+    if NICE is not None:
+        params["maintenance_nice"] = int(NICE)
     return [
         Bench(
             name="lake.files.bounded",
@@ -407,9 +486,12 @@ def benchmarks(quick: bool) -> list[Bench]:
             more=(
                 *_files_metrics(),
                 Metric("node_cpu_per_entry", "node_cpu_us_per_entry", "us", lower_is_better=True),
+                Metric("node_baseline_cpu_per_entry", "node_baseline_cpu_us_per_entry", "us", lower_is_better=True),
                 Metric("lag_p50", "lag_p50_ms", "ms", lower_is_better=True),
                 Metric("lag_p99", "lag_p99_ms", "ms", LAG_P99_GOAL_MS, lower_is_better=True),
                 Metric("lag_window_p99_max", "lag_window_p99_max_ms", "ms", lower_is_better=True),
+                Metric("lag_first_p50", "lag_first_p50_ms", "ms", lower_is_better=True),
+                Metric("lag_first_p99", "lag_first_p99_ms", "ms", LAG_P99_GOAL_MS, lower_is_better=True),
             ),
             params={**params, "mode": "realtime"},
         ),

@@ -27,6 +27,7 @@ cancelling a run at ``stop()`` loses nothing.
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import threading
@@ -79,6 +80,8 @@ change, not a ``compact_interval_s`` later."""
 CANCEL_REPEAT_S = 0.5
 """How often ``stop`` cancels the maintenance job group again while the run winds down."""
 SCHEDULE_JITTER = 0.1
+MAX_NICE = 19
+"""The lowest CPU priority Linux has (nice 19)."""
 """Each scheduled delay is drawn from ``interval * [1 - SCHEDULE_JITTER, 1 + SCHEDULE_JITTER]``."""
 
 
@@ -123,6 +126,20 @@ def _gap_closed(lake: Path, listed: list[int]) -> bool:
         if newest - max(listed) <= GAP_NEAR_HEAD_VERSIONS:
             return True
     return False
+
+
+def lower_priority(increment: int) -> None:
+    """Add ``increment`` to the calling thread's niceness (at most 19; Linux keeps it per thread, and threads
+    this one starts inherit it). Lowering a priority needs no privilege; a system without per-thread
+    priorities (not Linux) is logged and left as it is."""
+    if not increment:
+        return
+    tid = threading.get_native_id()
+    try:
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(MAX_NICE, now + increment))
+    except (OSError, AttributeError) as exc:
+        log.warning("lake_maintenance_priority_unchanged", nice=increment, error=describe(exc))
 
 
 def _table_fields(lake: Path, cache: str) -> set[str]:
@@ -173,6 +190,9 @@ class MaintainerOptions:
     """A new cache's typed table and its rows in ``state`` answer queries within this long of its first commit:
     a cache landing for the first time makes the next compaction due in ``NEW_CACHE_DELAY_S``, and one that
     took longer is logged (``lake_new_cache_ready`` at warning level, with the seconds)."""
+    nice: int = 0
+    """Niceness added to the maintenance threads (Linux; 0: the process's own priority, up to 19): the CPU
+    they share with delivery (or with a node's realtime worker beside the daemon) goes to delivery first."""
 
     def __post_init__(self) -> None:
         for name in ("compact_interval_s", "optimize_interval_s", "ready_within_s"):
@@ -180,6 +200,8 @@ class MaintainerOptions:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be >= 0 (0 turns it off)")
         if self.max_consecutive_failures < 1:
             raise ValueError(f"max_consecutive_failures = {self.max_consecutive_failures}: must be >= 1")
+        if not 0 <= self.nice <= MAX_NICE:
+            raise ValueError(f"maintenance_nice = {self.nice}: must be from 0 to {MAX_NICE}")
 
 
 class Maintainer:
@@ -328,6 +350,7 @@ class Maintainer:
 
     # --- the thread --------------------------------------------------------------------------------
     def _run(self, tasks: list[str]) -> None:
+        lower_priority(self.options.nice)
         opts = self.options
         now = self._clock()
         due = {task: now + self._jittered(self._interval(task)) for task in tasks if self._interval(task)}

@@ -1,0 +1,87 @@
+"""``realtime_batch_min_interval_ms``: the node's realtime worker starts a delivery at most once per interval,
+whatever was flushed meanwhile joining it, every entry still delivered once and in order; closing does not
+wait the interval out. A recording consumer in the node's process (``tests.support.rt_lag_consumer``)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cdcd.config import ConfigError
+from cdcd.node import Node
+from cdcd.realtime import RealtimeMode
+from tests.support import rt_lag_consumer
+from tests.support.procs import wait_for
+
+INTERVAL_MS = 300
+
+
+def _node(path: Path, channel: str, interval_ms: int) -> Node:
+    consumer = {"kind": "python", "class": "tests.support.rt_lag_consumer:LagConsumer", "options": {"channel": channel}}
+    node = Node.open(
+        path,
+        realtime_cdc=True,
+        realtime_consumer=consumer,
+        cdc_enabled=False,
+        realtime_batch_min_interval_ms=interval_ms,
+    )
+    wait_for(lambda: node.realtime.mode is RealtimeMode.ON, 30, "realtime on")
+    return node
+
+
+def _keys(rec: Any) -> list[int]:
+    return [k for _, _, keys in rec.snapshot() for k in keys]
+
+
+def test_deliveries_start_at_most_once_per_interval(tmp_path: Path) -> None:
+    """40 puts 20 ms apart (each flushed on its own): the consumer is called at most once per 300 ms from the
+    first put on, so a handful of times instead of about 40; every key once, in order."""
+    channel = f"pace-{os.getpid()}"
+    rec = rt_lag_consumer.recorder(channel, fresh=True)
+    node = _node(tmp_path / "node", channel, INTERVAL_MS)
+    try:
+        cache = node.cache("c")
+        first_ns = time.perf_counter_ns()
+        for key in range(40):
+            cache.put(key, "v")
+            time.sleep(0.02)
+        wait_for(lambda: rec.delivered() >= 40, 60, "every key delivered")
+    finally:
+        node.close()
+        rt_lag_consumer.drop(channel)
+    calls = [t for t, _, _ in rec.snapshot()]
+    # Delivery k starts at least (k - 1) intervals after the first, which started after the first put.
+    allowed = (calls[-1] - first_ns) / (INTERVAL_MS * 1e6) + 1
+    assert len(calls) <= allowed, (len(calls), allowed)
+    assert len(calls) < 20, "deliveries were not paced"
+    assert _keys(rec) == list(range(40))
+
+
+def test_closing_does_not_wait_for_the_interval(tmp_path: Path) -> None:
+    """With 20 s between deliveries (the close timeout is 10 s), what is put right after a delivery is
+    delivered by the node at close, without a ``close_timeout`` stop: closing wakes the pacing wait."""
+    channel = f"pace-close-{os.getpid()}"
+    rec = rt_lag_consumer.recorder(channel, fresh=True)
+    node = _node(tmp_path / "node", channel, 20_000)
+    try:
+        cache = node.cache("c")
+        cache.put(0, "v")
+        wait_for(lambda: rec.delivered() >= 1, 60, "the first key delivered")
+        for key in range(1, 10):
+            cache.put(key, "v")
+        assert rec.delivered() == 1  # the next delivery is 20 s away
+    finally:
+        node.close()
+        rt_lag_consumer.drop(channel)
+    assert node.realtime.stops.get("close_timeout") is None
+    assert _keys(rec) == list(range(10))
+
+
+@pytest.mark.parametrize("interval_ms", [-1, 60_001])
+def test_an_interval_out_of_range_is_refused(tmp_path: Path, interval_ms: int) -> None:
+    with pytest.raises(ConfigError, match="realtime_batch_min_interval_ms"):
+        Node.open(tmp_path / "node", realtime_batch_min_interval_ms=interval_ms)
