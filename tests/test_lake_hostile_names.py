@@ -229,6 +229,8 @@ def test_an_unreadable_table_and_a_failing_one_are_skipped_while_state_and_the_o
     victim.write_bytes(victim.read_bytes()[:20])
 
     second = [change(cache, "9", f'{{"qty": 9, "new": "{cache}"}}', 100 + n) for n, cache in enumerate("abc")]
+    # A key the cut file holds: the MERGE reads only files whose key range a changed key falls in.
+    second.append(change("c", "1", '{"qty": 91}', 110))
     append_changes(lake, second, source_txn=("node-a", 2))
     res = run_cli("lake", "compact", "--lake", str(lake), "--spark-master", "local[1]")
     assert res.returncode == 0, res.stderr
