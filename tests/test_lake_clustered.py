@@ -23,7 +23,7 @@ import pytest
 from deltalake import DeltaTable
 
 from cdcd.lake.maintenance.autocompact import FilePolicy, bound_compacted, sorted_runs_per_partition
-from cdcd.lake.maintenance.clustered import ranged_files
+from cdcd.lake.maintenance.clustered import FILE_ROWS, ranged_files
 from cdcd.lake.maintenance.compact import compact, compacted_version
 from cdcd.lake.table import STATE
 from cdcd.lake.typed.layout import list_tables
@@ -385,3 +385,25 @@ def test_the_change_data_feed_and_spark_see_the_merge_alone(spark: Any, tmp_path
     assert typed_keys(lake, "orders") == expected_keys(landed, "orders")
     assert_disjoint(files(table))
     assert max(sorted_runs_per_partition(lake / STATE, "key").values()) <= 6
+
+
+def test_lake_optimize_keeps_the_ranges_and_merges_overlapping_files(spark: Any, tmp_path: Path) -> None:
+    """`cdcd lake optimize` bin-packs `changes` with Delta's OPTIMIZE but not `state` and the typed tables (their
+    ranges would become one file again): their overlapping files are merged into a sorted run, rows the same."""
+    from cdcd.lake.maintenance.ops import optimize
+
+    lake = tmp_path / "lake"
+    landed = seeded(lake, range(1000, 2000))
+    clustered_state = files(lake / STATE, cache="orders")
+    _scatter(lake / STATE, "users", 12)
+    _scatter(typed(lake, "users"), None, 12)
+    done = optimize(spark, lake)
+    # state: one file is the main run, the other 11 (over the smallest tier's 7 of the default bound) one file.
+    assert done[STATE]["numFilesRemoved"] == 11 and done["tables/users"]["numFilesRemoved"] == 12
+    assert done["tables/orders"]["numFilesRemoved"] == 0
+    assert files(lake / STATE, cache="orders") == clustered_state
+    assert sorted_runs_per_partition(lake / STATE, "key")[("users",)] == 2
+    assert sorted_runs_per_partition(typed(lake, "users"), "key") == {(): 1}
+    assert_disjoint(files(typed(lake, "users")), FILE_ROWS)  # the command's files: the default size
+    assert state_rows(lake) == expected_state(landed)
+    assert typed_keys(lake, "users") == expected_keys(landed, "users")

@@ -242,11 +242,35 @@ def optimize(spark: Any, lake: LakeDir) -> dict[str, dict[str, Any]]:
     for name, path in _maintained(lake):
         if not DeltaTable.isDeltaTable(session, spark_path(path)):
             continue
+        if name != CHANGES:
+            # Key-range clustered (cdcd/lake/maintenance/clustered.py): Delta's bin-packing would pack the ranges
+            # back into one file, which the next compaction would cut again whole; their overlapping files are
+            # merged into sorted runs instead, without Spark.
+            out[name] = _optimize_clustered(name, path)
+            log.info("lake_optimized", table=name, **out[name])
+            continue
         row = DeltaTable.forPath(session, spark_path(path)).optimize().executeCompaction().collect()[0]
         metrics = row["metrics"].asDict(recursive=True)
         out[name] = {k: metrics.get(k) for k in ("numFilesAdded", "numFilesRemoved", "totalConsideredFiles")}
         log.info("lake_optimized", table=name, **out[name])
     return out
+
+
+def _optimize_clustered(name: str, path: LakeDir) -> dict[str, Any]:
+    """``state`` (its partitions' files beyond one sorted run, by the bound's tiers) or a typed table (its
+    overlapping files merged into one sorted run): Delta's OPTIMIZE metrics' names."""
+    from cdcd.lake.maintenance.autocompact import FilePolicy, rewrite_partitions
+    from cdcd.lake.maintenance.clustered import FILE_ROWS, recluster
+    from cdcd.lake.typed.infer import KEY
+
+    dt = open_delta(path)
+    considered = len(dt.file_uris())
+    if name == STATE:
+        done = rewrite_partitions(dt, path, FilePolicy(), runs_by="key")
+        removed, added = (done.removed, done.added) if done is not None else (0, 0)
+    else:
+        removed, added = recluster(dt, path, KEY, FILE_ROWS)
+    return {"numFilesAdded": added, "numFilesRemoved": removed, "totalConsideredFiles": considered}
 
 
 OPTIMIZE_LOOKBACK_COMMITS = 200
