@@ -271,6 +271,17 @@ def test_every_reader_reads_the_same_rows(tmp_path: Path) -> None:
     # Readers skipping files by the key's statistics find each key.
     assert con.execute(f"SELECT n FROM delta_scan('{table}') WHERE key = 1250").fetchall() == [(want[1250],)]
     assert pl.scan_delta(str(lake / STATE)).filter(pl.col("key") == "1629").collect().height == 1
+    from tests.support.procs import CDCD
+
+    query = "SELECT key, n FROM orders"
+    res = subprocess.run(
+        [*CDCD, "lake", "sql", "--lake", str(lake), "--format", "json", query],
+        capture_output=True,
+        env=child_env(),
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert {r["key"]: r["n"] for r in json.loads(res.stdout)} == want
 
 
 def _compact_in_child(lake: Path, failpoint: str | None) -> subprocess.CompletedProcess[bytes]:
