@@ -141,12 +141,16 @@ SPREAD_SAMPLE = 4096
 
 
 def spread_wide(
-    target_keys: pa.Array | pa.ChunkedArray, source_keys: pa.Array | pa.ChunkedArray, file_rows: int
+    target_keys: pa.Array | pa.ChunkedArray,
+    source_keys: pa.Array | pa.ChunkedArray,
+    file_rows: int,
+    target_rows: int | None = None,
 ) -> bool:
-    """Whether ``source_keys`` fall in more than half of the files ``target_keys`` would be cut into (sorted, in
-    files of ``file_rows`` rows), estimated from samples. Such a run rewrites most of the table whatever its
-    layout: sorting it into ranges costs a second pass and saves the next such run nothing."""
-    bins = -(-len(target_keys) // max(1, file_rows))
+    """Whether ``source_keys`` fall in more than half of the files ``target_keys`` (or a sample of them standing
+    for ``target_rows`` rows) would be cut into (sorted, in files of ``file_rows`` rows), estimated from samples.
+    Such a run rewrites most of the table whatever its layout: sorting it into ranges costs a second pass and
+    saves the next such run nothing."""
+    bins = -(-(len(target_keys) if target_rows is None else target_rows) // max(1, file_rows))
     if bins < 2 or not len(source_keys):
         return False
     rng = np.random.default_rng(43)

@@ -542,10 +542,16 @@ def _merge(path: LakeDir, conv: Converted, app_id: str, last: int, file_rows: in
         comps = components(ranged_files(pa.table(table.get_add_actions(flatten=True)), KEY))
         at = assign(keys, comps)
         wide = wide_run(comps, at)
-        if wide is None and sum(f.rows for f in comps[0]) > file_rows + file_rows // 2:
-            schema = pa.schema([pa.schema(table.schema().to_arrow()).field(KEY)])
-            held = pa.concat_tables([read_file(path, f.path, schema) for f in comps[0]]).column(KEY)
-            wide = spread_wide(held, keys, file_rows)
+        held_rows = sum(f.rows for f in comps[0])
+        if wide is None and held_rows > file_rows + file_rows // 2:
+            lo, hi = comps[0][0].lo, max((f.hi for f in comps[0]), default=None)
+            if pa.types.is_integer(keys.type) and lo is not None and hi is not None:
+                # Integer keys: the ranges the file would be cut into, taken as equally wide (no read).
+                wide = spread_wide(pa.array(np.linspace(lo, hi, 1024).astype(np.int64)), keys, file_rows, held_rows)
+            else:
+                schema = pa.schema([pa.schema(table.schema().to_arrow()).field(KEY)])
+                held = pa.concat_tables([read_file(path, f.path, schema) for f in comps[0]]).column(KEY)
+                wide = spread_wide(held, keys, file_rows)
         ranges = None if wide else _key_ranges(comps, at, keys)
         _merge_rows(table, rows, props, f"t.{KEY} = s.{KEY}" + ("" if ranges is None else f" AND {ranges}"))
         if wide:
