@@ -8,9 +8,12 @@ keep whole values). Files whose ranges
 overlap form one *component* (a file without bounds overlaps everything): a changed key belongs to the
 component whose range holds it, or, between components, to the one before it (the first, before all), so a
 key held by any file is always found in the component it is assigned to. A touched component is read whole
-and written again sorted by key, in files of at most ``file_rows`` rows: an oversized file splits, and the
-touched part of the table ends as disjoint ranges again (a table written by Spark or by an older cdcd,
-overlapping, heals as compaction touches it). Files with pairwise disjoint ranges make one *sorted run*
+and written again as one file up to half again ``file_rows`` rows, else sorted by key and cut into files of
+``file_rows`` rows: an oversized file splits, and the touched part of the table ends as disjoint ranges again
+(a table written by Spark or by an older cdcd, overlapping, heals as compaction touches it). A typed table's
+MERGE output is merged into the table's main sorted run by ``recluster``; a run whose keys spread over most
+of a table is left as written (``spread_wide``, ``wide_run``: cutting it costs a pass the next such run
+throws away). Files with pairwise disjoint ranges make one *sorted run*
 (Paimon's term): the small-file bound counts a sorted run as one (``autocompact.bound_compacted``).
 """
 
