@@ -17,7 +17,12 @@
   defaults). The same figures (the writer's rewrites timed in the node, where they run now), the node's CPU per
   entry beside the daemon's (the landing moved there), and the
   realtime lag p50/p99 from the node's ``cdcd_node_realtime_lag_seconds`` (WAL commit to the lake's commit,
-  per batch), read every 2 s in the node's process (goal: p99 <= 300 ms).
+  per batch), read every 2 s in the node's process (goal: p99 <= 300 ms), and the same lag from each batch's
+  first entry (``lag_first_*``, exact). The node's process first writes the same load for ``BENCH_BASELINE_S``
+  (20) seconds into a node without a consumer (``node_baseline_cpu_us_per_entry``); ``BENCH_PROFILE=<file>``
+  appends where its CPU went (per thread, sampled Python stacks: ``tests/bench/thread_profile.py``);
+  ``BENCH_RT_BATCH_MIN_INTERVAL_MS`` and ``BENCH_MAINTENANCE_NICE`` set the node's pacing and the daemon's
+  maintenance priority.
 """
 
 from __future__ import annotations
