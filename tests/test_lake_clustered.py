@@ -426,3 +426,28 @@ def test_lake_optimize_keeps_the_ranges_and_merges_overlapping_files(spark: Any,
     assert_disjoint(files(typed(lake, "users")), FILE_ROWS)  # the command's files: the default size
     assert state_rows(lake) == expected_state(landed)
     assert typed_keys(lake, "users") == expected_keys(landed, "users")
+
+
+def test_lake_compact_from_the_command_line_takes_the_file_size(tmp_path: Path) -> None:
+    """``cdcd lake compact --file-rows`` clusters as a daemon with ``compact_file_rows`` does (without it: the
+    default, one file for these 1,000 keys); a bad value is refused naming the option, and nothing is written."""
+    lake = tmp_path / "lake"
+    rows = [change(c, str(k), f'{{"n": {k}}}', k) for k in range(1000, 2000) for c in ("orders", "users")]
+    append_changes(lake, rows)
+    cli = [sys.executable, "-m", "cdcd", "lake", "compact", "--lake", str(lake), "--engine", "deltalake"]
+
+    bad = subprocess.run([*cli, "--file-rows", "0"], capture_output=True, text=True, env=child_env(), timeout=300)
+    assert bad.returncode == 2, bad.stderr
+    assert "--file-rows" in bad.stderr
+    assert compacted_version(lake) == -1
+
+    done = subprocess.run(
+        [*cli, "--file-rows", str(ROWS)], capture_output=True, text=True, env=child_env(), timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    for cache in ("orders", "users"):
+        live = files(lake / STATE, cache=cache)
+        assert len(live) == 1000 // ROWS
+        assert_disjoint(live)
+        assert len(files(typed(lake, cache))) == 1000 // ROWS
+    assert state_rows(lake) == expected_state(rows)

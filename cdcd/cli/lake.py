@@ -111,6 +111,16 @@ def _lake_option() -> _Decorator:
     return wrap
 
 
+def _file_rows_option() -> _Decorator:
+    return click.option(
+        "--file-rows",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Rows per key-range clustered file of state and the typed tables: the daemon's compact_file_rows "
+        "[default: 65536].",
+    )
+
+
 def _master_option() -> _Decorator:
     return click.option("--spark-master", default="local[*]", show_default=True, help="Spark master URL.")
 
@@ -164,11 +174,15 @@ def _require_changes(lake_path: Path) -> None:
     default=None,
     help="Declared column types: a daemon config's [consumer.tables.*] or a file of [tables.*] tables.",
 )
-def lake_compact(lake_path: Path, engine: str, spark_master: str | None, tables_config: Path | None) -> None:
+@_file_rows_option()
+def lake_compact(
+    lake_path: Path, engine: str, spark_master: str | None, tables_config: Path | None, file_rows: int | None
+) -> None:
     """MERGE the changes committed since the last compaction into <lake>/state and the typed table of
     each cache, <lake>/tables/<cache> (latest per key by version, then WAL position; deletes applied;
     idempotent), and record the cut they make together. Either engine writes the same tables."""
     from cdcd.lake import spark as spark_session
+    from cdcd.lake.maintenance.clustered import FILE_ROWS
     from cdcd.lake.maintenance.compact import compact, compact_engine
     from cdcd.lake.reading.report import compact_summary
     from cdcd.lake.typed.declared import DeclaredSchemaError, load_declared
@@ -186,11 +200,12 @@ def lake_compact(lake_path: Path, engine: str, spark_master: str | None, tables_
         fail(str(exc), ExitCode.BAD_INPUT)
     if not use_spark:
         log_to_stderr()
-        click.echo(compact_summary(compact(None, lake_path, tables=declared)))
+        rows = FILE_ROWS if file_rows is None else file_rows
+        click.echo(compact_summary(compact(None, lake_path, tables=declared, file_rows=rows)))
         return
     spark = _spark(spark_master or "local[*]", "cdcd-lake-compact", lake_path)
     try:
-        result = compact(spark, lake_path, tables=declared)
+        result = compact(spark, lake_path, tables=declared, file_rows=FILE_ROWS if file_rows is None else file_rows)
     finally:
         spark_session.release()
     click.echo(compact_summary(result))
@@ -199,8 +214,10 @@ def lake_compact(lake_path: Path, engine: str, spark_master: str | None, tables_
 @lake.command("optimize")
 @_lake_option()
 @_master_option()
-def lake_optimize(lake_path: Path, spark_master: str) -> None:
-    """Bin-pack small files of both tables (Delta OPTIMIZE; no data changes)."""
+@_file_rows_option()
+def lake_optimize(lake_path: Path, spark_master: str, file_rows: int | None) -> None:
+    """Bin-pack the small files of changes (Delta OPTIMIZE) and merge the overlapping files of state and the
+    typed tables into key-range sorted runs (no data changes)."""
     from cdcd.lake import spark as spark_session
     from cdcd.lake.maintenance.ops import optimize
     from cdcd.lake.reading.report import optimize_line
@@ -208,7 +225,7 @@ def lake_optimize(lake_path: Path, spark_master: str) -> None:
     _require_changes(lake_path)
     spark = _spark(spark_master, "cdcd-lake-optimize", lake_path)
     try:
-        done = optimize(spark, lake_path)
+        done = optimize(spark, lake_path, file_rows)
     finally:
         spark_session.release()
     for name, m in done.items():

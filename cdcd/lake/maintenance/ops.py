@@ -228,11 +228,12 @@ OPTIMIZE_MIN_FILE_BYTES = 64 << 20
 small files of a partition, not all of it every time (Delta's default is 1 GiB)."""
 
 
-def optimize(spark: Any, lake: LakeDir) -> dict[str, dict[str, Any]]:
-    """Bin-pack each table's small files (Delta OPTIMIZE, per partition). The commits change no data
-    (readers, the change data feed and compaction see the same rows); returns Delta's metrics per
-    table: ``numFilesRemoved`` small files rewritten as ``numFilesAdded``, of ``totalConsideredFiles``
-    (no commit when there was nothing to rewrite)."""
+def optimize(spark: Any, lake: LakeDir, file_rows: int | None = None) -> dict[str, dict[str, Any]]:
+    """Bin-pack the small files of ``changes`` (Delta OPTIMIZE, per partition) and merge the overlapping files
+    of ``state`` and the typed tables into key-range sorted runs of ``file_rows`` rows per file (None: the
+    default, ``clustered.FILE_ROWS``). The commits change no data (readers, the change data feed and
+    compaction see the same rows); returns Delta's metrics per table: ``numFilesRemoved`` small files
+    rewritten as ``numFilesAdded``, of ``totalConsideredFiles`` (no commit when there was nothing to rewrite)."""
     from delta.tables import DeltaTable
 
     session = spark.newSession()
@@ -246,7 +247,7 @@ def optimize(spark: Any, lake: LakeDir) -> dict[str, dict[str, Any]]:
             # Key-range clustered (cdcd/lake/maintenance/clustered.py): Delta's bin-packing would pack the ranges
             # back into one file, which the next compaction would cut again whole; their overlapping files are
             # merged into sorted runs instead, without Spark.
-            out[name] = _optimize_clustered(name, path)
+            out[name] = _optimize_clustered(name, path, file_rows)
             log.info("lake_optimized", table=name, **out[name])
             continue
         row = DeltaTable.forPath(session, spark_path(path)).optimize().executeCompaction().collect()[0]
@@ -256,7 +257,7 @@ def optimize(spark: Any, lake: LakeDir) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _optimize_clustered(name: str, path: LakeDir) -> dict[str, Any]:
+def _optimize_clustered(name: str, path: LakeDir, file_rows: int | None) -> dict[str, Any]:
     """``state`` (its partitions' files beyond one sorted run, by the bound's tiers) or a typed table (its
     overlapping files merged into one sorted run): Delta's OPTIMIZE metrics' names."""
     from cdcd.lake.maintenance.autocompact import FilePolicy, rewrite_partitions
@@ -266,10 +267,11 @@ def _optimize_clustered(name: str, path: LakeDir) -> dict[str, Any]:
     dt = open_delta(path)
     considered = len(dt.file_uris())
     if name == STATE:
-        done = rewrite_partitions(dt, path, FilePolicy(), runs_by="key")
+        policy = FilePolicy() if file_rows is None else FilePolicy(file_rows=file_rows)
+        done = rewrite_partitions(dt, path, policy, runs_by="key")
         removed, added = (done.removed, done.added) if done is not None else (0, 0)
     else:
-        removed, added = recluster(dt, path, KEY, FILE_ROWS)
+        removed, added = recluster(dt, path, KEY, FILE_ROWS if file_rows is None else file_rows)
     return {"numFilesAdded": added, "numFilesRemoved": removed, "totalConsideredFiles": considered}
 
 
