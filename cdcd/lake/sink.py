@@ -126,10 +126,12 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``deltalake`` writer stays JVM-free). Both write the same tables."""
     maintenance_max_failures: int = 3
     """Scheduled runs failing in a row before the sink fails (the daemon exits 4 naming the error)."""
-    maintenance_nice: int = 10
+    maintenance_nice: int = 0
     """Niceness added to the scheduled maintenance's threads (compaction, the optimize lane; Linux, 0-19): on
-    cores shared with delivery, or with the node's realtime worker beside a PASSIVE daemon, maintenance
-    gets the CPU they leave. 0: the process's own priority."""
+    cores shared with delivery, or with the node's realtime worker beside a PASSIVE daemon, their Python and
+    pyarrow work gets the CPU those leave (delta-rs's own threads keep the process's priority). 0: the
+    process's own priority (at 10 compactions ran longer and the realtime lag did not improve:
+    docs/performance.md)."""
     typed_tables: bool = True
     """Scheduled compaction keeps ``<lake>/tables/<cache>`` too (one Delta table per cache); false:
     ``state`` only (thousands of tiny caches: a table each costs a few commits per compaction)."""
