@@ -112,11 +112,11 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     moment: the writer rewrites the partitions a commit touched, by size tiers, once one holds too many
     (cdcd/lake/maintenance/autocompact.py); compaction does the same to ``state`` and the typed tables after each run.
     0: off (files then wait for the scheduled OPTIMIZE)."""
-    ready_within_s: float = 15.0
     compact_file_rows: int = 65_536
     """Rows per file of ``state``'s cache partitions and the typed tables, which compaction keeps sorted by key
     in files of bounded key ranges, so a run rewrites only the files its changed keys fall in
     (cdcd/lake/maintenance/clustered.py); such key-disjoint files count as one toward ``max_files_per_partition``."""
+    ready_within_s: float = 15.0
     """A new cache's typed table and its rows in ``state`` answer ``cdcd lake sql`` within this long of its first
     commit (compaction on): the first commit of a cache makes the next compaction due within a second; a cache
     that took longer is logged (``lake_new_cache_ready`` warning)."""
@@ -315,6 +315,7 @@ class LakeConsumer(Consumer):
                 compact if on_spark else _compact_jvm_free,
                 tables=opts.declared_tables(),
                 typed_tables=opts.typed_tables,
+                file_rows=opts.compact_file_rows,
             )
             self._maintainer = Maintainer(
                 self.lake,  # type: ignore[arg-type]
@@ -326,7 +327,6 @@ class LakeConsumer(Consumer):
 
     def alive(self) -> bool:
         if self._maintainer is not None:
-                file_rows=opts.compact_file_rows,
             self._maintainer.check()  # MaintenanceFailed names the cause in the caller's exit line
         return True
 
