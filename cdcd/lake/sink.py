@@ -116,6 +116,10 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Rows per file of ``state``'s cache partitions and the typed tables, which compaction keeps sorted by key
     in files of bounded key ranges, so a run rewrites only the files its changed keys fall in
     (cdcd/lake/maintenance/clustered.py); such key-disjoint files count as one toward ``max_files_per_partition``."""
+    compact_max_rows: int = 200_000
+    """Change rows one compaction folds at most (whole commits: a larger one alone); the rest waits for the next
+    run, which starts at once. A run's seconds and memory then follow this bound, not a backlog's size (the
+    first run after an outage, a catch-up), and no run holds the compaction lane for long. 0: no bound."""
     ready_within_s: float = 15.0
     """A new cache's typed table and its rows in ``state`` answer ``cdcd lake sql`` within this long of its first
     commit (compaction on): the first commit of a cache makes the next compaction due within a second; a cache
@@ -144,6 +148,7 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             {
                 "max_files_per_batch": 1 <= self.max_files_per_batch <= MAX_FILES_PER_BATCH,
                 "compact_file_rows": self.compact_file_rows >= 1,
+                "compact_max_rows": self.compact_max_rows >= 0,
             },
         )
         try:
@@ -316,6 +321,7 @@ class LakeConsumer(Consumer):
                 tables=opts.declared_tables(),
                 typed_tables=opts.typed_tables,
                 file_rows=opts.compact_file_rows,
+                max_rows_per_run=opts.compact_max_rows,
             )
             self._maintainer = Maintainer(
                 self.lake,  # type: ignore[arg-type]

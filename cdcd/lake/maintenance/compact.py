@@ -12,8 +12,9 @@ and runs again either finds nothing left to do or redoes exactly the uncommitted
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from dataclasses import field as dc_field
@@ -121,6 +122,8 @@ class CompactResult:
     skipped: list[BadTable] = dc_field(default_factory=list)
     """Typed tables that could not be opened or compacted: each named in one line, left out of the cut
     (``state`` and every other table are current); a failed one is rebuilt from ``state`` next time."""
+    behind: bool = False
+    """Changes committed after ``to_version`` were left for the next run (``max_rows_per_run``)."""
 
     @property
     def upserted(self) -> int:
@@ -243,17 +246,20 @@ def _truncate_state(session: Any, lake: LakeDir, caches: frozenset[str]) -> int:
 def version_ranges(changes: LakeDir, start: int, end: int, max_rows: int) -> list[tuple[int, int]]:
     """``start..end`` cut into consecutive ranges of at most ``max_rows`` added rows each (a single
     larger version is a range of its own): what one MERGE holds in memory is bounded."""
-    ranges: list[tuple[int, int]] = []
+    return list(_ranges(changes, start, end, max_rows))
+
+
+def _ranges(changes: LakeDir, start: int, end: int, max_rows: int) -> Iterator[tuple[int, int]]:
+    """``version_ranges`` one at a time: a run that folds only the first reads only its commits' stats."""
     first, rows = start, 0
     for version in range(start, end + 1):
         added = rows_added(changes, version)
         added = max_rows if added is None else added
         if rows and rows + added > max_rows:
-            ranges.append((first, version - 1))
+            yield first, version - 1
             first, rows = version, 0
         rows += added
-    ranges.append((first, end))
-    return ranges
+    yield first, end
 
 
 def _newer(source: str, target: str) -> str:
@@ -271,6 +277,7 @@ def compact(
     tables: Mapping[str, DeclaredTable] | None = None,
     typed_tables: bool = True,
     file_rows: int = FILE_ROWS,
+    max_rows_per_run: int = 0,
 ) -> CompactResult:
     """Fold every change committed to ``<lake>/changes`` since the last compaction into ``<lake>/state``
     and the typed tables ``<lake>/tables/<cache>``: one MERGE per range of at most
@@ -281,7 +288,9 @@ def compact(
     ``typed_tables=False``: ``state`` alone (a lake of thousands of tiny caches; the benchmark's
     reference). Turning it on again later: delete ``<lake>/tables`` first, the next compaction rebuilds
     every table from ``state``. ``file_rows``: rows per file of ``state``'s and the typed tables' key-range
-    clustered files (``compact_file_rows``, cdcd/lake/maintenance/clustered.py)."""
+    clustered files (``compact_file_rows``, cdcd/lake/maintenance/clustered.py). ``max_rows_per_run``: fold at
+    most this many change rows (whole commits; one commit larger than that alone), leaving the rest for the
+    next run (``CompactResult.behind``); 0: all of them. A run's cost then follows the bound, not the backlog."""
     changes = lake / CHANGES
     end = table_version(changes)
     if end is None:
@@ -315,7 +324,10 @@ def compact(
     versions: dict[str, int] = {}
     skipped: list[BadTable] = []
     failed: list[BadTable] = []
-    for first, last in version_ranges(changes, done + 1, end, max_rows_per_merge):
+    per_range = min(max_rows_per_merge, max_rows_per_run or max_rows_per_merge)
+    ranges = list(itertools.islice(_ranges(changes, done + 1, end, per_range), 1 if max_rows_per_run else None))
+    folded_to = ranges[-1][1]
+    for first, last in ranges:
         feed, lost = drop_lost(read_feed(changes, first, last), starts)
         feed, truncated = split_truncates(feed)
         if rebuild and first == 0:
@@ -364,7 +376,17 @@ def compact(
         )
     state_version = _state_version(lake)
     return CompactResult(
-        done + 1, end, keys, state_version, versions, rescued, inserted, updated, deleted, _unique(skipped)
+        done + 1,
+        folded_to,
+        keys,
+        state_version,
+        versions,
+        rescued,
+        inserted,
+        updated,
+        deleted,
+        _unique(skipped),
+        behind=folded_to < end,
     )
 
 

@@ -371,9 +371,10 @@ class Maintainer:
                 if woken or self._clock() < due[task]:
                     continue
             run_started = self._clock()
+            behind = False
             try:
                 started = self._clock()
-                self._run_one(task)
+                behind = self._run_one(task)
                 metrics.LAKE_LAST_MAINTENANCE.labels(task).set(time.time())
                 run_s = self._clock() - started
                 metrics.LAKE_MAINTENANCE_SECONDS.labels(task).observe(run_s)
@@ -410,8 +411,8 @@ class Maintainer:
                 # least half of the thread, and a neighbour's OPTIMIZE meanwhile makes the next needless.
                 interval = max(interval, self._clock() - run_started)
             # From the end of the run: a compaction longer than its interval is followed by the next at once,
-            # never by a backlog of missed ones.
-            due[task] = self._clock() + self._jittered(interval)
+            # never by a backlog of missed ones; one that left changes behind (its bound of rows per run) too.
+            due[task] = self._clock() + (0.0 if behind else self._jittered(interval))
 
     def _report_ready(self, waiting: Mapping[str, float]) -> None:
         """The new caches this compaction brought into ``state`` and their tables: how long after landing."""
@@ -438,7 +439,8 @@ class Maintainer:
         metrics.LAKE_MAINTENANCE_BY_NEIGHBOUR.labels(task).inc()
         log.info("lake_maintenance_by_neighbour", task=task, **fields)
 
-    def _run_one(self, task: str) -> None:
+    def _run_one(self, task: str) -> bool:
+        """Run ``task`` once; True: a compaction left changes for the next run (``compact_max_rows``)."""
         started = self._clock()
         if task == "compact":
             with self._lock:
@@ -456,7 +458,7 @@ class Maintainer:
                 if folded <= mark:
                     raise
                 self._by_neighbour("compact", compacted_from=mark, compacted_to=folded, error=describe(exc))
-                return
+                return False
             files = self.options.files
             if files is not None and result.did_work:
                 # What this compaction committed to state and the typed tables, bounded before the next.
@@ -469,11 +471,13 @@ class Maintainer:
                 to_version=result.to_version,
                 keys=result.keys,
                 seconds=round(self._clock() - started, 3),
+                behind=result.behind,
             )
             for bad in result.skipped:
                 # One bad typed table is no failed run (state and the other tables are current): a problem
                 # line per run while it lasts, and cdcd_lake_typed_table_failures_total, not an exit.
                 log.warning("lake_maintenance_table_skipped", path=str(bad.path), cache=bad.cache, error=bad.error)
+            return result.behind
         else:
             # A neighbour's OPTIMIZE since then bin-packed the small files this run was due for: a second would
             # rewrite the few added since, or lose to it.
@@ -484,9 +488,10 @@ class Maintainer:
             if version is not None:
                 self._by_neighbour("optimize", optimized_version=version)
                 self._optimize_since_s = time.time()
-                return
+                return False
             self._optimize_since_s = time.time()  # should this run lose, the winner's commit comes after
             self._optimize(self._spark, self.lake)
             self._optimize_since_s = time.time()  # this run's own commits are no neighbour's
             self.optimizations += 1
             log.info("lake_maintenance_optimized", seconds=round(self._clock() - started, 3))
+            return False
