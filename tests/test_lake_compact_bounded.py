@@ -4,16 +4,20 @@ together fold exactly what one unbounded compaction folds."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from deltalake import DeltaTable
 
 from cdcd.lake.maintenance.compact import compact, compacted_version
 from cdcd.lake.maintenance.maintainer import Maintainer, MaintainerOptions
+from cdcd.lake.sink import LakeConsumer, LakeOptions
 from cdcd.lake.table import CHANGES, STATE
 from cdcd.lake.typed.layout import list_tables
+from tests.support.delta_lake import sub_batch, wal_batch
 from tests.support.delta_tables import append_changes, change, expected_state, state_rows
 from tests.support.procs import wait_for
+from tests.support.writer import make_node
 
 
 def _commits(lake: Path, commits: int, rows_per_commit: int) -> list[dict[str, object]]:
@@ -93,3 +97,41 @@ def test_the_maintainer_runs_the_next_compaction_at_once_while_one_left_changes_
     assert runs[:6] == [(v, v, v < 5) for v in range(6)]
     assert state_rows(lake) == expected_state(rows)
     assert (lake / STATE).is_dir()
+
+
+def test_the_sink_s_compact_max_rows_bounds_each_scheduled_run(tmp_path: Path) -> None:
+    """``compact_max_rows = 1``: every commit of changes is a compaction run of its own, one after the other, and
+    the lake ends where one compaction of the same changes ends."""
+    node_dir, lake, copy = tmp_path / "node", tmp_path / "lake", tmp_path / "copy"
+    make_node(node_dir, segments=2, tx_per_segment=10)
+    batch = wal_batch(node_dir, "test-node")
+    options = LakeOptions(
+        lake_path=str(lake),
+        writer="deltalake",
+        compact_interval_s=3600,  # the first run because new caches landed; the rest because runs left changes
+        optimize_interval_s=0,
+        compact_max_rows=1,
+    )
+    sink = LakeConsumer(options)
+    sink.start()
+    try:
+        for k in range(0, len(batch.peek_slices()), 5):
+            assert sink.on_events(sub_batch(batch, k, k + 5)) is True
+        end = DeltaTable(str(lake / CHANGES)).version()
+        maintainer = sink._maintainer
+        assert maintainer is not None
+
+        def folded_to_end() -> bool:
+            last = maintainer.last_compact
+            return last is not None and last.to_version == end
+
+        wait_for(folded_to_end, timeout=300, what="the bounded runs up to the last commit")
+        assert maintainer.last_compact is not None and not maintainer.last_compact.behind
+        assert compacted_version(lake) == end
+        assert maintainer.compactions >= 4, "one run per batch of changes (4 batches), not one for all"
+    finally:
+        sink.stop()
+    shutil.copytree(lake / CHANGES, copy / CHANGES)
+    compact(None, copy)
+    assert state_rows(lake) == state_rows(copy)
+    assert _typed_keys(lake) == _typed_keys(copy)
