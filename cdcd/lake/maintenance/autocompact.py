@@ -170,6 +170,8 @@ class Rewritten:
     added: int
     partitions: int
     seconds: float
+    version: int = -1
+    """The version the rewrite committed (-1: not known)."""
 
 
 def _partition_files(dt: DeltaTable, partition_by: Sequence[str]) -> dict[tuple[str | None, ...], list[Any]]:
@@ -289,7 +291,8 @@ def rewrite_partitions(
     """Rewrite the over-full tiers of the partitions ``only`` names (every partition: None) of the table
     ``dt`` at ``root`` (partitioned as its metadata says: ``cache``, and ``day`` with ``partition_by_day``),
     in one commit at the version ``dt`` holds plus one. None: nothing to do, or the commit lost to another
-    writer's (its files deleted; the next call tries again). ``dt`` is brought to the new version.
+    writer's (its files deleted; the next call tries again). ``dt`` stays at the version it held: bringing it
+to the new one replays the log since the last checkpoint, which whoever uses it next does anyway.
     ``runs_by``: a key column the table's files are clustered by (``state``'s ``key``): a partition's
     longest sorted run of key-disjoint files counts as one and is left as it is; the tiers bound the
     other files (cdcd/lake/maintenance/clustered.py)."""
@@ -356,8 +359,9 @@ def rewrite_partitions(
                 target.unlink(missing_ok=True)
         raise
     failpoints.hit(COMMITTED)
-    dt.update_incremental()
-    done = Rewritten(removed, len(work), len({tuple(v.items()) for v, _ in work}), time.monotonic() - started)
+    partitions = len({tuple(v.items()) for v, _ in work})
+    # max_commit_retries=0: committed at exactly the version read plus one, or not at all.
+    done = Rewritten(removed, len(work), partitions, time.monotonic() - started, read_version + 1)
     log.debug("lake_autocompacted", table=str(root), removed=done.removed, added=done.added, seconds=done.seconds)
     return done
 
@@ -444,7 +448,7 @@ class Rewriter:
             log.warning("lake_autocompact_failed", table=str(self.table), error=describe(exc))
             return
         if done is not None:
-            self.committed_version = self._dt.version()  # rewrite_partitions brought it to its own commit
+            self.committed_version = done.version
             seconds = time.monotonic() - started
             metrics.LAKE_MAINTENANCE_SECONDS.labels("autocompact").observe(seconds)
             metrics.LAKE_LAST_MAINTENANCE_SECONDS.labels("autocompact").set(seconds)
