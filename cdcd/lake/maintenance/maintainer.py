@@ -465,7 +465,8 @@ class Maintainer:
                 bound_compacted(self.lake, files)
             self.last_compact = result
             self.compactions += 1
-            self._report_ready(waiting)
+            if not result.behind:  # a run that left changes behind may not have reached a new cache's first
+                self._report_ready(waiting)
             log.info(
                 "lake_maintenance_compacted",
                 to_version=result.to_version,
