@@ -116,7 +116,7 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Rows per file of ``state``'s cache partitions and the typed tables, which compaction keeps sorted by key
     in files of bounded key ranges, so a run rewrites only the files its changed keys fall in
     (cdcd/lake/maintenance/clustered.py); such key-disjoint files count as one toward ``max_files_per_partition``."""
-    compact_max_rows: int = 100_000
+    compact_max_rows: int = 1_000_000
     """Change rows one compaction folds at most (whole commits: a larger one alone); the rest waits for the next
     run, which starts at once. A run's seconds and memory then follow this bound, not a backlog's size (the
     first run after an outage, a catch-up), and no run holds the compaction lane for long. 0: no bound."""
