@@ -4,11 +4,9 @@ together fold exactly what one unbounded compaction folds."""
 
 from __future__ import annotations
 
-import logging
 import shutil
 from pathlib import Path
 
-import pytest
 from deltalake import DeltaTable
 
 from cdcd.lake.maintenance.compact import compact, compacted_version
@@ -76,14 +74,15 @@ def test_a_commit_larger_than_the_bound_is_folded_alone(tmp_path: Path) -> None:
     assert state_rows(lake) == expected_state(rows)
 
 
-def test_the_maintainer_runs_the_next_compaction_at_once_while_one_left_changes_behind(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_the_maintainer_runs_the_next_compaction_at_once_while_one_left_changes_behind(tmp_path: Path) -> None:
     lake = tmp_path / "lake"
     rows = _commits(lake, commits=6, rows_per_commit=10)
     runs: list[tuple[int, int, bool]] = []
+    waiting: list[set[str]] = []
+    """The new caches still waiting to be reported ready when each run starts."""
 
     def bounded(session: object, path: Path) -> object:
+        waiting.append(set(maintainer._new_caches))
         result = compact(None, path, max_rows_per_run=10)
         runs.append((result.from_version, result.to_version, result.behind))
         return result
@@ -92,21 +91,17 @@ def test_the_maintainer_runs_the_next_compaction_at_once_while_one_left_changes_
     # because each left changes behind: at the interval's pace they would take hours.
     options = MaintainerOptions(compact_interval_s=3600, optimize_interval_s=0)
     maintainer = Maintainer(lake, None, options, compact_fn=bounded)
-    with caplog.at_level(logging.INFO, logger="cdcd.lake"):
-        maintainer.start()
-        maintainer.landed({"orders": 30, "users": 30})
-        try:
-            wait_for(lambda: compacted_version(lake) == 5, timeout=120, what="six bounded runs, one after the other")
-            wait_for(lambda: maintainer.compactions >= 6, timeout=60, what="the sixth run's end")
-        finally:
-            maintainer.stop()
+    maintainer.start()
+    maintainer.landed({"orders": 30, "users": 30})
+    try:
+        wait_for(lambda: compacted_version(lake) == 5, timeout=120, what="six bounded runs, one after the other")
+        wait_for(lambda: maintainer.compactions >= 6, timeout=60, what="the sixth run's end")
+    finally:
+        maintainer.stop()
     assert runs[:6] == [(v, v, v < 5) for v in range(6)]
-    # The new caches are reported ready once, by the run that left nothing behind (the first folded 10 rows only).
-    lines = [r.getMessage() for r in caplog.records]
-    ready = [i for i, line in enumerate(lines) if "lake_new_cache_ready" in line]
-    compacted = [i for i, line in enumerate(lines) if "lake_maintenance_compacted" in line]
-    assert len(ready) == 1 and len(compacted) >= 6, lines
-    assert compacted[4] < ready[0] < compacted[5], lines
+    # The new caches are reported ready by the run that left nothing behind, not by the first (10 rows folded).
+    assert waiting[:6] == [{"orders", "users"}] * 6
+    assert maintainer._new_caches == {}
     assert state_rows(lake) == expected_state(rows)
     assert (lake / STATE).is_dir()
 
