@@ -289,13 +289,13 @@ def rewrite_partitions(
     runs_by: str | None = None,
 ) -> Rewritten | None:
     """Rewrite the over-full tiers of the partitions ``only`` names (every partition: None) of the table
-        ``dt`` at ``root`` (partitioned as its metadata says: ``cache``, and ``day`` with ``partition_by_day``),
-        in one commit at the version ``dt`` holds plus one. None: nothing to do, or the commit lost to another
-        writer's (its files deleted; the next call tries again). ``dt`` stays at the version it held: bringing it
+    ``dt`` at ``root`` (partitioned as its metadata says: ``cache``, and ``day`` with ``partition_by_day``),
+    in one commit at the version ``dt`` holds plus one. None: nothing to do, or the commit lost to another
+    writer's (its files deleted; the next call tries again). ``dt`` stays at the version it held: bringing it
     to the new one replays the log since the last checkpoint, which whoever uses it next does anyway.
-        ``runs_by``: a key column the table's files are clustered by (``state``'s ``key``): a partition's
-        longest sorted run of key-disjoint files counts as one and is left as it is; the tiers bound the
-        other files (cdcd/lake/maintenance/clustered.py)."""
+    ``runs_by``: a key column the table's files are clustered by (``state``'s ``key``): a partition's
+    longest sorted run of key-disjoint files counts as one and is left as it is; the tiers bound the
+    other files (cdcd/lake/maintenance/clustered.py)."""
     started = time.monotonic()
     partition_by = list(dt.metadata().partition_columns)
     by_partition = _partition_files(dt, partition_by)
