@@ -243,14 +243,10 @@ def _truncate_state(session: Any, lake: LakeDir, caches: frozenset[str]) -> int:
     return int(metrics.get("numDeletedRows", 0))
 
 
-def version_ranges(changes: LakeDir, start: int, end: int, max_rows: int) -> list[tuple[int, int]]:
+def version_ranges(changes: LakeDir, start: int, end: int, max_rows: int) -> Iterator[tuple[int, int]]:
     """``start..end`` cut into consecutive ranges of at most ``max_rows`` added rows each (a single
-    larger version is a range of its own): what one MERGE holds in memory is bounded."""
-    return list(_ranges(changes, start, end, max_rows))
-
-
-def _ranges(changes: LakeDir, start: int, end: int, max_rows: int) -> Iterator[tuple[int, int]]:
-    """``version_ranges`` one at a time: a run that folds only the first reads only its commits' stats."""
+    larger version is a range of its own): what one MERGE holds in memory is bounded. One at a time: a run that
+    folds only the first reads only its commits' stats."""
     first, rows = start, 0
     for version in range(start, end + 1):
         added = rows_added(changes, version)
@@ -325,7 +321,7 @@ def compact(
     skipped: list[BadTable] = []
     failed: list[BadTable] = []
     per_range = min(max_rows_per_merge, max_rows_per_run or max_rows_per_merge)
-    ranges = list(itertools.islice(_ranges(changes, done + 1, end, per_range), 1 if max_rows_per_run else None))
+    ranges = list(itertools.islice(version_ranges(changes, done + 1, end, per_range), 1 if max_rows_per_run else None))
     folded_to = ranges[-1][1]
     for first, last in ranges:
         feed, lost = drop_lost(read_feed(changes, first, last), starts)
