@@ -31,23 +31,7 @@ def read_feed(changes: LakeDir, start: int, end: int) -> pa.Table:
 
     schema = pa.schema([CHANGE_SCHEMA.field(name) for name in _FEED_READ])
     data_columns = [name for name in _FEED_READ if name not in PARTITION_BY]
-    files: list[tuple[LakeDir, dict[str, str | None]]] = []
-    for version in range(start, end + 1):
-        try:
-            actions = read_commit(changes, version)
-        except FileNotFoundError as exc:
-            raise DeltaLogError(
-                f"{changes}: commit {version} is no longer in the log (older than delta.logRetentionDuration): "
-                "its changes cannot be compacted incrementally"
-            ) from exc
-        for action in actions:
-            for kind in ("remove", "cdc"):
-                if kind in action and action[kind].get("dataChange", True):
-                    raise DeltaLogError(f"{changes} version {version}: a {kind} action in an append-only table")
-            add = action.get("add")
-            if add is not None and add.get("dataChange", True):
-                files.append((_data_file(changes, add["path"]), add.get("partitionValues") or {}))
-
+    files = _feed_files(changes, start, end)
     data_schema = pa.schema([schema.field(name) for name in data_columns])
 
     def read(item: tuple[LakeDir, dict[str, str | None]]) -> pa.Table:
@@ -74,6 +58,59 @@ def read_feed(changes: LakeDir, start: int, end: int) -> pa.Table:
         values = pa.array([partitions.get(name) for _, partitions in files], pa.string())
         data = data.append_column(name, values.take(of_row))
     return data.select(list(_FEED_READ)).cast(schema)
+
+
+def _feed_files(changes: LakeDir, start: int, end: int) -> list[tuple[LakeDir, dict[str, str | None]]]:
+    """The files holding exactly the rows versions ``start..end`` added, with their partition values.
+
+    Where a rearranging commit in the range (``dataChange = false``: the writer's small-file rewrites, an
+    OPTIMIZE) replaced only files the range added, its new files are read instead: the same rows of the same
+    partition in fewer, larger files (a minute of realtime commits is thousands of tiny files, their rewrites a
+    few dozen), and opening a file costs more than its rows. A rewrite that also took a file from before
+    ``start`` leaves its inputs to be read as they are (they stay on disk: ``lake vacuum`` keeps every file
+    of changes not yet compacted, ``ops.check_vacuum``)."""
+    pending: dict[str, tuple[LakeDir, dict[str, str | None]]] = {}
+    for version in range(start, end + 1):
+        try:
+            actions = read_commit(changes, version)
+        except FileNotFoundError as exc:
+            raise DeltaLogError(
+                f"{changes}: commit {version} is no longer in the log (older than delta.logRetentionDuration): "
+                "its changes cannot be compacted incrementally"
+            ) from exc
+        moved: dict[str, tuple[list[str], list[tuple[LakeDir, dict[str, str | None]]]]] = {}
+        blocked: set[str] = set()
+        for action in actions:
+            for kind in ("remove", "cdc"):
+                if kind in action and action[kind].get("dataChange", True):
+                    raise DeltaLogError(f"{changes} version {version}: a {kind} action in an append-only table")
+            add = action.get("add")
+            if add is not None:
+                item = (_data_file(changes, add["path"]), add.get("partitionValues") or {})
+                if add.get("dataChange", True):
+                    pending[str(item[0])] = item
+                elif add.get("deletionVector") is None:
+                    moved.setdefault(_partition_key(item[1]), ([], []))[1].append(item)
+            remove = action.get("remove")
+            if remove is not None:
+                name = str(_data_file(changes, remove["path"]))
+                held = pending.get(name)
+                if held is None:  # a file from before the range: its partition's new files are not ours alone
+                    values = remove.get("partitionValues")
+                    blocked.add(_partition_key(values) if values is not None else "*")
+                    continue
+                moved.setdefault(_partition_key(held[1]), ([], []))[0].append(name)
+        for key, (removed, added) in moved.items():
+            # Per partition: a rearranging commit keeps each partition's rows (a row's partition is its value).
+            if removed and added and key not in blocked and "*" not in blocked:
+                for name in removed:
+                    del pending[name]
+                pending.update((str(item[0]), item) for item in added)
+    return list(pending.values())
+
+
+def _partition_key(values: dict[str, str | None]) -> str:
+    return repr(sorted(values.items()))
 
 
 def _data_file(table: LakeDir, path: str) -> LakeDir:
