@@ -135,7 +135,7 @@ class RunTimes:
     def figures(self) -> dict[str, float | int | None]:
         out: dict[str, float | int | None] = {}
         for task in self.tasks:
-            runs = sorted(self.seconds[task])
+            runs = sorted(round(s, 3) for s in self.seconds[task])
             at = (lambda q: runs[min(len(runs) - 1, int(q * len(runs)))]) if runs else (lambda q: None)
             out |= {
                 f"{task}_p50_s": at(0.5),
