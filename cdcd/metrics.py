@@ -349,8 +349,9 @@ RT_COMMITTED_OFFSET = Gauge(
 RT_LAG_SEGMENTS = Gauge("cdcd_node_realtime_lag_segments", "Active WAL segment - committed segment", registry=NODE)
 RT_LAG_SECONDS = Histogram(
     "cdcd_node_realtime_lag_seconds",
-    "WAL commit of a batch's last event to consumer confirmation, per batch",
-    buckets=(0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
+    "WAL commit of a batch's first (oldest) event to consumer confirmation, per batch: the longest any of its "
+    "events waited",
+    buckets=(0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.3, 0.5, 1, 2, 5),
     registry=NODE,
 )
 RT_RESTORED_RECORDS = Gauge(

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from cdcd import metrics
 from cdcd.config import ConfigError
 from cdcd.node import Node
 from cdcd.realtime import RealtimeMode
@@ -39,9 +40,11 @@ def _keys(rec: Any) -> list[int]:
 
 def test_deliveries_start_at_most_once_per_interval(tmp_path: Path) -> None:
     """40 puts 20 ms apart (each flushed on its own): the consumer is called at most once per 300 ms from the
-    first put on, so a handful of times instead of about 40; every key once, in order."""
+    first put on, so a handful of times instead of about 40; every key once, in order. The node's lag histogram
+    times each batch from its oldest entry: a batch of n keys waited at least (n - 1) x 20 ms."""
     channel = f"pace-{os.getpid()}"
     rec = rt_lag_consumer.recorder(channel, fresh=True)
+    lag_sum_s = metrics.NODE.get_sample_value("cdcd_node_realtime_lag_seconds_sum") or 0.0
     node = _node(tmp_path / "node", channel, INTERVAL_MS)
     try:
         cache = node.cache("c")
@@ -59,6 +62,9 @@ def test_deliveries_start_at_most_once_per_interval(tmp_path: Path) -> None:
     assert len(calls) <= allowed, (len(calls), allowed)
     assert len(calls) < 20, "deliveries were not paced"
     assert _keys(rec) == list(range(40))
+    waited_s = (metrics.NODE.get_sample_value("cdcd_node_realtime_lag_seconds_sum") or 0.0) - lag_sum_s
+    at_least_s = sum(len(keys) - 1 for _, _, keys in rec.snapshot()) * 0.02
+    assert waited_s >= at_least_s, (waited_s, at_least_s)
 
 
 def test_closing_does_not_wait_for_the_interval(tmp_path: Path) -> None:

@@ -182,10 +182,11 @@ class Deliverer:
 
     def delivered(self, taken: Sequence[RecordSlice], events: EventBatch, took: int, ok: bool) -> None:
         if took:
-            ts = taken[-1].record.commit_ts_ns
-            self.last_event_ts_ns = ts
+            self.last_event_ts_ns = taken[-1].record.commit_ts_ns
             self._taken = taken[-1].pointer
-            metrics.RT_LAG_SECONDS.observe(max(0.0, (time.time_ns() - ts) / 1e9))
+            # From the oldest entry: the longest any of the batch's entries waited (pacing's wait included).
+            oldest_ns = taken[0].record.commit_ts_ns
+            metrics.RT_LAG_SECONDS.observe(max(0.0, (time.time_ns() - oldest_ns) / 1e9))
             metrics.RT_EVENTS.inc(took)
 
     def commit(self, end: WalPosition) -> None:

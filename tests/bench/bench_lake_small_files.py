@@ -249,8 +249,8 @@ def realtime_writer(node_dir: str, lake: str, seconds: float, rate: int, caches:
             if s.name.endswith("_bucket")
         }
 
-    # The node's histogram times each batch from its last (newest) entry; what pacing adds waits in its first
-    # entries: time those too, per batch, in this process (bench instrumentation around the worker's hook).
+    # The node's histogram times each batch from its first (oldest) entry, in buckets: time the same exactly, per
+    # batch, in this process (bench instrumentation around the worker's hook).
     from cdcd.realtime import deliver
 
     first_lag_s: list[float] = []
