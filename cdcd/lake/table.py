@@ -75,9 +75,24 @@ invalid path, 255 characters or 200 x "é" a file name too long; Delta's commit 
 given another naming). cdcd's own writers ignore the property and name a partition's directory
 ``cache=<partition_dir_value>``. Readers take the cache from the log or the column, never from a path."""
 
+CHANGES_LOG_PROPERTIES = {
+    "delta.logRetentionDuration": "interval 1 hours",
+    "delta.deletedFileRetentionDuration": "interval 1 hours",
+    "delta.enableExpiredLogCleanup": "false",
+}
+"""How long ``changes`` keeps its log and its removed files' tombstones: live traffic commits it once a second or
+more, and the log's files and the tombstones every checkpoint carries grow with each version kept (a refresh
+lists the whole log; a checkpoint writes every tombstone), so a week or a month of them, Delta's defaults, would
+slow every commit by the day. The table is append-only, its rows are the history; its log needs to reach back
+as far as compaction and change-feed readers do. cdcd's maintainer removes the old log files after each
+compaction, never one compaction still has to read (cdcd/lake/maintenance/log_cleanup.py), so Delta's own
+cleanup, which does not know that, is off. Set on an older ``changes`` that lacks them when a sink opens it; a
+value set by hand is kept."""
+
 CHANGES_PROPERTIES = {
     **COMMON_PROPERTIES,
     **RANDOM_PREFIXES,
+    **CHANGES_LOG_PROPERTIES,
     "delta.enableChangeDataFeed": "true",
     "delta.appendOnly": "true",
 }

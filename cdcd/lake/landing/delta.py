@@ -53,6 +53,7 @@ from cdcd.lake.reading.check import damaged_table
 from cdcd.lake.storage import LakeDir, as_location_arg
 from cdcd.lake.table import (
     CHANGES,
+    CHANGES_LOG_PROPERTIES,
     CHANGES_PROPERTIES,
     SOURCE_APP_PREFIX,
     change_partitions,
@@ -222,6 +223,23 @@ class ChangeTable:
         if missing:
             raise LakeWriteError(f"lake {self.path}: the changes table has no column(s) {missing}")
         self._dt = dt
+        self._set_log_properties()
+
+    def _set_log_properties(self) -> None:
+        """``CHANGES_LOG_PROPERTIES`` on a table created before them (one metadata commit, once; a neighbour
+        setting them at the same moment wins and this one finds them set)."""
+        dt = self.table
+        absent = {k: v for k, v in CHANGES_LOG_PROPERTIES.items() if k not in dt.metadata().configuration}
+        if not absent:
+            return
+        try:
+            dt.alter.set_table_properties(absent, raise_if_not_exists=False)
+        except (DeltaError, OSError) as exc:
+            dt.update_incremental()
+            if any(k not in dt.metadata().configuration for k in absent):
+                raise LakeWriteError(f"lake {self.path}: cannot set {sorted(absent)}: {_reason(exc)}") from None
+        dt.update_incremental()
+        log.info("lake_changes_log_properties_set", path=str(self.path), properties=absent)
 
     @property
     def table(self) -> DeltaTable:

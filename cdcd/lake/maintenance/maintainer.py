@@ -39,11 +39,13 @@ from typing import Any
 
 import pyarrow as pa
 import structlog
+from deltalake.exceptions import DeltaError
 
 from cdcd import metrics
 from cdcd.lake.deltalog import LOG_DIR
 from cdcd.lake.maintenance.autocompact import FilePolicy, bound_changes, bound_compacted
 from cdcd.lake.maintenance.compact import CompactResult, compact, compacted_version
+from cdcd.lake.maintenance.log_cleanup import clean_logs
 from cdcd.lake.maintenance.ops import optimize, optimized_since
 from cdcd.lake.storage import open_delta
 from cdcd.lake.table import CHANGES, STATE
@@ -439,6 +441,18 @@ class Maintainer:
         metrics.LAKE_MAINTENANCE_BY_NEIGHBOUR.labels(task).inc()
         log.info("lake_maintenance_by_neighbour", task=task, **fields)
 
+    def _clean_logs(self, compacted_to: int) -> None:
+        """Old log files removed after a compaction (cdcd/lake/maintenance/log_cleanup.py). A cleanup that fails
+        leaves the log longer, never shorter than it should be: a warning, and the next compaction tries again."""
+        try:
+            cleaned = clean_logs(self.lake, compacted_to)
+        except (DeltaError, OSError, ValueError) as exc:
+            metrics.LAKE_MAINTENANCE_FAILURES.labels("log_cleanup").inc()
+            log.warning("lake_log_cleanup_failed", error=describe(exc))
+            return
+        for table, done in cleaned.items():
+            log.info("lake_log_cleaned", table=table, deleted=done.deleted, readable_from_version=done.kept_from)
+
     def _run_one(self, task: str) -> bool:
         """Run ``task`` once; True: a compaction left changes for the next run (``compact_max_rows``)."""
         started = self._clock()
@@ -463,6 +477,8 @@ class Maintainer:
             if files is not None and result.did_work:
                 # What this compaction committed to state and the typed tables, bounded before the next.
                 bound_compacted(self.lake, files)
+            if result.to_version >= 0:
+                self._clean_logs(result.to_version)
             self.last_compact = result
             self.compactions += 1
             if not result.behind:  # a run that left changes behind may not have reached a new cache's first

@@ -1,0 +1,155 @@
+"""Old Delta log files removed (cdcd/lake/maintenance/log_cleanup.py): only whole versions before a checkpoint,
+only versions older than the table's ``delta.logRetentionDuration``, and in ``changes`` never a commit compaction
+has yet to read; the maintainer does it after each compaction, and ``changes`` gets its short retention (and
+Delta's own cleanup off) when a sink opens a table created without them."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from deltalake import DeltaTable
+from deltalake.exceptions import DeltaError
+
+from cdcd.lake.landing.delta import ChangeTable
+from cdcd.lake.maintenance.compact import compact, compacted_version
+from cdcd.lake.maintenance.log_cleanup import clean_log, clean_logs, interval_ms
+from cdcd.lake.maintenance.maintainer import Maintainer, MaintainerOptions
+from cdcd.lake.table import CHANGES, CHANGES_LOG_PROPERTIES
+from tests.support.delta_tables import append_changes, change, expected_state, state_rows
+from tests.support.procs import wait_for
+
+HOUR_MS = 3_600_000
+
+
+def _log_versions(table: Path) -> set[int]:
+    return {int(p.name[:20]) for p in (table / "_delta_log").iterdir() if p.name[:20].isdigit()}
+
+
+def _checkpoints(table: Path) -> list[int]:
+    return sorted(int(p.name[:20]) for p in (table / "_delta_log").glob("*.checkpoint.parquet"))
+
+
+def _commits(lake: Path, first: int, count: int) -> list[dict[str, object]]:
+    rows = []
+    for i in range(first, first + count):
+        batch = [change(("orders", "users")[i % 2], str(i % 7), None if i % 5 == 0 else f'{{"n": {i}}}', i + 1)]
+        append_changes(lake, batch)
+        rows += batch
+    return rows
+
+
+def _age(table: Path, below: int, ms: int) -> None:
+    """Make the log files of versions below ``below`` look ``ms`` old."""
+    then = time.time() - ms / 1000
+    for p in (table / "_delta_log").iterdir():
+        if p.name[:20].isdigit() and int(p.name[:20]) < below:
+            os.utime(p, (then, then))
+
+
+def test_only_versions_before_a_checkpoint_older_than_the_retention_and_not_needed_go(tmp_path: Path) -> None:
+    """45 versions, a checkpoint every 10 (delta-rs writes them at 9, 19, ...): with versions below 25 two hours
+    old and a retention of one hour, the versions below the checkpoint at 19 go; every version from 19 on still
+    loads, 18 does not, and the latest snapshot holds every row. ``keep_from`` (compaction's next version) holds
+    the cleanup back to the checkpoint at or before it, and to nothing before the first checkpoint."""
+    lake = tmp_path / "lake"
+    changes = lake / CHANGES
+    rows = _commits(lake, 0, 1)
+    DeltaTable(str(changes)).alter.set_table_properties({"delta.checkpointInterval": "10"})
+    rows += _commits(lake, 1, 43)
+    latest = DeltaTable(str(changes)).version()
+    assert latest == 44 and _checkpoints(changes) == [9, 19, 29, 39]
+    _age(changes, 25, 2 * HOUR_MS)
+
+    assert clean_log(changes, HOUR_MS, keep_from=5).deleted == 0  # no checkpoint at or before it
+    done = clean_log(changes, HOUR_MS, keep_from=15)
+    assert (done.kept_from, min(_log_versions(changes))) == (9, 9)
+    assert clean_log(changes, 30 * 24 * HOUR_MS).deleted == 0  # nothing a month old
+    done = clean_log(changes, HOUR_MS)
+    assert done.kept_from == 19 and done.deleted > 0
+    assert min(_log_versions(changes)) == 19 and max(_log_versions(changes)) == latest
+    for version in (19, 33, latest):
+        DeltaTable(str(changes), version=version)
+    with pytest.raises(DeltaError):
+        DeltaTable(str(changes), version=18)
+    assert DeltaTable(str(changes)).to_pyarrow_table().num_rows == len(rows)
+
+
+def test_after_each_compaction_changes_keeps_only_what_compaction_has_yet_to_read(tmp_path: Path) -> None:
+    """``changes`` with a retention of a millisecond: after a compaction its log starts at the newest checkpoint
+    at or before the first version not folded, so the changes landed meanwhile (never compacted) keep every
+    commit, and the next compaction, reading them from the log, makes ``state`` exactly the changes' latest
+    values; the Maintainer does the cleanup after its run, and a neighbour's ``state`` log keeps its month."""
+    lake = tmp_path / "lake"
+    changes = lake / CHANGES
+    rows = _commits(lake, 0, 1)
+    DeltaTable(str(changes)).alter.set_table_properties(
+        {"delta.checkpointInterval": "10", "delta.logRetentionDuration": "interval 1 milliseconds"}
+    )
+    rows += _commits(lake, 1, 24)
+    first = compact(None, lake)
+    assert first.to_version == 25
+    rows += _commits(lake, 25, 13)  # versions 26-38, not compacted yet
+    time.sleep(0.01)
+    clean_logs(lake, compacted_version(lake))
+    assert min(_log_versions(changes)) == 19  # the newest checkpoint at or before 26
+    assert set(range(26, 39)) <= _log_versions(changes)
+    state_log = _log_versions(lake / "state")
+
+    maintainer = Maintainer(lake, None, MaintainerOptions(compact_interval_s=0.5, optimize_interval_s=0))
+    maintainer.start()
+    try:
+        wait_for(lambda: compacted_version(lake) == 38, timeout=120, what="the maintainer's compaction")
+        wait_for(lambda: min(_log_versions(changes)) == 29, timeout=60, what="the cleanup after it")
+    finally:
+        maintainer.stop()
+    assert state_rows(lake) == expected_state(rows)
+    assert state_log <= _log_versions(lake / "state")
+
+
+def test_a_sink_sets_the_log_properties_on_an_older_changes_table_and_keeps_a_hand_set_one(tmp_path: Path) -> None:
+    lake = tmp_path / "lake"
+    changes = lake / CHANGES
+    append_changes(lake, [change("orders", "1", '{"n": 1}', 1)])
+    dt = DeltaTable(str(changes))
+    # A table from before the properties: none of them, and one set by hand.
+    dt.alter.set_table_properties({"delta.logRetentionDuration": "interval 2 days"})
+    for key in ("delta.deletedFileRetentionDuration", "delta.enableExpiredLogCleanup"):
+        assert dt.metadata().configuration.get(key) == CHANGES_LOG_PROPERTIES[key]  # created with them: drop them
+    config = dict(dt.metadata().configuration)
+    config.pop("delta.deletedFileRetentionDuration")
+    config.pop("delta.enableExpiredLogCleanup")
+    older = tmp_path / "older"
+    older_changes = older / CHANGES
+    from deltalake import write_deltalake
+
+    write_deltalake(
+        str(older_changes),
+        DeltaTable(str(changes)).to_pyarrow_table(),
+        partition_by=["cache"],
+        configuration=config,
+    )
+    table = ChangeTable(older, partition_by_day=False)
+    table.open()
+    got = DeltaTable(str(older_changes)).metadata().configuration
+    assert got["delta.logRetentionDuration"] == "interval 2 days"
+    assert got["delta.deletedFileRetentionDuration"] == CHANGES_LOG_PROPERTIES["delta.deletedFileRetentionDuration"]
+    assert got["delta.enableExpiredLogCleanup"] == "false"
+    version = DeltaTable(str(older_changes)).version()
+    ChangeTable(older, partition_by_day=False).open()  # set once: a second open commits nothing
+    assert DeltaTable(str(older_changes)).version() == version
+
+
+@pytest.mark.parametrize(
+    ("text", "ms"),
+    [("interval 1 hours", HOUR_MS), ("30 days", 30 * 24 * HOUR_MS), ("interval 1 week", 7 * 24 * HOUR_MS)],
+)
+def test_interval_properties_read_as_delta_writes_them(text: str, ms: int) -> None:
+    assert interval_ms(text) == ms
+
+
+def test_an_interval_that_is_not_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="not an interval"):
+        interval_ms("forever")
