@@ -31,6 +31,7 @@ from cdcd.consumer import CacheDrop, CacheInfo, Consumer, EventBatch, RecordSlic
 from cdcd.delivery import slices_from
 from cdcd.lake import spark as spark_session
 from cdcd.lake.landing.arrow import build_table, split_slices, truncate_table
+from cdcd.lake.landing.checkpointer import Checkpointer, checkpoint_interval
 from cdcd.lake.landing.delta import ChangeTable, LakeWriteError, SourceMark, WrittenFiles
 from cdcd.lake.landing.spark_write import BatchInfo, write_on_executors
 from cdcd.lake.maintenance.autocompact import FilePolicy, Rewriter
@@ -267,6 +268,8 @@ class LakeConsumer(Consumer):
         tables and the writer holds the values: a known cache's new field makes compaction due soon)."""
         self._rewriter: Rewriter | None = None
         """The bound's rewrite after a commit, in a thread of its own; the next commit waits for it."""
+        self._checkpointer: Checkpointer | None = None
+        """The checkpoints of ``changes``, in a thread of their own: no commit waits for one."""
         self.rewrite_wait_s = 0.0
         """Seconds this sink's commits waited for the rewrite before them (the bound's back-pressure)."""
         self._known: dict[str, tuple[int, SourceMark]] = {}
@@ -295,6 +298,8 @@ class LakeConsumer(Consumer):
         # A data file deleted or cut short under the table: stop at once, as lake compact/verify/check do,
         # rather than land on (and compact later) a lake that no longer holds what it claims.
         require_live_files(table.path, table.table)
+        table.inline_checkpoints = False
+        self._checkpointer = Checkpointer(table.path, checkpoint_interval(table.table.metadata().configuration))
         self._table = table
         opts = self.options
         log.info(
@@ -340,6 +345,9 @@ class LakeConsumer(Consumer):
         if self._rewriter is not None:  # the last commit's rewrite ends (or fails, logged) before the sink does
             self._rewriter.close()
             self._rewriter = None
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+            self._checkpointer = None
         if self._maintainer is not None:
             try:
                 self._maintainer.stop()
@@ -544,6 +552,8 @@ class LakeConsumer(Consumer):
             else:  # it read the log again (a conflict, an error after landing): the log says where it landed
                 self._known.pop(source, None)
                 version, new = table.refresh(), []
+            if self._checkpointer is not None:
+                self._checkpointer.committed(version)
             snapshot = pa.table(table.table.get_add_actions(flatten=True))
             columns = [snapshot.column(f"partition.{c}").to_pylist() for c in table.partition_by]
             counts = Counter(zip(*columns, strict=True))
@@ -564,7 +574,7 @@ class LakeConsumer(Consumer):
         if policy is None or not adds:
             return
         if self._rewriter is None:
-            self._rewriter = Rewriter(table.path, policy)
+            self._rewriter = Rewriter(table.path, policy, checkpoints=self._checkpointer is None)
         self._rewriter.submit([dict(add.partition_values) for add in adds])
 
     def _rewrite_settled(self, table: ChangeTable, source: str, read: SourceMark) -> bool:

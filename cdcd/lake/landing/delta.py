@@ -178,6 +178,9 @@ class ChangeTable:
         self._generations: dict[str, int] = {}
         self.commits = 0
         self.conflicts = 0
+        self.inline_checkpoints = True
+        """Whether a commit writes the checkpoint it makes due (delta-rs's post-commit hook); off where a
+        ``Checkpointer`` writes them in a thread of its own (cdcd/lake/landing/checkpointer.py)."""
 
     # --- opening ----------------------------------------------------------------------------------
     def open(self) -> None:
@@ -374,7 +377,7 @@ class ChangeTable:
         )
         dt = self.table
         actions: list[AddAction | RemoveAction] = list(files.adds)
-        hooks = PostCommitHookProperties(create_checkpoint=True, cleanup_expired_logs=False)
+        hooks = PostCommitHookProperties(create_checkpoint=self.inline_checkpoints, cleanup_expired_logs=False)
         while True:
             read_version = dt.version()
             try:

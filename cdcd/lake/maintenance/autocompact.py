@@ -287,6 +287,7 @@ def rewrite_partitions(
     *,
     only: Iterable[Mapping[str, str | None]] | None = None,
     runs_by: str | None = None,
+    checkpoint: bool = True,
 ) -> Rewritten | None:
     """Rewrite the over-full tiers of the partitions ``only`` names (every partition: None) of the table
     ``dt`` at ``root`` (partitioned as its metadata says: ``cache``, and ``day`` with ``partition_by_day``),
@@ -336,13 +337,14 @@ def rewrite_partitions(
             fsync_dir(d)
         failpoints.hit(WRITTEN)
         info = {COMMIT_TAG: {"files_removed": removed, "files_added": len(work), "attempt": attempt}}
+        hooks = PostCommitHookProperties(create_checkpoint=checkpoint, cleanup_expired_logs=False)
         dt.create_write_transaction(
             actions,
             "append",
             dt.schema(),
             partition_by=list(partition_by) or None,
             commit_properties=CommitProperties(max_commit_retries=0, custom_metadata={"cdcd": json.dumps(info)}),
-            post_commithook_properties=PostCommitHookProperties(create_checkpoint=True, cleanup_expired_logs=False),
+            post_commithook_properties=hooks,
         )
     except (DeltaError, OSError) as exc:
         if _committed(dt, attempt, read_version):
@@ -380,9 +382,11 @@ class Rewriter:
     and its partitions are tried again with the next commit's. Killed while one runs, the process leaves
     orphan files only (its merged file, the next batch's files): neither is in the log."""
 
-    def __init__(self, table: LakeDir, policy: FilePolicy) -> None:
+    def __init__(self, table: LakeDir, policy: FilePolicy, *, checkpoints: bool = True) -> None:
         self.table = table
         self.policy = policy
+        self.checkpoints = checkpoints
+        """Whether a rewrite's commit writes the checkpoint it makes due (off beside a ``Checkpointer``)."""
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cdcd-lake-autocompact")
         self._dt: DeltaTable | None = None
         """The rewriting thread's handle (only that thread uses it once opened)."""
@@ -440,7 +444,7 @@ class Rewriter:
                 self._dt = open_delta(self.table)
             else:
                 self._dt.update_incremental()  # the commit that made this rewrite due
-            done = rewrite_partitions(self._dt, self.table, self.policy, only=partitions)
+            done = rewrite_partitions(self._dt, self.table, self.policy, only=partitions, checkpoint=self.checkpoints)
         except Exception as exc:  # the batch landed already: its partitions are tried again with the next commit's
             self._dt = None  # opened afresh next time, whatever state the failure left it in
             with self._lock:
