@@ -13,6 +13,7 @@ import pytest
 from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError
 
+from cdcd.lake.deltalog import app_transactions
 from cdcd.lake.landing.delta import ChangeTable
 from cdcd.lake.maintenance.compact import compact, compacted_version
 from cdcd.lake.maintenance.log_cleanup import clean_log, clean_logs, interval_ms
@@ -36,7 +37,7 @@ def _commits(lake: Path, first: int, count: int) -> list[dict[str, object]]:
     rows = []
     for i in range(first, first + count):
         batch = [change(("orders", "users")[i % 2], str(i % 7), None if i % 5 == 0 else f'{{"n": {i}}}', i + 1)]
-        append_changes(lake, batch)
+        append_changes(lake, batch, source_txn=("cdcd:test-node", 1000 + i))
         rows += batch
     return rows
 
@@ -52,8 +53,9 @@ def _age(table: Path, below: int, ms: int) -> None:
 def test_only_versions_before_a_checkpoint_older_than_the_retention_and_not_needed_go(tmp_path: Path) -> None:
     """45 versions, a checkpoint every 10 (delta-rs writes them at 9, 19, ...): with versions below 25 two hours
     old and a retention of one hour, the versions below the checkpoint at 19 go; every version from 19 on still
-    loads, 18 does not, and the latest snapshot holds every row. ``keep_from`` (compaction's next version) holds
-    the cleanup back to the checkpoint at or before it, and to nothing before the first checkpoint."""
+    loads, 18 does not, and the latest snapshot holds every row; a source's mark at version 25 reads the same from
+    the checkpoint at 19 as from version 0. ``keep_from`` (compaction's next version) holds the cleanup back to
+    the checkpoint at or before it, and to nothing before the first checkpoint."""
     lake = tmp_path / "lake"
     changes = lake / CHANGES
     rows = _commits(lake, 0, 1)
@@ -62,6 +64,8 @@ def test_only_versions_before_a_checkpoint_older_than_the_retention_and_not_need
     latest = DeltaTable(str(changes)).version()
     assert latest == 44 and _checkpoints(changes) == [9, 19, 29, 39]
     _age(changes, 25, 2 * HOUR_MS)
+    marks_at_25 = app_transactions(changes, 25)
+    assert marks_at_25["cdcd:test-node"].version == 1000 + 24
 
     assert clean_log(changes, HOUR_MS, keep_from=5).deleted == 0  # no checkpoint at or before it
     done = clean_log(changes, HOUR_MS, keep_from=15)
@@ -75,6 +79,8 @@ def test_only_versions_before_a_checkpoint_older_than_the_retention_and_not_need
     with pytest.raises(DeltaError):
         DeltaTable(str(changes), version=18)
     assert DeltaTable(str(changes)).to_pyarrow_table().num_rows == len(rows)
+    # The sources' marks at a version before the newest checkpoint: from the checkpoint at or before it.
+    assert app_transactions(changes, 25) == marks_at_25
 
 
 def test_after_each_compaction_changes_keeps_only_what_compaction_has_yet_to_read(tmp_path: Path) -> None:

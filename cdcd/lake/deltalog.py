@@ -9,13 +9,15 @@ use classic checkpoints (``delta.checkpointPolicy = classic``), the only kind th
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 
-from cdcd.lake.storage import LakeDir, file_source
+from cdcd.lake.storage import LakeDir, ObjectPath, file_source
 
 LOG_DIR = "_delta_log"
 
@@ -51,6 +53,69 @@ def read_commit(table: LakeDir, version: int) -> list[dict[str, Any]]:
     return actions
 
 
+_LOG_FILE = re.compile(r"(\d{20})\.(json|crc|checkpoint\.parquet|checkpoint\.\d+\.\d+\.parquet)")
+
+
+@dataclass(frozen=True)
+class LogFile:
+    version: int
+    checkpoint: bool
+    mtime_ms: int
+    path: LakeDir
+
+    @property
+    def commit(self) -> bool:
+        return self.path.name.endswith(".json")
+
+
+def log_files(table: LakeDir) -> list[LogFile]:
+    """Every commit, checkpoint and checksum file in the table's log (not ``_last_checkpoint``), with its mtime."""
+    log_dir = table / LOG_DIR
+    out: list[LogFile] = []
+    if isinstance(log_dir, ObjectPath):
+        from pyarrow import fs as pafs
+
+        infos = log_dir.fs.get_file_info(pafs.FileSelector(log_dir.fs_path, allow_not_found=True))
+        for info in infos:
+            m = _LOG_FILE.fullmatch(info.base_name)
+            if m is not None and info.type == pafs.FileType.File and info.mtime is not None:
+                mtime_ms = int(info.mtime.timestamp() * 1000)
+                checkpoint = m.group(2).startswith("checkpoint")
+                out.append(LogFile(int(m.group(1)), checkpoint, mtime_ms, log_dir / info.base_name))
+        return out
+    assert isinstance(log_dir, Path)
+    import os
+
+    try:
+        entries = list(os.scandir(log_dir))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        m = _LOG_FILE.fullmatch(entry.name)
+        if m is None or not entry.is_file(follow_symlinks=False):
+            continue
+        mtime_ms = int(entry.stat().st_mtime * 1000)
+        out.append(LogFile(int(m.group(1)), m.group(2).startswith("checkpoint"), mtime_ms, log_dir / entry.name))
+    return out
+
+
+def checkpoint_at_or_before(table: LakeDir, version: int) -> tuple[int, list[LakeDir]] | None:
+    """The newest checkpoint of a version at or before ``version`` found in the log: its version and part
+    files (a multi-part checkpoint only when all its parts are there)."""
+    by_version: dict[int, list[LakeDir]] = {}
+    for f in log_files(table):
+        if f.checkpoint and f.version <= version:
+            by_version.setdefault(f.version, []).append(f.path)
+    for found in sorted(by_version, reverse=True):
+        parts = sorted(by_version[found], key=lambda p: p.name)
+        if len(parts) == 1 and parts[0].name.endswith(".checkpoint.parquet"):
+            return found, parts
+        multi = [p for p in parts if not p.name.endswith(".checkpoint.parquet")]
+        if multi and len(multi) == int(multi[0].name.rsplit(".", 2)[-2]):
+            return found, multi
+    return None
+
+
 def last_checkpoint(table: LakeDir) -> tuple[int, list[LakeDir]] | None:
     """The newest checkpoint named by ``_last_checkpoint``: its version and part files."""
     pointer = table / LOG_DIR / "_last_checkpoint"
@@ -76,6 +141,10 @@ def app_transactions(table: LakeDir, latest: int) -> dict[str, AppTransaction]:
     txns: dict[str, AppTransaction] = {}
     start = 0
     checkpoint = last_checkpoint(table)
+    if checkpoint is not None and checkpoint[0] > latest:
+        # A version before the newest checkpoint: the newest one at or before it (the log's older commits may
+        # be gone, cdcd/lake/maintenance/log_cleanup.py).
+        checkpoint = checkpoint_at_or_before(table, latest)
     if checkpoint is not None and checkpoint[0] <= latest:
         version, files = checkpoint
         for file in files:

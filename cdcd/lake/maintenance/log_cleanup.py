@@ -23,13 +23,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cdcd.lake.deltalog import LOG_DIR
+from cdcd.lake.deltalog import log_files
 from cdcd.lake.storage import LakeDir, ObjectPath
 
 DEFAULT_LOG_RETENTION_MS = 30 * 24 * 3600 * 1000
 """Delta's ``delta.logRetentionDuration`` when a table does not set it (30 days)."""
 
-_LOG_FILE = re.compile(r"(\d{20})\.(json|crc|checkpoint\.parquet|checkpoint\.\d+\.\d+\.parquet)")
 _INTERVAL = re.compile(r"\s*(?:interval\s+)?(\d+)\s*(millisecond|second|minute|hour|day|week)s?\s*", re.IGNORECASE)
 _UNIT_MS = {"millisecond": 1, "second": 1000, "minute": 60_000, "hour": 3_600_000, "day": 86_400_000}
 _UNIT_MS["week"] = 7 * _UNIT_MS["day"]
@@ -51,51 +50,13 @@ class Cleaned:
     deleted: int
 
 
-@dataclass(frozen=True)
-class _LogFile:
-    version: int
-    checkpoint: bool
-    mtime_ms: int
-    path: LakeDir
-
-
-def _log_files(table: LakeDir) -> list[_LogFile]:
-    log_dir = table / LOG_DIR
-    out: list[_LogFile] = []
-    if isinstance(log_dir, ObjectPath):
-        from pyarrow import fs as pafs
-
-        infos = log_dir.fs.get_file_info(pafs.FileSelector(log_dir.fs_path, allow_not_found=True))
-        for info in infos:
-            m = _LOG_FILE.fullmatch(info.base_name)
-            if m is not None and info.type == pafs.FileType.File and info.mtime is not None:
-                mtime_ms = int(info.mtime.timestamp() * 1000)
-                checkpoint = m.group(2).startswith("checkpoint")
-                out.append(_LogFile(int(m.group(1)), checkpoint, mtime_ms, log_dir / info.base_name))
-        return out
-    assert isinstance(log_dir, Path)
-    import os
-
-    try:
-        entries = list(os.scandir(log_dir))
-    except FileNotFoundError:
-        return []
-    for entry in entries:
-        m = _LOG_FILE.fullmatch(entry.name)
-        if m is None or not entry.is_file(follow_symlinks=False):
-            continue
-        mtime_ms = int(entry.stat().st_mtime * 1000)
-        out.append(_LogFile(int(m.group(1)), m.group(2).startswith("checkpoint"), mtime_ms, log_dir / entry.name))
-    return out
-
-
 def clean_log(table: LakeDir, retention_ms: int, *, keep_from: int | None = None, now_ms: int | None = None) -> Cleaned:
     """Delete the log files of ``table`` before the newest checkpoint at or before both the first version
     committed within ``retention_ms`` and ``keep_from`` (a version that must stay readable: compaction's next).
     Nothing when no checkpoint qualifies."""
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    files = _log_files(table)
-    commits = {f.version: f.mtime_ms for f in files if not f.checkpoint and f.path.name.endswith(".json")}
+    files = log_files(table)
+    commits = {f.version: f.mtime_ms for f in files if f.commit}
     if not commits:
         return Cleaned(0, 0)
     cutoff_ms = now_ms - retention_ms
