@@ -432,6 +432,13 @@ LAKE_LAST_MAINTENANCE_SECONDS = Gauge(
     ["task"],
     registry=LAKE,
 )
+LAKE_LOG_FILES = Gauge(
+    "cdcd_lake_log_files",
+    "Files in a table's Delta log after the maintainer's last cleanup (each refresh and commit lists them all; "
+    "grows while compaction is behind)",
+    ["table"],
+    registry=LAKE,
+)
 LAKE_FILES_PER_PARTITION_MAX = Gauge(
     "cdcd_lake_files_per_partition_max",
     "Most data files in one partition of the changes table: set after each of this sink's commits, from the "

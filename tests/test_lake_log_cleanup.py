@@ -13,6 +13,7 @@ import pytest
 from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError
 
+from cdcd import metrics
 from cdcd.lake.deltalog import app_transactions
 from cdcd.lake.landing.delta import ChangeTable
 from cdcd.lake.maintenance.compact import compact, compacted_version
@@ -113,6 +114,8 @@ def test_after_each_compaction_changes_keeps_only_what_compaction_has_yet_to_rea
         maintainer.stop()
     assert state_rows(lake) == expected_state(rows)
     assert state_log <= _log_versions(lake / "state")
+    files = len([p for p in (changes / "_delta_log").iterdir() if p.name[:20].isdigit()])
+    assert metrics.LAKE.get_sample_value("cdcd_lake_log_files", {"table": "changes"}) == files
 
 
 def test_a_sink_sets_the_log_properties_on_an_older_changes_table_and_keeps_a_hand_set_one(tmp_path: Path) -> None:

@@ -102,6 +102,14 @@ CASES = [
         quiet=["9m", "30m"],
         labels={**D1, "severity": "warning"},
     ),
+    # the log after each cleanup: 3,000 files, then 25,000 for good (compaction stopped): fires after 30 minutes
+    case(
+        "CdcdLakeLogLong",
+        {sel("cdcd_lake_log_files", table="changes"): "3000x10 25000x40"},
+        fires=["41m"],
+        quiet=["9m", "30m"],
+        labels={**D1, "table": "changes", "severity": "warning"},
+    ),
     case(
         "CdcdKafkaTransactionAborts",
         {sel("cdcd_kafka_transaction_aborts_total"): "0x5 2x30"},
@@ -147,6 +155,7 @@ NEW_METRICS = (
     "cdcd_lake_typed_table_failures_total",
     "cdcd_lake_last_maintenance_timestamp_seconds",
     "cdcd_lake_files_per_partition_max",
+    "cdcd_lake_log_files",
     "cdcd_kafka_transaction_aborts_total",
     "cdcd_kafka_to_node_events_received_total",
     "cdcd_kafka_to_node_last_batch_timestamp_seconds",

@@ -48,6 +48,8 @@ class Cleaned:
 
     kept_from: int
     deleted: int
+    remaining: int = 0
+    """Log files left (commits, checkpoints, checksums)."""
 
 
 def clean_log(table: LakeDir, retention_ms: int, *, keep_from: int | None = None, now_ms: int | None = None) -> Cleaned:
@@ -65,7 +67,7 @@ def clean_log(table: LakeDir, retention_ms: int, *, keep_from: int | None = None
     bound = recent if keep_from is None else min(recent, keep_from)
     checkpoints = sorted({f.version for f in files if f.checkpoint and f.version <= bound})
     if not checkpoints:
-        return Cleaned(min(v.version for v in files), 0)
+        return Cleaned(min(v.version for v in files), 0, len(files))
     kept_from = checkpoints[-1]
     doomed = sorted((f for f in files if f.version < kept_from), key=lambda f: f.version)
     for f in doomed:
@@ -74,7 +76,7 @@ def clean_log(table: LakeDir, retention_ms: int, *, keep_from: int | None = None
         else:
             assert isinstance(f.path, Path)
             f.path.unlink(missing_ok=True)
-    return Cleaned(kept_from, len(doomed))
+    return Cleaned(kept_from, len(doomed), len(files) - len(doomed))
 
 
 def retention_ms(configuration: dict[str, str]) -> int:
@@ -86,7 +88,7 @@ def retention_ms(configuration: dict[str, str]) -> int:
 def clean_logs(lake: LakeDir, compacted_to: int) -> dict[str, Cleaned]:
     """After a compaction that folded ``changes`` up to version ``compacted_to``: the logs of ``changes`` (never
     past ``compacted_to + 1``), ``state``, ``_cuts`` and every typed table cleaned by their own retention.
-    Returns what was deleted, per table that lost files."""
+    Returns what each cleanup did, per table."""
     from cdcd.lake.storage import is_delta, open_delta
     from cdcd.lake.table import CHANGES, CUTS, STATE, TABLES
     from cdcd.lake.typed.layout import list_tables
@@ -102,6 +104,5 @@ def clean_logs(lake: LakeDir, compacted_to: int) -> dict[str, Cleaned]:
         if not is_delta(path):
             continue
         done = clean_log(path, retention_ms(open_delta(path).metadata().configuration), keep_from=keep_from)
-        if done.deleted:
-            out[name] = done
+        out[name] = done
     return out

@@ -451,7 +451,9 @@ class Maintainer:
             log.warning("lake_log_cleanup_failed", error=describe(exc))
             return
         for table, done in cleaned.items():
-            log.info("lake_log_cleaned", table=table, deleted=done.deleted, readable_from_version=done.kept_from)
+            metrics.LAKE_LOG_FILES.labels(table).set(done.remaining)
+            if done.deleted:
+                log.info("lake_log_cleaned", table=table, deleted=done.deleted, readable_from_version=done.kept_from)
 
     def _run_one(self, task: str) -> bool:
         """Run ``task`` once; True: a compaction left changes for the next run (``compact_max_rows``)."""
