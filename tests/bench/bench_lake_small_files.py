@@ -86,6 +86,7 @@ def file_sampler(lake: str, out: str) -> None:
             time.sleep(SAMPLE_EVERY_S)
             try:
                 sample = _most_files(Path(lake))
+                sample["log_files"] = len(os.listdir(Path(lake) / "changes" / "_delta_log"))
             except Exception:  # a table created this very moment: the next sample reads it
                 continue
             sink.write(json.dumps(sample) + "\n")
@@ -388,9 +389,13 @@ def _lag_figures(samples: list[dict[str, Any]]) -> dict[str, Any]:
     batches = max(run.values(), default=0.0)
     finite = max((n for le, n in run.items() if float(le) != float("inf")), default=0.0)
     windows = [_quantile(0.99, minus(b["buckets"], a["buckets"])) for a, b in itertools.pairwise(samples)]
+    # Per ten minutes (the samples every 2 s): does the tail grow with the run?
+    tens = [s for s in samples if "t" in s and int(s["t"]) % 600 < SAMPLE_EVERY_S] + [samples[-1]]
+    by_ten = [_quantile(0.99, minus(b["buckets"], a["buckets"])) for a, b in itertools.pairwise(tens)]
     return {
         "lag_p50_ms": ms(_quantile(0.5, run)),
         "lag_p99_ms": ms(_quantile(0.99, run)),
+        "lag_p99_by_10min_ms": [ms(v) for v in by_ten],
         "lag_window_p99_max_ms": ms(max((w for w in windows if w is not None), default=None)),
         "lag_batches": int(batches),
         # Past the highest bucket the quantile is that bucket's bound: how many batches lay beyond it.
@@ -487,6 +492,7 @@ def run_bounded(duration_s: float, *, realtime: bool = False) -> Measurement:
         cpu1 = resource.getrusage(resource.RUSAGE_SELF)
         written = int((node_dir / "written").read_text())
         cpu_s = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+        log_files = [s.pop("log_files") for s in samples if "log_files" in s]
         per_sample = [max(s.values(), default=0) for s in samples if s]
         extra: dict[str, Any] = {
             "samples": len(per_sample),
@@ -497,6 +503,8 @@ def run_bounded(duration_s: float, *, realtime: bool = False) -> Measurement:
             "state_max_files": max((s.get("state", 0) for s in samples), default=0),
             "tables_max_files": max((s.get("tables", 0) for s in samples), default=0),
             "daemon_cpu_us_per_entry": round(cpu_s / max(written, 1) * 1e6, 2),
+            "changes_log_files_max": max(log_files, default=0),
+            "changes_log_files_last": log_files[-1] if log_files else 0,
         }
         if realtime:
             # The node's process lands now: its CPU (the load it writes included) is the landing's cost.
