@@ -76,18 +76,18 @@ given another naming). cdcd's own writers ignore the property and name a partiti
 ``cache=<partition_dir_value>``. Readers take the cache from the log or the column, never from a path."""
 
 CHANGES_LOG_PROPERTIES = {
-    "delta.logRetentionDuration": "interval 1 hours",
-    "delta.deletedFileRetentionDuration": "interval 1 hours",
+    "delta.logRetentionDuration": "interval 10 minutes",
+    "delta.deletedFileRetentionDuration": "interval 10 minutes",
     "delta.enableExpiredLogCleanup": "false",
 }
 """How long ``changes`` keeps its log and its removed files' tombstones: live traffic commits it once a second or
-more, and the log's files and the tombstones every checkpoint carries grow with each version kept (a refresh
-lists the whole log; a checkpoint writes every tombstone), so a week or a month of them, Delta's defaults, would
-slow every commit by the day. The table is append-only, its rows are the history; its log needs to reach back
-as far as compaction and change-feed readers do. cdcd's maintainer removes the old log files after each
-compaction, never one compaction still has to read (cdcd/lake/maintenance/log_cleanup.py), so Delta's own
-cleanup, which does not know that, is off. Set on an older ``changes`` that lacks them when a sink opens it; a
-value set by hand is kept."""
+more (the realtime worker a dozen times), and a refresh lists the whole log and a checkpoint writes every tombstone,
+so each version kept costs every later commit: Delta's defaults (a month of log, a week of tombstones) would slow
+every commit by the hour, an hour of the realtime worker's log by tens of milliseconds. The table is append-only,
+its rows are the history; its log needs to reach back as far as compaction (which the cleanup never outruns) and
+change-feed readers do. cdcd's maintainer removes the old log files after each compaction
+(cdcd/lake/maintenance/log_cleanup.py), so Delta's own cleanup, which does not know what compaction still reads,
+is off. Set on an older ``changes`` that lacks them when a sink opens it; a value set by hand is kept."""
 
 CHANGES_PROPERTIES = {
     **COMMON_PROPERTIES,
