@@ -84,6 +84,23 @@ def test_only_versions_before_a_checkpoint_older_than_the_retention_and_not_need
     assert app_transactions(changes, 25) == marks_at_25
 
 
+def test_never_past_the_checkpoint_last_checkpoint_names(tmp_path: Path) -> None:
+    """A writer killed between a checkpoint's file and ``_last_checkpoint`` leaves the pointer naming an older
+    checkpoint, where readers start: the cleanup keeps it, and the table still opens."""
+    lake = tmp_path / "lake"
+    changes = lake / CHANGES
+    _commits(lake, 0, 1)
+    DeltaTable(str(changes)).alter.set_table_properties({"delta.checkpointInterval": "10"})
+    _commits(lake, 1, 40)
+    assert _checkpoints(changes) == [9, 19, 29, 39]
+    pointer = changes / "_delta_log" / "_last_checkpoint"
+    pointer.write_text(pointer.read_text().replace('"version":39', '"version":19'))
+    _age(changes, 41, 2 * HOUR_MS)
+    assert clean_log(changes, HOUR_MS).kept_from == 19
+    assert min(_log_versions(changes)) == 19
+    assert DeltaTable(str(changes)).version() == 41
+
+
 def test_after_each_compaction_changes_keeps_only_what_compaction_has_yet_to_read(tmp_path: Path) -> None:
     """``changes`` with a retention of a millisecond: after a compaction its log starts at the newest checkpoint
     at or before the first version not folded, so the changes landed meanwhile (never compacted) keep every

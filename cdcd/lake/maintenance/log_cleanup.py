@@ -7,8 +7,9 @@ log files older than ``delta.logRetentionDuration`` at a checkpoint; cdcd's writ
 cleanup off (it knows nothing of what compaction has yet to read), so it is done here, by the maintainer, after
 each compaction:
 
-- Only whole versions before a checkpoint go (the newest checkpoint at or before the bound below): every version
-  from it on stays readable (its checkpoint and the commits after it), as Delta's own cleanup leaves them.
+- Only whole versions before a checkpoint go (the newest checkpoint at or before the bound below, and never past
+  the one ``_last_checkpoint`` names): every version from it on stays readable (its checkpoint and the commits
+  after it), as Delta's own cleanup leaves them.
 - The bound: the first version committed within the table's ``delta.logRetentionDuration`` (Delta's default, 30
   days, when unset), and, for ``changes``, the first version compaction has not folded yet (its change feed reads
   those commits, cdcd/lake/maintenance/feed.py): a compaction that stopped for longer than the retention keeps its
@@ -23,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cdcd.lake.deltalog import log_files
+from cdcd.lake.deltalog import last_checkpoint, log_files
 from cdcd.lake.storage import LakeDir, ObjectPath
 
 DEFAULT_LOG_RETENTION_MS = 30 * 24 * 3600 * 1000
@@ -65,6 +66,12 @@ def clean_log(table: LakeDir, retention_ms: int, *, keep_from: int | None = None
     # The first version committed within the retention (a commit file's mtime is its commit time).
     recent = min((v for v, t in commits.items() if t >= cutoff_ms), default=max(commits) + 1)
     bound = recent if keep_from is None else min(recent, keep_from)
+    # Never past the checkpoint ``_last_checkpoint`` names, where readers start (a writer killed between a newer
+    # checkpoint's file and the pointer leaves it naming an older one).
+    named = last_checkpoint(table)
+    if named is None:
+        return Cleaned(min(v.version for v in files), 0, len(files))
+    bound = min(bound, named[0])
     checkpoints = sorted({f.version for f in files if f.checkpoint and f.version <= bound})
     if not checkpoints:
         return Cleaned(min(v.version for v in files), 0, len(files))
