@@ -120,9 +120,10 @@ SLOW_CALLS_SEEN = 16
 def test_a_live_consumer_slower_than_the_writes_takes_what_came_meanwhile_in_one_batch(tmp_path: Path) -> None:
     """A live consumer whose calls take longer than the node takes to fill a segment: the batch that is due while
     it is in a call stays open until it asks for the next, so each call takes what came during the one before
-    and an event waits about one call before its own begins (bound: two). Batches cut at every segment queued
-    up behind such a consumer instead (two queued, one more waiting to be): 3 s at the third call, more at each
-    one after. The file is the whole WAL from its start, once and in order."""
+    and an event waits about one call before its own begins: the waits do not grow from call to call (they stay
+    within three calls of the shortest, whatever a busy machine adds to reading every one of them). Batches cut at
+    every segment queued up behind such a consumer instead (two queued, one more waiting to be): 3 s at the
+    third call, 1.5 s more at each one after. The file is the whole WAL from its start, once and in order."""
     (tmp_path / "slowsink.py").write_text(SLOW_CALLS)
     node_dir = tmp_path / "node"
     out, calls = tmp_path / "slow.jsonl", tmp_path / "calls.jsonl"
@@ -165,8 +166,11 @@ def test_a_live_consumer_slower_than_the_writes_takes_what_came_meanwhile_in_one
     # knows how long its calls take it holds a batch only briefly (``Lane._holds``).
     waits = [(c["began_ns"] - c["first_ns"]) / 1e9 for c in seen()[4:SLOW_CALLS_SEEN]]
     print(f"waits before each call: {[round(w, 2) for w in waits]} s")
-    bound_s = 2 * SLOW_CALL_S
-    assert max(waits) <= bound_s, f"an event waited {max(waits):.2f} s for its call (bound {bound_s:.2f} s)"
+    # The spread, not the level: on busy cores reading and archiving add to every wait alike (a CI run saw 3.1-5.9 s);
+    # queued batches add a call's length to each wait after the one before.
+    # Queued, the twelve waits from the fifth call would spread over eleven calls; here they stay within three.
+    spread_s, bound_s = max(waits) - min(waits), 3 * SLOW_CALL_S
+    assert spread_s <= bound_s, f"the waits grew by {spread_s:.2f} s over {len(waits)} calls (bound {bound_s:.2f} s)"
     assert read_jsonl(out) == wal_events(node_dir)
 
 
