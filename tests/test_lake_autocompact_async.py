@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 
 from cdcd import metrics
-from cdcd.lake.sink import LakeConsumer, LakeOptions
 from cdcd.lake.table import CHANGES
-from tests.support.delta_lake import check_moment, record_sizes, sub_batch, wal_batch
+from tests.support.delta_lake import check_moment, land_each_record, record_sizes, wal_batch
 from tests.support.lake import position, run_to_end, wait_caught_up, write_config
 from tests.support.lake_rewrites import (
     Version,
@@ -31,7 +30,7 @@ from tests.support.lake_rewrites import (
     split_orphans,
     versions,
 )
-from tests.support.procs import child_env, reap, start_daemon, stop_daemon, wait_for
+from tests.support.procs import reap, start_held_daemon, stop_daemon, wait_for
 from tests.support.wal import wal_events
 from tests.support.writer import make_node
 
@@ -62,23 +61,9 @@ def test_every_version_is_within_the_bound_and_each_rewrite_commits_right_after_
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
     make_node(node_dir, segments=3, tx_per_segment=40)
     batch = wal_batch(node_dir)
-    sink = LakeConsumer(
-        LakeOptions(
-            lake_path=str(lake),
-            writer="deltalake",
-            compact_interval_s=0,
-            optimize_interval_s=0,
-            max_files_per_partition=BOUND,
-        )
-    )
     conflicts0 = metrics.LAKE.get_sample_value("cdcd_lake_log_conflicts_total") or 0.0
-    sink.start()
-    try:
-        n = len(batch.peek_slices())
-        for k in range(n):
-            assert sink.on_events(sub_batch(batch, k, k + 1)) is True
-    finally:
-        sink.stop()
+    sink = land_each_record(lake, batch, max_files=BOUND)
+    n = len(batch.peek_slices())
     table = sink._table
     assert table is not None
     assert table.conflicts == 0, "a batch's commit lost to a rewrite: it did not wait for it"
@@ -100,14 +85,7 @@ def _held_daemon(tmp_path: Path, node_dir: Path, lake: Path) -> tuple[subprocess
     make_node(node_dir, segments=6, tx_per_segment=30)
     consumer = {"kind": "lake", "lake_path": str(lake), "writer": "deltalake", "max_files_per_partition": BOUND}
     config = write_config(tmp_path / "cdcd.toml", node_dir, consumer, batch_max_events=400)
-    holds = tmp_path / "holds"
-    holds.mkdir()
-    env = {**child_env(), "CDCD_FAILPOINTS": f"{HELD}@2=pause", "CDCD_FAILPOINTS_DIR": str(holds)}
-    err = tmp_path / "daemon.err"
-    proc = start_daemon(config, err, env=env)
-    marker = holds / HELD
-    wait_for(lambda: marker.exists() or proc.poll() is not None, 120, "the second rewrite to hold")
-    assert proc.poll() is None, err.read_text()[-3000:]
+    proc, err, marker = start_held_daemon(config, tmp_path, HELD, "@2=pause")  # the second rewrite, held
     wait_for(lambda: _batch_written(lake) or proc.poll() is not None, 120, "the next batch's files, written meanwhile")
     assert proc.poll() is None, err.read_text()[-3000:]
     return proc, config, err, marker

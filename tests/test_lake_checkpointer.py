@@ -14,7 +14,7 @@ from cdcd.lake.landing.checkpointer import WRITING
 from cdcd.lake.table import CHANGES
 from tests.support.lake import wait_caught_up, write_config
 from tests.support.lake_rewrites import same_rows_as_wal
-from tests.support.procs import child_env, reap, start_daemon, stop_daemon, wait_for
+from tests.support.procs import reap, start_held_daemon, stop_daemon, wait_for
 from tests.support.wal import wal_events
 from tests.support.writer import make_node
 
@@ -35,15 +35,8 @@ def test_commits_go_on_while_a_checkpoint_is_written_and_none_writes_one(tmp_pat
     consumer = {"kind": "lake", "lake_path": str(lake), "writer": "deltalake"}
     consumer |= {"compact_interval_s": 0, "optimize_interval_s": 0}  # only the sink commits
     config = write_config(tmp_path / "cdcd.toml", node_dir, consumer, batch_max_events=1)
-    holds = tmp_path / "holds"
-    holds.mkdir()
-    env = {**child_env(), "CDCD_FAILPOINTS": f"{WRITING}=pause", "CDCD_FAILPOINTS_DIR": str(holds)}
-    err = tmp_path / "daemon.err"
-    proc = start_daemon(config, err, env=env)
-    marker = holds / WRITING
+    proc, err, marker = start_held_daemon(config, tmp_path, WRITING)  # the first checkpoint, held
     try:
-        wait_for(lambda: marker.exists() or proc.poll() is not None, 120, "the first checkpoint to hold")
-        assert proc.poll() is None, err.read_text()[-3000:]
         held_at = _version(changes)
         assert held_at >= 99
         # Commits go on: forty more versions while the checkpoint is held, none of them writing one.

@@ -16,10 +16,9 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
 from cdcd.lake.maintenance.feed import FEED_COLUMNS, _feed_files, read_feed
-from cdcd.lake.sink import LakeConsumer, LakeOptions
 from cdcd.lake.table import CHANGES
 from cdcd.node import Node
-from tests.support.delta_lake import sub_batch, wal_batch
+from tests.support.delta_lake import land_each_record, wal_batch
 from tests.support.writer import WRITER_NODE_SETTINGS
 
 HOSTILE = ("x" * 255, "é" * 200, "a%2Fb c", "plain")
@@ -38,22 +37,7 @@ def _land(tmp_path: Path, *, max_files: int, transactions: int = 90) -> Path:
     """One commit per WAL record, with the writer's rewrites bounding each partition to ``max_files``."""
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
     _node(node_dir, transactions)
-    batch = wal_batch(node_dir)
-    sink = LakeConsumer(
-        LakeOptions(
-            lake_path=str(lake),
-            writer="deltalake",
-            compact_interval_s=0,
-            optimize_interval_s=0,
-            max_files_per_partition=max_files,
-        )
-    )
-    sink.start()
-    try:
-        for k in range(len(batch.peek_slices())):
-            assert sink.on_events(sub_batch(batch, k, k + 1)) is True
-    finally:
-        sink.stop()
+    land_each_record(lake, wal_batch(node_dir), max_files=max_files)
     return lake / CHANGES
 
 

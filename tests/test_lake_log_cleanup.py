@@ -14,7 +14,7 @@ from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError
 
 from cdcd import metrics
-from cdcd.lake.deltalog import app_transactions
+from cdcd.lake.deltalog import app_transactions, configuration
 from cdcd.lake.landing.delta import ChangeTable
 from cdcd.lake.maintenance.compact import compact, compacted_version
 from cdcd.lake.maintenance.log_cleanup import clean_log, clean_logs, interval_ms
@@ -179,3 +179,28 @@ def test_interval_properties_read_as_delta_writes_them(text: str, ms: int) -> No
 def test_an_interval_that_is_not_one_is_refused() -> None:
     with pytest.raises(ValueError, match="not an interval"):
         interval_ms("forever")
+
+
+def test_the_properties_read_from_the_log_are_what_delta_rs_reads(tmp_path: Path) -> None:
+    """``configuration`` (what the cleanup reads the retention from, without opening the table) agrees with
+    delta-rs before any checkpoint, from a checkpoint, and with a property changed after the checkpoint and one
+    before it (the later value wins) — on a log whose versions before the checkpoint are already gone."""
+    lake = tmp_path / "lake"
+    changes = lake / CHANGES
+    _commits(lake, 0, 1)
+    dt = DeltaTable(str(changes))
+    assert configuration(changes) == dt.metadata().configuration  # no checkpoint yet: the commits from 0
+    dt.alter.set_table_properties({"delta.checkpointInterval": "10", "delta.logRetentionDuration": "interval 1 hours"})
+    _commits(lake, 1, 15)
+    assert _checkpoints(changes) == [9]
+    dt.update_incremental()
+    assert configuration(changes) == dt.metadata().configuration
+    assert configuration(changes)["delta.logRetentionDuration"] == "interval 1 hours"
+    dt.alter.set_table_properties({"delta.logRetentionDuration": "interval 3 hours"})
+    _commits(lake, 16, 1)
+    _age(changes, 9, 2 * HOUR_MS)
+    assert clean_log(changes, HOUR_MS).kept_from == 9
+    assert not (changes / "_delta_log" / f"{1:020d}.json").exists()  # the commit that set the properties is gone
+    fresh = DeltaTable(str(changes))
+    assert configuration(changes) == fresh.metadata().configuration
+    assert configuration(changes)["delta.logRetentionDuration"] == "interval 3 hours"

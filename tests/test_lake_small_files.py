@@ -29,7 +29,7 @@ from cdcd.lake.maintenance.feed import read_feed
 from cdcd.lake.sink import LakeConsumer, LakeOptions
 from cdcd.lake.table import CHANGES, PARTITION_BY, STATE
 from cdcd.node import Node
-from tests.support.delta_lake import check_moment, lake_rows, record_sizes, sub_batch, wal_batch
+from tests.support.delta_lake import check_moment, lake_rows, land_each_record, record_sizes, sub_batch, wal_batch
 from tests.support.lake import position, process_tree, run_to_end, wait_gone, wait_started, write_config
 from tests.support.lake_rewrites import orphans, rewrites, same_rows_as_wal, split_orphans
 from tests.support.procs import child_env, stop_daemon, wait_for
@@ -172,21 +172,7 @@ def test_the_jvm_free_rewrite_and_sparks_optimize_give_the_same_table(spark: Any
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
     _hostile_node(node_dir, 60)
     batch = wal_batch(node_dir)
-    sink = LakeConsumer(
-        LakeOptions(
-            lake_path=str(lake),
-            writer="deltalake",
-            compact_interval_s=0,
-            optimize_interval_s=0,
-            max_files_per_partition=0,
-        )
-    )
-    sink.start()
-    try:
-        for k in range(len(batch.peek_slices())):
-            sink.on_events(sub_batch(batch, k, k + 1))
-    finally:
-        sink.stop()
+    land_each_record(lake, batch, max_files=0)
     other = tmp_path / "other"
     shutil.copytree(lake, other)
     dt = DeltaTable(str(lake / CHANGES))

@@ -135,6 +135,35 @@ def last_checkpoint(table: LakeDir) -> tuple[int, list[LakeDir]] | None:
     return version, files
 
 
+def configuration(table: LakeDir, files: list[LogFile] | None = None) -> dict[str, str]:
+    """The table's properties (``metaData.configuration``) at its latest version, read from the checkpoint
+    ``_last_checkpoint`` names and the commits after it: what opening the table with delta-rs would tell, without
+    replaying its files' actions. ``files``: the log's listing when the caller has one."""
+    files = log_files(table) if files is None else files
+    found: dict[str, str] | None = None
+    start = 0
+    checkpoint = last_checkpoint(table)
+    if checkpoint is not None:
+        version, parts = checkpoint
+        for part in parts:
+            for row in pq.read_table(file_source(part), columns=["metaData"]).column("metaData").to_pylist():
+                if row is not None:
+                    found = dict(row.get("configuration") or [])
+        start = version + 1
+    for version in sorted(f.version for f in files if f.commit and f.version >= start):
+        path = _commit_path(table, version)
+        with path.open("rb") as f:
+            if b'"metaData"' not in f.read():
+                continue  # most commits carry data only: skip parsing them
+        for action in read_commit(table, version):
+            meta = action.get("metaData")
+            if meta is not None:
+                found = dict(meta.get("configuration") or {})
+    if found is None:
+        raise DeltaLogError(f"{table / LOG_DIR}: no metaData action in the checkpoint or the commits after it")
+    return found
+
+
 def app_transactions(table: LakeDir, latest: int) -> dict[str, AppTransaction]:
     """Every application transaction of the table as of version ``latest``: the newest checkpoint's,
     then the commits after it (a later txn of the same app replaces the earlier)."""

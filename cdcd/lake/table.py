@@ -76,16 +76,17 @@ given another naming). cdcd's own writers ignore the property and name a partiti
 ``cache=<partition_dir_value>``. Readers take the cache from the log or the column, never from a path."""
 
 CHANGES_LOG_PROPERTIES = {
-    "delta.logRetentionDuration": "interval 10 minutes",
+    "delta.logRetentionDuration": "interval 2 minutes",
     "delta.deletedFileRetentionDuration": "interval 10 minutes",
     "delta.enableExpiredLogCleanup": "false",
 }
-"""How long ``changes`` keeps its log and its removed files' tombstones: live traffic commits it once a second or
-more (the realtime worker a dozen times), and a refresh lists the whole log and a checkpoint writes every tombstone,
-so each version kept costs every later commit: Delta's defaults (a month of log, a week of tombstones) would slow
-every commit by the hour, an hour of the realtime worker's log by tens of milliseconds. The table is append-only,
-its rows are the history; its log needs to reach back as far as compaction (which the cleanup never outruns) and
-change-feed readers do. cdcd's maintainer removes the old log files after each compaction
+"""How long ``changes`` keeps its log and its removed files' tombstones. Live traffic commits it once a second or
+more (the realtime worker a dozen times); every commit and refresh lists the whole log, so the log is kept
+shortest; a checkpoint writes every tombstone, but checkpoints are written off the commit path, and tombstones
+keep ``lake vacuum`` from deleting a file a reader of an older snapshot may still read. Delta's defaults (a month
+of log, a week of tombstones) would slow every commit by the hour. The table is append-only, its rows are the
+history; its log needs to reach back as far as compaction (which the cleanup never outruns) and change-feed
+readers do. cdcd's maintainer removes the old log files after each compaction
 (cdcd/lake/maintenance/log_cleanup.py), so Delta's own cleanup, which does not know what compaction still reads,
 is off. Set on an older ``changes`` that lacks them when a sink opens it; a value set by hand is kept."""
 

@@ -219,6 +219,8 @@ PACE_MS = os.environ.get("BENCH_RT_BATCH_MIN_INTERVAL_MS")
 """The node's ``realtime_batch_min_interval_ms`` (unset: its default)."""
 NICE = os.environ.get("BENCH_MAINTENANCE_NICE")
 """The daemon's sink's ``maintenance_nice`` (unset: its default)."""
+COMPACT_INTERVAL_S = os.environ.get("BENCH_COMPACT_INTERVAL_S")
+"""The daemon's sink's ``compact_interval_s`` (unset: its default)."""
 BASELINE_S = float(os.environ.get("BENCH_BASELINE_S") or 20.0)
 """The realtime writer first writes this long into a node without a consumer: the node's own CPU per entry."""
 REALTIME_START_S = 600.0
@@ -443,9 +445,11 @@ def run_bounded(duration_s: float, *, realtime: bool = False) -> Measurement:
         # The sink's defaults: compaction on delta-rs, no JVM (BENCH_BOUNDED_ENGINE=spark: on Spark local[2]).
         engine = os.environ.get("BENCH_BOUNDED_ENGINE") or "deltalake"
         master = {"spark_master": MASTER} if engine == "spark" else {}
-        nice = {"maintenance_nice": int(NICE)} if NICE is not None else {}
-        consumer = {"kind": "lake", "lake_path": str(lake), "writer": "deltalake", **master, **nice}
-        sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake", **master, **nice))  # type: ignore[arg-type]
+        tuned: dict[str, float] = {"maintenance_nice": int(NICE)} if NICE is not None else {}
+        if COMPACT_INTERVAL_S is not None:
+            tuned["compact_interval_s"] = float(COMPACT_INTERVAL_S)
+        consumer = {"kind": "lake", "lake_path": str(lake), "writer": "deltalake", **master, **tuned}
+        sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake", **master, **tuned))  # type: ignore[arg-type]
         args = [str(node_dir), *([str(lake)] if realtime else []), str(duration_s), str(RATE), str(CACHES)]
         writer = "realtime-writer" if realtime else "live-writer"
         proc = subprocess.Popen(
@@ -561,6 +565,8 @@ def benchmarks(quick: bool) -> list[Bench]:
         params["realtime_batch_min_interval_ms"] = int(PACE_MS)
     if NICE is not None:
         params["maintenance_nice"] = int(NICE)
+    if COMPACT_INTERVAL_S is not None:
+        params["compact_interval_s"] = float(COMPACT_INTERVAL_S)
     return [
         Bench(
             name="lake.files.bounded",

@@ -177,6 +177,22 @@ def sub_batch(batch: EventBatch, start: int, stop: int) -> EventBatch:
     return EventBatch(batch.source_node, list(batch.peek_slices()[start:stop]), batch._names)
 
 
+def land_each_record(lake: Path, batch: EventBatch, *, max_files: int) -> LakeConsumer:
+    """Land ``batch`` one record per commit (the most commits it can make) with the JVM-free writer, no scheduled
+    maintenance and the writer's rewrites bounding each partition to ``max_files`` (0: none); every batch must be
+    accepted. Returns the stopped sink (its counters)."""
+    sink = LakeConsumer(
+        LakeOptions(lake_path=str(lake), writer="deltalake", **{**NO_MAINTENANCE, "max_files_per_partition": max_files})
+    )
+    sink.start()
+    try:
+        for k in range(len(batch.peek_slices())):
+            assert sink.on_events(sub_batch(batch, k, k + 1)) is True
+    finally:
+        sink.stop()
+    return sink
+
+
 def land_main() -> None:
     """Child process: ``node_dir lake records_per_batch go_file out_file source``: land the node's WAL as
     ``source`` in batches of ``records_per_batch`` records once ``go_file`` exists; write the sink's counters

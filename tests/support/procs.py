@@ -61,6 +61,23 @@ def start_daemon(
         )
 
 
+def start_held_daemon(
+    config: Path, tmp_path: Path, failpoint: str, spec: str = "pause"
+) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """``cdcd run`` with ``failpoint`` set to ``spec`` (``pause``, ``@2=pause``: held at its second hit);
+    returns once it holds there: (process, its stderr, the hold's marker: delete it to go on)."""
+    holds = tmp_path / "holds"
+    holds.mkdir()
+    env = {**child_env(), "CDCD_FAILPOINTS": f"{failpoint}{spec if spec.startswith('@') else '=' + spec}"}
+    env["CDCD_FAILPOINTS_DIR"] = str(holds)
+    err = tmp_path / "daemon.err"
+    proc = start_daemon(config, err, env=env)
+    marker = holds / failpoint
+    wait_for(lambda: marker.exists() or proc.poll() is not None, 120, f"the daemon to hold at {failpoint}")
+    assert proc.poll() is None, err.read_text()[-3000:]
+    return proc, err, marker
+
+
 def run_daemon_until_exit(config: Path, stderr_path: Path, timeout: float = 30, **kw: Any) -> int:
     proc = start_daemon(config, stderr_path, **kw)
     try:

@@ -49,7 +49,6 @@ class Checkpointer:
         """The version of the newest checkpoint known (this thread's, or the table's when it started)."""
         self.written = 0
         self.failures = 0
-        self._latest = -1
         self._due = threading.Event()
         self._closing = False
         self._dt: DeltaTable | None = None
@@ -58,7 +57,6 @@ class Checkpointer:
 
     def committed(self, version: int) -> None:
         """``version`` of ``table`` exists: a checkpoint is due once ``interval`` versions passed the last."""
-        self._latest = max(self._latest, version)
         if version - self.last >= self.interval:
             self._due.set()
 

@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cdcd.lake.deltalog import last_checkpoint, log_files
-from cdcd.lake.storage import LakeDir, ObjectPath
+from cdcd.lake.deltalog import LogFile, configuration, last_checkpoint, log_files
+from cdcd.lake.storage import LakeDir, ObjectPath, is_delta
 
 DEFAULT_LOG_RETENTION_MS = 30 * 24 * 3600 * 1000
 """Delta's ``delta.logRetentionDuration`` when a table does not set it (30 days)."""
@@ -53,12 +53,19 @@ class Cleaned:
     """Log files left (commits, checkpoints, checksums)."""
 
 
-def clean_log(table: LakeDir, retention_ms: int, *, keep_from: int | None = None, now_ms: int | None = None) -> Cleaned:
+def clean_log(
+    table: LakeDir,
+    retention_ms: int,
+    *,
+    keep_from: int | None = None,
+    now_ms: int | None = None,
+    files: list[LogFile] | None = None,
+) -> Cleaned:
     """Delete the log files of ``table`` before the newest checkpoint at or before both the first version
     committed within ``retention_ms`` and ``keep_from`` (a version that must stay readable: compaction's next).
-    Nothing when no checkpoint qualifies."""
+    Nothing when no checkpoint qualifies. ``files``: the log's listing when the caller has one."""
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    files = log_files(table)
+    files = log_files(table) if files is None else files
     commits = {f.version: f.mtime_ms for f in files if f.commit}
     if not commits:
         return Cleaned(0, 0)
@@ -96,7 +103,6 @@ def clean_logs(lake: LakeDir, compacted_to: int) -> dict[str, Cleaned]:
     """After a compaction that folded ``changes`` up to version ``compacted_to``: the logs of ``changes`` (never
     past ``compacted_to + 1``), ``state``, ``_cuts`` and every typed table cleaned by their own retention.
     Returns what each cleanup did, per table."""
-    from cdcd.lake.storage import is_delta, open_delta
     from cdcd.lake.table import CHANGES, CUTS, STATE, TABLES
     from cdcd.lake.typed.layout import list_tables
 
@@ -110,6 +116,6 @@ def clean_logs(lake: LakeDir, compacted_to: int) -> dict[str, Cleaned]:
     for name, path, keep_from in tables:
         if not is_delta(path):
             continue
-        done = clean_log(path, retention_ms(open_delta(path).metadata().configuration), keep_from=keep_from)
-        out[name] = done
+        files = log_files(path)  # listed once: the properties and the cleanup read the same listing
+        out[name] = clean_log(path, retention_ms(configuration(path, files)), keep_from=keep_from, files=files)
     return out
