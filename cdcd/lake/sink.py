@@ -99,7 +99,7 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     storage: StorageOptions = msgspec.field(default_factory=StorageOptions)
     """``[consumer.storage]``: endpoint, region, credentials of an object store (``lake_path = "s3://..."``)."""
-    compact_interval_s: float = 60.0
+    compact_interval_s: float = 20.0
     """Run ``lake compact`` (MERGE into ``state`` and the typed tables) from the daemon every this many
     seconds; 0: never. On the engine ``compact_engine`` names.
     In a ``[realtime_consumer]`` table the default is 0: the daemon's sink maintains the lake (it runs

@@ -175,7 +175,7 @@ def _compacted_caches(lake: Path) -> set[str]:
 
 @dataclass(frozen=True)
 class MaintainerOptions:
-    compact_interval_s: float = 60.0
+    compact_interval_s: float = 20.0
     """Seconds between compactions (changes -> state by MERGE); 0: never."""
     optimize_interval_s: float = 10.0
     """Seconds between OPTIMIZE runs on both tables (small files bin-packed); 0: never. Live traffic
