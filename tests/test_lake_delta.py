@@ -478,7 +478,7 @@ def test_the_node_realtime_worker_defaults_to_the_jvm_free_writer() -> None:
         opts = load_consumer(table, source).consumer.options  # type: ignore[attr-defined]
         return opts.compact_interval_s, opts.optimize_interval_s
 
-    assert maintenance({"kind": "lake", "lake_path": "/x"}, "cdcd.toml: consumer") == (60.0, 10.0)
+    assert maintenance({"kind": "lake", "lake_path": "/x"}, "cdcd.toml: consumer") == (20.0, 10.0)
     assert maintenance({"kind": "lake", "lake_path": "/x"}, "realtime_consumer") == (0.0, 0.0)
     assert maintenance({"kind": "lake", "lake_path": "/x", "compact_interval_s": 5}, "realtime_consumer") == (5.0, 0.0)
 
