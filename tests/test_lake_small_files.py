@@ -529,21 +529,7 @@ def test_a_table_partitioned_by_day_too_is_rewritten_within_each_cache_and_day(t
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
     _hostile_node(node_dir, 40)
     batch = wal_batch(node_dir)
-    options = LakeOptions(
-        lake_path=str(lake),
-        writer="deltalake",
-        compact_interval_s=0,
-        optimize_interval_s=0,
-        partition_by_day=True,
-        max_files_per_partition=6,
-    )
-    sink = LakeConsumer(options)
-    sink.start()
-    try:
-        for k in range(len(batch.peek_slices())):
-            assert sink.on_events(sub_batch(batch, k, k + 1)) is True
-    finally:
-        sink.stop()
+    land_each_record(lake, batch, max_files=6, partition_by_day=True)
     counts = files_per_partition(lake / CHANGES)
     assert counts and all(len(key) == 2 and key[1] for key in counts) and max(counts.values()) <= 6, counts
     assert rewrites(lake / CHANGES) >= 10

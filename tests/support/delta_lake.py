@@ -177,13 +177,12 @@ def sub_batch(batch: EventBatch, start: int, stop: int) -> EventBatch:
     return EventBatch(batch.source_node, list(batch.peek_slices()[start:stop]), batch._names)
 
 
-def land_each_record(lake: Path, batch: EventBatch, *, max_files: int) -> LakeConsumer:
+def land_each_record(lake: Path, batch: EventBatch, *, max_files: int, **options: Any) -> LakeConsumer:
     """Land ``batch`` one record per commit (the most commits it can make) with the JVM-free writer, no scheduled
-    maintenance and the writer's rewrites bounding each partition to ``max_files`` (0: none); every batch must be
-    accepted. Returns the stopped sink (its counters)."""
-    sink = LakeConsumer(
-        LakeOptions(lake_path=str(lake), writer="deltalake", **{**NO_MAINTENANCE, "max_files_per_partition": max_files})
-    )
+    maintenance and the writer's rewrites bounding each partition to ``max_files`` (0: none); ``options``: more
+    ``LakeOptions`` fields. Every batch must be accepted. Returns the stopped sink (its counters)."""
+    settings = {**NO_MAINTENANCE, "max_files_per_partition": max_files, **options}
+    sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer="deltalake", **settings))
     sink.start()
     try:
         for k in range(len(batch.peek_slices())):
