@@ -1,24 +1,27 @@
-"""The bound's rewrite off the delivery path (issue 43 items 1 and 4, cdcd/lake/maintenance/autocompact.py
-``Rewriter``): the rewrite a commit makes due runs in a thread of its own while the sink builds and writes its
-next batch, and the next commit waits for it. Checked on the table's log, version by version: files per
-partition within the bound at every version, every rewrite committed right after the commit that made it due
-(the version it read plus one: nothing came between), no commit conflict; the next batch's files written while
-a rewrite is held and committed only after it; and a SIGKILL while a rewrite is held leaves only orphan files
-(the rewrite's merged file, the next batch's files) and, run again, every WAL entry exactly once."""
+"""The bound's rewrites beside the commits (issue 43 items 1 and 4, cdcd/lake/maintenance/autocompact.py
+``Rewriter``): the rewrites the commits make due run in a thread of their own while the sink goes on landing
+batches, and a commit waits only where it would take a partition past the bound. Checked on the table's log,
+version by version: files per partition within the bound at every version, every rewrite removing only files
+live just before it and moving no mark; a rewrite that lost to appends made again on top of them, one that lost
+a file to another rewrite dropped; with a rewrite held, batches committed until a partition is at the bound and
+then none; and a SIGKILL while a rewrite is held leaves only orphan files (the rewrite's merged file, the next
+batch's files) and, run again, every WAL entry exactly once."""
 
 from __future__ import annotations
 
-import itertools
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
 from cdcd import metrics
+from cdcd.lake.maintenance.autocompact import FilePolicy, rewrite_partitions
+from cdcd.lake.storage import open_delta
 from cdcd.lake.table import CHANGES
-from tests.support.delta_lake import check_moment, land_each_record, record_sizes, wal_batch
+from tests.support.delta_lake import check_moment, lake_rows, land_each_record, record_sizes, wal_batch
 from tests.support.lake import position, run_to_end, wait_caught_up, write_config
 from tests.support.lake_rewrites import (
     Version,
@@ -41,52 +44,105 @@ HELD = "lake.autocompact.written"
 
 
 def _check_sequence(log: list[Version]) -> None:
-    """Every rewrite is the version right after a batch's commit and rewrites only partitions that commit
-    touched (it read that version and committed at the next: nothing came between); no commit moved a mark
-    it did not land files for."""
+    """No gap in the log; every rewrite removes only files live at the version before it (never a file another
+    rewrite removed first) and moves no mark; every file is removed at most once."""
     assert log, "no commits"
-    for prev, v in itertools.pairwise(log):
-        if v.rewrite:
-            assert not prev.rewrite and prev.marks, f"rewrite {v.version} does not follow a batch's commit"
-            assert v.partitions_removed <= prev.partitions_added, (v.version, v.partitions_removed)
-            assert not v.marks, f"rewrite {v.version} moved a mark"
     assert [v.version for v in log] == list(range(len(log))), "a gap in the log"
+    live: set[str] = set()
+    for v in log:
+        if v.rewrite:
+            assert not v.marks, f"rewrite {v.version} moved a mark"
+            assert set(v.removed) <= live, f"rewrite {v.version} removed files not live: {set(v.removed) - live}"
+        live -= set(v.removed)
+        live |= set(v.added)
+    removed = [path for v in log for path in v.removed]
+    assert len(removed) == len(set(removed)), "a file removed twice"
 
 
-def test_every_version_is_within_the_bound_and_each_rewrite_commits_right_after_its_batch(tmp_path: Path) -> None:
-    """The sink (JVM-free writer, bound 6) lands a node's records one batch each: at every version of the log,
-    rewrites included, no partition holds more than 6 files; each rewrite is the version after the batch that
-    made it due; no commit of the sink lost to its own rewrite (no conflict, no retry); the table holds every
-    WAL entry exactly once."""
+def test_every_version_is_within_the_bound_and_every_rewrite_removes_live_files(tmp_path: Path) -> None:
+    """The sink (JVM-free writer, bound 6) lands a node's records one batch each while its rewrites run beside
+    it: at every version of the log, rewrites included, no partition holds more than 6 files; every rewrite
+    removes files live just before it and moves no mark; no batch was filtered again (no mark moved under the
+    sink); the table holds every WAL entry exactly once."""
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
     make_node(node_dir, segments=3, tx_per_segment=40)
     batch = wal_batch(node_dir)
     conflicts0 = metrics.LAKE.get_sample_value("cdcd_lake_log_conflicts_total") or 0.0
     sink = land_each_record(lake, batch, max_files=BOUND)
     n = len(batch.peek_slices())
-    table = sink._table
-    assert table is not None
-    assert table.conflicts == 0, "a batch's commit lost to a rewrite: it did not wait for it"
     assert (metrics.LAKE.get_sample_value("cdcd_lake_log_conflicts_total") or 0.0) == conflicts0
     log = versions(lake / CHANGES)
     _check_sequence(log)
     assert sum(v.rewrite for v in log) >= 20, "too few rewrites to say anything"
     assert sum(1 for v in log if v.marks) == n, "one commit per batch"
+    assert sink.rows_written == len(wal_events(node_dir))
     over = [(v, most) for v, most in most_files_at_every_version(lake / CHANGES) if most > BOUND]
     assert not over, f"versions over the bound of {BOUND}: {over[:5]}"
+    same_rows_as_wal(lake, wal_events(node_dir))
+
+
+def _small_files(tmp_path: Path) -> tuple[Path, Path]:
+    """A lake whose ``changes`` holds a file per record (no bound) and the node it came from."""
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    make_node(node_dir, segments=1, tx_per_segment=12)
+    land_each_record(lake, wal_batch(node_dir), max_files=0)
+    return node_dir, lake
+
+
+def test_a_rewrite_that_lost_to_appends_is_made_again_on_top_of_them(tmp_path: Path) -> None:
+    """A rewrite planned at version v commits after a batch's commit at v+1 (an append: its files still live):
+    made again at v+2, the batch's files kept, every entry once."""
+    node_dir, lake = _small_files(tmp_path)
+    table = lake / CHANGES
+    stale = open_delta(table)
+    before = stale.version()
+    land_each_record(lake, wal_batch(node_dir, "other-node"), max_files=0)  # appends meanwhile
+    appended = live_files(table) - set(pa.table(stale.get_add_actions(flatten=True)).column("path").to_pylist())
+    done = rewrite_partitions(stale, table, FilePolicy(max_files=BOUND), rebases=1)
+    assert done is not None and done.version > before + 1 and done.removed > BOUND
+    log = versions(table)
+    assert log[-1].rewrite and log[-1].version == done.version
+    assert appended <= live_files(table), "the batch's files were kept"
+    _check_sequence(log)
+    rows = lake_rows(lake)
+    landed = list(zip(*(rows.column(c).to_pylist() for c in ("source_node", "wal_segment", "wal_offset", "wal_index"))))
+    assert len(landed) == len(set(landed)) == 2 * len(wal_events(node_dir)), "each source's entries once"
+
+
+def test_a_rewrite_whose_files_another_removed_is_dropped(tmp_path: Path) -> None:
+    """Two rewrites planned at the same version over the same files (delta-rs's own check lets the second
+    commit: its ``append`` mode does not compare removes): the first commits, the second finds a file it
+    removes gone and is dropped, its merged file deleted; no row is in the table twice."""
+    node_dir, lake = _small_files(tmp_path)
+    table = lake / CHANGES
+    first, second = open_delta(table), open_delta(table)
+    assert rewrite_partitions(first, table, FilePolicy(max_files=BOUND)) is not None
+    on_disk = {p for p in table.rglob("*.parquet")}
+    assert rewrite_partitions(second, table, FilePolicy(max_files=BOUND), rebases=3) is None
+    assert {p for p in table.rglob("*.parquet")} == on_disk, "the lost rewrite's merged file is deleted"
+    _check_sequence(versions(table))
+    assert versions(table)[-1].rewrite and sum(v.rewrite for v in versions(table)) == 1
     same_rows_as_wal(lake, wal_events(node_dir))
 
 
 # --- the daemon, a rewrite held at its fail point ------------------------------------------------------------
 def _held_daemon(tmp_path: Path, node_dir: Path, lake: Path) -> tuple[subprocess.Popen[bytes], Path, Path, Path]:
     """``cdcd run`` over a backlog (JVM-free writer, bound 6, batches of 40 records) whose second rewrite holds
-    at ``HELD``; returns once it holds and the next batch's files are written (the sink built and wrote them
-    while the rewrite ran). (process, its config, its stderr, the hold's marker: delete it to go on)."""
+    at ``HELD``; returns once the daemon went on committing beside it up to the bound and holds too: a
+    partition at 6 files in the newest version and the next batch's files written, not committed. (process,
+    its config, its stderr, the hold's marker: delete it to go on)."""
     make_node(node_dir, segments=6, tx_per_segment=30)
     consumer = {"kind": "lake", "lake_path": str(lake), "writer": "deltalake", "max_files_per_partition": BOUND}
     config = write_config(tmp_path / "cdcd.toml", node_dir, consumer, batch_max_events=400)
     proc, err, marker = start_held_daemon(config, tmp_path, HELD, "@2=pause")  # the second rewrite, held
-    wait_for(lambda: _batch_written(lake) or proc.poll() is not None, 120, "the next batch's files, written meanwhile")
+    wait_for(
+        lambda: (
+            (most_files_at_every_version(lake / CHANGES)[-1][1] == BOUND and _batch_written(lake))
+            or proc.poll() is not None
+        ),
+        120,
+        "a partition at the bound and the next batch's files written",
+    )
     assert proc.poll() is None, err.read_text()[-3000:]
     return proc, config, err, marker
 
@@ -100,18 +156,21 @@ def _batch_written(lake: Path) -> bool:
 
 
 @pytest.mark.timeout(600)
-def test_the_next_batch_is_written_while_a_rewrite_runs_and_committed_after_it(tmp_path: Path) -> None:
-    """While the second rewrite is held (its merged file written, not committed), the daemon writes its next
-    batch's files but commits nothing; let go, the rewrite commits at the version it read plus one and the
-    batch after it; to the end every version is within the bound, nothing conflicted and every WAL entry landed
-    exactly once."""
+def test_batches_commit_beside_a_held_rewrite_until_a_partition_is_at_the_bound(tmp_path: Path) -> None:
+    """While the second rewrite is held (its merged file written, not committed), the daemon goes on committing
+    batches until a partition holds 6 files, then commits nothing; let go, the rewrite commits on top of them
+    (made again at the newest version, not lost) and the daemon goes on; to the end every version is within the
+    bound, every rewrite removed live files, no mark moved under the sink and every WAL entry landed exactly
+    once."""
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
     proc, config, err, marker = _held_daemon(tmp_path, node_dir, lake)
     try:
-        held_at = versions(lake / CHANGES)[-1]
-        assert held_at.marks and not held_at.rewrite, "the rewrite held is the one the newest batch made due"
-        time.sleep(1.0)  # room for a commit that does not wait to show up (one that waits never does)
-        assert versions(lake / CHANGES)[-1].version == held_at.version, "a commit went ahead of the held rewrite"
+        held = versions(lake / CHANGES)
+        at_bound = held[-1]
+        last_rewrite = max(v.version for v in held if v.rewrite)
+        assert at_bound.marks and last_rewrite < at_bound.version, "batches committed beside the held rewrite"
+        time.sleep(1.0)  # room for a commit past the bound to show up (one that waits never does)
+        assert versions(lake / CHANGES)[-1].version == at_bound.version, "a commit went past the bound"
         marker.unlink()
         wait_caught_up(proc, config, node_dir, err, 300)
     finally:
@@ -120,9 +179,7 @@ def test_the_next_batch_is_written_while_a_rewrite_runs_and_committed_after_it(t
     text = err.read_text()
     assert rc == 0, text[-3000:]
     log = versions(lake / CHANGES)
-    after = log[held_at.version + 1]
-    assert after.rewrite, "the held rewrite committed at the version it read plus one"
-    assert log[held_at.version + 2].marks, "the batch written meanwhile committed right after it"
+    assert log[at_bound.version + 1].rewrite, "the held rewrite, made again on top of the batches"
     _check_sequence(log)
     for event in ("lake_autocompact_lost", "lake_commit_conflict", "lake_autocompact_failed"):
         assert event not in text, event
@@ -133,7 +190,8 @@ def test_the_next_batch_is_written_while_a_rewrite_runs_and_committed_after_it(t
 
 @pytest.mark.timeout(600)
 def test_sigkill_while_a_rewrite_runs_leaves_only_orphans_and_every_entry_once(tmp_path: Path) -> None:
-    """SIGKILLed while the second rewrite is held and the next batch's files are written: the log holds neither
+    """SIGKILLed while the second rewrite is held and the daemon waits for it at the bound with the next batch's
+    files written: the log holds neither
     (the rewrite's merged files and the batch's files are orphans, told apart by whether their records are
     landed), no entry twice, the daemon's position not past the lake; run again to the end, every WAL entry is
     in the table exactly once, every version within the bound, and the orphans are still in no version."""

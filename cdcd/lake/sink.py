@@ -267,7 +267,10 @@ class LakeConsumer(Consumer):
         """The batch being landed: cache -> top-level fields of its values (probed when compaction keeps typed
         tables and the writer holds the values: a known cache's new field makes compaction due soon)."""
         self._rewriter: Rewriter | None = None
-        """The bound's rewrite after a commit, in a thread of its own; the next commit waits for it."""
+        """The bound's rewrites of the partitions commits touched, in a thread of its own beside the commits."""
+        self._counts: Counter[tuple[Any, ...]] | None = None
+        """Files per partition after this sink's last commit (None: not known): whether the next commit has
+        room beside a rewrite that is still running."""
         self._checkpointer: Checkpointer | None = None
         """The checkpoints of ``changes``, in a thread of their own: no commit waits for one."""
         self.rewrite_wait_s = 0.0
@@ -275,7 +278,7 @@ class LakeConsumer(Consumer):
         self._known: dict[str, tuple[int, SourceMark]] = {}
         """Per source, a version of ``changes`` and the source's mark at it, known without reading the log
         again: the mark read at that version, this sink's own commit (at the version it read plus one) and
-        the rewrites right after it (they move no mark). Reading a mark replays the log since its last
+        the rewrites after it (they move no mark). Reading a mark replays the log since its last
         checkpoint, as does every refresh: per batch, the sink does each at most once."""
 
     @classmethod
@@ -413,7 +416,7 @@ class LakeConsumer(Consumer):
                 data = truncate_table([drop], self.options.partition_by_day, read.generation)
                 files = table.write_arrow(data)
                 meta = {"rows": 1, "first": str(drop.position), "truncate": drop.name, "pid": os.getpid()}
-                if not self._rewrite_settled(table, drop.source_node, read):
+                if not self._room_for(table, drop.source_node, read, files.adds):
                     files.discard()
                 elif table.commit(
                     files=files,
@@ -456,11 +459,7 @@ class LakeConsumer(Consumer):
         source = batch.source_node
         slices = batch.slices
         while True:
-            known = self._known.get(source)
-            if known is None or known[0] != table.table.version() or not self._in_flight():
-                table.refresh()
-            # else: with a rewrite in flight after this sink's own commit, whose mark it knows, the snapshot is
-            # brought up to date once, after the rewrite and before the commit (_rewrite_settled), not twice.
+            table.refresh()
             read = self._mark(table, source)
             self._check_not_behind(table, source, read)
             replayed, new = split_replayed(slices, read.last)
@@ -497,8 +496,7 @@ class LakeConsumer(Consumer):
             files, stats = self._write(table, new, batch, generation)
             metrics.LAKE_WRITE_SECONDS.observe(time.perf_counter() - t0)
             meta = {"rows": rows, "first": str(new[0].pointer), "writer": self.options.writer, "pid": os.getpid()}
-            settled = self._rewrite_settled(table, source, read)
-            read_version = table.table.version()
+            settled = self._room_for(table, source, read, files.adds)
             if not settled:
                 files.discard()
             elif table.commit(
@@ -512,7 +510,7 @@ class LakeConsumer(Consumer):
             ):
                 landed = SourceMark(generation, new[-1].pointer)
                 self._landed[source] = landed
-                self._committed(table, source, read_version, landed, files.adds)
+                self._committed(table, source, landed, files.adds)
                 self.rows_written += rows
                 for name, n in stats.items():
                     metrics.LAKE_ROWS.labels(name).inc(n)
@@ -524,52 +522,48 @@ class LakeConsumer(Consumer):
             metrics.LAKE_CONFLICTS.inc()
             log.warning("lake_commit_conflict", source=source, detail="another writer landed this source first")
 
-    def _in_flight(self) -> bool:
-        return self._rewriter is not None and self._rewriter.in_flight
-
     def _mark(self, table: ChangeTable, source: str) -> SourceMark:
         """The source's mark in the snapshot ``table`` holds: known (``_known``) or read from it."""
         version = table.table.version()
         known = self._known.get(source)
         if known is not None and known[0] == version:
             return known[1]
+        rewriter = self._rewriter
+        if known is not None and known[0] < version and rewriter is not None and rewriter.made(known[0] + 1, version):
+            self._known[source] = (version, known[1])  # only rewrites came after it: they move no mark
+            return known[1]
         read = table.mark(source)
         self._known[source] = (version, read)
         return read
 
-    def _committed(
-        self, table: ChangeTable, source: str, read_version: int, landed: SourceMark, adds: Sequence[Any]
-    ) -> None:
-        """After this sink's commit: the version it made, known with the source's mark when its first attempt
-        landed (the snapshot still holds ``read_version``: the commit never retries by itself), and the files
-        gauge from that snapshot and the commit's own files, without reading the log again."""
+    def _committed(self, table: ChangeTable, source: str, landed: SourceMark, adds: Sequence[Any]) -> None:
+        """After this sink's commit: the version it made, known with the source's mark when the commit knows it
+        (at the version of the snapshot it holds plus one: the first attempt, or one made again after losing to
+        a rewrite), and the files gauge from that snapshot and the commit's own files, without reading the log
+        again."""
         try:
             version = table.table.version()
-            if version == read_version:
+            if table.committed_version == version + 1:
                 version += 1
                 self._known[source] = (version, landed)
                 new = adds
-            else:  # it read the log again (a conflict, an error after landing): the log says where it landed
+            else:  # it failed after its commit point and read the log again: the log says where it landed
                 self._known.pop(source, None)
                 version, new = table.refresh(), []
             if self._checkpointer is not None:
                 self._checkpointer.committed(version)
-            snapshot = pa.table(table.table.get_add_actions(flatten=True))
-            columns = [snapshot.column(f"partition.{c}").to_pylist() for c in table.partition_by]
-            counts = Counter(zip(*columns, strict=True))
-            counts.update(tuple(add.partition_values.get(c) for c in table.partition_by) for add in new)
+            counts, self._counts = _files_per_partition(table, new, self.options.file_policy())
             metrics.LAKE_FILES_PER_PARTITION_MAX.set(max(counts.values(), default=0))
             metrics.LAKE_TABLE_VERSION.set(version)
         except (DeltaError, OSError) as exc:  # landed already: a figure is no reason to send it again
+            self._counts = None
             log.warning("lake_files_gauge_not_updated", error=describe(exc))
 
     def _bound_files(self, table: ChangeTable, adds: Sequence[Any]) -> None:
-        """After a commit: start rewriting the partitions it touched whose size tiers are over-full, in the
-        rewriter's thread (its own Delta handle), while the next batch is read, built and written; the next
-        commit to ``changes`` waits for it first (``_rewrite_settled``), so a partition holds at most the
-        bound at every moment as when the rewrite ran here, and one rewrite at most is in flight. The batch
-        has landed: a rewrite that fails is logged and tried again after the next commit, never a reason to
-        send the batch again."""
+        """After a commit: queue the partitions it touched for the rewriter's thread (its own Delta handle), which
+        rewrites their over-full size tiers while the next batches are read, built, written and committed. The
+        batch has landed: a rewrite that fails is logged and tried again after the next commit, never a reason
+        to send the batch again."""
         policy = self.options.file_policy()
         if policy is None or not adds:
             return
@@ -577,25 +571,34 @@ class LakeConsumer(Consumer):
             self._rewriter = Rewriter(table.path, policy, checkpoints=self._checkpointer is None)
         self._rewriter.submit([dict(add.partition_values) for add in adds])
 
-    def _rewrite_settled(self, table: ChangeTable, source: str, read: SourceMark) -> bool:
-        """Before a commit to ``changes``: wait for the rewrite in flight (back-pressure: delivery goes no
-        faster than the bound's rewrites). It moves no source's mark, but it may have committed a version
-        after the one ``read`` came from: then the snapshot is brought up to date and the commit goes on at
-        the new version provided the source's mark is still ``read`` (what ``ChangeTable.commit`` does after
-        losing to any other writer). False: the mark moved meanwhile (another writer landed this source):
-        the caller filters the batch again."""
-        if self._rewriter is None:
+    def _room_for(self, table: ChangeTable, source: str, read: SourceMark, adds: Sequence[Any]) -> bool:
+        """Before a commit to ``changes`` of ``adds``: a commit that would take a partition past
+        ``max_files_per_partition`` small files waits for the rewrites of the full partitions first (Paimon's stop
+        trigger: delivery then goes no faster than the rewrites, and a partition holds at most the bound at every
+        moment); any other commit goes on beside a rewrite still running. After a wait the snapshot is brought
+        up to date and the commit goes on at the new version provided the source's mark is still ``read`` (what
+        ``ChangeTable.commit`` does after losing to any other writer). False: the mark moved meanwhile (another
+        writer landed this source): the caller filters the batch again."""
+        policy = self.options.file_policy()
+        if policy is None or not adds:
             return True
-        known = self._known.get(source)
-        waited = self._rewriter.waited_s
-        in_flight = self._rewriter.wait()
-        self.rewrite_wait_s += self._rewriter.waited_s - waited
-        if not in_flight:
+        rewriter = self._rewriter
+        counts = self._counts or _files_per_partition(table, [], policy)[1] or Counter()
+        full = [add for add in adds if counts.get(_partition_of(table, add), 0) + 1 > policy.max_files]
+        if full and self._counts is not None and (rewriter is None or not rewriter.in_flight):
+            # Counted after the last commit: the snapshot, refreshed for this batch, holds the rewrites since.
+            counts = _files_per_partition(table, [], policy)[1] or Counter()
+            full = [add for add in adds if counts.get(_partition_of(table, add), 0) + 1 > policy.max_files]
+        if not full:
             return True
-        committed = self._rewriter.committed_version
-        if known is not None and committed == known[0] + 1:
-            self._known[source] = (committed, known[1])  # the rewrite's version: the mark did not move
+        if rewriter is None:
+            rewriter = self._rewriter = Rewriter(table.path, policy, checkpoints=self._checkpointer is None)
+        rewriter.submit([dict(add.partition_values) for add in full])
+        waited = rewriter.waited_s
+        rewriter.wait()
+        self.rewrite_wait_s += rewriter.waited_s - waited
         table.refresh()
+        self._counts = None
         return self._mark(table, source) == read
 
     def _diverged_at(
@@ -670,3 +673,24 @@ class LakeConsumer(Consumer):
                         f.result().discard()
                 raise
         return WrittenFiles(table.path, [a for w in written for a in w.adds]), rows
+
+
+def _partition_of(table: ChangeTable, add: Any) -> tuple[Any, ...]:
+    return tuple(add.partition_values.get(c) for c in table.partition_by)
+
+
+def _files_per_partition(
+    table: ChangeTable, adds: Sequence[Any], policy: FilePolicy | None
+) -> tuple[Counter[tuple[Any, ...]], Counter[tuple[Any, ...]] | None]:
+    """Files per partition of the snapshot ``table`` holds plus ``adds`` (not in it yet): all of them (the files
+    gauge), and those below full size, which the bound counts (None without a bound)."""
+    snapshot = pa.table(table.table.get_add_actions(flatten=True))
+    keys = list(zip(*(snapshot.column(f"partition.{c}").to_pylist() for c in table.partition_by), strict=True))
+    counts = Counter(keys)
+    counts.update(_partition_of(table, add) for add in adds)
+    if policy is None:
+        return counts, None
+    sizes = snapshot.column("size_bytes").to_pylist()
+    small = Counter(k for k, size in zip(keys, sizes, strict=True) if size < policy.large_file_bytes)
+    small.update(_partition_of(table, add) for add in adds if add.size < policy.large_file_bytes)
+    return counts, small

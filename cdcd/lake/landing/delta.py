@@ -177,6 +177,9 @@ class ChangeTable:
         self._dt: DeltaTable | None = None
         self._generations: dict[str, int] = {}
         self.commits = 0
+        self.committed_version: int | None = None
+        """The version the last successful ``commit`` made, when known without reading the log (None: it
+        failed after its commit point and found it landed)."""
         self.conflicts = 0
         self.inline_checkpoints = True
         """Whether a commit writes the checkpoint it makes due (delta-rs's post-commit hook); off where a
@@ -390,6 +393,7 @@ class ChangeTable:
                     post_commithook_properties=hooks,
                 )
                 self.commits += 1
+                self.committed_version = read_version + 1  # max_commit_retries=0: exactly the next version
                 return True
             except (DeltaError, OSError) as exc:
                 error = exc
@@ -405,6 +409,7 @@ class ChangeTable:
             if ours:  # landed, failing after its commit point (a checkpoint)
                 log.warning("lake_commit_error_after_landing", error=_reason(error), version=now)
                 self.commits += 1
+                self.committed_version = None
                 return True
             if now == read_version or not isinstance(error, CommitFailedError):
                 files.discard()

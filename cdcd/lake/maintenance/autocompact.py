@@ -14,20 +14,20 @@ many small files. This is that, for cdcd's tables (``changes`` after each of the
 - **The bound**: the tiers' allowances add up to ``max_files - 1``, so with the commit that pushes a
   tier over, a partition holds at most ``max_files`` files below ``large_file_bytes`` at every moment
   (files of ``large_file_bytes`` or more are full-size: never rewritten, about one per GiB landed).
-- **Before the next commit, off the delivery path** (``Rewriter``): the rewrite a commit made due
-  runs in a thread of its own (its own ``DeltaTable``) while the writer reads, builds and writes its
-  next batch, and the writer's next commit waits for it first. A partition's file count grows only
-  at a commit, so it holds the bound at every moment as if the rewrite had run before the next batch;
-  when compaction is slow the writer's commits slow down (back-pressure), never the file count. One
-  rewrite at most is in flight (memory: one group of files).
+- **Beside the commits, off the delivery path** (``Rewriter``): the rewrites the commits make due run
+  in a thread of their own (its own ``DeltaTable``), one at a time, while the writer goes on reading,
+  building, writing and committing; a commit waits only when it would take a partition past the bound
+  (Paimon's stop trigger), so when compaction is slow the writer's commits slow down (back-pressure),
+  never past the file count. Memory: one group of files.
 - **Exactly once**: the rewrite is one commit of ``remove`` and ``add`` actions with ``dataChange =
   false`` (what Delta's OPTIMIZE writes: readers, the change data feed and cdcd's compaction,
-  ``feed.read_feed`` and ``deltalog.data_changing_versions``, see the same rows), made at exactly
-  the version read plus one (``max_commit_retries = 0``, delta-rs's put-if-absent), so no other
-  commit can come between reading the files and removing them. It carries no application
-  transaction and moves none: every source's mark and ``cdcd-compact`` stay as they are. Losing
-  the race (another writer committed first) deletes the new file; the next commit tries again.
-  Killed before its commit, the new file is an orphan (vacuum removes it); after, it is done.
+  ``feed.read_feed`` and ``deltalog.data_changing_versions``, see the same rows), each attempt made at
+  exactly the version read plus one (``max_commit_retries = 0``, delta-rs's put-if-absent). Losing the
+  race, it is made again at the newest version only if every file it removes is still live there (the
+  commits between only added files: ``rebases``); otherwise it deletes its new file and the next commit
+  tries again. It carries no application transaction and moves none: every source's mark and
+  ``cdcd-compact`` stay as they are. Killed before its commit, the new file is an orphan (vacuum removes
+  it); after, it is done.
 - **Any name**: the new file goes into the directory of a file it replaces, so it follows each
   table's rule (``cache=<dir>`` of ``changes``, the random prefixes of ``state``) whatever the cache
   name; delta-rs's own ``optimize.compact`` writes ``cache=<escaped name>`` and fails on 255-char
@@ -45,6 +45,7 @@ import json
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import structlog
 from deltalake import CommitProperties, DeltaTable
-from deltalake.exceptions import DeltaError
+from deltalake.exceptions import CommitFailedError, DeltaError
 from deltalake.transaction import AddAction, PostCommitHookProperties, RemoveAction
 
 from cdcd import failpoints, metrics
@@ -288,6 +289,7 @@ def rewrite_partitions(
     only: Iterable[Mapping[str, str | None]] | None = None,
     runs_by: str | None = None,
     checkpoint: bool = True,
+    rebases: int = 0,
 ) -> Rewritten | None:
     """Rewrite the over-full tiers of the partitions ``only`` names (every partition: None) of the table
     ``dt`` at ``root`` (partitioned as its metadata says: ``cache``, and ``day`` with ``partition_by_day``),
@@ -296,7 +298,9 @@ def rewrite_partitions(
     to the new one replays the log since the last checkpoint, which whoever uses it next does anyway.
     ``runs_by``: a key column the table's files are clustered by (``state``'s ``key``): a partition's
     longest sorted run of key-disjoint files counts as one and is left as it is; the tiers bound the
-    other files (cdcd/lake/maintenance/clustered.py)."""
+    other files (cdcd/lake/maintenance/clustered.py). ``rebases``: how many times a commit that lost to
+    others' commits which left every file it removes in place (appends) is made again at the newest version
+    instead of lost."""
     started = time.monotonic()
     partition_by = list(dt.metadata().partition_columns)
     by_partition = _partition_files(dt, partition_by)
@@ -338,23 +342,33 @@ def rewrite_partitions(
         failpoints.hit(WRITTEN)
         info = {COMMIT_TAG: {"files_removed": removed, "files_added": len(work), "attempt": attempt}}
         hooks = PostCommitHookProperties(create_checkpoint=checkpoint, cleanup_expired_logs=False)
-        dt.create_write_transaction(
-            actions,
-            "append",
-            dt.schema(),
-            partition_by=list(partition_by) or None,
-            commit_properties=CommitProperties(max_commit_retries=0, custom_metadata={"cdcd": json.dumps(info)}),
-            post_commithook_properties=hooks,
-        )
-    except (DeltaError, OSError) as exc:
-        if _committed(dt, attempt, read_version):
-            # Failed after its commit point (writing the checkpoint): the rewrite is in the table.
-            log.warning("lake_autocompact_error_after_commit", table=str(root), error=describe(exc))
-        else:
-            for target in written:
-                target.unlink(missing_ok=True)
-            log.info("lake_autocompact_lost", table=str(root), error=describe(exc))
-            return None
+        gone = {path for _, group in work for path, _ in group}
+        while True:
+            try:
+                dt.create_write_transaction(
+                    actions,
+                    "append",
+                    dt.schema(),
+                    partition_by=list(partition_by) or None,
+                    commit_properties=CommitProperties(
+                        max_commit_retries=0, custom_metadata={"cdcd": json.dumps(info)}
+                    ),
+                    post_commithook_properties=hooks,
+                )
+                break
+            except (DeltaError, OSError) as exc:
+                if _committed(dt, attempt, read_version):
+                    # Failed after its commit point (writing the checkpoint): the rewrite is in the table.
+                    log.warning("lake_autocompact_error_after_commit", table=str(root), error=describe(exc))
+                    break
+                if rebases and isinstance(exc, CommitFailedError) and _all_live(dt, gone):
+                    rebases -= 1  # others only added files meanwhile: the same rewrite, at the newest version
+                    read_version = dt.version()
+                    continue
+                for target in written:
+                    target.unlink(missing_ok=True)
+                log.info("lake_autocompact_lost", table=str(root), error=describe(exc))
+                return None
     except BaseException:
         if not _committed(dt, attempt, read_version):
             for target in written:
@@ -362,25 +376,46 @@ def rewrite_partitions(
         raise
     failpoints.hit(COMMITTED)
     partitions = len({tuple(v.items()) for v, _ in work})
-    # max_commit_retries=0: committed at exactly the version read plus one, or not at all.
+    # max_commit_retries=0: committed at exactly the version read (or rebased onto) plus one, or not at all.
     done = Rewritten(removed, len(work), partitions, time.monotonic() - started, read_version + 1)
     log.debug("lake_autocompacted", table=str(root), removed=done.removed, added=done.added, seconds=done.seconds)
     return done
+
+
+def _all_live(dt: DeltaTable, paths: set[str]) -> bool:
+    """Whether every file of ``paths`` is still in the snapshot ``dt`` holds (refreshed by ``_committed``):
+    then the commits that came first only added files, and a rewrite of these is still one of the same rows.
+    delta-rs's own conflict check does not see two commits removing the same file (``append`` mode)."""
+    live = set(pa.table(dt.get_add_actions(flatten=True)).column("path").to_pylist())
+    return paths <= live
 
 
 WAIT_LOGGED_S = 1.0
 """A commit that waited this long or longer for the rewrite before it is logged (``lake_autocompact_waited``)."""
 
 
-class Rewriter:
-    """The writer's rewrites (``rewrite_partitions`` of the partitions a commit touched) in a thread of its own,
-    one at a time, on a ``DeltaTable`` of its own: ``submit`` after a commit, ``wait`` before the next one.
+REBASES = 8
+"""How many times the writer's rewrite is made again at the newest version when commits (the writer's next
+batches) came first without touching its files, before it is lost and tried again with the next commit's."""
 
-    A rewrite commits at exactly the version it read plus one and moves no source's mark, so nothing the
-    writer does between the two calls (reading, building, writing the next batch's files) can conflict with
-    it; the writer's commit, which would, waits. A rewrite that fails is logged (``lake_autocompact_failed``)
+
+MADE_KEPT = 16
+"""How many of the rewrites' latest versions a ``Rewriter`` remembers (``made``)."""
+
+
+class Rewriter:
+    """The writer's rewrites (``rewrite_partitions`` of the partitions its commits touched) in a thread of its
+    own, on a ``DeltaTable`` of its own, beside the writer's commits: ``submit`` after a commit queues the
+    partitions it touched, and the thread rewrites what is queued, one rewrite at a time, until nothing is.
+
+    The writer does not wait for it (Paimon's compaction beside its writers): a rewrite only removes files and
+    adds their rows back, so the writer's commits meanwhile (appends) leave it valid, and it is made again on
+    top of them (``rebases``); the writer's own commit, losing to a rewrite, is made again by
+    ``ChangeTable.commit`` (the rewrite moves no source's mark). The writer waits (``wait``) only where a
+    commit would take a partition past the bound while a rewrite runs (back-pressure: delivery then goes no
+    faster than the rewrites), and at its close. A rewrite that fails is logged (``lake_autocompact_failed``)
     and its partitions are tried again with the next commit's. Killed while one runs, the process leaves
-    orphan files only (its merged file, the next batch's files): neither is in the log."""
+    orphan files only (the merged file, the next batch's files): neither is in the log."""
 
     def __init__(self, table: LakeDir, policy: FilePolicy, *, checkpoints: bool = True) -> None:
         self.table = table
@@ -391,35 +426,46 @@ class Rewriter:
         self._dt: DeltaTable | None = None
         """The rewriting thread's handle (only that thread uses it once opened)."""
         self._running: Future[None] | None = None
+        """The thread's run over the queue (None: idle; set and cleared under ``_lock``)."""
+        self._queued: dict[tuple[tuple[str, str | None], ...], dict[str, str | None]] = {}
         self._failed: list[dict[str, str | None]] = []
         """Partitions of a rewrite that failed: rewritten with the next commit's."""
         self._lock = threading.Lock()
         self.waited_s = 0.0
         """Seconds commits waited for a rewrite so far (the back-pressure of the bound)."""
-        self.committed_version: int | None = None
-        """The version the last rewrite committed (None: it found nothing to do, lost or failed); read after
-        ``wait``: the writer knows that version moved no source's mark and need not read the log for it."""
+        self.rewrites = 0
+        """Rewrites committed so far."""
+        self._made: deque[int] = deque(maxlen=MADE_KEPT)
+        """The versions the latest rewrites committed."""
 
     @property
     def in_flight(self) -> bool:
-        """A rewrite was submitted and not waited for yet (it may have ended)."""
-        return self._running is not None
+        """A rewrite is running or queued: the table may get a version the writer has not read."""
+        with self._lock:
+            return self._running is not None
+
+    def made(self, first: int, last: int) -> bool:
+        """Whether the rewrites made every version from ``first`` to ``last``: a writer that knows its marks at
+        ``first - 1`` knows them at ``last`` without reading the log (a rewrite moves no mark)."""
+        with self._lock:
+            return set(range(first, last + 1)) <= set(self._made)
 
     def submit(self, touched: Sequence[Mapping[str, str | None]]) -> None:
-        """Start rewriting the over-full tiers of ``touched`` partitions (call ``wait`` first: one at a time)."""
-        if self._running is not None:
-            raise RuntimeError("Rewriter.submit with a rewrite in flight: wait() first")
+        """Queue the over-full tiers of ``touched`` partitions for rewriting (and start the thread if idle)."""
         with self._lock:
-            unique = {tuple(sorted(p.items())): dict(p) for p in [*self._failed, *touched]}
+            for p in [*self._failed, *touched]:
+                self._queued[tuple(sorted(p.items()))] = dict(p)
             self._failed = []
-        partitions = list(unique.values())
-        self.committed_version = None
-        self._running = self._pool.submit(self._rewrite, partitions)
+            if self._running is not None or not self._queued:
+                return
+            self._running = self._pool.submit(self._drain)
 
     def wait(self) -> bool:
-        """Block until the rewrite in flight has ended (committed, found nothing to do, lost or failed and
-        logged). Whether one was in flight: the table may then have a version the caller has not read."""
-        running, self._running = self._running, None
+        """Block until the queue is rewritten (each rewrite committed, found nothing to do, lost or failed and
+        logged). Whether anything was in flight. Only the submitting thread calls it: nothing is queued
+        meanwhile."""
+        with self._lock:
+            running = self._running
         if running is None:
             return False
         started = time.monotonic()
@@ -431,11 +477,26 @@ class Rewriter:
         return True
 
     def close(self) -> None:
-        """Wait for the rewrite in flight, then end the thread."""
+        """Wait for the queue to be rewritten, then end the thread."""
         try:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+
+    def _drain(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    partitions = list(self._queued.values())
+                    self._queued.clear()
+                    if not partitions:
+                        self._running = None
+                        return
+                self._rewrite(partitions)
+        except BaseException:
+            with self._lock:
+                self._running = None
+            raise
 
     def _rewrite(self, partitions: list[dict[str, str | None]]) -> None:
         started = time.monotonic()
@@ -443,8 +504,10 @@ class Rewriter:
             if self._dt is None:
                 self._dt = open_delta(self.table)
             else:
-                self._dt.update_incremental()  # the commit that made this rewrite due
-            done = rewrite_partitions(self._dt, self.table, self.policy, only=partitions, checkpoint=self.checkpoints)
+                self._dt.update_incremental()  # the commits that queued these partitions
+            done = rewrite_partitions(
+                self._dt, self.table, self.policy, only=partitions, checkpoint=self.checkpoints, rebases=REBASES
+            )
         except Exception as exc:  # the batch landed already: its partitions are tried again with the next commit's
             self._dt = None  # opened afresh next time, whatever state the failure left it in
             with self._lock:
@@ -452,7 +515,9 @@ class Rewriter:
             log.warning("lake_autocompact_failed", table=str(self.table), error=describe(exc))
             return
         if done is not None:
-            self.committed_version = done.version
+            with self._lock:
+                self.rewrites += 1
+                self._made.append(done.version)
             seconds = time.monotonic() - started
             metrics.LAKE_MAINTENANCE_SECONDS.labels("autocompact").observe(seconds)
             metrics.LAKE_LAST_MAINTENANCE_SECONDS.labels("autocompact").set(seconds)
