@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,9 +40,12 @@ def _commit_path(table: LakeDir, version: int) -> LakeDir:
 def read_commit(table: LakeDir, version: int) -> list[dict[str, Any]]:
     """The actions of one commit (one JSON object per line)."""
     path = _commit_path(table, version)
-    actions = []
     with path.open("rb") as f:
-        data = f.read()
+        return _parse_commit(path, f.read())
+
+
+def _parse_commit(path: LakeDir, data: bytes) -> list[dict[str, Any]]:
+    actions = []
     for lineno, line in enumerate(data.splitlines(), 1):
         if not line.strip():
             continue
@@ -135,30 +138,53 @@ def last_checkpoint(table: LakeDir) -> tuple[int, list[LakeDir]] | None:
     return version, files
 
 
-def configuration(table: LakeDir, files: list[LogFile] | None = None) -> dict[str, str]:
-    """The table's properties (``metaData.configuration``) at its latest version, read from the checkpoint
-    ``_last_checkpoint`` names and the commits after it: what opening the table with delta-rs would tell, without
-    replaying its files' actions. ``files``: the log's listing when the caller has one."""
-    files = log_files(table) if files is None else files
-    found: dict[str, str] | None = None
-    start = 0
-    checkpoint = last_checkpoint(table)
+@dataclass(frozen=True)
+class LogListing:
+    """One reading of a table's log: its files and the checkpoint ``_last_checkpoint`` names (None: none)."""
+
+    files: list[LogFile]
+    checkpoint: tuple[int, list[LakeDir]] | None
+
+
+def list_log(table: LakeDir) -> LogListing:
+    return LogListing(log_files(table), last_checkpoint(table))
+
+
+def _replay(
+    table: LakeDir, kind: str, checkpoint: tuple[int, list[LakeDir]] | None, versions: Iterable[int]
+) -> Iterator[dict[str, Any]]:
+    """The ``kind`` actions (``metaData``, ``txn``) of ``checkpoint``'s files, then of the commits ``versions``,
+    in log order: a later one of the same key replaces an earlier one."""
     if checkpoint is not None:
-        version, parts = checkpoint
-        for part in parts:
-            for row in pq.read_table(file_source(part), columns=["metaData"]).column("metaData").to_pylist():
+        for part in checkpoint[1]:
+            if kind not in pq.read_schema(file_source(part)).names:
+                continue
+            for row in pq.read_table(file_source(part), columns=[kind]).column(kind).to_pylist():
                 if row is not None:
-                    found = dict(row.get("configuration") or [])
-        start = version + 1
-    for version in sorted(f.version for f in files if f.commit and f.version >= start):
+                    yield row
+    needle = f'"{kind}"'.encode()
+    for version in versions:
         path = _commit_path(table, version)
         with path.open("rb") as f:
-            if b'"metaData"' not in f.read():
-                continue  # most commits carry data only: skip parsing them
-        for action in read_commit(table, version):
-            meta = action.get("metaData")
-            if meta is not None:
-                found = dict(meta.get("configuration") or {})
+            data = f.read()
+        if needle in data:  # most commits carry data only: parse only those that may hold one
+            for action in _parse_commit(path, data):
+                found = action.get(kind)
+                if found is not None:
+                    yield found
+
+
+def configuration(table: LakeDir, listing: LogListing | None = None) -> dict[str, str]:
+    """The table's properties (``metaData.configuration``) at its latest version, read from the checkpoint
+    ``_last_checkpoint`` names and the commits after it: what opening the table with delta-rs would tell, without
+    replaying its files' actions. ``listing``: the log as the caller read it."""
+    listing = list_log(table) if listing is None else listing
+    checkpoint = listing.checkpoint
+    start = 0 if checkpoint is None else checkpoint[0] + 1
+    found: dict[str, str] | None = None
+    commits = sorted(f.version for f in listing.files if f.commit and f.version >= start)
+    for meta in _replay(table, "metaData", checkpoint, commits):
+        found = dict(meta.get("configuration") or {})  # a map: pairs in a checkpoint, an object in JSON
     if found is None:
         raise DeltaLogError(f"{table / LOG_DIR}: no metaData action in the checkpoint or the commits after it")
     return found
@@ -167,28 +193,15 @@ def configuration(table: LakeDir, files: list[LogFile] | None = None) -> dict[st
 def app_transactions(table: LakeDir, latest: int) -> dict[str, AppTransaction]:
     """Every application transaction of the table as of version ``latest``: the newest checkpoint's,
     then the commits after it (a later txn of the same app replaces the earlier)."""
-    txns: dict[str, AppTransaction] = {}
-    start = 0
     checkpoint = last_checkpoint(table)
     if checkpoint is not None and checkpoint[0] > latest:
         # A version before the newest checkpoint: the newest one at or before it (the log's older commits may
         # be gone, cdcd/lake/maintenance/log_cleanup.py).
         checkpoint = checkpoint_at_or_before(table, latest)
-    if checkpoint is not None and checkpoint[0] <= latest:
-        version, files = checkpoint
-        for file in files:
-            columns = pq.read_schema(file_source(file)).names
-            if "txn" not in columns:
-                continue
-            for row in pq.read_table(file_source(file), columns=["txn"]).column("txn").to_pylist():
-                if row is not None:
-                    txns[row["appId"]] = AppTransaction(row["appId"], int(row["version"]), row.get("lastUpdated"))
-        start = version + 1
-    for version in range(start, latest + 1):
-        for action in read_commit(table, version):
-            txn = action.get("txn")
-            if txn is not None:
-                txns[txn["appId"]] = AppTransaction(txn["appId"], int(txn["version"]), txn.get("lastUpdated"))
+    start = 0 if checkpoint is None else checkpoint[0] + 1
+    txns: dict[str, AppTransaction] = {}
+    for txn in _replay(table, "txn", checkpoint, range(start, latest + 1)):
+        txns[txn["appId"]] = AppTransaction(txn["appId"], int(txn["version"]), txn.get("lastUpdated"))
     return txns
 
 

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cdcd.lake.deltalog import LogFile, configuration, last_checkpoint, log_files
+from cdcd.lake.deltalog import LogListing, configuration, list_log
 from cdcd.lake.storage import LakeDir, ObjectPath, is_delta
 
 DEFAULT_LOG_RETENTION_MS = 30 * 24 * 3600 * 1000
@@ -59,13 +59,14 @@ def clean_log(
     *,
     keep_from: int | None = None,
     now_ms: int | None = None,
-    files: list[LogFile] | None = None,
+    listing: LogListing | None = None,
 ) -> Cleaned:
     """Delete the log files of ``table`` before the newest checkpoint at or before both the first version
     committed within ``retention_ms`` and ``keep_from`` (a version that must stay readable: compaction's next).
-    Nothing when no checkpoint qualifies. ``files``: the log's listing when the caller has one."""
+    Nothing when no checkpoint qualifies. ``listing``: the log as the caller read it."""
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    files = log_files(table) if files is None else files
+    listing = list_log(table) if listing is None else listing
+    files = listing.files
     commits = {f.version: f.mtime_ms for f in files if f.commit}
     if not commits:
         return Cleaned(0, 0)
@@ -75,7 +76,7 @@ def clean_log(
     bound = recent if keep_from is None else min(recent, keep_from)
     # Never past the checkpoint ``_last_checkpoint`` names, where readers start (a writer killed between a newer
     # checkpoint's file and the pointer leaves it naming an older one).
-    named = last_checkpoint(table)
+    named = listing.checkpoint
     if named is None:
         return Cleaned(min(v.version for v in files), 0, len(files))
     bound = min(bound, named[0])
@@ -116,6 +117,6 @@ def clean_logs(lake: LakeDir, compacted_to: int) -> dict[str, Cleaned]:
     for name, path, keep_from in tables:
         if not is_delta(path):
             continue
-        files = log_files(path)  # listed once: the properties and the cleanup read the same listing
-        out[name] = clean_log(path, retention_ms(configuration(path, files)), keep_from=keep_from, files=files)
+        listing = list_log(path)  # read once: the properties and the cleanup read the same listing
+        out[name] = clean_log(path, retention_ms(configuration(path, listing)), keep_from=keep_from, listing=listing)
     return out
