@@ -354,6 +354,10 @@ class ResumeAt(msgspec.Struct, frozen=True):
 class Consumer:
     """Base class of consumers; override what you need. ``start``/``stop`` run once each."""
 
+    min_batch_interval_ms: int = 0
+    """The shortest interval between the starts of two of the node's realtime deliveries this consumer asks for
+    (fewer, larger calls: what arrives meanwhile joins the next); the node's ``realtime_batch_min_interval_ms``
+    wins when longer. The daemon's deliveries are not paced by it."""
     dead_letters: bool = False
     """Set on a kind that keeps refused events itself (Kafka's ``<topic>.dlq``) when ``[consumer]
     dead_letters = "on"``; the caller's own policy is ``DeliveryPolicy``, never read from here."""

@@ -1,6 +1,6 @@
 """The lake sink reads a source's mark from the log only when it does not know it (``LakeConsumer._known``):
-after its own commit (at the version it read plus one) and the rewrite right after it (which moves no mark) it
-knows the mark without replaying the log. Checked against the log itself, version by version, and with a second
+after its own commit (at the version it read plus one, the first attempt or one made again after losing to a
+rewrite) and the rewrites after it (which move no mark) it knows the mark without replaying the log. Checked against the log itself, version by version, and with a second
 sink landing the same source in between (the first one's knowledge is then stale and must not land anything
 twice)."""
 
@@ -67,7 +67,7 @@ def test_the_mark_the_sink_knows_is_the_one_in_the_log(tmp_path: Path) -> None:
 
 def test_two_sinks_taking_turns_on_one_source_land_every_entry_once(tmp_path: Path) -> None:
     """Two sinks land overlapping batches of one source in turn (each one's known mark goes stale as the
-    other commits, often with its own rewrite in flight): every WAL entry lands once."""
+    other commits, often with its own rewrites running): every WAL entry lands once."""
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
     make_node(node_dir, segments=2, tx_per_segment=30)
     batch = wal_batch(node_dir, SOURCE)

@@ -142,6 +142,13 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``state`` only (thousands of tiny caches: a table each costs a few commits per compaction)."""
     tables: dict[str, TableOptions] = msgspec.field(default_factory=dict)
     """``[consumer.tables.<cache>]``: declared column types of a cache's typed table (docs/lake.md)."""
+    realtime_commit_interval_ms: int = 100
+    """As a node's ``[realtime_consumer]``: its realtime worker commits to the lake at most once per this
+    interval, what arrives meanwhile joining the next commit (the node's ``realtime_batch_min_interval_ms`` wins
+    when longer). Each commit costs a file per cache partition, the rewrites those make due and a log entry
+    every reader lists: a dozen commits a second took most of a core of the node's (docs/performance.md). Costs
+    a batch's first entries up to this much more lag. 0: as soon as the last commit returned. The daemon's
+    commits are not paced by it."""
 
     def __post_init__(self) -> None:
         check_ranges(
@@ -150,6 +157,7 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 "max_files_per_batch": 1 <= self.max_files_per_batch <= MAX_FILES_PER_BATCH,
                 "compact_file_rows": self.compact_file_rows >= 1,
                 "compact_max_rows": self.compact_max_rows >= 0,
+                "realtime_commit_interval_ms": 0 <= self.realtime_commit_interval_ms <= 60_000,
             },
         )
         try:
@@ -254,6 +262,7 @@ def _by_record(table: pa.Table) -> dict[tuple[int, int], list[tuple[Any, ...]]]:
 class LakeConsumer(Consumer):
     def __init__(self, options: LakeOptions) -> None:
         self.options = options
+        self.min_batch_interval_ms = options.realtime_commit_interval_ms
         self.location = LakeLocation(options.lake_path, options.storage)
         self.lake: LakeDir = self.location.root()
         self._table: ChangeTable | None = None

@@ -101,9 +101,11 @@ class Deliverer:
                     yield ptr, record, done
 
     def _paced(self) -> None:
-        """Wait out the rest of ``realtime_batch_min_interval_ms`` since the last delivery began (what is
-        offered meanwhile joins this one), unless stopping, closing or the buffer is half full."""
-        interval_s = self.config.realtime_batch_min_interval_ms / 1000
+        """Wait out the rest of ``realtime_batch_min_interval_ms`` (or the consumer's ``min_batch_interval_ms``,
+        the longer) since the last delivery began (what is offered meanwhile joins this one), unless stopping,
+        closing or the buffer is half full."""
+        asked_ms = self.loop.consumer.min_batch_interval_ms if self.loop is not None else 0
+        interval_s = max(self.config.realtime_batch_min_interval_ms, asked_ms) / 1000
         now = time.monotonic()
         if interval_s and self._started_s is not None and now - self._started_s < interval_s:
             machine = self.machine

@@ -59,9 +59,10 @@ def drop(channel: str) -> None:
 class LagConsumer(Consumer):
     """Records the arrival time of every key (ints, as the benchmark writes them); confirms at once."""
 
-    def __init__(self, channel: str, source: str = "node") -> None:
+    def __init__(self, channel: str, source: str = "node", min_batch_interval_ms: int = 0) -> None:
         self.channel = channel
         self.source = source
+        self.min_batch_interval_ms = min_batch_interval_ms  # the pacing the consumer asks of the realtime worker
         self._rec = recorder(channel)
 
     def on_events(self, batch: EventBatch) -> bool:
