@@ -109,7 +109,7 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     one file per cache partition and commit; this bounds the files a partition holds. Default 0 in a
     ``[realtime_consumer]`` table, as ``compact_interval_s``."""
     max_files_per_partition: int = 20
-    """Files (below 1 GiB) per partition of ``changes``, ``state`` and each typed table, at most, at every
+    """Files (below 64 MiB) per partition of ``changes``, ``state`` and each typed table, at most, at every
     moment: the writer rewrites the partitions a commit touched, by size tiers, once one holds too many
     (cdcd/lake/maintenance/autocompact.py); compaction does the same to ``state`` and the typed tables after each run.
     0: off (files then wait for the scheduled OPTIMIZE)."""
@@ -592,12 +592,16 @@ class LakeConsumer(Consumer):
         if policy is None or not adds:
             return True
         rewriter = self._rewriter
-        counts = self._counts or _files_per_partition(table, [], policy)[1] or Counter()
-        full = [add for add in adds if counts.get(_partition_of(table, add), 0) + 1 > policy.max_files]
-        if full and self._counts is not None and (rewriter is None or not rewriter.in_flight):
+        new = Counter(_partition_of(table, add) for add in adds)
+
+        def over(counts: Counter[tuple[Any, ...]]) -> list[Any]:
+            return [add for add in adds if counts[part := _partition_of(table, add)] + new[part] > policy.max_files]
+
+        known = self._counts
+        full = over(known if known is not None else _small_files(table, policy))
+        if full and known is not None and (rewriter is None or not rewriter.in_flight):
             # Counted after the last commit: the snapshot, refreshed for this batch, holds the rewrites since.
-            counts = _files_per_partition(table, [], policy)[1] or Counter()
-            full = [add for add in adds if counts.get(_partition_of(table, add), 0) + 1 > policy.max_files]
+            full = over(_small_files(table, policy))
         if not full:
             return True
         if rewriter is None:
@@ -686,6 +690,11 @@ class LakeConsumer(Consumer):
 
 def _partition_of(table: ChangeTable, add: Any) -> tuple[Any, ...]:
     return tuple(add.partition_values.get(c) for c in table.partition_by)
+
+
+def _small_files(table: ChangeTable, policy: FilePolicy) -> Counter[tuple[Any, ...]]:
+    """Files below full size per partition of the snapshot ``table`` holds."""
+    return _files_per_partition(table, [], policy)[1] or Counter()
 
 
 def _files_per_partition(
