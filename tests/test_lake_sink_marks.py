@@ -1,8 +1,8 @@
 """The lake sink reads a source's mark from the log only when it does not know it (``LakeConsumer._known``):
 after its own commit (at the version it read plus one, the first attempt or one made again after losing to a
-rewrite) and the rewrites after it (which move no mark) it knows the mark without replaying the log. Checked against the log itself, version by version, and with a second
-sink landing the same source in between (the first one's knowledge is then stale and must not land anything
-twice)."""
+rewrite) and the rewrites after it (which move no mark) it knows the mark without replaying the log. Checked
+against the log itself, version by version, and with a second sink landing the same source in between (the
+first one's knowledge is then stale and must not land anything twice)."""
 
 from __future__ import annotations
 
