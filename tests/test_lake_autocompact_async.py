@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from deltalake import DeltaTable, write_deltalake
 
 from cdcd import metrics
 from cdcd.lake.maintenance.autocompact import FilePolicy, rewrite_partitions
@@ -219,3 +220,30 @@ def test_sigkill_while_a_rewrite_runs_leaves_only_orphans_and_every_entry_once(t
     _check_sequence(versions(lake / CHANGES))
     over = [(v, most) for v, most in most_files_at_every_version(lake / CHANGES) if most > BOUND]
     assert not over, f"versions over the bound of {BOUND}: {over[:5]}"
+
+
+def _two_partitions(path: Path, due: int, short: int) -> None:
+    """A table partitioned by ``cache``: ``due`` one-row files in ``a``, ``short`` in ``b``."""
+    for cache, n in (("a", due), ("b", short)):
+        for i in range(n):
+            write_deltalake(str(path), pa.table({"cache": [cache], "x": [i]}), partition_by=["cache"], mode="append")
+
+
+@pytest.mark.parametrize("along", [False, True])
+def test_a_partition_one_file_short_of_due_is_rewritten_along_with_one_that_is_due(tmp_path: Path, along: bool) -> None:
+    """Bound 20 (the smallest tier keeps 7): ``a`` holds 8 small files (due), ``b`` 7 (due at its next commit). The
+    writer's rewrite (``along``) rewrites both in one commit, so partitions that fill in step keep sharing their
+    rewrites; without it only ``a``. No row is lost or doubled."""
+    table = tmp_path / "t"
+    _two_partitions(table, 8, 7)
+    done = rewrite_partitions(open_delta(table), table, FilePolicy(max_files=20), along=along)
+    assert done is not None
+    last = versions(table)[-1]
+    assert last.rewrite
+    assert {dict(p)["cache"] for p in last.partitions_removed} == ({"a", "b"} if along else {"a"})
+    assert len(last.removed) == (15 if along else 8)
+    rows = DeltaTable(str(table)).to_pyarrow_table()
+    assert sorted(zip(rows.column("cache").to_pylist(), rows.column("x").to_pylist(), strict=True)) == [
+        *(("a", i) for i in range(8)),
+        *(("b", i) for i in range(7)),
+    ]

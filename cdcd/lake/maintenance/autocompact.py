@@ -132,11 +132,12 @@ class FilePolicy:
                 return tier
         return None
 
-    def plan(self, files: Sequence[tuple[str, int]]) -> list[list[tuple[str, int]]]:
+    def plan(self, files: Sequence[tuple[str, int]], *, early: bool = False) -> list[list[tuple[str, int]]]:
         """Groups of ``(path, size)`` to rewrite, one new file each, so that no tier holds more than its
         allowance afterwards: the smallest over-full tier first, all of its files in one group, whose
         output is counted in the tier it lands in (where it may make that tier over-full: then the two
-        rewrites are one group)."""
+        rewrites are one group). ``early``: the smallest tier counts as over-full one file sooner (a
+        partition whose next commit would make it due, rewritten along with one that is due)."""
         tiers: dict[int, list[tuple[str, int]]] = {}
         for path, size in files:
             tier = self.tier_of(size)
@@ -149,7 +150,7 @@ class FilePolicy:
             members = tiers.get(tier, [])
             inbound = carried.pop(tier, None)
             count = len(members) + (1 if inbound is not None else 0)
-            if count <= self.allowance(tier):
+            if count <= self.allowance(tier) - (1 if early and tier == 0 else 0):
                 if inbound is not None:
                     groups.append(inbound)
                 continue
@@ -290,6 +291,7 @@ def rewrite_partitions(
     runs_by: str | None = None,
     checkpoint: bool = True,
     rebases: int = 0,
+    along: bool = False,
 ) -> Rewritten | None:
     """Rewrite the over-full tiers of the partitions ``only`` names (every partition: None) of the table
     ``dt`` at ``root`` (partitioned as its metadata says: ``cache``, and ``day`` with ``partition_by_day``),
@@ -300,7 +302,8 @@ def rewrite_partitions(
     longest sorted run of key-disjoint files counts as one and is left as it is; the tiers bound the
     other files (cdcd/lake/maintenance/clustered.py). ``rebases``: how many times a commit that lost to
     others' commits which left every file it removes in place (appends) is made again at the newest version
-    instead of lost."""
+    instead of lost. ``along``: once one partition is due, the others whose smallest tier is one file short of
+    due are rewritten in the same commit (``FilePolicy.plan``'s ``early``)."""
     started = time.monotonic()
     partition_by = list(dt.metadata().partition_columns)
     by_partition = _partition_files(dt, partition_by)
@@ -309,11 +312,14 @@ def rewrite_partitions(
     if only is not None:
         wanted = {tuple(p.get(c) for c in partition_by) for p in only}
         by_partition = {k: v for k, v in by_partition.items() if k in wanted}
-    work: list[tuple[dict[str, str | None], list[tuple[str, int]]]] = []
-    for files in by_partition.values():
-        values = files[0][2]
-        for group in policy.plan([(p, s) for p, s, _ in files]):
-            work.append((values, group))
+    plans = {part: policy.plan([(p, s) for p, s, _ in files]) for part, files in by_partition.items()}
+    if along and any(plans.values()):
+        # Partitions a commit touches fill their smallest tier in step: one due soon is rewritten in this
+        # commit rather than in one of its own a commit later.
+        for part, files in by_partition.items():
+            if not plans[part]:
+                plans[part] = policy.plan([(p, s) for p, s, _ in files], early=True)
+    work = [(files[0][2], group) for part, files in by_partition.items() for group in plans[part]]
     if not work:
         return None
     schema = _schema(dt, partition_by)
@@ -506,7 +512,13 @@ class Rewriter:
             else:
                 self._dt.update_incremental()  # the commits that queued these partitions
             done = rewrite_partitions(
-                self._dt, self.table, self.policy, only=partitions, checkpoint=self.checkpoints, rebases=REBASES
+                self._dt,
+                self.table,
+                self.policy,
+                only=partitions,
+                checkpoint=self.checkpoints,
+                rebases=REBASES,
+                along=True,
             )
         except Exception as exc:  # the batch landed already: its partitions are tried again with the next commit's
             self._dt = None  # opened afresh next time, whatever state the failure left it in
