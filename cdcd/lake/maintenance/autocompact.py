@@ -18,7 +18,8 @@ many small files. This is that, for cdcd's tables (``changes`` after each of the
   in a thread of their own (its own ``DeltaTable``), one at a time, while the writer goes on reading,
   building, writing and committing; a commit waits only when it would take a partition past the bound
   (Paimon's stop trigger), so when compaction is slow the writer's commits slow down (back-pressure),
-  never past the file count. Memory: one group of files.
+  never past the file count. Once one queued partition is due, those one file short of due are rewritten
+  in the same commit (``along``): they fill in step. Memory: one group of files.
 - **Exactly once**: the rewrite is one commit of ``remove`` and ``add`` actions with ``dataChange =
   false`` (what Delta's OPTIMIZE writes: readers, the change data feed and cdcd's compaction,
   ``feed.read_feed`` and ``deltalog.data_changing_versions``, see the same rows), each attempt made at
