@@ -440,8 +440,6 @@ class Rewriter:
         self._lock = threading.Lock()
         self.waited_s = 0.0
         """Seconds commits waited for a rewrite so far (the back-pressure of the bound)."""
-        self.rewrites = 0
-        """Rewrites committed so far."""
         self._made: deque[int] = deque(maxlen=MADE_KEPT)
         """The versions the latest rewrites committed."""
 
@@ -529,7 +527,6 @@ class Rewriter:
             return
         if done is not None:
             with self._lock:
-                self.rewrites += 1
                 self._made.append(done.version)
             seconds = time.monotonic() - started
             metrics.LAKE_MAINTENANCE_SECONDS.labels("autocompact").observe(seconds)
