@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -277,6 +278,16 @@ def test_a_close_that_hangs_ends_at_the_stop_timeout_with_one_line(tmp_path: Pat
         f"cdcd: error: the node of {config} did not stop within 1 s of SIGTERM: left without closing "
         "(the next start recovers from the WAL)"
     ], err.read_text()[-2000:]
+    # Each thread's stack comes before that line: the main thread's names the fail point it waits in.
+    text = err.read_text().splitlines()
+    stacks = {
+        line.split(" at the stop bound: ")[0]: line.split(" at the stop bound: ")[1]
+        for line in text
+        if line.startswith("cdcd: thread ")
+    }
+    assert max(i for i, line in enumerate(text) if line.startswith("cdcd: thread ")) < text.index(lines[0])
+    frames = [re.sub(r":\d+ ", " ", frame) for frame in stacks["cdcd: thread MainThread"].split(" < ")]
+    assert frames[frames.index("cdcd/failpoints.py hit") + 1] == "cdcd/node/run.py run_node", frames
     again = subprocess.run(
         [*CDCD, *args, "--seconds", "0.2"], capture_output=True, text=True, timeout=60, env=child_env()
     )

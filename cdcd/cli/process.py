@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -117,8 +118,36 @@ class Stops:
                 os.read(read_fd, 64)
         reason, code = self._reason or (signal.Signals(first).name, 128 + first)
         line = f"{self._what} did not stop within {bound_s:g} s of {reason}: left without closing"
+        for stack in thread_stacks():  # what it was stuck in, for the report: the cause of a hang is a stack
+            last_words(stack)
         last_words(f"cdcd: error: {line} ({self._hint})" if self._hint else f"cdcd: error: {line}")
         os._exit(code)
+
+
+STACK_FRAMES = 12
+"""Frames shown per thread when the stop bound passes (innermost first)."""
+
+
+def thread_stacks() -> list[str]:
+    """One line per live thread but this one: its name and where it is, innermost frame first."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    here = threading.get_ident()
+    lines = []
+    for ident, frame in sys._current_frames().items():
+        if ident == here:
+            continue
+        frames = traceback.extract_stack(frame)[::-1][:STACK_FRAMES]
+        where = " < ".join(f"{_short(f.filename)}:{f.lineno} {f.name}" for f in frames)
+        lines.append(f"cdcd: thread {names.get(ident, ident)} at the stop bound: {where}")
+    return lines
+
+
+def _short(path: str) -> str:
+    """``cdcd/node/node.py`` rather than the whole install path; other files by their last two parts."""
+    parts = Path(path).parts
+    if "cdcd" in parts:
+        return "/".join(parts[len(parts) - 1 - parts[::-1].index("cdcd") :])
+    return "/".join(parts[-2:])
 
 
 def on_stop_signals(

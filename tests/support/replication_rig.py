@@ -70,7 +70,7 @@ def procs() -> Iterator[Procs]:
         p.cleanup()
 
 
-def _tail(path: Path, n: int = 4000) -> str:
+def _tail(path: Path, n: int = 16000) -> str:  # room for the threads' stacks of a close that hung
     return path.read_text()[-n:] if path.exists() else f"({path} missing)"
 
 
