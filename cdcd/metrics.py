@@ -445,6 +445,25 @@ LAKE_FILES_PER_PARTITION_MAX = Gauge(
     "Delta snapshot the sink holds (brought up to date with the log's new entries)",
     registry=LAKE,
 )
+LAKE_SMALL_FILES_PER_PARTITION_MAX = Gauge(
+    "cdcd_lake_small_files_per_partition_max",
+    "Most files below full size (64 MiB) in one partition of the changes table, what max_files_per_partition "
+    "bounds (full-size files are never rewritten and grow with the data): set with "
+    "cdcd_lake_files_per_partition_max",
+    registry=LAKE,
+)
+LAKE_FILES_BOUND_WAITING = Gauge(
+    "cdcd_lake_files_bound_waiting",
+    "1 while a commit to changes waits for the small-file rewrites because it would take a partition past "
+    "max_files_per_partition: delivery goes at the rewrites' pace",
+    registry=LAKE,
+)
+LAKE_FILES_BOUND_WAIT_SECONDS = Counter(
+    "cdcd_lake_files_bound_wait_seconds_total",
+    "Seconds commits to changes waited for the small-file rewrites (max_files_per_partition); a rate near 1: "
+    "the rewrites do not keep up and hold delivery back",
+    registry=LAKE,
+)
 LAKE_TABLE_VERSION = Gauge(
     "cdcd_lake_table_version", "Version of the changes table after this sink's last commit", registry=LAKE
 )

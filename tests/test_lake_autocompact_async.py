@@ -34,6 +34,8 @@ from tests.support.lake_rewrites import (
     split_orphans,
     versions,
 )
+from tests.support.metrics import try_samples
+from tests.support.ports import free_port
 from tests.support.procs import reap, start_held_daemon, stop_daemon, wait_for
 from tests.support.wal import wal_events
 from tests.support.writer import make_node
@@ -127,14 +129,17 @@ def test_a_rewrite_whose_files_another_removed_is_dropped(tmp_path: Path) -> Non
 
 
 # --- the daemon, a rewrite held at its fail point ------------------------------------------------------------
-def _held_daemon(tmp_path: Path, node_dir: Path, lake: Path) -> tuple[subprocess.Popen[bytes], Path, Path, Path]:
+def _held_daemon(
+    tmp_path: Path, node_dir: Path, lake: Path, metrics_port: int = 0
+) -> tuple[subprocess.Popen[bytes], Path, Path, Path]:
     """``cdcd run`` over a backlog (JVM-free writer, bound 6, batches of 40 records) whose second rewrite holds
     at ``HELD``; returns once the daemon went on committing beside it up to the bound and holds too: a
     partition at 6 files in the newest version and the next batch's files written, not committed. (process,
-    its config, its stderr, the hold's marker: delete it to go on)."""
+    its config, its stderr, the hold's marker: delete it to go on). ``metrics_port``: its metrics there."""
     make_node(node_dir, segments=6, tx_per_segment=30)
     consumer = {"kind": "lake", "lake_path": str(lake), "writer": "deltalake", "max_files_per_partition": BOUND}
-    config = write_config(tmp_path / "cdcd.toml", node_dir, consumer, batch_max_events=400)
+    address = f"127.0.0.1:{metrics_port}" if metrics_port else ""
+    config = write_config(tmp_path / "cdcd.toml", node_dir, consumer, batch_max_events=400, metrics_address=address)
     proc, err, marker = start_held_daemon(config, tmp_path, HELD, "@2=pause")  # the second rewrite, held
     wait_for(
         lambda: (
@@ -162,18 +167,25 @@ def test_batches_commit_beside_a_held_rewrite_until_a_partition_is_at_the_bound(
     batches until a partition holds 6 files, then commits nothing; let go, the rewrite commits on top of them
     (made again at the newest version, not lost) and the daemon goes on; to the end every version is within the
     bound, every rewrite removed live files, no mark moved under the sink and every WAL entry landed exactly
-    once."""
+    once. The metrics say so meanwhile: a commit waiting (``cdcd_lake_files_bound_waiting`` 1), the fullest
+    partition's small files at the bound, and after the release the seconds waited, at least the hold's."""
     node_dir, lake = tmp_path / "node", tmp_path / "lake"
-    proc, config, err, marker = _held_daemon(tmp_path, node_dir, lake)
+    port = free_port()
+    proc, config, err, marker = _held_daemon(tmp_path, node_dir, lake, port)
     try:
         held = versions(lake / CHANGES)
         at_bound = held[-1]
         last_rewrite = max(v.version for v in held if v.rewrite)
         assert at_bound.marks and last_rewrite < at_bound.version, "batches committed beside the held rewrite"
+        wait_for(lambda: (try_samples(port) or {}).get("cdcd_lake_files_bound_waiting") == 1, 60, "a commit waiting")
         time.sleep(1.0)  # room for a commit past the bound to show up (one that waits never does)
         assert versions(lake / CHANGES)[-1].version == at_bound.version, "a commit went past the bound"
+        waiting = try_samples(port) or {}
+        assert waiting["cdcd_lake_files_bound_waiting"] == 1
+        assert waiting["cdcd_lake_small_files_per_partition_max"] == BOUND
         marker.unlink()
         wait_caught_up(proc, config, node_dir, err, 300)
+        after = try_samples(port) or {}
     finally:
         rc = stop_daemon(proc, timeout=60)
         reap(proc)
@@ -187,6 +199,9 @@ def test_batches_commit_beside_a_held_rewrite_until_a_partition_is_at_the_bound(
     over = [(v, most) for v, most in most_files_at_every_version(lake / CHANGES) if most > BOUND]
     assert not over, f"versions over the bound of {BOUND}: {over[:5]}"
     same_rows_as_wal(lake, wal_events(node_dir))
+    assert after["cdcd_lake_files_bound_waiting"] == 0
+    waited_s = after["cdcd_lake_files_bound_wait_seconds_total"] - waiting["cdcd_lake_files_bound_wait_seconds_total"]
+    assert waited_s >= 1.0, (waiting, after)  # counted when the wait ends, the hold's second included
 
 
 @pytest.mark.timeout(600)

@@ -94,12 +94,24 @@ CASES = [
         quiet=["30m", "85m"],
         labels={**D1, "task": "optimize", "severity": "warning"},
     ),
-    # 15 files a partition, then 25 for good: fires after 30 minutes over 20
+    # 15 small files a partition, then 25 for good: fires after 30 minutes over 20 (full-size files, 40 of
+    # them beside, do not count)
     case(
         "CdcdLakeTooManyFiles",
-        {sel("cdcd_lake_files_per_partition_max"): "15x10 25x40"},
+        {
+            sel("cdcd_lake_small_files_per_partition_max"): "15x10 25x40",
+            sel("cdcd_lake_files_per_partition_max"): "55x10 65x40",
+        },
         fires=["41m"],
         quiet=["9m", "30m"],
+        labels={**D1, "severity": "warning"},
+    ),
+    # commits wait a tenth of the time for 20 minutes, then 0.9 s of every second, then none again
+    case(
+        "CdcdLakeBackPressured",
+        {sel("cdcd_lake_files_bound_wait_seconds_total"): "0+6x20 120+54x30 1740x30"},
+        fires=["40m", "50m"],
+        quiet=["19m", "30m", "65m"],
         labels={**D1, "severity": "warning"},
     ),
     # the log after each cleanup: 3,000 files, then 25,000 for good (compaction stopped): fires after 30 minutes
@@ -154,7 +166,8 @@ NEW_METRICS = (
     "cdcd_lake_maintenance_failures_total",
     "cdcd_lake_typed_table_failures_total",
     "cdcd_lake_last_maintenance_timestamp_seconds",
-    "cdcd_lake_files_per_partition_max",
+    "cdcd_lake_small_files_per_partition_max",
+    "cdcd_lake_files_bound_wait_seconds_total",
     "cdcd_lake_log_files",
     "cdcd_kafka_transaction_aborts_total",
     "cdcd_kafka_to_node_events_received_total",
@@ -171,3 +184,5 @@ def test_every_lake_kafka_and_kafka_to_node_figure_has_a_panel_and_an_alert() ->
         assert re.search(rf"\b{name}\b", panels), f"no dashboard panel queries {name}"
         assert re.search(rf"\b{name}\b", exprs), f"no alert rule uses {name}"
     assert re.search(r"\bcdcd_kafka_retries_total\b", panels)
+    # All files, full-size ones included, grow with the data: a panel beside the small files' count, no alert.
+    assert re.search(r"\bcdcd_lake_files_per_partition_max\b", panels)

@@ -561,8 +561,11 @@ class LakeConsumer(Consumer):
                 version, new = table.refresh(), []
             if self._checkpointer is not None:
                 self._checkpointer.committed(version)
-            counts, self._counts = _files_per_partition(table, new, self.options.file_policy())
+            policy = self.options.file_policy()
+            counts, small = _files_per_partition(table, new, policy or FilePolicy())
+            self._counts = small if policy is not None else None
             metrics.LAKE_FILES_PER_PARTITION_MAX.set(max(counts.values(), default=0))
+            metrics.LAKE_SMALL_FILES_PER_PARTITION_MAX.set(max(small.values(), default=0))
             metrics.LAKE_TABLE_VERSION.set(version)
         except (DeltaError, OSError) as exc:  # landed already: a figure is no reason to send it again
             self._counts = None
@@ -608,8 +611,13 @@ class LakeConsumer(Consumer):
             rewriter = self._rewriter = Rewriter(table.path, policy, checkpoints=self._checkpointer is None)
         rewriter.submit([dict(add.partition_values) for add in full])
         waited = rewriter.waited_s
-        rewriter.wait()
-        self.rewrite_wait_s += rewriter.waited_s - waited
+        metrics.LAKE_FILES_BOUND_WAITING.set(1)
+        try:
+            rewriter.wait()
+        finally:
+            metrics.LAKE_FILES_BOUND_WAITING.set(0)
+            self.rewrite_wait_s += rewriter.waited_s - waited
+            metrics.LAKE_FILES_BOUND_WAIT_SECONDS.inc(rewriter.waited_s - waited)
         table.refresh()
         self._counts = None
         return self._mark(table, source) == read
@@ -694,20 +702,18 @@ def _partition_of(table: ChangeTable, add: Any) -> tuple[Any, ...]:
 
 def _small_files(table: ChangeTable, policy: FilePolicy) -> Counter[tuple[Any, ...]]:
     """Files below full size per partition of the snapshot ``table`` holds."""
-    return _files_per_partition(table, [], policy)[1] or Counter()
+    return _files_per_partition(table, [], policy)[1]
 
 
 def _files_per_partition(
-    table: ChangeTable, adds: Sequence[Any], policy: FilePolicy | None
-) -> tuple[Counter[tuple[Any, ...]], Counter[tuple[Any, ...]] | None]:
+    table: ChangeTable, adds: Sequence[Any], policy: FilePolicy
+) -> tuple[Counter[tuple[Any, ...]], Counter[tuple[Any, ...]]]:
     """Files per partition of the snapshot ``table`` holds plus ``adds`` (not in it yet): all of them (the files
-    gauge), and those below full size, which the bound counts (None without a bound)."""
+    gauge), and those below ``policy``'s full size, which the bound counts."""
     snapshot = pa.table(table.table.get_add_actions(flatten=True))
     keys = list(zip(*(snapshot.column(f"partition.{c}").to_pylist() for c in table.partition_by), strict=True))
     counts = Counter(keys)
     counts.update(_partition_of(table, add) for add in adds)
-    if policy is None:
-        return counts, None
     sizes = snapshot.column("size_bytes").to_pylist()
     small = Counter(k for k, size in zip(keys, sizes, strict=True) if size < policy.large_file_bytes)
     small.update(_partition_of(table, add) for add in adds if add.size < policy.large_file_bytes)
