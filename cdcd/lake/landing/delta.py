@@ -49,6 +49,7 @@ from deltalake.transaction import AddAction, PostCommitHookProperties, RemoveAct
 
 from cdcd.durable import fsync_dir, fsync_file, sync_filesystem
 from cdcd.lake.landing.parquet_files import parquet_codec, slice_stats, write_parquet
+from cdcd.lake.properties import absent_properties, set_absent_properties
 from cdcd.lake.reading.check import damaged_table
 from cdcd.lake.storage import LakeDir, as_location_arg
 from cdcd.lake.table import (
@@ -234,18 +235,13 @@ class ChangeTable:
     def _set_log_properties(self) -> None:
         """``CHANGES_LOG_PROPERTIES`` on a table created before them (one metadata commit, once; a neighbour
         setting them at the same moment wins and this one finds them set)."""
-        dt = self.table
-        absent = {k: v for k, v in CHANGES_LOG_PROPERTIES.items() if k not in dt.metadata().configuration}
-        if not absent:
-            return
         try:
-            dt.alter.set_table_properties(absent, raise_if_not_exists=False)
+            absent = set_absent_properties(self.table, CHANGES_LOG_PROPERTIES)
         except (DeltaError, OSError) as exc:
-            dt.update_incremental()
-            if any(k not in dt.metadata().configuration for k in absent):
-                raise LakeWriteError(f"lake {self.path}: cannot set {sorted(absent)}: {_reason(exc)}") from None
-        dt.update_incremental()
-        log.info("lake_changes_log_properties_set", path=str(self.path), properties=absent)
+            wanted = sorted(absent_properties(self.table, CHANGES_LOG_PROPERTIES))
+            raise LakeWriteError(f"lake {self.path}: cannot set {wanted}: {_reason(exc)}") from None
+        if absent:
+            log.info("lake_changes_log_properties_set", path=str(self.path), properties=absent)
 
     @property
     def table(self) -> DeltaTable:

@@ -23,15 +23,15 @@ import pyarrow as pa
 from cdcd.faults import ExitCode, Fault
 from cdcd.lake.landing.delta import partition_dir_value
 from cdcd.lake.storage import LakeDir, ObjectPath, is_delta, open_delta
-from cdcd.lake.table import COMMON_PROPERTIES, TABLES
+from cdcd.lake.table import COMMON_PROPERTIES, FOLDED_PROPERTIES, TABLES
 from cdcd.lake.typed.infer import KEY, NON_DICT, Layout, base_columns
 
 CACHE_PROPERTY = "cdcd.cache"
 """Table property holding the cache's real name (the directory name may be a prefix and a hash)."""
 
-TABLE_PROPERTIES = {**COMMON_PROPERTIES, "delta.enableChangeDataFeed": "true"}
-"""No deletion vectors, no column mapping, classic checkpoints (every reader reads them); the change
-data feed on: ``readChangeFeed`` gives typed changes per cache."""
+TABLE_PROPERTIES = {**COMMON_PROPERTIES, **FOLDED_PROPERTIES, "delta.enableChangeDataFeed": "true"}
+"""No deletion vectors, no column mapping, classic checkpoints (every reader reads them) every 10 commits; the
+change data feed on: ``readChangeFeed`` gives typed changes per cache."""
 
 
 class NotATypedTable(Fault, ValueError):

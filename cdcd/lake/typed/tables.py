@@ -51,6 +51,7 @@ from cdcd.lake.maintenance.clustered import (
     spread_wide,
     wide_run,
 )
+from cdcd.lake.properties import fold_properties
 from cdcd.lake.storage import LakeDir, is_delta, open_delta, spark_path
 from cdcd.lake.table import STATE
 from cdcd.lake.typed.declared import DeclaredTable, with_declared
@@ -241,6 +242,8 @@ def _one_table(
         if stale:
             (path / STALE_MARK).unlink(missing_ok=True)
         return 0, 0
+    if existing:
+        fold_properties(path)
     stored = read_layout(path) if existing else Layout()
     conv = convert(rows, with_declared(stored, declared))
     had = {c for c, _ in stored.columns.values()}
