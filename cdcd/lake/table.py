@@ -101,7 +101,8 @@ FOLDED_PROPERTIES = {"delta.checkpointInterval": "10"}
 """On the tables compaction folds into (``state`` and the typed tables): a checkpoint every 10 commits, as Spark
 writes by default, not delta-rs's 100. Compaction commits each a few times a minute and opens each several times
 a run; every open replays the commits since the last checkpoint, so at 100 a run's cost grew for half an hour
-before each checkpoint (docs/performance.md). Set on an older table that lacks it by the next compaction; a value set by hand is kept."""
+before each checkpoint (docs/performance.md). Set on an older table that lacks it by the next compaction; a value
+set by hand is kept."""
 
 STATE_PROPERTIES = {
     **COMMON_PROPERTIES,
