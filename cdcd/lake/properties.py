@@ -14,7 +14,7 @@ import structlog
 from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError
 
-from cdcd.lake.storage import LakeDir, open_delta
+from cdcd.lake.storage import LakeDir
 from cdcd.lake.table import FOLDED_PROPERTIES
 from cdcd.logging import describe
 
@@ -45,12 +45,12 @@ def set_absent_properties(dt: DeltaTable, wanted: Mapping[str, str]) -> dict[str
     return absent
 
 
-def fold_properties(path: LakeDir) -> None:
-    """``FOLDED_PROPERTIES`` on a table compaction folds into that was created without them. A failure is
-    logged and changes nothing else: the table is read and written as before (only its log replays longer),
-    and the next compaction tries again."""
+def fold_properties(dt: DeltaTable, path: LakeDir) -> None:
+    """``FOLDED_PROPERTIES`` on ``dt`` (the table at ``path`` compaction is about to fold into, as it opened it)
+    when it was created without them. A failure is logged and changes nothing else: the table is read and
+    written as before (only its log replays longer), and the next compaction tries again."""
     try:
-        added = set_absent_properties(open_delta(path), FOLDED_PROPERTIES)
+        added = set_absent_properties(dt, FOLDED_PROPERTIES)
     except (DeltaError, OSError) as exc:
         log.warning("lake_table_properties_not_set", table=str(path), error=describe(exc))
         return

@@ -42,7 +42,6 @@ from cdcd.lake.maintenance.compact_mark import (
 from cdcd.lake.maintenance.feed import FEED_COLUMNS, read_feed
 from cdcd.lake.maintenance.lost_history import drop_lost, generation_starts, start_ids
 from cdcd.lake.maintenance.state_rs import Prepared, ensure_state, prepare_state
-from cdcd.lake.properties import fold_properties
 from cdcd.lake.storage import LakeDir, is_delta, open_delta, spark_path
 from cdcd.lake.table import CHANGE_SCHEMA, CHANGES, ORDER_COLUMNS, PARTITION_BY, STATE, STATE_SCHEMA
 from cdcd.lake.typed.declared import DeclaredTable
@@ -181,7 +180,6 @@ def ensure_state_table(lake: LakeDir) -> None:
     """Create ``<lake>/state`` (empty, the contract's schema, partitioning and properties) if absent. With
     delta-rs whatever the engine: a table any reader and either engine's MERGE takes, without a Spark job."""
     ensure_state(lake)
-    fold_properties(lake / STATE)
 
 
 def latest_per_key(feed: pa.Table) -> pa.Table:

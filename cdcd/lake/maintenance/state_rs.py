@@ -53,6 +53,7 @@ from cdcd.lake.maintenance.clustered import (
     split_sorted,
     spread_wide,
 )
+from cdcd.lake.properties import fold_properties
 from cdcd.lake.storage import LakeDir, as_location_arg, file_source, is_delta, open_delta
 from cdcd.lake.table import ORDER_COLUMNS, PARTITION_BY, STATE, STATE_PROPERTIES, STATE_SCHEMA
 
@@ -164,6 +165,7 @@ def prepare_state(
     caches' files removed, ``winners`` resolved against the files holding their keys), without committing."""
     path = lake / STATE
     dt = open_delta(path)
+    fold_properties(dt, path)
     adds = pa.table(dt.get_add_actions(flatten=True))
     now_ms = int(time.time() * 1000)
     out = Merged()

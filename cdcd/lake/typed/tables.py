@@ -242,8 +242,6 @@ def _one_table(
         if stale:
             (path / STALE_MARK).unlink(missing_ok=True)
         return 0, 0
-    if existing:
-        fold_properties(path)
     stored = read_layout(path) if existing else Layout()
     conv = convert(rows, with_declared(stored, declared))
     had = {c for c, _ in stored.columns.values()}
@@ -532,6 +530,7 @@ def _merge(path: LakeDir, conv: Converted, app_id: str, last: int, file_rows: in
     props = CommitProperties(app_transactions=[Transaction(app_id=app_id, version=last)])
     rows = conv.rows
     table = open_delta(path)
+    fold_properties(table, path)
     if not table.file_uris():
         # An empty table: a plain append (same transaction), no join.
         live = rows.filter(pc.not_equal(rows.column(OP), "delete")).drop_columns([OP])
