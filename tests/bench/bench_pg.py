@@ -45,8 +45,9 @@ Workloads (``--only`` names; rows are 8-byte int keys with 100-byte values on bo
   ``local[2]``, delta-rs commits; batches of ``INGEST_BATCH_EVENTS`` as in ``lake.ingest.run``) into
   a fresh lake per run and checks the row count of the Delta table. The SparkSession is started and
   warmed up once before the first run (``tests/support/lake_bench.py``). CPU: the process plus the
-  Spark JVM and its Python workers (which run the writer's tasks). ``autocompact_s``: seconds the
-  sink's small-file rewrites took (the default ``max_files_per_partition`` bound,
+  Spark JVM and its Python workers (which run the writer's tasks); ``jvm_own_cpu_s`` is the JVM's own
+  share of that (its JIT compilers among it: a JVM a few jobs old compiles much of what it runs).
+  ``autocompact_s``: seconds the sink's small-file rewrites took (the default ``max_files_per_partition`` bound,
   cdcd/lake/maintenance/autocompact.py), from its metric, the last one included; they run in a thread
   of their own beside the next batch, and ``autocompact_wait_s`` is how long the sink's commits waited
   for one. The timed section ends when the last batch is committed and the daemon's position moved
@@ -742,9 +743,10 @@ class CdcdSide:
         rewrites0 = _autocompact_s()
         try:
             daemon.start()
-            cpu0, jvm0 = time.process_time(), SPARK.jvm_cpu_s()
+            cpu0, jvm0, own0 = time.process_time(), SPARK.jvm_cpu_s(), SPARK.jvm_own_cpu_s()
             seconds = asyncio.run(_run_until(daemon, self.last_segment))
             cpu, jvm = time.process_time() - cpu0, SPARK.jvm_cpu_s() - jvm0
+            jvm_own = SPARK.jvm_own_cpu_s() - own0
             delivered = daemon.events_delivered
         finally:
             closing, closing_cpu = time.perf_counter(), time.process_time()
@@ -765,6 +767,7 @@ class CdcdSide:
             "seconds": round(seconds, 3),
             "process_cpu_s": round(cpu, 2),
             "jvm_cpu_s": round(jvm, 2),
+            "jvm_own_cpu_s": round(jvm_own, 2),
             "autocompact_s": round(rewrites, 2),
             "autocompact_wait_s": round(consumer.rewrite_wait_s, 2),
             "tail_s": round(tail, 2),

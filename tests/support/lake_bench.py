@@ -136,6 +136,15 @@ class SharedSpark:
             self._jvm_pid = int(self.session._jvm.java.lang.ProcessHandle.current().pid())
         return sum(map(_cpu_s, _descendants(self._jvm_pid)))
 
+    def jvm_own_cpu_s(self) -> float:
+        """CPU seconds of the JVM's own threads alone (task scheduling, broadcasts, its JIT compilers and
+        collector), without the Python workers ``jvm_cpu_s`` adds."""
+        if self.session is None:
+            return 0.0
+        if self._jvm_pid is None:
+            self._jvm_pid = int(self.session._jvm.java.lang.ProcessHandle.current().pid())
+        return cpu_s(self._jvm_pid, reaped_children=False)
+
     def release(self) -> None:
         if self.session is not None:
             from cdcd.lake import spark as spark_session
