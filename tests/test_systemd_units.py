@@ -83,7 +83,7 @@ def notify_run(tmp_path: Path, args: list[str], *, watchdog_usec: int, timeout_s
 
 
 SECURITY_MAX_EXPOSURE = 3.5
-"""`systemd-analyze security` exposure (0 = locked down, 10 = unprotected); both units score 3.2 on systemd 252."""
+"""`systemd-analyze security` exposure (0 = locked down, 10 = unprotected); each service scores 3.2 on systemd 252."""
 
 
 @pytest.mark.parametrize("unit", ["cdcd@.service", "cdcd-node@.service", "cdcd-kafka-to-node@.service"])

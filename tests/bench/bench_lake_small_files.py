@@ -3,7 +3,7 @@
 - ``lake.files.bounded``: a node (a subprocess) writes ``BENCH_BOUNDED_RATE`` entries/s (5k) over 4 caches, keys
   cycling through 1M, archiving a segment every second, for ``BENCH_BOUNDED_S`` seconds (the hour issue 43 asks for:
   ``BENCH_BOUNDED_S=3600``; ``--quick``: 2 minutes; default 10 minutes); an in-process daemon lands it with the
-  JVM-free writer and the lake sink's defaults (the bound of 20 files per partition, compaction every 60 s on
+  JVM-free writer and the lake sink's defaults (the bound of 20 files per partition, compaction every 20 s on
   delta-rs, no JVM; ``BENCH_BOUNDED_ENGINE=spark``: on Spark ``local[2]``; the optimize lane every 10 s). A sampler
   process reads every table's log every 2 s (a process of its own: not the daemon's CPU): per sample the most files
   in one partition of ``changes``, of ``state`` and of any typed table. Reports p50/p99/max over the samples (goal:
@@ -11,7 +11,9 @@
   metrics read every 2 s: p50/p99/max; the writer's rewrites, many a second: mean and the p99 bucket of
   ``cdcd_lake_maintenance_duration_seconds``), this process's CPU per entry (the daemon; the JVM is a child and
   reported apart), and the first ``GROUP BY`` read of ``state`` and of a typed table at the end, in DuckDB and in a
-  fresh Spark session.
+  fresh Spark session; and the disk at the end: the data files the tables' snapshots name (``disk_live_mb``)
+  against every data file under them (``disk_data_mb``: replaced files stay until a vacuum), of which the typed
+  tables' change data feed (``disk_change_feed_mb``).
 - ``lake.files.bounded.realtime``: the same load landed by the node's realtime worker (its ``[realtime_consumer]``
   is the lake, JVM-free writer, the bound of 20), switched on as an operator does (``cdcd control --node-dir DIR
   realtime on``) while the daemon sits PASSIVE and maintains the lake (compaction and the optimize lane, its sink's
@@ -212,6 +214,32 @@ def _first_reads(lake: Path) -> dict[str, float]:
     finally:
         spark_session.release()
     return out
+
+
+def _disk(lake: Path) -> dict[str, float]:
+    """Megabytes on disk at the end: the data files every table's snapshot names (live), every data file under the
+    tables (files replaced by rewrites, compaction's MERGEs and OPTIMIZE stay until a vacuum), and of that the
+    typed tables' change data feed (``_change_data``)."""
+    import pyarrow as pa
+    from deltalake import DeltaTable
+
+    from cdcd.lake.typed.layout import list_tables
+
+    tables = [lake / "changes", lake / "state", *(Path(str(p)) for p in list_tables(lake).values())]
+    live = on_disk = feed = 0
+    for table in tables:
+        live += sum(pa.table(DeltaTable(str(table)).get_add_actions(flatten=True)).column("size_bytes").to_pylist())
+        for path in table.rglob("*.parquet"):
+            if "_delta_log" not in path.parts:
+                size = path.stat().st_size
+                on_disk += size
+                feed += size if "_change_data" in path.parts else 0
+    mb = 1 << 20
+    return {
+        "disk_live_mb": round(live / mb, 1),
+        "disk_data_mb": round(on_disk / mb, 1),
+        "disk_change_feed_mb": round(feed / mb, 1),
+    }
 
 
 LAG_P99_GOAL_MS = 300.0
@@ -532,6 +560,7 @@ def run_bounded(duration_s: float, *, realtime: bool = False) -> Measurement:
             # The writer's rewrites run where it writes: in the node's realtime worker, not in the daemon.
             for k, v in json.loads((node_dir / "autocompact.json").read_text()).items():
                 extra[f"autocompact_{k}"] = v
+        extra |= _disk(lake)
         extra |= _first_reads(lake)
         return Measurement(written, elapsed, extra, value=extra["p99_files"])
     finally:
@@ -549,6 +578,8 @@ def _files_metrics() -> tuple[Metric, ...]:
         Metric("compact_p99", "compact_p99_s", "s", RUN_P99_GOAL_S, lower_is_better=True),
         Metric("compact_max", "compact_max_s", "s", lower_is_better=True),
         Metric("cpu_per_entry", "daemon_cpu_us_per_entry", "us", lower_is_better=True),
+        Metric("disk_live", "disk_live_mb", "MiB", lower_is_better=True),
+        Metric("disk_data", "disk_data_mb", "MiB", lower_is_better=True),
         Metric("duckdb_state_read", "duckdb_state_s", "s", lower_is_better=True),
         Metric("spark_state_read", "spark_state_s", "s", lower_is_better=True),
         Metric("duckdb_table_read", "duckdb_table_s", "s", lower_is_better=True),
