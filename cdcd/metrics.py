@@ -432,6 +432,13 @@ LAKE_LAST_MAINTENANCE_SECONDS = Gauge(
     ["task"],
     registry=LAKE,
 )
+LAKE_VACUUM_DELETED_BYTES = Counter(
+    "cdcd_lake_vacuum_deleted_bytes_total",
+    "Bytes of replaced, change data feed and orphan files the scheduled vacuum deleted (table: changes, state "
+    "or tables, the typed tables together)",
+    ["table"],
+    registry=LAKE,
+)
 LAKE_LOG_FILES = Gauge(
     "cdcd_lake_log_files",
     "Files in a table's Delta log after the maintainer's last cleanup (each refresh and commit lists them all; "

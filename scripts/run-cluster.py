@@ -235,6 +235,7 @@ def main() -> int:
                 "storage": storage,
                 "compact_interval_s": 0,
                 "optimize_interval_s": 0,
+                "vacuum_interval_s": 0,
             }
             if i == 0:
                 # One daemon writes through the cluster (its application takes both workers' cores), and

@@ -94,6 +94,22 @@ CASES = [
         quiet=["30m", "85m"],
         labels={**D1, "task": "optimize", "severity": "warning"},
     ),
+    # the vacuum succeeds every 70 minutes (an hour, its jitter and its run): no "not run" alert between its runs
+    case(
+        "CdcdLakeMaintenanceNotRun",
+        {sel("cdcd_lake_last_maintenance_timestamp_seconds", task="vacuum"): "0x69 4200x69 8400x69 12600x69"},
+        fires=[],
+        quiet=["68m", "138m", "208m"],
+        labels={**D1, "task": "vacuum", "severity": "warning"},
+    ),
+    # the vacuum runs at minute 60, then never again: fires once four hours have passed since, for 5 minutes
+    case(
+        "CdcdLakeVacuumNotRun",
+        {sel("cdcd_lake_last_maintenance_timestamp_seconds", task="vacuum"): "0x59 3600x300"},
+        fires=["306m", "340m"],
+        quiet=["119m", "299m"],
+        labels={**D1, "task": "vacuum", "severity": "warning"},
+    ),
     # 15 small files a partition, then 25 for good: fires after 30 minutes over 20 (full-size files, 40 of
     # them beside, do not count)
     case(

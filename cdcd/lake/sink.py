@@ -142,6 +142,16 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``state`` only (thousands of tiny caches: a table each costs a few commits per compaction)."""
     tables: dict[str, TableOptions] = msgspec.field(default_factory=dict)
     """``[consumer.tables.<cache>]``: declared column types of a cache's typed table (docs/lake.md)."""
+    vacuum_interval_s: float = 3600.0
+    """Delete the files every table no longer needs every this many seconds (the first time five minutes after the
+    start), without a JVM: those replaced by the small-file bound, OPTIMIZE and compaction, the typed tables'
+    change data feed and orphans of writes that never committed, once older than ``vacuum_retain_hours``
+    (cdcd/lake/maintenance/vacuum_rs.py). 0: never (the lake's directory then grows by every file replaced; run
+    ``cdcd lake vacuum``). Default 0 in a ``[realtime_consumer]`` table, as ``compact_interval_s``."""
+    vacuum_retain_hours: int = 24
+    """How long files no snapshot names stay: time travel on ``state`` and the typed tables, their change data
+    feed and a query in flight reach back this far, and the lake's directory holds this many hours of replaced
+    files besides the live ones. ``changes`` also keeps what compaction has yet to read. At least 1."""
     realtime_commit_interval_ms: int = 100
     """As a node's ``[realtime_consumer]``: its realtime worker commits to the lake at most once per this
     interval, what arrives meanwhile joining the next commit (the node's ``realtime_batch_min_interval_ms`` wins
@@ -197,6 +207,8 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             self.file_policy(),
             self.ready_within_s,
             nice=self.maintenance_nice,
+            vacuum_interval_s=self.vacuum_interval_s,
+            vacuum_retain_hours=self.vacuum_retain_hours,
         )
 
     def file_policy(self) -> FilePolicy | None:
@@ -296,7 +308,13 @@ class LakeConsumer(Consumer):
             options = {**options, "writer": "deltalake"}  # the writer on object stores
         if source.endswith("realtime_consumer"):
             # In the node's process: no JVM unless asked for (the daemon's sink maintains the lake).
-            options = {"writer": "deltalake", "compact_interval_s": 0.0, "optimize_interval_s": 0.0, **options}
+            options = {
+                "writer": "deltalake",
+                "compact_interval_s": 0.0,
+                "optimize_interval_s": 0.0,
+                "vacuum_interval_s": 0.0,
+                **options,
+            }
         return cls(convert(options, LakeOptions, source))
 
     def start(self, registry: Any = None) -> None:

@@ -47,6 +47,7 @@ from cdcd.lake.maintenance.autocompact import FilePolicy, bound_changes, bound_c
 from cdcd.lake.maintenance.compact import CompactResult, compact, compacted_version
 from cdcd.lake.maintenance.log_cleanup import clean_logs
 from cdcd.lake.maintenance.ops import optimize, optimized_since
+from cdcd.lake.maintenance.vacuum_rs import sweep_lake
 from cdcd.lake.storage import open_delta
 from cdcd.lake.table import CHANGES, STATE
 from cdcd.logging import describe
@@ -82,9 +83,12 @@ change, not a ``compact_interval_s`` later."""
 CANCEL_REPEAT_S = 0.5
 """How often ``stop`` cancels the maintenance job group again while the run winds down."""
 SCHEDULE_JITTER = 0.1
+"""Each scheduled delay is drawn from ``interval * [1 - SCHEDULE_JITTER, 1 + SCHEDULE_JITTER]``."""
 MAX_NICE = 19
 """The lowest CPU priority Linux has (nice 19)."""
-"""Each scheduled delay is drawn from ``interval * [1 - SCHEDULE_JITTER, 1 + SCHEDULE_JITTER]``."""
+VACUUM_FIRST_DELAY_S = 300.0
+"""The first vacuum after a start runs this soon (or at ``vacuum_interval_s`` when shorter): a daemon restarted
+more often than its interval still vacuums."""
 
 
 _NOT_CONTIGUOUS = re.compile(r"DELTA_VERSIONS_NOT_CONTIGUOUS\] Versions \(([0-9, ]+)\)")
@@ -195,9 +199,16 @@ class MaintainerOptions:
     nice: int = 0
     """Niceness added to the maintenance threads (Linux; 0: the process's own priority, up to 19): the CPU
     they share with delivery (or with a node's realtime worker beside the daemon) goes to delivery first."""
+    vacuum_interval_s: float = 3600.0
+    """Seconds between vacuums of every table (files replaced longer than ``vacuum_retain_hours`` ago deleted,
+    cdcd/lake/maintenance/vacuum_rs.py), in the optimize lane, without a JVM; 0: never."""
+    vacuum_retain_hours: int = 24
+    """How long a replaced file, a change data feed file or an orphan stays before a vacuum deletes it."""
 
     def __post_init__(self) -> None:
-        for name in ("compact_interval_s", "optimize_interval_s", "ready_within_s"):
+        if self.vacuum_retain_hours < 1:
+            raise ValueError(f"vacuum_retain_hours = {self.vacuum_retain_hours}: must be >= 1")
+        for name in ("compact_interval_s", "optimize_interval_s", "ready_within_s", "vacuum_interval_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be >= 0 (0 turns it off)")
         if self.max_consecutive_failures < 1:
@@ -246,6 +257,7 @@ class Maintainer:
         self._group = f"cdcd-lake-maintainer-{id(self):x}"
         self.compactions = 0
         self.optimizations = 0
+        self.vacuums = 0
         self.failures = 0
         self.conflicts = 0
         self.by_neighbour = {"compact": 0, "optimize": 0}
@@ -264,11 +276,12 @@ class Maintainer:
         if self._thread is not None:
             raise RuntimeError("Maintainer.start() called twice")
         opts = self.options
-        if not opts.compact_interval_s and not opts.optimize_interval_s:
-            return  # both off: nothing to run, no thread
+        if not opts.compact_interval_s and not opts.optimize_interval_s and not opts.vacuum_interval_s:
+            return  # all off: nothing to run, no thread
         # Separate lanes when OPTIMIZE is the JVM-free rewrite of changes: it never touches what compaction
-        # commits to, and a long one never delays the compaction that keeps the tables current.
-        lanes = [["compact"], ["optimize"]] if opts.files is not None else [["compact", "optimize"]]
+        # commits to, and a long one never delays the compaction that keeps the tables current. The vacuum, on
+        # delta-rs, joins the lane that is not compaction's when there is one.
+        lanes = [["compact"], ["optimize", "vacuum"]] if opts.files is not None else [["compact", "optimize", "vacuum"]]
         for i, tasks in enumerate(t for t in lanes if any(self._interval(k) for k in t)):
             name = "cdcd-lake-maintainer" if i == 0 else f"cdcd-lake-maintainer-{tasks[0]}"
             thread = threading.Thread(target=self._run, args=(tasks,), name=name, daemon=True)
@@ -278,7 +291,14 @@ class Maintainer:
             thread.start()
 
     def _interval(self, task: str) -> float:
-        return self.options.compact_interval_s if task == "compact" else self.options.optimize_interval_s
+        opts = self.options
+        if task == "vacuum":
+            return opts.vacuum_interval_s
+        return opts.compact_interval_s if task == "compact" else opts.optimize_interval_s
+
+    def _first_delay(self, task: str) -> float:
+        interval = self._interval(task)
+        return min(interval, VACUUM_FIRST_DELAY_S) if task == "vacuum" else interval
 
     def landed(self, rows_per_cache: Mapping[str, int], fields: Mapping[str, Collection[str]] | None = None) -> None:
         """Called by the sink after each commit: a cache landing for the first time (no typed table, no
@@ -355,7 +375,7 @@ class Maintainer:
         lower_priority(self.options.nice)
         opts = self.options
         now = self._clock()
-        due = {task: now + self._jittered(self._interval(task)) for task in tasks if self._interval(task)}
+        due = {task: now + self._jittered(self._first_delay(task)) for task in tasks if self._interval(task)}
         consecutive = 0
         conflict_delays = CONFLICT_BACKOFF.delays_s()
         if self._spark is not None:
@@ -406,7 +426,7 @@ class Maintainer:
                     self._wake.set()
                     log.error("lake_maintenance_stopped", lake=str(self.lake), failures=consecutive)
                     return
-            interval = opts.compact_interval_s if task == "compact" else opts.optimize_interval_s
+            interval = self._interval(task)
             if task == "optimize":
                 # An OPTIMIZE that took longer than its interval (minutes over a backlog of small files on
                 # busy cores) waits as long as it took: compaction, which keeps state current, gets at
@@ -497,6 +517,19 @@ class Maintainer:
                 # line per run while it lasts, and cdcd_lake_typed_table_failures_total, not an exit.
                 log.warning("lake_maintenance_table_skipped", path=str(bad.path), cache=bad.cache, error=bad.error)
             return result.behind
+        elif task == "vacuum":
+            swept = sweep_lake(self.lake, self.options.vacuum_retain_hours)
+            self.vacuums += 1
+            for table, done in swept.items():
+                if done.deleted_bytes:
+                    metrics.LAKE_VACUUM_DELETED_BYTES.labels(table.split("/")[0]).inc(done.deleted_bytes)
+            log.info(
+                "lake_maintenance_vacuumed",
+                deleted=sum(d.deleted_files for d in swept.values()),
+                deleted_bytes=sum(d.deleted_bytes for d in swept.values()),
+                seconds=round(self._clock() - started, 3),
+            )
+            return False
         else:
             # A neighbour's OPTIMIZE since then bin-packed the small files this run was due for: a second would
             # rewrite the few added since, or lose to it.

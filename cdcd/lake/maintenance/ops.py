@@ -240,7 +240,7 @@ def optimize(spark: Any, lake: LakeDir, file_rows: int | None = None) -> dict[st
     if spark.conf.get(_MIN_FILE_SIZE, None) is None:
         session.conf.set(_MIN_FILE_SIZE, str(OPTIMIZE_MIN_FILE_BYTES))
     out: dict[str, dict[str, Any]] = {}
-    for name, path in _maintained(lake):
+    for name, path in maintained_tables(lake):
         if not DeltaTable.isDeltaTable(session, spark_path(path)):
             continue
         if name != CHANGES:
@@ -301,7 +301,7 @@ def optimized_since(lake: LakeDir, since_ms: int, max_commits: int = OPTIMIZE_LO
     return None
 
 
-def _maintained(lake: LakeDir) -> list[tuple[str, LakeDir]]:
+def maintained_tables(lake: LakeDir) -> list[tuple[str, LakeDir]]:
     """(name, path) of every table optimize and vacuum look after: changes, state, and each typed
     table (named ``tables/<cache>``)."""
     from cdcd.lake.table import TABLES as TYPED_DIR
@@ -388,7 +388,7 @@ def vacuum(
         # Delta refuses a shorter retention unless told: the operator asked for it with --force.
         session.conf.set("spark.databricks.delta.retentionDurationCheck.enabled", "false")
     out: dict[str, Vacuumed] = {}
-    for name, path in _maintained(lake):
+    for name, path in maintained_tables(lake):
         if not DeltaTable.isDeltaTable(session, spark_path(path)):
             continue
         before = _file_sizes(path)

@@ -1,0 +1,147 @@
+"""The lake's replaced files deleted by the maintainer, with delta-rs (no JVM): the scheduled vacuum.
+
+Nothing else deletes a data file: a file the small-file bound, OPTIMIZE or compaction's MERGE replaces stays in its
+table's directory (its ``remove`` is a tombstone), and each MERGE into a typed table writes its change data feed
+(``_change_data/``), which nothing replaces. A live lake's directory grows by gigabytes an hour.
+
+Each run vacuums ``changes``, ``state`` and every typed table in delta-rs's full mode, which deletes a file under
+the table that its snapshot does not name once it is older than the retention: a replaced file by its tombstone's
+time (when it was replaced), any other (a change data feed file, an orphan of a write that never committed) by
+its modification time, as Spark's VACUUM does. Not the lite mode: it deletes only tombstones the snapshot still
+carries, and ``changes`` keeps those 10 minutes, after which a checkpoint drops them for good. The retention:
+
+- ``retain_hours`` (``vacuum_retain_hours``), or a table's ``delta.deletedFileRetentionDuration`` where it is set
+  and longer (a value set by hand is kept; cdcd sets 10 minutes on ``changes``, which is shorter);
+- for ``changes``, also the age of the first commit compaction has not folded plus an hour: compaction still reads
+  the files those commits added, replaced by the bound since or not. A compaction stopped for days keeps its
+  files that long (``cdcd lake vacuum`` refuses instead).
+
+A batch written and not yet committed is seconds old, never as old as the shortest retention (an hour), so it is
+never deleted. A reader of a snapshot older than the retention may miss a file it names: time travel, the typed
+tables' change data feed and a query in flight reach back ``retain_hours``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import structlog
+from deltalake import DeltaTable
+from deltalake.transaction import PostCommitHookProperties
+
+from cdcd.lake.maintenance.compact import state_lag
+from cdcd.lake.maintenance.compact_mark import read_mark, replaced_from
+from cdcd.lake.maintenance.log_cleanup import interval_ms
+from cdcd.lake.maintenance.ops import commit_time_ms, maintained_tables
+from cdcd.lake.storage import LakeDir, ObjectPath, is_delta, open_delta
+from cdcd.lake.table import CHANGES
+
+log = structlog.get_logger("cdcd.lake")
+
+HOUR_MS = 3_600_000
+KEEP_MARGIN_HOURS = 1
+"""Kept beyond the first commit compaction has not folded: a file is written before the commit that adds it."""
+
+
+@dataclass(frozen=True)
+class Swept:
+    """One table's vacuum: the files deleted, their bytes, and the retention it ran with."""
+
+    deleted_files: int
+    deleted_bytes: int
+    retain_hours: int
+
+
+def table_retain_hours(dt: DeltaTable, retain_hours: int) -> int:
+    """``retain_hours``, or the table's ``delta.deletedFileRetentionDuration`` where set and longer (whole hours,
+    rounded up). An unreadable value keeps the longer of the two that Delta would use (its default, a week)."""
+    text = dt.metadata().configuration.get("delta.deletedFileRetentionDuration")
+    if not text:
+        return retain_hours
+    try:
+        own_ms = interval_ms(text)
+    except ValueError:
+        own_ms = 7 * 24 * HOUR_MS
+    return max(retain_hours, math.ceil(own_ms / HOUR_MS))
+
+
+def changes_keep_hours(lake: LakeDir, now_ms: int) -> int | None:
+    """Hours ``changes`` must keep for compaction (the age of the first commit it has not folded, plus a margin):
+    0 when it is not behind; None when that commit's time cannot be read (keep everything)."""
+    end, done, behind = state_lag(lake)
+    if not behind:
+        return 0
+    replaced = replaced_from(lake / CHANGES, read_mark(lake), end)
+    first = max(0, done + 1 if replaced is None else min(done + 1, replaced))
+    since_ms = commit_time_ms(lake / CHANGES, first)
+    if since_ms <= 0:
+        return None
+    return math.ceil(max(0, now_ms - since_ms) / HOUR_MS) + KEEP_MARGIN_HOURS
+
+
+def existing_sizes(table: LakeDir, paths: list[str]) -> dict[str, int]:
+    """Sizes of the files of ``paths`` (relative to ``table``) that exist."""
+    out: dict[str, int] = {}
+    for rel in paths:
+        path = table / rel
+        if isinstance(path, ObjectPath):
+            size = path.fs.get_file_info(path.fs_path).size  # None: no such object
+            if size is not None:
+                out[rel] = int(size)
+            continue
+        try:
+            out[rel] = path.stat().st_size
+        except FileNotFoundError:
+            continue
+    return out
+
+
+def sweep_table(dt: DeltaTable, table: LakeDir, retain_hours: int, *, checkpoint: bool = True) -> Swept:
+    """The files under ``table`` older than ``retain_hours`` that the snapshot ``dt`` holds does not name, deleted
+    (delta-rs's full vacuum, which commits a VACUUM START and a VACUUM END when it deletes anything). Its plan
+    also names the expired tombstones of files deleted before (until a checkpoint drops them): only a plan with a
+    file that still exists runs."""
+    hooks = PostCommitHookProperties(create_checkpoint=checkpoint, cleanup_expired_logs=False)
+    sizes = existing_sizes(table, dt.vacuum(retain_hours, dry_run=True, enforce_retention_duration=False, full=True))
+    if not sizes:
+        return Swept(0, 0, retain_hours)
+    deleted = set(
+        dt.vacuum(
+            retain_hours, dry_run=False, enforce_retention_duration=False, full=True, post_commithook_properties=hooks
+        )
+    )
+    gone = [rel for rel in sizes if rel in deleted]
+    return Swept(len(gone), sum(sizes[rel] for rel in gone), retain_hours)
+
+
+def sweep_lake(lake: LakeDir, retain_hours: int, *, now_ms: int | None = None) -> dict[str, Swept]:
+    """Every maintained table of the lake vacuumed (see the module doc); per table what it deleted. ``changes``
+    is left alone while the commit compaction must read first has no readable time."""
+    if retain_hours < 1:
+        raise ValueError(f"vacuum_retain_hours = {retain_hours}: must be >= 1")
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    out: dict[str, Swept] = {}
+    for name, path in maintained_tables(lake):
+        if not is_delta(path):
+            continue
+        dt = open_delta(path)
+        hours = table_retain_hours(dt, retain_hours)
+        if name == CHANGES:
+            keep = changes_keep_hours(lake, now_ms)
+            if keep is None:
+                log.warning("lake_vacuum_skipped", table=name, reason="compaction's next commit has no readable time")
+                continue
+            hours = max(hours, keep)
+        done = sweep_table(dt, path, hours, checkpoint=name != CHANGES)
+        out[name] = done
+        if done.deleted_files:
+            log.info(
+                "lake_vacuumed",
+                table=name,
+                retain_hours=hours,
+                deleted=done.deleted_files,
+                deleted_bytes=done.deleted_bytes,
+            )
+    return out

@@ -1,0 +1,213 @@
+"""The scheduled vacuum (cdcd/lake/maintenance/vacuum_rs.py): every file no snapshot names deleted once older than
+the retention, on a real lake folded by compaction; what compaction has yet to read kept whatever its age; a longer
+retention set by hand kept; the maintainer running it on its own; no JVM."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import msgspec
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable
+
+from cdcd import metrics
+from cdcd.lake.maintenance.autocompact import FilePolicy, bound_changes
+from cdcd.lake.maintenance.compact import compact, state_lag
+from cdcd.lake.maintenance.maintainer import Maintainer, MaintainerOptions
+from cdcd.lake.maintenance.ops import data_files_on_disk
+from cdcd.lake.maintenance.vacuum_rs import sweep_lake
+from cdcd.lake.sink import LakeConsumer, LakeOptions
+from cdcd.lake.table import CHANGES, STATE
+from cdcd.lake.typed.layout import list_tables
+from tests.support.delta_tables import append_changes, change, expected_state, state_rows
+
+HOUR_S = 3600
+
+
+def _tables(lake: Path) -> list[Path]:
+    return [lake / CHANGES, lake / STATE, *(Path(str(p)) for _, p in sorted(list_tables(lake).items()))]
+
+
+def _live(table: Path) -> set[Path]:
+    adds = pa.table(DeltaTable(str(table)).get_add_actions(flatten=True))
+    return {table / p for p in adds.column("path").to_pylist()}
+
+
+def _on_disk(table: Path) -> set[Path]:
+    return {Path(str(p)) for p in data_files_on_disk(table)}
+
+
+def _age(paths: set[Path], hours: float) -> None:
+    then = time.time() - hours * HOUR_S
+    for path in paths:
+        os.utime(path, (then, then))
+
+
+def _fold(lake: Path, rows: list[dict[str, object]], n: int, *, compacted: bool = True) -> None:
+    """Two caches, keys 0-2 updated again: each fold rewrites state's and the typed tables' files and writes the
+    typed tables' change data feed."""
+    new = [change(c, str(k % 3), json.dumps({"n": n, "k": k}), n * 10 + k) for k in range(6) for c in ("a", "b")]
+    rows += new
+    append_changes(lake, new)
+    if compacted:
+        compact(None, lake)
+
+
+def _age_log(table: Path, hours: float, *, commits_after: int | None = None) -> None:
+    """``table``'s removes as if made ``hours`` earlier (a tombstone's age is its ``deletionTimestamp``), and the
+    ``commitInfo.timestamp`` of its commits after version ``commits_after`` (None: none); checkpoints deleted, so
+    readers replay the commits as rewritten."""
+    shift_ms = int(hours * HOUR_S * 1000)
+    log_dir = table / "_delta_log"
+    for path in sorted(log_dir.glob("*.json")):
+        version = int(path.stem)
+        lines, changed = [], False
+        for line in path.read_text().splitlines():
+            action = json.loads(line)
+            info = action.get("commitInfo")
+            if info is not None and "timestamp" in info and commits_after is not None and version > commits_after:
+                info["timestamp"] -= shift_ms
+                changed = True
+            if "remove" in action and action["remove"].get("deletionTimestamp"):
+                action["remove"]["deletionTimestamp"] -= shift_ms
+                changed = True
+            lines.append(json.dumps(action))
+        if changed:  # others left byte for byte: compaction's mark knows the commit it folded to by its bytes
+            path.write_text("\n".join(lines) + "\n")
+    for path in [*log_dir.glob("*.checkpoint*.parquet"), log_dir / "_last_checkpoint"]:
+        path.unlink(missing_ok=True)
+
+
+def _age_all(table: Path, hours: float, *, commits_after: int | None = None) -> None:
+    _age(_on_disk(table), hours)
+    _age_log(table, hours, commits_after=commits_after)
+
+
+def test_vacuum_deletes_what_no_snapshot_names_once_older_than_the_retention(tmp_path: Path) -> None:
+    lake = tmp_path / "lake"
+    rows: list[dict[str, object]] = []
+    for n in range(8):
+        _fold(lake, rows, n)
+    assert bound_changes(lake, FilePolicy(max_files=6)) is not None  # changes' small files rewritten
+    tables = _tables(lake)
+    assert len(tables) == 4
+    hand_set = tables[3]  # a typed table whose owner keeps replaced files two days
+    DeltaTable(str(hand_set)).alter.set_table_properties({"delta.deletedFileRetentionDuration": "interval 48 hours"})
+    live = {t: _live(t) for t in tables}
+    disk = {t: _on_disk(t) for t in tables}
+    for table in tables:
+        assert disk[table] > live[table], table  # replaced files (and the change data feed) stay on disk
+    feed = {p for t in tables for p in disk[t] if "_change_data" in p.parts}
+    assert feed, "the typed tables' MERGEs wrote a change data feed"
+    orphan = lake / CHANGES / "cache=a" / "part-99999-orphan.c000.zstd.parquet"  # a write that never committed
+    orphan.write_bytes(b"PAR1 never committed")
+    for table in tables:
+        _age_all(table, 30)
+    _age({orphan}, 30)
+    in_flight = lake / CHANGES / "cache=b" / "part-99998-in-flight.c000.zstd.parquet"  # written, not committed yet
+    in_flight.write_bytes(b"PAR1 about to commit")
+    assert not state_lag(lake)[2]
+
+    deleted_before = metrics.LAKE.get_sample_value("cdcd_lake_vacuum_deleted_bytes_total", {"table": "state"})
+    swept = sweep_lake(lake, 24)
+
+    for table in tables:
+        left = _on_disk(table)
+        if table == hand_set:
+            assert left == disk[table], "48 h set by hand: nothing of 30 h deleted"
+            continue
+        assert left == live[table] | ({in_flight} if table == lake / CHANGES else set()), table
+        name = table.relative_to(lake).as_posix()
+        assert swept[name].deleted_files == len(disk[table] - live[table]) + (table == lake / CHANGES)
+        assert swept[name].retain_hours == 24
+    assert swept[hand_set.relative_to(lake).as_posix()].retain_hours == 48
+    assert not orphan.exists() and in_flight.exists()
+    assert deleted_before is None  # the maintainer counts bytes; sweep_lake alone does not
+    # Every reader still reads every row.
+    assert state_rows(lake) == expected_state(rows)  # type: ignore[arg-type]
+    assert DeltaTable(str(lake / CHANGES)).to_pyarrow_table().num_rows == len(rows)
+    for table in tables[2:]:
+        assert DeltaTable(str(table)).to_pyarrow_table().num_rows == 3
+    # Nothing more to delete; and compaction goes on past the vacuum's commits in changes' log.
+    again = sweep_lake(lake, 24)
+    assert all(s.deleted_files == 0 for s in again.values()), again
+    ops = [h["operation"] for h in DeltaTable(str(lake / CHANGES)).history(3)]
+    assert ops[:2] == ["VACUUM END", "VACUUM START"], ops
+    _fold(lake, rows, 8)
+    assert state_rows(lake) == expected_state(rows)  # type: ignore[arg-type]
+
+
+def test_changes_keeps_what_compaction_has_yet_to_read_whatever_its_age(tmp_path: Path) -> None:
+    """Commits compaction has not folded: their files stay even once replaced and older than the retention, and
+    compaction folds them after the vacuum. Without the rule they would be deleted (aged 30 h, retention 24 h)."""
+    lake = tmp_path / "lake"
+    rows: list[dict[str, object]] = []
+    _fold(lake, rows, 0)
+    done = DeltaTable(str(lake / CHANGES)).version()
+    for n in range(1, 8):
+        _fold(lake, rows, n, compacted=False)
+    assert bound_changes(lake, FilePolicy(max_files=6)) is not None
+    changes = lake / CHANGES
+    unfolded = _on_disk(changes) - _live(changes)
+    assert unfolded, "the bound replaced files compaction has not read yet"
+    for table in _tables(lake):
+        _age_all(table, 30, commits_after=done if table == changes else None)
+    assert state_lag(lake)[2]
+
+    swept = sweep_lake(lake, 24)
+
+    # 30 h and some seconds behind: 31 whole hours, plus the hour a file may be written before its commit.
+    assert swept[CHANGES].deleted_files == 0 and swept[CHANGES].retain_hours == 32
+    assert unfolded <= _on_disk(changes)
+    compact(None, lake)
+    assert state_rows(lake) == expected_state(rows)  # type: ignore[arg-type]
+    # Folded now: the next vacuum deletes them.
+    swept = sweep_lake(lake, 24)
+    assert swept[CHANGES].retain_hours == 24
+    assert not unfolded & _on_disk(changes)
+
+
+def test_the_maintainer_vacuums_on_its_own_and_counts_the_bytes(tmp_path: Path) -> None:
+    lake = tmp_path / "lake"
+    rows: list[dict[str, object]] = []
+    for n in range(3):
+        _fold(lake, rows, n)
+    state = lake / STATE
+    replaced = _on_disk(state) - _live(state)
+    assert replaced
+    _age_all(state, 2)
+    before = metrics.LAKE.get_sample_value("cdcd_lake_vacuum_deleted_bytes_total", {"table": "state"}) or 0.0
+    size = sum(p.stat().st_size for p in replaced)
+    opts = MaintainerOptions(compact_interval_s=0, optimize_interval_s=0, vacuum_interval_s=0.2, vacuum_retain_hours=1)
+    maintainer = Maintainer(lake, None, opts)
+    maintainer.start()
+    try:
+        deadline = time.monotonic() + 60
+        while maintainer.vacuums < 1:
+            assert maintainer.alive() and time.monotonic() < deadline, maintainer.last_failure
+            time.sleep(0.05)
+    finally:
+        maintainer.stop()
+    assert not replaced & _on_disk(state)
+    after = metrics.LAKE.get_sample_value("cdcd_lake_vacuum_deleted_bytes_total", {"table": "state"})
+    assert after == before + size
+    assert state_rows(lake) == expected_state(rows)  # type: ignore[arg-type]
+
+
+def test_vacuum_settings(tmp_path: Path) -> None:
+    lake = str(tmp_path / "lake")
+    options = LakeOptions(lake_path=lake, writer="deltalake")
+    assert (options.vacuum_interval_s, options.vacuum_retain_hours) == (3600.0, 24)
+    made = options.maintainer_options()
+    assert (made.vacuum_interval_s, made.vacuum_retain_hours) == (3600.0, 24)
+    with pytest.raises(msgspec.ValidationError, match=r"vacuum_retain_hours = 0: must be >= 1"):
+        LakeOptions(lake_path=lake, vacuum_retain_hours=0)
+    with pytest.raises(msgspec.ValidationError, match=r"vacuum_interval_s = -1"):
+        LakeOptions(lake_path=lake, vacuum_interval_s=-1)
+    # In a node's process the daemon's sink maintains the lake: no vacuum there unless asked.
+    realtime = LakeConsumer.from_options({"lake_path": lake}, "realtime_consumer")
+    assert realtime.options.vacuum_interval_s == 0
