@@ -320,6 +320,7 @@ def test_a_lake_daemon_s_last_compaction_and_its_duration(tmp_path: Path, pane: 
         assert snap["consumer"]['cdcd_lake_last_maintenance_duration_seconds{task="compact"}'] == took
         assert lake["table_version"] >= 0 and lake["rows_written"] > 0
         assert lake["last_optimize_unix_s"] is None and lake["last_optimize_seconds"] is None  # optimize is off
+        assert lake["last_vacuum_unix_s"] is None  # the first vacuum runs five minutes after the start
 
         with pane.conf.open("a") as conf:
             conf.write("set -g default-size 160x45\n")
@@ -403,8 +404,10 @@ def test_the_plain_line_and_the_cluster_row_carry_the_same_figures() -> None:
         "# TYPE cdcd_lake_files_per_partition_max gauge\ncdcd_lake_files_per_partition_max 7\n"
         "# TYPE cdcd_lake_last_maintenance_timestamp_seconds gauge\n"
         'cdcd_lake_last_maintenance_timestamp_seconds{task="compact"} 1795720000\n'
+        'cdcd_lake_last_maintenance_timestamp_seconds{task="vacuum"} 1795721400\n'
         "# TYPE cdcd_lake_last_maintenance_duration_seconds gauge\n"
         'cdcd_lake_last_maintenance_duration_seconds{task="compact"} 3.254\n'
+        'cdcd_lake_last_maintenance_duration_seconds{task="vacuum"} 0.41\n'
         "# TYPE cdcd_daemon_dead_letters counter\n"
         'cdcd_daemon_dead_letters_total{cache="a"} 2\n'
     )
@@ -437,4 +440,5 @@ def test_the_plain_line_and_the_cluster_row_carry_the_same_figures() -> None:
     assert re.search(r"│ lake table version +41 │", screen), screen
     assert re.search(r"│ last compaction +19:06:40 UTC, took 3.25 s │", screen), screen
     assert re.search(r"│ last optimize +not yet │", screen), screen
+    assert re.search(r"│ last vacuum +19:30:00 UTC, took 0.41 s │", screen), screen
     assert "cdcd_lake_last_maintenance" not in screen  # shown in words, not again as raw samples

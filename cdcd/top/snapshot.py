@@ -125,6 +125,9 @@ class LakeFigures(msgspec.Struct, frozen=True, kw_only=True):
     """How long that compaction ran."""
     last_optimize_unix_s: float | None
     last_optimize_seconds: float | None
+    last_vacuum_unix_s: float | None = None
+    """End of the last successful scheduled vacuum (docs/lake.md "Disk over time")."""
+    last_vacuum_seconds: float | None = None
 
 
 class ConsumerFigures(msgspec.Struct, frozen=True, kw_only=True):
@@ -746,6 +749,8 @@ def _lake_figures(consumer: Mapping[str, float]) -> LakeFigures | None:
         last_compaction_seconds=task("last_maintenance_duration_seconds", "compact"),
         last_optimize_unix_s=task("last_maintenance_timestamp_seconds", "optimize"),
         last_optimize_seconds=task("last_maintenance_duration_seconds", "optimize"),
+        last_vacuum_unix_s=task("last_maintenance_timestamp_seconds", "vacuum"),
+        last_vacuum_seconds=task("last_maintenance_duration_seconds", "vacuum"),
     )
 
 

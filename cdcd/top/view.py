@@ -190,6 +190,7 @@ def _lake_rows(lake: LakeFigures) -> list[tuple[str, str]]:
         ("files per partition (max)", _num(lake.files_per_partition_max)),
         ("last compaction", _maintenance(lake.last_compaction_unix_s, lake.last_compaction_seconds)),
         ("last optimize", _maintenance(lake.last_optimize_unix_s, lake.last_optimize_seconds)),
+        ("last vacuum", _maintenance(lake.last_vacuum_unix_s, lake.last_vacuum_seconds)),
     ]
 
 
