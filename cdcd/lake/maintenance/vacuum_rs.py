@@ -6,8 +6,9 @@ table's directory (its ``remove`` is a tombstone), and each MERGE into a typed t
 
 Each run vacuums ``changes``, ``state`` and every typed table in delta-rs's full mode, which deletes a file under
 the table that its snapshot does not name once it is older than the retention: a replaced file by its tombstone's
-time (when it was replaced), any other (a change data feed file, an orphan of a write that never committed) by
-its modification time, as Spark's VACUUM does. Not the lite mode: it deletes only tombstones the snapshot still
+time (when it was replaced) while the snapshot still carries the tombstone, any other (one whose tombstone a
+checkpoint dropped, a change data feed file, an orphan of a write that never committed) by its modification
+time, as Spark's VACUUM does. Not the lite mode: it deletes only tombstones the snapshot still
 carries, and ``changes`` keeps those 10 minutes, after which a checkpoint drops them for good. The retention:
 
 - ``retain_hours`` (``vacuum_retain_hours``), or a table's ``delta.deletedFileRetentionDuration`` where it is set
