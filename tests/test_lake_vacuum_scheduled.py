@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +27,11 @@ from cdcd.lake.sink import LakeConsumer, LakeOptions
 from cdcd.lake.table import CHANGES, STATE
 from cdcd.lake.typed.layout import list_tables
 from tests.support.delta_tables import append_changes, change, expected_state, state_rows
+from tests.support.lake import run_to_end, wait_started, write_config
+from tests.support.lake_rewrites import same_rows_as_wal
+from tests.support.procs import log_events, stop_daemon, wait_for
+from tests.support.wal import wal_events
+from tests.support.writer import make_node, start_writer
 
 HOUR_S = 3600
 
@@ -211,3 +219,88 @@ def test_vacuum_settings(tmp_path: Path) -> None:
     # In a node's process the daemon's sink maintains the lake: no vacuum there unless asked.
     realtime = LakeConsumer.from_options({"lake_path": lake}, "realtime_consumer")
     assert realtime.options.vacuum_interval_s == 0
+
+
+@pytest.mark.timeout(600)
+def test_a_live_daemon_vacuums_beside_landing_and_compaction_and_loses_nothing(tmp_path: Path) -> None:
+    """`cdcd run` lands live transactions with the JVM-free writer, compacts every 2 s and vacuums every second
+    (retention 1 h) while old orphans keep appearing in `changes`, `state` and a typed table (writes that never
+    committed, two hours old): the vacuums delete them and commit beside the sink's batches, the bound's rewrites
+    and compaction's MERGEs. No maintenance run fails, every WAL entry is in `changes` exactly once and `state` is
+    the WAL's fold; a last vacuum leaves none of the orphans."""
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    make_node(node_dir, segments=1, tx_per_segment=5)
+    consumer = {
+        "kind": "lake",
+        "lake_path": str(lake),
+        "writer": "deltalake",
+        "compact_interval_s": 2.0,
+        "optimize_interval_s": 10.0,
+        "vacuum_interval_s": 1.0,
+        "vacuum_retain_hours": 1,
+    }
+    config = write_config(tmp_path / "cdcd.toml", node_dir, consumer, batch_max_delay_ms=100)
+    err = tmp_path / "daemon.err"
+    proc = subprocess.Popen([sys.executable, "-m", "cdcd", "run", "--config", str(config)], stderr=err.open("wb"))
+    planted: list[Path] = []
+    stop = threading.Event()
+
+    def plant() -> None:
+        """An old orphan in each table's directory every half second, once the table exists."""
+        while not stop.wait(0.5):
+            tables = [lake / CHANGES, lake / STATE, *(Path(str(p)) for p in list(list_tables(lake).values())[:1])]
+            for table in tables:
+                if not (table / "_delta_log").is_dir():
+                    continue
+                where = table / "cache=orders" if table.name in (CHANGES, STATE) else table
+                where.mkdir(exist_ok=True)
+                orphan = where / f"part-{len(planted):05d}-orphan-never-committed.c000.zstd.parquet"
+                orphan.write_bytes(b"PAR1 never committed")
+                _age({orphan}, 2)
+                planted.append(orphan)
+
+    def vacuums() -> list[dict[str, object]]:
+        return [e for e in log_events(err) if e["event"] == "lake_maintenance_vacuumed"]
+
+    planter = threading.Thread(target=plant, daemon=True)
+    load = None
+    try:
+        wait_started(proc, err, timeout=240)
+        load = start_writer(tmp_path, node_dir, pause_ms=20)
+        planter.start()
+        wait_for(lambda: proc.poll() is not None or len(vacuums()) >= 10, 300, "ten vacuums beside the landing")
+        (tmp_path / "writer.stop").touch()
+        assert load.wait(120) == 0
+    finally:
+        stop.set()
+        planter.join(10)
+        (tmp_path / "writer.stop").touch()
+        if load is not None:
+            load.wait(120)
+        rc = stop_daemon(proc, timeout=120)
+    events = log_events(err)
+    assert rc == 0, err.read_text()[-3000:]
+    assert not [e for e in events if e["event"] == "lake_maintenance_failed"], err.read_text()[-3000:]
+    swept = [e for e in events if e["event"] == "lake_vacuumed"]
+    assert {e["table"] for e in swept} >= {CHANGES, STATE}, swept[-5:]
+    assert sum(int(e["deleted"]) for e in swept) >= 10  # type: ignore[call-overload]
+    gone = [p for p in planted if not p.exists()]
+    assert len(gone) >= 10, (len(gone), len(planted))
+    for table in (lake / CHANGES, lake / STATE):
+        ops = [h["operation"] for h in DeltaTable(str(table)).history()]
+        assert "VACUUM END" in ops, (table, ops[:10])
+    run_to_end(config, node_dir, tmp_path / "daemon-final.err")
+    wal = wal_events(node_dir)
+    same_rows_as_wal(lake, wal)
+    compact(None, lake)
+    folded: dict[tuple[str, str], object] = {}
+    for e in wal:
+        k = (e["cache"], json.dumps(e["key"]))
+        if e["op"] == "delete":
+            folded.pop(k, None)
+        else:
+            folded[k] = e["value"]
+    got = {(c, json.dumps(json.loads(k))): json.loads(v) for (c, k), v in state_rows(lake).items()}
+    assert got == folded
+    sweep_lake(lake, 1)
+    assert not [p for p in planted if p.exists()]
