@@ -109,6 +109,7 @@ _LONGEST_FIRST = (
     "test_lake_ops.py",
     "test_lake_tables.py",
     "test_lake_small_files.py",
+    "test_lake_vacuum_scheduled.py",
     "test_demo.py",
     "test_kafka_sink.py",
     "test_upgrade.py",

@@ -259,8 +259,10 @@ def test_a_live_daemon_vacuums_beside_landing_and_compaction_and_loses_nothing(t
                 _age({orphan}, 2)
                 planted.append(orphan)
 
-    def vacuums() -> list[dict[str, object]]:
-        return [e for e in log_events(err) if e["event"] == "lake_maintenance_vacuumed"]
+    def swept_both() -> bool:
+        """A vacuum has deleted orphans of `changes` and of `state` (each beside the landing and compaction)."""
+        tables = {e["table"] for e in log_events(err) if e["event"] == "lake_vacuumed"}
+        return {CHANGES, STATE} <= tables
 
     planter = threading.Thread(target=plant, daemon=True)
     load = None
@@ -268,7 +270,9 @@ def test_a_live_daemon_vacuums_beside_landing_and_compaction_and_loses_nothing(t
         wait_started(proc, err, timeout=240)
         load = start_writer(tmp_path, node_dir, pause_ms=20)
         planter.start()
-        wait_for(lambda: proc.poll() is not None or len(vacuums()) >= 10, 300, "ten vacuums beside the landing")
+        wait_for(
+            lambda: proc.poll() is not None or swept_both(), 300, "vacuums of changes and state beside the landing"
+        )
         (tmp_path / "writer.stop").touch()
         assert load.wait(120) == 0
     finally:
@@ -283,9 +287,10 @@ def test_a_live_daemon_vacuums_beside_landing_and_compaction_and_loses_nothing(t
     assert not [e for e in events if e["event"] == "lake_maintenance_failed"], err.read_text()[-3000:]
     swept = [e for e in events if e["event"] == "lake_vacuumed"]
     assert {e["table"] for e in swept} >= {CHANGES, STATE}, swept[-5:]
-    assert sum(int(e["deleted"]) for e in swept) >= 10  # type: ignore[call-overload]
+    # The vacuums' reports count the files of their plan (one planted between a plan and its run is deleted too,
+    # uncounted): never more than the orphans gone. That nothing else went, the rows below show.
     gone = [p for p in planted if not p.exists()]
-    assert len(gone) >= 10, (len(gone), len(planted))
+    assert 2 <= sum(int(str(e["deleted"])) for e in swept) <= len(gone), (len(gone), swept)
     for table in (lake / CHANGES, lake / STATE):
         ops = [h["operation"] for h in DeltaTable(str(table)).history()]
         assert "VACUUM END" in ops, (table, ops[:10])
