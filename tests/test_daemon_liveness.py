@@ -30,7 +30,7 @@ from tests.support.procs import (
     stop_daemon,
     wait_for,
 )
-from tests.support.wal import cdc_links, read_jsonl, wal_events
+from tests.support.wal import cdc_links, jsonl_lines, wal_events
 from tests.support.writer import make_node, start_writer, tx_writes
 
 CONSUMERS = textwrap.dedent(
@@ -235,7 +235,7 @@ def test_metrics_after_catch_up_and_while_waiting_for_a_segment_roll(tmp_path: P
     node = Node.open(node_dir, **settings)  # realtime off: its start record makes the daemon ACTIVE
     proc = start_daemon(config, tmp_path / "run.err")
     try:
-        wait_for(lambda: len(read_jsonl(out)) == expected, 60, "the backlog delivered")
+        wait_for(lambda: jsonl_lines(out) == expected, 60, "the backlog delivered")
         s = wait_for(
             lambda: (m := try_scrape(port)) and value(m, "cdcd_daemon_links_deleted_total") >= 3 and m, 60, "commits"
         )
@@ -260,7 +260,7 @@ def test_metrics_after_catch_up_and_while_waiting_for_a_segment_roll(tmp_path: P
         wait_for(lambda: value(scrape(port, timeout=10), "cdcd_daemon_lag_seconds") > lag, 60, "a growing lag")
 
         node.force_archive()
-        wait_for(lambda: len(read_jsonl(out)) > expected, 60, "the rolled segment delivered")
+        wait_for(lambda: jsonl_lines(out) > expected, 60, "the rolled segment delivered")
         wait_for(lambda: value(scrape(port, timeout=10), "cdcd_daemon_lag_seconds") == 0, 60, "lag back to 0")
     finally:
         node.close()

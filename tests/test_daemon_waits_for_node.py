@@ -16,7 +16,7 @@ from tests.support.chaos import scrape
 from tests.support.config import jsonl_consumer, write_daemon_config
 from tests.support.ports import free_port
 from tests.support.procs import child_env, reap, stop_daemon, wait_for
-from tests.support.wal import read_jsonl, wal_events
+from tests.support.wal import jsonl_lines, read_jsonl, wal_events
 from tests.support.writer import make_node
 
 WATCHDOG_USEC = 200_000
@@ -80,9 +80,7 @@ def test_daemon_waits_for_its_node_then_delivers_exactly(tmp_path: Path) -> None
         make_node(node_dir, segments=3, tx_per_segment=20)
         expected = wal_events(node_dir)
         assert len(expected) > 100
-        wait_for(
-            lambda: (out.exists() and len(read_jsonl(out)) >= len(expected)) or proc.poll() is not None, 120, "delivery"
-        )
+        wait_for(lambda: jsonl_lines(out) >= len(expected) or proc.poll() is not None, 120, "delivery")
         assert proc.poll() is None, err.read_text()[-3000:]
         assert stop_daemon(proc, timeout=60) == 0, err.read_text()[-3000:]
     finally:
@@ -189,9 +187,7 @@ def test_a_daemon_started_while_its_node_opens_waits_for_its_answer(tmp_path: Pa
         assert writer.wait(120) == 0, (tmp_path / "writer.log").read_text()[-3000:]
         expected = wal_events(node_dir)
         assert len(expected) > 1000
-        wait_for(
-            lambda: (out.exists() and len(read_jsonl(out)) >= len(expected)) or proc.poll() is not None, 120, "delivery"
-        )
+        wait_for(lambda: jsonl_lines(out) >= len(expected) or proc.poll() is not None, 120, "delivery")
         assert proc.poll() is None, err.read_text()[-3000:]
         assert stop_daemon(proc, timeout=60) == 0, err.read_text()[-3000:]
     finally:

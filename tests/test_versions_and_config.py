@@ -37,7 +37,7 @@ from cdcd.sinks import load_consumer
 from cdcd.version import release, version
 from tests.support.config import write_daemon_config
 from tests.support.procs import ROOT, cdcd, child_env, log_events, reap, start_daemon, stop_daemon, wait_for
-from tests.support.wal import read_jsonl, wal_events
+from tests.support.wal import jsonl_lines, read_jsonl, wal_events
 from tests.support.writer import make_node
 
 PYPROJECT_VERSION: str = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
@@ -293,7 +293,7 @@ def test_cdcd_run_reads_old_spellings_warns_and_delivers_as_the_new_ones(tmp_pat
     err = tmp_path / "err"
     proc = start_daemon(config, err)
     try:
-        wait_for(lambda: len(read_jsonl(out)) >= len(expected) or proc.poll() is not None, 60, "delivery")
+        wait_for(lambda: jsonl_lines(out) >= len(expected) or proc.poll() is not None, 60, "delivery")
         assert stop_daemon(proc) == 0, err.read_text()[-3000:]
     finally:
         reap(proc)

@@ -64,6 +64,14 @@ def wal_events(node_dir: Path, *, upto: int | None = None) -> list[dict[str, Any
     return out
 
 
+def jsonl_lines(path: Path) -> int:
+    """Whole lines in a jsonl file a daemon may be appending to this moment (a partial last line not counted):
+    what a test waits on, where ``read_jsonl`` would see the line half written."""
+    if not path.exists():
+        return 0
+    return path.read_bytes().count(b"\n")
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
