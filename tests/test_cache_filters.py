@@ -28,7 +28,7 @@ from cdcd.sinks.null import NullConsumer
 from tests.support.config import write_daemon_config
 from tests.support.kafka import Broker, kafka_broker, read_topic
 from tests.support.procs import cdcd, wait_for
-from tests.support.wal import read_jsonl, wal_events
+from tests.support.wal import read_jsonl, wal_events, whole_jsonl
 
 __all__ = ["kafka_broker"]  # the fixture, used by name
 
@@ -360,7 +360,7 @@ def test_realtime_consumer(tmp_path: Path, keys: dict[str, Any], delivered: list
         write_workload(node)
         node.cache("people").put(999, "last")  # the last event: every filter delivers it
         node.flush()
-        wait_for(lambda: out.exists() and any(e.get("key") == 999 for e in read_jsonl(out)), 60,
+        wait_for(lambda: any(e.get("key") == 999 for e in whole_jsonl(out)), 60,
                  "the realtime consumer to get the last event")  # fmt: skip
     lines = read_jsonl(out)
     got = [(e["cache"], e["op"], e["key"], tuple(e["pos"])) for e in lines if "pos" in e]

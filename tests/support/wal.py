@@ -72,6 +72,14 @@ def jsonl_lines(path: Path) -> int:
     return path.read_bytes().count(b"\n")
 
 
+def whole_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The whole lines of a jsonl file a process may be appending to this moment (a partial last line left out)."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    return [json.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines()]
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
