@@ -33,7 +33,7 @@ from tests.support.delta_lake import check_moment, lake_rows, land_each_record, 
 from tests.support.lake import position, process_tree, run_to_end, wait_gone, wait_started, write_config
 from tests.support.lake_rewrites import orphans, rewrites, same_rows_as_wal, split_orphans
 from tests.support.procs import child_env, stop_daemon, wait_for
-from tests.support.wal import wal_events
+from tests.support.wal import wal_events, wal_fold
 from tests.support.writer import WRITER_NODE_SETTINGS, make_node, start_writer
 
 CDCD = [sys.executable, "-m", "cdcd"]
@@ -152,14 +152,7 @@ def test_the_sink_bounds_every_partition_after_every_commit_and_no_row_moves(spa
             )
     compact(spark, lake)
     state = pa.table(DeltaTable(str(lake / STATE)).to_pyarrow_table())
-    live: dict[tuple[str, str], Any] = {}
-    for e in events:
-        ck = (e["cache"], json.dumps(e["key"]))
-        if e["op"] == "delete":
-            live.pop(ck, None)
-        else:
-            live[ck] = e["value"]
-    assert {(r["cache"], r["key"]): json.loads(r["value"]) for r in state.to_pylist()} == live
+    assert {(r["cache"], r["key"]): json.loads(r["value"]) for r in state.to_pylist()} == wal_fold(events)
 
 
 def test_the_jvm_free_rewrite_and_sparks_optimize_give_the_same_table(spark: Any, tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from tests.support.delta_tables import append_changes, change, expected_state, s
 from tests.support.lake import run_to_end, wait_started, write_config
 from tests.support.lake_rewrites import same_rows_as_wal
 from tests.support.procs import log_events, stop_daemon, wait_for
-from tests.support.wal import wal_events
+from tests.support.wal import wal_events, wal_fold
 from tests.support.writer import make_node, start_writer
 
 HOUR_S = 3600
@@ -298,14 +298,7 @@ def test_a_live_daemon_vacuums_beside_landing_and_compaction_and_loses_nothing(t
     wal = wal_events(node_dir)
     same_rows_as_wal(lake, wal)
     compact(None, lake)
-    folded: dict[tuple[str, str], object] = {}
-    for e in wal:
-        k = (e["cache"], json.dumps(e["key"]))
-        if e["op"] == "delete":
-            folded.pop(k, None)
-        else:
-            folded[k] = e["value"]
     got = {(c, json.dumps(json.loads(k))): json.loads(v) for (c, k), v in state_rows(lake).items()}
-    assert got == folded
+    assert got == wal_fold(wal)
     sweep_lake(lake, 1)
     assert not [p for p in planted if p.exists()]

@@ -64,6 +64,19 @@ def wal_events(node_dir: Path, *, upto: int | None = None) -> list[dict[str, Any
     return out
 
 
+def wal_fold(events: list[dict[str, Any]]) -> dict[tuple[str, str], Any]:
+    """What ``state`` holds after ``events`` (``wal_events``, in WAL order): (cache, key as JSON text) -> the last
+    value, deleted keys left out."""
+    live: dict[tuple[str, str], Any] = {}
+    for e in events:
+        ck = (e["cache"], json.dumps(e["key"]))
+        if e["op"] == "delete":
+            live.pop(ck, None)
+        else:
+            live[ck] = e["value"]
+    return live
+
+
 def jsonl_lines(path: Path) -> int:
     """Whole lines in a jsonl file a daemon may be appending to this moment (a partial last line not counted):
     what a test waits on, where ``read_jsonl`` would see the line half written."""
