@@ -11,18 +11,21 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
 
 from cdcd import metrics
+from cdcd.lake.deltalog import last_checkpoint
 from cdcd.lake.maintenance.autocompact import FilePolicy, bound_changes
 from cdcd.lake.maintenance.compact import compact, state_lag
 from cdcd.lake.maintenance.maintainer import Maintainer, MaintainerOptions
-from cdcd.lake.maintenance.ops import data_files_on_disk
-from cdcd.lake.maintenance.vacuum_rs import sweep_lake
+from cdcd.lake.maintenance.ops import data_files_on_disk, optimize
+from cdcd.lake.maintenance.vacuum_rs import RETENTION, SET_BY_CDCD, sweep_lake
 from cdcd.lake.sink import LakeConsumer, LakeOptions
 from cdcd.lake.table import CHANGES, STATE
 from cdcd.lake.typed.layout import list_tables
@@ -147,6 +150,87 @@ def test_vacuum_deletes_what_no_snapshot_names_once_older_than_the_retention(tmp
     assert ops[:2] == ["VACUUM END", "VACUUM START"], ops
     _fold(lake, rows, 8)
     assert state_rows(lake) == expected_state(rows)  # type: ignore[arg-type]
+
+
+def _tombstones_checkpointed(table: Path) -> int:
+    """Tombstones (``remove`` actions) a checkpoint of ``table`` written now carries."""
+    DeltaTable(str(table)).create_checkpoint()
+    found = last_checkpoint(table)
+    assert found is not None, table
+    parts = sorted((table / "_delta_log").glob(f"{found[0]:020d}.checkpoint*.parquet"))
+    return sum(pq.read_table(p, columns=["remove"]).column("remove").drop_null().__len__() for p in parts)
+
+
+def _retention(table: Path) -> tuple[str | None, str | None]:
+    conf = DeltaTable(str(table)).metadata().configuration
+    return conf.get(RETENTION), conf.get(SET_BY_CDCD)
+
+
+def test_tombstones_are_kept_as_long_as_the_vacuum_keeps_files_and_follow_its_setting(tmp_path: Path) -> None:
+    """Delta's week of tombstones would ride in every checkpoint of state and the typed tables: the vacuum sets their
+    retention to its own, moves it when the setting changes, and leaves changes' 10 minutes and a value set by hand
+    (before or after cdcd set one) alone."""
+    lake = tmp_path / "lake"
+    rows: list[dict[str, object]] = []
+    for n in range(6):
+        _fold(lake, rows, n)
+    changes, state, typed_a, typed_b = _tables(lake)
+    DeltaTable(str(typed_b)).alter.set_table_properties({RETENTION: "interval 48 hours"})
+    for table in (state, typed_a, typed_b):
+        _age_all(table, 30)
+        assert _retention(table)[1] is None
+    # Replaced 30 h ago: under Delta's default week, a checkpoint carries them.
+    before = {t: _tombstones_checkpointed(t) for t in (state, typed_a, typed_b)}
+    assert all(before.values()), before
+
+    sweep_lake(lake, 24)
+
+    for table in (state, typed_a):
+        assert _retention(table) == ("interval 24 hours", "interval 24 hours"), table
+        assert _tombstones_checkpointed(table) == 0, table  # older than 24 h: dropped
+    assert _retention(typed_b) == ("interval 48 hours", None)
+    assert _tombstones_checkpointed(typed_b) == before[typed_b]  # 30 h < its own 48 h: carried
+    assert _retention(changes) == ("interval 10 minutes", None)
+
+    # The setting changes: cdcd's value follows it; by hand (here after cdcd set one) it is kept.
+    DeltaTable(str(typed_a)).alter.set_table_properties({RETENTION: "interval 72 hours"})
+    sweep_lake(lake, 12)
+    assert _retention(state) == ("interval 12 hours", "interval 12 hours")
+    assert _retention(typed_a) == ("interval 72 hours", "interval 24 hours")
+    assert _retention(typed_b) == ("interval 48 hours", None)
+    version = DeltaTable(str(state)).version()
+    sweep_lake(lake, 12)
+    assert DeltaTable(str(state)).version() == version  # set already: no commit
+
+    # Every reader still reads every row, and compaction goes on past the property commits.
+    _fold(lake, rows, 6)
+    assert state_rows(lake) == expected_state(rows)  # type: ignore[arg-type]
+    for table in (typed_a, typed_b):
+        assert DeltaTable(str(table)).to_pyarrow_table().num_rows == 3
+
+
+def test_spark_compacts_optimizes_and_reads_tables_with_cdcds_retention(tmp_path: Path, spark: Any) -> None:
+    """The Spark writer's maintenance on tables the vacuum set the retention on: Delta's Spark takes the
+    ``cdcd.`` property beside its own (its MERGE, OPTIMIZE and reads), and the files they replace have their
+    tombstones dropped once older than the retention."""
+    lake = tmp_path / "lake"
+    rows: list[dict[str, object]] = []
+    for n in range(3):
+        _fold(lake, rows, n)
+    sweep_lake(lake, 24)
+    state = lake / STATE
+    assert _retention(state) == ("interval 24 hours", "interval 24 hours")
+    for n in range(3, 5):
+        new = [change(c, str(k % 3), json.dumps({"n": n, "k": k}), n * 10 + k) for k in range(6) for c in ("a", "b")]
+        rows += new
+        append_changes(lake, new)
+        compact(spark, lake)
+    optimize(spark, lake)
+    assert _retention(state) == ("interval 24 hours", "interval 24 hours")
+    assert state_rows(lake) == expected_state(rows)  # type: ignore[arg-type]
+    assert spark.read.format("delta").load(str(state)).count() == 6
+    _age_all(state, 30)  # Spark's MERGEs and OPTIMIZE replaced files too: dropped once older than 24 h
+    assert _tombstones_checkpointed(state) == 0
 
 
 def test_changes_keeps_what_compaction_has_yet_to_read_whatever_its_age(tmp_path: Path) -> None:

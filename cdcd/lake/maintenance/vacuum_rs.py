@@ -17,6 +17,16 @@ carries, and ``changes`` keeps those 10 minutes, after which a checkpoint drops 
   the files those commits added, replaced by the bound since or not. A compaction stopped for days keeps its
   files that long (``cdcd lake vacuum`` refuses instead).
 
+Tombstones follow the same retention. A table's checkpoint carries every tombstone younger than its
+``delta.deletedFileRetentionDuration``, Delta's week by default, and each open of the table reads them: compaction
+replaces files of ``state`` and of the typed tables every run, so a week of them makes every open and every
+checkpoint of those tables slower by the day. Before each run the vacuum sets the property on ``state`` and the
+typed tables to ``retain_hours`` (``align_tombstones``): a checkpoint then drops a tombstone once the vacuum would
+delete its file anyway (from then on the vacuum judges the file by its modification time, which is older). The value
+cdcd set is kept beside it (``cdcd.deletedFileRetentionDuration``), so a change of ``vacuum_retain_hours`` moves
+it and a value set by hand (one that differs from cdcd's record) is never touched. Not on ``changes``, which
+keeps its own 10 minutes (its vacuum keeps what compaction has yet to read by commit times, not tombstones).
+
 A batch written and not yet committed is seconds old, never as old as the shortest retention (an hour), so it is
 never deleted. A reader of a snapshot older than the retention may miss a file it names: time travel, the typed
 tables' change data feed and a query in flight reach back ``retain_hours``.
@@ -41,6 +51,10 @@ from cdcd.lake.table import CHANGES
 
 log = structlog.get_logger("cdcd.lake")
 
+RETENTION = "delta.deletedFileRetentionDuration"
+SET_BY_CDCD = "cdcd.deletedFileRetentionDuration"
+"""Beside ``RETENTION``: the value cdcd set. Equal to it, the retention is cdcd's to move; different, set by hand."""
+
 HOUR_MS = 3_600_000
 KEEP_MARGIN_HOURS = 1
 """Kept beyond the first commit compaction has not folded: a file is written before the commit that adds it."""
@@ -58,7 +72,7 @@ class Swept:
 def table_retain_hours(dt: DeltaTable, retain_hours: int) -> int:
     """``retain_hours``, or the table's ``delta.deletedFileRetentionDuration`` where set and longer (whole hours,
     rounded up). An unreadable value keeps the longer of the two that Delta would use (its default, a week)."""
-    text = dt.metadata().configuration.get("delta.deletedFileRetentionDuration")
+    text = dt.metadata().configuration.get(RETENTION)
     if not text:
         return retain_hours
     try:
@@ -66,6 +80,21 @@ def table_retain_hours(dt: DeltaTable, retain_hours: int) -> int:
     except ValueError:
         own_ms = 7 * 24 * HOUR_MS
     return max(retain_hours, math.ceil(own_ms / HOUR_MS))
+
+
+def align_tombstones(dt: DeltaTable, retain_hours: int) -> str | None:
+    """``dt``'s tombstone retention set to ``retain_hours`` in one metadata commit (``dt`` brought up to date
+    after it) unless it is that already or was set by hand; returns the value set, or None."""
+    conf = dt.metadata().configuration
+    have = conf.get(RETENTION)
+    if have is not None and have != conf.get(SET_BY_CDCD):
+        return None
+    want = f"interval {retain_hours} hours"
+    if have == want:
+        return None
+    dt.alter.set_table_properties({RETENTION: want, SET_BY_CDCD: want}, raise_if_not_exists=False)
+    dt.update_incremental()
+    return want
 
 
 def changes_keep_hours(lake: LakeDir, now_ms: int) -> int | None:
@@ -128,6 +157,10 @@ def sweep_lake(lake: LakeDir, retain_hours: int, *, now_ms: int | None = None) -
         if not is_delta(path):
             continue
         dt = open_delta(path)
+        if name != CHANGES:
+            aligned = align_tombstones(dt, retain_hours)
+            if aligned is not None:
+                log.info("lake_tombstone_retention_set", table=name, retention=aligned)
         hours = table_retain_hours(dt, retain_hours)
         if name == CHANGES:
             keep = changes_keep_hours(lake, now_ms)
