@@ -14,12 +14,15 @@ from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError
 
 from cdcd import metrics
+from cdcd.lake.cuts import latest_cut
 from cdcd.lake.deltalog import app_transactions, configuration
 from cdcd.lake.landing.delta import ChangeTable
 from cdcd.lake.maintenance.compact import compact, compacted_version
 from cdcd.lake.maintenance.log_cleanup import clean_log, clean_logs, interval_ms
 from cdcd.lake.maintenance.maintainer import Maintainer, MaintainerOptions
+from cdcd.lake.reading.readers import polars_frames
 from cdcd.lake.table import CHANGES, CHANGES_LOG_PROPERTIES
+from cdcd.lake.typed.layout import list_tables
 from tests.support.delta_tables import append_changes, change, expected_state, state_rows
 from tests.support.procs import wait_for
 
@@ -204,3 +207,30 @@ def test_the_properties_read_from_the_log_are_what_delta_rs_reads(tmp_path: Path
     fresh = DeltaTable(str(changes))
     assert configuration(changes) == fresh.metadata().configuration
     assert configuration(changes)["delta.logRetentionDuration"] == "interval 3 hours"
+
+
+def test_a_typed_tables_log_keeps_the_version_the_latest_cut_names(tmp_path: Path) -> None:
+    """A typed table with a log retention of a millisecond and commits after the version the latest cut names
+    (a property, rewrites that change no rows), checkpointed after them: the cleanup keeps the log from that
+    version on, since readers open the table there; without the rule it would keep only the checkpoint's."""
+    lake = tmp_path / "lake"
+    _commits(lake, 0, 4)
+    compact(None, lake)
+    cut = latest_cut(lake)
+    assert cut is not None
+    typed = Path(str(list_tables(lake)["orders"]))
+    named = cut.tables["orders"]
+    dt = DeltaTable(str(typed))
+    dt.alter.set_table_properties({"delta.logRetentionDuration": "interval 1 milliseconds"})
+    for _ in range(2):
+        dt.optimize.z_order(["key"])
+    dt.create_checkpoint()
+    assert dt.version() > named + 2 and _checkpoints(typed)[-1] == dt.version()
+    before = {cache: f.rows() for cache, f in polars_frames(lake).items()}
+    time.sleep(0.01)
+
+    done = clean_logs(lake, compacted_version(lake))
+
+    assert done["tables/orders"].kept_from <= named
+    assert DeltaTable(str(typed), version=named).version() == named
+    assert {cache: f.rows() for cache, f in polars_frames(lake).items()} == before

@@ -20,14 +20,17 @@ import pytest
 from deltalake import DeltaTable
 
 from cdcd import metrics
+from cdcd.lake.cuts import latest_cut
 from cdcd.lake.deltalog import last_checkpoint
 from cdcd.lake.maintenance.autocompact import FilePolicy, bound_changes
 from cdcd.lake.maintenance.compact import compact, state_lag
+from cdcd.lake.maintenance.log_cleanup import clean_logs
 from cdcd.lake.maintenance.maintainer import Maintainer, MaintainerOptions
 from cdcd.lake.maintenance.ops import data_files_on_disk, optimize
-from cdcd.lake.maintenance.vacuum_rs import RETENTION, SET_BY_CDCD, sweep_lake
+from cdcd.lake.maintenance.vacuum_rs import EXPIRED_LOG_CLEANUP, LOG_RETENTION, RETENTION, SET_BY_CDCD, sweep_lake
+from cdcd.lake.reading.readers import polars_frames
 from cdcd.lake.sink import LakeConsumer, LakeOptions
-from cdcd.lake.table import CHANGES, STATE
+from cdcd.lake.table import CHANGES, CHANGES_LOG_PROPERTIES, CUTS, STATE
 from cdcd.lake.typed.layout import list_tables
 from tests.support.delta_tables import append_changes, change, expected_state, state_rows
 from tests.support.lake import run_to_end, wait_started, write_config
@@ -161,52 +164,81 @@ def _tombstones_checkpointed(table: Path) -> int:
     return sum(pq.read_table(p, columns=["remove"]).column("remove").drop_null().__len__() for p in parts)
 
 
-def _retention(table: Path) -> tuple[str | None, str | None]:
+def _retention(table: Path, prop: str = RETENTION) -> tuple[str | None, str | None]:
+    """``prop`` of ``table`` and cdcd's note of the value it set."""
     conf = DeltaTable(str(table)).metadata().configuration
-    return conf.get(RETENTION), conf.get(SET_BY_CDCD)
+    return conf.get(prop), conf.get(SET_BY_CDCD[prop])
 
 
-def test_tombstones_are_kept_as_long_as_the_vacuum_keeps_files_and_follow_its_setting(tmp_path: Path) -> None:
-    """Delta's week of tombstones would ride in every checkpoint of state and the typed tables: the vacuum sets their
-    retention to its own, moves it when the setting changes, and leaves changes' 10 minutes and a value set by hand
-    (before or after cdcd set one) alone."""
+def _age_log_files(table: Path, hours: float) -> None:
+    """Every file of ``table``'s log ``hours`` old (the log cleanup takes a commit file's time as the commit's)."""
+    then = time.time() - hours * HOUR_S
+    for path in (table / "_delta_log").iterdir():
+        if path.is_file():
+            os.utime(path, (then, then))
+
+
+def test_tombstones_and_the_log_are_kept_as_long_as_the_files_and_follow_the_setting(tmp_path: Path) -> None:
+    """Delta's week of tombstones would ride in every checkpoint of state and the typed tables, and its 30 days of
+    log be listed at every open of those and of _cuts: the vacuum sets both retentions to its own, moves them when
+    the setting changes, and leaves changes' own and a value set by hand (before or after cdcd set one) alone."""
     lake = tmp_path / "lake"
     rows: list[dict[str, object]] = []
     for n in range(6):
         _fold(lake, rows, n)
     changes, state, typed_a, typed_b = _tables(lake)
+    cuts = lake / CUTS
     DeltaTable(str(typed_b)).alter.set_table_properties({RETENTION: "interval 48 hours"})
     for table in (state, typed_a, typed_b):
         _age_all(table, 30)
-        assert _retention(table)[1] is None
+        assert _retention(table)[1] is None and _retention(table, LOG_RETENTION) == (None, None)
     # Replaced 30 h ago: under Delta's default week, a checkpoint carries them.
     before = {t: _tombstones_checkpointed(t) for t in (state, typed_a, typed_b)}
     assert all(before.values()), before
+    DeltaTable(str(cuts)).create_checkpoint()
+    for table in (state, cuts):
+        _age_log_files(table, 30)
+    kept = clean_logs(lake, state_lag(lake)[1])
+    assert kept[STATE].deleted == kept[CUTS].deleted == 0  # 30 h of log kept under Delta's 30 days
 
     sweep_lake(lake, 24)
 
     for table in (state, typed_a):
         assert _retention(table) == ("interval 24 hours", "interval 24 hours"), table
         assert _tombstones_checkpointed(table) == 0, table  # older than 24 h: dropped
+    for table in (state, typed_a, typed_b, cuts):
+        assert _retention(table, LOG_RETENTION) == ("interval 24 hours", "interval 24 hours"), table
     assert _retention(typed_b) == ("interval 48 hours", None)
     assert _tombstones_checkpointed(typed_b) == before[typed_b]  # 30 h < its own 48 h: carried
-    assert _retention(changes) == ("interval 10 minutes", None)
+    assert changes_conf(changes) == (CHANGES_LOG_PROPERTIES[RETENTION], CHANGES_LOG_PROPERTIES[LOG_RETENTION])
+    _fold(lake, rows, 6)
+    clean_logs(lake, state_lag(lake)[1])  # what the maintainer does after each compaction (and delta-rs at a
+    for table in (state, cuts):  # checkpoint of a table with its own cleanup on): 30 h is past the retention now
+        assert min(int(p.name[:20]) for p in (table / "_delta_log").glob("*.json")) > 0, table
 
     # The setting changes: cdcd's value follows it; by hand (here after cdcd set one) it is kept.
     DeltaTable(str(typed_a)).alter.set_table_properties({RETENTION: "interval 72 hours"})
     sweep_lake(lake, 12)
     assert _retention(state) == ("interval 12 hours", "interval 12 hours")
     assert _retention(typed_a) == ("interval 72 hours", "interval 24 hours")
+    assert _retention(typed_a, LOG_RETENTION) == ("interval 12 hours", "interval 12 hours")
     assert _retention(typed_b) == ("interval 48 hours", None)
     version = DeltaTable(str(state)).version()
     sweep_lake(lake, 12)
     assert DeltaTable(str(state)).version() == version  # set already: no commit
 
     # Every reader still reads every row, and compaction goes on past the property commits.
-    _fold(lake, rows, 6)
+    _fold(lake, rows, 7)
     assert state_rows(lake) == expected_state(rows)  # type: ignore[arg-type]
     for table in (typed_a, typed_b):
         assert DeltaTable(str(table)).to_pyarrow_table().num_rows == 3
+    assert {cache: f.height for cache, f in polars_frames(lake).items()} == {"a": 3, "b": 3}
+
+
+def changes_conf(changes: Path) -> tuple[str | None, str | None]:
+    conf = DeltaTable(str(changes)).metadata().configuration
+    assert not any(k.startswith("cdcd.") for k in conf), conf
+    return conf.get(RETENTION), conf.get(LOG_RETENTION)
 
 
 def test_spark_compacts_optimizes_and_reads_tables_with_cdcds_retention(tmp_path: Path, spark: Any) -> None:
@@ -220,6 +252,7 @@ def test_spark_compacts_optimizes_and_reads_tables_with_cdcds_retention(tmp_path
     sweep_lake(lake, 24)
     state = lake / STATE
     assert _retention(state) == ("interval 24 hours", "interval 24 hours")
+    assert _retention(state, LOG_RETENTION) == ("interval 24 hours", "interval 24 hours")
     for n in range(3, 5):
         new = [change(c, str(k % 3), json.dumps({"n": n, "k": k}), n * 10 + k) for k in range(6) for c in ("a", "b")]
         rows += new
@@ -231,6 +264,46 @@ def test_spark_compacts_optimizes_and_reads_tables_with_cdcds_retention(tmp_path
     assert spark.read.format("delta").load(str(state)).count() == 6
     _age_all(state, 30)  # Spark's MERGEs and OPTIMIZE replaced files too: dropped once older than 24 h
     assert _tombstones_checkpointed(state) == 0
+
+
+def test_a_quiet_lake_keeps_the_files_of_the_versions_its_latest_cut_names(tmp_path: Path) -> None:
+    """Readers open each typed table at the version the latest cut names. A rewrite that changes no rows after the
+    last compaction (what the bound and OPTIMIZE commit) replaces that version's files, and the source then stays
+    quiet for longer than the retention: the vacuum keeps them, so the cut reads as before (without the rule the
+    read fails: the files are gone); once a compaction records a newer cut, the next vacuum deletes them."""
+    lake = tmp_path / "lake"
+    rows: list[dict[str, object]] = []
+    for n in range(3):
+        _fold(lake, rows, n)
+    cut = latest_cut(lake)
+    assert cut is not None
+    typed = Path(str(list_tables(lake)["a"]))
+    assert cut.tables["a"] == DeltaTable(str(typed)).version()
+    at_cut = _live(typed)
+    DeltaTable(str(typed)).optimize.z_order(["key"])  # rows unchanged, files replaced, no new cut
+    assert DeltaTable(str(typed)).version() > cut.tables["a"] and not at_cut & _live(typed)
+    for table in _tables(lake):
+        _age_all(table, 30)
+
+    swept = sweep_lake(lake, 24)
+
+    assert swept["tables/a"].retain_hours == 32  # 30 h and seconds: 31 whole hours, and the margin
+    assert at_cut <= _on_disk(typed)
+    assert swept["tables/b"].deleted_files > 0 and swept["tables/b"].retain_hours == 24  # its cut is its latest
+    # The log too: Delta's own cleanup is off on the typed tables, and cdcd's keeps the cut's version past a
+    # checkpoint after it, the whole log being older than the 24 h the vacuum set.
+    assert DeltaTable(str(typed)).metadata().configuration[EXPIRED_LOG_CLEANUP] == "false"
+    DeltaTable(str(typed)).create_checkpoint()
+    _age_log_files(typed, 30)
+    assert clean_logs(lake, state_lag(lake)[1])["tables/a"].kept_from <= cut.tables["a"]
+    frames = polars_frames(lake)
+    assert {cache: f.height for cache, f in frames.items()} == {"a": 3, "b": 3}
+    assert sorted(frames["a"]["key"].to_list()) == [0, 1, 2]
+
+    _fold(lake, rows, 3)  # the source writes again: a newer cut
+    sweep_lake(lake, 24)
+    assert not at_cut & _on_disk(typed)
+    assert {cache: f.height for cache, f in polars_frames(lake).items()} == {"a": 3, "b": 3}
 
 
 def test_changes_keeps_what_compaction_has_yet_to_read_whatever_its_age(tmp_path: Path) -> None:

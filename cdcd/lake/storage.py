@@ -448,12 +448,12 @@ def lake_root(lake_path: str | Path, storage: StorageOptions | None = None) -> L
     return LakeLocation(str(lake_path), storage).root()
 
 
-def open_delta(path: LakeDir) -> Any:
-    """delta-rs's ``DeltaTable`` at ``path`` (with the store's options)."""
+def open_delta(path: LakeDir, version: int | None = None) -> Any:
+    """delta-rs's ``DeltaTable`` at ``path`` (with the store's options), at ``version`` (None: the latest)."""
     from deltalake import DeltaTable
 
     uri, options = as_location_arg(path)
-    return DeltaTable(uri, storage_options=options)
+    return DeltaTable(uri, version=version, storage_options=options)
 
 
 def is_delta(path: LakeDir) -> bool:

@@ -13,7 +13,8 @@ each compaction:
 - The bound: the first version committed within the table's ``delta.logRetentionDuration`` (Delta's default, 30
   days, when unset), and, for ``changes``, the first version compaction has not folded yet (its change feed reads
   those commits, cdcd/lake/maintenance/feed.py): a compaction that stopped for longer than the retention keeps its
-  log until it runs again.
+  log until it runs again; for a typed table, the version the latest cut names (readers open it there: a lake
+  whose source has gone quiet reads the same cut for as long as it stays quiet).
 - Oldest first, so a process killed in the middle leaves the log a readable suffix, as before.
 """
 
@@ -102,8 +103,9 @@ def retention_ms(configuration: dict[str, str]) -> int:
 
 def clean_logs(lake: LakeDir, compacted_to: int) -> dict[str, Cleaned]:
     """After a compaction that folded ``changes`` up to version ``compacted_to``: the logs of ``changes`` (never
-    past ``compacted_to + 1``), ``state``, ``_cuts`` and every typed table cleaned by their own retention.
-    Returns what each cleanup did, per table."""
+    past ``compacted_to + 1``), ``state``, ``_cuts`` and every typed table (never past the version the latest cut
+    names: readers open it there) cleaned by their own retention. Returns what each cleanup did, per table."""
+    from cdcd.lake.cuts import latest_cut
     from cdcd.lake.table import CHANGES, CUTS, STATE, TABLES
     from cdcd.lake.typed.layout import list_tables
 
@@ -112,7 +114,9 @@ def clean_logs(lake: LakeDir, compacted_to: int) -> dict[str, Cleaned]:
         (STATE, lake / STATE, None),
         (CUTS, lake / CUTS, None),
     ]
-    tables += [(f"{TABLES}/{cache}", path, None) for cache, path in sorted(list_tables(lake).items())]
+    cut = latest_cut(lake)
+    named = {} if cut is None else cut.tables
+    tables += [(f"{TABLES}/{cache}", path, named.get(cache)) for cache, path in sorted(list_tables(lake).items())]
     out: dict[str, Cleaned] = {}
     for name, path, keep_from in tables:
         if not is_delta(path):

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -14,8 +15,10 @@ from typing import Any
 
 import pyarrow as pa
 import structlog
+from deltalake.exceptions import DeltaError
 
 from cdcd.faults import ExitCode, Fault
+from cdcd.lake.cuts import latest_cut
 from cdcd.lake.deltalog import LOG_DIR, AppTransaction, app_transactions, read_commit
 from cdcd.lake.maintenance.compact import COMPACT_APP_ID, NotADeltaLake, compacted_version, state_lag
 from cdcd.lake.printable import printable
@@ -25,6 +28,7 @@ from cdcd.lake.storage import LakeDir, ObjectPath, is_delta, open_delta, spark_p
 from cdcd.lake.table import CHANGES, CUTS, STATE
 from cdcd.lake.table import TABLES as TYPED_DIR
 from cdcd.lake.typed.layout import CACHE_PROPERTY, scan_tables, table_dir
+from cdcd.logging import describe
 
 log = structlog.get_logger("cdcd.lake")
 
@@ -332,6 +336,53 @@ def data_files_on_disk(table: LakeDir) -> list[Any]:
     return [p for p in table.rglob("*.parquet") if LOG_DIR not in p.parts]
 
 
+_HOUR_MS = 3_600_000
+KEEP_MARGIN_HOURS = 1
+"""Kept beyond what a rule measures: a file is written before the commit that adds it."""
+
+
+def cut_keep_hours(table: LakeDir, dt: Any, named: int | None, now_ms: int) -> int:
+    """Hours ``table`` (a typed table, ``dt`` its latest snapshot) must keep so the version the latest cut names
+    (``named``) stays readable: the age of the oldest file that version names and the latest no longer does, plus a
+    margin. By the file's age, not by when it was replaced: once a checkpoint has dropped its tombstone the vacuum
+    judges it by its modification time. 0 when the cut names the latest version (or none), or a version whose log
+    is gone (no reader can open it any more)."""
+    if named is None or named >= dt.version():
+        return 0
+    try:
+        at_cut = open_delta(table, version=named)
+    except (DeltaError, OSError) as exc:
+        log.warning("lake_cut_version_unreadable", table=str(table), version=named, error=describe(exc))
+        return 0
+    replaced = set(_paths(at_cut)) - set(_paths(dt))
+    ages = [now_ms - ms for ms in modified_ms(table, sorted(replaced)).values()]
+    if not ages:
+        return 0
+    return math.ceil(max(0, *ages) / _HOUR_MS) + KEEP_MARGIN_HOURS
+
+
+def _paths(dt: Any) -> list[str]:
+    paths: list[str] = pa.table(dt.get_add_actions(flatten=True)).column("path").to_pylist()
+    return paths
+
+
+def modified_ms(table: LakeDir, paths: list[str]) -> dict[str, int]:
+    """Modification times (ms) of the files of ``paths`` (relative to ``table``) that exist."""
+    out: dict[str, int] = {}
+    for rel in paths:
+        path = table / rel
+        if isinstance(path, ObjectPath):
+            info = path.fs.get_file_info(path.fs_path)
+            if info.mtime_ns is not None and info.size is not None:
+                out[rel] = info.mtime_ns // 1_000_000
+            continue
+        try:
+            out[rel] = path.stat().st_mtime_ns // 1_000_000
+        except FileNotFoundError:
+            continue
+    return out
+
+
 def check_vacuum(lake: LakeDir, retain_hours: float, now_ms: int | None = None, *, force: bool = False) -> None:
     """``VacuumRefused`` when ``retain_hours`` is below Delta's default without ``force``, or changes not
     yet compacted were committed before the retention horizon."""
@@ -375,7 +426,8 @@ def vacuum(
     spark: Any, lake: LakeDir, retain_hours: float, now_ms: int | None = None, *, force: bool = False
 ) -> dict[str, Vacuumed]:
     """Delete files no snapshot within ``retain_hours`` needs (replaced by OPTIMIZE or MERGE, and
-    orphans of writes that never committed). Refused (``VacuumRefused``) when changes not yet
+    orphans of writes that never committed), but those of the typed tables' versions the latest cut names
+    (``cut_keep_hours``). Refused (``VacuumRefused``) when changes not yet
     compacted are older than that: their original files may be among those deleted, and the next
     compaction reads them through the change data feed; and below Delta's default retention without
     ``force`` (which turns Delta's own retention check off for this run). Returns per table the data
@@ -388,15 +440,21 @@ def vacuum(
         # Delta refuses a shorter retention unless told: the operator asked for it with --force.
         session.conf.set("spark.databricks.delta.retentionDurationCheck.enabled", "false")
     out: dict[str, Vacuumed] = {}
+    cut = latest_cut(lake)
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     for name, path in maintained_tables(lake):
         if not DeltaTable.isDeltaTable(session, spark_path(path)):
             continue
+        hours = retain_hours
+        if name.startswith(f"{TYPED_DIR}/") and cut is not None:
+            named = cut.tables.get(name[len(TYPED_DIR) + 1 :])
+            hours = max(hours, cut_keep_hours(path, open_delta(path), named, now_ms))
         before = _file_sizes(path)
-        DeltaTable.forPath(session, spark_path(path)).vacuum(retain_hours)
+        DeltaTable.forPath(session, spark_path(path)).vacuum(hours)
         after = _file_sizes(path)
         gone = before.keys() - after.keys()
         out[name] = Vacuumed(len(gone), sum(before[p] for p in gone), len(after))
-        log.info("lake_vacuumed", table=name, retain_hours=retain_hours, deleted=len(gone), files=len(after))
+        log.info("lake_vacuumed", table=name, retain_hours=hours, deleted=len(gone), files=len(after))
     return out
 
 

@@ -15,17 +15,26 @@ carries, and ``changes`` keeps those 10 minutes, after which a checkpoint drops 
   and longer (a value set by hand is kept; cdcd sets 10 minutes on ``changes``, which is shorter);
 - for ``changes``, also the age of the first commit compaction has not folded plus an hour: compaction still reads
   the files those commits added, replaced by the bound since or not. A compaction stopped for days keeps its
-  files that long (``cdcd lake vacuum`` refuses instead).
+  files that long (``cdcd lake vacuum`` refuses instead);
+- for a typed table, also every file of the version the latest cut names (``cut_keep_hours``): readers open each
+  typed table at that version (cdcd/lake/cuts.py), and the commits after it that no compaction recorded in a cut
+  (the bound's and OPTIMIZE's rewrites right after a compaction, this vacuum's own commits) replace its files
+  without changing its rows. While the source writes, the next compaction records a newer cut within seconds; a
+  lake whose source has gone quiet keeps reading the last cut for as long as it stays quiet.
 
-Tombstones follow the same retention. A table's checkpoint carries every tombstone younger than its
-``delta.deletedFileRetentionDuration``, Delta's week by default, and each open of the table reads them: compaction
-replaces files of ``state`` and of the typed tables every run, so a week of them makes every open and every
-checkpoint of those tables slower by the day. Before each run the vacuum sets the property on ``state`` and the
-typed tables to ``retain_hours`` (``align_tombstones``): a checkpoint then drops a tombstone once the vacuum would
-delete its file anyway (from then on the vacuum judges the file by its modification time, which is older). The value
-cdcd set is kept beside it (``cdcd.deletedFileRetentionDuration``), so a change of ``vacuum_retain_hours`` moves
-it and a value set by hand (one that differs from cdcd's record) is never touched. Not on ``changes``, which
-keeps its own 10 minutes (its vacuum keeps what compaction has yet to read by commit times, not tombstones).
+Tombstones and the log follow the same retention. A table's checkpoint carries every tombstone younger than its
+``delta.deletedFileRetentionDuration`` (Delta's default: a week), and its log keeps every commit younger than its
+``delta.logRetentionDuration`` (30 days; cdcd/lake/maintenance/log_cleanup.py deletes the older ones); delta-rs
+reads the first and lists the second at every open. Compaction commits to ``state``, to each typed table and to
+``_cuts`` every run and replaces files of the first two, so at Delta's defaults every open, and so every
+compaction, would cost more by the day. Before each run the vacuum sets both properties on those tables to
+``retain_hours`` (``align_retention``): a checkpoint then drops a tombstone once the vacuum would delete its file
+anyway (from then on the vacuum judges the file by its modification time, which is older), and time travel reaches
+back as far in the log as in the files. The value cdcd set is noted beside each (``cdcd.deletedFileRetentionDuration``,
+``cdcd.logRetentionDuration``), so a change of ``vacuum_retain_hours`` moves it and a value set by hand (one that
+differs from cdcd's note) is never touched. Not on ``changes``, which keeps its own 10 minutes and 2 minutes. On a
+typed table Delta's own log cleanup goes off too (``delta.enableExpiredLogCleanup``, as on ``changes``): at a
+checkpoint it would delete the log of the version the latest cut names, which cdcd's cleanup keeps.
 
 A batch written and not yet committed is seconds old, never as old as the shortest retention (an hour), so it is
 never deleted. A reader of a snapshot older than the retention may miss a file it names: time travel, the typed
@@ -42,22 +51,24 @@ import structlog
 from deltalake import DeltaTable
 from deltalake.transaction import PostCommitHookProperties
 
+from cdcd.lake.cuts import latest_cut
 from cdcd.lake.maintenance.compact import state_lag
 from cdcd.lake.maintenance.compact_mark import read_mark, replaced_from
 from cdcd.lake.maintenance.log_cleanup import interval_ms
-from cdcd.lake.maintenance.ops import commit_time_ms, maintained_tables
+from cdcd.lake.maintenance.ops import KEEP_MARGIN_HOURS, commit_time_ms, cut_keep_hours, maintained_tables
 from cdcd.lake.storage import LakeDir, ObjectPath, is_delta, open_delta
-from cdcd.lake.table import CHANGES
+from cdcd.lake.table import CHANGES, CUTS, TABLES
 
 log = structlog.get_logger("cdcd.lake")
 
 RETENTION = "delta.deletedFileRetentionDuration"
-SET_BY_CDCD = "cdcd.deletedFileRetentionDuration"
-"""Beside ``RETENTION``: the value cdcd set. Equal to it, the retention is cdcd's to move; different, set by hand."""
+LOG_RETENTION = "delta.logRetentionDuration"
+EXPIRED_LOG_CLEANUP = "delta.enableExpiredLogCleanup"
+SET_BY_CDCD = {RETENTION: "cdcd.deletedFileRetentionDuration", LOG_RETENTION: "cdcd.logRetentionDuration"}
+"""Beside each property ``align_retention`` sets: the value cdcd set. Equal to it, the property is cdcd's to move;
+different, set by hand."""
 
 HOUR_MS = 3_600_000
-KEEP_MARGIN_HOURS = 1
-"""Kept beyond the first commit compaction has not folded: a file is written before the commit that adds it."""
 
 
 @dataclass(frozen=True)
@@ -82,19 +93,24 @@ def table_retain_hours(dt: DeltaTable, retain_hours: int) -> int:
     return max(retain_hours, math.ceil(own_ms / HOUR_MS))
 
 
-def align_tombstones(dt: DeltaTable, retain_hours: int) -> str | None:
-    """``dt``'s tombstone retention set to ``retain_hours`` in one metadata commit (``dt`` brought up to date
-    after it) unless it is that already or was set by hand; returns the value set, or None."""
+def align_retention(dt: DeltaTable, retain_hours: int, *, own_log_cleanup: bool = False) -> dict[str, str]:
+    """``dt``'s tombstone and log retention set to ``retain_hours`` in one metadata commit (``dt`` brought up to
+    date after it), each unless it is that already or was set by hand; returns what was set. ``own_log_cleanup``
+    (a typed table): also Delta's own log cleanup off unless set by hand, since it would delete the log of the
+    version the latest cut names once older than the retention (cdcd/lake/maintenance/log_cleanup.py keeps it)."""
     conf = dt.metadata().configuration
-    have = conf.get(RETENTION)
-    if have is not None and have != conf.get(SET_BY_CDCD):
-        return None
     want = f"interval {retain_hours} hours"
-    if have == want:
-        return None
-    dt.alter.set_table_properties({RETENTION: want, SET_BY_CDCD: want}, raise_if_not_exists=False)
-    dt.update_incremental()
-    return want
+    changed: dict[str, str] = {}
+    for prop, note in SET_BY_CDCD.items():
+        have = conf.get(prop)
+        if have != want and (have is None or have == conf.get(note)):
+            changed |= {prop: want, note: want}
+    if own_log_cleanup and EXPIRED_LOG_CLEANUP not in conf:
+        changed[EXPIRED_LOG_CLEANUP] = "false"
+    if changed:
+        dt.alter.set_table_properties(changed, raise_if_not_exists=False)
+        dt.update_incremental()
+    return {prop: value for prop, value in changed.items() if prop.startswith("delta.")}
 
 
 def changes_keep_hours(lake: LakeDir, now_ms: int) -> int | None:
@@ -152,15 +168,14 @@ def sweep_lake(lake: LakeDir, retain_hours: int, *, now_ms: int | None = None) -
     if retain_hours < 1:
         raise ValueError(f"vacuum_retain_hours = {retain_hours}: must be >= 1")
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    cut = latest_cut(lake)
     out: dict[str, Swept] = {}
     for name, path in maintained_tables(lake):
         if not is_delta(path):
             continue
         dt = open_delta(path)
         if name != CHANGES:
-            aligned = align_tombstones(dt, retain_hours)
-            if aligned is not None:
-                log.info("lake_tombstone_retention_set", table=name, retention=aligned)
+            _align(name, dt, retain_hours, own_log_cleanup=name.startswith(f"{TABLES}/"))
         hours = table_retain_hours(dt, retain_hours)
         if name == CHANGES:
             keep = changes_keep_hours(lake, now_ms)
@@ -168,6 +183,8 @@ def sweep_lake(lake: LakeDir, retain_hours: int, *, now_ms: int | None = None) -
                 log.warning("lake_vacuum_skipped", table=name, reason="compaction's next commit has no readable time")
                 continue
             hours = max(hours, keep)
+        elif name.startswith(f"{TABLES}/") and cut is not None:
+            hours = max(hours, cut_keep_hours(path, dt, cut.tables.get(name[len(TABLES) + 1 :]), now_ms))
         done = sweep_table(dt, path, hours, checkpoint=name != CHANGES)
         out[name] = done
         if done.deleted_files:
@@ -178,4 +195,12 @@ def sweep_lake(lake: LakeDir, retain_hours: int, *, now_ms: int | None = None) -
                 deleted=done.deleted_files,
                 deleted_bytes=done.deleted_bytes,
             )
+    if is_delta(lake / CUTS):
+        _align(CUTS, open_delta(lake / CUTS), retain_hours)
     return out
+
+
+def _align(name: str, dt: DeltaTable, retain_hours: int, *, own_log_cleanup: bool = False) -> None:
+    aligned = align_retention(dt, retain_hours, own_log_cleanup=own_log_cleanup)
+    if aligned:
+        log.info("lake_retention_set", table=name, properties=aligned)
