@@ -18,7 +18,8 @@ import pytest
 
 from cdcd.lake.landing.arrow import to_json
 from cdcd.lake.maintenance.compact import compact, state_lag
-from cdcd.lake.maintenance.ops import Vacuumed, VacuumRefused, data_files_on_disk, optimize, vacuum
+from cdcd.lake.maintenance.ops import Vacuumed, VacuumRefused, data_files_on_disk, optimize
+from cdcd.lake.maintenance.vacuum_rs import vacuum
 from cdcd.lake.reading.report import byte_size, printable
 from cdcd.lake.table import CHANGES
 from cdcd.node import Node
@@ -67,8 +68,8 @@ def test_optimize_bin_packs_without_changing_data_and_vacuum_removes_what_is_rep
     os.utime(orphan, (old, old))
     on_disk = {p: p.stat().st_size for p in data_files_on_disk(changes)}
     with pytest.raises(VacuumRefused, match=r"^--retain-hours 0 is below Delta's default retention \(168 h\)"):
-        vacuum(spark, lake, retain_hours=0)
-    done = vacuum(spark, lake, retain_hours=0, force=True)
+        vacuum(lake, retain_hours=0)
+    done = vacuum(lake, retain_hours=0, force=True)
     gone = on_disk.keys() - set(data_files_on_disk(changes))
     assert len(gone) == 13, "the 12 replaced files and the orphan are gone"
     assert done[CHANGES] == Vacuumed(13, sum(on_disk[p] for p in gone), 2)
@@ -147,7 +148,7 @@ def test_compact_optimize_and_vacuum_say_what_they_did(spark: Any, tmp_path: Pat
     assert res.stderr == (
         "cdcd: error: --retain-hours 0 is below Delta's default retention (168 h): a reader of an older snapshot "
         "(time travel, a query or stream in flight) may lose files it still needs; add --force to vacuum anyway "
-        "(Delta's retention check is then off for that run)\n"
+        "(the retention check is then off for that run)\n"
     )
     changes = lake / CHANGES
     before = {p: p.stat().st_size for p in data_files_on_disk(changes)}
@@ -155,8 +156,8 @@ def test_compact_optimize_and_vacuum_say_what_they_did(spark: Any, tmp_path: Pat
     res = run("vacuum", "--retain-hours", "0", "--force")
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stderr.startswith(
-        "--force: Delta's retention check (spark.databricks.delta.retentionDurationCheck.enabled) is off for this "
-        "run: files replaced more than 0 h ago are deleted, below the 168 h Delta keeps by default\n"
+        "--force: the retention check is off for this run: files replaced more than 0 h ago are deleted, below the "
+        "168 h Delta keeps by default\n"
     )
     gone = before.keys() - set(data_files_on_disk(changes))
     assert len(gone) == 2

@@ -27,7 +27,14 @@ from cdcd.lake.maintenance.compact import compact, state_lag
 from cdcd.lake.maintenance.log_cleanup import clean_logs
 from cdcd.lake.maintenance.maintainer import Maintainer, MaintainerOptions
 from cdcd.lake.maintenance.ops import data_files_on_disk, optimize
-from cdcd.lake.maintenance.vacuum_rs import EXPIRED_LOG_CLEANUP, LOG_RETENTION, RETENTION, SET_BY_CDCD, sweep_lake
+from cdcd.lake.maintenance.vacuum_rs import (
+    EXPIRED_LOG_CLEANUP,
+    LOG_RETENTION,
+    RETENTION,
+    SET_BY_CDCD,
+    sweep_lake,
+    vacuum,
+)
 from cdcd.lake.reading.readers import polars_frames
 from cdcd.lake.sink import LakeConsumer, LakeOptions
 from cdcd.lake.table import CHANGES, CHANGES_LOG_PROPERTIES, CUTS, STATE
@@ -303,6 +310,31 @@ def test_a_quiet_lake_keeps_the_files_of_the_versions_its_latest_cut_names(tmp_p
     _fold(lake, rows, 3)  # the source writes again: a newer cut
     sweep_lake(lake, 24)
     assert not at_cut & _on_disk(typed)
+    assert {cache: f.height for cache, f in polars_frames(lake).items()} == {"a": 3, "b": 3}
+
+
+def test_cdcd_lake_vacuum_keeps_the_files_of_the_versions_the_latest_cut_names(tmp_path: Path) -> None:
+    """`cdcd lake vacuum` (Delta's 168 h by default) on a lake quiet for longer since a rewrite after its last cut:
+    the cut's files stay and the cut reads as before; the other typed table loses its replaced files. (Spark's
+    VACUUM, which the command ran before, deleted the cut's files: it deletes a file no snapshot names once older
+    than the table's own retention, 168 h here, whatever retention it is given.)"""
+    lake = tmp_path / "lake"
+    rows: list[dict[str, object]] = []
+    for n in range(3):
+        _fold(lake, rows, n)
+    typed = Path(str(list_tables(lake)["a"]))
+    at_cut = _live(typed)
+    DeltaTable(str(typed)).optimize.z_order(["key"])
+    other = Path(str(list_tables(lake)["b"]))
+    replaced = _on_disk(other) - _live(other)
+    assert replaced
+    for table in _tables(lake):
+        _age_all(table, 200)
+
+    done = vacuum(lake, 168)
+
+    assert at_cut <= _on_disk(typed) and done["tables/a"].deleted_files == 0
+    assert not replaced & _on_disk(other) and done["tables/b"].deleted_files == len(replaced)
     assert {cache: f.height for cache, f in polars_frames(lake).items()} == {"a": 3, "b": 3}
 
 

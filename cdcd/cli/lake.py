@@ -246,25 +246,20 @@ def lake_optimize(lake_path: Path, spark_master: str, file_rows: int | None) -> 
 def lake_vacuum(lake_path: Path, retain_hours: float, force: bool, spark_master: str) -> None:
     """Delete data files no longer needed: replaced by OPTIMIZE or compaction longer ago than
     --retain-hours, and orphans of writes that never committed. Refused while older changes wait
-    for compaction, and below Delta's default retention (168 h) without --force."""
-    from cdcd.lake import spark as spark_session
-    from cdcd.lake.maintenance.ops import DEFAULT_RETAIN_HOURS, VacuumRefused, check_vacuum, vacuum
+    for compaction, and below Delta's default retention (168 h) without --force. No JVM: --spark-master
+    is accepted and not used."""
+    from cdcd.lake.maintenance.ops import DEFAULT_RETAIN_HOURS, VacuumRefused, check_vacuum
+    from cdcd.lake.maintenance.vacuum_rs import vacuum
     from cdcd.lake.reading.report import retention_check_off, vacuum_line
 
     _require_changes(lake_path)
     try:
-        check_vacuum(lake_path, retain_hours, force=force)  # before starting a JVM only to refuse
+        check_vacuum(lake_path, retain_hours, force=force)  # refused: one line, nothing said about --force
+        if retain_hours < DEFAULT_RETAIN_HOURS:
+            click.echo(retention_check_off(retain_hours), err=True)
+        done = vacuum(lake_path, retain_hours, force=force)
     except VacuumRefused as exc:
         fail_on(exc)
-    if retain_hours < DEFAULT_RETAIN_HOURS:
-        click.echo(retention_check_off(retain_hours), err=True)
-    spark = _spark(spark_master, "cdcd-lake-vacuum", lake_path)
-    try:
-        done = vacuum(spark, lake_path, retain_hours, force=force)
-    except VacuumRefused as exc:
-        fail_on(exc)
-    finally:
-        spark_session.release()
     for name, table in done.items():
         click.echo(vacuum_line(name, table, retain_hours))
 

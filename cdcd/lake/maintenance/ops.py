@@ -18,7 +18,6 @@ import structlog
 from deltalake.exceptions import DeltaError
 
 from cdcd.faults import ExitCode, Fault
-from cdcd.lake.cuts import latest_cut
 from cdcd.lake.deltalog import LOG_DIR, AppTransaction, app_transactions, read_commit
 from cdcd.lake.maintenance.compact import COMPACT_APP_ID, NotADeltaLake, compacted_version, state_lag
 from cdcd.lake.printable import printable
@@ -392,7 +391,7 @@ def check_vacuum(lake: LakeDir, retain_hours: float, now_ms: int | None = None, 
         raise VacuumRefused(
             f"--retain-hours {retain_hours:g} is below Delta's default retention ({DEFAULT_RETAIN_HOURS:g} h): "
             "a reader of an older snapshot (time travel, a query or stream in flight) may lose files it still "
-            "needs; add --force to vacuum anyway (Delta's retention check is then off for that run)"
+            "needs; add --force to vacuum anyway (the retention check is then off for that run)"
         )
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     horizon_ms = now_ms - int(retain_hours * 3600 * 1000)
@@ -418,44 +417,9 @@ class Vacuumed:
     files_left: int
 
 
-def _file_sizes(table: LakeDir) -> dict[str, int]:
+def data_file_sizes(table: LakeDir) -> dict[str, int]:
+    """Size of every Parquet data file under the table's directory (``data_files_on_disk``), by path."""
     return {str(p): p.size() if isinstance(p, ObjectPath) else p.stat().st_size for p in data_files_on_disk(table)}
-
-
-def vacuum(
-    spark: Any, lake: LakeDir, retain_hours: float, now_ms: int | None = None, *, force: bool = False
-) -> dict[str, Vacuumed]:
-    """Delete files no snapshot within ``retain_hours`` needs (replaced by OPTIMIZE or MERGE, and
-    orphans of writes that never committed), but those of the typed tables' versions the latest cut names
-    (``cut_keep_hours``). Refused (``VacuumRefused``) when changes not yet
-    compacted are older than that: their original files may be among those deleted, and the next
-    compaction reads them through the change data feed; and below Delta's default retention without
-    ``force`` (which turns Delta's own retention check off for this run). Returns per table the data
-    files deleted, their bytes, and the data files left."""
-    from delta.tables import DeltaTable
-
-    check_vacuum(lake, retain_hours, now_ms, force=force)
-    session = spark.newSession()
-    if retain_hours < DEFAULT_RETAIN_HOURS:
-        # Delta refuses a shorter retention unless told: the operator asked for it with --force.
-        session.conf.set("spark.databricks.delta.retentionDurationCheck.enabled", "false")
-    out: dict[str, Vacuumed] = {}
-    cut = latest_cut(lake)
-    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    for name, path in maintained_tables(lake):
-        if not DeltaTable.isDeltaTable(session, spark_path(path)):
-            continue
-        hours = retain_hours
-        if name.startswith(f"{TYPED_DIR}/") and cut is not None:
-            named = cut.tables.get(name[len(TYPED_DIR) + 1 :])
-            hours = max(hours, cut_keep_hours(path, open_delta(path), named, now_ms))
-        before = _file_sizes(path)
-        DeltaTable.forPath(session, spark_path(path)).vacuum(hours)
-        after = _file_sizes(path)
-        gone = before.keys() - after.keys()
-        out[name] = Vacuumed(len(gone), sum(before[p] for p in gone), len(after))
-        log.info("lake_vacuumed", table=name, retain_hours=hours, deleted=len(gone), files=len(after))
-    return out
 
 
 __all__ = [
@@ -472,5 +436,4 @@ __all__ = [
     "optimized_since",
     "show",
     "table_history",
-    "vacuum",
 ]

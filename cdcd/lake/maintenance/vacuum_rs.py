@@ -55,7 +55,15 @@ from cdcd.lake.cuts import latest_cut
 from cdcd.lake.maintenance.compact import state_lag
 from cdcd.lake.maintenance.compact_mark import read_mark, replaced_from
 from cdcd.lake.maintenance.log_cleanup import interval_ms
-from cdcd.lake.maintenance.ops import KEEP_MARGIN_HOURS, commit_time_ms, cut_keep_hours, maintained_tables
+from cdcd.lake.maintenance.ops import (
+    KEEP_MARGIN_HOURS,
+    Vacuumed,
+    check_vacuum,
+    commit_time_ms,
+    cut_keep_hours,
+    data_file_sizes,
+    maintained_tables,
+)
 from cdcd.lake.storage import LakeDir, ObjectPath, is_delta, open_delta
 from cdcd.lake.table import CHANGES, CUTS, TABLES
 
@@ -204,3 +212,36 @@ def _align(name: str, dt: DeltaTable, retain_hours: int, *, own_log_cleanup: boo
     aligned = align_retention(dt, retain_hours, own_log_cleanup=own_log_cleanup)
     if aligned:
         log.info("lake_retention_set", table=name, properties=aligned)
+
+
+def vacuum(
+    lake: LakeDir, retain_hours: float, now_ms: int | None = None, *, force: bool = False
+) -> dict[str, Vacuumed]:
+    """``cdcd lake vacuum``: every maintained table's files no snapshot of the last ``retain_hours`` needs deleted
+    (whole hours, rounded up), as the scheduled vacuum deletes them and with the same keeps (a typed table's files
+    of the version the latest cut names). Refused (``VacuumRefused``, before anything is deleted) when changes not
+    compacted yet are older than that (compaction still reads their files), and below Delta's default retention
+    without ``force``. Per table: the data files deleted, their bytes, and the data files left.
+
+    delta-rs, not Spark's VACUUM: Spark's deletes a file no snapshot names once it is older than the table's
+    ``delta.deletedFileRetentionDuration`` whatever the retention it is given, so it could keep neither a longer
+    ``--retain-hours`` nor a cut's files; and no JVM starts."""
+    check_vacuum(lake, retain_hours, now_ms, force=force)
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    hours = math.ceil(retain_hours)
+    cut = latest_cut(lake)
+    out: dict[str, Vacuumed] = {}
+    for name, path in maintained_tables(lake):
+        if not is_delta(path):
+            continue
+        dt = open_delta(path)
+        keep = hours
+        if name.startswith(f"{TABLES}/") and cut is not None:
+            keep = max(keep, cut_keep_hours(path, dt, cut.tables.get(name[len(TABLES) + 1 :]), now_ms))
+        before = data_file_sizes(path)  # the Parquet files: not the checksum files beside some, which go too
+        sweep_table(dt, path, keep, checkpoint=name != CHANGES)
+        after = data_file_sizes(path)
+        gone = before.keys() - after.keys()
+        out[name] = Vacuumed(len(gone), sum(before[p] for p in gone), len(after))
+        log.info("lake_vacuumed", table=name, retain_hours=keep, deleted=len(gone), files=len(after))
+    return out

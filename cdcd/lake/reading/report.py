@@ -129,9 +129,8 @@ def vacuum_line(table: str, done: Vacuumed, retain_hours: float) -> str:
 def retention_check_off(retain_hours: float) -> str:
     """What ``lake vacuum --force`` says before it deletes anything."""
     return (
-        f"--force: Delta's retention check (spark.databricks.delta.retentionDurationCheck.enabled) is off for "
-        f"this run: files replaced more than {retain_hours:g} h ago are deleted, below the "
-        f"{DEFAULT_RETAIN_HOURS:g} h Delta keeps by default"
+        f"--force: the retention check is off for this run: files replaced more than {retain_hours:g} h ago are "
+        f"deleted, below the {DEFAULT_RETAIN_HOURS:g} h Delta keeps by default"
     )
 
 
