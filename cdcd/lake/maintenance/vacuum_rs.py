@@ -51,7 +51,7 @@ import structlog
 from deltalake import DeltaTable
 from deltalake.transaction import PostCommitHookProperties
 
-from cdcd.lake.cuts import latest_cut
+from cdcd.lake.cuts import Cut, latest_cut
 from cdcd.lake.maintenance.compact import state_lag
 from cdcd.lake.maintenance.compact_mark import read_mark, replaced_from
 from cdcd.lake.maintenance.log_cleanup import interval_ms
@@ -191,8 +191,7 @@ def sweep_lake(lake: LakeDir, retain_hours: int, *, now_ms: int | None = None) -
                 log.warning("lake_vacuum_skipped", table=name, reason="compaction's next commit has no readable time")
                 continue
             hours = max(hours, keep)
-        elif name.startswith(f"{TABLES}/") and cut is not None:
-            hours = max(hours, cut_keep_hours(path, dt, cut.tables.get(name[len(TABLES) + 1 :]), now_ms))
+        hours = max(hours, _cut_keep_hours(name, path, dt, cut, now_ms))
         done = sweep_table(dt, path, hours, checkpoint=name != CHANGES)
         out[name] = done
         if done.deleted_files:
@@ -206,6 +205,14 @@ def sweep_lake(lake: LakeDir, retain_hours: int, *, now_ms: int | None = None) -
     if is_delta(lake / CUTS):
         _align(CUTS, open_delta(lake / CUTS), retain_hours)
     return out
+
+
+def _cut_keep_hours(name: str, path: LakeDir, dt: DeltaTable, cut: Cut | None, now_ms: int) -> int:
+    """``cut_keep_hours`` for a typed table (``tables/<cache>``) and the version ``cut`` names of it; 0 otherwise."""
+    prefix = f"{TABLES}/"
+    if cut is None or not name.startswith(prefix):
+        return 0
+    return cut_keep_hours(path, dt, cut.tables.get(name[len(prefix) :]), now_ms)
 
 
 def _align(name: str, dt: DeltaTable, retain_hours: int, *, own_log_cleanup: bool = False) -> None:
@@ -235,9 +242,7 @@ def vacuum(
         if not is_delta(path):
             continue
         dt = open_delta(path)
-        keep = hours
-        if name.startswith(f"{TABLES}/") and cut is not None:
-            keep = max(keep, cut_keep_hours(path, dt, cut.tables.get(name[len(TABLES) + 1 :]), now_ms))
+        keep = max(hours, _cut_keep_hours(name, path, dt, cut, now_ms))
         before = data_file_sizes(path)  # the Parquet files: not the checksum files beside some, which go too
         sweep_table(dt, path, keep, checkpoint=name != CHANGES)
         after = data_file_sizes(path)
