@@ -611,6 +611,25 @@ def test_the_cuts_table_stays_small(tmp_path: Path) -> None:
     assert cut_as_of(tmp_path, cut.recorded_at).changes_version == COMPACT_FILES + 2
 
 
+def test_the_cuts_table_is_bin_packed_whatever_retention_the_vacuum_set(tmp_path: Path) -> None:
+    """The sink's vacuum sets ``_cuts``' retention to ``vacuum_retain_hours``: above Delta's week, the bin-packing's
+    own vacuum ran with 168 h and delta-rs refused it ("minimum retention for vacuum is configured to be greater"),
+    failing the compaction that recorded the 64th cut; replaced files older than the retention go."""
+    from cdcd.lake.cuts import COMPACT_FILES
+    from cdcd.lake.maintenance.vacuum_rs import sweep_lake
+
+    record_cut(tmp_path, {"a": 0}, {"n": "0:0"}, 0)
+    sweep_lake(tmp_path, 200)
+    assert DeltaTable(str(tmp_path / CUTS)).metadata().configuration["delta.deletedFileRetentionDuration"] == (
+        "interval 200 hours"
+    )
+    for version in range(1, 2 * COMPACT_FILES):
+        record_cut(tmp_path, {"a": version}, {"n": f"0:{version}"}, version)
+    assert len(DeltaTable(str(tmp_path / CUTS)).file_uris()) < COMPACT_FILES
+    latest = latest_cut(tmp_path)
+    assert latest is not None and latest.changes_version == 2 * COMPACT_FILES - 1
+
+
 def test_compaction_records_its_cut_and_a_missing_one_at_the_next_run(spark: Any, tmp_path: Path) -> None:
     """``lake compact`` records the cut it reached: the changes version, every table's version, each
     source's position. A compaction that died after its commits but before its cut (here: ``_cuts``

@@ -61,8 +61,6 @@ CUTS_PROPERTIES = {**COMMON_PROPERTIES, "delta.appendOnly": "true"}
 COMPACT_FILES = 64
 """``_cuts`` files (one per cut) at which ``record_cut`` bin-packs them into one: reading the latest cut
 replays the table's file list, which must not grow with every compaction ever run."""
-RETAIN_HOURS = 168
-"""How long files replaced by that bin-packing stay for readers of older ``_cuts`` versions (Delta's default)."""
 
 _CREATE_ATTEMPTS = 3
 """Two compactions creating ``_cuts`` at once: the loser of the put-if-absent appends to the winner's table."""
@@ -177,12 +175,15 @@ def check_format(table: Any, path: LakeDir) -> int:
 
 def _keep_small(path: LakeDir) -> None:
     """Bin-pack ``_cuts`` once it holds COMPACT_FILES files (no data change: readers, old versions and
-    a concurrent append are unaffected), and delete the replaced files older than RETAIN_HOURS."""
+    a concurrent append are unaffected), and delete the replaced files older than the table's own retention
+    (``delta.deletedFileRetentionDuration``: Delta's week, or ``vacuum_retain_hours`` once the sink's vacuum set it,
+    cdcd/lake/maintenance/vacuum_rs.py). Full mode: a file whose tombstone a checkpoint already dropped (at that same
+    age) is judged by its modification time instead of staying for ever."""
     table = open_delta(path)
     if len(table.file_uris()) < COMPACT_FILES:
         return
     table.optimize.compact()
-    table.vacuum(retention_hours=RETAIN_HOURS, dry_run=False)
+    table.vacuum(dry_run=False, full=True)
 
 
 def _read(lake: LakeDir, where: Any) -> list[Cut]:
