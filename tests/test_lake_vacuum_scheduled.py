@@ -39,6 +39,7 @@ from cdcd.lake.reading.readers import polars_frames
 from cdcd.lake.sink import LakeConsumer, LakeOptions
 from cdcd.lake.table import CHANGES, CHANGES_LOG_PROPERTIES, CUTS, STATE
 from cdcd.lake.typed.layout import list_tables
+from tests.support.cli import run_cli
 from tests.support.delta_tables import append_changes, change, expected_state, state_rows
 from tests.support.lake import run_to_end, wait_started, write_config
 from tests.support.lake_rewrites import same_rows_as_wal
@@ -392,6 +393,51 @@ def test_the_maintainer_vacuums_on_its_own_and_counts_the_bytes(tmp_path: Path) 
     assert not replaced & _on_disk(state)
     after = metrics.LAKE.get_sample_value("cdcd_lake_vacuum_deleted_bytes_total", {"table": "state"})
     assert after == before + size
+    assert state_rows(lake) == expected_state(rows)  # type: ignore[arg-type]
+
+
+def _first_logged(table: Path) -> int:
+    return min(int(p.name[:20]) for p in (table / "_delta_log").glob("*.json"))
+
+
+def test_logs_are_cleaned_where_no_compaction_runs_by_the_vacuum_and_by_cdcd_lake_compact(tmp_path: Path) -> None:
+    """Compaction from a timer (`cdcd lake compact`) and a daemon that only optimizes and vacuums: the log cleanup
+    that ran only after the maintainer's compactions now runs after each vacuum too, and after the command. Logs 30 h
+    old under retentions of 2 minutes (changes) and of the vacuum's hour go, but for the versions still needed."""
+    lake = tmp_path / "lake"
+    rows: list[dict[str, object]] = []
+    for n in range(3):
+        _fold(lake, rows, n)
+    tables = _tables(lake)
+    for table in tables:
+        DeltaTable(str(table)).create_checkpoint()
+        _age_log_files(table, 30)
+    assert all(_first_logged(t) == 0 for t in tables)
+    opts = MaintainerOptions(compact_interval_s=0, optimize_interval_s=0, vacuum_interval_s=0.2, vacuum_retain_hours=1)
+    maintainer = Maintainer(lake, None, opts)
+    maintainer.start()
+    try:
+        deadline = time.monotonic() + 60
+        while maintainer.vacuums < 1:
+            assert maintainer.alive() and time.monotonic() < deadline, maintainer.last_failure
+            time.sleep(0.05)
+    finally:
+        maintainer.stop()
+    assert all(_first_logged(t) > 0 for t in tables), {str(t): _first_logged(t) for t in tables}
+    assert {cache: f.height for cache, f in polars_frames(lake).items()} == {"a": 3, "b": 3}
+
+    # The command, on changes committed since (never compacted, so kept until it folds them).
+    new = [change(c, str(k), json.dumps({"n": 9, "k": k}), 900 + k) for k in range(3) for c in ("a", "b")]
+    for row in new:
+        append_changes(lake, [row])
+    rows += new
+    changes = lake / CHANGES
+    DeltaTable(str(changes)).create_checkpoint()
+    _age_log_files(changes, 30)
+    latest = DeltaTable(str(changes)).version()
+    res = run_cli("lake", "compact", "--lake", str(lake), "--engine", "deltalake")
+    assert res.returncode == 0, res.stderr
+    assert _first_logged(changes) == latest  # the checkpoint at the last version folded, and on
     assert state_rows(lake) == expected_state(rows)  # type: ignore[arg-type]
 
 

@@ -181,12 +181,16 @@ def lake_compact(
     """MERGE the changes committed since the last compaction into <lake>/state and the typed table of
     each cache, <lake>/tables/<cache> (latest per key by version, then WAL position; deletes applied;
     idempotent), and record the cut they make together. Either engine writes the same tables."""
+    from deltalake.exceptions import DeltaError
+
     from cdcd.lake import spark as spark_session
     from cdcd.lake.maintenance.clustered import FILE_ROWS
-    from cdcd.lake.maintenance.compact import compact, compact_engine
+    from cdcd.lake.maintenance.compact import compact, compact_engine, compacted_version
+    from cdcd.lake.maintenance.log_cleanup import clean_logs
     from cdcd.lake.reading.report import compact_summary
     from cdcd.lake.typed.declared import DeclaredSchemaError, load_declared
     from cdcd.lake.typed.layout import NotATypedTable, list_tables
+    from cdcd.logging import describe
 
     try:
         use_spark = compact_engine(engine, spark_master, spark_writer=False) == "spark"
@@ -201,13 +205,19 @@ def lake_compact(
     if not use_spark:
         log_to_stderr()
         rows = FILE_ROWS if file_rows is None else file_rows
-        click.echo(compact_summary(compact(None, lake_path, tables=declared, file_rows=rows)))
-        return
-    spark = _spark(spark_master or "local[*]", "cdcd-lake-compact", lake_path)
+        result = compact(None, lake_path, tables=declared, file_rows=rows)
+    else:
+        spark = _spark(spark_master or "local[*]", "cdcd-lake-compact", lake_path)
+        try:
+            result = compact(spark, lake_path, tables=declared, file_rows=FILE_ROWS if file_rows is None else file_rows)
+        finally:
+            spark_session.release()
+    # As the sink's maintainer does after each compaction: where compaction runs from a timer, nothing else
+    # deletes the old log files of changes and of the typed tables (Delta's own cleanup is off on them).
     try:
-        result = compact(spark, lake_path, tables=declared, file_rows=FILE_ROWS if file_rows is None else file_rows)
-    finally:
-        spark_session.release()
+        clean_logs(lake_path, compacted_version(lake_path))
+    except (DeltaError, OSError, ValueError) as exc:  # the log stays longer; the next run tries again
+        click.echo(f"cdcd: warning: old log files not cleaned: {describe(exc)}", err=True)
     click.echo(compact_summary(result))
 
 

@@ -519,6 +519,8 @@ class Maintainer:
             return result.behind
         elif task == "vacuum":
             swept = sweep_lake(self.lake, self.options.vacuum_retain_hours)
+            # Also where this maintainer does not compact (compaction from a timer): the logs it would clean.
+            self._clean_logs(compacted_version(self.lake))
             self.vacuums += 1
             for table, done in swept.items():
                 if done.deleted_bytes:
