@@ -369,6 +369,20 @@ def test_changes_keeps_what_compaction_has_yet_to_read_whatever_its_age(tmp_path
     assert not unfolded & _on_disk(changes)
 
 
+def _vacuum_once(lake: Path) -> None:
+    """A maintainer that only vacuums (every 0.2 s, retention 1 h), stopped after its first vacuum."""
+    opts = MaintainerOptions(compact_interval_s=0, optimize_interval_s=0, vacuum_interval_s=0.2, vacuum_retain_hours=1)
+    maintainer = Maintainer(lake, None, opts)
+    maintainer.start()
+    try:
+        deadline = time.monotonic() + 60
+        while maintainer.vacuums < 1:
+            assert maintainer.alive() and time.monotonic() < deadline, maintainer.last_failure
+            time.sleep(0.05)
+    finally:
+        maintainer.stop()
+
+
 def test_the_maintainer_vacuums_on_its_own_and_counts_the_bytes(tmp_path: Path) -> None:
     lake = tmp_path / "lake"
     rows: list[dict[str, object]] = []
@@ -380,16 +394,7 @@ def test_the_maintainer_vacuums_on_its_own_and_counts_the_bytes(tmp_path: Path) 
     _age_all(state, 2)
     before = metrics.LAKE.get_sample_value("cdcd_lake_vacuum_deleted_bytes_total", {"table": "state"}) or 0.0
     size = sum(p.stat().st_size for p in replaced)
-    opts = MaintainerOptions(compact_interval_s=0, optimize_interval_s=0, vacuum_interval_s=0.2, vacuum_retain_hours=1)
-    maintainer = Maintainer(lake, None, opts)
-    maintainer.start()
-    try:
-        deadline = time.monotonic() + 60
-        while maintainer.vacuums < 1:
-            assert maintainer.alive() and time.monotonic() < deadline, maintainer.last_failure
-            time.sleep(0.05)
-    finally:
-        maintainer.stop()
+    _vacuum_once(lake)
     assert not replaced & _on_disk(state)
     after = metrics.LAKE.get_sample_value("cdcd_lake_vacuum_deleted_bytes_total", {"table": "state"})
     assert after == before + size
@@ -413,16 +418,7 @@ def test_logs_are_cleaned_where_no_compaction_runs_by_the_vacuum_and_by_cdcd_lak
         DeltaTable(str(table)).create_checkpoint()
         _age_log_files(table, 30)
     assert all(_first_logged(t) == 0 for t in tables)
-    opts = MaintainerOptions(compact_interval_s=0, optimize_interval_s=0, vacuum_interval_s=0.2, vacuum_retain_hours=1)
-    maintainer = Maintainer(lake, None, opts)
-    maintainer.start()
-    try:
-        deadline = time.monotonic() + 60
-        while maintainer.vacuums < 1:
-            assert maintainer.alive() and time.monotonic() < deadline, maintainer.last_failure
-            time.sleep(0.05)
-    finally:
-        maintainer.stop()
+    _vacuum_once(lake)
     assert all(_first_logged(t) > 0 for t in tables), {str(t): _first_logged(t) for t in tables}
     assert {cache: f.height for cache, f in polars_frames(lake).items()} == {"a": 3, "b": 3}
 

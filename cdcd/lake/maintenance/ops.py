@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 import structlog
@@ -335,7 +335,7 @@ def data_files_on_disk(table: LakeDir) -> list[Any]:
     return [p for p in table.rglob("*.parquet") if LOG_DIR not in p.parts]
 
 
-_HOUR_MS = 3_600_000
+HOUR_MS = 3_600_000
 KEEP_MARGIN_HOURS = 1
 """Kept beyond what a rule measures: a file is written before the commit that adds it."""
 
@@ -354,10 +354,10 @@ def cut_keep_hours(table: LakeDir, dt: Any, named: int | None, now_ms: int) -> i
         log.warning("lake_cut_version_unreadable", table=str(table), version=named, error=describe(exc))
         return 0
     replaced = set(_paths(at_cut)) - set(_paths(dt))
-    ages = [now_ms - ms for ms in modified_ms(table, sorted(replaced)).values()]
+    ages = [now_ms - f.mtime_ms for f in existing_files(table, sorted(replaced)).values()]
     if not ages:
         return 0
-    return math.ceil(max(0, *ages) / _HOUR_MS) + KEEP_MARGIN_HOURS
+    return math.ceil(max(0, *ages) / HOUR_MS) + KEEP_MARGIN_HOURS
 
 
 def _paths(dt: Any) -> list[str]:
@@ -365,20 +365,26 @@ def _paths(dt: Any) -> list[str]:
     return paths
 
 
-def modified_ms(table: LakeDir, paths: list[str]) -> dict[str, int]:
-    """Modification times (ms) of the files of ``paths`` (relative to ``table``) that exist."""
-    out: dict[str, int] = {}
+class FileStat(NamedTuple):
+    size: int
+    mtime_ms: int
+
+
+def existing_files(table: LakeDir, paths: list[str]) -> dict[str, FileStat]:
+    """Size and modification time of the files of ``paths`` (relative to ``table``) that exist."""
+    out: dict[str, FileStat] = {}
     for rel in paths:
         path = table / rel
         if isinstance(path, ObjectPath):
             info = path.fs.get_file_info(path.fs_path)
-            if info.mtime_ns is not None and info.size is not None:
-                out[rel] = info.mtime_ns // 1_000_000
+            if info.size is not None:  # None: no such object
+                out[rel] = FileStat(int(info.size), (info.mtime_ns or 0) // 1_000_000)
             continue
         try:
-            out[rel] = path.stat().st_mtime_ns // 1_000_000
+            st = path.stat()
         except FileNotFoundError:
             continue
+        out[rel] = FileStat(st.st_size, st.st_mtime_ns // 1_000_000)
     return out
 
 

@@ -56,15 +56,17 @@ from cdcd.lake.maintenance.compact import state_lag
 from cdcd.lake.maintenance.compact_mark import read_mark, replaced_from
 from cdcd.lake.maintenance.log_cleanup import interval_ms
 from cdcd.lake.maintenance.ops import (
+    HOUR_MS,
     KEEP_MARGIN_HOURS,
     Vacuumed,
     check_vacuum,
     commit_time_ms,
     cut_keep_hours,
     data_file_sizes,
+    existing_files,
     maintained_tables,
 )
-from cdcd.lake.storage import LakeDir, ObjectPath, is_delta, open_delta
+from cdcd.lake.storage import LakeDir, is_delta, open_delta
 from cdcd.lake.table import CHANGES, CUTS, TABLES
 
 log = structlog.get_logger("cdcd.lake")
@@ -75,8 +77,6 @@ EXPIRED_LOG_CLEANUP = "delta.enableExpiredLogCleanup"
 SET_BY_CDCD = {RETENTION: "cdcd.deletedFileRetentionDuration", LOG_RETENTION: "cdcd.logRetentionDuration"}
 """Beside each property ``align_retention`` sets: the value cdcd set. Equal to it, the property is cdcd's to move;
 different, set by hand."""
-
-HOUR_MS = 3_600_000
 
 
 @dataclass(frozen=True)
@@ -137,19 +137,7 @@ def changes_keep_hours(lake: LakeDir, now_ms: int) -> int | None:
 
 def existing_sizes(table: LakeDir, paths: list[str]) -> dict[str, int]:
     """Sizes of the files of ``paths`` (relative to ``table``) that exist."""
-    out: dict[str, int] = {}
-    for rel in paths:
-        path = table / rel
-        if isinstance(path, ObjectPath):
-            size = path.fs.get_file_info(path.fs_path).size  # None: no such object
-            if size is not None:
-                out[rel] = int(size)
-            continue
-        try:
-            out[rel] = path.stat().st_size
-        except FileNotFoundError:
-            continue
-    return out
+    return {rel: f.size for rel, f in existing_files(table, paths).items()}
 
 
 def sweep_table(dt: DeltaTable, table: LakeDir, retain_hours: int, *, checkpoint: bool = True) -> Swept:
