@@ -19,9 +19,9 @@ install: $(STAMP) $(JARS)
 
 # Every Python package at the version and hash requirements.lock names (scripts/install-python.sh); PYTHON_DEPS=latest
 # (make test-latest) takes the newest versions pyproject.toml's ranges allow instead. setup.py and the C source: pip
-# builds cdcd's C module (cdcd/lake/landing/_rows.c) again when they change.
+# builds cdcd's C modules (cdcd/lake/landing/_rows.c, cdcd/wal/_entries.c) again when they change.
 PYTHON_DEPS ?= locked
-$(STAMP): pyproject.toml setup.py cdcd/lake/landing/_rows.c requirements.lock
+$(STAMP): pyproject.toml setup.py cdcd/lake/landing/_rows.c cdcd/wal/_entries.c requirements.lock
 	@bash scripts/ensure-java.sh
 	@bash scripts/ensure-cc.sh $(PYTHON)
 	$(PYTHON) -m venv $(VENV)

@@ -358,6 +358,11 @@ class Consumer:
     """The shortest interval between the starts of two of the node's realtime deliveries this consumer asks for
     (fewer, larger calls: what arrives meanwhile joins the next); the node's ``realtime_batch_min_interval_ms``
     wins when longer. The daemon's deliveries are not paced by it."""
+    decodes_entries: bool = True
+    """False on a kind that never reads a batch's events or its records' entries one by one (the lake ships
+    ``RecordSlice.payload`` to its row builder; null only counts): the daemon then leaves DataRecords' entries
+    undecoded (``cdcd.wal.records.LazyEntries``) unless another of its consumers reads them. Only speed depends
+    on it: entries decode the first time anything reads them."""
     dead_letters: bool = False
     """Set on a kind that keeps refused events itself (Kafka's ``<topic>.dlq``) when ``[consumer]
     dead_letters = "on"``; the caller's own policy is ``DeliveryPolicy``, never read from here."""

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# cdcd has one C module (cdcd/lake/landing/_rows.c), built by `pip install`: it needs a C compiler and the
+# cdcd has two C modules (cdcd/lake/landing/_rows.c, cdcd/wal/_entries.c), built by `pip install`: it needs a C compiler and the
 # headers of the Python that builds the venv. Install Debian's gcc and python3-dev when missing.
 set -euo pipefail
 PYTHON="${1:-python3}"

@@ -25,6 +25,7 @@ from cdcd.daemon.processor import Item, MarkerCommit, Switch
 from cdcd.daemon_state import CdcMode, DaemonState, StateStore
 from cdcd.delivery import Batch, CacheChange, DeliveryFailed, DeliveryLoop
 from cdcd.faults import ExitCode, Fault
+from cdcd.wal.frame import count_ops
 from cdcd.wal.pointer import WalPosition
 from cdcd.wal.records import CacheInfo
 
@@ -167,6 +168,8 @@ class Committer:
         counts: Counter[tuple[int, int]] = Counter()
         for s in slices:
             entries = s.record.entries
+            if count_ops(entries, s.start, s.stop, counts):
+                continue  # counted from the record's bytes (entries not decoded)
             if s.start or s.stop is not None:
                 entries = entries[s.start : s.stop]
             ops = bytes(map(_op, entries))

@@ -142,6 +142,10 @@ class Daemon:
                 show_progress=show_progress,
                 others_live=functools.partial(self._others_live, name),
             )
+        # One form of record for all: a daemon of several consumers reads each chunk once, for all of them.
+        lazy = not any(lane.consumer.decodes_entries for lane in self.lanes.values())
+        for lane in self.lanes.values():
+            lane.lazy_entries = lazy
         self._primary = self.lanes[names[0]]
         self.consumer = self._primary.consumer
         self.selected = self._primary.selected

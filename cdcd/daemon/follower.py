@@ -98,9 +98,12 @@ class SegmentFollower:
         skip_types: frozenset[int] = frozenset(),
         expect_node_id: uuid.UUID | None = None,
         shared: SharedReads | None = None,
+        lazy_entries: bool = False,
     ) -> None:
-        """``shared``: chunks other followers of the same daemon decoded (a daemon of several consumers)."""
+        """``shared``: chunks other followers of the same daemon decoded (a daemon of several consumers);
+        ``lazy_entries``: DataRecords' entries left undecoded until read (``SegmentReader.lazy_entries``)."""
         self.cdc_dir = cdc_dir
+        self.lazy_entries = lazy_entries
         self.shared = shared
         self.skip_types = skip_types
         self.expect_node_id = expect_node_id
@@ -145,6 +148,7 @@ class SegmentFollower:
             archived=True,
             skip_types=self.skip_types,
             expect_node_id=self.expect_node_id,
+            lazy_entries=self.lazy_entries,
         )
         self._records = self._reader.frames()
         return True

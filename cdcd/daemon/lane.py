@@ -163,6 +163,8 @@ class Lane:
         self.stopping = stopping
         """This consumer's own stop: set when the daemon stops, or when it is invalidated (mid-retry too)."""
         self.shared = shared
+        self.lazy_entries = False
+        """Set by the daemon when none of its consumers reads entries one by one (``Consumer.decodes_entries``)."""
         self.release = release
         self.store: StateStore | None = None
         self.committer: Committer | None = None
@@ -381,7 +383,12 @@ class Lane:
         if node_id is not None and not state.node_id:
             committer.state = state = msgspec.structs.replace(state, node_id=str(node_id))
         self.follower = SegmentFollower(
-            self.cdc_dir, state.position, skip_types=skip, expect_node_id=node_id, shared=self.shared
+            self.cdc_dir,
+            state.position,
+            skip_types=skip,
+            expect_node_id=node_id,
+            shared=self.shared,
+            lazy_entries=self.lazy_entries,
         )
         return processor, self.follower
 

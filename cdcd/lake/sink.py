@@ -272,6 +272,8 @@ def _by_record(table: pa.Table) -> dict[tuple[int, int], list[tuple[Any, ...]]]:
 
 
 class LakeConsumer(Consumer):
+    decodes_entries = False  # its row builders read the records' bytes (``RecordSlice.payload``)
+
     def __init__(self, options: LakeOptions) -> None:
         self.options = options
         self.min_batch_interval_ms = options.realtime_commit_interval_ms

@@ -16,6 +16,8 @@ class NullOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class NullConsumer(Consumer):
+    decodes_entries = False
+
     def __init__(self) -> None:
         self.events = 0
         self.batches = 0

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import struct
 import zlib
+from collections.abc import Callable
+from types import ModuleType
+from typing import cast
 
 import msgspec
 
-from cdcd.wal.records import RECORD_TYPES, Record, SegmentEnd
+from cdcd.wal.records import RECORD_TYPES, DataEntry, DataRecord, LazyEntries, Record, SegmentEnd, encode_hook
 
 FRAME_HEADER = struct.Struct("<IBI")
 FRAME_HEADER_SIZE = FRAME_HEADER.size
 
-_encoder = msgspec.msgpack.Encoder()
+_encoder = msgspec.msgpack.Encoder(enc_hook=encode_hook)
 DECODERS: dict[int, msgspec.msgpack.Decoder[Record]] = {
     t: msgspec.msgpack.Decoder(cls)
     for t, cls in RECORD_TYPES.items()  # type: ignore[misc]
@@ -30,3 +34,69 @@ def encode_frame(record: Record) -> bytes:
 
 
 SEGMENT_END_FRAME = encode_frame(SegmentEnd())
+
+
+class _DataRecordHead(msgspec.Struct, frozen=True, array_like=True, tag_field="t", tag=1, gc=False):
+    """A DataRecord with its entries left as bytes: DataRecord's fields, in its order (a test holds them equal)."""
+
+    entries: msgspec.Raw
+    commit_ts_ns: int
+    resend: bool = False
+
+
+_head_decoder = msgspec.msgpack.Decoder(_DataRecordHead)
+
+ENTRIES_ENV = "CDCD_WAL_ENTRIES"
+"""``python`` makes this process check entries by decoding them (``decode_data_record`` then decodes them all at
+once, as every other reader does) even where the C module is built: how the tests hold the two paths to each
+other. Read once, at import."""
+
+EntriesCheck = Callable[[msgspec.Raw], int]
+
+
+def _python_check(raw: msgspec.Raw) -> int:
+    return len(_python_entries.decode(raw))
+
+
+_python_entries = msgspec.msgpack.Decoder(tuple[DataEntry, ...])
+
+
+def _entries_module(choice: str) -> ModuleType | None:
+    if choice == "python":
+        return None
+    if choice not in ("", "c"):
+        raise ValueError(f"environment: {ENTRIES_ENV}={choice!r} is not 'c' or 'python'")
+    try:
+        import cdcd.wal._entries as module
+    except ImportError:
+        if choice == "c":
+            raise ImportError(f"{ENTRIES_ENV}=c but cdcd.wal._entries is not built (make install)") from None
+        return None
+    return module
+
+
+_c = _entries_module(os.environ.get(ENTRIES_ENV, ""))
+entries_check: EntriesCheck | None = None if _c is None else _c.check
+"""The C check (cdcd/wal/_entries.c), or None where it is not built or ``$CDCD_WAL_ENTRIES=python``: then
+``decode_data_record`` decodes the entries at once."""
+
+
+def decode_data_record(payload: bytes) -> DataRecord:
+    """A DataRecord's payload with its entries checked but left undecoded (``LazyEntries``); raises what its
+    decoder would (``msgspec.DecodeError``, ``ValueError``, ``RecursionError``) for a record it refuses."""
+    check = entries_check
+    if check is None:
+        return cast(DataRecord, DECODERS[DataRecord.TYPE].decode(payload))
+    head = _head_decoder.decode(payload)
+    entries = LazyEntries(head.entries, check(head.entries))
+    return DataRecord(cast("tuple[DataEntry, ...]", entries), head.commit_ts_ns, head.resend)
+
+
+def count_ops(entries: tuple[DataEntry, ...], start: int, stop: int | None, counts: dict[tuple[int, int], int]) -> bool:
+    """Adds entries ``start..stop`` to ``counts`` (``(cache_id, op)`` -> entries) when they are still undecoded
+    bytes (``LazyEntries``), without decoding them; False (nothing added): count them as the caller would."""
+    lazy: object = entries  # a tuple to the type checker (DataRecord.entries), maybe not at run time
+    if type(lazy) is not LazyEntries or lazy.decoded or _c is None:
+        return False
+    _c.count_ops(lazy.raw, start, -1 if stop is None else stop, counts)
+    return True

@@ -14,13 +14,14 @@ from typing import BinaryIO
 import msgspec
 
 from cdcd.wal.errors import CorruptRecord, ForeignSegment, MissingSegment, NotARecordStart, TruncatedSegment
-from cdcd.wal.frame import DECODERS, FRAME_HEADER, FRAME_HEADER_SIZE
+from cdcd.wal.frame import DECODERS, FRAME_HEADER, FRAME_HEADER_SIZE, decode_data_record
 from cdcd.wal.pointer import WalPointer
-from cdcd.wal.records import Record, SegmentEnd
+from cdcd.wal.records import DataRecord, Record, SegmentEnd
 from cdcd.wal.segment import HEADER_SIZE, SegmentHeader, decode_header, list_segments, parse_segment_name
 
 DEFAULT_READ_BUFFER_BYTES = 1 << 20
 _SEGMENT_END = SegmentEnd.TYPE
+_DATA = DataRecord.TYPE
 
 
 def _open_regular(path: Path) -> BinaryIO:
@@ -58,8 +59,12 @@ class SegmentReader:
         read_buffer_bytes: int = DEFAULT_READ_BUFFER_BYTES,
         skip_types: frozenset[int] = frozenset(),
         expect_node_id: uuid.UUID | None = None,
+        lazy_entries: bool = False,
     ) -> None:
         self.path = Path(path)
+        self.lazy_entries = lazy_entries
+        """DataRecords' entries checked but left undecoded until read (``frame.decode_data_record``): for a
+        consumer that ships the records' bytes on rather than read entries one by one."""
         self.expect_node_id = expect_node_id
         """When set, a header naming another node is ``ForeignSegment`` before any record is read."""
         self.segment = parse_segment_name(self.path)
@@ -104,6 +109,7 @@ class SegmentReader:
             read_size = self.read_buffer_bytes
             decoders = DECODERS
             skip = self.skip_types
+            lazy = self.lazy_entries
             unpack = FRAME_HEADER.unpack_from
             crc32 = zlib.crc32
             while True:
@@ -157,7 +163,7 @@ class SegmentReader:
                 if rtype in skip:
                     continue
                 try:
-                    record = decoder.decode(payload)
+                    record = decode_data_record(payload) if lazy and rtype == _DATA else decoder.decode(payload)
                 except (msgspec.DecodeError, ValueError, RecursionError) as exc:
                     message = f"undecodable record of type {rtype}: {_decode_error(exc)}"
                     raise CorruptRecord(path, off, message) from None

@@ -13,13 +13,16 @@ type byte. Schema rule: fields are only ever appended, with defaults, so older s
 Keys and values travel as ``msgspec.Raw`` MessagePack: the node encodes them once (keys with a
 deterministic map order, so equal keys have equal bytes) and the same bytes go to the WAL and to
 LMDB. Readers decode only the record structure; a key or value becomes a Python object only when
-a consumer asks for it.
+a consumer asks for it. A reader for consumers that never look at entries one by one (the lake, which
+ships the records' bytes to its row builder) goes further: a DataRecord's entries stay bytes, checked
+but not decoded, until something reads them (``LazyEntries``).
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any, ClassVar
+from collections.abc import Iterator
+from typing import Any, ClassVar, overload
 
 import msgspec
 
@@ -101,6 +104,66 @@ class DataEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
         return _any_decoder.decode(self.value)
 
 
+_entries_decoder = msgspec.msgpack.Decoder(tuple[DataEntry, ...])
+
+
+class LazyEntries:
+    """A DataRecord's entries as the WAL holds them (``raw``, already checked: cdcd/wal/frame.py), decoded into
+    ``DataEntry`` objects the first time anything reads one and kept so. ``len`` needs no decoding. It reads as
+    the tuple it stands for (index, slice, iteration, equality) and is encoded as those bytes
+    (``encode_hook``); an encoder without that hook refuses it rather than write something else."""
+
+    __slots__ = ("_decoded", "count", "raw")
+
+    def __init__(self, raw: msgspec.Raw, count: int) -> None:
+        self.raw = raw
+        self.count = count
+        self._decoded: tuple[DataEntry, ...] | None = None
+
+    @property
+    def decoded(self) -> bool:
+        """Whether the entries were read (decoded) already."""
+        return self._decoded is not None
+
+    def entries(self) -> tuple[DataEntry, ...]:
+        found = self._decoded
+        if found is None:
+            # Two threads of a daemon sharing the record may both decode it: the same tuple either way.
+            found = self._decoded = _entries_decoder.decode(self.raw)
+        return found
+
+    def __len__(self) -> int:
+        return self.count
+
+    @overload
+    def __getitem__(self, index: int) -> DataEntry: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[DataEntry, ...]: ...
+    def __getitem__(self, index: int | slice) -> DataEntry | tuple[DataEntry, ...]:
+        return self.entries()[index]
+
+    def __iter__(self) -> Iterator[DataEntry]:
+        return iter(self.entries())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, LazyEntries):
+            return bytes(self.raw) == bytes(other.raw) or self.entries() == other.entries()
+        return isinstance(other, tuple) and self.entries() == other
+
+    def __hash__(self) -> int:
+        return hash(self.entries())
+
+    def __repr__(self) -> str:
+        return repr(self.entries())
+
+
+def encode_hook(obj: object) -> msgspec.Raw:
+    """``enc_hook`` of every encoder that may meet a record read with ``LazyEntries``: its bytes as read."""
+    if isinstance(obj, LazyEntries):
+        return obj.raw
+    raise NotImplementedError(f"cannot encode objects of type {type(obj).__name__}")
+
+
 class CacheConfig(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """Per-cache settings recorded with the cache."""
 
@@ -127,6 +190,7 @@ class DataRecord(_Record, frozen=True, tag=1):
 
     TYPE: ClassVar[int] = 1
     entries: tuple[DataEntry, ...]
+    """A tuple, or where a reader left them undecoded a ``LazyEntries`` that reads as one."""
     commit_ts_ns: int
     resend: bool = False
     """Written by ``Node.resend``: existing entries sent again, not changes (Debezium's ``"r"``)."""

@@ -9,6 +9,8 @@ contract, so the same targets run under our own random loop, hypothesis and athe
   (``BadSegmentHeader``, ``CorruptRecord``, ``TruncatedSegment``) naming the file and the offset of
   the first frame it did not yield; only the active segment may end early (short, zero-filled or
   torn tail); the buffer size changes nothing.
+  DataRecords read with their entries left undecoded (``lazy_entries``: the C check of cdcd/wal/_entries.c)
+  are the same records, or the same error at the same offset.
 - ``check_memory``: the bytes are a segment file read under tracemalloc: the peak stays under a fixed
   bound whatever the length fields claim.
 - ``check_wal_dir``: the bytes are a program that builds two WAL dirs from valid segments (gaps,
@@ -804,6 +806,7 @@ def read_segment(
     read_buffer_bytes: int = DEFAULT_READ_BUFFER_BYTES,
     start_offset: int = 0,
     skip_types: frozenset[int] = frozenset(),
+    lazy_entries: bool = False,
 ) -> Outcome:
     """Read a whole segment, keeping a typed error as part of the outcome; anything else is a failure."""
     reader = SegmentReader(
@@ -812,6 +815,7 @@ def read_segment(
         read_buffer_bytes=read_buffer_bytes,
         start_offset=start_offset,
         skip_types=skip_types,
+        lazy_entries=lazy_entries,
     )
     records: list[tuple[WalPointer, Record]] = []
     error: WalError | None = None
@@ -991,6 +995,25 @@ def check_skip(path: Path, reference: Outcome) -> None:
         raise _fail("skip", "archived", f"skipping DataRecords: {o.describe()}, reading all: {reference.describe()}")
 
 
+def check_lazy(path: Path, reference: Outcome) -> None:
+    """Entries left undecoded (``lazy_entries``, checked by cdcd/wal/_entries.c) read as the decoded ones: the
+    same records, which decode without an error when compared, and the same error at the same offset (its
+    words may differ: the C check and msgspec name a bad field each in their own terms)."""
+    try:
+        o = read_segment(path, archived=True, lazy_entries=True)
+        same = o.records == reference.records
+    except FuzzFailure:
+        raise
+    except (FuzzHang, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        raise _untyped("records read with lazy_entries, compared", exc) from None
+    e, r = o.error, reference.error
+    errors = (type(e).__name__, e.offset if e else None) == (type(r).__name__, r.offset if r else None)
+    if not same or not errors or o.ended != reference.ended or o.end_offset != reference.end_offset:
+        raise _fail("lazy", "archived", f"entries undecoded: {o.describe()}, decoded: {reference.describe()}")
+
+
 def check_segment(data: bytes) -> None:
     """Target: ``data`` as a segment file (see the module docstring)."""
     with hang_guard():
@@ -1003,6 +1026,7 @@ def check_segment(data: bytes) -> None:
             check_buffer_independent(data, path, act, archived=False)
             check_resume(data, path, arch)
             check_skip(path, arch)
+            check_lazy(path, arch)
         finally:
             path.unlink()
 

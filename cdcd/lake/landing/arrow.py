@@ -16,7 +16,7 @@ from cdcd.consumer import OP_NAMES, CacheDrop, EventBatch, RecordSlice
 from cdcd.lake.landing import rows_py
 from cdcd.lake.landing.jsontext import key_json_bytes, to_json_bytes
 from cdcd.lake.table import CHANGE_SCHEMA, DAY_FIELD
-from cdcd.wal.records import Op
+from cdcd.wal.records import Op, encode_hook
 
 log = structlog.get_logger("cdcd.lake")
 
@@ -58,7 +58,7 @@ def split_slices(slices: list[RecordSlice], parts: int, min_rows: int) -> list[l
     return out
 
 
-_encoder = msgspec.msgpack.Encoder()
+_encoder = msgspec.msgpack.Encoder(enc_hook=encode_hook)
 
 Fallback = Callable[[bytes], bytes]
 RowBuilder = Callable[[bytes, Fallback, Fallback], tuple[int, tuple[bytes, ...]]]
