@@ -1,12 +1,13 @@
-"""DataRecord entries left undecoded (``LazyEntries``) and checked by the C module (cdcd/wal/_entries.c): the check
-accepts exactly what msgspec's decoder accepts, counts what it decodes, and a record read that way reads, compares
-and encodes as the decoded one. The segment fuzz target compares whole reads both ways too
-(``tests/support/wal_fuzz.py``: ``check_lazy``)."""
+"""The WAL reader's cheaper paths. DataRecord entries left undecoded (``LazyEntries``) and checked by the C module
+(cdcd/wal/_entries.c): the check accepts exactly what msgspec's decoder accepts, counts what it decodes, and a
+record read that way reads, compares and encodes as the decoded one; the segment fuzz target compares whole reads
+both ways too (``tests/support/wal_fuzz.py``: ``check_lazy``). And the frames' CRC, computed in pieces."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from cdcd.node import Node
 from cdcd.sinks.jsonl import JsonlConsumer
 from cdcd.sinks.null import NullConsumer
 from cdcd.wal import _entries
-from cdcd.wal.frame import _DataRecordHead, count_ops, decode_data_record, encode_frame
+from cdcd.wal.frame import _DataRecordHead, count_ops, decode_data_record, encode_frame, frame_crc
 from cdcd.wal.reader import SegmentReader
 from cdcd.wal.records import CacheVersion, DataEntry, DataRecord, LazyEntries, Op
 
@@ -232,3 +233,12 @@ def test_without_the_c_module_entries_are_decoded_at_once() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.decode().strip() == "tuple"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=3 * 5 * 1024 + 7), st.integers(0, 5 * 1024 + 1))
+def test_the_frame_crc_is_zlibs(data: bytes, cut: int) -> None:
+    """The CRC computed in pieces small enough that zlib keeps the GIL (``frame_crc``) is zlib's CRC-32 of the whole."""
+    assert frame_crc(data) == zlib.crc32(data)
+    assert frame_crc(memoryview(data)[cut:]) == zlib.crc32(data[cut:])
+    assert frame_crc(bytearray(data)) == zlib.crc32(data)

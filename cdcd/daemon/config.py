@@ -256,6 +256,7 @@ NON_CONFIG_ENV: dict[str, str] = {
     "CDCD_FAILPOINTS_DIR": "where paused fail points put their markers (tests)",
     "CDCD_SPARK_JARS_DIR": "where the Delta jars are (default <venv>/jars)",
     "CDCD_LAKE_ROWS": "the lake row builder: c (default) or python",
+    "CDCD_WAL_ENTRIES": "how DataRecords' entries are checked: c (default) or python (decoded at once)",
     "CDCD_BENCH_DIR": "benchmarks' scratch dir",
     "CDCD_FUZZ_SCRATCH": "the fuzzer's scratch dir",
     "CDCD_KAFKA_CLUSTER": "run the three-broker Kafka test",

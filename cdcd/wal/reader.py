@@ -6,7 +6,6 @@ import errno
 import os
 import stat
 import uuid
-import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -14,7 +13,7 @@ from typing import BinaryIO
 import msgspec
 
 from cdcd.wal.errors import CorruptRecord, ForeignSegment, MissingSegment, NotARecordStart, TruncatedSegment
-from cdcd.wal.frame import DECODERS, FRAME_HEADER, FRAME_HEADER_SIZE, decode_data_record
+from cdcd.wal.frame import DECODERS, FRAME_HEADER, FRAME_HEADER_SIZE, decode_data_record, frame_crc
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import DataRecord, Record, SegmentEnd
 from cdcd.wal.segment import HEADER_SIZE, SegmentHeader, decode_header, list_segments, parse_segment_name
@@ -111,7 +110,7 @@ class SegmentReader:
             skip = self.skip_types
             lazy = self.lazy_entries
             unpack = FRAME_HEADER.unpack_from
-            crc32 = zlib.crc32
+            crc32 = frame_crc
             while True:
                 off = base + bpos
                 if len(buf) - bpos < FRAME_HEADER_SIZE:
@@ -310,7 +309,7 @@ def iter_chunk(
         off = offset + pos
         if len(payload) != length:
             raise TruncatedSegment(path, off, f"chunk of segment {segment} ends inside a record")
-        if zlib.crc32(payload) != crc:
+        if frame_crc(payload) != crc:
             raise CorruptRecord(path, off, f"CRC mismatch in segment {segment}")
         decoder = DECODERS.get(rtype)
         if decoder is None:

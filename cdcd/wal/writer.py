@@ -10,7 +10,6 @@ import errno
 import mmap
 import os
 import uuid
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import msgspec
 
 from cdcd.durable import fsync_dir
 from cdcd.wal.errors import WalDiskFull
-from cdcd.wal.frame import FRAME_HEADER, FRAME_HEADER_SIZE, SEGMENT_END_FRAME
+from cdcd.wal.frame import FRAME_HEADER, FRAME_HEADER_SIZE, SEGMENT_END_FRAME, frame_crc
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import Record
 from cdcd.wal.segment import HEADER_SIZE, encode_header, segment_path
@@ -28,7 +27,7 @@ _END_SIZE = len(SEGMENT_END_FRAME)
 _HEADER_PLACEHOLDER = bytes(FRAME_HEADER_SIZE)
 _encoder = msgspec.msgpack.Encoder()
 _pack_header = FRAME_HEADER.pack
-_crc32 = zlib.crc32
+_crc32 = frame_crc
 
 
 def page_round_up(n: int) -> int:
