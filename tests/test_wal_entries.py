@@ -23,7 +23,7 @@ from cdcd.node import Node
 from cdcd.sinks.jsonl import JsonlConsumer
 from cdcd.sinks.null import NullConsumer
 from cdcd.wal import _entries
-from cdcd.wal.frame import _DataRecordHead, count_ops, decode_data_record, encode_frame, frame_crc
+from cdcd.wal.frame import LAZY_MIN_ENTRIES, _DataRecordHead, count_ops, decode_data_record, encode_frame, frame_crc
 from cdcd.wal.reader import SegmentReader
 from cdcd.wal.records import CacheVersion, DataEntry, DataRecord, LazyEntries, Op
 
@@ -132,7 +132,7 @@ def test_malformed_bytes_are_refused_with_the_entry() -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(
-    st.lists(st.tuples(st.sampled_from([7, 8, -3, 2**64 - 1]), st.sampled_from([0, 1, 2])), max_size=30),
+    st.lists(st.tuples(st.sampled_from([7, 8, -3, 2**64 - 1]), st.sampled_from([0, 1, 2])), min_size=4, max_size=30),
     st.integers(0, 35),
     st.one_of(st.none(), st.integers(0, 35)),
 )
@@ -211,20 +211,25 @@ def test_a_segment_reads_the_same_both_ways(tmp_path: Path) -> None:
         for start in range(0, 300, 30):
             cache.put_all({i: {"v": i, "s": "x" * (i % 7)} for i in range(start, start + 30)})
         cache.remove_all(list(range(0, 300, 7)))
+        for i in range(3):  # transactions of fewer than LAZY_MIN_ENTRIES entries: decoded at once
+            cache.put_all({1000 + j: i for j in range(i + 1)})
         node.force_archive()
+    seen: set[tuple[bool, type]] = set()
     for path in sorted((tmp_path / "node" / "cdc").glob("*.wal")):
         eager = list(SegmentReader(path))
         lazy = list(SegmentReader(path, lazy_entries=True))
-        assert any(type(r) is DataRecord for _p, r in lazy)
-        assert all(type(r.entries) is LazyEntries for _p, r in lazy if type(r) is DataRecord)
+        kinds = {(len(r.entries) >= LAZY_MIN_ENTRIES, type(r.entries)) for _p, r in lazy if type(r) is DataRecord}
+        assert kinds <= {(True, LazyEntries), (False, tuple)}
+        seen |= kinds
         assert lazy == eager
+    assert seen == {(True, LazyEntries), (False, tuple)}
 
 
 def test_without_the_c_module_entries_are_decoded_at_once() -> None:
     code = (
         "import msgspec; from cdcd.wal.frame import decode_data_record; "
         "from tests.test_wal_entries import _record, _entry_of; "
-        "r = decode_data_record(msgspec.msgpack.encode(_record([_entry_of(1, 0, 0)]))); "
+        "r = decode_data_record(msgspec.msgpack.encode(_record([_entry_of(1, 0, i) for i in range(5)]))); "
         "print(type(r.entries).__name__)"
     )
     root = Path(__file__).parent.parent

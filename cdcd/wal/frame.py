@@ -99,11 +99,17 @@ entries_check: EntriesCheck | None = None if _c is None else _c.check
 ``decode_data_record`` decodes the entries at once."""
 
 
+LAZY_MIN_ENTRIES = 4
+"""A record of fewer entries is decoded at once: checking them and keeping them undecoded costs more than decoding
+them (a ``LazyEntries`` is an object the garbage collector tracks, one per record)."""
+
+
 def decode_data_record(payload: bytes) -> DataRecord:
     """A DataRecord's payload with its entries checked but left undecoded (``LazyEntries``); raises what its
     decoder would (``msgspec.DecodeError``, ``ValueError``, ``RecursionError``) for a record it refuses."""
     check = entries_check
-    if check is None:
+    # payload[2]: the entries' array header, after the record's own and its tag (a fixarray below 16 entries).
+    if check is None or len(payload) < 3 or 0x90 <= payload[2] < 0x90 + LAZY_MIN_ENTRIES:
         return cast(DataRecord, DECODERS[DataRecord.TYPE].decode(payload))
     head = _head_decoder.decode(payload)
     entries = LazyEntries(head.entries, check(head.entries))
