@@ -163,6 +163,7 @@ class SegmentReader:
                     raise CorruptRecord(path, frame_end, f"{size - frame_end} bytes after SegmentEnd")
                 if rtype in skip:
                     continue
+                record: Record
                 try:
                     if lazy and rtype == _DATA and len(payload) > 2 and payload[2] >= _LAZY_HEADER:
                         record = decode_data_record(payload)
