@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import struct
 import zlib
-from collections.abc import Callable
 from types import ModuleType
 from typing import cast
 
@@ -69,15 +68,6 @@ ENTRIES_ENV = "CDCD_WAL_ENTRIES"
 once, as every other reader does) even where the C module is built: how the tests hold the two paths to each
 other. Read once, at import."""
 
-EntriesCheck = Callable[[msgspec.Raw], int]
-
-
-def _python_check(raw: msgspec.Raw) -> int:
-    return len(_python_entries.decode(raw))
-
-
-_python_entries = msgspec.msgpack.Decoder(tuple[DataEntry, ...])
-
 
 def _entries_module(choice: str) -> ModuleType | None:
     if choice == "python":
@@ -94,7 +84,6 @@ def _entries_module(choice: str) -> ModuleType | None:
 
 
 _c = _entries_module(os.environ.get(ENTRIES_ENV, ""))
-entries_check: EntriesCheck | None = None if _c is None else _c.check
 """The C check (cdcd/wal/_entries.c), or None where it is not built or ``$CDCD_WAL_ENTRIES=python``: then
 ``decode_data_record`` decodes the entries at once."""
 
@@ -107,12 +96,11 @@ them (a ``LazyEntries`` is an object the garbage collector tracks, one per recor
 def decode_data_record(payload: bytes) -> DataRecord:
     """A DataRecord's payload with its entries checked but left undecoded (``LazyEntries``); raises what its
     decoder would (``msgspec.DecodeError``, ``ValueError``, ``RecursionError``) for a record it refuses."""
-    check = entries_check
     # payload[2]: the entries' array header, after the record's own and its tag (a fixarray below 16 entries).
-    if check is None or len(payload) < 3 or 0x90 <= payload[2] < 0x90 + LAZY_MIN_ENTRIES:
+    if _c is None or len(payload) < 3 or 0x90 <= payload[2] < 0x90 + LAZY_MIN_ENTRIES:
         return cast(DataRecord, DECODERS[DataRecord.TYPE].decode(payload))
     head = _head_decoder.decode(payload)
-    entries = LazyEntries(head.entries, check(head.entries))
+    entries = LazyEntries(head.entries, _c.check(head.entries))
     return DataRecord(cast("tuple[DataEntry, ...]", entries), head.commit_ts_ns, head.resend)
 
 

@@ -13,7 +13,7 @@ from typing import BinaryIO
 import msgspec
 
 from cdcd.wal.errors import CorruptRecord, ForeignSegment, MissingSegment, NotARecordStart, TruncatedSegment
-from cdcd.wal.frame import DECODERS, FRAME_HEADER, FRAME_HEADER_SIZE, LAZY_MIN_ENTRIES, decode_data_record, frame_crc
+from cdcd.wal.frame import DECODERS, FRAME_HEADER, FRAME_HEADER_SIZE, decode_data_record, frame_crc
 from cdcd.wal.pointer import WalPointer
 from cdcd.wal.records import DataRecord, Record, SegmentEnd
 from cdcd.wal.segment import HEADER_SIZE, SegmentHeader, decode_header, list_segments, parse_segment_name
@@ -21,8 +21,6 @@ from cdcd.wal.segment import HEADER_SIZE, SegmentHeader, decode_header, list_seg
 DEFAULT_READ_BUFFER_BYTES = 1 << 20
 _SEGMENT_END = SegmentEnd.TYPE
 _DATA = DataRecord.TYPE
-_LAZY_HEADER = 0x90 + LAZY_MIN_ENTRIES
-"""The smallest entries-array header byte (``payload[2]``) of a DataRecord worth leaving undecoded."""
 
 
 def _open_regular(path: Path) -> BinaryIO:
@@ -163,12 +161,8 @@ class SegmentReader:
                     raise CorruptRecord(path, frame_end, f"{size - frame_end} bytes after SegmentEnd")
                 if rtype in skip:
                     continue
-                record: Record
                 try:
-                    if lazy and rtype == _DATA and len(payload) > 2 and payload[2] >= _LAZY_HEADER:
-                        record = decode_data_record(payload)
-                    else:
-                        record = decoder.decode(payload)
+                    record = decode_data_record(payload) if lazy and rtype == _DATA else decoder.decode(payload)
                 except (msgspec.DecodeError, ValueError, RecursionError) as exc:
                     message = f"undecodable record of type {rtype}: {_decode_error(exc)}"
                     raise CorruptRecord(path, off, message) from None

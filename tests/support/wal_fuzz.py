@@ -1002,9 +1002,7 @@ def check_lazy(path: Path, reference: Outcome) -> None:
     try:
         o = read_segment(path, archived=True, lazy_entries=True)
         same = o.records == reference.records
-    except FuzzFailure:
-        raise
-    except (FuzzHang, KeyboardInterrupt):
+    except (FuzzFailure, FuzzHang, KeyboardInterrupt):
         raise
     except BaseException as exc:
         raise _untyped("records read with lazy_entries, compared", exc) from None
