@@ -333,6 +333,8 @@ class DeliveryLoop:
         self.dead_letter = dead_letter
         self.unconfirmed = False
         """A call returned False: nothing after the last commit may be committed until one returns True."""
+        self.unconfirmed_end: WalPosition | None = None
+        """Where the side commits once the consumer confirms what it took unconfirmed (``settle``)."""
 
     def deliver(self, item: Batch) -> bool:
         """Deliver ``item`` until the consumer has taken all of it; False if stopping cut it short."""
@@ -341,6 +343,8 @@ class DeliveryLoop:
         if len(events) == 0:
             if not self.unconfirmed:
                 self.side.commit(item.end)  # only the position moves (markers, CDC-off entries, segment ends)
+            else:
+                self.unconfirmed_end = item.end
             return True
         return self._deliver(events, item.end)
 
@@ -363,11 +367,13 @@ class DeliveryLoop:
             taken, rest = events.split_taken()
             took = len(events) - (len(rest) if rest is not None else 0)
             side.delivered(taken, events, took, ok)
+            at = end if rest is None or rest.first is None else rest.first.cursor()
             if ok:
                 self.unconfirmed = False
-                side.commit(end if rest is None or rest.first is None else rest.first.cursor())
+                side.commit(at)
             else:
                 self.unconfirmed = True  # the next confirmed call commits both
+                self.unconfirmed_end = at
             if rest is not None and not took and side.wait(self.retry_s):
                 return False
             events = rest
@@ -401,29 +407,50 @@ class DeliveryLoop:
             raise DeliveryFailed(str(exc)) from exc
         failpoints.hit("delivery.dead_letter.written")  # set aside, the position not yet past it
         log.warning("dead_letter", position=str(at.cursor()), cache=event.cache_name, error=error)
+        past = end if after is None or after.first is None else after.first.cursor()
         if not self.unconfirmed:
-            self.side.commit(end if after is None or after.first is None else after.first.cursor())
+            self.side.commit(past)
+        else:
+            self.unconfirmed_end = past
         return True, after
 
     def confirm(self) -> bool:
         """Before a switch: empty calls until the consumer confirms what it took unconfirmed;
         False if stopping cut it short."""
         while self.unconfirmed:
-            try:
-                offered = self._offer(EventBatch("", [], {}))
-            except RefusedEvent as refused:
-                raise DeliveryFailed(
-                    f"consumer refused the event at {refused.position.cursor()} in a call without events: "
-                    f"{refused.reason}"
-                ) from refused
+            offered = self._offer_nothing()
             if offered is None:
                 return False
-            if offered[0]:
+            if offered:
                 self.unconfirmed = False
                 return True
             if self.side.wait(self.retry_s):
                 return False
         return True
+
+    def settle(self) -> bool:
+        """The side has nothing more for the consumer for now: one call without events, and the position
+        after what it took unconfirmed committed if it confirms. False: it did not (a consumer that confirms
+        only with more events; the side asks again later) or stopping cut it short."""
+        if not self.unconfirmed:
+            return True
+        if not self._offer_nothing():
+            return False
+        self.unconfirmed = False
+        end, self.unconfirmed_end = self.unconfirmed_end, None
+        if end is not None:
+            self.side.commit(end)
+        return True
+
+    def _offer_nothing(self) -> bool | None:
+        """``on_events`` without events: what it returned (None: stopping cut its retries short)."""
+        try:
+            offered = self._offer(EventBatch("", [], {}))
+        except RefusedEvent as refused:
+            raise DeliveryFailed(
+                f"consumer refused the event at {refused.position.cursor()} in a call without events: {refused.reason}"
+            ) from refused
+        return None if offered is None else offered[0]
 
     def _offer(self, events: EventBatch) -> tuple[bool, EventBatch] | None:
         """(what ``on_events`` returned, the batch the successful call was given); None: stopping

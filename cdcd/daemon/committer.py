@@ -120,6 +120,12 @@ class Committer:
         with _failing():
             self.loop.check_alive()
 
+    def settle(self) -> None:
+        """Nothing more to deliver for now: the consumer confirms what it took unconfirmed (a sink that writes
+        a batch while the daemon reads the next: ``LakeOptions.write_ahead_max_s``) and the position moves."""
+        with _failing():
+            self.loop.settle()
+
     # --- the delivery loop's side (cdcd.delivery.Side) -------------------------------------------
     def call(self, what: str, fn: Callable[[], T]) -> T:
         if what == "on_events":

@@ -403,8 +403,10 @@ class Lane:
             if chunk is None or isinstance(chunk, WalError):
                 for item in end_of_read(processor, committer, chunk):
                     if isinstance(item, WalError):
+                        committer.settle()
                         raise item
                     committer.apply(item)
+                committer.settle()  # what the consumer took unconfirmed, confirmed and committed
                 return committer.events_delivered - before
             processor.source_node = follower.node_id
             for item in processor.feed_many(chunk):
@@ -591,10 +593,14 @@ class Lane:
         assert committer is not None and item_q is not None
         check_s = self.config.check_interval_ms / 1000
         get: asyncio.Future[Any] | None = None
+        applied = False
         try:
             while True:
                 if item_q.empty() and self._read_all and not self._holding:
                     self.catching_up = False
+                if applied and committer.unconfirmed and item_q.empty() and not self.catching_up:
+                    await self._settle(follower)  # nothing more to deliver: what it holds is confirmed now
+                applied = False
                 if get is None:
                     get = asyncio.ensure_future(item_q.get())
                     self._ask(True)
@@ -602,10 +608,15 @@ class Lane:
                 done, _ = await asyncio.wait({get, stop_wait}, timeout=check_s, return_when=asyncio.FIRST_COMPLETED)
                 stop_wait.cancel()
                 if stop_wait in done:
+                    if committer.unconfirmed:  # what it finished meanwhile is not read again at the next start
+                        await self._settle(follower)
                     return
                 if get not in done:
                     if self.stopping.is_set():  # invalidated: this consumer stops, the daemon goes on
                         return
+                    if committer.unconfirmed:  # nothing came for a poll interval: ask it again to confirm
+                        await self._settle(follower)
+                        continue
                     # Idle: ask the consumer on every poll whether it can still take events (Ignite
                     # IGNITE-18249), so a dead sink ends the daemon even when nothing is written.
                     await asyncio.shield(watch.in_thread("consumer", "consumer alive()", committer.check_alive))
@@ -613,6 +624,8 @@ class Lane:
                 item, get = get.result(), None
                 self._ask(False)
                 if isinstance(item, WalError):
+                    if committer.unconfirmed:  # what came before the bad spot is delivered and committed first
+                        await self._settle(follower)
                     raise item
                 batch = isinstance(item, Batch) and len(item.events) > 0
                 if batch:
@@ -644,10 +657,26 @@ class Lane:
                     watch.oldest_unconfirmed_ns = None
                 if isinstance(item, Switch) or self.stopping.is_set():
                     return
+                applied = True
         finally:
             self._ask(False)
             if get is not None:
                 get.cancel()  # the queue outlives the pass: no getter of this one may take the next pass's item
+
+    async def _settle(self, follower: SegmentFollower) -> None:
+        """The consumer confirms what it took unconfirmed, now that nothing is queued for it (a call of its own,
+        as a batch's: the decoder holds what is read meanwhile)."""
+        committer, watch = self.committer, self.watch
+        assert committer is not None
+        self._call_began = time.monotonic()
+        try:
+            await asyncio.shield(watch.in_thread("consumer", "consumer on_events() confirming", committer.settle))
+        finally:
+            self._call_began = None
+        if self.primary:
+            watch.committed(committer.state.position, unconfirmed=committer.unconfirmed, follower=follower)
+        elif not committer.unconfirmed:
+            watch.oldest_unconfirmed_ns = None
 
     def _ask(self, asking: bool) -> None:
         self._asking = asking

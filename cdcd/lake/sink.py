@@ -18,14 +18,14 @@ from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 import pyarrow as pa
 import structlog
 from deltalake.exceptions import DeltaError
 
-from cdcd import metrics
+from cdcd import failpoints, metrics
 from cdcd.config import check_ranges, convert
 from cdcd.consumer import CacheDrop, CacheInfo, Consumer, EventBatch, RecordSlice, ResumeAt, RetriableError
 from cdcd.delivery import slices_from
@@ -33,7 +33,7 @@ from cdcd.lake import spark as spark_session
 from cdcd.lake.landing.arrow import build_table, split_slices, truncate_table
 from cdcd.lake.landing.checkpointer import Checkpointer, checkpoint_interval
 from cdcd.lake.landing.delta import ChangeTable, LakeWriteError, SourceMark, WrittenFiles
-from cdcd.lake.landing.spark_write import BatchInfo, write_on_executors
+from cdcd.lake.landing.spark_write import BatchInfo, PartFiles, write_on_executors
 from cdcd.lake.maintenance.autocompact import FilePolicy, Rewriter
 from cdcd.lake.maintenance.compact import compact, compact_engine
 from cdcd.lake.maintenance.feed import require_live_files
@@ -49,6 +49,9 @@ from cdcd.wal.pointer import WalPointer, WalPosition
 log = structlog.get_logger("cdcd.lake")
 
 __all__ = ["LakeBehind", "LakeConsumer", "LakeOptions", "LakeWriteError", "root_cause"]
+
+WRITE_AHEAD_COMMITTED = "lake.write_ahead.committed"
+"""Fail point (cdcd/failpoints.py) after the batch written ahead committed, the next one's Spark job running."""
 
 MAX_FILES_PER_BATCH = 1024
 """More parts than this are never faster (each is a task and a file per partition): a typo."""
@@ -159,6 +162,14 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     every reader lists: a dozen commits a second took most of a core of the node's (docs/performance.md). Costs
     a batch's first entries up to this much more lag. 0: as soon as the last commit returned. The daemon's
     commits are not paced by it."""
+    write_ahead_max_s: float = 5.0
+    """Spark writer: the Spark job writing a batch's files starts while the batch before it is still being
+    written or committed, so the executors never wait for the daemon's next batch nor it for them. The call
+    returns before its batch is durable (Ignite's ``onEvents`` returning false) and the daemon moves its
+    position once the sink confirms: at once when it has nothing more to deliver (caught up, a switch), and at
+    least every this many seconds in a long catch-up, which bounds what a restart reads again. One batch at
+    most is written ahead. 0: each batch lands within its own call. Default 0 in a ``[realtime_consumer]``
+    table."""
 
     def __post_init__(self) -> None:
         check_ranges(
@@ -168,6 +179,7 @@ class LakeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 "compact_file_rows": self.compact_file_rows >= 1,
                 "compact_max_rows": self.compact_max_rows >= 0,
                 "realtime_commit_interval_ms": 0 <= self.realtime_commit_interval_ms <= 60_000,
+                "write_ahead_max_s": 0 <= self.write_ahead_max_s <= 3600,
             },
         )
         try:
@@ -271,6 +283,45 @@ def _by_record(table: pa.Table) -> dict[tuple[int, int], list[tuple[Any, ...]]]:
     return out
 
 
+class _Landing(NamedTuple):
+    """What of a batch to land, and against which mark of its source."""
+
+    read: SourceMark
+    """The source's mark the batch was filtered against; the commit needs it unchanged."""
+    new: list[RecordSlice]
+    generation: int
+
+
+class _Ahead:
+    """A batch whose files are being written (a Spark job in the sink's writer thread) while the call that
+    took it has returned: committed by the next call, or written again whole by it when the write failed."""
+
+    __slots__ = ("batch", "future", "todo")
+
+    def __init__(self, batch: EventBatch, todo: _Landing, future: Future[tuple[WrittenFiles, dict[str, int]]]):
+        self.batch = batch
+        self.todo = todo
+        self.future: Future[tuple[WrittenFiles, dict[str, int]]] | None = future
+        """None: the write failed (its error went to a call); the next call lands the batch within itself."""
+
+    @property
+    def rows(self) -> int:
+        return sum(s.end - s.start for s in self.todo.new)
+
+    def abandon(self) -> None:
+        """Wait for the write and delete what it wrote: nothing commits it (its batch is read again from
+        the daemon's position, which never passed it)."""
+        future, self.future = self.future, None
+        if future is None:
+            return
+        try:
+            files, _ = future.result()
+        except Exception as exc:  # not the error being reported: logged, not raised over it
+            log.warning("lake_write_ahead_failed", rows=self.rows, error=describe(exc))
+            return
+        files.discard()
+
+
 class LakeConsumer(Consumer):
     decodes_entries = False  # its row builders read the records' bytes (``RecordSlice.payload``)
 
@@ -296,6 +347,14 @@ class LakeConsumer(Consumer):
         room beside a rewrite that is still running."""
         self._checkpointer: Checkpointer | None = None
         """The checkpoints of ``changes``, in a thread of their own: no commit waits for one."""
+        self._writes_ahead = options.uses_spark and options.write_ahead_max_s > 0
+        self._ahead: _Ahead | None = None
+        """The batch written ahead: its call returned, it is not committed yet (``write_ahead_max_s``)."""
+        self._unconfirmed_since: float | None = None
+        """When a call last returned before its batch was durable, with none confirmed since (monotonic s)."""
+        self._write_pool: ThreadPoolExecutor | None = None
+        self._part_files: PartFiles | None = None
+        """A local master's tasks read their parts from files here (cdcd/lake/landing/spark_write.py)."""
         self.rewrite_wait_s = 0.0
         """Seconds this sink's commits waited for the rewrite before them (the bound's back-pressure)."""
         self._known: dict[str, tuple[int, SourceMark]] = {}
@@ -315,6 +374,7 @@ class LakeConsumer(Consumer):
                 "compact_interval_s": 0.0,
                 "optimize_interval_s": 0.0,
                 "vacuum_interval_s": 0.0,
+                "write_ahead_max_s": 0.0,
                 **options,
             }
         return cls(convert(options, LakeOptions, source))
@@ -346,6 +406,8 @@ class LakeConsumer(Consumer):
         conf = {**self.location.spark_conf, **opts.spark_conf}
         if opts.uses_spark:
             self._spark = spark_session.acquire(opts.master, opts.app_name, conf)
+            if opts.master.startswith("local"):
+                self._part_files = PartFiles()
         if opts.compact_interval_s or opts.optimize_interval_s:
             on_spark = opts.compacts_on_spark
             spark_optimize = bool(opts.optimize_interval_s) and opts.file_policy() is None
@@ -374,6 +436,16 @@ class LakeConsumer(Consumer):
         return True
 
     def stop(self) -> None:
+        if self._ahead is not None:  # its call returned unconfirmed: the daemon's position is before it
+            log.info("lake_write_ahead_dropped", rows=self._ahead.rows, detail="read again at the next start")
+            self._ahead.abandon()
+            self._ahead = None
+        if self._write_pool is not None:
+            self._write_pool.shutdown()
+            self._write_pool = None
+        if self._part_files is not None:
+            self._part_files.close()
+            self._part_files = None
         if self._rewriter is not None:  # the last commit's rewrite ends (or fails, logged) before the sink does
             self._rewriter.close()
             self._rewriter = None
@@ -431,6 +503,7 @@ class LakeConsumer(Consumer):
         if table is None:
             raise RuntimeError("lake sink used before start()")
         with self._retriable():
+            self._settle_ahead(table)  # a drop's mark comes after every batch before it
             self._land_drops(table, drops)
 
     def _land_drops(self, table: ChangeTable, drops: Sequence[CacheDrop]) -> None:
@@ -470,7 +543,81 @@ class LakeConsumer(Consumer):
         if self._maintainer is not None:
             self._maintainer.check()  # scheduled maintenance gave up: fail with its error
         with self._retriable():
+            if self._writes_ahead:
+                return self._land_ahead(table, batch)
             return self._land(table, batch)
+
+    def _land_ahead(self, table: ChangeTable, batch: EventBatch) -> bool:
+        """``write_ahead_max_s``: start writing ``batch``'s files, then commit the batch written ahead by the last
+        call; True once nothing is left unconfirmed (a call without events, the bound reached)."""
+        ahead = self._ahead
+        if ahead is not None and ahead.future is None:
+            self._settle_ahead(table)  # its write failed in an earlier call: landed whole first
+            ahead = None
+        since = self._unconfirmed_since
+        due = since is not None and time.monotonic() - since >= self.options.write_ahead_max_s
+        if not len(batch) or due:
+            self._settle_ahead(table)
+            self._unconfirmed_since = None
+            return self._land(table, batch) if len(batch) else True
+        if ahead is None:
+            todo = self._prepare(table, batch)
+            if todo is None:
+                return True
+        else:
+            # Filtered against the mark the batch ahead leaves once committed; checked again at its commit.
+            expected = SourceMark(ahead.todo.generation, ahead.todo.new[-1].pointer)
+            replayed, new = split_replayed(batch.slices, expected.last)
+            if replayed or not new:  # not the records after it: each lands in order, within this call
+                self._settle_ahead(table)
+                self._unconfirmed_since = None
+                return self._land(table, batch)
+            todo = _Landing(expected, new, expected.generation)
+        following = _Ahead(batch, todo, self._submit(table, batch, todo))
+        try:
+            self._settle_ahead(table)
+        except BaseException:
+            following.abandon()
+            raise
+        self._ahead = following
+        if self._unconfirmed_since is None:
+            self._unconfirmed_since = time.monotonic()
+        return False
+
+    def _submit(
+        self, table: ChangeTable, batch: EventBatch, todo: _Landing
+    ) -> Future[tuple[WrittenFiles, dict[str, int]]]:
+        if self._write_pool is None:
+            # Two threads: the batch ahead's job may still run when the next one starts (Spark runs both).
+            self._write_pool = ThreadPoolExecutor(2, thread_name_prefix="cdcd-lake-write-ahead")
+        return self._write_pool.submit(self._timed_write, table, todo.new, batch, todo.generation)
+
+    def _settle_ahead(self, table: ChangeTable) -> None:
+        """The batch written ahead committed (or landed whole again: its write failed, or another writer moved
+        its source's mark); nothing is ahead after this returns."""
+        ahead = self._ahead
+        if ahead is None:
+            return
+        batch, todo, future = ahead.batch, ahead.todo, ahead.future
+        if future is not None:
+            try:
+                files, stats = future.result()
+            except BaseException:
+                ahead.future = None  # the caller retries: the next call lands it whole
+                raise
+            ahead.future = None
+            table.refresh()
+            read = self._mark(table, batch.source_node)
+            self._check_not_behind(table, batch.source_node, read)
+            self._fields_landed = {}
+            if read == todo.read and self._finish(table, batch, todo, files, stats):
+                self._ahead = None
+                failpoints.hit(WRITE_AHEAD_COMMITTED)
+                return
+            if read != todo.read:
+                files.discard()
+        self._land(table, batch)
+        self._ahead = None
 
     @contextlib.contextmanager
     def _retriable(self) -> Iterator[None]:
@@ -485,71 +632,94 @@ class LakeConsumer(Consumer):
             raise
 
     def _land(self, table: ChangeTable, batch: EventBatch) -> bool:
-        source = batch.source_node
-        slices = batch.slices
+        """``batch`` landed within this call (the source's mark filters what landed already)."""
         while True:
-            table.refresh()
-            read = self._mark(table, source)
-            self._check_not_behind(table, source, read)
-            replayed, new = split_replayed(slices, read.last)
-            generation = read.generation
-            if replayed:
-                diverged = self._diverged_at(table, batch, read, replayed)
-                if diverged is None:
-                    metrics.LAKE_DUPLICATE_BATCHES.inc()
-                    self.batches_skipped += 1
-                    log.info(
-                        "lake_replay_dropped",
-                        events=sum(s.end - s.start for s in replayed),
-                        source=source,
-                        landed_until=str(read.last),
-                    )
-                else:
-                    new = replayed[diverged:] + new
-                    generation += 1
-                    metrics.LAKE_GENERATIONS.inc()
-                    log.warning(
-                        "lake_source_diverged",
-                        source=source,
-                        at=str(replayed[diverged].pointer),
-                        landed_until=str(read.last),
-                        generation=generation,
-                        detail="the record at a landed position is not the record the lake holds "
-                        "(node dir restored from a backup?): continuing as a new generation of the source",
-                    )
-            if not new:
+            todo = self._prepare(table, batch)
+            if todo is None:
                 return True
-            rows = sum(s.end - s.start for s in new)
-            t0 = time.perf_counter()
             self._fields_landed = {}
-            files, stats = self._write(table, new, batch, generation)
-            metrics.LAKE_WRITE_SECONDS.observe(time.perf_counter() - t0)
-            meta = {"rows": rows, "first": str(new[0].pointer), "writer": self.options.writer, "pid": os.getpid()}
-            settled = self._room_for(table, source, read, files.adds)
-            if not settled:
-                files.discard()
-            elif table.commit(
-                files=files,
-                source=source,
-                read=read,
-                generation=generation,
-                last=new[-1].pointer,
-                first=new[0].pointer,
-                metadata=meta,
-            ):
-                landed = SourceMark(generation, new[-1].pointer)
-                self._landed[source] = landed
-                self._committed(table, source, landed, files.adds)
-                self.rows_written += rows
-                for name, n in stats.items():
-                    metrics.LAKE_ROWS.labels(name).inc(n)
-                metrics.LAKE_LAG_SECONDS.set(max(0.0, time.time() - batch.last_commit_ts_ns / 1e9))
-                if self._maintainer is not None:
-                    self._maintainer.landed(stats, self._fields_landed)
-                self._bound_files(table, files.adds)
+            files, stats = self._timed_write(table, todo.new, batch, todo.generation)
+            if self._finish(table, batch, todo, files, stats):
                 return True
-            metrics.LAKE_CONFLICTS.inc()
-            log.warning("lake_commit_conflict", source=source, detail="another writer landed this source first")
+
+    def _prepare(self, table: ChangeTable, batch: EventBatch) -> _Landing | None:
+        """What of ``batch`` to land against the source's mark in the table as it is now (None: all of it
+        landed already): a replayed part the lake holds is dropped, one it holds differently starts a new
+        generation of the source."""
+        source = batch.source_node
+        table.refresh()
+        read = self._mark(table, source)
+        self._check_not_behind(table, source, read)
+        replayed, new = split_replayed(batch.slices, read.last)
+        generation = read.generation
+        if replayed:
+            diverged = self._diverged_at(table, batch, read, replayed)
+            if diverged is None:
+                metrics.LAKE_DUPLICATE_BATCHES.inc()
+                self.batches_skipped += 1
+                log.info(
+                    "lake_replay_dropped",
+                    events=sum(s.end - s.start for s in replayed),
+                    source=source,
+                    landed_until=str(read.last),
+                )
+            else:
+                new = replayed[diverged:] + new
+                generation += 1
+                metrics.LAKE_GENERATIONS.inc()
+                log.warning(
+                    "lake_source_diverged",
+                    source=source,
+                    at=str(replayed[diverged].pointer),
+                    landed_until=str(read.last),
+                    generation=generation,
+                    detail="the record at a landed position is not the record the lake holds "
+                    "(node dir restored from a backup?): continuing as a new generation of the source",
+                )
+        return _Landing(read, new, generation) if new else None
+
+    def _timed_write(
+        self, table: ChangeTable, new: list[RecordSlice], batch: EventBatch, generation: int
+    ) -> tuple[WrittenFiles, dict[str, int]]:
+        t0 = time.perf_counter()
+        written = self._write(table, new, batch, generation)
+        metrics.LAKE_WRITE_SECONDS.observe(time.perf_counter() - t0)
+        return written
+
+    def _finish(
+        self, table: ChangeTable, batch: EventBatch, todo: _Landing, files: WrittenFiles, stats: dict[str, int]
+    ) -> bool:
+        """Commit the files written for ``todo`` (True), or delete them when the source's mark is no longer
+        ``todo.read`` (False: another writer landed this source meanwhile; the caller filters the batch again)."""
+        source, new, read = batch.source_node, todo.new, todo.read
+        rows = sum(s.end - s.start for s in new)
+        meta = {"rows": rows, "first": str(new[0].pointer), "writer": self.options.writer, "pid": os.getpid()}
+        settled = self._room_for(table, source, read, files.adds)
+        if not settled:
+            files.discard()
+        elif table.commit(
+            files=files,
+            source=source,
+            read=read,
+            generation=todo.generation,
+            last=new[-1].pointer,
+            first=new[0].pointer,
+            metadata=meta,
+        ):
+            landed = SourceMark(todo.generation, new[-1].pointer)
+            self._landed[source] = landed
+            self._committed(table, source, landed, files.adds)
+            self.rows_written += rows
+            for name, n in stats.items():
+                metrics.LAKE_ROWS.labels(name).inc(n)
+            metrics.LAKE_LAG_SECONDS.set(max(0.0, time.time() - batch.last_commit_ts_ns / 1e9))
+            if self._maintainer is not None:
+                self._maintainer.landed(stats, self._fields_landed)
+            self._bound_files(table, files.adds)
+            return True
+        metrics.LAKE_CONFLICTS.inc()
+        log.warning("lake_commit_conflict", source=source, detail="another writer landed this source first")
+        return False
 
     def _mark(self, table: ChangeTable, source: str) -> SourceMark:
         """The source's mark in the snapshot ``table`` holds: known (``_known``) or read from it."""
@@ -683,7 +853,7 @@ class LakeConsumer(Consumer):
     def _write_on_spark(self, table: ChangeTable, parts: list[list[RecordSlice]], info: BatchInfo) -> WrittenFiles:
         """One Spark task per part builds its rows and writes them (cdcd/lake/landing/spark_write.py)."""
         try:
-            return write_on_executors(self._spark, table, self.location, parts, info)
+            return write_on_executors(self._spark, table, self.location, parts, info, files=self._part_files)
         except Exception as exc:
             rows = sum(s.end - s.start for part in parts for s in part)
             cause = root_cause(exc)

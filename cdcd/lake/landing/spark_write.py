@@ -2,10 +2,11 @@
 
 The driver (the daemon) hands each part of a batch to a Spark task as the records themselves:
 the ``RecordSlice``s packed (``arrow.pack``: MessagePack, the records as in the WAL) and
-zstd-compressed, in a broadcast variable, with the cache names. ``ChangeTaskWriter``, running in
-the task on an executor, builds the Arrow rows from them (``table_from_packed``: C code reads the
-records into columns, keys and values as JSON text) and writes them as
-Parquet files under ``<table>/<partition dirs>/`` with names unique per file (``part-<uuid>``, what
+zstd-compressed, with the cache names: in a broadcast variable, or on a local master in a file of the
+driver's own private directory (``PartFiles``), which the task reads where the driver wrote it.
+``ChangeTaskWriter``, running in the task on an executor, builds the Arrow rows from them
+(``table_from_packed``: C code reads the records into columns, keys and values as JSON text) and writes
+them as Parquet files under ``<table>/<partition dirs>/`` with names unique per file (``part-<uuid>``, what
 the JVM-free writer writes), fsynced on a local disk, and returns one row per file: its path, size,
 partition values and statistics. The driver collects those rows as Delta ``AddAction``s, and
 delta-rs commits them with the source's application transaction exactly as for any other batch
@@ -26,7 +27,12 @@ which travel in the task (as Spark's own ``spark.hadoop.fs.s3a.*`` settings do).
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -73,7 +79,8 @@ class ChangeTaskWriter:
         table = ChangeTable(self.location.root(), self.partition_by_day)
         info = self.batch
         for i in indexes:
-            packed = unship(self.parts[i].value)
+            part = self.parts[i]
+            packed = unship(part.read() if isinstance(part, LocalPart) else part.value)
             by_day = self.partition_by_day
             rows, _ = table_from_packed(packed, info.cache_names, info.source_node, by_day, info.generation)
             written = table.write_arrow(rows)
@@ -99,20 +106,76 @@ def unship(data: bytes) -> bytes:
     return raw
 
 
+class LocalPart:
+    """A part shipped as a file (``PartFiles``): what a task on the driver's machine reads."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def read(self) -> bytes:
+        with open(self.path, "rb") as f:
+            return f.read()
+
+
+class PartFiles:
+    """A local master's parts as files in a directory of this process's own (mode 0700, removed at ``close``):
+    a broadcast would be read into the JVM's heap, copied into its block store in 4 MiB blocks and written to a
+    file for the Python worker all the same; a file the task reads leaves the JVM out of the data's way. A
+    process SIGKILLed leaves its directory behind: the next one removes those of processes that are gone."""
+
+    PREFIX = "cdcd-lake-parts-"
+
+    def __init__(self) -> None:
+        _remove_stale(Path(tempfile.gettempdir()), self.PREFIX)
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{self.PREFIX}{os.getpid()}-"))
+
+    def write(self, data: bytes) -> LocalPart:
+        path = self.dir / uuid.uuid4().hex
+        with open(path, "wb") as f:
+            f.write(data)
+        return LocalPart(str(path))
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _remove_stale(root: Path, prefix: str) -> None:
+    """Directories ``<prefix><pid>-*`` of this user under ``root`` whose process is gone (never a link)."""
+    for entry in os.scandir(root):
+        pid = entry.name.removeprefix(prefix).partition("-")[0]
+        if entry.name == pid or not pid.isdigit() or not entry.is_dir(follow_symlinks=False):
+            continue
+        if entry.stat(follow_symlinks=False).st_uid != os.getuid() or _alive(int(pid)):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def write_on_executors(
     spark: Any,
     table: ChangeTable,
     location: LakeLocation,
     parts: list[list[RecordSlice]],
     batch: BatchInfo,
+    *,
+    files: PartFiles | None = None,
 ) -> WrittenFiles:
     """The records of ``parts`` written by one Spark task each (one job) straight into ``table``; the
     files, not yet named by any commit.
 
     The parts travel in broadcast variables, one per task (no DataFrame: no type conversion through
-    Spark's types, and no pandas, which PySpark's Arrow UDFs require). Broadcast rather than inside
-    the tasks: Spark ships a broadcast in blocks, and in local mode the Python worker reads it from
-    the file the driver wrote, where a task's own data is copied by the JVM."""
+    Spark's types, and no pandas, which PySpark's Arrow UDFs require), or as ``files`` on a local
+    master. Broadcast rather than inside the tasks: Spark ships a broadcast in blocks, where a task's
+    own data is copied by the JVM."""
     parts = [p for p in parts if p]
     if not parts:
         return WrittenFiles(table.path, [])
@@ -120,11 +183,14 @@ def write_on_executors(
     shipped: list[Any] = []
     try:
         for part in parts:
-            shipped.append(sc.broadcast(ship(part)))
+            shipped.append(sc.broadcast(ship(part)) if files is None else files.write(ship(part)))
         writer = ChangeTaskWriter(location, "day" in table.partition_by, batch, shipped)
         rows = sc.parallelize(range(len(shipped)), len(shipped)).mapPartitions(writer).collect()
     finally:
         for part in shipped:
-            part.destroy()
+            if isinstance(part, LocalPart):
+                Path(part.path).unlink()
+            else:
+                part.destroy()
     adds = [AddAction(path, size, json.loads(values), mtime, True, stats) for path, size, values, mtime, stats in rows]
     return WrittenFiles(table.path, adds)
