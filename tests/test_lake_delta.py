@@ -37,6 +37,7 @@ from tests.support.delta_lake import (
     Pos,
     check_lake,
     check_whole_records,
+    deliver,
     delta_commits,
     lake_consumer,
     lake_rows,
@@ -111,7 +112,7 @@ def test_every_cache_name_the_node_accepts_lands(tmp_path: Path, writer: str) ->
     sink = LakeConsumer(LakeOptions(lake_path=str(lake), writer=writer, spark_master="local[1]", **NO_MAINTENANCE))
     sink.start()
     try:
-        assert sink.on_events(wal_batch(node_dir)) is True
+        deliver(sink, wal_batch(node_dir))
     finally:
         sink.stop()
     check_lake(lake, node_dir)
@@ -147,8 +148,8 @@ def test_spark_writer_lands_one_partition_batches_straight_and_mixed_ones_throug
     )
     sink.start()
     try:
-        for start, stop in ((0, 3), (3, 6), (6, 12)):  # one cache, one cache, two caches
-            assert sink.on_events(sub_batch(batch, start, stop)) is True
+        # one cache, one cache, two caches
+        deliver(sink, *(sub_batch(batch, start, stop) for start, stop in ((0, 3), (3, 6), (6, 12))))
     finally:
         sink.stop()
     check_lake(lake, node_dir)

@@ -340,10 +340,28 @@ class Lane:
             return  # a worker thread is still inside the consumer or the store: left to the process exit
         if self.consumer_started:
             self.consumer_started = False
+            self._settle_at_stop()
             self.consumer.stop()
         if self.store is not None:
             self.store.close()
             self.store = None
+
+    def _settle_at_stop(self) -> None:
+        """Whatever way the delivery ended (a stop, a pass cut short), what the consumer took unconfirmed is
+        confirmed and committed if it can say so at once, not read again at the next start; a consumer that
+        failed is not asked."""
+        committer = self.committer
+        if committer is None or not committer.unconfirmed or self.failure is not None:
+            return
+        try:
+            committer.settle()
+        except ConsumerFailed as exc:
+            log.warning(
+                "consumer_not_confirmed_at_stop",
+                consumer=self.name,
+                error=str(exc),
+                detail="what it took since the last commit is delivered again at the next start",
+            )
 
     def stopped_for_good(self, exc: BaseException) -> None:
         """This consumer failed: it delivers no more (its position keeps holding its links); the others go on."""
@@ -608,8 +626,6 @@ class Lane:
                 done, _ = await asyncio.wait({get, stop_wait}, timeout=check_s, return_when=asyncio.FIRST_COMPLETED)
                 stop_wait.cancel()
                 if stop_wait in done:
-                    if committer.unconfirmed:  # what it finished meanwhile is not read again at the next start
-                        await self._settle(follower)
                     return
                 if get not in done:
                     if self.stopping.is_set():  # invalidated: this consumer stops, the daemon goes on

@@ -173,6 +173,16 @@ def wal_batch(node_dir: Path, source: str = "test-node") -> EventBatch:
     return EventBatch(source, slices, names)
 
 
+def deliver(sink: LakeConsumer, *batches: EventBatch) -> None:
+    """``batches`` delivered as the daemon delivers them, then confirmed: a call each (the Spark writer says False,
+    its batch written ahead), and a call without events after a last False; everything landed when it returns."""
+    ok = True
+    for batch in batches:
+        ok = sink.on_events(batch)
+    if not ok:
+        assert sink.on_events(EventBatch(batches[-1].source_node, [], {})) is True
+
+
 def sub_batch(batch: EventBatch, start: int, stop: int) -> EventBatch:
     return EventBatch(batch.source_node, list(batch.peek_slices()[start:stop]), batch._names)
 
