@@ -7,17 +7,23 @@ in a loop. The lake's Spark writer relies on this (``LakeOptions.write_ahead_max
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from cdcd.consumer import Consumer, EventBatch
 from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.daemon_state import read_daemon_state
 from cdcd.node import Node
+from cdcd.wal import DataRecord, SegmentReader
+from cdcd.wal.errors import WalError
+from cdcd.wal.frame import FRAME_HEADER_SIZE
 from tests.support.config import write_daemon_config
 from tests.support.procs import start_daemon, stop_daemon, wait_for
-from tests.support.wal import read_jsonl, wal_events
+from tests.support.wal import archived_segments, cdc_links, read_jsonl, wal_events
 
 
 def _write(node_dir: Path, puts: int) -> None:
@@ -90,6 +96,40 @@ def test_a_consumer_that_does_not_confirm_keeps_the_position(tmp_path: Path) -> 
         "nothing confirmed: the position stays before every event (past the cache's creation only)"
     )
     assert _position(node_dir) == [position.segment, position.offset, position.entry_index]
+
+
+def test_before_a_bad_spots_error_what_came_before_it_is_confirmed_and_committed(tmp_path: Path) -> None:
+    """A flipped byte in a record of the second segment: the events read before it are delivered, the consumer is
+    asked to confirm them before the error is raised, and the position committed is right after them (nothing at or
+    after the bad record)."""
+    node_dir, log = tmp_path / "node", tmp_path / "calls.jsonl"
+    with Node.open(node_dir, wal_segment_size_bytes=1 << 20, wal_force_archive_timeout_ms=0) as node:
+        cache = node.cache("a")
+        for segment in range(2):
+            for k in range(segment * 30, segment * 30 + 30):
+                cache.put(k, {"v": k})
+            node.force_archive()
+    data_records = [p for p, r in SegmentReader(archived_segments(node_dir)[1]) if type(r) is DataRecord]
+    bad = data_records[10].offset
+    link = cdc_links(node_dir)[1]
+    data = bytearray(link.read_bytes())
+    data[bad + FRAME_HEADER_SIZE + 5] ^= 0x20
+    tmp = link.with_name(link.name + ".tmp")
+    tmp.write_bytes(bytes(data))
+    os.replace(tmp, link)  # the archive, which shares its inode, stays intact
+    config = DaemonConfig(node_dir=str(node_dir), metrics_address="", batch_max_events=20)
+    with Daemon(config, Deferring(str(log))) as daemon:
+        with pytest.raises(WalError, match=f"at offset {bad}"):
+            daemon.sync_once()
+        position = daemon.state.position
+    events = wal_events(node_dir)
+    keys = _keys(log)
+    assert 30 <= len(keys) <= 40 and keys == [e["key"] for e in events[: len(keys)]], "what the reader read before it"
+    assert _calls(log)[-1] == 0, "confirmed before the error"
+    assert position is not None
+    at = [position.segment, position.offset, position.entry_index]
+    assert events[len(keys) - 1]["pos"] < at <= events[len(keys)]["pos"], "past what it took, not past the rest"
+    assert at <= [1, bad, 0] and _position(node_dir) == at
 
 
 def test_cdcd_run_confirms_after_the_last_batch_and_at_its_stop(tmp_path: Path) -> None:

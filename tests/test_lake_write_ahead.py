@@ -55,6 +55,15 @@ def _thirds(node_dir: Path) -> list[EventBatch]:
     return [sub_batch(batch, n * i // 3, n * (i + 1) // 3) for i in range(3)]
 
 
+def _started(tmp_path: Path, **options: Any) -> tuple[Path, Path, list[EventBatch], LakeConsumer]:
+    """A node's WAL in three batches and a started Spark-writer sink: (node dir, lake, batches, sink)."""
+    node_dir, lake = tmp_path / "node", tmp_path / "lake"
+    make_node(node_dir, segments=3, tx_per_segment=20)
+    sink = _sink(lake, **options)
+    sink.start()
+    return node_dir, lake, _thirds(node_dir), sink
+
+
 def _last(batch: EventBatch) -> WalPointer:
     return batch.peek_slices()[-1].pointer
 
@@ -63,11 +72,7 @@ NOTHING = EventBatch(SOURCE, [], {})
 
 
 def test_each_call_commits_the_batch_before_it_and_a_call_without_events_the_last(tmp_path: Path, spark: Any) -> None:
-    node_dir, lake = tmp_path / "node", tmp_path / "lake"
-    make_node(node_dir, segments=3, tx_per_segment=20)
-    b1, b2, b3 = _thirds(node_dir)
-    sink = _sink(lake)
-    sink.start()
+    node_dir, lake, (b1, b2, b3), sink = _started(tmp_path)
     try:
         start = len(versions(lake / CHANGES))
         assert sink.on_events(b1) is False
@@ -90,11 +95,7 @@ def test_each_call_commits_the_batch_before_it_and_a_call_without_events_the_las
 
 
 def test_at_the_bound_a_call_lands_its_batch_within_itself(tmp_path: Path, spark: Any) -> None:
-    node_dir, lake = tmp_path / "node", tmp_path / "lake"
-    make_node(node_dir, segments=3, tx_per_segment=20)
-    b1, b2, b3 = _thirds(node_dir)
-    sink = _sink(lake, write_ahead_max_s=1e-6)
-    sink.start()
+    node_dir, lake, (b1, b2, b3), sink = _started(tmp_path, write_ahead_max_s=1e-6)
     try:
         assert sink.on_events(b1) is False
         assert sink.on_events(b2) is True, "past the bound: the one ahead and its own batch, both committed"
@@ -110,11 +111,8 @@ def test_another_writer_landing_the_source_in_between_lands_nothing_twice(tmp_pa
     """The batch ahead was filtered against the mark it would find; another sink lands both batches first:
     at its commit the mark is not that one, so its files are deleted and the batch filtered again (all landed:
     dropped), and so is the batch written ahead of it."""
-    node_dir, lake = tmp_path / "node", tmp_path / "lake"
-    make_node(node_dir, segments=3, tx_per_segment=20)
-    b1, b2, b3 = _thirds(node_dir)
-    sink, other = _sink(lake), _sink(lake, writer="deltalake")
-    sink.start()
+    node_dir, lake, (b1, b2, b3), sink = _started(tmp_path)
+    other = _sink(lake, writer="deltalake")
     other.start()
     try:
         assert sink.on_events(b1) is False
@@ -134,11 +132,7 @@ def test_a_failed_write_is_landed_whole_by_the_next_call(tmp_path: Path, spark: 
     """The Spark job of the batch ahead fails (its table's directory replaced by a file under it): the next call
     raises its error; called again once the directory is back, it lands that batch within itself first, then
     goes on writing ahead."""
-    node_dir, lake = tmp_path / "node", tmp_path / "lake"
-    make_node(node_dir, segments=3, tx_per_segment=20)
-    b1, b2, b3 = _thirds(node_dir)
-    sink = _sink(lake)
-    sink.start()
+    node_dir, lake, (b1, b2, b3), sink = _started(tmp_path)
     partitions = lake / CHANGES
     try:
         assert sink.on_events(b1) is False
@@ -164,11 +158,7 @@ def test_a_failed_write_is_landed_whole_by_the_next_call(tmp_path: Path, spark: 
 
 
 def test_a_sink_stopped_with_a_batch_ahead_leaves_the_mark_before_it(tmp_path: Path, spark: Any) -> None:
-    node_dir, lake = tmp_path / "node", tmp_path / "lake"
-    make_node(node_dir, segments=3, tx_per_segment=20)
-    b1, b2, b3 = _thirds(node_dir)
-    sink = _sink(lake)
-    sink.start()
+    node_dir, lake, (b1, b2, b3), sink = _started(tmp_path)
     try:
         assert sink.on_events(b1) is False
         assert sink.on_events(b2) is False
