@@ -18,7 +18,7 @@ from cdcd.daemon.config import DaemonConfig
 from cdcd.daemon.daemon import Daemon
 from cdcd.daemon_state import read_daemon_state
 from cdcd.node import Node
-from cdcd.wal import DataRecord, SegmentReader
+from cdcd.wal import CacheRecord, DataRecord, SegmentReader
 from cdcd.wal.errors import WalError
 from cdcd.wal.frame import FRAME_HEADER_SIZE
 from tests.support.config import write_daemon_config
@@ -130,6 +130,26 @@ def test_before_a_bad_spots_error_what_came_before_it_is_confirmed_and_committed
     at = [position.segment, position.offset, position.entry_index]
     assert events[len(keys) - 1]["pos"] < at <= events[len(keys)]["pos"], "past what it took, not past the rest"
     assert at <= [1, bad, 0] and _position(node_dir) == at
+
+
+def test_a_cache_dropped_after_the_last_batch_is_committed_with_it_once_confirmed(tmp_path: Path) -> None:
+    """A batch taken unconfirmed, then a cache's DESTROY as the WAL's last record: the consumer hears of the drop,
+    and the call without events that confirms the batch commits the position past the DESTROY too (a restart does
+    not meet it again)."""
+    node_dir, log = tmp_path / "node", tmp_path / "calls.jsonl"
+    with Node.open(node_dir, wal_segment_size_bytes=1 << 20, wal_force_archive_timeout_ms=0) as node:
+        for k in range(10):
+            node.cache("a").put(k, {"v": k})
+        node.cache("b").put(0, {"v": 0})
+        node.destroy_cache("b")
+        node.force_archive()
+    destroy = [p for p, r in SegmentReader(archived_segments(node_dir)[0]) if type(r) is CacheRecord][-1]
+    config = DaemonConfig(node_dir=str(node_dir), metrics_address="", batch_max_events=100)
+    with Daemon(config, Deferring(str(log))) as daemon:
+        assert daemon.sync_once() == 11
+        position = daemon.state.position
+    assert _calls(log) == [11, 0]
+    assert position is not None and (position.segment, position.offset) > (destroy.segment, destroy.offset)
 
 
 def test_cdcd_run_confirms_after_the_last_batch_and_at_its_stop(tmp_path: Path) -> None:

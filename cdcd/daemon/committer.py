@@ -214,6 +214,8 @@ class Committer:
             # PASSIVE: only the node's markers move the position (links it may still need stay);
             # the registry change is recorded with the current position.
             self.commit(item.end if self.state.mode is CdcMode.DAEMON_ACTIVE else self.state.position)
+        elif self.state.mode is CdcMode.DAEMON_ACTIVE:
+            self.loop.unconfirmed_end = item.end  # told to the consumer: committed with what it took, once confirmed
 
     def _switch(self, item: Switch) -> None:
         # Everything before the switch point must be durable on the consumer side first; a daemon
