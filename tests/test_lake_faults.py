@@ -71,7 +71,8 @@ class KillingLake(LakeConsumer):
         self.kill_at = kill_at  # spark-written | files-written | committed
         self.kill_commit = kill_commit  # the n-th batch of this process (1-based)
         self.marker = Path(marker)
-        self.batches = 0
+        self.batches = 0  # commits
+        self.writes = 0  # Spark jobs: one batch may be written before the one ahead of it commits (write_ahead_max_s)
 
     def _die(self, **info):
         self.marker.write_text(json.dumps({"at": self.kill_at, **info}))
@@ -95,8 +96,9 @@ class KillingLake(LakeConsumer):
 
     def _write_on_spark(self, table, parts, info):
         written = super()._write_on_spark(table, parts, info)
-        # The Spark tasks wrote the batch into the table; nothing is committed.
-        if self.kill_at == "spark-written" and self.batches + 1 == self.kill_commit:
+        self.writes += 1
+        # The Spark tasks wrote the n-th batch into the table; nothing of it is committed.
+        if self.kill_at == "spark-written" and self.writes == self.kill_commit:
             self._die(files=[a.path for a in written.adds])
         return written
 '''

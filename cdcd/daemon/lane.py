@@ -684,11 +684,12 @@ class Lane:
         as a batch's: the decoder holds what is read meanwhile)."""
         committer, watch = self.committer, self.watch
         assert committer is not None
-        self._call_began = time.monotonic()
+        began = self._call_began = time.monotonic()
         try:
             await asyncio.shield(watch.in_thread("consumer", "consumer on_events() confirming", committer.settle))
         finally:
             self._call_began = None
+        self._calls_s.append(time.monotonic() - began)  # the work a quick False left for it: the hold's measure
         if self.primary:
             watch.committed(committer.state.position, unconfirmed=committer.unconfirmed, follower=follower)
         elif not committer.unconfirmed:
