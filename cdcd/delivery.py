@@ -287,6 +287,11 @@ class Side(Protocol):
         ...
 
 
+def _resume_point(end: WalPosition, rest: EventBatch | None) -> WalPosition:
+    """Where delivery resumes after a call: ``end``, or the first event of ``rest`` it did not take."""
+    return end if rest is None or rest.first is None else rest.first.cursor()
+
+
 class DeliveryFailed(Exception):
     """The consumer failed for good: it raised, reported itself dead, kept failing past its
     ``retry_timeout_s``, or refused an event with nowhere (or no way) to set it aside. The message
@@ -341,10 +346,7 @@ class DeliveryLoop:
         events: EventBatch | None = item.events
         assert events is not None
         if len(events) == 0:
-            if not self.unconfirmed:
-                self.side.commit(item.end)  # only the position moves (markers, CDC-off entries, segment ends)
-            else:
-                self.unconfirmed_end = item.end
+            self.passed(item.end)  # only the position moves (markers, CDC-off entries, segment ends)
             return True
         return self._deliver(events, item.end)
 
@@ -367,13 +369,8 @@ class DeliveryLoop:
             taken, rest = events.split_taken()
             took = len(events) - (len(rest) if rest is not None else 0)
             side.delivered(taken, events, took, ok)
-            at = end if rest is None or rest.first is None else rest.first.cursor()
-            if ok:
-                self.unconfirmed = False
-                side.commit(at)
-            else:
-                self.unconfirmed = True  # the next confirmed call commits both
-                self.unconfirmed_end = at
+            self.unconfirmed = not ok  # a False: the next confirmed call commits both
+            self.passed(_resume_point(end, rest))
             if rest is not None and not took and side.wait(self.retry_s):
                 return False
             events = rest
@@ -407,12 +404,16 @@ class DeliveryLoop:
             raise DeliveryFailed(str(exc)) from exc
         failpoints.hit("delivery.dead_letter.written")  # set aside, the position not yet past it
         log.warning("dead_letter", position=str(at.cursor()), cache=event.cache_name, error=error)
-        past = end if after is None or after.first is None else after.first.cursor()
-        if not self.unconfirmed:
-            self.side.commit(past)
-        else:
-            self.unconfirmed_end = past
+        self.passed(_resume_point(end, after))
         return True, after
+
+    def passed(self, position: WalPosition) -> None:
+        """Everything before ``position`` is delivered: committed now, or, while the consumer holds what it took
+        unconfirmed, once it confirms (``settle``)."""
+        if self.unconfirmed:
+            self.unconfirmed_end = position
+        else:
+            self.side.commit(position)
 
     def confirm(self) -> bool:
         """Before a switch: empty calls until the consumer confirms what it took unconfirmed;

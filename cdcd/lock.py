@@ -72,6 +72,17 @@ def read_holder_pid(path: str | os.PathLike[str]) -> int | None:
         return None
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's live process too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
 def _try_flock(fd: int) -> bool | None:
     """True once the exclusive lock is taken; None while another process holds it."""
     try:

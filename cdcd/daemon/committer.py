@@ -210,12 +210,12 @@ class Committer:
             self._pending_destroyed.append(cache_id)
         if item.end is None:
             return  # a batch is open: the registry change is recorded with its commit
-        if not self.unconfirmed:
+        if self.state.mode is CdcMode.DAEMON_ACTIVE:
+            self.loop.passed(item.end)  # with what the consumer holds unconfirmed, if anything, once it confirms
+        elif not self.unconfirmed:
             # PASSIVE: only the node's markers move the position (links it may still need stay);
             # the registry change is recorded with the current position.
-            self.commit(item.end if self.state.mode is CdcMode.DAEMON_ACTIVE else self.state.position)
-        elif self.state.mode is CdcMode.DAEMON_ACTIVE:
-            self.loop.unconfirmed_end = item.end  # told to the consumer: committed with what it took, once confirmed
+            self.commit(self.state.position)
 
     def _switch(self, item: Switch) -> None:
         # Everything before the switch point must be durable on the consumer side first; a daemon

@@ -667,10 +667,7 @@ class Lane:
                 if batch and not self._retried:
                     self.throttle.charge(time.monotonic() - began)
                     self._calls_s.append(time.monotonic() - began)
-                if primary:
-                    watch.committed(committer.state.position, unconfirmed=committer.unconfirmed, follower=follower)
-                elif not committer.unconfirmed:
-                    watch.oldest_unconfirmed_ns = None
+                self._watch_committed(follower)
                 if isinstance(item, Switch) or self.stopping.is_set():
                     return
                 applied = True
@@ -690,6 +687,12 @@ class Lane:
         finally:
             self._call_began = None
         self._calls_s.append(time.monotonic() - began)  # the work a quick False left for it: the hold's measure
+        self._watch_committed(follower)
+
+    def _watch_committed(self, follower: SegmentFollower) -> None:
+        """After a consumer call: the watch learns what is committed (and whether anything waits unconfirmed)."""
+        committer, watch = self.committer, self.watch
+        assert committer is not None
         if self.primary:
             watch.committed(committer.state.position, unconfirmed=committer.unconfirmed, follower=follower)
         elif not committer.unconfirmed:

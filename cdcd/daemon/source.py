@@ -6,7 +6,6 @@ Asked first over the node's control socket (a running node), else read from its 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import lmdb
@@ -15,7 +14,7 @@ import structlog
 
 from cdcd.control import request
 from cdcd.daemon_state import StateDamaged, check_lmdb_file
-from cdcd.lock import read_holder_pid
+from cdcd.lock import pid_alive, read_holder_pid
 from cdcd.node.config import NodeConfig
 from cdcd.node.metastorage import MetastorageUnreadable, read_realtime_state
 from cdcd.retry import poll_until
@@ -83,15 +82,7 @@ def _node_process_alive(node: NodeConfig) -> bool:
     """The pid in ``node.lock`` is a live process (read, not locked: taking the lock, even shared,
     could make the opening node's own attempt fail)."""
     pid = read_holder_pid(node.lock_path)
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
+    return pid is not None and pid_alive(pid)
 
 
 def node_caches(node: NodeConfig) -> tuple[dict[int, CacheInfo], str]:

@@ -291,6 +291,10 @@ class _Landing(NamedTuple):
     new: list[RecordSlice]
     generation: int
 
+    @property
+    def rows(self) -> int:
+        return sum(s.end - s.start for s in self.new)
+
 
 class _Ahead:
     """A batch whose files are being written (a Spark job in the sink's writer thread) while the call that
@@ -304,10 +308,6 @@ class _Ahead:
         self.future: Future[tuple[WrittenFiles, dict[str, int]]] | None = future
         """None: the write failed (its error went to a call); the next call lands the batch within itself."""
 
-    @property
-    def rows(self) -> int:
-        return sum(s.end - s.start for s in self.todo.new)
-
     def abandon(self) -> None:
         """Wait for the write and delete what it wrote: nothing commits it (its batch is read again from
         the daemon's position, which never passed it)."""
@@ -317,7 +317,7 @@ class _Ahead:
         try:
             files, _ = future.result()
         except Exception as exc:  # not the error being reported: logged, not raised over it
-            log.warning("lake_write_ahead_failed", rows=self.rows, error=describe(exc))
+            log.warning("lake_write_ahead_failed", rows=self.todo.rows, error=describe(exc))
             return
         files.discard()
 
@@ -437,7 +437,7 @@ class LakeConsumer(Consumer):
 
     def stop(self) -> None:
         if self._ahead is not None:  # its call returned unconfirmed: the daemon's position is before it
-            log.info("lake_write_ahead_dropped", rows=self._ahead.rows, detail="read again at the next start")
+            log.info("lake_write_ahead_dropped", rows=self._ahead.todo.rows, detail="read again at the next start")
             self._ahead.abandon()
             self._ahead = None
         if self._write_pool is not None:
@@ -551,15 +551,10 @@ class LakeConsumer(Consumer):
         """``write_ahead_max_s``: start writing ``batch``'s files, then commit the batch written ahead by the last
         call; True once nothing is left unconfirmed (a call without events, the bound reached)."""
         ahead = self._ahead
-        if ahead is not None and ahead.future is None:
-            self._settle_ahead(table)  # its write failed in an earlier call: landed whole first
-            ahead = None
         since = self._unconfirmed_since
         due = since is not None and time.monotonic() - since >= self.options.write_ahead_max_s
         if not len(batch) or due:
-            self._settle_ahead(table)
-            self._unconfirmed_since = None
-            return self._land(table, batch) if len(batch) else True
+            return self._land_in_call(table, batch)
         if ahead is None:
             todo = self._prepare(table, batch)
             if todo is None:
@@ -569,9 +564,7 @@ class LakeConsumer(Consumer):
             expected = SourceMark(ahead.todo.generation, ahead.todo.new[-1].pointer)
             replayed, new = split_replayed(batch.slices, expected.last)
             if replayed or not new:  # not the records after it: each lands in order, within this call
-                self._settle_ahead(table)
-                self._unconfirmed_since = None
-                return self._land(table, batch)
+                return self._land_in_call(table, batch)
             todo = _Landing(expected, new, expected.generation)
         following = _Ahead(batch, todo, self._submit(table, batch, todo))
         try:
@@ -583,6 +576,12 @@ class LakeConsumer(Consumer):
         if self._unconfirmed_since is None:
             self._unconfirmed_since = time.monotonic()
         return False
+
+    def _land_in_call(self, table: ChangeTable, batch: EventBatch) -> bool:
+        """The batch ahead committed, then ``batch`` landed within this call: nothing is left unconfirmed."""
+        self._settle_ahead(table)
+        self._unconfirmed_since = None
+        return self._land(table, batch) if len(batch) else True
 
     def _submit(
         self, table: ChangeTable, batch: EventBatch, todo: _Landing
@@ -600,12 +599,8 @@ class LakeConsumer(Consumer):
             return
         batch, todo, future = ahead.batch, ahead.todo, ahead.future
         if future is not None:
-            try:
-                files, stats = future.result()
-            except BaseException:
-                ahead.future = None  # the caller retries: the next call lands it whole
-                raise
-            ahead.future = None
+            ahead.future = None  # taken: should anything from here on fail, the next call lands the batch whole
+            files, stats = future.result()
             table.refresh()
             read = self._mark(table, batch.source_node)
             self._check_not_behind(table, batch.source_node, read)
@@ -692,7 +687,7 @@ class LakeConsumer(Consumer):
         """Commit the files written for ``todo`` (True), or delete them when the source's mark is no longer
         ``todo.read`` (False: another writer landed this source meanwhile; the caller filters the batch again)."""
         source, new, read = batch.source_node, todo.new, todo.read
-        rows = sum(s.end - s.start for s in new)
+        rows = todo.rows
         meta = {"rows": rows, "first": str(new[0].pointer), "writer": self.options.writer, "pid": os.getpid()}
         settled = self._room_for(table, source, read, files.adds)
         if not settled:

@@ -44,6 +44,7 @@ from cdcd.consumer import RecordSlice
 from cdcd.lake.landing.arrow import pack, table_from_packed
 from cdcd.lake.landing.delta import ChangeTable, WrittenFiles
 from cdcd.lake.storage import LakeLocation
+from cdcd.lock import pid_alive
 
 TASK_WRITTEN = "lake.spark_task.written"
 """Fail point (cdcd/failpoints.py) after a task wrote its files and before it returns them: the tests
@@ -145,19 +146,9 @@ def _remove_stale(root: Path, prefix: str) -> None:
         pid = entry.name.removeprefix(prefix).partition("-")[0]
         if entry.name == pid or not pid.isdigit() or not entry.is_dir(follow_symlinks=False):
             continue
-        if entry.stat(follow_symlinks=False).st_uid != os.getuid() or _alive(int(pid)):
+        if entry.stat(follow_symlinks=False).st_uid != os.getuid() or pid_alive(int(pid)):
             continue
         shutil.rmtree(entry.path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def write_on_executors(
